@@ -1,0 +1,271 @@
+"""The one cluster configuration schema: pydantic v2 models, frozen, unknown fields rejected.
+
+The same ``ClusterConfig`` serves the driver API, the CLI, the ``ray job submit`` entrypoint and
+the Kubernetes ConfigMap. Defaults equal the embedded ``local`` preset (1 prefill + 1 decode
+worker running Gemma-3-270M on this machine). Derived values are properties; nothing here is
+mutated after construction (use ``model_copy(update=...)`` for per-replica copies).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from configs.models import SourceKind, classify_source
+
+CROSS_FIELD_ERROR = "kvfleet_cross_field"
+
+
+def cross_field_error(path: str, message: str, value: Any) -> PydanticCustomError:
+    """An error for a check that spans fields; ``path`` is relative to the validating model."""
+    return PydanticCustomError(CROSS_FIELD_ERROR, "{message}", {"path": path, "message": message, "value": value})
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeFloat = Annotated[float, Field(ge=0.0)]
+PositiveFloat = Annotated[float, Field(gt=0.0)]
+
+
+class ModelConfig(_Frozen):
+    """Which checkpoint every worker runs, and how.
+
+    ``source`` is a named model (see ``configs.models.NAMED_MODELS``), a Hugging Face directory
+    (config.json + safetensors) or a ``.gguf`` file; files are checked by the loader on the
+    worker's node, since paths may exist only there.
+    """
+
+    source: str = "gemma-3-270m"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    max_model_len: PositiveInt | None = None
+    sliding_window_override: PositiveInt | None = None
+    seed: int = 0
+    weights_cache_dir: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, source: str) -> str:
+        classify_source(source)
+        return source
+
+    @property
+    def source_kind(self) -> SourceKind:
+        return classify_source(self.source)
+
+
+class PinningConfig(_Frozen):
+    """The pinned retention tier of every worker's block pool (off by default)."""
+
+    enabled: bool = False
+    budget_blocks: Annotated[int, Field(ge=0)] | None = None  # None: up to the whole pool
+    pin_sliding_window: bool = True
+    min_drop_blocks: PositiveInt = 1
+
+
+class KVCacheConfig(_Frozen):
+    """Paged KV-cache sizing and the prefix cache; exactly one of num_blocks / memory_budget_mib."""
+
+    block_size: PositiveInt = 16
+    num_blocks: PositiveInt | None = None
+    memory_budget_mib: PositiveFloat | None = 512.0
+    prefix_caching: bool = True
+    hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
+    pinning: PinningConfig = PinningConfig()
+
+    @model_validator(mode="after")
+    def _one_size(self) -> KVCacheConfig:
+        if self.num_blocks is not None and self.memory_budget_mib is not None:
+            raise cross_field_error(
+                "num_blocks",
+                f"set either num_blocks or memory_budget_mib, not both (memory_budget_mib={self.memory_budget_mib})",
+                self.num_blocks,
+            )
+        if self.num_blocks is None and self.memory_budget_mib is None:
+            raise cross_field_error("num_blocks", "set num_blocks or memory_budget_mib", None)
+        if (
+            self.pinning.budget_blocks is not None
+            and self.num_blocks is not None
+            and self.pinning.budget_blocks > self.num_blocks
+        ):
+            raise cross_field_error(
+                "pinning.budget_blocks",
+                f"must be <= kv_cache.num_blocks ({self.num_blocks})",
+                self.pinning.budget_blocks,
+            )
+        return self
+
+
+class SchedulerConfig(_Frozen):
+    """Continuous batching limits of one engine step."""
+
+    max_num_batched_tokens: PositiveInt = 2048
+    max_num_seqs: PositiveInt = 64
+    prefill_chunk_size: PositiveInt = 512
+
+    @model_validator(mode="after")
+    def _chunk_within_budget(self) -> SchedulerConfig:
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise cross_field_error(
+                "prefill_chunk_size",
+                f"must be <= scheduler.max_num_batched_tokens ({self.max_num_batched_tokens})",
+                self.prefill_chunk_size,
+            )
+        return self
+
+
+class WorkerResources(_Frozen):
+    """Ray resources and compute threads of one worker actor."""
+
+    num_cpus: NonNegativeFloat = 1.0
+    num_gpus: NonNegativeFloat = 0.0
+    num_threads: PositiveInt = 1
+    custom_resources: dict[str, NonNegativeFloat] = Field(default_factory=dict)
+
+
+class WorkersConfig(_Frozen):
+    """How many prefill and decode workers run, and what each one asks of Ray.
+
+    With ``role_resources`` on, prefill actors also require the custom resource ``prefill`` and
+    decode actors ``decode`` (KubeRay worker groups advertise them), one unit each.
+    """
+
+    num_prefill: Annotated[int, Field(ge=0)] = 1
+    num_decode: PositiveInt = 1
+    prefill: WorkerResources = WorkerResources()
+    decode: WorkerResources = WorkerResources()
+    role_resources: bool = False
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+class TransferConfig(_Frozen):
+    """How decode workers pull KV from prefill workers, and how failures are handled."""
+
+    backend: Literal["nixl", "local"] = "nixl"
+    read_timeout_s: PositiveFloat = 10.0
+    release_timeout_s: PositiveFloat = 5.0
+    on_failure: Literal["recompute", "fail"] = "recompute"
+    ucx_net_devices: str = "lo"
+
+
+class RouterWeights(_Frozen):
+    """Weights of the placement cost; all terms are non-negative."""
+
+    uncached_tokens: NonNegativeFloat = 1.0
+    queued_tokens: NonNegativeFloat = 0.5
+    running_requests: NonNegativeFloat = 16.0
+    used_block_fraction: NonNegativeFloat = 256.0
+
+
+class PinConfig(_Frozen):
+    """A prefix kept resident on ``replicas`` workers; exactly one of ``text`` / ``token_ids``."""
+
+    text: str | None = None
+    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    replicas: PositiveInt = 1
+    ttl_s: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _one_prefix(self) -> PinConfig:
+        if (self.text is None) == (self.token_ids is None):
+            raise cross_field_error("text", "give exactly one of text or token_ids", self.text)
+        return self
+
+
+class AutoPinConfig(_Frozen):
+    """Automatic pinning of the hottest prefixes within a block budget."""
+
+    enabled: bool = False
+    budget_blocks: Annotated[int, Field(ge=0)] = 0
+    min_requests: PositiveInt = 4
+    replicas: PositiveInt = 1
+
+
+class RouterConfig(_Frozen):
+    """Placement policy, its weights and thresholds, and cluster-wide pinned prefixes."""
+
+    policy: Literal["kvfleet", "round_robin", "least_loaded", "prefix_tree"] = "kvfleet"
+    weights: RouterWeights = RouterWeights()
+    decode_only_threshold_tokens: Annotated[int, Field(ge=0)] = 64
+    imbalance_ratio: Annotated[float, Field(ge=1.0)] = 2.0
+    pin_capacity_blocks: Annotated[int, Field(ge=0)] | None = None
+    pins: list[PinConfig] = Field(default_factory=list)
+    auto_pin: AutoPinConfig = AutoPinConfig()
+    seed: int = 0
+
+
+class RayConfig(_Frozen):
+    """Which Ray cluster to use: an embedded one (address None) or an existing one ("auto", URL)."""
+
+    address: str | None = None
+    namespace: str = "kvfleet"
+    num_cpus: PositiveFloat | None = None
+    object_store_mib: PositiveInt = 256
+    include_dashboard: bool = False
+
+
+class LoggingConfig(_Frozen):
+    """Log level and format of the driver, the actors and the job entrypoint."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: str = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, level: Any) -> Any:
+        return level.upper() if isinstance(level, str) else level
+
+
+class ClusterConfig(_Frozen):
+    """The whole cluster: model, KV cache, scheduler, workers, transfer, router, Ray, logging."""
+
+    model: ModelConfig = ModelConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    workers: WorkersConfig = WorkersConfig()
+    transfer: TransferConfig = TransferConfig()
+    router: RouterConfig = RouterConfig()
+    ray: RayConfig = RayConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        block_size = self.kv_cache.block_size
+        if self.scheduler.prefill_chunk_size < block_size:
+            raise cross_field_error(
+                "scheduler.prefill_chunk_size",
+                f"must be >= kv_cache.block_size ({block_size})",
+                self.scheduler.prefill_chunk_size,
+            )
+        for i, pin in enumerate(self.router.pins):
+            if pin.replicas > self.workers.num_workers:
+                raise cross_field_error(
+                    f"router.pins.{i}.replicas",
+                    f"must be <= the number of workers ({self.workers.num_workers})",
+                    pin.replicas,
+                )
+        if self.router.auto_pin.replicas > self.workers.num_workers:
+            raise cross_field_error(
+                "router.auto_pin.replicas",
+                f"must be <= the number of workers ({self.workers.num_workers})",
+                self.router.auto_pin.replicas,
+            )
+        pinning = self.kv_cache.pinning
+        if not pinning.enabled:
+            if self.router.pins:
+                raise cross_field_error(
+                    "router.pins", "pinned prefixes need kv_cache.pinning.enabled=true", len(self.router.pins)
+                )
+            if self.router.auto_pin.enabled:
+                raise cross_field_error(
+                    "router.auto_pin.enabled", "automatic pinning needs kv_cache.pinning.enabled=true", True
+                )
+        return self
