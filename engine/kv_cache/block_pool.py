@@ -1,0 +1,264 @@
+"""The block pool shared by every KV-cache group of one worker.
+
+Owns: all blocks, the free queue (head = reused first), two pinned tiers (retained anchors, then
+explicit pins; oldest first), one hash -> block map per group, the null block, and the KV event
+log. Invariants (checked by ``HybridCoordinator.check_invariants``): a non-null block is linked in
+exactly one queue iff its ref count is 0; free + pinned + in-use == num_blocks - 1; every map
+entry points at a block carrying that hash and group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED, Block, BlockQueue
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+    KVEvent,
+)
+
+
+class BlockPool:
+    """Blocks, ref counts, free/pinned queues, per-group prefix-cache maps and KV events.
+
+    ``retain_budget`` caps the retained tier (None: no cap); entering it beyond the cap demotes its
+    oldest blocks. Allocation never fails while free + pinned blocks suffice: pinned blocks are
+    demoted (oldest retained first, then oldest explicit) to make room.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int,
+        enable_caching: bool = True,
+        retain_budget: int | None = None,
+        enable_events: bool = False,
+    ):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks: must be >= 2 (got {num_blocks})")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.retain_budget = retain_budget
+        self.enable_events = enable_events
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = BlockQueue("free", self.blocks)
+        self.retained = BlockQueue("retained")
+        self.explicit = BlockQueue("explicit")
+        self.null_block = self.free_queue.popleft()
+        self.null_block.is_null = True
+        self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
+        self._events: list[KVEvent] = []
+        self._seq = 0
+
+    # -- capacity ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: free plus pinned (pinned ones are demoted on demand)."""
+        return self.free_queue.size + self.retained.size + self.explicit.size
+
+    @property
+    def num_pinned_free_blocks(self) -> int:
+        return self.retained.size + self.explicit.size
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    # -- allocation ----------------------------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Take ``n`` exclusively owned, hash-free blocks (ref 1), evicting cached ones as needed."""
+        if n <= 0:
+            return []
+        short = n - self.free_queue.size
+        if short > 0:
+            if short > self.retained.size + self.explicit.size:
+                raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
+            self.demote(short)
+        blocks = self.free_queue.popleft_n(n)
+        removed: dict[int, list[bytes]] | None = {} if self.enable_events else None
+        for block in blocks:
+            if block.block_hash is not None:
+                self._uncache(block, removed)
+            block.ref_cnt = 1
+        if removed:
+            for group, hashes in removed.items():
+                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes)))
+        return blocks
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Claim blocks found by a prefix hit: unlink free/pinned ones, then count the reference."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                block.queue.remove(block)  # type: ignore[union-attr]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False) -> None:
+        """Drop one reference from each block; ``ordered`` lists blocks evict-first first.
+
+        Released blocks go to their pinned tier if pinned; otherwise uncached ones (and every one
+        when ``evict_first``) to the head of the free queue, cached ones to its tail.
+        """
+        front: list[Block] = []
+        back: list[Block] = []
+        pinned = False
+        for block in ordered:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.pin:
+                    pinned = True
+                    (self.explicit if block.pin == PIN_EXPLICIT else self.retained).append(block)
+                elif evict_first or block.block_hash is None:
+                    front.append(block)
+                else:
+                    back.append(block)
+        self.free_queue.prepend_n(front)
+        self.free_queue.append_n(back)
+        if pinned:
+            self._enforce_retain_budget()
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def cache_blocks(self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int) -> None:
+        """Register ``blocks[start:end]`` of a request's table under ``hashes[start:end]``.
+
+        Null blocks and blocks already cached (prefix hits) are skipped; a block whose hash is
+        already mapped to another block stays uncached (no duplicates in the map; block tables
+        are append-only so the request keeps its own copy).
+        """
+        table = self.cached[group]
+        stored: list[bytes] | None = [] if self.enable_events else None
+        for i in range(start, end):
+            block = blocks[i]
+            if block.is_null or block.block_hash is not None:
+                continue
+            block_hash = hashes[i]
+            if block_hash in table:
+                continue
+            block.block_hash = block_hash
+            block.group = group
+            table[block_hash] = block
+            if stored is not None:
+                stored.append(block_hash)
+        if stored:
+            self._emit(BlockStored(self._next_seq(), group, tuple(stored)))
+
+    def _uncache(self, block: Block, removed: dict[int, list[bytes]] | None) -> None:
+        del self.cached[block.group][block.block_hash]  # type: ignore[arg-type]
+        if removed is not None:
+            removed.setdefault(block.group, []).append(block.block_hash)  # type: ignore[arg-type]
+        block.block_hash = None
+        block.group = -1
+
+    def evict(self, blocks: Iterable[Block]) -> None:
+        """Drop the cache entries of these blocks (e.g. a failed transfer wrote them)."""
+        removed: dict[int, list[bytes]] | None = {} if self.enable_events else None
+        for block in blocks:
+            if block.block_hash is not None and not block.is_null:
+                self._uncache(block, removed)
+        if removed:
+            for group, hashes in removed.items():
+                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes)))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for queue in (self.retained, self.explicit):
+            blocks = queue.popleft_n(queue.size)
+            for block in blocks:
+                block.pin = PIN_NONE
+            self.free_queue.append_n(blocks)
+        for table in self.cached:
+            for block in table.values():
+                block.block_hash = None
+                block.group = -1
+            table.clear()
+        self._emit(AllBlocksCleared(self._next_seq()))
+        return True
+
+    # -- pinning -------------------------------------------------------------------------------
+    def pin(self, blocks: Iterable[Block], level: int) -> None:
+        """Mark cached blocks for the pinned tier at ``level`` (never lowers an existing pin).
+
+        Free blocks move into the tier now; in-use blocks go there when released.
+        """
+        newly: dict[int, list[bytes]] = {}
+        for block in blocks:
+            if block.is_null or block.block_hash is None or block.pin >= level:
+                continue
+            if block.ref_cnt == 0:
+                block.queue.remove(block)  # type: ignore[union-attr]
+                (self.explicit if level == PIN_EXPLICIT else self.retained).append(block)
+            block.pin = level
+            newly.setdefault(block.group, []).append(block.block_hash)
+        if self.enable_events:
+            for group, hashes in newly.items():
+                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT))
+        if newly:
+            self._enforce_retain_budget()
+
+    def unpin(self, blocks: Iterable[Block], level: int) -> None:
+        """Clear pins at ``level``; free ones move to the tail of the free queue (still cached)."""
+        gone: dict[int, list[bytes]] = {}
+        for block in blocks:
+            if block.pin != level or block.is_null:
+                continue
+            self._clear_pin(block, gone)
+        self._emit_unpinned(gone)
+
+    def demote(self, n: int) -> int:
+        """Move up to ``n`` of the oldest pinned free blocks (retained first) to the free queue."""
+        gone: dict[int, list[bytes]] = {}
+        done = 0
+        for queue in (self.retained, self.explicit):
+            while done < n and queue.size:
+                self._clear_pin(queue.head.next, gone)  # type: ignore[arg-type]
+                done += 1
+        self._emit_unpinned(gone)
+        return done
+
+    def _clear_pin(self, block: Block, gone: dict[int, list[bytes]]) -> None:
+        block.pin = PIN_NONE
+        if block.ref_cnt == 0:
+            block.queue.remove(block)  # type: ignore[union-attr]
+            self.free_queue.append(block)
+        if block.block_hash is not None:
+            gone.setdefault(block.group, []).append(block.block_hash)
+
+    def _enforce_retain_budget(self) -> None:
+        if self.retain_budget is None:
+            return
+        over = self.retained.size - self.retain_budget
+        if over <= 0:
+            return
+        gone: dict[int, list[bytes]] = {}
+        for _ in range(over):
+            self._clear_pin(self.retained.head.next, gone)  # type: ignore[arg-type]
+        self._emit_unpinned(gone)
+
+    # -- events --------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _emit(self, event: KVEvent) -> None:
+        if self.enable_events:
+            self._events.append(event)
+
+    def _emit_unpinned(self, gone: dict[int, list[bytes]]) -> None:
+        if self.enable_events:
+            for group, hashes in gone.items():
+                self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes)))
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the events published since the last call (in sequence order)."""
+        events, self._events = self._events, []
+        return events
+
+
+__all__ = ["PIN_EXPLICIT", "PIN_NONE", "PIN_RETAINED", "Block", "BlockPool", "BlockQueue"]

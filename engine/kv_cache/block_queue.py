@@ -1,0 +1,138 @@
+"""Blocks and the intrusive doubly linked queue that holds free (or pinned) blocks.
+
+The queue owns the ``prev``/``next``/``queue`` fields of the blocks linked in it; every operation
+but traversal is O(1) per block, including removal of an arbitrary block (a prefix hit claiming
+a free cached block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+PIN_NONE = 0
+PIN_RETAINED = 1  # chosen by a retention policy (sliding-window anchors); demoted first
+PIN_EXPLICIT = 2  # pinned on request (router / user prefix pins); demoted last
+
+
+class Block:
+    """One physical page. ``ref_cnt`` counts block-table slots holding it; ``block_hash`` and
+    ``group`` are set while it is registered in the prefix cache; ``pin`` asks the pool to keep it
+    in a pinned tier instead of the free queue once ``ref_cnt`` drops to 0."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next", "queue")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.group = -1
+        self.pin = PIN_NONE
+        self.is_null = False
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.queue: BlockQueue | None = None
+
+    def __repr__(self) -> str:
+        tag = "null" if self.is_null else f"ref={self.ref_cnt}"
+        cached = f" g{self.group}:{self.block_hash.hex()[:8]}" if self.block_hash else ""
+        return f"Block({self.block_id} {tag}{cached}{' pin' + str(self.pin) if self.pin else ''})"
+
+
+class BlockQueue:
+    """Doubly linked list of blocks with sentinels; head = next to hand out (or demote).
+
+    Invariant: ``size`` equals the traversal length, and a block has ``queue is self`` exactly
+    when it is linked here.
+    """
+
+    __slots__ = ("name", "head", "tail", "size")
+
+    def __init__(self, name: str, blocks: Iterable[Block] = ()):
+        self.name = name
+        self.head = Block(-1)
+        self.tail = Block(-1)
+        self.head.next = self.tail
+        self.tail.prev = self.head
+        self.size = 0
+        self.append_n(list(blocks))
+
+    def popleft(self) -> Block:
+        block = self.head.next
+        if block is self.tail:
+            raise IndexError(f"{self.name} queue is empty")
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[Block]:
+        if n > self.size:
+            raise IndexError(f"{self.name} queue holds {self.size} blocks, {n} requested")
+        out = []
+        block = self.head.next
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next
+            block.prev = block.next = block.queue = None
+            block = nxt
+        self.head.next = block
+        block.prev = self.head
+        self.size -= n
+        return out
+
+    def remove(self, block: Block) -> None:
+        if block.queue is not self:
+            raise ValueError(f"{block!r} is not in the {self.name} queue")
+        self._unlink(block)
+
+    def _unlink(self, block: Block) -> None:
+        prev, nxt = block.prev, block.next
+        prev.next = nxt  # type: ignore[union-attr]
+        nxt.prev = prev  # type: ignore[union-attr]
+        block.prev = block.next = block.queue = None
+        self.size -= 1
+
+    def append(self, block: Block) -> None:
+        last = self.tail.prev
+        block.prev = last
+        block.next = self.tail
+        block.queue = self
+        last.next = block  # type: ignore[union-attr]
+        self.tail.prev = block
+        self.size += 1
+
+    def append_n(self, blocks: list[Block]) -> None:
+        """Link ``blocks`` at the tail, in order."""
+        if not blocks:
+            return
+        last = self.tail.prev
+        for block in blocks:
+            block.prev = last
+            block.queue = self
+            last.next = block  # type: ignore[union-attr]
+            last = block
+        last.next = self.tail
+        self.tail.prev = last
+        self.size += len(blocks)
+
+    def prepend_n(self, blocks: list[Block]) -> None:
+        """Link ``blocks`` at the head, keeping their order (``blocks[0]`` becomes the head)."""
+        if not blocks:
+            return
+        first = self.head.next
+        prev = self.head
+        for block in blocks:
+            block.prev = prev
+            block.queue = self
+            prev.next = block
+            prev = block
+        prev.next = first
+        first.prev = prev  # type: ignore[union-attr]
+        self.size += len(blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self.head.next
+        while block is not self.tail:
+            yield block  # type: ignore[misc]
+            block = block.next  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        return self.size

@@ -1,0 +1,416 @@
+"""The hybrid coordinator: one block pool, any number of KV-cache groups, one answer per request.
+
+Responsibilities, each over all groups at once:
+- the longest common prefix hit, by a fixed point over groups aligned to the LCM of their block
+  sizes (a group whose rule fails lowers the candidate; non-full groups are re-queried until no
+  group lowers it);
+- two-phase allocation: every group claims its local hit blocks before any group takes blocks
+  for external (transferred) tokens, so a claimed hit can never be handed out again;
+- caching, window maintenance, freeing (per group, tail first);
+- retention: sliding-window anchors at useful boundaries and explicit prefix pins;
+- ``check_invariants()`` for tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, Block, BlockPool
+from engine.kv_cache.events import KVEvent
+from engine.kv_cache.managers import (
+    MANAGER_FOR_SPEC,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeManager,
+    SlidingWindowManager,
+    cdiv,
+)
+from engine.kv_cache.request import CacheRequest
+from engine.kv_cache.spec import KVCacheGroup, MambaSpec, SlidingWindowSpec, alignment_tokens, hash_block_size
+
+
+class KVCacheInvariantError(AssertionError):
+    """An internal invariant of the KV cache does not hold (a bug, never bad user input)."""
+
+
+@dataclass(frozen=True)
+class RetentionOptions:
+    """The pinned retention tier: on/off, the retained-tier cap, sliding-window anchors."""
+
+    enabled: bool = False
+    budget_blocks: int | None = None
+    pin_sliding_window: bool = True
+    min_drop_blocks: int = 1
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A prefix hit: per group, the blocks to claim (null where not needed), and its length.
+
+    ``shared_prefix_tokens`` is the deepest aligned boundary any group had cache for before
+    reconciliation (where the request's chain diverges from cached chains). ``partial`` is set
+    when Mamba groups were left out (remote prefill: their state is transferred).
+    """
+
+    blocks: tuple[list[Block], ...]
+    num_tokens: int
+    shared_prefix_tokens: int = 0
+    partial: bool = False
+
+
+class HybridCoordinator:
+    """Owns the block pool and one manager per group; the scheduler's single KV-cache interface.
+
+    Invariants (``check_invariants``): ref counts equal table references; a block is in exactly
+    one free/pinned queue iff unreferenced; a non-null block lives in one group only; the hash
+    maps match the blocks; each allocation took exactly the predicted number of blocks.
+    """
+
+    def __init__(
+        self,
+        groups: list[KVCacheGroup],
+        num_blocks: int,
+        enable_caching: bool = True,
+        retention: RetentionOptions = RetentionOptions(),
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+    ):
+        if not groups:
+            raise ValueError("groups: need at least one KV-cache group")
+        self.groups = groups
+        self.enable_caching = enable_caching
+        self.retention = retention
+        self.max_model_len = max_model_len
+        self.hash_block_size = hash_block_size(groups)
+        self.alignment = alignment_tokens(groups)
+        self.pool = BlockPool(
+            num_blocks,
+            len(groups),
+            enable_caching=enable_caching,
+            retain_budget=retention.budget_blocks if retention.enabled else None,
+            enable_events=enable_events,
+        )
+        self.managers: list[SingleTypeManager] = []
+        for index, group in enumerate(groups):
+            spec = group.spec
+            if isinstance(spec, SlidingWindowSpec):
+                manager: SingleTypeManager = SlidingWindowManager(
+                    spec,
+                    index,
+                    self.pool,
+                    self.hash_block_size,
+                    retain=retention.enabled and retention.pin_sliding_window and enable_caching,
+                    min_drop_blocks=retention.min_drop_blocks,
+                )
+            else:
+                manager = MANAGER_FOR_SPEC[type(spec)](spec, index, self.pool, self.hash_block_size)
+            self.managers.append(manager)
+        # Full attention first: its cheap, downward-closed scan gives the tightest first bound.
+        self._order = sorted(range(len(groups)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
+        self._windowed = [m for m in self.managers if isinstance(m, SlidingWindowManager) and m.retain]
+        self._has_mamba = any(isinstance(g.spec, MambaSpec) for g in groups)
+        self.requests: dict[str, CacheRequest] = {}
+        self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
+        self._removed_upto: dict[str, int] = {}
+        self._last_allocation: tuple[int, int] = (0, 0)
+
+    # -- capacity ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    # -- hits -----------------------------------------------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int, skip_mamba: bool = False) -> CacheHit:
+        """Longest aligned prefix (<= max_length) that every group can serve. Pure lookup."""
+        managers = self.managers
+        empty: tuple[list[Block], ...] = tuple([] for _ in managers)
+        if not self.enable_caching or max_length <= 0:
+            return CacheHit(empty, 0, 0, skip_mamba)
+        alignment = self.alignment
+        length = max_length - max_length % alignment
+        order = [g for g in self._order if not (skip_mamba and isinstance(managers[g], MambaManager))]
+        views = [m.view(block_hashes) for m in managers]
+        found: list[list[Block]] = [[] for _ in managers]
+        lengths = [-1] * len(managers)
+        shared = 0
+        first_pass = True
+        while True:
+            current = length
+            for g in order:
+                manager = managers[g]
+                if lengths[g] >= 0 and isinstance(manager, FullAttentionManager):
+                    current = min(current, lengths[g])  # downward closed: no need to ask again
+                    continue
+                blocks, current = manager.find_longest_cache_hit(views[g], current, alignment)
+                found[g] = blocks
+                lengths[g] = current
+                if first_pass and current > shared:
+                    shared = current
+            first_pass = False
+            if current >= length:
+                break
+            length = current
+        for g in order:
+            manager = managers[g]
+            if isinstance(manager, FullAttentionManager):
+                del found[g][cdiv(length, manager.block_size) :]
+        return CacheHit(tuple(found), length, shared, skip_mamba and self._has_mamba)
+
+    def get_computed_blocks(self, request: CacheRequest) -> CacheHit:
+        """The local hit for a request not yet admitted (at most N - 1 tokens: the last token is
+        always recomputed for its logits). Remote-prefill requests leave Mamba groups out."""
+        return self.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1, skip_mamba=request.remote_prefill
+        )
+
+    # -- allocation ---------------------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        num_external_tokens: int = 0,
+        delay_cache: bool = False,
+        reserved_blocks: int = 0,
+    ) -> list[list[int]] | None:
+        """Give ``request`` blocks for ``num_new_tokens`` tokens to compute now, after claiming
+        ``hit`` (first admission) and making room for ``num_external_tokens`` transferred ones.
+
+        Returns the new block ids per group, or None (and changes nothing but releasing blocks
+        that already left the window) when the pool cannot fit it.
+        """
+        if num_new_tokens <= 0 and num_external_tokens <= 0:
+            raise ValueError(f"num_new_tokens: must be > 0 when there are no external tokens (got {num_new_tokens})")
+        request_id = request.request_id
+        admitted = request_id in self.requests
+        if admitted and (hit is not None and hit.num_tokens or num_external_tokens):
+            raise ValueError(f"request {request_id!r}: hits and external tokens are only taken at admission")
+        managers = self.managers
+        num_local = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        total = num_local + num_external_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        need = total + num_new_tokens
+        if self.max_model_len is not None:
+            need = min(need, self.max_model_len)
+        if admitted:
+            self.remove_skipped_blocks(request_id, total)
+        hit_blocks = hit.blocks if hit is not None else tuple([] for _ in managers)
+        partial = hit is not None and hit.partial
+        predicted = 0
+        for g, manager in enumerate(managers):
+            force = num_external_tokens > 0 or (partial and isinstance(manager, MambaManager))
+            predicted += manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
+        free_before = self.pool.num_free_blocks
+        if predicted > free_before - reserved_blocks:
+            return None
+
+        if not admitted:
+            self.requests[request_id] = request
+            for g, manager in enumerate(managers):  # phase 1: every group claims its local hit
+                manager.claim_hit(request_id, hit_blocks[g], total)
+            for manager in managers:  # phase 2: only then blocks for transferred tokens
+                if num_external_tokens > 0 or (partial and isinstance(manager, MambaManager)):
+                    manager.allocate_external(request_id, num_local, num_external_tokens)
+        new_ids = [[b.block_id for b in manager.allocate_new(request_id, need)] for manager in managers]
+        self._last_allocation = (predicted, free_before - self.pool.num_free_blocks)
+
+        if self._windowed:
+            if not admitted and hit is not None and hit.shared_prefix_tokens:
+                for manager in self._windowed:
+                    manager.add_boundary(request_id, hit.shared_prefix_tokens)  # type: ignore[attr-defined]
+            if num_new_tokens > 1:  # a prefill chunk ends here
+                for manager in self._windowed:
+                    manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
+        if self.enable_caching and not delay_cache:
+            self.cache_blocks(request, min(need, request.num_tokens))
+        return new_ids
+
+    def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_tokens`` (rounded down to the alignment)."""
+        if not self.enable_caching:
+            return
+        num_tokens -= num_tokens % self.alignment
+        request_id = request.request_id
+        hashes = request.block_hashes
+        for manager in self.managers:
+            manager.cache_blocks(request_id, manager.view(hashes), num_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        """Release blocks no group needs any more once ``num_computed`` tokens are computed."""
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, num_computed)
+        if request_id in self.requests:
+            self._removed_upto[request_id] = max(self._removed_upto.get(request_id, 0), num_computed)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request, group by group, tail first. Idempotent."""
+        for manager in self.managers:
+            manager.free(request_id)
+        self.requests.pop(request_id, None)
+        self._removed_upto.pop(request_id, None)
+
+    def new_step(self) -> None:
+        for manager in self.managers:
+            manager.new_step()
+
+    # -- views for the runner and the transfer layer ------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table per group (null slots carry the null block's id)."""
+        return [[b.block_id for b in m.tables.get(request_id, ())] for m in self.managers]
+
+    def unhashed_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's real blocks that carry no hash yet (new or to be transferred)."""
+        return [
+            [b.block_id for b in m.tables.get(request_id, ()) if not b.is_null and b.block_hash is None]
+            for m in self.managers
+        ]
+
+    @property
+    def null_block_id(self) -> int:
+        return self.pool.null_block.block_id
+
+    # -- explicit prefix pins ------------------------------------------------------------------------------
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
+        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached)."""
+        hit = self.find_longest_cache_hit(block_hashes, num_tokens)
+        if hit.num_tokens == 0:
+            return 0
+        for g, manager in enumerate(self.managers):
+            needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
+            for block in needed:
+                self._explicit_pins[(g, block.block_hash)] += 1  # type: ignore[index]
+            self.pool.pin(needed, PIN_EXPLICIT)
+        return hit.num_tokens
+
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        """Undo one ``pin_prefix`` of the same prefix (blocks shared with other pins stay pinned)."""
+        length = num_tokens - num_tokens % self.alignment
+        for g, manager in enumerate(self.managers):
+            view = manager.view(block_hashes)
+            release: list[Block] = []
+            for i in manager.blocks_needed_at(length):
+                key = (g, view[i])
+                count = self._explicit_pins.get(key, 0)
+                if count == 0:
+                    continue
+                if count == 1:
+                    del self._explicit_pins[key]
+                    block = self.pool.cached[g].get(view[i])
+                    if block is not None:
+                        release.append(block)
+                else:
+                    self._explicit_pins[key] = count - 1
+            self.pool.unpin(release, PIN_EXPLICIT)
+
+    # -- events and maintenance ------------------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            self._explicit_pins.clear()
+        return ok
+
+    # -- invariants ---------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise KVCacheInvariantError if any structural invariant of the cache is broken."""
+        pool = self.pool
+        null = pool.null_block
+
+        def fail(message: str) -> None:
+            raise KVCacheInvariantError(message)
+
+        refs: Counter[int] = Counter()
+        owner_group: dict[int, int] = {}
+        position: dict[tuple[int, int], int] = {}
+        for g, manager in enumerate(self.managers):
+            if set(manager.tables) != set(self.requests) or set(manager.num_cached) != set(self.requests):
+                fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(self.requests)}")
+            for request_id, table in manager.tables.items():
+                request = self.requests[request_id]
+                view = manager.view(request.block_hashes)
+                seen: set[int] = set()
+                live = 0
+                for i, block in enumerate(table):
+                    if block is null:
+                        continue
+                    live += 1
+                    bid = block.block_id
+                    if bid in seen:
+                        fail(f"block {bid} twice in {request_id!r} group {g}")
+                    seen.add(bid)
+                    refs[bid] += 1
+                    if owner_group.setdefault(bid, g) != g:
+                        fail(f"block {bid} in groups {owner_group[bid]} and {g}")
+                    first = position.setdefault((g, bid), i)
+                    if first != i:
+                        fail(f"block {bid} at indices {first} and {i} in group {g}")
+                    if block.block_hash is not None:
+                        if block.group != g:
+                            fail(f"block {bid} cached for group {block.group} but held by group {g}")
+                        if i < len(view) and view[i] != block.block_hash and i < manager.num_cached[request_id]:
+                            fail(f"block {bid} at index {i} of {request_id!r} carries another prefix's hash")
+                if isinstance(manager, SlidingWindowManager):
+                    upto = self._removed_upto.get(request_id, 0)
+                    first_live = manager.skipped_blocks(upto)
+                    if any(b is not null for b in table[:first_live]):
+                        fail(f"group {g} {request_id!r}: live block before the window ({first_live})")
+                if isinstance(manager, MambaManager) and live > 2:
+                    fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
+        unshared_hashless = [bid for bid, n in refs.items() if n > 1 and pool.blocks[bid].block_hash is None]
+        if unshared_hashless:
+            fail(f"blocks without a hash held by several requests: {unshared_hashless[:5]}")
+
+        queues = {"free": pool.free_queue, "retained": pool.retained, "explicit": pool.explicit}
+        queued: set[int] = set()
+        for name, queue in queues.items():
+            count = 0
+            prev = queue.head
+            for block in queue:
+                count += 1
+                if block.queue is not queue or block.prev is not prev:
+                    fail(f"{name} queue links broken at block {block.block_id}")
+                if block.block_id in queued:
+                    fail(f"block {block.block_id} queued twice")
+                queued.add(block.block_id)
+                expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
+                if block.pin != expected_pin:
+                    fail(f"block {block.block_id} with pin {block.pin} in the {name} queue")
+                prev = block
+            if count != queue.size:
+                fail(f"{name} queue size {queue.size} but {count} linked")
+        for block in pool.blocks:
+            if block.is_null:
+                if block.queue is not None or block.block_hash is not None or block is not null:
+                    fail("null block queued or hashed")
+                continue
+            bid = block.block_id
+            if block.ref_cnt != refs.get(bid, 0):
+                fail(f"block {bid} ref_cnt {block.ref_cnt} but {refs.get(bid, 0)} table references")
+            in_queue = bid in queued
+            if in_queue != (block.ref_cnt == 0):
+                fail(f"block {bid} ref_cnt {block.ref_cnt} but queued={in_queue}")
+            if block.queue is None and in_queue or block.queue is not None and not in_queue:
+                fail(f"block {bid} queue pointer disagrees with the queues")
+            if block.block_hash is not None and pool.cached[block.group].get(block.block_hash) is not block:
+                fail(f"block {bid} carries a hash that does not map to it")
+        in_use = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt > 0)
+        if len(queued) + in_use != pool.num_blocks - 1:
+            fail(f"conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
+        for g, table in enumerate(pool.cached):
+            for block_hash, block in table.items():
+                if block.block_hash != block_hash or block.group != g or block.is_null:
+                    fail(f"hash map entry of group {g} points at {block!r}")
+        if pool.retain_budget is not None and pool.retained.size > pool.retain_budget:
+            fail(f"retained tier holds {pool.retained.size} > budget {pool.retain_budget}")
+        predicted, taken = self._last_allocation
+        if predicted != taken:
+            fail(f"last allocation predicted {predicted} blocks but took {taken}")

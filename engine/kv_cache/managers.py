@@ -1,0 +1,411 @@
+"""Per-type managers: one per KV-cache group, owning that group's block table per request.
+
+Each manager answers the type's rules: which cached blocks make a hit at a given length
+(``find_longest_cache_hit``), which leading blocks a request no longer needs
+(``remove_skipped_blocks``), how many blocks an allocation will take, and how claimed hits and
+external (transferred) tokens enter the table. Tables are append-only: a slot's block id never
+changes except to the null block when the slot leaves the window.
+
+Table index j covers tokens ``[j * block_size, (j + 1) * block_size)``.
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache.block_pool import PIN_RETAINED, Block, BlockPool
+from engine.kv_cache.hashing import coarse_view
+from engine.kv_cache.spec import ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeManager:
+    """Block tables of one group for every admitted request.
+
+    Invariants: ``tables[r]`` holds, per slot, the group's block for that token range or the null
+    block; ``num_cached[r]`` is the number of leading slots already registered (or deliberately
+    skipped) in the prefix cache; a request is admitted here iff it has a table.
+    """
+
+    spec: KVCacheSpec
+
+    def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool, hash_block_size: int):
+        self.spec = spec
+        self.group = group
+        self.pool = pool
+        self.block_size = spec.block_size
+        self.hash_factor = spec.block_size // hash_block_size
+        self.null = pool.null_block
+        self.cached = pool.cached[group]
+        self.tables: dict[str, list[Block]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    # -- hashes at this group's granularity ------------------------------------------------------
+    def view(self, hashes: list[bytes]) -> list[bytes]:
+        return coarse_view(hashes, self.hash_factor)
+
+    # -- hit search ------------------------------------------------------------------------------
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
+        """Blocks (null where not needed) and length of the longest aligned hit <= max_length.
+
+        Pure lookup: no ref count or queue changes. ``hashes`` are at this group's granularity.
+        """
+        raise NotImplementedError
+
+    def hit_valid(self, hashes: list[bytes], length: int) -> bool:
+        """Whether a hit of exactly ``length`` tokens is backed by cached blocks (test oracle)."""
+        raise NotImplementedError
+
+    # -- allocation --------------------------------------------------------------------------------
+    def skipped_blocks(self, num_tokens: int) -> int:
+        return self.spec.skipped_tokens(num_tokens) // self.block_size
+
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, hit_blocks: list[Block], total_computed: int, force_external: bool
+    ) -> int:
+        """Blocks this group will take from the pool for an ``allocate`` with these arguments,
+        counting free cached hit blocks that claiming removes from the free queue."""
+        required = cdiv(num_tokens, self.block_size)
+        table = self.tables.get(request_id)
+        if table is not None:
+            return max(required - len(table), 0)
+        skipped = self.skipped_blocks(total_computed)
+        base = max(skipped, len(hit_blocks))
+        evictable = 0
+        for block in hit_blocks[skipped:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                evictable += 1
+        return max(required - base, 0) + evictable
+
+    def claim_hit(self, request_id: str, hit_blocks: list[Block], total_computed: int) -> None:
+        """Phase 1: claim the local hit blocks still inside the needed range; null the rest."""
+        skipped = self.skipped_blocks(total_computed)
+        kept = hit_blocks[skipped:]
+        if self.pool.enable_caching:
+            self.pool.touch(kept)
+        table = [self.null] * skipped + kept
+        self.tables[request_id] = table
+        self.num_cached[request_id] = len(table)
+
+    def allocate_external(self, request_id: str, num_local: int, num_external: int) -> None:
+        """Phase 2: fresh blocks for transferred tokens, only where this group needs their KV."""
+        total = num_local + num_external
+        skipped_tokens = self.spec.skipped_tokens(total)
+        if skipped_tokens:
+            num_external = min(total - skipped_tokens, num_external)
+        if num_external <= 0:
+            return
+        table = self.tables[request_id]
+        skipped = skipped_tokens // self.block_size
+        if len(table) < skipped:
+            table.extend([self.null] * (skipped - len(table)))
+        new = cdiv(total, self.block_size) - len(table)
+        if new > 0:
+            table.extend(self.pool.get_new_blocks(new))
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> list[Block]:
+        """Grow the table to cover ``num_tokens`` tokens; returns the new blocks."""
+        table = self.tables.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        new = cdiv(num_tokens, self.block_size) - len(table)
+        if new <= 0:
+            return []
+        blocks = self.pool.get_new_blocks(new)
+        table.extend(blocks)
+        return blocks
+
+    # -- caching, window maintenance, freeing --------------------------------------------------------
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        """Register every full block up to ``num_tokens`` (hashes at this group's granularity)."""
+        full = num_tokens // self.block_size
+        done = self.num_cached[request_id]
+        if done >= full:
+            return
+        self.pool.cache_blocks(self.group, self.tables[request_id], hashes, done, full)
+        self.num_cached[request_id] = full
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> list[Block]:
+        """Null the slots no longer needed for the next token; free them tail first. Returns the
+        blocks dropped (table order reversed)."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return []
+        k = min(self.skipped_blocks(num_computed), len(table))
+        null = self.null
+        dropped: list[Block] = []
+        for j in range(k - 1, -1, -1):
+            block = table[j]
+            if block is null:
+                break
+            dropped.append(block)
+            table[j] = null
+        if dropped:
+            self.release_dropped(request_id, dropped, k)
+        return dropped
+
+    def release_dropped(self, request_id: str, dropped: list[Block], end_index: int) -> None:
+        self.pool.free_blocks(dropped)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's table, tail first; a no-op for unknown requests."""
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if table:
+            table.reverse()
+            self.pool.free_blocks(table)
+
+    def blocks_needed_at(self, length: int) -> range:
+        """Table indices a hit at ``length`` tokens needs (for explicit prefix pins)."""
+        raise NotImplementedError
+
+    def new_step(self) -> None:
+        """Called once per scheduler step."""
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention: a hit needs every block of the prefix; hits are downward closed."""
+
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
+        cached = self.cached
+        blocks: list[Block] = []
+        for block_hash in hashes[: max_length // self.block_size]:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        length = len(blocks) * self.block_size
+        if alignment != self.block_size:
+            length -= length % alignment
+            del blocks[cdiv(length, self.block_size) :]
+        return blocks, length
+
+    def hit_valid(self, hashes: list[bytes], length: int) -> bool:
+        return all(h in self.cached for h in hashes[: length // self.block_size])
+
+    def blocks_needed_at(self, length: int) -> range:
+        return range(length // self.block_size)
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding window: a hit at L needs the ``blocks_for_hit`` blocks ending at L (or, near the
+    start, every block from 0). Not downward closed: searched right to left.
+
+    With retention on, window drops pin the window ending at each of the request's useful
+    boundaries (chunk ends, shared-prefix boundary) when the drop frees at least
+    ``min_drop_blocks`` blocks; other dropped blocks go to the head of the free queue.
+    """
+
+    spec: SlidingWindowSpec
+
+    def __init__(
+        self,
+        spec: SlidingWindowSpec,
+        group: int,
+        pool: BlockPool,
+        hash_block_size: int,
+        retain: bool = False,
+        min_drop_blocks: int = 1,
+    ):
+        super().__init__(spec, group, pool, hash_block_size)
+        self.need = spec.blocks_for_hit
+        self.retain = retain
+        self.min_drop_blocks = min_drop_blocks
+        self.boundaries: dict[str, set[int]] = {}
+
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
+        bs = self.block_size
+        cached = self.cached
+        need = self.need
+        num = min(max_length // bs, len(hashes))
+        null = self.null
+        run = 0
+        check_align = bs != alignment
+        i = num - 1
+        while i >= 0:
+            block = cached.get(hashes[i])
+            if block is None:
+                run = 0
+            elif run == 0 and check_align and ((i + 1) * bs) % alignment:
+                pass  # a run must end on an aligned boundary
+            else:
+                run += 1
+                if run >= need:
+                    end = i + run
+                    out = [null] * i
+                    out.extend(cached[h] for h in hashes[i:end])
+                    return out, end * bs
+            i -= 1
+        # No full window: a run touching block 0 is a hit (there is no earlier context).
+        out = [cached[h] for h in hashes[:run]]
+        while out and (len(out) * bs) % alignment:
+            out.pop()
+        return out, len(out) * bs
+
+    def hit_valid(self, hashes: list[bytes], length: int) -> bool:
+        end = length // self.block_size
+        return all(h in self.cached for h in hashes[max(0, end - self.need) : end])
+
+    def blocks_needed_at(self, length: int) -> range:
+        end = length // self.block_size
+        return range(max(0, end - self.need), end)
+
+    # -- retention -----------------------------------------------------------------------------------
+    def add_boundary(self, request_id: str, num_tokens: int) -> None:
+        """Remember a token count at which this request's window is worth pinning when dropped."""
+        if self.retain and num_tokens >= self.block_size:
+            self.boundaries.setdefault(request_id, set()).add(num_tokens - num_tokens % self.block_size)
+
+    def release_dropped(self, request_id: str, dropped: list[Block], end_index: int) -> None:
+        if not self.retain:
+            self.pool.free_blocks(dropped)
+            return
+        boundaries = self.boundaries.get(request_id)
+        to_pin: list[Block] = []
+        if boundaries:
+            first_index = end_index - len(dropped)
+            for boundary in sorted(boundaries):
+                window = self.blocks_needed_at(boundary)
+                if window.stop > end_index:
+                    break  # still (partly) in the window: decide at a later drop
+                boundaries.discard(boundary)
+                if window.start >= first_index and len(dropped) >= self.min_drop_blocks:
+                    to_pin.extend(dropped[end_index - 1 - j] for j in window)
+        if to_pin:
+            self.pool.pin(to_pin, PIN_RETAINED)
+        self.pool.free_blocks(dropped, evict_first=True)
+
+    def free(self, request_id: str) -> None:
+        self.boundaries.pop(request_id, None)
+        super().free(request_id)
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """Chunked local attention: a hit at L needs the blocks of L's chunk before L; whole earlier
+    chunks count as computed without lookup."""
+
+    spec: ChunkedLocalSpec
+
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
+        bs = self.block_size
+        chunk = self.spec.chunk_size
+        start = (max_length // chunk) * chunk // bs if max_length > 0 else 0
+        out: list[Block] = [self.null] * start
+        cached = self.cached
+        for i in range(start, min(max_length // bs, len(hashes))):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            out.append(block)
+        while out and (len(out) * bs) % alignment:
+            out.pop()
+        return out, len(out) * bs
+
+    def hit_valid(self, hashes: list[bytes], length: int) -> bool:
+        return all(h in self.cached for h in hashes[self._chunk_start_block(length) : length // self.block_size])
+
+    def _chunk_start_block(self, length: int) -> int:
+        chunk = self.spec.chunk_size
+        # A hit ending exactly on a chunk boundary needs nothing; otherwise the current chunk.
+        return ((length // chunk) * chunk) // self.block_size
+
+    def blocks_needed_at(self, length: int) -> range:
+        return range(self._chunk_start_block(length), length // self.block_size)
+
+
+class MambaManager(SingleTypeManager):
+    """Mamba "align" mode: one live state block at the request's end (plus the previous one until
+    the next window drop); a hit at L needs the cached state block ending exactly at L.
+
+    A state cached in this step is not yet written (states are written at the end of the
+    forward), so a request whose hit relies on one waits a step.
+    """
+
+    spec: MambaSpec
+
+    def __init__(self, spec: MambaSpec, group: int, pool: BlockPool, hash_block_size: int):
+        super().__init__(spec, group, pool, hash_block_size)
+        self.cached_this_step: set[bytes] = set()
+        self.track_new_states = True
+
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
+        bs = self.block_size
+        cached = self.cached
+        for i in range(min(max_length // bs, len(hashes)) - 1, -1, -1):
+            if ((i + 1) * bs) % alignment:
+                continue
+            block = cached.get(hashes[i])
+            if block is not None:
+                return [self.null] * i + [block], (i + 1) * bs
+        return [], 0
+
+    def hit_valid(self, hashes: list[bytes], length: int) -> bool:
+        return length == 0 or hashes[length // self.block_size - 1] in self.cached
+
+    def blocks_needed_at(self, length: int) -> range:
+        end = length // self.block_size
+        return range(end - 1, end) if end else range(0)
+
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, hit_blocks: list[Block], total_computed: int, force_external: bool
+    ) -> int:
+        required = cdiv(num_tokens, self.block_size)
+        table = self.tables.get(request_id)
+        if table is not None:
+            return 1 if required > len(table) else 0
+        if hit_blocks and hit_blocks[-1].block_hash in self.cached_this_step:
+            return self.pool.num_blocks + 1  # defer: that state is written at the end of this step
+        skipped = self.skipped_blocks(total_computed)
+        length = max(skipped, len(hit_blocks))
+        count = 0
+        if force_external and total_computed > 0 and cdiv(total_computed, self.block_size) > length:
+            count += 1
+            length = cdiv(total_computed, self.block_size)
+        if required > length:
+            count += 1
+        evictable = sum(1 for b in hit_blocks[skipped:] if b.ref_cnt == 0 and not b.is_null)
+        return count + evictable
+
+    def allocate_external(self, request_id: str, num_local: int, num_external: int) -> None:
+        total = num_local + num_external
+        table = self.tables[request_id]
+        needed = cdiv(total, self.block_size)
+        if total <= 0 or needed <= len(table):
+            return
+        table.extend([self.null] * (needed - 1 - len(table)))
+        table.extend(self.pool.get_new_blocks(1))
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> list[Block]:
+        table = self.tables.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        needed = cdiv(num_tokens, self.block_size)
+        if needed <= len(table):
+            return []
+        table.extend([self.null] * (needed - 1 - len(table)))
+        blocks = self.pool.get_new_blocks(1)
+        table.extend(blocks)
+        return blocks
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        full = num_tokens // self.block_size
+        done = self.num_cached[request_id]
+        if done >= full:
+            return
+        table = self.tables[request_id]
+        self.pool.cache_blocks(self.group, table, hashes, done, full)
+        self.num_cached[request_id] = full
+        if self.track_new_states:
+            for i in range(done, full):
+                if table[i].block_hash == hashes[i]:
+                    self.cached_this_step.add(hashes[i])
+
+    def new_step(self) -> None:
+        self.cached_this_step.clear()
+
+
+MANAGER_FOR_SPEC: dict[type, type[SingleTypeManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalSpec: ChunkedLocalManager,
+    MambaSpec: MambaManager,
+}
