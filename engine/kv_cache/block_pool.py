@@ -126,9 +126,10 @@ class BlockPool:
     def cache_blocks(self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int) -> None:
         """Register ``blocks[start:end]`` of a request's table under ``hashes[start:end]``.
 
-        Null blocks and blocks already cached (prefix hits) are skipped; a block whose hash is
-        already mapped to another block stays uncached (no duplicates in the map; block tables
-        are append-only so the request keeps its own copy).
+        Null blocks and blocks already cached (prefix hits) are skipped. The map holds one block
+        per hash: when the same content was recomputed into a new block, the new block takes over
+        the entry if the old one is free and unpinned (the fresher copy is kept, the stale one goes
+        to the head of the free queue); otherwise the new block stays uncached.
         """
         table = self.cached[group]
         stored: list[bytes] | None = [] if self.enable_events else None
@@ -137,13 +138,19 @@ class BlockPool:
             if block.is_null or block.block_hash is not None:
                 continue
             block_hash = hashes[i]
-            if block_hash in table:
-                continue
+            old = table.get(block_hash)
+            if old is not None:
+                if old.ref_cnt or old.pin:
+                    continue
+                old.block_hash = None
+                old.group = -1
+                self.free_queue.remove(old)
+                self.free_queue.prepend_n([old])
+            if stored is not None:
+                stored.append(block_hash)
             block.block_hash = block_hash
             block.group = group
             table[block_hash] = block
-            if stored is not None:
-                stored.append(block_hash)
         if stored:
             self._emit(BlockStored(self._next_seq(), group, tuple(stored)))
 

@@ -212,11 +212,7 @@ class HybridCoordinator:
 
         if not admitted:
             self.requests[request_id] = request
-            for g, manager in enumerate(managers):  # phase 1: every group claims its local hit
-                manager.claim_hit(request_id, hit_blocks[g], total)
-            for manager in managers:  # phase 2: only then blocks for transferred tokens
-                if num_external_tokens > 0 or (partial and isinstance(manager, MambaManager)):
-                    manager.allocate_external(request_id, num_local, num_external_tokens)
+            self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
         new_ids = [[b.block_id for b in manager.allocate_new(request_id, need)] for manager in managers]
         self._last_allocation = (predicted, free_before - self.pool.num_free_blocks)
 
@@ -230,6 +226,19 @@ class HybridCoordinator:
         if self.enable_caching and not delay_cache:
             self.cache_blocks(request, min(need, request.num_tokens))
         return new_ids
+
+    def _admit(
+        self, request_id: str, hit_blocks: tuple[list[Block], ...], num_local: int, num_external: int, partial: bool
+    ) -> None:
+        """Two-phase admission: every group claims its local hit blocks (taking them out of the
+        free and pinned queues) before any group takes fresh blocks for external tokens; otherwise
+        one group's allocation could pop another group's not-yet-claimed hit block."""
+        total = num_local + num_external
+        for g, manager in enumerate(self.managers):  # phase 1
+            manager.claim_hit(request_id, hit_blocks[g], total)
+        for manager in self.managers:  # phase 2
+            if num_external > 0 or (partial and isinstance(manager, MambaManager)):
+                manager.allocate_external(request_id, num_local, num_external)
 
     def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         """Register the request's full blocks up to ``num_tokens`` (rounded down to the alignment)."""

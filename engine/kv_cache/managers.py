@@ -326,7 +326,38 @@ class MambaManager(SingleTypeManager):
     def __init__(self, spec: MambaSpec, group: int, pool: BlockPool, hash_block_size: int):
         super().__init__(spec, group, pool, hash_block_size)
         self.cached_this_step: set[bytes] = set()
-        self.track_new_states = True
+        self.live: dict[str, list[int]] = {}  # indices of real (non-null) slots, ascending
+
+    def claim_hit(self, request_id: str, hit_blocks: list[Block], total_computed: int) -> None:
+        super().claim_hit(request_id, hit_blocks, total_computed)
+        table = self.tables[request_id]
+        self.live[request_id] = [len(table) - 1] if table and not table[-1].is_null else []
+
+    def _append_state(self, request_id: str, table: list[Block], needed: int) -> list[Block]:
+        table.extend([self.null] * (needed - 1 - len(table)))
+        blocks = self.pool.get_new_blocks(1)
+        table.extend(blocks)
+        self.live.setdefault(request_id, []).append(len(table) - 1)
+        return blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> list[Block]:
+        live = self.live.get(request_id)
+        if not live:
+            return []
+        k = self.skipped_blocks(num_computed)
+        table = self.tables[request_id]
+        dropped = [table[i] for i in reversed(live) if i < k]
+        if dropped:
+            for i in live:
+                if i < k:
+                    table[i] = self.null
+            self.live[request_id] = [i for i in live if i >= k]
+            self.pool.free_blocks(dropped)
+        return dropped
+
+    def free(self, request_id: str) -> None:
+        self.live.pop(request_id, None)
+        super().free(request_id)
 
     def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
         bs = self.block_size
@@ -372,8 +403,7 @@ class MambaManager(SingleTypeManager):
         needed = cdiv(total, self.block_size)
         if total <= 0 or needed <= len(table):
             return
-        table.extend([self.null] * (needed - 1 - len(table)))
-        table.extend(self.pool.get_new_blocks(1))
+        self._append_state(request_id, table, needed)
 
     def allocate_new(self, request_id: str, num_tokens: int) -> list[Block]:
         table = self.tables.setdefault(request_id, [])
@@ -381,10 +411,7 @@ class MambaManager(SingleTypeManager):
         needed = cdiv(num_tokens, self.block_size)
         if needed <= len(table):
             return []
-        table.extend([self.null] * (needed - 1 - len(table)))
-        blocks = self.pool.get_new_blocks(1)
-        table.extend(blocks)
-        return blocks
+        return self._append_state(request_id, table, needed)
 
     def cache_blocks(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
         full = num_tokens // self.block_size
@@ -394,10 +421,9 @@ class MambaManager(SingleTypeManager):
         table = self.tables[request_id]
         self.pool.cache_blocks(self.group, table, hashes, done, full)
         self.num_cached[request_id] = full
-        if self.track_new_states:
-            for i in range(done, full):
-                if table[i].block_hash == hashes[i]:
-                    self.cached_this_step.add(hashes[i])
+        for i in self.live.get(request_id, ()):
+            if done <= i < full and table[i].block_hash == hashes[i]:
+                self.cached_this_step.add(hashes[i])
 
     def new_step(self) -> None:
         self.cached_this_step.clear()

@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""kvfleet's hybrid KV-cache coordinator against vLLM's own KVCacheManager, same trace, same run.
+
+What it measures
+    Per manager call, the mean latency (``time.perf_counter_ns`` around each single call) of
+
+    - ``lookup``        ``HybridCoordinator.get_computed_blocks`` (vLLM: ``get_computed_blocks``)
+    - ``prefill_alloc`` ``allocate_slots`` at admission, after the lookup (vLLM: ``allocate_prefill``)
+    - ``decode_alloc``  ``allocate_slots(req, 1)`` for each running request (vLLM: ``allocate_decode``)
+    - ``free``          ``free`` of finished and of preempted requests (vLLM: ``free``)
+
+    and the prefix-cache token hit rate, computed as vLLM's ``PrefixCacheStats`` does: hit tokens
+    over prompt tokens of *first* admissions only (re-admissions after a preemption are excluded).
+    Request construction (sha256 block hashing) is outside every timed call, as in vLLM.
+
+Baseline
+    ``/work/shared/bench/vllm_kv_anchor/drive.py`` runs vLLM 0.33.0's pure-Python v1
+    ``KVCacheManager`` in its own venv (built by the anchor's ``install.sh``). This script runs it
+    through a subprocess in the same invocation and replays the very same deterministic trace and
+    scheduling loop on kvfleet, so that the ratio ``speedup = vLLM mean µs / kvfleet mean µs``
+    (medians over ``--runs`` runs) compares like with like on a noisy machine.
+
+Trace (identical to drive.py; ``random.Random(0)``)
+    20 prefixes of 1024 token ids; 2000 requests, request i = prefix ``rng.randrange(20)`` + a
+    256-token suffix starting with ``30000 + i``; each request is prefilled, decodes 32 tokens
+    (sampled token ``(i * 7 + step + 1) % 30000``) and is freed. Per step: ``new_step()``; decode
+    every running request, preempting the newest on allocation failure; admit waiting requests FCFS
+    up to concurrency C (none in a step that preempted); "execute"; free finished requests.
+    Kinds: ``full`` (one full-attention group) and ``hybrid`` (full attention + 2 sliding-window
+    groups, window 32), block size 16, 2048 blocks shared by all groups.
+
+Configurations
+    kvfleet runs with retention OFF for the speedup and hit-rate comparison, and the hybrid kind
+    again with the pinned retention tier ON (``RETENTION`` below) for ``pinned_hit_rate``.
+
+Output
+    Progress goes to stderr (logging). The last stdout line is one JSON object with ``speedup``,
+    ``min_speedup``, ``hit_rate``, ``pinned_hit_rate`` and, as extras, ``kvfleet_us``,
+    ``kvfleet_retention_us``, ``vllm_us``, ``hits_vs_vllm`` and ``config``.
+
+    python benchmarks/kv_cache_vs_vllm.py                 # full run, several minutes
+    python benchmarks/kv_cache_vs_vllm.py --skip-vllm --runs 1 --num-requests 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.kv_cache import (
+    CacheRequest,
+    FullAttentionSpec,
+    HybridCoordinator,
+    KVCacheGroup,
+    RetentionOptions,
+    SlidingWindowSpec,
+)
+
+LOG = logging.getLogger("kv_cache_vs_vllm")
+
+# -- trace parameters: drive.py's defaults (they must stay equal for the comparison to hold) --------
+VOCAB = 30000
+SEED = 0
+NUM_PREFIXES = 20
+PREFIX_LEN = 1024
+SUFFIX_LEN = 256
+DECODE_STEPS = 32
+BLOCK_SIZE = 16
+WINDOW = 32
+NUM_BLOCKS = 2048
+
+# The one retention configuration behind ``pinned_hit_rate``. A budget of 256 blocks holds the
+# window anchors (2 sliding-window groups x 2 blocks) at the 1024-token junction of all 20 prefixes
+# (80 blocks) with ample headroom, while staying at 1/8 of the pool so that pinned blocks never
+# crowd out the full-attention prefix blocks. min_drop_blocks=2 pins only on drops that release
+# more than a single block (the prefill-to-decode drop), not on the one-block drops of every
+# decode step that crosses a block boundary.
+RETENTION = RetentionOptions(enabled=True, budget_blocks=256, pin_sliding_window=True, min_drop_blocks=2)
+NO_RETENTION = RetentionOptions(enabled=False)
+
+CALLS = ("lookup", "prefill_alloc", "decode_alloc", "free")
+# kvfleet call name -> drive.py's name for the same call
+VLLM_CALL = {
+    "lookup": "get_computed_blocks",
+    "prefill_alloc": "allocate_prefill",
+    "decode_alloc": "allocate_decode",
+    "free": "free",
+}
+
+ANCHOR_DIR = Path(os.environ.get("VLLM_KV_ANCHOR_DIR", "/work/shared/bench/vllm_kv_anchor"))
+ANCHOR_VENV = Path(
+    os.environ.get("VLLM_ANCHOR_VENV", str(Path.home() / ".cache" / "kvfleet-anchors" / "vllm-venv"))
+)
+
+Trace = list[tuple[int, list[int]]]
+
+
+# -- trace ----------------------------------------------------------------------------------------
+def make_trace(num_requests: int, seed: int = SEED) -> tuple[list[list[int]], Trace]:
+    """Prefixes and (prefix index, suffix) per request, drawing from the rng in drive.py's order."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
+    trace: Trace = []
+    for i in range(num_requests):
+        p = rng.randrange(NUM_PREFIXES)
+        suffix = [VOCAB + i] + [rng.randrange(VOCAB) for _ in range(SUFFIX_LEN - 1)]
+        trace.append((p, suffix))
+    return prefixes, trace
+
+
+def max_token_hit_rate(trace: Trace) -> float:
+    """Every reuse of a prefix hits all of it; first uses hit nothing."""
+    first_uses = len({p for p, _ in trace})
+    return (len(trace) - first_uses) * PREFIX_LEN / (len(trace) * (PREFIX_LEN + SUFFIX_LEN))
+
+
+def make_groups(kind: str) -> list[KVCacheGroup]:
+    full = KVCacheGroup(FullAttentionSpec(BLOCK_SIZE), ("layer.full",))
+    if kind == "full":
+        return [full]
+    if kind == "hybrid":
+        swa = SlidingWindowSpec(BLOCK_SIZE, window=WINDOW)
+        return [full, KVCacheGroup(swa, ("layer.swa1",)), KVCacheGroup(swa, ("layer.swa2",))]
+    raise ValueError(f"kind: expected 'full' or 'hybrid' (got {kind!r})")
+
+
+# -- one kvfleet run --------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """A request in the scheduler loop; ``step`` is drive.py's ``ent[2]`` (-1: prefill pending)."""
+
+    req: CacheRequest
+    idx: int
+    step: int = -1
+    preempted: bool = False
+
+
+@dataclass
+class RunResult:
+    kind: str
+    concurrency: int
+    retention: bool
+    mean_us: dict[str, float]
+    num_calls: dict[str, int]
+    token_hit_rate: float
+    hits: list[int]
+    preemptions: int
+    admission_failures: int
+    steps: int
+    wall_s: float
+    make_request_us: float
+    end_free_blocks: int
+
+
+class Timings:
+    """Nanoseconds of every timed call, by call name."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, list[int]] = {name: [] for name in (*CALLS, "make_request")}
+
+    def mean_us(self, name: str) -> float:
+        samples = self.ns[name]
+        return sum(samples) / len(samples) / 1e3 if samples else float("nan")
+
+
+class TraceRunner:
+    """Replays drive.py's scheduling loop against one fresh ``HybridCoordinator``."""
+
+    def __init__(
+        self,
+        kind: str,
+        concurrency: int,
+        retention: RetentionOptions,
+        prefixes: list[list[int]],
+        trace: Trace,
+        check_every: int = 0,
+    ):
+        self.kind = kind
+        self.concurrency = concurrency
+        self.retention = retention
+        self.prefixes = prefixes
+        self.trace = trace
+        self.check_every = check_every
+        self.coord = HybridCoordinator(
+            make_groups(kind), NUM_BLOCKS, enable_caching=True, retention=retention, enable_events=False
+        )
+        self.t = Timings()
+        self.waiting: deque[int | Entry] = deque(range(len(trace)))
+        self.running: list[Entry] = []
+        self.hits = [0] * len(trace)
+        self.queries = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+        self.admission_failures = 0
+        self.steps = 0
+
+    def run(self) -> RunResult:
+        gc.collect()
+        start = time.perf_counter()
+        while self.waiting or self.running:
+            self.step()
+            if self.check_every and self.steps % self.check_every == 0:
+                self.coord.check_invariants()
+        wall = time.perf_counter() - start
+        if self.check_every:
+            self.coord.check_invariants()
+        return RunResult(
+            kind=self.kind,
+            concurrency=self.concurrency,
+            retention=self.retention.enabled,
+            mean_us={name: self.t.mean_us(name) for name in CALLS},
+            num_calls={name: len(self.t.ns[name]) for name in CALLS},
+            token_hit_rate=self.hit_tokens / self.queries if self.queries else 0.0,
+            hits=self.hits,
+            preemptions=self.preemptions,
+            admission_failures=self.admission_failures,
+            steps=self.steps,
+            wall_s=wall,
+            make_request_us=self.t.mean_us("make_request"),
+            end_free_blocks=self.coord.num_free_blocks,
+        )
+
+    def step(self) -> None:
+        self.steps += 1
+        self.coord.new_step()
+        scheduled, preempted = self.decode_running()
+        newly = [] if preempted else self.admit_waiting()
+        for ent in scheduled + newly:
+            self.execute(ent)
+        self.running.extend(newly)
+        self.free_finished()
+
+    def decode_running(self) -> tuple[list[Entry], bool]:
+        """One decode allocation per running request; on failure preempt the newest and retry."""
+        coord, running, ns = self.coord, self.running, self.t.ns["decode_alloc"]
+        pc = time.perf_counter_ns
+        scheduled: list[Entry] = []
+        preempted = False
+        i = 0
+        while i < len(running):
+            ent = running[i]
+            while True:
+                t0 = pc()
+                ids = coord.allocate_slots(ent.req, 1)
+                ns.append(pc() - t0)
+                if ids is not None:
+                    break
+                victim = running.pop()
+                self.preempt(victim)
+                preempted = True
+                if victim is ent:
+                    break
+            if ids is None:
+                break  # the request itself was preempted
+            scheduled.append(ent)
+            i += 1
+        return scheduled, preempted
+
+    def preempt(self, victim: Entry) -> None:
+        pc = time.perf_counter_ns
+        t0 = pc()
+        self.coord.free(victim.req.request_id)
+        self.t.ns["free"].append(pc() - t0)
+        victim.req.num_computed_tokens = 0
+        victim.preempted = True
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def admit_waiting(self) -> list[Entry]:
+        """Admit waiting requests FCFS up to the concurrency; stop at the first that does not fit."""
+        coord, waiting = self.coord, self.waiting
+        t = self.t.ns
+        pc = time.perf_counter_ns
+        newly: list[Entry] = []
+        while waiting and len(self.running) + len(newly) < self.concurrency:
+            head = waiting[0]
+            ent = head if isinstance(head, Entry) else self.make_entry(head)
+            waiting[0] = ent
+            req = ent.req
+            t0 = pc()
+            hit = coord.get_computed_blocks(req)
+            t["lookup"].append(pc() - t0)
+            t0 = pc()
+            ids = coord.allocate_slots(req, req.num_tokens - hit.num_tokens, hit)
+            t["prefill_alloc"].append(pc() - t0)
+            if ids is None:
+                self.admission_failures += 1
+                if not self.running and not newly:
+                    raise RuntimeError("cannot admit even a single request")
+                break
+            waiting.popleft()
+            self.record_hit(ent, hit.num_tokens)
+            req.num_computed_tokens = hit.num_tokens
+            newly.append(ent)
+        return newly
+
+    def make_entry(self, idx: int) -> Entry:
+        p, suffix = self.trace[idx]
+        t0 = time.perf_counter_ns()
+        req = CacheRequest(str(idx), self.prefixes[p] + suffix, self.coord.hash_block_size)
+        self.t.ns["make_request"].append(time.perf_counter_ns() - t0)
+        return Entry(req, idx)
+
+    def record_hit(self, ent: Entry, num_hit: int) -> None:
+        """vLLM's PrefixCacheStats: only admissions of never-preempted requests count."""
+        if ent.preempted:
+            return
+        self.queries += ent.req.num_tokens
+        self.hit_tokens += num_hit
+        self.hits[ent.idx] = num_hit
+
+    def execute(self, ent: Entry) -> None:
+        req = ent.req
+        req.num_computed_tokens = req.num_tokens
+        req.append_token_ids([(ent.idx * 7 + ent.step + 1) % VOCAB])
+        ent.step += 1
+
+    def free_finished(self) -> None:
+        pc = time.perf_counter_ns
+        ns = self.t.ns["free"]
+        still: list[Entry] = []
+        for ent in self.running:
+            if ent.step >= DECODE_STEPS:
+                t0 = pc()
+                self.coord.free(ent.req.request_id)
+                ns.append(pc() - t0)
+            else:
+                still.append(ent)
+        self.running = still
+
+
+# -- kvfleet side -------------------------------------------------------------------------------------
+@dataclass
+class ConfigResult:
+    """Medians over runs of one (kind, concurrency, retention) configuration."""
+
+    mean_us: dict[str, float]
+    token_hit_rate: float
+    hits: list[int]
+    preemptions: int
+    runs: list[dict] = field(default_factory=list)
+
+
+def run_kvfleet(
+    kind: str,
+    concurrency: int,
+    retention: RetentionOptions,
+    runs: int,
+    prefixes: list[list[int]],
+    trace: Trace,
+    check_every: int,
+) -> ConfigResult:
+    results: list[RunResult] = []
+    label = f"kvfleet {kind} C={concurrency} retention={'on' if retention.enabled else 'off'}"
+    for r in range(runs):
+        res = TraceRunner(kind, concurrency, retention, prefixes, trace, check_every).run()
+        results.append(res)
+        LOG.info(
+            "[%s run%d] wall=%.2fs lookup=%.1fus prefill=%.1fus decode=%.2fus free=%.1fus mkreq=%.1fus "
+            "hit=%.4f preempt=%d admfail=%d steps=%d endfree=%d",
+            label, r, res.wall_s, *(res.mean_us[c] for c in CALLS), res.make_request_us,
+            res.token_hit_rate, res.preemptions, res.admission_failures, res.steps, res.end_free_blocks,
+        )  # fmt: skip
+    if any(res.hits != results[0].hits for res in results):
+        LOG.warning("%s: per-request hits differ between runs (the trace should be deterministic)", label)
+    return ConfigResult(
+        mean_us={c: statistics.median(res.mean_us[c] for res in results) for c in CALLS},
+        token_hit_rate=statistics.median(res.token_hit_rate for res in results),
+        hits=results[0].hits,
+        preemptions=results[0].preemptions,
+        runs=[{k: v for k, v in asdict(res).items() if k != "hits"} for res in results],
+    )
+
+
+# -- vLLM side ------------------------------------------------------------------------------------------
+@dataclass
+class VllmResult:
+    mean_us: dict[str, float]
+    token_hit_rate: float
+    hits: list[int] | None
+
+
+def run_vllm(kinds: list[str], concurrency: list[int], runs: int, num_requests: int) -> dict[str, VllmResult]:
+    """Build the anchor venv if needed, run drive.py on the same trace, parse its results."""
+    LOG.info("vLLM anchor: %s (venv %s)", ANCHOR_DIR, ANCHOR_VENV)
+    subprocess.run(["bash", str(ANCHOR_DIR / "install.sh"), str(ANCHOR_VENV)], check=True, stdout=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="vllm-kv-anchor-") as out:
+        cmd = [
+            str(ANCHOR_VENV / "bin" / "python"),
+            str(ANCHOR_DIR / "drive.py"),
+            "--kinds", ",".join(kinds),
+            "--concurrency", ",".join(map(str, concurrency)),
+            "--runs", str(runs),
+            "--num-requests", str(num_requests),
+            "--num-prefixes", str(NUM_PREFIXES),
+            "--prefix-len", str(PREFIX_LEN),
+            "--suffix-len", str(SUFFIX_LEN),
+            "--decode-steps", str(DECODE_STEPS),
+            "--block-size", str(BLOCK_SIZE),
+            "--window", str(WINDOW),
+            "--num-blocks", str(NUM_BLOCKS),
+            "--seed", str(SEED),
+            "--out", out,
+        ]  # fmt: skip
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                LOG.info("vllm: %s", line.rstrip())
+        if proc.returncode:
+            raise RuntimeError(f"drive.py failed with exit status {proc.returncode}")
+        data = json.loads((Path(out) / "results.json").read_text())
+        return {key: summarize_vllm(data["runs"], key, Path(out)) for key in config_keys(kinds, concurrency)}
+
+
+def summarize_vllm(all_runs: list[dict], key: str, out: Path) -> VllmResult:
+    kind, c = parse_key(key)
+    runs = [r for r in all_runs if r["kind"] == kind and r["concurrency"] == c]
+    if not runs:
+        raise RuntimeError(f"drive.py reported no run for {key}")
+    hits_file = out / f"hits_{kind}_c{c}.json"
+    return VllmResult(
+        mean_us={c_: statistics.median(r["calls"][VLLM_CALL[c_]]["mean_us"] for r in runs) for c_ in CALLS},
+        token_hit_rate=statistics.median(r["prefix_cache"]["token_hit_rate"] for r in runs),
+        hits=json.loads(hits_file.read_text()) if hits_file.exists() else None,
+    )
+
+
+# -- report -----------------------------------------------------------------------------------------------
+def config_keys(kinds: list[str], concurrency: list[int]) -> list[str]:
+    return [f"{kind}_c{c}" for kind in kinds for c in concurrency]
+
+
+def parse_key(key: str) -> tuple[str, int]:
+    kind, c = key.rsplit("_c", 1)
+    return kind, int(c)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return round(num / den, 3)
+
+
+def compare_hits(ours: list[int], theirs: list[int] | None) -> dict[str, int] | None:
+    """Per-request first-admission hits: how many requests kvfleet hit less / more than vLLM."""
+    if theirs is None or len(theirs) != len(ours):
+        return None
+    return {
+        "lower": sum(1 for a, b in zip(ours, theirs) if a < b),
+        "higher": sum(1 for a, b in zip(ours, theirs) if a > b),
+    }
+
+
+def build_report(
+    keys: list[str],
+    kvfleet: dict[str, ConfigResult],
+    retained: dict[str, ConfigResult],
+    vllm: dict[str, VllmResult] | None,
+    args: argparse.Namespace,
+    trace: Trace,
+) -> dict:
+    speedup: dict[str, dict[str, float | None]] = {}
+    hit_rate: dict[str, dict[str, float | None]] = {}
+    hits_vs_vllm: dict[str, dict[str, int] | None] = {}
+    for key in keys:
+        ours = kvfleet[key]
+        theirs = vllm[key] if vllm else None
+        speedup[key] = {c: ratio(theirs.mean_us[c] if theirs else None, ours.mean_us[c]) for c in CALLS}
+        hit_rate[key] = {
+            "kvfleet": round(ours.token_hit_rate, 4),
+            "vllm": round(theirs.token_hit_rate, 4) if theirs else None,
+        }
+        hits_vs_vllm[key] = compare_hits(ours.hits, theirs.hits) if theirs else None
+    ratios = [r for per_call in speedup.values() for r in per_call.values() if r is not None]
+    return {
+        "speedup": speedup,
+        "min_speedup": min(ratios) if ratios else None,
+        "hit_rate": hit_rate,
+        "pinned_hit_rate": {key: round(res.token_hit_rate, 4) for key, res in retained.items()},
+        "kvfleet_us": {key: rounded(res.mean_us) for key, res in kvfleet.items()},
+        "kvfleet_retention_us": {key: rounded(res.mean_us) for key, res in retained.items()},
+        "vllm_us": {key: rounded(res.mean_us) for key, res in vllm.items()} if vllm else None,
+        "hits_vs_vllm": hits_vs_vllm,
+        "preemptions": {key: res.preemptions for key, res in kvfleet.items()},
+        "config": {
+            "runs": args.runs,
+            "num_requests": args.num_requests,
+            "num_blocks": NUM_BLOCKS,
+            "block_size": BLOCK_SIZE,
+            "window": WINDOW,
+            "decode_steps": DECODE_STEPS,
+            "max_possible_token_hit_rate": round(max_token_hit_rate(trace), 4),
+            "retention": asdict(retention_options(args)),
+            "statistic": "median over runs of the per-call mean",
+        },
+    }
+
+
+def rounded(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in values.items()}
+
+
+# -- main ------------------------------------------------------------------------------------------------
+def retention_options(args: argparse.Namespace) -> RetentionOptions:
+    return RetentionOptions(
+        enabled=True,
+        budget_blocks=args.retention_budget,
+        pin_sliding_window=True,
+        min_drop_blocks=args.retention_min_drop_blocks,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3, help="runs per configuration (medians are reported)")
+    ap.add_argument("--num-requests", type=int, default=2000)
+    ap.add_argument("--kinds", default="full,hybrid", help="comma list of full,hybrid")
+    ap.add_argument("--concurrency", default="1,16", help="comma list of concurrency levels")
+    ap.add_argument("--skip-vllm", action="store_true", help="kvfleet only (vLLM fields are null)")
+    ap.add_argument(
+        "--check-invariants", type=int, default=0, metavar="N",
+        help="call coord.check_invariants() every N steps (untimed; 0: never)",
+    )  # fmt: skip
+    ap.add_argument("--retention-budget", type=int, default=RETENTION.budget_blocks, help="pinned_hit_rate runs")
+    ap.add_argument("--retention-min-drop-blocks", type=int, default=RETENTION.min_drop_blocks)
+    args = ap.parse_args(argv)
+    args.kind_list = [k for k in args.kinds.split(",") if k]
+    args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
+    for kind in args.kind_list:
+        make_groups(kind)  # validates the kind
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    prefixes, trace = make_trace(args.num_requests)
+    keys = config_keys(args.kind_list, args.concurrency_list)
+
+    vllm = None if args.skip_vllm else run_vllm(args.kind_list, args.concurrency_list, args.runs, args.num_requests)
+    kvfleet: dict[str, ConfigResult] = {}
+    for key in keys:
+        kind, c = parse_key(key)
+        kvfleet[key] = run_kvfleet(kind, c, NO_RETENTION, args.runs, prefixes, trace, args.check_invariants)
+    retained: dict[str, ConfigResult] = {}
+    retention = retention_options(args)
+    for key in keys:
+        kind, c = parse_key(key)
+        if kind == "hybrid":
+            retained[key] = run_kvfleet(kind, c, retention, args.runs, prefixes, trace, args.check_invariants)
+
+    report = build_report(keys, kvfleet, retained, vllm, args, trace)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
