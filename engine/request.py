@@ -1,0 +1,98 @@
+"""A request inside one engine: prompt, generated tokens, status and stop checks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from enum import Enum
+
+from engine.kv_cache.request import CacheRequest
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, a transfer is writing the prompt's KV
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+class Request(CacheRequest):
+    """Prompt + output tokens (``token_ids`` holds both, hashed block by block as it grows).
+
+    ``num_computed_tokens`` counts tokens whose KV exists or is being computed in the current
+    step; it returns to 0 on preemption (recompute). ``num_external_tokens`` is set while the
+    prompt's KV is being transferred in.
+    """
+
+    __slots__ = (
+        "prompt_len",
+        "sampling",
+        "status",
+        "arrival_time",
+        "eos_token_id",
+        "num_preemptions",
+        "num_cached_tokens",
+        "num_external_tokens",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        hash_block_size: int,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+        remote_prefill: bool = False,
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"prompt_token_ids: must not be empty (request {request_id!r})")
+        super().__init__(request_id, prompt_token_ids, hash_block_size, cache_salt, remote_prefill)
+        self.prompt_len = len(prompt_token_ids)
+        self.sampling = sampling
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.eos_token_id = eos_token_id
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # hit + external tokens at first admission
+        self.num_external_tokens = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def check_stop_token(self, token_id: int) -> RequestStatus | None:
+        """Finish status after appending ``token_id`` (stop strings are checked by the detokenizer)."""
+        sampling = self.sampling
+        if not sampling.ignore_eos and token_id == self.eos_token_id:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in sampling.stop_token_ids:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= sampling.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,274 @@
+"""Continuous batching over one HybridCoordinator: chunked prefill, prefix hits, preemption.
+
+Each ``schedule()`` builds one step: running requests first (decode tokens and prefill chunks,
+preempting the newest running request when blocks run out), then waiting requests in arrival
+order while the token budget and ``max_num_seqs`` allow. ``update()`` takes the sampled tokens,
+applies stop conditions and frees finished requests. Requests whose prompt KV arrives by
+transfer wait in ``waiting_for_kv`` (blocks held, nothing computed) until ``finish_kv_load``.
+
+Never raises or hangs on memory pressure: a request that cannot get blocks waits; a running one
+is preempted (its blocks freed, recomputed later, usually from its own cached prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from configs.schema import SchedulerConfig
+from engine.kv_cache.coordinator import HybridCoordinator
+from engine.kv_cache.spec import MambaSpec
+from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` run this step.
+
+    ``block_ids`` is the request's block table per group; ``sample`` says whether this chunk
+    reaches the end of the known tokens, so the last position's logits are sampled.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[list[int]]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: chunks to run, and requests preempted or finished while scheduling."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens a request gained in one step, and whether (and why) it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """Owns the waiting / running / waiting-for-KV queues of one engine.
+
+    Invariants: a request is in exactly one of ``waiting``, ``running``, ``waiting_for_kv`` or
+    ``finished`` order; only running and waiting-for-KV requests hold blocks; the tokens scheduled
+    in a step never exceed ``max_num_batched_tokens`` and running requests never exceed
+    ``max_num_seqs``.
+    """
+
+    def __init__(self, config: SchedulerConfig, coordinator: HybridCoordinator, max_model_len: int):
+        self.config = config
+        self.coordinator = coordinator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        mamba = [g.spec.block_size for g in coordinator.groups if isinstance(g.spec, MambaSpec)]
+        self.mamba_align = coordinator.alignment if mamba else 0
+        self.num_preemptions = 0
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # -- intake -------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in this engine")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_tokens} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.waiting_for_kv.pop(request_id, None)
+        self.coordinator.free(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        coord = self.coordinator
+        coord.new_step()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while coord.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; later ones were popped already
+
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit = coord.get_computed_blocks(request)
+            num_new = self._chunk_size(request, hit.num_tokens, budget)
+            if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+                self.hit_tokens += hit.num_tokens
+                self.queried_tokens += request.num_tokens
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def _chunk_size(self, request: Request, start: int, budget: int) -> int:
+        num_new = min(request.num_tokens - start, budget, self.config.prefill_chunk_size)
+        if num_new <= 1 or not self.mamba_align:
+            return max(num_new, 0)
+        # Mamba "align": prefill chunks end on block boundaries (up to the last one before the
+        # sequence end) so every chunk's final state is a cacheable checkpoint.
+        align = self.mamba_align
+        end = start + num_new
+        last_boundary = request.num_tokens - request.num_tokens % align
+        if start < last_boundary < end:
+            end = last_boundary
+        elif end < request.num_tokens:
+            aligned = end - end % align
+            if aligned > start:
+                end = aligned
+            elif start % align == 0:
+                return 0  # not enough budget left to reach the next boundary this step
+        return end - start
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        return ScheduledChunk(
+            request,
+            start,
+            num_new,
+            self.coordinator.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    # -- results ----------------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Append each sampled token, apply stop conditions, free finished requests."""
+        results: list[RequestOutput] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if not chunk.sample or request.status != RequestStatus.RUNNING:
+                continue
+            token = sampled[request.request_id]
+            request.append_token_ids([token])
+            status = request.check_stop_token(token)
+            if status is None and request.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish(request.request_id, status)
+            results.append(RequestOutput(request.request_id, [token], status is not None, status and status.value))
+        return results
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a running request (e.g. a stop string matched): free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        self.coordinator.free(request_id)
+        request.status = status
+
+    # -- transferred KV ------------------------------------------------------------------------------------
+    def add_transferred_request(self, request: Request, num_external_tokens: int) -> list[list[int]] | None:
+        """Admit a request whose next ``num_external_tokens`` tokens' KV (beyond the local hit)
+        a transfer will write: allocate its blocks now (two-phase, in-window only) and park it in
+        ``waiting_for_kv``. Returns the block table per group to read into, or None when nothing
+        is to be read (the local hit covers it, or the blocks do not fit): the request then
+        waits to be computed locally."""
+        coord = self.coordinator
+        hit = coord.get_computed_blocks(request)
+        num_external = max(0, min(num_external_tokens, request.num_tokens - 1 - hit.num_tokens))
+        self.add_request(request)
+        if num_external == 0:
+            return None
+        if coord.allocate_slots(request, 0, hit, num_external_tokens=num_external, delay_cache=True) is None:
+            return None
+        self.waiting.remove(request)
+        request.num_cached_tokens = hit.num_tokens + num_external
+        request.num_computed_tokens = hit.num_tokens
+        request.num_external_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        return coord.block_ids(request.request_id)
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        """A transfer into ``request_id``'s blocks completed (``ok``) or failed (recompute)."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return
+        if ok:
+            request.num_computed_tokens += request.num_external_tokens
+            self.coordinator.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.coordinator.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        request.num_external_tokens = 0
