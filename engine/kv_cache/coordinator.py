@@ -59,6 +59,18 @@ class CacheHit:
     partial: bool = False
 
 
+class _Admitted:
+    """Coordinator-side bookkeeping of one admitted request."""
+
+    __slots__ = ("request", "cached_upto", "shared_prefix", "removed_upto")
+
+    def __init__(self, request: CacheRequest, shared_prefix: int):
+        self.request = request
+        self.cached_upto = 0  # tokens (aligned) whose full blocks are registered
+        self.shared_prefix = shared_prefix  # where its chain diverged from cached chains
+        self.removed_upto = 0  # last computed count passed to remove_skipped_blocks
+
+
 class HybridCoordinator:
     """Owns the block pool and one manager per group; the scheduler's single KV-cache interface.
 
@@ -109,10 +121,15 @@ class HybridCoordinator:
         # Full attention first: its cheap, downward-closed scan gives the tightest first bound.
         self._order = sorted(range(len(groups)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
         self._windowed = [m for m in self.managers if isinstance(m, SlidingWindowManager) and m.retain]
-        self._has_mamba = any(isinstance(g.spec, MambaSpec) for g in groups)
-        self.requests: dict[str, CacheRequest] = {}
+        self._droppers = [m for m in self.managers if not isinstance(m, FullAttentionManager)]
+        self._mamba_flags = [isinstance(m, MambaManager) for m in self.managers]
+        self._has_mamba = any(self._mamba_flags)
+        self._retain_shared_prefix = retention.enabled and enable_caching
+        self._no_hit: tuple[list[Block], ...] = tuple([] for _ in groups)
+        self._no_new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
+        self._admitted: dict[str, _Admitted] = {}
         self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
-        self._removed_upto: dict[str, int] = {}
+        self._prefix_pins: dict[tuple[int, bytes], list[list[tuple[int, bytes]]]] = {}
         self._last_allocation: tuple[int, int] = (0, 0)
 
     # -- capacity ------------------------------------------------------------------------------------
@@ -177,19 +194,64 @@ class HybridCoordinator:
         num_external_tokens: int = 0,
         delay_cache: bool = False,
         reserved_blocks: int = 0,
-    ) -> list[list[int]] | None:
+    ) -> tuple[list[int], ...] | None:
         """Give ``request`` blocks for ``num_new_tokens`` tokens to compute now, after claiming
         ``hit`` (first admission) and making room for ``num_external_tokens`` transferred ones.
 
-        Returns the new block ids per group, or None (and changes nothing but releasing blocks
-        that already left the window) when the pool cannot fit it.
+        Returns the new block ids per group (treat as read-only), or None when the pool cannot
+        fit it — then nothing changed except releasing blocks that already left the window.
         """
+        state = self._admitted.get(request.request_id)
+        if state is not None:
+            if hit is not None and hit.num_tokens or num_external_tokens:
+                raise ValueError(f"request {request.request_id!r}: hits and external tokens are only taken at admission")
+            return self._allocate_running(state, num_new_tokens, delay_cache, reserved_blocks)
         if num_new_tokens <= 0 and num_external_tokens <= 0:
             raise ValueError(f"num_new_tokens: must be > 0 when there are no external tokens (got {num_new_tokens})")
+        return self._allocate_admission(request, num_new_tokens, hit, num_external_tokens, delay_cache, reserved_blocks)
+
+    def _allocate_running(
+        self, state: _Admitted, num_new_tokens: int, delay_cache: bool, reserved_blocks: int
+    ) -> tuple[list[int], ...] | None:
+        request = state.request
         request_id = request.request_id
-        admitted = request_id in self.requests
-        if admitted and (hit is not None and hit.num_tokens or num_external_tokens):
-            raise ValueError(f"request {request_id!r}: hits and external tokens are only taken at admission")
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens: must be > 0 for a running request (got {num_new_tokens})")
+        total = request.num_computed_tokens
+        need = total + num_new_tokens
+        if self.max_model_len is not None and need > self.max_model_len:
+            need = self.max_model_len
+        for manager in self._droppers:
+            manager.remove_skipped_blocks(request_id, total)
+        state.removed_upto = total
+        predicted = 0
+        for manager in self.managers:
+            predicted += manager.num_new_blocks(request_id, need)
+        pool = self.pool
+        free_before = pool.num_free_blocks
+        if predicted > free_before - reserved_blocks:
+            return None
+        new_ids = self._no_new_ids
+        if predicted:
+            new_ids = tuple([b.block_id for b in m.allocate_new(request_id, need)] for m in self.managers)
+        self._last_allocation = (predicted, free_before - pool.num_free_blocks)
+        if num_new_tokens > 1:  # a prefill chunk ends here
+            for manager in self._windowed:
+                manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
+        if not delay_cache:
+            self._cache(state, need)
+        return new_ids
+
+    def _allocate_admission(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        hit: CacheHit | None,
+        num_external_tokens: int,
+        delay_cache: bool,
+        reserved_blocks: int,
+    ) -> tuple[list[int], ...] | None:
+        request_id = request.request_id
         managers = self.managers
         num_local = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
         total = num_local + num_external_tokens
@@ -198,33 +260,32 @@ class HybridCoordinator:
         need = total + num_new_tokens
         if self.max_model_len is not None:
             need = min(need, self.max_model_len)
-        if admitted:
-            self.remove_skipped_blocks(request_id, total)
-        hit_blocks = hit.blocks if hit is not None else tuple([] for _ in managers)
+        hit_blocks = hit.blocks if hit is not None else self._no_hit
         partial = hit is not None and hit.partial
         predicted = 0
         for g, manager in enumerate(managers):
-            force = num_external_tokens > 0 or (partial and isinstance(manager, MambaManager))
+            force = num_external_tokens > 0 or (partial and self._mamba_flags[g])
             predicted += manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
-        free_before = self.pool.num_free_blocks
+        pool = self.pool
+        free_before = pool.num_free_blocks
         if predicted > free_before - reserved_blocks:
             return None
 
-        if not admitted:
-            self.requests[request_id] = request
-            self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
-        new_ids = [[b.block_id for b in manager.allocate_new(request_id, need)] for manager in managers]
-        self._last_allocation = (predicted, free_before - self.pool.num_free_blocks)
+        state = _Admitted(request, hit.shared_prefix_tokens if hit is not None else 0)
+        self._admitted[request_id] = state
+        self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
+        new_ids = tuple([b.block_id for b in manager.allocate_new(request_id, need)] for manager in managers)
+        self._last_allocation = (predicted, free_before - pool.num_free_blocks)
 
         if self._windowed:
-            if not admitted and hit is not None and hit.shared_prefix_tokens:
+            if state.shared_prefix:
                 for manager in self._windowed:
-                    manager.add_boundary(request_id, hit.shared_prefix_tokens)  # type: ignore[attr-defined]
-            if num_new_tokens > 1:  # a prefill chunk ends here
+                    manager.add_boundary(request_id, state.shared_prefix)  # type: ignore[attr-defined]
+            if num_new_tokens > 1:
                 for manager in self._windowed:
                     manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
-        if self.enable_caching and not delay_cache:
-            self.cache_blocks(request, min(need, request.num_tokens))
+        if not delay_cache:
+            self._cache(state, need)
         return new_ids
 
     def _admit(
@@ -241,10 +302,20 @@ class HybridCoordinator:
                 manager.allocate_external(request_id, num_local, num_external)
 
     def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
-        """Register the request's full blocks up to ``num_tokens`` (rounded down to the alignment)."""
-        if not self.enable_caching:
-            return
+        """Register the request's full blocks up to ``num_tokens`` (rounded down to the alignment),
+        e.g. once a transfer into its blocks completed."""
+        state = self._admitted.get(request.request_id)
+        if state is not None:
+            self._cache(state, num_tokens)
+
+    def _cache(self, state: _Admitted, num_tokens: int) -> None:
+        request = state.request
+        if num_tokens > request.num_tokens:
+            num_tokens = request.num_tokens
         num_tokens -= num_tokens % self.alignment
+        if num_tokens <= state.cached_upto or not self.enable_caching:
+            return
+        state.cached_upto = num_tokens
         request_id = request.request_id
         hashes = request.block_hashes
         for manager in self.managers:
@@ -252,17 +323,31 @@ class HybridCoordinator:
 
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Release blocks no group needs any more once ``num_computed`` tokens are computed."""
-        for manager in self.managers:
+        state = self._admitted.get(request_id)
+        if state is None:
+            return
+        for manager in self._droppers:
             manager.remove_skipped_blocks(request_id, num_computed)
-        if request_id in self.requests:
-            self._removed_upto[request_id] = max(self._removed_upto.get(request_id, 0), num_computed)
+        if num_computed > state.removed_upto:
+            state.removed_upto = num_computed
 
     def free(self, request_id: str) -> None:
-        """Release every block of the request, group by group, tail first. Idempotent."""
+        """Release every block of the request, group by group, tail first. Idempotent.
+
+        With retention on, the blocks a hit at the request's shared-prefix boundary needs (the
+        prefix other requests share) go to the retained tier rather than the free queue.
+        """
+        state = self._admitted.pop(request_id, None)
+        if state is None:
+            return
+        if self._retain_shared_prefix and state.shared_prefix:
+            boundary = state.shared_prefix
+            for manager in self.managers:
+                table = manager.tables[request_id]
+                keep = [table[i] for i in manager.blocks_needed_at(boundary) if i < len(table)]
+                self.pool.pin(keep, PIN_RETAINED)
         for manager in self.managers:
             manager.free(request_id)
-        self.requests.pop(request_id, None)
-        self._removed_upto.pop(request_id, None)
 
     def new_step(self) -> None:
         for manager in self.managers:
@@ -281,42 +366,59 @@ class HybridCoordinator:
         ]
 
     @property
+    def requests(self) -> dict[str, CacheRequest]:
+        """Admitted requests by id."""
+        return {rid: state.request for rid, state in self._admitted.items()}
+
+    @property
     def null_block_id(self) -> int:
         return self.pool.null_block.block_id
 
     # -- explicit prefix pins ------------------------------------------------------------------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
-        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached)."""
+        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached). Pins of
+        the same prefix stack; each is undone by one ``unpin_prefix`` with the same arguments."""
         hit = self.find_longest_cache_hit(block_hashes, num_tokens)
         if hit.num_tokens == 0:
             return 0
+        keys: list[tuple[int, bytes]] = []
         for g, manager in enumerate(self.managers):
             needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
             for block in needed:
-                self._explicit_pins[(g, block.block_hash)] += 1  # type: ignore[index]
+                key = (g, block.block_hash)
+                self._explicit_pins[key] += 1  # type: ignore[index]
+                keys.append(key)  # type: ignore[arg-type]
             self.pool.pin(needed, PIN_EXPLICIT)
+        self._prefix_pins.setdefault(self._prefix_key(block_hashes, num_tokens), []).append(keys)
         return hit.num_tokens
 
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        """Undo one ``pin_prefix`` of the same prefix (blocks shared with other pins stay pinned)."""
-        length = num_tokens - num_tokens % self.alignment
-        for g, manager in enumerate(self.managers):
-            view = manager.view(block_hashes)
-            release: list[Block] = []
-            for i in manager.blocks_needed_at(length):
-                key = (g, view[i])
-                count = self._explicit_pins.get(key, 0)
-                if count == 0:
-                    continue
-                if count == 1:
-                    del self._explicit_pins[key]
-                    block = self.pool.cached[g].get(view[i])
-                    if block is not None:
-                        release.append(block)
-                else:
-                    self._explicit_pins[key] = count - 1
-            self.pool.unpin(release, PIN_EXPLICIT)
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
+        """Undo one ``pin_prefix(block_hashes, num_tokens)``; blocks other pins need stay pinned.
+        Returns False if no such pin is held."""
+        stack = self._prefix_pins.get(self._prefix_key(block_hashes, num_tokens))
+        if not stack:
+            return False
+        keys = stack.pop()
+        if not stack:
+            del self._prefix_pins[self._prefix_key(block_hashes, num_tokens)]
+        release: dict[int, list[Block]] = {}
+        for key in keys:
+            count = self._explicit_pins[key] - 1
+            if count > 0:
+                self._explicit_pins[key] = count
+                continue
+            del self._explicit_pins[key]
+            block = self.pool.cached[key[0]].get(key[1])
+            if block is not None:
+                release.setdefault(key[0], []).append(block)
+        for blocks in release.values():
+            self.pool.unpin(blocks, PIN_EXPLICIT)
+        return True
+
+    def _prefix_key(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, bytes]:
+        full = min(num_tokens // self.hash_block_size, len(block_hashes))
+        return num_tokens, block_hashes[full - 1] if full else b""
 
     # -- events and maintenance ------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
@@ -326,6 +428,7 @@ class HybridCoordinator:
         ok = self.pool.reset_prefix_cache()
         if ok:
             self._explicit_pins.clear()
+            self._prefix_pins.clear()
         return ok
 
     # -- invariants ---------------------------------------------------------------------------------------------
@@ -341,10 +444,11 @@ class HybridCoordinator:
         owner_group: dict[int, int] = {}
         position: dict[tuple[int, int], int] = {}
         for g, manager in enumerate(self.managers):
-            if set(manager.tables) != set(self.requests) or set(manager.num_cached) != set(self.requests):
-                fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(self.requests)}")
+            admitted = set(self._admitted)
+            if set(manager.tables) != admitted or set(manager.num_cached) != admitted:
+                fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(admitted)}")
             for request_id, table in manager.tables.items():
-                request = self.requests[request_id]
+                request = self._admitted[request_id].request
                 view = manager.view(request.block_hashes)
                 seen: set[int] = set()
                 live = 0
@@ -368,7 +472,7 @@ class HybridCoordinator:
                         if i < len(view) and view[i] != block.block_hash and i < manager.num_cached[request_id]:
                             fail(f"block {bid} at index {i} of {request_id!r} carries another prefix's hash")
                 if isinstance(manager, SlidingWindowManager):
-                    upto = self._removed_upto.get(request_id, 0)
+                    upto = self._admitted[request_id].removed_upto
                     first_live = manager.skipped_blocks(upto)
                     if any(b is not null for b in table[:first_live]):
                         fail(f"group {g} {request_id!r}: live block before the window ({first_live})")

@@ -78,6 +78,11 @@ class SingleTypeManager:
                 evictable += 1
         return max(required - base, 0) + evictable
 
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks ``allocate_new`` will take for an admitted request."""
+        new = -(-num_tokens // self.block_size) - len(self.tables[request_id])
+        return new if new > 0 else 0
+
     def claim_hit(self, request_id: str, hit_blocks: list[Block], total_computed: int) -> None:
         """Phase 1: claim the local hit blocks still inside the needed range; null the rest."""
         skipped = self.skipped_blocks(total_computed)
@@ -257,23 +262,44 @@ class SlidingWindowManager(SingleTypeManager):
             self.boundaries.setdefault(request_id, set()).add(num_tokens - num_tokens % self.block_size)
 
     def release_dropped(self, request_id: str, dropped: list[Block], end_index: int) -> None:
+        """Release blocks that left the window (``dropped`` holds table indices ``end_index - 1``
+        down to ``end_index - len(dropped)``).
+
+        With retention: the blocks of a boundary's window (the blocks a hit at that boundary
+        needs) are pinned when the drop releasing them frees at least ``min_drop_blocks`` blocks,
+        and freed as ordinary cached blocks by smaller drops; every other dropped block is freed
+        evict-first, since no hit can use it without the blocks after it.
+        """
+        boundaries = self.boundaries.get(request_id) if self.retain else None
         if not self.retain:
             self.pool.free_blocks(dropped)
             return
-        boundaries = self.boundaries.get(request_id)
+        first_index = end_index - len(dropped)
         to_pin: list[Block] = []
+        keep: set[int] = set()
         if boundaries:
-            first_index = end_index - len(dropped)
             for boundary in sorted(boundaries):
                 window = self.blocks_needed_at(boundary)
-                if window.stop > end_index:
-                    break  # still (partly) in the window: decide at a later drop
-                boundaries.discard(boundary)
-                if window.start >= first_index and len(dropped) >= self.min_drop_blocks:
-                    to_pin.extend(dropped[end_index - 1 - j] for j in window)
+                if window.start >= end_index:
+                    break  # still entirely in the window
+                if window.stop <= end_index:
+                    boundaries.discard(boundary)  # no part of it stays live after this drop
+                lo, hi = max(window.start, first_index), min(window.stop, end_index)
+                if lo >= hi:
+                    continue
+                if len(dropped) >= self.min_drop_blocks:
+                    to_pin.extend(dropped[end_index - 1 - j] for j in range(lo, hi))
+                else:
+                    keep.update(range(lo, hi))
         if to_pin:
             self.pool.pin(to_pin, PIN_RETAINED)
-        self.pool.free_blocks(dropped, evict_first=True)
+        if keep:
+            kept = [b for m, b in enumerate(dropped) if end_index - 1 - m in keep]
+            rest = [b for m, b in enumerate(dropped) if end_index - 1 - m not in keep]
+            self.pool.free_blocks(kept)
+            self.pool.free_blocks(rest, evict_first=True)
+        else:
+            self.pool.free_blocks(dropped, evict_first=True)
 
     def free(self, request_id: str) -> None:
         self.boundaries.pop(request_id, None)
@@ -376,6 +402,9 @@ class MambaManager(SingleTypeManager):
     def blocks_needed_at(self, length: int) -> range:
         end = length // self.block_size
         return range(end - 1, end) if end else range(0)
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        return 1 if -(-num_tokens // self.block_size) > len(self.tables[request_id]) else 0
 
     def num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, hit_blocks: list[Block], total_computed: int, force_external: bool
