@@ -71,6 +71,16 @@ class _Admitted:
         self.removed_upto = 0  # last computed count passed to remove_skipped_blocks
 
 
+class _PrefixPin:
+    """Explicit pins of one prefix: how many are held, and every (group, hash) they pinned."""
+
+    __slots__ = ("count", "blocks")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.blocks: set[tuple[int, bytes]] = set()
+
+
 class HybridCoordinator:
     """Owns the block pool and one manager per group; the scheduler's single KV-cache interface.
 
@@ -129,7 +139,7 @@ class HybridCoordinator:
         self._no_new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
         self._admitted: dict[str, _Admitted] = {}
         self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
-        self._prefix_pins: dict[tuple[int, bytes], list[list[tuple[int, bytes]]]] = {}
+        self._prefix_pins: dict[tuple[int, bytes], _PrefixPin] = {}
         self._last_allocation: tuple[int, int] = (0, 0)
 
     # -- capacity ------------------------------------------------------------------------------------
@@ -147,7 +157,7 @@ class HybridCoordinator:
         managers = self.managers
         empty: tuple[list[Block], ...] = tuple([] for _ in managers)
         if not self.enable_caching or max_length <= 0:
-            return CacheHit(empty, 0, 0, skip_mamba)
+            return CacheHit(empty, 0, 0, skip_mamba and self._has_mamba)
         alignment = self.alignment
         length = max_length - max_length % alignment
         order = [g for g in self._order if not (skip_mamba and isinstance(managers[g], MambaManager))]
@@ -377,41 +387,48 @@ class HybridCoordinator:
     # -- explicit prefix pins ------------------------------------------------------------------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
-        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached). Pins of
-        the same prefix stack; each is undone by one ``unpin_prefix`` with the same arguments."""
+        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached yet).
+
+        Pins of one prefix (same hashes and ``num_tokens``) are counted: the blocks stay pinned
+        until as many ``unpin_prefix`` calls with the same arguments as there were pins.
+        """
+        key = self._prefix_key(block_hashes, num_tokens)
+        record = self._prefix_pins.setdefault(key, _PrefixPin())
+        record.count += 1
         hit = self.find_longest_cache_hit(block_hashes, num_tokens)
         if hit.num_tokens == 0:
             return 0
-        keys: list[tuple[int, bytes]] = []
         for g, manager in enumerate(self.managers):
             needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
             for block in needed:
-                key = (g, block.block_hash)
-                self._explicit_pins[key] += 1  # type: ignore[index]
-                keys.append(key)  # type: ignore[arg-type]
+                block_key = (g, block.block_hash)
+                if block_key not in record.blocks:
+                    record.blocks.add(block_key)  # type: ignore[arg-type]
+                    self._explicit_pins[block_key] += 1  # type: ignore[index]
             self.pool.pin(needed, PIN_EXPLICIT)
-        self._prefix_pins.setdefault(self._prefix_key(block_hashes, num_tokens), []).append(keys)
         return hit.num_tokens
 
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
-        """Undo one ``pin_prefix(block_hashes, num_tokens)``; blocks other pins need stay pinned.
-        Returns False if no such pin is held."""
-        stack = self._prefix_pins.get(self._prefix_key(block_hashes, num_tokens))
-        if not stack:
+        """Undo one ``pin_prefix(block_hashes, num_tokens)``; the prefix's blocks are released
+        with its last pin, and blocks other prefixes' pins need stay pinned. False if not pinned."""
+        key = self._prefix_key(block_hashes, num_tokens)
+        record = self._prefix_pins.get(key)
+        if record is None:
             return False
-        keys = stack.pop()
-        if not stack:
-            del self._prefix_pins[self._prefix_key(block_hashes, num_tokens)]
+        record.count -= 1
+        if record.count:
+            return True
+        del self._prefix_pins[key]
         release: dict[int, list[Block]] = {}
-        for key in keys:
-            count = self._explicit_pins[key] - 1
+        for block_key in record.blocks:
+            count = self._explicit_pins[block_key] - 1
             if count > 0:
-                self._explicit_pins[key] = count
+                self._explicit_pins[block_key] = count
                 continue
-            del self._explicit_pins[key]
-            block = self.pool.cached[key[0]].get(key[1])
+            del self._explicit_pins[block_key]
+            block = self.pool.cached[block_key[0]].get(block_key[1])
             if block is not None:
-                release.setdefault(key[0], []).append(block)
+                release.setdefault(block_key[0], []).append(block)
         for blocks in release.values():
             self.pool.unpin(blocks, PIN_EXPLICIT)
         return True
