@@ -1,0 +1,1 @@
+"""Torch models, their KV layout and the step batch; the only place (with runner/transfer) torch lives."""

@@ -1,0 +1,195 @@
+"""The model's shape, adapted once from a Hugging Face ``config.json`` (a plain dict).
+
+Layers downstream take explicit numbers from ``ModelArch``; nothing else reads HF configs.
+An unsupported architecture gets an error naming it and the supported list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Gemma3ForCausalLM",
+)
+
+LayerKind = Literal["full_attention", "sliding_attention", "mamba"]
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one kvfleet implements."""
+
+
+@dataclass(frozen=True)
+class RopeArch:
+    """Rotary embedding of one layer type: inverse frequencies from theta, optional linear factor."""
+
+    theta: float
+    linear_factor: float = 1.0
+    rotary_dim: int = 0  # 0: the whole head
+
+    def inv_freq(self, head_dim: int) -> list[float]:
+        dim = self.rotary_dim or head_dim
+        return [1.0 / (self.theta ** (i / dim)) / self.linear_factor for i in range(0, dim, 2)]
+
+
+@dataclass(frozen=True)
+class LayerArch:
+    kind: LayerKind
+    window: int | None = None  # sliding window in tokens (query sees keys in (q - window, q])
+    rope: RopeArch | None = None
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Everything the torch model needs to know about one checkpoint's architecture."""
+
+    architecture: str
+    family: Literal["llama", "gemma3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    layers: tuple[LayerArch, ...]
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections
+    output_bias: bool  # o_proj
+    max_position_embeddings: int
+    attn_scale: float
+    embed_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _rope(params: dict[str, Any] | None, default_theta: float) -> RopeArch:
+    params = params or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", default_theta))
+    if rope_type == "default":
+        return RopeArch(theta)
+    if rope_type == "linear":
+        return RopeArch(theta, float(params["factor"]))
+    raise UnsupportedModelError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default, linear)")
+
+
+def _eos(config: dict[str, Any]) -> tuple[int, ...]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | None = None) -> ModelArch:
+    """Build a ModelArch from a Hugging Face config dict (``config.json`` contents)."""
+    architectures = config.get("architectures") or []
+    architecture = architectures[0] if architectures else _guess_architecture(config)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise UnsupportedModelError(f"architecture {architecture!r} is not supported (supported: {supported})")
+    if config.get("text_config"):
+        config = {**config["text_config"], "architectures": [architecture]}
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    num_layers = int(config["num_hidden_layers"])
+    window = sliding_window_override or config.get("sliding_window")
+    rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    default_theta = float(config.get("rope_theta", 10000.0))
+
+    if architecture == "Gemma3ForCausalLM":
+        layer_types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % int(config.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+        per_type = {
+            "sliding_attention": _rope(
+                rope_params.get("sliding_attention"), float(config.get("rope_local_base_freq", 10000.0))
+            ),
+            "full_attention": _rope(rope_params.get("full_attention"), default_theta),
+        }
+        layers = tuple(
+            LayerArch(kind, int(window) if kind == "sliding_attention" else None, per_type[kind])  # type: ignore[arg-type]
+            for kind in layer_types
+        )
+        return ModelArch(
+            architecture=architecture,
+            family="gemma3",
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            layers=layers,
+            hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            output_bias=bool(config.get("attention_bias", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+            attn_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            embed_scale=math.sqrt(hidden),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos(config),
+        )
+
+    rope = _rope(rope_params if "rope_type" in rope_params or "type" in rope_params else None, default_theta)
+    if architecture == "MistralForCausalLM" and window:
+        layer_types = ["sliding_attention"] * num_layers
+    elif architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window") and window:
+        max_window_layers = int(config.get("max_window_layers", num_layers))
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= max_window_layers else "full_attention" for i in range(num_layers)
+        ]
+    else:
+        layer_types = ["full_attention"] * num_layers
+    layers = tuple(
+        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]
+        for kind in layer_types
+    )
+    return ModelArch(
+        architecture=architecture,
+        family="llama",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        layers=layers,
+        hidden_act=str(config.get("hidden_act", "silu")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+        output_bias=architecture != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        attn_scale=head_dim**-0.5,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos(config),
+    )
+
+
+def _guess_architecture(config: dict[str, Any]) -> str:
+    model_type = config.get("model_type", "")
+    return {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }.get(model_type, model_type or "<missing architectures>")

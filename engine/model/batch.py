@@ -1,0 +1,93 @@
+"""ForwardBatch: one step's flattened tokens and, per KV-cache group, where their KV lives.
+
+Built once per step by the runner and passed to every layer; layers never look at the
+coordinator. Attention layers of one group share that group's index tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One request's slice of the step: ``num_tokens`` tokens from position ``start``."""
+
+    offset: int  # index of its first token in the flattened batch
+    start: int
+    num_tokens: int
+
+
+@dataclass
+class GroupIndex:
+    """Per-group gather/scatter indices (block id, offset in block) for one step.
+
+    ``write_*``: where each new token's KV goes. For each prefill chunk, ``read_*`` covers key
+    positions ``[lo, start + n)``; decode chunks (one token) are padded into ``[B, S]`` tensors with
+    ``decode_valid`` marking real keys.
+    """
+
+    write_block: torch.Tensor
+    write_offset: torch.Tensor
+    prefill_reads: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decode_block: torch.Tensor | None = None
+    decode_offset: torch.Tensor | None = None
+    decode_valid: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened input of one step. ``decode_chunks`` / ``prefill_chunks`` index into ``chunks``."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    chunks: list[ChunkSpec]
+    prefill_chunks: list[int]
+    decode_chunks: list[int]
+    groups: list[GroupIndex]
+    sample_indices: torch.Tensor
+
+
+def build_group_index(
+    chunks: list[ChunkSpec],
+    tables: list[list[int]],
+    block_size: int,
+    window: int | None,
+    prefill_chunks: list[int],
+    decode_chunks: list[int],
+    device: torch.device,
+) -> GroupIndex:
+    """Index tensors for one group; ``tables[i]`` is chunk i's block table in this group."""
+    table_tensors = [torch.tensor(table, dtype=torch.long) for table in tables]
+    writes = [
+        torch.arange(chunk.start, chunk.start + chunk.num_tokens) for chunk in chunks
+    ]
+    write_block = torch.cat([t[pos // block_size] for t, pos in zip(table_tensors, writes, strict=True)])
+    write_offset = torch.cat([pos % block_size for pos in writes])
+    index = GroupIndex(write_block.to(device), write_offset.to(device))
+    for c in prefill_chunks:
+        chunk, table = chunks[c], table_tensors[c]
+        end = chunk.start + chunk.num_tokens
+        lo = max(0, chunk.start - window + 1) if window else 0
+        key_pos = torch.arange(lo, end)
+        query_pos = torch.arange(chunk.start, end)
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        if window:
+            allowed &= key_pos[None, :] > query_pos[:, None] - window
+        index.prefill_reads.append(
+            (c, table[key_pos // block_size].to(device), (key_pos % block_size).to(device), allowed.to(device))
+        )
+    if decode_chunks:
+        ends = torch.tensor([chunks[c].start + 1 for c in decode_chunks])
+        los = (ends - window).clamp(min=0) if window else torch.zeros_like(ends)
+        width = int((ends - los).max())
+        pos = los[:, None] + torch.arange(width)[None, :]
+        valid = pos < ends[:, None]
+        pos = torch.where(valid, pos, los[:, None])
+        blocks = torch.stack([table_tensors[c][row // block_size] for c, row in zip(decode_chunks, pos, strict=True)])
+        index.decode_block = blocks.to(device)
+        index.decode_offset = (pos % block_size).to(device)
+        index.decode_valid = valid.to(device)
+    return index

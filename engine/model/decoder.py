@@ -1,0 +1,116 @@
+"""Decoder-only transformers of the Llama family (Llama, Qwen2, Mistral) and Gemma3.
+
+One class covers both: Gemma3 adds q/k norms, pre/post feed-forward norms, ``1 + weight`` RMS
+norms, a scaled embedding and per-layer-type rotary bases; the rest is shared. Parameter names
+follow the Hugging Face checkpoints, so ``load_state_dict`` maps weights by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.arch import ModelArch
+from engine.model.batch import ForwardBatch
+from engine.model.layers import GatedMLP, RMSNorm, Rotary, paged_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, group: int):
+        super().__init__()
+        gemma = arch.family == "gemma3"
+        self.arch = arch
+        self.group = group
+        self.window = arch.layers[layer].window
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, arch.num_heads * arch.head_dim, bias=bias)
+        self.k_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.output_bias)
+        if gemma:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
+        self.gemma = gemma
+        self.rope_key = arch.layers[layer].rope
+        self.rotary = Rotary(arch.layers[layer].rope, arch.head_dim)  # type: ignore[arg-type]
+        self.cache: torch.Tensor | None = None  # set by the runner: [num_blocks, 2, bs, kv_heads, head_dim]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.gemma:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        assert self.cache is not None, "KV cache not bound"
+        out = paged_attention(
+            q, k, v, self.cache, batch.groups[self.group], batch, self.arch.attn_scale, self.arch.attn_logit_softcapping
+        )
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, group: int):
+        super().__init__()
+        gemma = arch.family == "gemma3"
+        self.self_attn = Attention(arch, layer, group)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
+        self.gemma = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), batch, rope)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and final norm (HF's ``model.*`` weights)."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, layer_group[i]) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family == "gemma3")
+
+
+class CausalLM(nn.Module):
+    """The language model: ``forward`` returns hidden states for the step's tokens;
+    ``logits`` projects only the rows to sample (prefill never projects every position)."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch, layer_group)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        if self.arch.embed_scale != 1.0:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        ropes: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}  # one cos/sin per layer type
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if attn.rope_key not in ropes:
+                ropes[attn.rope_key] = attn.rotary.cos_sin(batch.positions, x.dtype)
+            x = layer(x, batch, ropes[attn.rope_key])
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,126 @@
+"""Building blocks: RMSNorm (Llama and Gemma styles), rotary embedding, gated MLP, paged attention.
+
+Module names match Hugging Face checkpoints (``q_proj``, ``input_layernorm`` ...) so weights load
+by name. Attention reads and writes KV through the step's ``GroupIndex`` only; it never sees the
+coordinator or the cache layout beyond its own typed page view.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.arch import RopeArch
+from engine.model.batch import ForwardBatch, GroupIndex
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half convention) for one layer type."""
+
+    def __init__(self, rope: RopeArch, head_dim: int):
+        super().__init__()
+        inv_freq = torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rope.rotary_dim or head_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, rotary_dim]."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act: {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    index: GroupIndex,
+    batch: ForwardBatch,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Store this step's K/V in ``cache`` ([num_blocks, 2, block_size, kv_heads, head_dim]) and
+    attend. ``q``: [T, heads, head_dim]; ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, D].
+
+    Prefill chunks attend one by one with a causal (and window) mask; decode tokens are batched
+    into one padded call.
+    """
+    cache[index.write_block, 0, index.write_offset] = k
+    cache[index.write_block, 1, index.write_offset] = v
+    out = torch.empty_like(q)
+    for c, blocks, offsets, allowed in index.prefill_reads:
+        chunk = batch.chunks[c]
+        sl = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+        keys = cache[blocks, 0, offsets].transpose(0, 1)[None]
+        values = cache[blocks, 1, offsets].transpose(0, 1)[None]
+        out[sl] = _attend(q[sl].transpose(0, 1)[None], keys, values, allowed[None, None], scale, softcap)[0].transpose(0, 1)
+    if batch.decode_chunks:
+        rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
+        keys = cache[index.decode_block, 0, index.decode_offset].permute(0, 2, 1, 3)
+        values = cache[index.decode_block, 1, index.decode_offset].permute(0, 2, 1, 3)
+        mask = index.decode_valid[:, None, None, :]  # type: ignore[index]
+        out[rows] = _attend(q[rows][:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
+    return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """q: [B, H, Tq, D]; k/v: [B, KVH, S, D]; mask: bool, broadcastable to [B, H, Tq, S]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

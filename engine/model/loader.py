@@ -1,0 +1,92 @@
+"""Load checkpoints: Hugging Face directories (config.json + safetensors) and tiny random models.
+
+Every failure names the path and what is wrong with it (missing config, no weights, missing or
+unexpected tensors, shape mismatches).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from engine.model.arch import ModelArch, arch_from_hf_config
+from engine.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the path and the problem."""
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise CheckpointError(f"{file}: cannot read weights ({exc})") from None
+    return tensors
+
+
+def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, source: str) -> CausalLM:
+    """Instantiate the model and copy ``weights`` in by name, checking names and shapes."""
+    with torch.device("meta"):
+        model = CausalLM(arch, layer_group)
+    model = model.to_empty(device=device).to(dtype)
+    expected = model.state_dict()
+    weights = {k.removeprefix("language_model."): v for k, v in weights.items()}
+    if arch.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: weights do not match {arch.architecture} "
+            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
+        )
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(weights, strict=False)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Rotary buffers are not in checkpoints; recompute them on the target device.
+    for layer in model.model.layers:
+        rotary = layer.self_attn.rotary
+        rotary.inv_freq = torch.tensor(
+            layer.self_attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device
+        )
+    return model.eval()
+
+
+def load_hf_directory(path: str | Path, sliding_window_override: int | None = None) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """Architecture and raw weights of a Hugging Face model directory."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    arch = arch_from_hf_config(read_hf_config(directory), sliding_window_override)
+    return arch, read_safetensors(directory)

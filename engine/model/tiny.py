@@ -1,0 +1,58 @@
+"""Tiny random checkpoints built through transformers (offline, seconds): the logits oracles.
+
+``build_tiny_checkpoint(name, directory, seed)`` writes a Hugging Face directory that both
+transformers and kvfleet load. Sizes follow ../shared/docs/MODELS.md; ``initializer_range`` is
+raised to 0.1 so logits are not near-ties.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+)
+
+TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tiny-llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
+    "tiny-qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
+    "tiny-mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=16)),
+    "tiny-gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+}
+
+
+def build_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Create (or overwrite) a tiny random checkpoint of ``name`` in ``directory``."""
+    import torch
+    import transformers
+
+    if name not in TINY:
+        raise ValueError(f"model: unknown tiny model {name!r} (known: {', '.join(sorted(TINY))})")
+    config_cls, model_cls, extra = TINY[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,113 @@
+"""ModelRunner: owns the model and its KV slot tensors; SchedulerOutput -> forward -> tokens.
+
+The slot tensors (``[num_blocks, page_bytes]`` bytes each, see ``engine.model.kv_layout``) are the
+only KV memory of the worker; attention layers get typed views of their slot, and the transfer
+layer registers the raw slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.arch import ModelArch
+from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index
+from engine.model.decoder import CausalLM
+from engine.model.kv_layout import KVLayout
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Runs one step of the model over a batch of request chunks.
+
+    Invariant: ``slots[j]`` row ``b`` is block ``b``'s page for the ``j``-th layer of the group
+    that owns block ``b``; nothing else writes KV memory (except a transfer into blocks the
+    coordinator handed to it).
+    """
+
+    def __init__(
+        self, arch: ModelArch, layout: KVLayout, model: CausalLM, num_blocks: int, device: torch.device, dtype: str
+    ):
+        self.arch = arch
+        self.layout = layout
+        self.model = model
+        self.device = device
+        self.dtype = TORCH_DTYPES[dtype]
+        self.num_blocks = num_blocks
+        self.slots = [
+            torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
+        ]
+        bs, kvh, hd = layout.block_size, arch.num_kv_heads, arch.head_dim
+        for index, layer in enumerate(model.model.layers):
+            slot = self.slots[layout.layer_slot[index]]
+            layer.self_attn.cache = slot.view(self.dtype).view(num_blocks, 2, bs, kvh, hd)
+        self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
+        self.sampler = Sampler(device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Run the scheduled chunks; return the sampled token of every chunk that samples."""
+        if not output.chunks:
+            return {}
+        batch = self.build_batch(output)
+        hidden = self.model(batch)
+        sampling = [c for c in output.chunks if c.sample]
+        if not sampling:
+            return {}
+        logits = self.model.logits(hidden[batch.sample_indices])
+        ids = [c.request.request_id for c in sampling]
+        tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
+        return dict(zip(ids, tokens, strict=True))
+
+    @torch.inference_mode()
+    def logits_for(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        """Like ``execute`` but also returns each sampled row's logits (for tests and oracles)."""
+        batch = self.build_batch(output)
+        hidden = self.model(batch)
+        sampling = [c for c in output.chunks if c.sample]
+        if not sampling:
+            return {}, {}
+        logits = self.model.logits(hidden[batch.sample_indices])
+        ids = [c.request.request_id for c in sampling]
+        tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
+        return dict(zip(ids, tokens, strict=True)), dict(zip(ids, logits.cpu(), strict=True))
+
+    def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
+        chunks: list[ChunkSpec] = []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        offset = 0
+        for chunk in output.chunks:
+            tokens = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            chunks.append(ChunkSpec(offset, chunk.start, chunk.num_tokens))
+            input_ids.extend(tokens)
+            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+            offset += chunk.num_tokens
+            if chunk.sample:
+                sample_rows.append(offset - 1)
+        decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        groups = [
+            build_group_index(
+                chunks,
+                [chunk.block_ids[g] for chunk in output.chunks],
+                self.layout.block_size,
+                self.windows[g],
+                prefill,
+                decode,
+                self.device,
+            )
+            for g in range(len(self.layout.groups))
+        ]
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            chunks=chunks,
+            prefill_chunks=prefill,
+            decode_chunks=decode,
+            groups=groups,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+        )
