@@ -1,0 +1,80 @@
+"""Tokenizers: the checkpoint's own (transformers) or a byte-level one for tiny random models,
+and incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Bytes are token ids (0..255): the vocabulary of the tiny random models; needs no files."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A transformers tokenizer loaded from the model directory (offline)."""
+
+    def __init__(self, directory: Path):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(directory))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
+    """The directory's tokenizer if it has one; the byte tokenizer for a 256-token vocabulary."""
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return HFTokenizer(directory)
+    if vocab_size == 256:
+        return ByteTokenizer()
+    raise ValueError(f"{directory}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) for a {vocab_size}-token vocabulary")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas and watches for stop strings.
+
+    Text that ends in an incomplete UTF-8 sequence is held back until it completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop = include_stop
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Add tokens; return the new text (cut at a stop string, after which ``stopped`` is set)."""
+        self.token_ids.extend(token_ids)
+        full = self.tokenizer.decode(self.token_ids)
+        if full.endswith("\ufffd"):
+            return ""
+        for stop in self.stop:
+            at = full.find(stop, max(0, len(self.text) - len(stop)))
+            if at >= 0:
+                full = full[: at + len(stop)] if self.include_stop else full[:at]
+                self.stopped = True
+                break
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta
