@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from engine.model.arch import ModelArch
-from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index
+from engine.kv_cache.spec import MambaSpec
+from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index, build_state_index
+from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
 from engine.sampler import Sampler
@@ -28,7 +30,13 @@ class ModelRunner:
     """
 
     def __init__(
-        self, arch: ModelArch, layout: KVLayout, model: CausalLM, num_blocks: int, device: torch.device, dtype: str
+        self,
+        arch: ModelArch,
+        layout: KVLayout,
+        model: CausalLM | BambaLM,
+        num_blocks: int,
+        device: torch.device,
+        dtype: str,
     ):
         self.arch = arch
         self.layout = layout
@@ -40,10 +48,21 @@ class ModelRunner:
             torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
         ]
         bs, kvh, hd = layout.block_size, arch.num_kv_heads, arch.head_dim
+        attn_bytes = 2 * bs * kvh * hd * self.dtype.itemsize
         for index, layer in enumerate(model.model.layers):
             slot = self.slots[layout.layer_slot[index]]
-            layer.self_attn.cache = slot.view(self.dtype).view(num_blocks, 2, bs, kvh, hd)
+            mixer = getattr(layer, "mamba", None)
+            if mixer is not None:
+                m = arch.mamba
+                assert m is not None
+                states = slot.view(torch.float32)  # [num_blocks, page_bytes / 4]
+                conv = m.conv_dim * m.d_conv
+                mixer.conv_state = states[:, :conv].view(num_blocks, m.conv_dim, m.d_conv)
+                mixer.ssm_state = states[:, conv : m.state_floats].view(num_blocks, m.num_heads, m.head_dim, m.d_state)
+            else:
+                layer.self_attn.cache = slot[:, :attn_bytes].view(self.dtype).view(num_blocks, 2, bs, kvh, hd)
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
+        self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
 
     @torch.inference_mode()
@@ -91,7 +110,9 @@ class ModelRunner:
         decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
         groups = [
-            build_group_index(
+            build_state_index(chunks, [chunk.block_ids[g] for chunk in output.chunks], self.layout.block_size)
+            if self.is_mamba[g]
+            else build_group_index(
                 chunks,
                 [chunk.block_ids[g] for chunk in output.chunks],
                 self.layout.block_size,

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
+    "BambaForCausalLM",
 )
 
 LayerKind = Literal["full_attention", "sliding_attention", "mamba"]
@@ -38,6 +39,31 @@ class RopeArch:
 
 
 @dataclass(frozen=True)
+class MambaArch:
+    """A Mamba2 mixer: heads x head_dim channels, state size, groups, causal conv width."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    intermediate_size: int
+    conv_bias: bool
+    proj_bias: bool
+    time_step_min: float = 0.0
+    time_step_max: float = float("inf")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+    @property
+    def state_floats(self) -> int:
+        """fp32 numbers in one request's state: conv window plus SSM state."""
+        return self.conv_dim * self.d_conv + self.num_heads * self.head_dim * self.d_state
+
+
+@dataclass(frozen=True)
 class LayerArch:
     kind: LayerKind
     window: int | None = None  # sliding window in tokens (query sees keys in (q - window, q])
@@ -49,7 +75,7 @@ class ModelArch:
     """Everything the torch model needs to know about one checkpoint's architecture."""
 
     architecture: str
-    family: Literal["llama", "gemma3"]
+    family: Literal["llama", "gemma3", "bamba"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,6 +95,8 @@ class ModelArch:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    mlp_bias: bool = False
+    mamba: MambaArch | None = None
 
     @property
     def num_layers(self) -> int:
@@ -150,6 +178,8 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
         )
 
     rope = _rope(rope_params if "rope_type" in rope_params or "type" in rope_params else None, default_theta)
+    if architecture == "BambaForCausalLM":
+        return _bamba(config, architecture, hidden, heads, head_dim, num_layers, rope_params, default_theta)
     if architecture == "MistralForCausalLM" and window:
         layer_types = ["sliding_attention"] * num_layers
     elif architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window") and window:
@@ -185,6 +215,71 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
     )
 
 
+def _float(value: Any) -> float:
+    if isinstance(value, dict) and "__float__" in value:  # HF serialises inf as {"__float__": "Infinity"}
+        return float(value["__float__"])
+    return float(value)
+
+
+def _bamba(
+    config: dict[str, Any],
+    architecture: str,
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    num_layers: int,
+    rope_params: dict[str, Any],
+    default_theta: float,
+) -> ModelArch:
+    attention_layers = set(config.get("attn_layer_indices") or [])
+    rope = _rope(rope_params, default_theta)
+    factor = float(rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    rope = RopeArch(rope.theta, rope.linear_factor, int(head_dim * factor))
+    layers = tuple(
+        LayerArch("full_attention", None, rope) if i in attention_layers else LayerArch("mamba")
+        for i in range(num_layers)
+    )
+    expand = int(config.get("mamba_expand", 2))
+    n_heads = int(config["mamba_n_heads"])
+    d_head = config.get("mamba_d_head", "auto")
+    intermediate = expand * hidden
+    limit = config.get("time_step_limit") or (0.0, float("inf"))
+    mamba = MambaArch(
+        num_heads=n_heads,
+        head_dim=intermediate // n_heads if d_head in (None, "auto") else int(d_head),
+        n_groups=int(config.get("mamba_n_groups", 1)),
+        d_state=int(config["mamba_d_state"]),
+        d_conv=int(config.get("mamba_d_conv", 4)),
+        intermediate_size=intermediate,
+        conv_bias=bool(config.get("mamba_conv_bias", True)),
+        proj_bias=bool(config.get("mamba_proj_bias", False)),
+        time_step_min=_float(limit[0]),
+        time_step_max=_float(limit[1]),
+    )
+    return ModelArch(
+        architecture=architecture,
+        family="bamba",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        layers=layers,
+        hidden_act=str(config.get("hidden_act", "silu")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", False)),
+        output_bias=bool(config.get("attention_bias", False)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        attn_scale=head_dim**-0.5,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos(config),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        mamba=mamba,
+    )
+
+
 def _guess_architecture(config: dict[str, Any]) -> str:
     model_type = config.get("model_type", "")
     return {
@@ -192,4 +287,5 @@ def _guess_architecture(config: dict[str, Any]) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "mistral": "MistralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "bamba": "BambaForCausalLM",
     }.get(model_type, model_type or "<missing architectures>")

@@ -35,6 +35,8 @@ class GroupIndex:
     decode_block: torch.Tensor | None = None
     decode_offset: torch.Tensor | None = None
     decode_valid: torch.Tensor | None = None
+    state_read: list[int] = field(default_factory=list)  # Mamba: block holding the state at start (-1: none)
+    state_write: list[int] = field(default_factory=list)  # Mamba: block receiving the state at the end
 
 
 @dataclass
@@ -90,4 +92,15 @@ def build_group_index(
         index.decode_block = blocks.to(device)
         index.decode_offset = (pos % block_size).to(device)
         index.decode_valid = valid.to(device)
+    return index
+
+
+def build_state_index(chunks: list[ChunkSpec], tables: list[list[int]], block_size: int) -> GroupIndex:
+    """Mamba group: per chunk, the block with the state after ``start`` tokens (the one at index
+    ``(start - 1) // block_size``) and the block that receives the state after the chunk."""
+    empty = torch.empty(0, dtype=torch.long)
+    index = GroupIndex(empty, empty)
+    for chunk, table in zip(chunks, tables, strict=True):
+        index.state_read.append(table[(chunk.start - 1) // block_size] if chunk.start else -1)
+        index.state_write.append(table[(chunk.start + chunk.num_tokens - 1) // block_size])
     return index

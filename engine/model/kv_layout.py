@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from engine.model.arch import ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -35,6 +35,12 @@ def attention_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
     return 2 * block_size * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
 
 
+def mamba_page_bytes(arch: ModelArch) -> int:
+    """One Mamba layer's state per block: conv window and SSM state, both kept in fp32."""
+    assert arch.mamba is not None
+    return arch.mamba.state_floats * 4
+
+
 def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
     """Group the model's layers and size one page (the largest any layer needs)."""
     buckets: dict[tuple, list[int]] = {}
@@ -51,8 +57,10 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
             spec = SlidingWindowSpec(block_size, int(window))
         elif kind == "full_attention":
             spec = FullAttentionSpec(block_size)
+        elif kind == "mamba":
+            spec = MambaSpec(block_size)
         else:
-            raise ValueError(f"layer kind {kind!r} has no KV-cache spec yet")
+            raise ValueError(f"layer kind {kind!r} has no KV-cache spec")
         for start in range(0, len(layers), size):
             members = layers[start : start + size]
             for slot, layer in enumerate(members):
@@ -64,6 +72,9 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
         layer_group=tuple(layer_group),
         layer_slot=tuple(layer_slot),
         num_slots=size,
-        page_bytes=attention_page_bytes(arch, block_size, dtype),
+        page_bytes=max(
+            attention_page_bytes(arch, block_size, dtype) if any(l.kind != "mamba" for l in arch.layers) else 0,
+            mamba_page_bytes(arch) if arch.mamba else 0,
+        ),
         block_size=block_size,
     )

@@ -15,7 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model.arch import ModelArch, arch_from_hf_config
+from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
+
+MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM}
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, source: str) -> CausalLM:
+                device: torch.device, source: str) -> CausalLM | BambaLM:
     """Instantiate the model and copy ``weights`` in by name, checking names and shapes."""
     with torch.device("meta"):
-        model = CausalLM(arch, layer_group)
+        model = MODEL_CLASSES[arch.family](arch, layer_group)
     model = model.to_empty(device=device).to(dtype)
     expected = model.state_dict()
     weights = {k.removeprefix("language_model."): v for k, v in weights.items()}
@@ -76,10 +79,9 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
         model.lm_head.weight = model.model.embed_tokens.weight
     # Rotary buffers are not in checkpoints; recompute them on the target device.
     for layer in model.model.layers:
-        rotary = layer.self_attn.rotary
-        rotary.inv_freq = torch.tensor(
-            layer.self_attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device
-        )
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            attn.rotary.inv_freq = torch.tensor(attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device)
     return model.eval()
 
 

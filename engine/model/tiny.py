@@ -38,6 +38,21 @@ TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         ),
     ),
+    "tiny-bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[1, 3],
+            mamba_n_heads=8,
+            mamba_d_head="auto",
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+        ),
+    ),
 }
 
 
