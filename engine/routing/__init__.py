@@ -1,0 +1,50 @@
+"""Request placement over a cluster of hybrid-KV workers: pure policy, no I/O, no torch, no ray.
+
+- ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
+  the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment).
+- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins;
+  ``Router``: the interface every policy offers, ``Router.from_config`` builds one from
+  ``RouterConfig``.
+- ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
+- ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).
+- ``types``: requests, loads, decisions and the actions the caller executes.
+"""
+
+from engine.routing.baselines import LeastLoadedRouter, PrefixTreeRouter, RoundRobinRouter
+from engine.routing.index import HitRules, PrefixIndex, WorkerSnapshot, snapshot_coordinator
+from engine.routing.policy import POLICIES, Router, RoutingPolicy
+from engine.routing.types import (
+    Action,
+    Decision,
+    NoWorkerError,
+    PinCapacityError,
+    PinInfo,
+    PinOn,
+    RequestSnapshot,
+    RouteRequest,
+    Unpin,
+    WorkerLoad,
+)
+
+__all__ = [
+    "POLICIES",
+    "Action",
+    "Decision",
+    "HitRules",
+    "LeastLoadedRouter",
+    "NoWorkerError",
+    "PinCapacityError",
+    "PinInfo",
+    "PinOn",
+    "PrefixIndex",
+    "PrefixTreeRouter",
+    "RequestSnapshot",
+    "RoundRobinRouter",
+    "RouteRequest",
+    "Router",
+    "RoutingPolicy",
+    "Unpin",
+    "WorkerLoad",
+    "WorkerSnapshot",
+    "snapshot_coordinator",
+]

@@ -1,0 +1,375 @@
+"""Cluster-wide pinned prefixes: kept resident on ``replicas`` workers, within a block budget.
+
+A pin names a token prefix by its chained block hashes and a length ``L`` (aligned to the
+coordinators' LCM block size). Holding it costs every holder the blocks a hit at ``L`` needs in
+every group (``blocks_needed_at(L)``: the whole full-attention prefix, one window per sliding
+group, one Mamba state), which is what ``HybridCoordinator.pin_prefix`` pins there.
+
+Holder life cycle (per pin, per worker)::
+
+    (choose) --PinOn--> PENDING --pin_result(pinned == L)--> ACTIVE
+                           |                                   | events: a needed block of this pin
+                           | pinned < L / timeout               | was unpinned (demoted) or removed,
+                           v                                   | cache cleared, worker removed
+                        failed (retry elsewhere; Unpin)  <-----+  (Unpin; re-establish elsewhere)
+
+The table is pure bookkeeping: it emits ``PinOn`` / ``Unpin`` actions and never talks to workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.routing.index import GroupHash, PrefixIndex
+from engine.routing.types import Action, PinCapacityError, PinInfo, PinOn, Unpin, WorkerId
+
+PENDING = "pending"
+ACTIVE = "active"
+
+
+@dataclass
+class _Holder:
+    state: str
+    since: float
+    watch: list[GroupHash] = field(default_factory=list)
+    verify_seq: int | None = None
+
+
+@dataclass
+class Pin:
+    pin_id: int
+    block_hashes: list[bytes]
+    length: int
+    replicas: int
+    blocks_per_replica: int
+    token_ids: tuple[int, ...] | None
+    expires_at: float | None
+    auto: bool
+    needed: list[GroupHash]
+    holders: dict[WorkerId, _Holder] = field(default_factory=dict)
+    failed: dict[WorkerId, float] = field(default_factory=dict)
+    short_since: float | None = None
+
+    @property
+    def key(self) -> bytes:
+        return self.block_hashes[-1]
+
+    def active(self) -> list[WorkerId]:
+        return [w for w, h in self.holders.items() if h.state == ACTIVE]
+
+    def info(self) -> PinInfo:
+        return PinInfo(
+            self.pin_id,
+            self.length,
+            self.replicas,
+            self.blocks_per_replica,
+            self.active(),
+            [w for w, h in self.holders.items() if h.state == PENDING],
+            self.expires_at,
+            self.auto,
+        )
+
+
+#: chooser(pin, exclude) -> the best new holder, or None when no worker can take it.
+Chooser = Callable[[Pin, set[WorkerId]], WorkerId | None]
+
+
+class PinTable:
+    """All cluster pins, their holders, the watch map from (worker, group, hash) to pins, and the
+    budget accounting (``capacity_blocks`` for explicit pins; auto pins have their own budget)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        capacity_blocks: int | None = None,
+        pending_timeout_s: float = 120.0,
+        retry_after_s: float = 10.0,
+    ):
+        self.index = index
+        self.capacity_blocks = capacity_blocks
+        self.pending_timeout_s = pending_timeout_s
+        self.retry_after_s = retry_after_s
+        self.pins: dict[int, Pin] = {}
+        self.by_key: dict[bytes, list[Pin]] = {}
+        self.watch: dict[WorkerId, dict[GroupHash, set[int]]] = {}
+        self.worker_blocks: dict[WorkerId, int] = {}
+        self.used_blocks = 0
+        self.auto_blocks = 0
+        self.recoveries: list[tuple[int, float, float]] = []  # (pin_id, short since, full again)
+        self._next_id = 1
+        self._retired: dict[int, tuple[list[bytes], int]] = {}  # removed pins, for late PinOn results
+
+    # -- creation / removal ---------------------------------------------------------------------------
+    def cost_blocks(self, block_hashes: Sequence[bytes], length: int) -> int:
+        return len(self.index.rules.needed(block_hashes, length))
+
+    def create(
+        self,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        replicas: int,
+        now: float,
+        ttl_s: float | None = None,
+        token_ids: Sequence[int] | None = None,
+        auto: bool = False,
+    ) -> Pin:
+        """Register a pin (no holders yet; ``fill`` places them). Raises ``PinCapacityError`` when
+        ``replicas`` copies would exceed the capacity, ValueError for an empty prefix."""
+        rules = self.index.rules
+        hbs = rules.hash_block_size
+        length = rules.aligned(min(num_tokens, len(block_hashes) * hbs))
+        if length <= 0:
+            raise ValueError(
+                f"pin: a prefix of {num_tokens} tokens ({len(block_hashes)} block hashes) is shorter than "
+                f"one aligned block ({rules.alignment} tokens); nothing to pin"
+            )
+        if replicas < 1:
+            raise ValueError(f"pin: replicas must be >= 1 (got {replicas})")
+        hashes = list(block_hashes[: length // hbs])
+        needed = rules.needed(hashes, length)
+        cost = len(needed) * replicas
+        if not auto and self.capacity_blocks is not None and self.used_blocks + cost > self.capacity_blocks:
+            raise PinCapacityError(
+                f"pin of {length} tokens x {replicas} replicas needs {cost} blocks "
+                f"({len(needed)} per replica); {self.used_blocks} of the cluster pin capacity "
+                f"{self.capacity_blocks} blocks are in use, {self.capacity_blocks - self.used_blocks} left "
+                "(router.pin_capacity_blocks)"
+            )
+        pin = Pin(
+            self._next_id,
+            hashes,
+            length,
+            replicas,
+            len(needed),
+            tuple(token_ids[:length]) if token_ids is not None else None,
+            now + ttl_s if ttl_s is not None else None,
+            auto,
+            needed,
+            short_since=now,
+        )
+        self._next_id += 1
+        self.pins[pin.pin_id] = pin
+        self.by_key.setdefault(pin.key, []).append(pin)
+        if auto:
+            self.auto_blocks += cost
+        else:
+            self.used_blocks += cost
+        return pin
+
+    def remove(self, pin_id: int) -> list[Action]:
+        """Drop a pin: unpin it on every holder and release its budget. Unknown ids: no-op."""
+        pin = self.pins.pop(pin_id, None)
+        if pin is None:
+            return []
+        same = self.by_key[pin.key]
+        same.remove(pin)
+        if not same:
+            del self.by_key[pin.key]
+        cost = pin.blocks_per_replica * pin.replicas
+        if pin.auto:
+            self.auto_blocks -= cost
+        else:
+            self.used_blocks -= cost
+        if any(h.state == PENDING for h in pin.holders.values()):
+            self._retired[pin.pin_id] = (pin.block_hashes, pin.length)
+        actions: list[Action] = []
+        for worker in list(pin.holders):
+            actions.append(self._drop_holder(pin, worker))
+        return actions
+
+    # -- lookups ----------------------------------------------------------------------------------------
+    def match(self, block_hashes: Sequence[bytes]) -> Pin | None:
+        """The deepest pin whose prefix the request starts with: one dict lookup per block."""
+        if not self.by_key:
+            return None
+        found: Pin | None = None
+        by_key = self.by_key
+        for block_hash in block_hashes:
+            pins = by_key.get(block_hash)
+            if pins:
+                found = pins[0]
+        return found
+
+    # -- holders ----------------------------------------------------------------------------------------
+    def fill(self, pin: Pin, now: float, choose: Chooser) -> list[Action]:
+        """Add PENDING holders until the pin has ``replicas`` (active + pending) or no worker fits."""
+        actions: list[Action] = []
+        while len(pin.holders) < pin.replicas:
+            exclude = set(pin.holders)
+            exclude.update(w for w, t in pin.failed.items() if now - t < self.retry_after_s)
+            worker = choose(pin, exclude)
+            if worker is None:
+                break
+            source = next(iter(pin.active()), None)
+            pin.holders[worker] = _Holder(PENDING, now)
+            self.worker_blocks[worker] = self.worker_blocks.get(worker, 0) + pin.blocks_per_replica
+            actions.append(PinOn(worker, pin.pin_id, pin.block_hashes, pin.length, pin.token_ids, source))
+        return actions
+
+    def on_result(self, worker: WorkerId, pin_id: int, pinned: int, now: float, seq: int | None) -> list[Action]:
+        """A holder's ``pin_prefix`` returned ``pinned`` tokens (``seq``: the worker's event seq then)."""
+        pin = self.pins.get(pin_id)
+        holder = pin.holders.get(worker) if pin is not None else None
+        if pin is None or holder is None or holder.state != PENDING:
+            # The pin (or this holder) was dropped while the PinOn was in flight: undo what it did.
+            if pinned <= 0:
+                return []
+            if pin is not None:
+                return [Unpin(worker, pin_id, pin.block_hashes, pin.length)]
+            retired = self._retired.get(pin_id)
+            return [Unpin(worker, pin_id, retired[0], retired[1])] if retired is not None else []
+        if pinned < pin.length:
+            pin.failed[worker] = now
+            action = self._drop_holder(pin, worker)
+            return [action] if pinned > 0 else []
+        holder.state = ACTIVE
+        holder.since = now
+        holder.watch = pin.needed
+        holder.verify_seq = seq
+        watch = self.watch.setdefault(worker, {})
+        for key in pin.needed:
+            watch.setdefault(key, set()).add(pin.pin_id)
+        if len(pin.active()) >= pin.replicas and pin.short_since is not None:
+            self.recoveries.append((pin.pin_id, pin.short_since, now))
+            pin.short_since = None
+        return []
+
+    def verify(self, worker: WorkerId, now: float) -> list[GroupHash]:
+        """Keys of ACTIVE holders on ``worker`` whose pin the index does not show (checked once the
+        index has caught up with the event seq reported with the pin result)."""
+        if worker not in self.index:
+            return []
+        last = self.index.last_seq(worker)
+        missing: list[GroupHash] = []
+        for pin in self.pins.values():
+            holder = pin.holders.get(worker)
+            if holder is None or holder.state != ACTIVE or holder.verify_seq is None or holder.verify_seq > last:
+                continue
+            holder.verify_seq = None
+            for g, block_hash in pin.needed:
+                if self.index.pin_level(worker, g, block_hash) != 2:
+                    missing.append((g, block_hash))
+        return missing
+
+    def on_lost(self, worker: WorkerId, keys: Sequence[GroupHash], now: float) -> list[Action]:
+        """Watched blocks on ``worker`` lost their pin or their cache entry: every pin needing one
+        of them loses this holder."""
+        watch = self.watch.get(worker)
+        if not watch:
+            return []
+        hit: set[int] = set()
+        for key in keys:
+            hit.update(watch.get(key, ()))
+        return self._lose(worker, hit, now)
+
+    def on_cleared(self, worker: WorkerId, now: float) -> list[Action]:
+        return self._lose(worker, {p.pin_id for p in self.pins.values() if worker in p.holders}, now)
+
+    def on_worker_removed(self, worker: WorkerId, now: float) -> None:
+        """The worker is gone: drop it from every pin without sending it anything."""
+        for pin in self.pins.values():
+            if worker in pin.holders:
+                self._drop_holder(pin, worker)
+                if pin.short_since is None:
+                    pin.short_since = now
+            pin.failed.pop(worker, None)
+        self.watch.pop(worker, None)
+        self.worker_blocks.pop(worker, None)
+
+    def _lose(self, worker: WorkerId, pin_ids: set[int], now: float) -> list[Action]:
+        actions: list[Action] = []
+        for pin_id in pin_ids:
+            pin = self.pins.get(pin_id)
+            if pin is None or worker not in pin.holders:
+                continue
+            actions.append(self._drop_holder(pin, worker))
+            pin.failed[worker] = now  # evicted under pressure there: prefer another worker
+            if pin.short_since is None:
+                pin.short_since = now
+        return actions
+
+    def _drop_holder(self, pin: Pin, worker: WorkerId) -> Action:
+        holder = pin.holders.pop(worker)
+        self.worker_blocks[worker] = self.worker_blocks.get(worker, 0) - pin.blocks_per_replica
+        watch = self.watch.get(worker)
+        if watch is not None:
+            for key in holder.watch:
+                ids = watch.get(key)
+                if ids is not None:
+                    ids.discard(pin.pin_id)
+                    if not ids:
+                        del watch[key]
+        return Unpin(worker, pin.pin_id, pin.block_hashes, pin.length)
+
+    def expire(self, now: float) -> list[Action]:
+        """Remove pins past their TTL; time out PENDING holders that never reported."""
+        actions: list[Action] = []
+        for pin in [p for p in self.pins.values() if p.expires_at is not None and p.expires_at <= now]:
+            actions.extend(self.remove(pin.pin_id))
+        for pin in self.pins.values():
+            for worker, holder in list(pin.holders.items()):
+                if holder.state == PENDING and now - holder.since > self.pending_timeout_s:
+                    pin.failed[worker] = now
+                    actions.append(self._drop_holder(pin, worker))
+        return actions
+
+
+@dataclass
+class HotPrefix:
+    key: bytes
+    block_hashes: list[bytes]
+    length: int
+    token_ids: tuple[int, ...] | None
+    count: float = 0.0
+
+
+class HotPrefixes:
+    """Which shared prefixes routed requests start with, counted with a half-life.
+
+    A request's *shared prefix* is the deepest aligned block of it that an earlier request (within
+    about two half-lives) also had: where its chain diverged from the traffic seen before. Cost per
+    request: O(its prefix blocks) set operations.
+    """
+
+    def __init__(self, hash_block_size: int, alignment: int, half_life_s: float = 30.0):
+        self.step = max(1, alignment // hash_block_size)
+        self.hash_block_size = hash_block_size
+        self.half_life_s = half_life_s
+        self.counts: dict[bytes, HotPrefix] = {}
+        self._recent: set[bytes] = set()
+        self._older: set[bytes] = set()
+        self._rotated_at: float | None = None
+
+    def observe(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None, now: float) -> None:
+        if self._rotated_at is None:
+            self._rotated_at = now
+        step = self.step
+        recent, older = self._recent, self._older
+        n = len(block_hashes)
+        deepest = 0
+        i = step - 1
+        while i < n and (block_hashes[i] in recent or block_hashes[i] in older):
+            deepest = i + 1
+            i += step
+        recent.update(block_hashes[step - 1 :: step])
+        if not deepest:
+            return
+        key = block_hashes[deepest - 1]
+        hot = self.counts.get(key)
+        if hot is None:
+            length = deepest * self.hash_block_size
+            tokens = tuple(token_ids[:length]) if token_ids is not None and len(token_ids) >= length else None
+            hot = self.counts[key] = HotPrefix(key, list(block_hashes[:deepest]), length, tokens)
+        hot.count += 1.0
+
+    def decay(self, now: float) -> None:
+        """Halve every count once per half-life and forget prefixes seen two half-lives ago."""
+        if self._rotated_at is None or now - self._rotated_at < self.half_life_s:
+            return
+        self._rotated_at = now
+        self._older, self._recent = self._recent, set()
+        for key in [k for k, hot in self.counts.items() if hot.count < 0.5]:
+            del self.counts[key]
+        for hot in self.counts.values():
+            hot.count *= 0.5

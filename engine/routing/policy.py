@@ -1,0 +1,540 @@
+"""kvfleet's routing policy: exact hybrid-aware prefix prediction + load cost + cluster pins.
+
+``RoutingPolicy`` is a pure object. Its caller (the router actor, or the simulator) feeds it
+worker membership, load stats and KV events, asks it where each request runs (``route``), and
+executes the actions it returns (``PinOn`` / ``Unpin`` / ``RequestSnapshot``, see ``types``).
+Time is always passed in (``now``, seconds); the policy never reads a clock.
+
+Placement of one request with N tokens (aggregated workers, role "both")::
+
+    hit[w]   = index.predict(hashes, N - 1)[w]          exact: the worker coordinator's hit rules
+    cost[w]  = w_uncached * (N - hit[w]) + w_queued * queued_tokens[w]
+             + w_running * running_requests[w] + w_used * used_block_fraction[w]
+    guard    : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
+    pin      : if the request starts with a pinned prefix of length L, choose among the unguarded
+               workers with hit[w] >= L (its holders, or any worker that has it) when there is one
+    choice   = argmin cost, ties broken at random (seeded)
+
+With dedicated prefill workers (P/D): the decode worker D minimises load cost plus a tenth of the
+uncached cost (what it must pull); when D's own uncached part (full hit rules, it would prefill
+locally) is below ``decode_only_threshold_tokens`` it prefills too, otherwise the prefill worker
+is chosen as above among prefill-capable workers. The decode worker's transfer hit uses the
+remote-prefill rule (Mamba groups do not veto: seed 004).
+
+Cost of ``route``: one index walk O(prefix blocks) + one pass over the workers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from engine.kv_cache.events import KVEvent
+from engine.kv_cache.hashing import block_hashes as hash_tokens
+from engine.kv_cache.spec import KVCacheGroup
+from engine.routing.index import PrefixIndex, WorkerSnapshot
+from engine.routing.pins import HotPrefixes, Pin, PinTable
+from engine.routing.types import (
+    Action,
+    Decision,
+    NoWorkerError,
+    PinInfo,
+    RequestSnapshot,
+    Role,
+    RouteRequest,
+    WorkerId,
+    WorkerLoad,
+)
+
+if TYPE_CHECKING:
+    from configs.schema import RouterConfig
+
+POLICIES = ("kvfleet", "round_robin", "least_loaded", "prefix_tree")
+
+
+class Router:
+    """The interface every placement policy offers (kvfleet's and the baselines).
+
+    Membership, load stats and actions are common; policies that ignore KV events keep the no-op
+    ``apply_events``. Loads: the caller reports ``update_load``; between reports the router adds
+    its own assignments (``route`` counts the request's uncached tokens and one running request
+    on the chosen workers) so a burst does not all land on one worker.
+    """
+
+    name = "base"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.roles: dict[WorkerId, Role] = {}
+        self.loads: dict[WorkerId, WorkerLoad] = {}
+        self.num_blocks: dict[WorkerId, int | None] = {}
+
+    # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RouterConfig,
+        groups: Sequence[KVCacheGroup],
+        tokenize: Callable[[str], list[int]] | None = None,
+        now: float = 0.0,
+    ) -> Router:
+        """The policy ``cfg.policy`` names, with ``cfg``'s weights, thresholds, pins and seed.
+
+        ``groups``: the workers' KV-cache groups (all workers of a cluster share them).
+        ``tokenize``: needed only for pins given as text.
+        """
+        if cfg.policy == "kvfleet":
+            return RoutingPolicy.from_config(cfg, groups, tokenize, now)
+        from engine.routing.baselines import BASELINES
+
+        return BASELINES[cfg.policy](groups, seed=cfg.seed)
+
+    # -- membership and loads -------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[WorkerId]:
+        return list(self.roles)
+
+    def add_worker(
+        self,
+        worker: WorkerId,
+        role: Role = "both",
+        num_blocks: int | None = None,
+        snapshot: WorkerSnapshot | None = None,
+        now: float = 0.0,
+    ) -> list[Action]:
+        if worker in self.roles:
+            raise ValueError(f"worker {worker!r} is already registered")
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role: must be 'both', 'prefill' or 'decode' (got {role!r})")
+        self.roles[worker] = role
+        self.loads[worker] = WorkerLoad()
+        self.num_blocks[worker] = num_blocks
+        return []
+
+    def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
+        self.roles.pop(worker, None)
+        self.loads.pop(worker, None)
+        self.num_blocks.pop(worker, None)
+        return []
+
+    def update_load(self, worker: WorkerId, load: WorkerLoad) -> None:
+        if worker in self.loads:
+            self.loads[worker] = replace(load)  # the router adds its own assignments to its copy
+
+    # -- events ---------------------------------------------------------------------------------------
+    def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
+        return []
+
+    def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
+        return []
+
+    def tick(self, now: float) -> list[Action]:
+        return []
+
+    # -- placement ------------------------------------------------------------------------------------
+    def route(self, request: RouteRequest, now: float = 0.0) -> Decision:
+        raise NotImplementedError
+
+    def _record(self, decision: Decision) -> None:
+        """Count the assignment until the next load report."""
+        load = self.loads[decision.prefill_worker]
+        load.queued_tokens += decision.uncached_tokens
+        load.running_requests += 1
+        if decision.decode_worker != decision.prefill_worker:
+            self.loads[decision.decode_worker].running_requests += 1
+
+    def _candidates(self, role: Role) -> list[WorkerId]:
+        want = ("both", role)
+        return [w for w, r in self.roles.items() if r in want]
+
+    def _require(self, workers: list[WorkerId], role: str) -> None:
+        if not workers:
+            raise NoWorkerError(f"no {role} worker is registered with the router")
+
+
+class RoutingPolicy(Router):
+    """kvfleet's policy. See the module docstring for the cost and the rules."""
+
+    name = "kvfleet"
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        *,
+        w_uncached: float = 1.0,
+        w_queued: float = 0.5,
+        w_running: float = 16.0,
+        w_used: float = 256.0,
+        decode_only_threshold_tokens: int = 64,
+        imbalance_ratio: float = 2.0,
+        pin_capacity_blocks: int | None = None,
+        auto_pin: bool = False,
+        auto_pin_budget_blocks: int = 0,
+        auto_pin_min_requests: int = 4,
+        auto_pin_replicas: int = 1,
+        auto_pin_interval_s: float = 5.0,
+        pin_worker_fraction: float = 0.5,
+        seed: int = 0,
+    ):
+        super().__init__(seed)
+        if imbalance_ratio < 1.0:
+            raise ValueError(f"imbalance_ratio: must be >= 1.0 (got {imbalance_ratio})")
+        self.index = PrefixIndex(groups)
+        self.rules = self.index.rules
+        self.has_mamba = bool(self.rules.mamba_groups)
+        self.w_uncached = w_uncached
+        self.w_queued = w_queued
+        self.w_running = w_running
+        self.w_used = w_used
+        self.decode_only_threshold_tokens = decode_only_threshold_tokens
+        self.imbalance_ratio = imbalance_ratio
+        self.pin_worker_fraction = pin_worker_fraction
+        self.pins = PinTable(self.index, pin_capacity_blocks)
+        self.auto_pin = auto_pin
+        self.auto_pin_budget_blocks = auto_pin_budget_blocks
+        self.auto_pin_min_requests = auto_pin_min_requests
+        self.auto_pin_replicas = auto_pin_replicas
+        self.auto_pin_interval_s = auto_pin_interval_s
+        self.hot = HotPrefixes(self.rules.hash_block_size, self.rules.alignment) if auto_pin else None
+        self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id
+        self._last_auto: float | None = None
+        self._load_cost: dict[WorkerId, float] = {}
+        self._queued_sum = 0.0
+        self._pending_snapshots: set[WorkerId] = set()
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RouterConfig,
+        groups: Sequence[KVCacheGroup],
+        tokenize: Callable[[str], list[int]] | None = None,
+        now: float = 0.0,
+    ) -> Router:
+        if cfg.policy != "kvfleet":
+            return Router.from_config(cfg, groups, tokenize, now)
+        weights = cfg.weights
+        auto = cfg.auto_pin
+        policy = cls(
+            groups,
+            w_uncached=weights.uncached_tokens,
+            w_queued=weights.queued_tokens,
+            w_running=weights.running_requests,
+            w_used=weights.used_block_fraction,
+            decode_only_threshold_tokens=cfg.decode_only_threshold_tokens,
+            imbalance_ratio=cfg.imbalance_ratio,
+            pin_capacity_blocks=cfg.pin_capacity_blocks,
+            auto_pin=auto.enabled,
+            auto_pin_budget_blocks=auto.budget_blocks,
+            auto_pin_min_requests=auto.min_requests,
+            auto_pin_replicas=auto.replicas,
+            seed=cfg.seed,
+        )
+        for i, pin in enumerate(cfg.pins):
+            if pin.token_ids is not None:
+                tokens = list(pin.token_ids)
+            elif tokenize is None:
+                raise ValueError(f"router.pins.{i}.text: pinning text needs a tokenizer (pass tokenize=...)")
+            else:
+                tokens = tokenize(pin.text or "")
+            policy.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
+        return policy
+
+    # -- membership and loads -------------------------------------------------------------------------
+    def add_worker(
+        self,
+        worker: WorkerId,
+        role: Role = "both",
+        num_blocks: int | None = None,
+        snapshot: WorkerSnapshot | None = None,
+        now: float = 0.0,
+    ) -> list[Action]:
+        """Track a worker (from ``snapshot`` if it already has a cache) and place pins short of
+        replicas on it if it is their best holder."""
+        super().add_worker(worker, role, num_blocks, snapshot, now)
+        self.index.add_worker(worker, snapshot)
+        self._load_cost[worker] = 0.0
+        return self._fill_pins(now)
+
+    def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
+        """Forget a worker that left (or died): its cache, its load, its pins; re-place those pins."""
+        if worker not in self.roles:
+            return []
+        self._queued_sum -= self.loads[worker].queued_tokens
+        super().remove_worker(worker, now)
+        self.index.remove_worker(worker)
+        self._load_cost.pop(worker, None)
+        self._pending_snapshots.discard(worker)
+        self.pins.on_worker_removed(worker, now)
+        return self._fill_pins(now)
+
+    def update_load(self, worker: WorkerId, load: WorkerLoad) -> None:
+        old = self.loads.get(worker)
+        if old is None:
+            return
+        load = replace(load)  # the router adds its own assignments to its copy
+        self._queued_sum += load.queued_tokens - old.queued_tokens
+        self.loads[worker] = load
+        self._load_cost[worker] = self._cost_of(load)
+
+    def _cost_of(self, load: WorkerLoad) -> float:
+        return (
+            self.w_queued * load.queued_tokens
+            + self.w_running * load.running_requests
+            + self.w_used * load.used_block_fraction
+        )
+
+    # -- events ---------------------------------------------------------------------------------------
+    def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
+        """Apply a worker's KV events; returns a snapshot request on a sequence gap and pin
+        re-establishment actions when a holder's pinned blocks were demoted or evicted."""
+        if worker not in self.roles:
+            return []
+        outcome = self.index.apply_events(worker, events, self.pins.watch.get(worker))
+        return self._after_update(worker, outcome.needs_resync, outcome.lost, outcome.cleared, now)
+
+    def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
+        if worker not in self.roles:
+            return []
+        self._pending_snapshots.discard(worker)
+        outcome = self.index.apply_snapshot(worker, snapshot)
+        # Re-check every active holder on this worker against the snapshot.
+        watch = self.pins.watch.get(worker, {})
+        lost = [key for key in watch if self.index.pin_level(worker, key[0], key[1]) != 2]
+        lost.extend(outcome.lost or ())
+        return self._after_update(worker, outcome.needs_resync, lost, outcome.cleared, now)
+
+    def _after_update(
+        self, worker: WorkerId, resync: bool, lost: list[tuple[int, bytes]] | None, cleared: bool, now: float
+    ) -> list[Action]:
+        actions: list[Action] = []
+        if resync and worker not in self._pending_snapshots:
+            self._pending_snapshots.add(worker)
+            actions.append(RequestSnapshot(worker))
+        missing = self.pins.verify(worker, now) if self.pins.pins else []
+        if cleared:
+            actions.extend(self.pins.on_cleared(worker, now))
+        if lost or missing:
+            actions.extend(self.pins.on_lost(worker, (lost or []) + missing, now))
+        if cleared or lost or missing:
+            actions.extend(self._fill_pins(now))
+        return actions
+
+    # -- pins -----------------------------------------------------------------------------------------
+    def pin(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[bytes] | None = None,
+        num_tokens: int | None = None,
+        replicas: int = 1,
+        ttl_s: float | None = None,
+        now: float = 0.0,
+    ) -> tuple[int, list[Action]]:
+        """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds.
+
+        Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
+        holders must already have it or copy it from another holder). Returns the pin id and the
+        actions placing it. Raises ``PinCapacityError`` beyond ``pin_capacity_blocks``.
+        """
+        if token_ids is not None:
+            hashes = hash_tokens(token_ids, self.rules.hash_block_size)
+            length = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        elif block_hashes is not None:
+            hashes = list(block_hashes)
+            length = num_tokens if num_tokens is not None else len(hashes) * self.rules.hash_block_size
+        else:
+            raise ValueError("pin: give token_ids or block_hashes")
+        if self.roles and replicas > len(self._candidates("prefill")):
+            raise ValueError(
+                f"pin: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
+            )
+        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids)
+        return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
+
+    def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:
+        """Remove a pin everywhere (its capacity is released)."""
+        key = next((k for k, p in self._auto_pins.items() if p == pin_id), None)
+        if key is not None:
+            del self._auto_pins[key]
+        return self.pins.remove(pin_id)
+
+    def pin_result(
+        self, worker: WorkerId, pin_id: int, pinned_tokens: int, now: float = 0.0, seq: int | None = None
+    ) -> list[Action]:
+        """A ``PinOn`` finished on ``worker``: ``pin_prefix`` returned ``pinned_tokens``; ``seq`` is
+        the worker's last KV event number at that moment (lets the router verify the pin)."""
+        actions = self.pins.on_result(worker, pin_id, pinned_tokens, now, seq)
+        pin = self.pins.pins.get(pin_id)
+        if pin is not None and pinned_tokens < pin.length:
+            actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        if worker in self.roles:
+            missing = self.pins.verify(worker, now)
+            if missing:
+                actions.extend(self.pins.on_lost(worker, missing, now))
+                actions.extend(self._fill_pins(now))
+        return actions
+
+    def pin_info(self) -> list[PinInfo]:
+        return [pin.info() for pin in self.pins.pins.values()]
+
+    def _fill_pins(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for pin in list(self.pins.pins.values()):
+            if len(pin.holders) < pin.replicas:
+                actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        return actions
+
+    def _choose_holder(self, pin: Pin, exclude: set[WorkerId]) -> WorkerId | None:
+        """Best new holder: a worker that already caches the prefix, then the one with the fewest
+        pinned blocks, then the least loaded; never beyond ``pin_worker_fraction`` of its pool."""
+        hits = self.index.predict(pin.block_hashes, pin.length)
+        can_build = pin.token_ids is not None or bool(pin.active())
+        best: tuple[int, int, float, float] | None = None
+        choice: WorkerId | None = None
+        for worker in self._candidates("prefill"):
+            if worker in exclude:
+                continue
+            resident = hits.get(worker, 0) >= pin.length
+            if not resident and not can_build:
+                continue
+            pinned = self.pins.worker_blocks.get(worker, 0)
+            limit = self.num_blocks.get(worker)
+            if limit is not None and pinned + pin.blocks_per_replica > self.pin_worker_fraction * limit:
+                continue
+            key = (0 if resident else 1, pinned, self._load_cost.get(worker, 0.0), self.rng.random())
+            if best is None or key < best:
+                best, choice = key, worker
+        return choice
+
+    def tick(self, now: float) -> list[Action]:
+        """Time-driven work: pin TTLs, PENDING timeouts, retries, automatic pinning."""
+        actions = self.pins.expire(now)
+        if self.hot is not None and (self._last_auto is None or now - self._last_auto >= self.auto_pin_interval_s):
+            self._last_auto = now
+            actions.extend(self._auto_pin(now))
+        actions.extend(self._fill_pins(now))
+        return actions
+
+    def _auto_pin(self, now: float) -> list[Action]:
+        """Pin the hottest shared prefixes (>= ``auto_pin_min_requests`` recent requests) within
+        ``auto_pin_budget_blocks``; unpin automatic pins that fell out of that set."""
+        hot = self.hot
+        assert hot is not None
+        hot.decay(now)
+        pinned = self._auto_pins
+
+        def rank(key: bytes) -> float:
+            count = hot.counts[key].count
+            return count * 1.5 if key in pinned else count  # hysteresis for current pins
+
+        chosen: list[bytes] = []
+        used = 0
+        replicas = min(self.auto_pin_replicas, max(1, len(self._candidates("prefill"))))
+        for key in sorted(hot.counts, key=rank, reverse=True):
+            prefix = hot.counts[key]
+            if prefix.count < self.auto_pin_min_requests and key not in pinned:
+                break
+            cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
+            if used + cost <= self.auto_pin_budget_blocks:
+                chosen.append(key)
+                used += cost
+        actions: list[Action] = []
+        keep = set(chosen)
+        for key in [k for k in pinned if k not in keep]:
+            actions.extend(self.pins.remove(pinned.pop(key)))
+        for key in chosen:
+            if key in pinned:
+                continue
+            prefix = hot.counts[key]
+            pin = self.pins.create(
+                prefix.block_hashes, prefix.length, replicas, now, token_ids=prefix.token_ids, auto=True
+            )
+            pinned[key] = pin.pin_id
+            actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        return actions
+
+    # -- placement ------------------------------------------------------------------------------------
+    def route(self, request: RouteRequest, now: float = 0.0) -> Decision:
+        """Choose (prefill, decode) workers for ``request``; see the module docstring."""
+        hashes = request.block_hashes
+        num_tokens = request.num_tokens
+        hits = self.index.predict(hashes, num_tokens - 1)
+        pin = self.pins.match(hashes) if self.pins.by_key else None
+        if self.hot is not None:
+            self.hot.observe(hashes, request.token_ids, now)
+        prefill_only = any(r == "prefill" for r in self.roles.values())
+        if not prefill_only:
+            workers = list(self.roles)
+            self._require(workers, "")
+            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_uncached)
+            pin_id = pin.pin_id if pin is not None else None
+            decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
+        else:
+            decision = self._route_disaggregated(request, hits, pin)
+        self._record(decision)
+        return decision
+
+    def _route_disaggregated(self, request: RouteRequest, hits: dict[WorkerId, int], pin: Pin | None) -> Decision:
+        num_tokens = request.num_tokens
+        decoders = self._candidates("decode")
+        self._require(decoders, "decode")
+        remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True) if self.has_mamba else hits
+        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.w_uncached)
+        local_uncached = num_tokens - hits.get(decode, 0)
+        pin_id = pin.pin_id if pin is not None else None
+        if local_uncached < self.decode_only_threshold_tokens:
+            local = hits.get(decode, 0)
+            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
+        prefillers = self._candidates("prefill")
+        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_uncached)
+        return Decision(
+            prefill,
+            decode,
+            hits.get(prefill, 0),
+            num_tokens,
+            reason,
+            pin_id,
+            remote_hits.get(decode, 0),
+        )
+
+    def _pick(
+        self,
+        workers: list[WorkerId],
+        hits: dict[WorkerId, int],
+        num_tokens: int,
+        pin: Pin | None,
+        w_uncached: float,
+    ) -> tuple[WorkerId, str]:
+        """argmin cost over the workers the imbalance guard lets through (pin holders first)."""
+        loads = self.loads
+        load_cost = self._load_cost
+        limit = self.imbalance_ratio * self._queued_sum / max(1, len(loads)) + num_tokens
+        eligible = [w for w in workers if loads[w].queued_tokens <= limit] or workers
+        reason = "cost" if len(eligible) == len(workers) else "guard"
+        if pin is not None:
+            resident = [w for w in eligible if hits.get(w, 0) >= pin.length]
+            if resident:
+                eligible = resident
+                reason = "pin"
+        best_cost = float("inf")
+        best: list[WorkerId] = []
+        for worker in eligible:
+            cost = load_cost[worker] + w_uncached * (num_tokens - hits.get(worker, 0))
+            if cost < best_cost - 1e-9:
+                best_cost = cost
+                best = [worker]
+            elif cost <= best_cost + 1e-9:
+                best.append(worker)
+        choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        if reason == "cost" and hits.get(choice, 0) > 0:
+            reason = "prefix"
+        return choice, reason
+
+    def _record(self, decision: Decision) -> None:
+        before = self.loads[decision.prefill_worker].queued_tokens
+        super()._record(decision)
+        self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
+        for worker in {decision.prefill_worker, decision.decode_worker}:
+            self._load_cost[worker] = self._cost_of(self.loads[worker])

@@ -1,0 +1,115 @@
+"""Plain data the router takes and gives: requests, loads, decisions and actions for its caller.
+
+The router does no I/O. Whatever must happen on a worker comes back as an *action* the caller
+(the Ray router actor, or the simulator) executes:
+
+- ``PinOn(worker, pin_id, block_hashes, num_tokens, token_ids, source)``: make the prefix resident
+  on ``worker`` (compute it from ``token_ids`` or copy it from ``source`` when the worker's own hit
+  is shorter), then ``coordinator.pin_prefix(block_hashes, num_tokens)`` and report the returned
+  length with ``policy.pin_result(worker, pin_id, pinned, now)``.
+- ``Unpin(worker, pin_id, block_hashes, num_tokens)``: ``coordinator.unpin_prefix(block_hashes,
+  num_tokens)``; nothing to report.
+- ``RequestSnapshot(worker)``: the index lost events of ``worker``; run
+  ``engine.routing.snapshot_coordinator`` there and hand the result to ``policy.apply_snapshot``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+WorkerId = Hashable
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router needs of a request: its chained block hashes (computed once at the ingress,
+    at the coordinator's hash granularity) and its token count; ``token_ids`` only feed automatic
+    pinning (so a new holder can compute the prefix)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class WorkerLoad:
+    """A worker's load as its stats report it (the router also adds its own assignments).
+
+    ``queued_tokens``: work queued or running there, in prefill-token equivalents;
+    ``running_requests``: requests admitted there; ``used_block_fraction``: KV blocks in use / total.
+    """
+
+    queued_tokens: float = 0.0
+    running_requests: int = 0
+    used_block_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request runs. ``prefill_worker == decode_worker`` means no transfer (aggregated,
+    or prefill on the decode worker); ``predicted_hit``: tokens the prefill worker will find
+    cached (the router's prediction of its coordinator's ``get_computed_blocks``)."""
+
+    prefill_worker: WorkerId
+    decode_worker: WorkerId
+    predicted_hit: int
+    num_tokens: int
+    reason: str = "cost"
+    pin_id: int | None = None
+    predicted_decode_hit: int = 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.num_tokens - self.predicted_hit
+
+
+@dataclass(frozen=True)
+class PinOn:
+    worker: WorkerId
+    pin_id: int
+    block_hashes: list[bytes]
+    num_tokens: int
+    token_ids: tuple[int, ...] | None = None
+    source: WorkerId | None = None
+
+
+@dataclass(frozen=True)
+class Unpin:
+    worker: WorkerId
+    pin_id: int
+    block_hashes: list[bytes]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    worker: WorkerId
+
+
+Action = PinOn | Unpin | RequestSnapshot
+
+
+class PinCapacityError(ValueError):
+    """A pin would exceed the cluster-wide pinned-block budget."""
+
+
+class NoWorkerError(RuntimeError):
+    """No worker can take the request (none registered for the needed role)."""
+
+
+@dataclass
+class PinInfo:
+    """A read-only view of one cluster pin for status pages and tests."""
+
+    pin_id: int
+    num_tokens: int
+    replicas: int
+    blocks_per_replica: int
+    active: list[WorkerId] = field(default_factory=list)
+    pending: list[WorkerId] = field(default_factory=list)
+    expires_at: float | None = None
+    auto: bool = False
