@@ -1,0 +1,245 @@
+"""Local transport for hosts without NIXL: two processes on one Linux host, or one process.
+
+Memory
+    ``allocate_slots`` backs every slot tensor with a ``memfd`` (anonymous shared memory, sized
+    with ``posix_fallocate`` so an out-of-memory host fails at allocation, not with SIGBUS on a
+    later write) and maps it into a torch tensor. A reader maps the owner's memfds read-only
+    through ``/proc/<owner pid>/fd/<fd>`` once per peer (``add_peer``) and copies rows with
+    numpy slice assignment, coalescing runs of consecutive block ids into one copy.
+    Why memfd rather than named ``/dev/shm`` files or ``multiprocessing.shared_memory``: nothing
+    is left behind when an owner is killed (the memory goes when the last mapping does), it is
+    not capped by a container's small ``/dev/shm``, and there is no resource tracker to unlink
+    segments under a live reader. Requirements: Linux, same user and same PID namespace (both
+    hold for Ray workers on one node). Slot tensors must come from ``allocate_slots``; register()
+    refuses others. CPU only.
+
+Notifications
+    The owner listens on an abstract ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (named after the
+    agent; nothing on disk). ``add_peer`` connects to it, which also proves the owner is alive;
+    a read sends ``notify`` as one message after the copy. A broken connection (owner gone) makes
+    the read "failed". A full socket buffer (owner not draining) keeps the read pending and the
+    send is retried in ``poll`` until the deadline. Datagram sockets were rejected: Linux queues
+    only ``net.unix.max_dgram_qlen`` (10 here) undrained datagrams per receiver.
+
+Reads are synchronous copies (``start_read`` returns an id that is already done); the owner's
+memory stays mapped in the reader even if the owner dies, so a read never faults.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.transfer.base import DONE, FAILED, PENDING, AgentInfo, KVTransfer, ReadRecord, Role, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _host_id() -> str:
+    """Host name plus boot id: two processes can share memory only if these match."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def copy_runs(remote_ids: np.ndarray, local_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(remote_start, local_start, length)`` runs: pairs sorted by local id, merged while both
+    ids advance by one. One run = one slice copy per slot."""
+    order = np.argsort(local_ids, kind="stable")
+    r, l = remote_ids[order], local_ids[order]
+    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(l) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [r.size])))
+    return list(zip(r[starts].tolist(), l[starts].tolist(), lengths.tolist()))
+
+
+class LocalTransfer(KVTransfer):
+    """Same-host KV transfer through memfd shared memory; see the module docstring."""
+
+    backend = "local"
+
+    def __init__(self, name: str | None = None, *, read_timeout_s: float = 10.0, role: Role = "both"):
+        super().__init__(f"{name or 'kvfleet'}-{os.getpid()}-{uuid.uuid4().hex[:8]}", read_timeout_s)
+        self.role = role
+        self._memfds: dict[int, tuple[int, int]] = {}  # data_ptr -> (fd, nbytes) of our slots
+        self._local: list[np.ndarray] = []
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._peer_slots: dict[str, list[np.ndarray]] = {}
+        self._peer_socks: dict[str, socket.socket] = {}
+
+    # -- memory ------------------------------------------------------------------------------
+    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+        import torch
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"local transfer backend: CPU memory only (got device {device!r}); use nixl on GPUs")
+        slots = []
+        for s, page in enumerate(page_bytes):
+            nbytes = num_blocks * page
+            if nbytes <= 0:
+                raise ValueError(f"slot {s}: {num_blocks} blocks x {page} bytes is empty")
+            fd = os.memfd_create(f"kvfleet-{self.name}-slot{s}")
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                os.close(fd)
+                raise TransferError(f"slot {s}: cannot reserve {nbytes / 2**20:.1f} MiB of shared memory: {e}") from e
+            buf = mmap.mmap(fd, nbytes)
+            tensor = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, page)
+            self._memfds[tensor.data_ptr()] = (fd, nbytes)
+            slots.append(tensor)
+        return slots
+
+    def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo:
+        paths = []
+        for s, t in enumerate(tensors):
+            fd, nbytes = self._memfds.get(t.data_ptr(), (-1, 0))
+            if fd < 0 or nbytes != t.numel() * t.element_size():
+                raise TransferError(
+                    f"slot tensor {s}: the local backend shares memory it allocated itself; "
+                    "create the slot tensors with allocate_slots()"
+                )
+            paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+        self._local = [t.numpy() for t in tensors]  # uint8 [num_blocks, page] views of our memfds
+        address = f"\0kvfleet-notify-{self.name}".encode()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        listener.setblocking(False)
+        self._listener = listener
+        return AgentInfo(
+            backend=self.backend,
+            name=self.name,
+            num_blocks=num_blocks,
+            page_bytes=page_bytes,
+            host=_host_id(),
+            pid=os.getpid(),
+            shm_paths=tuple(paths),
+            notify_addr=address,
+        )
+
+    # -- peers -------------------------------------------------------------------------------
+    def _add_peer(self, info: AgentInfo) -> None:
+        if info.host != _host_id():
+            raise TransferError(f"peer {info.name!r} is on host {info.host!r}; the local backend needs one host")
+        if len(info.shm_paths) != info.num_slots:
+            raise TransferError(f"peer {info.name!r}: AgentInfo lacks shared-memory paths")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(info.notify_addr)  # first: a live listener proves the /proc paths are the owner's
+            sock.setblocking(False)
+            slots = [self._map(path, info.num_blocks, page) for path, page in zip(info.shm_paths, info.page_bytes)]
+        except OSError as e:
+            sock.close()
+            raise TransferError(f"peer {info.name!r} unreachable: {e}") from e
+        self._peer_socks[info.name] = sock
+        self._peer_slots[info.name] = slots
+
+    @staticmethod
+    def _map(path: str, num_blocks: int, page: int) -> np.ndarray:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != num_blocks * page:
+                raise OSError(errno.EINVAL, f"{path}: size {os.fstat(fd).st_size} != {num_blocks} x {page}")
+            buf = mmap.mmap(fd, num_blocks * page, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        return np.frombuffer(buf, dtype=np.uint8).reshape(num_blocks, page)
+
+    def _remove_peer(self, name: str) -> None:
+        self._peer_slots.pop(name, None)  # the mappings go with the last array referencing them
+        sock = self._peer_socks.pop(name, None)
+        if sock is not None:
+            sock.close()
+
+    # -- reads -------------------------------------------------------------------------------
+    def _start(
+        self, rec: ReadRecord, peer: AgentInfo, remote_ids: np.ndarray, local_ids: np.ndarray, notify: bytes, t0: float
+    ) -> None:
+        runs = copy_runs(remote_ids, local_ids) if local_ids.size else []
+        rec.setup_s = time.perf_counter() - t0
+        for src, dst in zip(self._peer_slots[peer.name], self._local):
+            for r0, l0, n in runs:
+                dst[l0 : l0 + n] = src[r0 : r0 + n]
+        rec.handle = notify
+        self._notify(rec)
+
+    def _progress(self, rec: ReadRecord) -> None:
+        self._notify(rec)
+
+    def _notify(self, rec: ReadRecord) -> None:
+        """Deliver the pending notification (``rec.handle``); DONE once the owner has it."""
+        if not rec.handle:
+            rec.status = DONE
+            return
+        sock = self._peer_socks.get(rec.peer)
+        if sock is None:
+            rec.status, rec.error = FAILED, f"peer {rec.peer} removed"
+            return
+        try:
+            sock.send(rec.handle)
+        except BlockingIOError:
+            rec.status = PENDING  # owner's buffer is full; retried by poll until the deadline
+            return
+        except OSError as e:
+            rec.status, rec.error = FAILED, f"owner {rec.peer} gone: {e}"
+            return
+        rec.handle = None
+        rec.status = DONE
+
+    def _cancel(self, rec: ReadRecord) -> None:
+        rec.handle = None
+
+    def owner_notifications(self) -> list[bytes]:
+        if self._listener is None:
+            return []
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            conn.setblocking(False)
+            self._conns.append(conn)
+        out: list[bytes] = []
+        alive = []
+        for conn in self._conns:
+            try:
+                while msg := conn.recv(1 << 16):
+                    out.append(msg)
+            except (BlockingIOError, InterruptedError):
+                alive.append(conn)
+                continue
+            except OSError:
+                pass
+            conn.close()  # recv returned b"": the reader closed its side
+        self._conns = alive
+        return out
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def _close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for fd, _ in self._memfds.values():
+            os.close(fd)  # our tensors keep their mappings; new peers can no longer map them
+        self._memfds.clear()
+        self._local = []
