@@ -1,0 +1,162 @@
+"""Placement: prefix vs load cost, random tie-break, imbalance guard, P/D choice, config, baselines."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from configs.schema import PinConfig, RouterConfig, RouterWeights
+from engine.kv_cache.events import BlockStored
+from engine.kv_cache.hashing import block_hashes
+from engine.routing import (
+    LeastLoadedRouter,
+    NoWorkerError,
+    PrefixTreeRouter,
+    RoundRobinRouter,
+    RouteRequest,
+    Router,
+    RoutingPolicy,
+    WorkerLoad,
+)
+from tests.routing.helpers import CONFIGS, groups_of
+
+SPECS = CONFIGS["full+2swa"]
+GROUPS = groups_of(SPECS)
+PREFIX = list(range(200))
+
+
+def request(rid: str, prompt: list[int]) -> RouteRequest:
+    return RouteRequest(rid, block_hashes(prompt, 4), len(prompt))
+
+
+def cache(policy: RoutingPolicy, worker: str, prompt: list[int]) -> None:
+    """Announce ``prompt``'s blocks as cached in every group of ``worker``."""
+    hashes = tuple(block_hashes(prompt, 4))
+    seq = policy.index.last_seq(worker)
+    policy.apply_events(worker, [BlockStored(seq + 1 + g, g, hashes) for g in range(3)])
+
+
+def policy_with(n: int, **kwargs: object) -> RoutingPolicy:
+    policy = RoutingPolicy(GROUPS, **kwargs)  # type: ignore[arg-type]
+    for i in range(n):
+        policy.add_worker(f"w{i}")
+    return policy
+
+
+def test_prefers_the_worker_holding_the_prefix() -> None:
+    policy = policy_with(4)
+    cache(policy, "w2", PREFIX)
+    decision = policy.route(request("r", PREFIX + [1, 2, 3]))
+    assert decision.prefill_worker == decision.decode_worker == "w2"
+    assert decision.predicted_hit == 200 and decision.reason == "prefix"
+
+
+def test_load_outweighs_a_small_hit() -> None:
+    policy = policy_with(2)
+    cache(policy, "w0", PREFIX[:40])
+    policy.update_load("w0", WorkerLoad(queued_tokens=2000, running_requests=8, used_block_fraction=0.5))
+    decision = policy.route(request("r", PREFIX + [1]))
+    assert decision.prefill_worker == "w1"
+
+
+def test_ties_are_broken_at_random_and_seeded() -> None:
+    def picks(seed: int) -> list[str]:
+        policy = policy_with(4, seed=seed)
+        out = []
+        for i in range(200):
+            d = policy.route(request(f"r{i}", [i, i + 1, i + 2, i + 3, i + 4]))
+            policy.update_load(d.prefill_worker, WorkerLoad())  # the worker reports it is idle again
+            out.append(str(d.prefill_worker))
+        return out
+
+    assert picks(1) == picks(1)
+    counts = Counter(picks(1))
+    assert set(counts) == {"w0", "w1", "w2", "w3"} and min(counts.values()) > 25
+
+
+def test_imbalance_guard_spreads_a_hot_prefix_to_a_second_worker() -> None:
+    def chosen(imbalance_ratio: float) -> list[str]:
+        policy = policy_with(4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=imbalance_ratio)
+        cache(policy, "w0", PREFIX)
+        queued: Counter[str] = Counter()
+        out = []
+        for i in range(12):
+            worker = str(policy.route(request(f"r{i}", PREFIX + [1000 + i])).prefill_worker)
+            queued[worker] += 600  # the worker reports its queue (prefill + decode work)
+            policy.update_load(worker, WorkerLoad(queued_tokens=queued[worker], running_requests=1))
+            out.append(worker)
+        return out
+
+    assert set(chosen(1e9)) == {"w0"}  # cost alone piles the hot prefix onto its holder
+    guarded = chosen(2.0)
+    assert guarded[0] == "w0" and len(set(guarded)) >= 2
+
+
+def test_disaggregated_pair_and_prefill_on_decode_below_threshold() -> None:
+    policy = RoutingPolicy(GROUPS, decode_only_threshold_tokens=64)
+    policy.add_worker("p0", role="prefill")
+    policy.add_worker("p1", role="prefill")
+    policy.add_worker("d0", role="decode")
+    cache(policy, "p1", PREFIX)
+    cache(policy, "d0", PREFIX[:100])
+    decision = policy.route(request("r", PREFIX + list(range(500, 520))))
+    assert (decision.prefill_worker, decision.decode_worker) == ("p1", "d0")
+    assert decision.predicted_hit == 200 and decision.predicted_decode_hit == 100
+    cache(policy, "d0", PREFIX)
+    short = policy.route(request("s", PREFIX + list(range(500, 520))))  # 20 uncached on d0 < 64
+    assert (short.prefill_worker, short.decode_worker, short.reason) == ("d0", "d0", "decode_only")
+
+
+def test_no_worker_for_a_role_is_a_clear_error() -> None:
+    policy = RoutingPolicy(GROUPS)
+    policy.add_worker("p0", role="prefill")
+    with pytest.raises(NoWorkerError, match="decode"):
+        policy.route(request("r", PREFIX))
+    with pytest.raises(ValueError, match="role"):
+        policy.add_worker("x", role="both?")  # type: ignore[arg-type]
+
+
+def test_from_config_carries_weights_thresholds_seed_and_pins() -> None:
+    cfg = RouterConfig(
+        weights=RouterWeights(uncached_tokens=2.0, queued_tokens=0.25, running_requests=4.0, used_block_fraction=8.0),
+        decode_only_threshold_tokens=32,
+        imbalance_ratio=1.5,
+        pin_capacity_blocks=1000,
+        pins=[PinConfig(token_ids=PREFIX[:64], replicas=1, ttl_s=30.0)],
+        seed=5,
+    )
+    policy = RoutingPolicy.from_config(cfg, GROUPS)
+    assert isinstance(policy, RoutingPolicy)
+    assert (policy.w_uncached, policy.w_queued, policy.w_running, policy.w_used) == (2.0, 0.25, 4.0, 8.0)
+    assert policy.decode_only_threshold_tokens == 32 and policy.imbalance_ratio == 1.5
+    [pin] = policy.pin_info()
+    assert pin.num_tokens == 64 and pin.expires_at == 30.0 and pin.pending == []  # placed once workers join
+    actions = policy.add_worker("w0")
+    assert [type(a).__name__ for a in actions] == ["PinOn"]
+    with pytest.raises(ValueError, match="tokenizer"):
+        RoutingPolicy.from_config(RouterConfig(pins=[PinConfig(text="system prompt")]), GROUPS)
+    text_cfg = RouterConfig(pins=[PinConfig(text="abc")])
+    tokenized = RoutingPolicy.from_config(text_cfg, GROUPS, tokenize=lambda s: [ord(c) for c in s * 8])
+    assert tokenized.pin_info()[0].num_tokens == 24  # type: ignore[attr-defined]
+    for name, cls in [("round_robin", RoundRobinRouter), ("least_loaded", LeastLoadedRouter), ("prefix_tree", PrefixTreeRouter)]:
+        assert isinstance(Router.from_config(RouterConfig(policy=name), GROUPS), cls)  # type: ignore[arg-type]
+
+
+def test_baselines() -> None:
+    rr = RoundRobinRouter()
+    ll = LeastLoadedRouter(seed=0)
+    tree = PrefixTreeRouter(GROUPS, imbalance_threshold=3)
+    for router in (rr, ll, tree):
+        for i in range(3):
+            router.add_worker(f"w{i}")
+    assert [rr.route(request(f"r{i}", PREFIX)).prefill_worker for i in range(4)] == ["w0", "w1", "w2", "w0"]
+    ll.update_load("w0", WorkerLoad(queued_tokens=10))
+    ll.update_load("w1", WorkerLoad(queued_tokens=5))
+    ll.update_load("w2", WorkerLoad(queued_tokens=7))
+    assert ll.route(request("r", PREFIX)).prefill_worker == "w1"
+    first = tree.route(request("a", PREFIX + [1])).prefill_worker
+    second = tree.route(request("b", PREFIX + [2]))
+    assert second.prefill_worker == first and second.reason == "prefix" and second.predicted_hit == 200
+    reasons = [tree.route(request(f"c{i}", PREFIX + [3 + i])).reason for i in range(6)]
+    assert "imbalanced" in reasons  # the router's own count of running requests
