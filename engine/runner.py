@@ -48,7 +48,7 @@ class ModelRunner:
             torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
         ]
         bs, kvh, hd = layout.block_size, arch.num_kv_heads, arch.head_dim
-        attn_bytes = 2 * bs * kvh * hd * self.dtype.itemsize
+        row_bytes = kvh * hd * self.dtype.itemsize
         for index, layer in enumerate(model.model.layers):
             slot = self.slots[layout.layer_slot[index]]
             mixer = getattr(layer, "mamba", None)
@@ -60,7 +60,10 @@ class ModelRunner:
                 mixer.conv_state = states[:, :conv].view(num_blocks, m.conv_dim, m.d_conv)
                 mixer.ssm_state = states[:, conv : m.state_floats].view(num_blocks, m.num_heads, m.head_dim, m.d_state)
             else:
-                layer.self_attn.cache = slot[:, :attn_bytes].view(self.dtype).view(num_blocks, 2, bs, kvh, hd)
+                attn = layer.self_attn
+                attn.rows_per_block = layout.page_bytes // row_bytes
+                attn.block_size = bs
+                attn.cache = slot.view(self.dtype).view(num_blocks * attn.rows_per_block, kvh, hd)
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)

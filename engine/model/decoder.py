@@ -34,7 +34,9 @@ class Attention(nn.Module):
         self.gemma = gemma
         self.rope_key = arch.layers[layer].rope
         self.rotary = Rotary(arch.layers[layer].rope, arch.head_dim)  # type: ignore[arg-type]
-        self.cache: torch.Tensor | None = None  # set by the runner: [num_blocks, 2, bs, kv_heads, head_dim]
+        self.cache: torch.Tensor | None = None  # set by the runner: rows [n, kv_heads, head_dim]
+        self.rows_per_block = 0
+        self.block_size = 0
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
@@ -47,7 +49,16 @@ class Attention(nn.Module):
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
-            q, k, v, self.cache, batch.groups[self.group], batch, self.arch.attn_scale, self.arch.attn_logit_softcapping
+            q,
+            k,
+            v,
+            self.cache,
+            self.rows_per_block,
+            self.block_size,
+            batch.groups[self.group],
+            batch,
+            self.arch.attn_scale,
+            self.arch.attn_logit_softcapping,
         )
         return self.o_proj(out.reshape(t, -1))
 

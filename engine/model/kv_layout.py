@@ -41,6 +41,20 @@ def mamba_page_bytes(arch: ModelArch) -> int:
     return arch.mamba.state_floats * 4
 
 
+def _page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
+    """The largest page any layer needs, rounded up to whole attention rows (one token's K or V
+    for all KV heads) so attention can address its cache as rows."""
+    has_attention = any(layer.kind != "mamba" for layer in arch.layers)
+    page = max(
+        attention_page_bytes(arch, block_size, dtype) if has_attention else 0,
+        mamba_page_bytes(arch) if arch.mamba else 0,
+    )
+    if has_attention:
+        row = arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
+        page = -(-page // row) * row
+    return page
+
+
 def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
     """Group the model's layers and size one page (the largest any layer needs)."""
     buckets: dict[tuple, list[int]] = {}
@@ -72,9 +86,6 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
         layer_group=tuple(layer_group),
         layer_slot=tuple(layer_slot),
         num_slots=size,
-        page_bytes=max(
-            attention_page_bytes(arch, block_size, dtype) if any(l.kind != "mamba" for l in arch.layers) else 0,
-            mamba_page_bytes(arch) if arch.mamba else 0,
-        ),
+        page_bytes=_page_bytes(arch, block_size, dtype),
         block_size=block_size,
     )

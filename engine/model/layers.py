@@ -81,33 +81,44 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
+    flat: torch.Tensor,
+    rows_per_block: int,
+    block_size: int,
     index: GroupIndex,
     batch: ForwardBatch,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Store this step's K/V in ``cache`` ([num_blocks, 2, block_size, kv_heads, head_dim]) and
-    attend. ``q``: [T, heads, head_dim]; ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, D].
+    """Store this step's K/V in the layer's cache and attend. ``q``: [T, heads, head_dim];
+    ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
 
-    Prefill chunks attend one by one with a causal (and window) mask; decode tokens are batched
-    into one padded call.
+    ``flat`` is the cache as rows ``[num_blocks * rows_per_block, kv_heads, head_dim]``: block b's
+    page starts at row ``rows_per_block * b`` and holds ``block_size`` key rows then
+    ``block_size`` value rows, so reads and writes are single ``index_select`` / ``index_copy_``
+    calls. Prefill chunks attend one by one with a causal (and window) mask; decode tokens are
+    batched into one padded call.
     """
-    cache[index.write_block, 0, index.write_offset] = k
-    cache[index.write_block, 1, index.write_offset] = v
+    kv_heads, head_dim = flat.shape[1], flat.shape[2]
+    bs, stride = block_size, rows_per_block
+    key_rows = index.write_block * stride + index.write_offset
+    flat.index_copy_(0, key_rows, k)
+    flat.index_copy_(0, key_rows + bs, v)
     out = torch.empty_like(q)
     for c, blocks, offsets, allowed in index.prefill_reads:
         chunk = batch.chunks[c]
         sl = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-        keys = cache[blocks, 0, offsets].transpose(0, 1)[None]
-        values = cache[blocks, 1, offsets].transpose(0, 1)[None]
+        rows = blocks * stride + offsets
+        keys = flat.index_select(0, rows).transpose(0, 1)[None]
+        values = flat.index_select(0, rows + bs).transpose(0, 1)[None]
         out[sl] = _attend(q[sl].transpose(0, 1)[None], keys, values, allowed[None, None], scale, softcap)[0].transpose(0, 1)
     if batch.decode_chunks:
-        rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
-        keys = cache[index.decode_block, 0, index.decode_offset].permute(0, 2, 1, 3)
-        values = cache[index.decode_block, 1, index.decode_offset].permute(0, 2, 1, 3)
+        query_rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
+        rows = (index.decode_block * stride + index.decode_offset).reshape(-1)  # type: ignore[operator]
+        shape = (*index.decode_block.shape, kv_heads, head_dim)  # type: ignore[union-attr]
+        keys = flat.index_select(0, rows).view(shape).permute(0, 2, 1, 3)
+        values = flat.index_select(0, rows + bs).view(shape).permute(0, 2, 1, 3)
         mask = index.decode_valid[:, None, None, :]  # type: ignore[index]
-        out[rows] = _attend(q[rows][:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
+        out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
     return out
 
 
