@@ -17,8 +17,16 @@ from engine.core import EngineCore
 from engine.model.tiny import TINY, build_tiny_checkpoint
 from engine.sampling_params import SamplingParams
 
-ATOL = 1e-4
+ATOL = 1e-4  # fp32, on CPU and on CUDA (TF32 disabled below)
 ARCHS = sorted(TINY)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +35,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: build_tiny_checkpoint(name, root / name, seed=3) for name in ARCHS}
 
 
-def _engine(directory: Path, *overrides: str) -> EngineCore:
-    config = load_config("tiny", [f"model.source={directory}", *overrides])
+def _engine(directory: Path, *overrides: str, device: str = "cpu") -> EngineCore:
+    config = load_config("tiny", [f"model.source={directory}", f"model.device={device}", *overrides])
     return EngineCore(config, threads=1)
 
 
@@ -72,17 +80,19 @@ def _check_against_hf(directory: Path, requests, logits) -> None:
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_single_prompt(name: str, checkpoints) -> None:
-    engine = _engine(checkpoints[name])
+def test_single_prompt(name: str, checkpoints, device: str) -> None:
+    engine = _engine(checkpoints[name], device=device)
     rng = random.Random(1)
     requests, logits = _drive(engine, [[rng.randrange(3, 256) for _ in range(21)]], max_tokens=12)
     _check_against_hf(checkpoints[name], requests, logits)
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_batch_of_different_lengths_with_chunked_prefill(name: str, checkpoints) -> None:
-    # Chunks of 8 tokens; prompts cross the 16-token sliding window.
-    engine = _engine(checkpoints[name], "scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=24")
+def test_batch_of_different_lengths_with_chunked_prefill(name: str, checkpoints, device: str) -> None:
+    # Chunks of 8 tokens; prompts cross the 16-token sliding window and the Mamba chunk (16).
+    engine = _engine(
+        checkpoints[name], "scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=24", device=device
+    )
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 19, 40, 33)]
     requests, logits = _drive(engine, prompts, max_tokens=10)
@@ -90,8 +100,8 @@ def test_batch_of_different_lengths_with_chunked_prefill(name: str, checkpoints)
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_second_request_hits_the_first_ones_prefix(name: str, checkpoints) -> None:
-    engine = _engine(checkpoints[name])
+def test_second_request_hits_the_first_ones_prefix(name: str, checkpoints, device: str) -> None:
+    engine = _engine(checkpoints[name], device=device)
     rng = random.Random(3)
     shared = [rng.randrange(3, 256) for _ in range(36)]
     first, first_logits = _drive(engine, [shared + [7, 8, 9]], max_tokens=4)
@@ -110,8 +120,8 @@ def test_second_request_hits_the_first_ones_prefix(name: str, checkpoints) -> No
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_preempted_and_resumed_request(name: str, checkpoints) -> None:
-    engine = _engine(checkpoints[name])
+def test_preempted_and_resumed_request(name: str, checkpoints, device: str) -> None:
+    engine = _engine(checkpoints[name], device=device)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (17, 29)]
     requests, logits = _drive(engine, prompts, max_tokens=10, preempt_after=4)
