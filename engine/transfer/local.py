@@ -174,6 +174,9 @@ class LocalTransfer(KVTransfer):
     ) -> None:
         runs = copy_runs(remote_ids, local_ids) if local_ids.size else []
         rec.setup_s = time.perf_counter() - t0
+        if not self._owner_alive(peer.name):
+            rec.status, rec.error = FAILED, f"owner {peer.name} gone (notification socket closed)"
+            return
         for src, dst in zip(self._peer_slots[peer.name], self._local):
             for r0, l0, n in runs:
                 dst[l0 : l0 + n] = src[r0 : r0 + n]
@@ -182,6 +185,15 @@ class LocalTransfer(KVTransfer):
 
     def _progress(self, rec: ReadRecord) -> None:
         self._notify(rec)
+
+    def _owner_alive(self, name: str) -> bool:
+        """The owner never writes to our socket: EOF (or an error) means it closed or died."""
+        try:
+            return self._peer_socks[name].recv(1, socket.MSG_PEEK) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
 
     def _notify(self, rec: ReadRecord) -> None:
         """Deliver the pending notification (``rec.handle``); DONE once the owner has it."""
