@@ -45,7 +45,10 @@ def resolve_model_directory(config: ClusterConfig) -> Path:
             log.info("building tiny random checkpoint %s in %s", model.source, directory)
             build_tiny_checkpoint(model.source, directory, seed=model.seed)
         return directory
-    raise CheckpointError(f"model.source: {model.source!r} ({kind.value}) cannot be loaded by this engine yet")
+    from engine.model.gguf import ensure_hf_directory
+
+    cache = Path(model.weights_cache_dir) if model.weights_cache_dir else None
+    return ensure_hf_directory(model.source, cache)
 
 
 @dataclass(frozen=True)
