@@ -5,20 +5,25 @@ Per worker and group the index keeps the set of cached block hashes and their pi
 keeps an inverted map ``hash -> bitmask of workers`` so one walk over a request's hashes answers
 for every worker at once.
 
-Prediction applies the worker coordinator's own hit rules (``HitRules``): the hit on worker w is
-the longest aligned length L <= max_length at which *every* group can serve a hit, where a group
-serves L iff the blocks its manager's ``blocks_needed_at(L)`` names are cached (full attention:
-the whole prefix; sliding window: the ``blocks_for_hit`` blocks ending at L; Mamba: the state
-block ending at L). ``HybridCoordinator.find_longest_cache_hit`` computes that length as a fixed
-point over groups; the index gets the same answer faster:
+Prediction applies the worker coordinator's own hit rules (``HitRules``). Every group's manager
+says which blocks a hit at length L needs (``blocks_needed_at(L)``: the whole prefix for full
+attention, the ``blocks_for_hit`` blocks ending at L for a sliding window, the state block ending at
+L for Mamba); a group serves L iff those blocks are cached. ``find_longest_cache_hit`` returns the
+longest aligned L <= max_length that every group serves (each group's own search returns the
+longest length <= its input that it serves, so the coordinator's fixed point over groups stops
+exactly there). The index computes the same length for all workers at once:
 
 1. walk the full-attention group's hashes once with worker bitmasks: each worker's contiguous
-   depth (cost O(prefix blocks), independent of how many prefixes are cached);
-2. per distinct depth L, AND the bitmasks of the blocks the other groups need at L
-   (``blocks_needed_at``): workers that pass have hit L;
-3. a worker that fails at L (a window or a Mamba state is missing at the full-attention depth) is
-   answered by the coordinator's own fixed point, run on a shadow coordinator whose managers look
-   at this worker's hash sets (``HitRules.longest_hit``). That path is rare and bounded by L.
+   depth D (cost O(prefix blocks), independent of how many prefixes are cached);
+2. per distinct depth D, AND the bitmasks of the blocks the other groups need at D: the workers
+   that pass hit exactly D (the common case);
+3. the workers that fail (a window or a Mamba state is missing at D, e.g. a group lost blocks)
+   are resolved together by walking the aligned lengths below D: per group a range-AND structure
+   over the request's per-block worker masks answers "all of ``blocks_needed_at(L)`` cached" in
+   O(1) after O(prefix blocks) preparation. A worker gets the first length every group serves.
+
+``HitRules.longest_hit`` runs the coordinator's unchanged ``find_longest_cache_hit`` on a shadow
+coordinator whose managers look at one worker's hash sets: the reference the tests compare with.
 
 Event stream discipline: a worker's events carry consecutive sequence numbers. A gap marks the
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
@@ -30,6 +35,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from bisect import bisect_left
+from functools import reduce
+from itertools import accumulate, repeat
+from operator import and_
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED
 from engine.kv_cache.coordinator import HybridCoordinator
@@ -39,6 +48,10 @@ from engine.kv_cache.spec import KVCacheGroup
 
 WorkerId = Hashable
 GroupHash = tuple[int, bytes]
+
+FEW_WORKERS = 3  # resolve up to this many workers one by one (reference fixed point)
+PREFIX = 0  # a group's hit at L needs every block before L
+GENERIC = -1  # needed ranges of no simpler shape: answered range by range
 
 #: events buffered for a stale worker before the index gives up on replaying them (then it asks
 #: for another snapshot once the current one is applied).
@@ -80,6 +93,42 @@ class HitRules:
         self.full_groups = [g for g, m in enumerate(self.managers) if isinstance(m, FullAttentionManager)]
         self.mamba_groups = {g for g, m in enumerate(self.managers) if isinstance(m, MambaManager)}
         self.block_sizes = [m.block_size for m in self.managers]
+        self.full_set = set(self.full_groups)
+        self.order = self.full_groups + [g for g in range(len(self.managers)) if g not in self.full_set]
+        # Per group, the needed block range at each aligned length k * alignment, and its shape.
+        self._ranges: list[list[tuple[int, int]]] = [[(0, 0)] for _ in self.managers]
+        self.shapes: list[int] = [PREFIX for _ in self.managers]
+
+    def ensure(self, steps: int) -> None:
+        """Know ``blocks_needed_at(k * alignment)`` for k <= steps in every group, classified as
+        PREFIX (blocks 0..end: full attention), a window of ``w >= 1`` blocks ending at the hit
+        (fewer near the start: sliding window, Mamba with w = 1) or GENERIC (anything else)."""
+        if len(self._ranges[0]) > steps:
+            return
+        for g, manager in enumerate(self.managers):
+            ranges = self._ranges[g]
+            shape = self.shapes[g]
+            for k in range(len(ranges), steps + 1):
+                needed = manager.blocks_needed_at(k * self.alignment)
+                start, stop = needed.start, needed.stop
+                ranges.append((start, stop))
+                if shape == GENERIC:
+                    continue
+                if shape == PREFIX:
+                    if start == 0:
+                        continue
+                    width = stop - start
+                    if all(a == max(0, b - width) for a, b in ranges):
+                        shape = width
+                    else:
+                        shape = GENERIC
+                elif start != max(0, stop - shape):
+                    shape = GENERIC
+            self.shapes[g] = shape
+
+    def needed_ranges(self, g: int, steps: int) -> list[tuple[int, int]]:
+        self.ensure(steps)
+        return self._ranges[g][: steps + 1]
 
     def views(self, hashes: Sequence[bytes]) -> list[list[bytes]]:
         """The request's hashes at each group's granularity."""
@@ -122,6 +171,18 @@ class _Worker:
         self.stale = False
         self.buffer: list[KVEvent] = []
         self.overflowed = False
+
+
+@dataclass
+class Pending:
+    """Workers whose hit is below their full-attention depth, not yet resolved (see ``predict``)."""
+
+    workers: int
+    steps: int
+    views: list[list[bytes]]
+    groups: list[int]
+    hashes: Sequence[bytes] = ()
+    skip_mamba: bool = False
 
 
 @dataclass
@@ -217,62 +278,152 @@ class PrefixIndex:
         return self.rules.longest_hit(self._workers[worker].tables, hashes, max_length, skip_mamba)
 
     def predict(
-        self, hashes: Sequence[bytes], max_length: int, skip_mamba: bool = False, mask: int | None = None
+        self,
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool = False,
+        mask: int | None = None,
+        shared: dict[WorkerId, int] | None = None,
     ) -> dict[WorkerId, int]:
         """Predicted hit length on every worker with a non-zero hit (``mask``: only these slots).
 
         ``max_length`` is what the coordinator is asked: ``num_tokens - 1`` for a new request.
+        ``shared``, if given, receives each worker's aligned full-attention depth where it is
+        non-zero: the coordinator's ``CacheHit.shared_prefix_tokens`` there, the boundary whose
+        blocks its retention tier keeps when the request is freed.
         """
-        rules = self.rules
-        alive = self.all_mask if mask is None else mask & self.all_mask
-        cap = rules.aligned(max_length) if max_length > 0 else 0
-        if cap <= 0 or not alive:
-            return {}
-        views = rules.views(hashes)
-        hits: dict[WorkerId, int] = {}
-        checks = [g for g in range(self.num_groups) if not (skip_mamba and g in rules.mamba_groups)]
-        if rules.full_groups:
-            g0 = rules.full_groups[0]
-            checks.remove(g0)
-            bs0 = rules.block_sizes[g0]
-            stops = _walk(views[g0], min(cap // bs0, len(views[g0])), self._owners[g0], alive)
-            for nblocks, workers in reversed(stops):
-                length = rules.aligned(nblocks * bs0)
-                if length <= 0:
-                    continue
-                valid = self._serving(workers, views, checks, length)
-                for worker in self.workers_in(valid):
-                    hits[worker] = length
-                for worker in self.workers_in(workers & ~valid):
-                    found = self.hit(worker, hashes, length, skip_mamba)
-                    if found:
-                        hits[worker] = found
-            return hits
-        # No full-attention group: candidates hold at least one of the request's blocks in every group.
-        for g in checks:
-            union = 0
-            owners = self._owners[g]
-            for block_hash in views[g][: cap // rules.block_sizes[g]]:
-                union |= owners.get(block_hash, 0)
-            alive &= union
-        for worker in self.workers_in(alive):
-            found = self.hit(worker, hashes, cap, skip_mamba)
-            if found:
-                hits[worker] = found
+        hits, pending = self.predict_partial(hashes, max_length, skip_mamba, mask, shared)
+        if pending is not None:
+            self.resolve(pending, hits)
         return hits
 
-    def _serving(self, workers: int, views: list[list[bytes]], checks: list[int], length: int) -> int:
-        """The workers (bitmask) among ``workers`` for which every group in ``checks`` has the
-        blocks ``blocks_needed_at(length)`` cached."""
-        managers = self.rules.managers
+    def predict_partial(
+        self,
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool = False,
+        mask: int | None = None,
+        shared: dict[WorkerId, int] | None = None,
+    ) -> tuple[dict[WorkerId, int], Pending | None]:
+        """``predict`` without step 3: the hits known so far, and the workers that cannot serve
+        their full-attention depth (their hit is shorter than ``shared[w]``), to ``resolve`` later
+        (all of them, or only those a caller still needs)."""
+        rules = self.rules
+        alive = self.all_mask if mask is None else mask & self.all_mask
+        align = rules.alignment
+        steps = max_length // align if max_length > 0 else 0
+        if steps <= 0 or not alive:
+            return {}, None
+        views = rules.views(hashes)
+        rules.ensure(steps)
+        checks = [g for g in rules.order if not (skip_mamba and g in rules.mamba_groups)]
+        hits: dict[WorkerId, int] = {}
+        if not rules.full_groups:
+            return hits, Pending(alive, steps, views, checks, hashes, skip_mamba)
+        # 1. The first full-attention group's contiguous depth of every worker, in one walk.
+        g0 = checks.pop(0)
+        per0 = align // rules.block_sizes[g0]
+        limit = min(steps * per0, len(views[g0]))
+        stops = _walk(views[g0], limit - limit % per0, self._owners[g0], alive)
+        failing = 0
+        deepest = 0
+        for nblocks, workers in reversed(stops):
+            k = nblocks // per0
+            if k <= 0:
+                continue
+            if shared is not None:
+                for worker in self.workers_in(workers):
+                    shared[worker] = k * align
+            # 2. Workers every other group serves at that depth: the common case.
+            valid = self._serving(workers, views, checks, k)
+            for worker in self.workers_in(valid):
+                hits[worker] = k * align
+            if workers & ~valid:
+                failing |= workers & ~valid
+                deepest = max(deepest, k)
+        if not failing:
+            return hits, None
+        return hits, Pending(failing, deepest - 1, views, [g0] + checks, hashes, skip_mamba)
+
+    def resolve(self, pending: Pending, hits: dict[WorkerId, int], mask: int | None = None) -> None:
+        """Step 3 for the pending workers (or those of them in ``mask``): the longest shorter length
+        every group serves, full attention included. Adds non-zero hits to ``hits``."""
+        workers = pending.workers if mask is None else pending.workers & mask
+        if not workers:
+            return
+        pending.workers &= ~workers
+        if workers.bit_count() <= FEW_WORKERS:
+            # A few workers: the coordinator's own fixed point on each is cheaper than the bulk pass.
+            length = pending.steps * self.rules.alignment
+            for worker in self.workers_in(workers):
+                found = self.hit(worker, pending.hashes, length, pending.skip_mamba)
+                if found:
+                    hits[worker] = found
+            return
+        self._resolve(workers, pending.steps, pending.views, pending.groups, hits)
+
+    def bit(self, worker: WorkerId) -> int:
+        return self._workers[worker].bit
+
+    def _serving(self, workers: int, views: list[list[bytes]], checks: list[int], k: int) -> int:
+        """The workers among ``workers`` that hold, in every group of ``checks``, the blocks a hit
+        of ``k`` aligned steps needs."""
+        ranges = self.rules._ranges
         for g in checks:
-            owners = self._owners[g]
-            view = views[g]
-            for i in managers[g].blocks_needed_at(length):
-                workers &= owners.get(view[i], 0)
-                if not workers:
-                    return 0
+            start, stop = ranges[g][k]
+            if stop - start == 1:
+                workers &= self._owners[g].get(views[g][start], 0)
+            else:
+                workers = reduce(and_, map(self._owners[g].get, views[g][start:stop], repeat(0)), workers)
+            if not workers:
+                return 0
         return workers
+
+    def _resolve(self, workers: int, steps: int, views: list[list[bytes]], groups: list[int],
+                 hits: dict[WorkerId, int]) -> None:  # fmt: skip
+        """Give each of ``workers`` the longest length <= ``steps`` aligned steps that every group in
+        ``groups`` serves: per group, the servers of every length at once (``_valid_ends``), then
+        one downward scan."""
+        align = self.rules.alignment
+        serving: list[int] | None = None
+        for g in groups:
+            steps = min(steps, len(views[g]) * self.rules.block_sizes[g] // align)
+            if steps <= 0:
+                return
+            ends = self._valid_ends(g, views[g], steps, workers)
+            serving = ends if serving is None else [a & b for a, b in zip(serving, ends)]
+        assert serving is not None
+        remaining = workers
+        for k in range(steps, 0, -1):
+            found = serving[k] & remaining
+            if found:
+                for worker in self.workers_in(found):
+                    hits[worker] = k * align
+                remaining &= ~found
+                if not remaining:
+                    return
+
+    def _valid_ends(self, g: int, view: Sequence[bytes], steps: int, alive: int) -> list[int]:
+        """``ends[k]``: the workers (within ``alive``) that hold every block group ``g`` needs for
+        a hit of ``k * alignment`` tokens (``blocks_needed_at``), for k = 0..steps."""
+        rules = self.rules
+        per = rules.alignment // rules.block_sizes[g]
+        blocks = steps * per
+        present = list(map(self._owners[g].get, view[:blocks], repeat(0)))
+        shape = rules.shapes[g]
+        if shape == PREFIX:
+            return list(accumulate(present, and_, initial=alive))[::per]
+        if shape >= 1:  # a window of ``shape`` blocks ending at the hit (fewer near the start)
+            width = shape
+            head = min(steps, width // per)  # steps whose window reaches back to block 0
+            ends = list(accumulate(present[: head * per], and_, initial=alive))[::per]
+            if steps > head:
+                windows = _sliding_and(present, width)  # windows[s]: AND of present[s : s + width]
+                ends.extend([alive & w for w in windows[(head + 1) * per - width :: per]])
+            return ends
+        ranges = rules.needed_ranges(g, steps)
+        table = _RangeAnd(present)
+        return [alive & table.all_of(a, b) for a, b in ranges]
 
     # -- events -------------------------------------------------------------------------------------
     def apply_events(
@@ -398,19 +549,68 @@ class PrefixIndex:
 def _walk(view: Sequence[bytes], limit: int, owners: Mapping[bytes, int], alive: int) -> list[tuple[int, int]]:
     """Contiguous-prefix depths of a downward-closed (full-attention) group: ``(n, mask)`` pairs,
     ascending in n, where ``mask`` holds the workers whose cached run of ``view`` is exactly ``n``
-    blocks (n >= 1, capped at ``limit``)."""
+    blocks (n >= 1, capped at ``limit``).
+
+    ``held[i]`` (the workers holding blocks 0..i-1) is a running AND computed in C; it only ever
+    loses workers, so each change point is found by bisection."""
+    held = list(accumulate(map(owners.get, view[:limit], repeat(0)), and_, initial=alive))
     stops: list[tuple[int, int]] = []
-    get = owners.get
-    i = 0
-    while i < limit:
-        here = alive & get(view[i], 0)
-        if here != alive:
-            if i:
-                stops.append((i, alive & ~here))
-            alive = here
-            if not alive:
-                return stops
-        i += 1
-    if limit:
-        stops.append((limit, alive))
+    end = len(held)
+    i = 1
+    current = alive
+    while current:
+        j = bisect_left(held, True, i, end, key=current.__ne__)  # first index no longer == current
+        if j == end:
+            stops.append((end - 1, current))
+            break
+        if j > 1:
+            stops.append((j - 1, current & ~held[j]))
+        current = held[j]
+        i = j + 1
     return stops
+
+
+def _sliding_and(values: list[int], width: int) -> list[int]:
+    """``out[s]`` = AND of ``values[s : s + width]`` for every full window: per chunk of ``width``
+    values a forward and a backward running AND (van Herk / Gil-Werman), then one pass."""
+    if width == 1:
+        return values
+    forward: list[int] = []
+    backward: list[int] = []
+    for c in range(0, len(values), width):
+        chunk = values[c : c + width]
+        forward.extend(accumulate(chunk, and_))
+        tail = list(accumulate(reversed(chunk), and_))
+        tail.reverse()
+        backward.extend(tail)
+    return [a & b for a, b in zip(backward, forward[width - 1 :])]
+
+
+class _RangeAnd:
+    """AND of worker bitmasks over any index range of ``present`` (prefix ANDs for ranges from 0,
+    a sparse table built level by level on demand for the others)."""
+
+    __slots__ = ("present", "_prefix", "_levels")
+
+    def __init__(self, present: list[int]):
+        self.present = present
+        self._prefix: list[int] | None = None
+        self._levels = [present]
+
+    def all_of(self, start: int, stop: int) -> int:
+        if stop <= start:
+            return -1  # nothing needed: every worker
+        if stop - start == 1:
+            return self.present[start]
+        if start == 0:
+            if self._prefix is None:
+                self._prefix = list(accumulate(self.present, and_, initial=-1))
+            return self._prefix[stop]
+        k = (stop - start).bit_length() - 1
+        levels = self._levels
+        while len(levels) <= k:
+            prev = levels[-1]
+            half = 1 << (len(levels) - 1)
+            levels.append([a & b for a, b in zip(prev, prev[half:])])
+        level = levels[k]
+        return level[start] & level[stop - (1 << k)]

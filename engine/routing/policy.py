@@ -7,13 +7,23 @@ Time is always passed in (``now``, seconds); the policy never reads a clock.
 
 Placement of one request with N tokens (aggregated workers, role "both")::
 
-    hit[w]   = index.predict(hashes, N - 1)[w]          exact: the worker coordinator's hit rules
-    cost[w]  = w_uncached * (N - hit[w]) + w_queued * queued_tokens[w]
-             + w_running * running_requests[w] + w_used * used_block_fraction[w]
-    guard    : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
-    pin      : if the request starts with a pinned prefix of length L, choose among the unguarded
-               workers with hit[w] >= L (its holders, or any worker that has it) when there is one
-    choice   = argmin cost, ties broken at random (seeded)
+    hit[w]    = index.predict(hashes, N - 1)[w]        exact: the worker coordinator's hit rules
+    shared[w] = full-attention depth on w               the coordinator's shared_prefix_tokens
+    credit[w] = hit[w] + anchor_credit * (shared[w] - hit[w])
+    cost[w]   = w_uncached * (N - credit[w]) + w_queued * queued_tokens[w]
+              + w_running * running_requests[w] + w_used * used_block_fraction[w]
+    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
+    pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
+                workers with hit[w] >= L (its holders, or any worker that has it) when there is one
+    choice    = argmin cost, ties broken at random (seeded)
+
+Why these terms: in a worker that serves requests in order, a queued token delays this request as
+much as one of its own uncached tokens, and an uncached token also adds work every later request
+waits for; so an uncached token costs about twice a queued one (the default weights 1.0 and 0.5).
+The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
+its end is not, the hit is lower (no false hit), yet running the request there makes the
+coordinator retain the windows at that shared-prefix boundary when the request is freed, so the
+next requests with this prefix hit there; half of the missing part is credited for that.
 
 With dedicated prefill workers (P/D): the decode worker D minimises load cost plus a tenth of the
 uncached cost (what it must pull); when D's own uncached part (full hit rules, it would prefill
@@ -34,7 +44,7 @@ from typing import TYPE_CHECKING
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
-from engine.routing.index import PrefixIndex, WorkerSnapshot
+from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.pins import HotPrefixes, Pin, PinTable
 from engine.routing.types import (
     Action,
@@ -176,6 +186,7 @@ class RoutingPolicy(Router):
         auto_pin_replicas: int = 1,
         auto_pin_interval_s: float = 5.0,
         pin_worker_fraction: float = 0.5,
+        anchor_credit: float = 0.5,
         seed: int = 0,
     ):
         super().__init__(seed)
@@ -191,6 +202,7 @@ class RoutingPolicy(Router):
         self.decode_only_threshold_tokens = decode_only_threshold_tokens
         self.imbalance_ratio = imbalance_ratio
         self.pin_worker_fraction = pin_worker_fraction
+        self.anchor_credit = anchor_credit
         self.pins = PinTable(self.index, pin_capacity_blocks)
         self.auto_pin = auto_pin
         self.auto_pin_budget_blocks = auto_pin_budget_blocks
@@ -201,7 +213,9 @@ class RoutingPolicy(Router):
         self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id
         self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
+        self._queued: dict[WorkerId, float] = {}
         self._queued_sum = 0.0
+        self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
 
     @classmethod
@@ -255,6 +269,8 @@ class RoutingPolicy(Router):
         super().add_worker(worker, role, num_blocks, snapshot, now)
         self.index.add_worker(worker, snapshot)
         self._load_cost[worker] = 0.0
+        self._queued[worker] = 0.0
+        self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
     def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
@@ -265,6 +281,8 @@ class RoutingPolicy(Router):
         super().remove_worker(worker, now)
         self.index.remove_worker(worker)
         self._load_cost.pop(worker, None)
+        self._queued.pop(worker, None)
+        self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
         self.pins.on_worker_removed(worker, now)
         return self._fill_pins(now)
@@ -276,6 +294,7 @@ class RoutingPolicy(Router):
         load = replace(load)  # the router adds its own assignments to its copy
         self._queued_sum += load.queued_tokens - old.queued_tokens
         self.loads[worker] = load
+        self._queued[worker] = load.queued_tokens
         self._load_cost[worker] = self._cost_of(load)
 
     def _cost_of(self, load: WorkerLoad) -> float:
@@ -460,15 +479,18 @@ class RoutingPolicy(Router):
         """Choose (prefill, decode) workers for ``request``; see the module docstring."""
         hashes = request.block_hashes
         num_tokens = request.num_tokens
-        hits = self.index.predict(hashes, num_tokens - 1)
+        shared: dict[WorkerId, int] = {}
+        hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
         pin = self.pins.match(hashes) if self.pins.by_key else None
+        if pending is not None and (pin is not None or self._disaggregated):
+            self.index.resolve(pending, hits)
+            pending = None
         if self.hot is not None:
             self.hot.observe(hashes, request.token_ids, now)
-        prefill_only = any(r == "prefill" for r in self.roles.values())
-        if not prefill_only:
-            workers = list(self.roles)
+        if not self._disaggregated:
+            workers = list(self._load_cost)
             self._require(workers, "")
-            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_uncached)
+            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_uncached, shared, pending)
             pin_id = pin.pin_id if pin is not None else None
             decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
         else:
@@ -506,30 +528,81 @@ class RoutingPolicy(Router):
         num_tokens: int,
         pin: Pin | None,
         w_uncached: float,
+        shared: dict[WorkerId, int] | None = None,
+        pending: Pending | None = None,
     ) -> tuple[WorkerId, str]:
-        """argmin cost over the workers the imbalance guard lets through (pin holders first)."""
-        loads = self.loads
+        """argmin cost over the workers the imbalance guard lets through (pin holders first).
+
+        ``pending`` workers (hit below their full-attention depth, not yet resolved) are first
+        costed with the best hit they could have (one aligned step below that depth); only those
+        whose bound could beat (or tie) the best resolved cost are resolved exactly, so the result
+        equals the fully resolved one."""
         load_cost = self._load_cost
-        limit = self.imbalance_ratio * self._queued_sum / max(1, len(loads)) + num_tokens
-        eligible = [w for w in workers if loads[w].queued_tokens <= limit] or workers
-        reason = "cost" if len(eligible) == len(workers) else "guard"
+        queued = self._queued
+        limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
+        c = self.anchor_credit
+        credit: dict[WorkerId, float] = dict(hits)
+        if shared:
+            for worker, depth in shared.items():
+                hit = hits.get(worker, 0)
+                credit[worker] = hit + c * (depth - hit)
+        reason = "cost"
+        candidates = workers
         if pin is not None:
-            resident = [w for w in eligible if hits.get(w, 0) >= pin.length]
+            allowed = set(workers)
+            resident = [w for w, h in hits.items() if h >= pin.length and queued[w] <= limit and w in allowed]
             if resident:
-                eligible = resident
+                candidates = resident
                 reason = "pin"
+        pending_set = set(self.index.workers_in(pending.workers)) if pending is not None else ()
+        deferred: list[tuple[WorkerId, float]] = []
         best_cost = float("inf")
         best: list[WorkerId] = []
-        for worker in eligible:
-            cost = load_cost[worker] + w_uncached * (num_tokens - hits.get(worker, 0))
+        guarded = 0
+        get = credit.get
+        for worker in candidates:
+            if queued[worker] > limit:
+                guarded += 1
+                continue
+            if pending_set and worker in pending_set:
+                depth = shared[worker] if shared else 0
+                bound = depth - self.rules.alignment
+                deferred.append((worker, load_cost[worker] - w_uncached * (bound + c * (depth - bound))))
+                continue
+            cost = load_cost[worker] - w_uncached * get(worker, 0.0)
             if cost < best_cost - 1e-9:
                 best_cost = cost
                 best = [worker]
             elif cost <= best_cost + 1e-9:
                 best.append(worker)
+        if deferred:
+            contenders = [w for w, bound in deferred if bound <= best_cost + 1e-9]
+            if contenders:
+                assert pending is not None
+                mask = 0
+                for worker in contenders:
+                    mask |= self.index.bit(worker)
+                self.index.resolve(pending, hits, mask)
+                for worker in contenders:
+                    hit = hits.get(worker, 0)
+                    cost = load_cost[worker] - w_uncached * (hit + c * (shared[worker] - hit) if shared else hit)
+                    if cost < best_cost - 1e-9:
+                        best_cost = cost
+                        best = [worker]
+                    elif cost <= best_cost + 1e-9:
+                        best.append(worker)
+        if not best:  # every candidate guarded (possible only for a subset of the workers)
+            for worker in candidates:
+                cost = load_cost[worker] - w_uncached * get(worker, 0.0)
+                if cost < best_cost:
+                    best_cost, best = cost, [worker]
+            return best[0], "guard"
         choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
-        if reason == "cost" and hits.get(choice, 0) > 0:
-            reason = "prefix"
+        if reason == "cost":
+            if guarded:
+                reason = "guard"
+            elif hits.get(choice, 0) > 0:
+                reason = "prefix"
         return choice, reason
 
     def _record(self, decision: Decision) -> None:
@@ -538,3 +611,4 @@ class RoutingPolicy(Router):
         self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
         for worker in {decision.prefill_worker, decision.decode_worker}:
             self._load_cost[worker] = self._cost_of(self.loads[worker])
+            self._queued[worker] = self.loads[worker].queued_tokens

@@ -160,3 +160,43 @@ def test_baselines() -> None:
     assert second.prefill_worker == first and second.reason == "prefix" and second.predicted_hit == 200
     reasons = [tree.route(request(f"c{i}", PREFIX + [3 + i])).reason for i in range(6)]
     assert "imbalanced" in reasons  # the router's own count of running requests
+
+
+def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
+    """route() resolves workers below their full-attention depth only when they could win; its
+    choice must still be a minimum of the fully resolved cost, and its predicted hit exact."""
+    import random
+
+    from tests.routing.helpers import Worker, sync, tokens
+
+    rng = random.Random(4)
+    specs = CONFIGS["full+2swa"]
+    workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40])) for i in range(6)}
+    policy = RoutingPolicy(groups_of(specs), seed=1)
+    for name in workers:
+        policy.add_worker(name)
+    prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]
+    for step in range(300):
+        worker = workers[rng.choice(sorted(workers))]
+        if rng.random() < 0.6:
+            worker.run(rng.choice(prefixes) + tokens(rng, rng.randrange(1, 9), vocab=6))
+        else:
+            worker.finish(rng=rng)
+        sync(policy, workers)
+        for name in workers:
+            policy.update_load(name, WorkerLoad(queued_tokens=rng.randrange(0, 60), running_requests=rng.randrange(3)))
+        prompt = rng.choice(prefixes) + tokens(rng, 3, vocab=6)
+        hashes = block_hashes(prompt, 4)
+        shared: dict[str, int] = {}
+        full = policy.index.predict(hashes, len(prompt) - 1, shared=shared)  # type: ignore[arg-type]
+        limit = policy.imbalance_ratio * policy._queued_sum / len(workers) + len(prompt)
+        costs = {}
+        for name in workers:
+            if policy._queued[name] > limit:
+                continue
+            hit = full.get(name, 0)
+            credit = hit + policy.anchor_credit * (shared.get(name, hit) - hit)
+            costs[name] = policy._load_cost[name] + policy.w_uncached * (len(prompt) - credit)
+        decision = policy.route(RouteRequest(f"r{step}", hashes, len(prompt)))
+        assert costs[str(decision.prefill_worker)] <= min(costs.values()) + 1e-6
+        assert decision.predicted_hit == workers[str(decision.prefill_worker)].actual_hit(prompt)

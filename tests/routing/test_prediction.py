@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+import engine.routing.index as index_module
 from engine.kv_cache.hashing import block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from engine.routing import PrefixTreeRouter, RouteRequest, RoutingPolicy
@@ -19,7 +20,16 @@ from tests.routing.helpers import CONFIGS, Worker, groups_of, sync, tokens
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_prediction_equals_coordinator_hit(name: str, seed: int) -> None:
+@pytest.mark.parametrize("few", [0, 3])
+def test_prediction_equals_coordinator_hit(name: str, seed: int, few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``few``: workers below the full-attention depth are resolved one by one (the coordinator's
+    fixed point on a shadow) up to this many, in bulk beyond; both paths must be exact."""
+    monkeypatch.setattr(index_module, "FEW_WORKERS", few)
+    bulk_calls = []
+    real_bulk = index_module.PrefixIndex._resolve
+    monkeypatch.setattr(
+        index_module.PrefixIndex, "_resolve", lambda self, *a: bulk_calls.append(1) or real_bulk(self, *a)
+    )
     specs = CONFIGS[name]
     rng = random.Random(seed)
     workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40, 64])) for i in range(4)}
@@ -54,6 +64,7 @@ def test_prediction_equals_coordinator_hit(name: str, seed: int) -> None:
                 checked += 1
                 nonzero += actual > 0
     assert nonzero > checked // 10  # the workload does produce hits
+    assert bulk_calls or few > 0  # the bulk path was exercised when forced
 
 
 def test_sliding_window_evicted_lowers_the_prediction() -> None:

@@ -1,0 +1,728 @@
+#!/usr/bin/env python3
+"""Discrete-event simulation of request placement over W hybrid-KV workers (issue 6).
+
+What it models
+    W workers, each with a real ``engine.kv_cache.HybridCoordinator`` (1 full-attention group + 2
+    sliding-window groups, windows 128 and 512 tokens, block size 16, retention tier on as in the
+    ``local`` preset). Each worker does both prefill and decode (one pool, no P/D split: the
+    router's decision is a single worker, ``prefill == decode``).
+
+    Trace (seeded): ``--prefixes`` shared prefixes of ``--prefix-min``..``--prefix-max`` random
+    tokens (issue: 1k-8k; scaled down to 256-2048 so a run takes minutes on 2 shared cores), each
+    request picks one with Zipf(``--alpha``) popularity and appends a unique random suffix
+    (``--suffix-min``..``--suffix-max`` tokens) and asks for ``--output-min``..``--output-max``
+    tokens. Poisson arrivals at ``--load`` times the rate that would exactly saturate the cluster
+    if nothing were cached (load 1.0: a cache-less cluster is at 100 %).
+
+    Worker: admission happens when the request reaches the worker: ``get_computed_blocks`` (the
+    actual hit), then the prompt's KV state is built at once the way the scheduler builds it
+    (``allocate_slots`` per 512-token chunk, window drops after each chunk), so hashes, events,
+    retention anchors and evictions are the coordinator's own; if blocks do not fit, the request
+    waits and is admitted (its hit computed again) when a request finishes there. Compute is a
+    FIFO server: service = uncached prompt tokens / ``--prefill-tps`` + output tokens /
+    ``--decode-tps`` (decode throughput amortised over a batch); TTFT = wait + own prefill. KV
+    blocks are released (``free``) when the request finishes. Decode tokens take no KV blocks.
+
+    Cache size: the working set is the blocks needed to hold a hit on every prefix (all groups);
+    each worker gets ``working_set / (ratio * W)`` blocks plus an in-flight reserve of twice the
+    blocks one longest request holds while running, for ratio = 0.5 ("working set 0.5x the
+    cluster's cache") and 2.0 ("2x").
+
+    Router: every arrival is routed with the worker loads of that instant (queued work in prefill
+    tokens, admitted requests, used block fraction); KV events reach the router after
+    ``--event-lag-ms`` (0: right after each worker operation). Router actions (PinOn, Unpin,
+    RequestSnapshot) are executed at once; a PinOn whose worker lacks the prefix queues a warm-up
+    prefill at the head of that worker's FIFO and pins when it completes. ``policy.tick`` runs
+    every simulated second. Decision latency is the wall time of ``route`` alone (hashing happens
+    at the ingress, once per request, and is excluded).
+
+Scenarios: W=8 and W=64, working set 0.5x and 2x, policies round_robin, least_loaded,
+prefix_tree (approximate, from routing history) and kvfleet; at W=8 2x also kvfleet with
+``--pins`` random prefixes pinned (``--pin-replicas`` replicas), and the same with the worker
+holding most pins removed mid-run (its queued requests are routed again). Metrics skip the first
+``--warmup`` of the arrivals (cold caches).
+
+Output
+    Progress on stderr (logging). A per-scenario table on stdout, then one JSON line:
+    ``{"hit_ratio_vs_round_robin", "hit_ratio_vs_approx_tree", "p90_ttft_ratio_vs_round_robin",
+    "imbalance", "prediction_accuracy", "decision_p99_us_w64", "pinned_hit_rate_2x",
+    "unpinned_hit_rate_2x", "pin_recovery_sim_s"}`` (ratios: kvfleet vs baseline at W=8, 0.5x).
+
+    python benchmarks/routing_sim.py                  # full run (a few minutes)
+    python benchmarks/routing_sim.py --quick          # smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import logging
+import math
+import random
+import sys
+import time
+from bisect import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.kv_cache import CacheRequest, HybridCoordinator, KVCacheGroup, RetentionOptions  # noqa: E402
+from engine.kv_cache.hashing import extend_block_hashes  # noqa: E402
+from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from engine.routing import (  # noqa: E402
+    HitRules,
+    LeastLoadedRouter,
+    PinOn,
+    PrefixTreeRouter,
+    RequestSnapshot,
+    RoundRobinRouter,
+    RouteRequest,
+    Router,
+    RoutingPolicy,
+    Unpin,
+    WorkerLoad,
+    snapshot_coordinator,
+)
+from engine.routing.types import Action  # noqa: E402
+
+LOG = logging.getLogger("routing_sim")
+BLOCK = 16
+CHUNK = 512
+GROUPS = [
+    KVCacheGroup(FullAttentionSpec(BLOCK)),
+    KVCacheGroup(SlidingWindowSpec(BLOCK, window=128)),
+    KVCacheGroup(SlidingWindowSpec(BLOCK, window=512)),
+]
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_tree", "kvfleet")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefixes", type=int, default=200)
+    ap.add_argument("--prefix-min", type=int, default=256)
+    ap.add_argument("--prefix-max", type=int, default=2048)
+    ap.add_argument("--suffix-min", type=int, default=32)
+    ap.add_argument("--suffix-max", type=int, default=256)
+    ap.add_argument("--output-min", type=int, default=32)
+    ap.add_argument("--output-max", type=int, default=256)
+    ap.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of prefix popularity")
+    ap.add_argument("--requests-w8", type=int, default=4000)
+    ap.add_argument("--requests-w64", type=int, default=6400)
+    ap.add_argument("--load", type=float, default=0.5, help="arrival rate / the rate saturating a static-oracle cluster")
+    ap.add_argument("--sweep", type=float, nargs="*", default=[0.35, 0.65],
+                    help="extra loads for a W=8 0.5x comparison of round robin, prefix tree and kvfleet")
+    ap.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second per worker")
+    ap.add_argument("--decode-tps", type=float, default=4000.0, help="amortised decode tokens per second per worker")
+    ap.add_argument("--event-lag-ms", type=float, default=0.0, help="KV event delivery delay to the router")
+    ap.add_argument("--lag-check-ms", type=float, default=20.0, help="extra kvfleet run at W=8 0.5x with this lag")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="requests a worker admits (holding KV) at once")
+    ap.add_argument("--warmup", type=float, default=0.1, help="fraction of arrivals left out of the metrics")
+    ap.add_argument("--pins", type=int, default=20, help="prefixes pinned in the pinned scenarios")
+    ap.add_argument("--pin-replicas", type=int, default=2)
+    ap.add_argument("--skip-w64-2x", action="store_true", help="leave out the W=64 2x scenario")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prefixes, args.requests_w8, args.requests_w64 = 40, 400, 640
+        args.prefix_max, args.pins = 1024, 4
+    return args
+
+
+# -- trace --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arrival:
+    index: int
+    time: float
+    prefix: int
+    suffix: tuple[int, ...]
+    output: int
+
+
+@dataclass
+class Trace:
+    workers: int
+    ratio: float
+    prefixes: list[list[int]]
+    prefix_hashes: list[list[bytes]]
+    arrivals: list[Arrival]
+    working_set_blocks: int
+    num_blocks: int
+    oracle_hit_rate: float
+    rate: float
+
+
+def make_prefixes(args: argparse.Namespace) -> tuple[list[list[int]], list[list[bytes]]]:
+    rng = random.Random(args.seed)
+    prefixes = [
+        [rng.randrange(1, 50_000) for _ in range(rng.randint(args.prefix_min, args.prefix_max))]
+        for _ in range(args.prefixes)
+    ]
+    return prefixes, [extend_block_hashes([], p, BLOCK) for p in prefixes]
+
+
+def make_trace(args: argparse.Namespace, workers: int, ratio: float, count: int, prefixes: list[list[int]],
+               prefix_hashes: list[list[bytes]]) -> Trace:  # fmt: skip
+    """The requests of one (W, ratio) scenario: the same picks for both ratios of a W, arrival
+    times scaled to the scenario's rate; the per-worker cache size; the static oracle."""
+    rng = random.Random(args.seed * 1000 + workers)
+    cum = list(itertools.accumulate((k + 1) ** -args.alpha for k in range(len(prefixes))))
+    picks = []
+    for _ in range(count):
+        rank = bisect(cum, rng.random() * cum[-1])
+        suffix = tuple(rng.randrange(50_000, 100_000) for _ in range(rng.randint(args.suffix_min, args.suffix_max)))
+        picks.append((rank, suffix, rng.randint(args.output_min, args.output_max), rng.expovariate(1.0)))
+    rules = HitRules(GROUPS)
+    needed = [len(rules.needed(h, rules.aligned(len(p)))) for p, h in zip(prefixes, prefix_hashes)]
+    working_set = sum(needed)
+    # Blocks one longest request holds while its prompt is built (full prefix, the windows, a chunk).
+    longest = (args.prefix_max + args.suffix_max) // BLOCK + sum(
+        -(-(g.spec.window - 1) // BLOCK) + CHUNK // BLOCK for g in GROUPS[1:]  # type: ignore[union-attr]
+    )
+    num_blocks = max(math.ceil(working_set / (ratio * workers)), 2 * longest)
+    # Static oracle: the most requested prefixes that fit the cluster's cache are always hit.
+    demand = [0] * len(prefixes)
+    for rank, _, _, _ in picks:
+        demand[rank] += 1
+    room = workers * num_blocks
+    cached: set[int] = set()
+    for rank in sorted(range(len(prefixes)), key=lambda r: -demand[r] * len(prefixes[r]) / needed[r]):
+        if demand[rank] and needed[rank] <= room:
+            cached.add(rank)
+            room -= needed[rank]
+    hit = total = 0.0
+    work = 0.0
+    for rank, suffix, out, _ in picks:
+        n = len(prefixes[rank]) + len(suffix)
+        h = rules.aligned(len(prefixes[rank])) if rank in cached else 0
+        hit += h
+        total += n
+        work += (n - h) / args.prefill_tps + out / args.decode_tps
+    rate = args.load * workers / (work / count)
+    t = 0.0
+    arrivals = []
+    for i, (rank, suffix, out, gap) in enumerate(picks):
+        t += gap / rate
+        arrivals.append(Arrival(i, t, rank, suffix, out))
+    return Trace(workers, ratio, prefixes, prefix_hashes, arrivals, working_set, num_blocks, hit / total, rate)
+
+
+# -- workers ---------------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    rid: str
+    request: CacheRequest
+    arrival: float
+    output: int
+    trace_index: int | None = None  # None: a pin warm-up
+    predicted: int = -1
+    pin: PinOn | None = None
+    hit: int = 0
+    uncached: int = 0
+    work: float = 0.0
+
+
+class SimWorker:
+    def __init__(self, name: str, num_blocks: int):
+        self.name = name
+        self.num_blocks = num_blocks
+        retention = RetentionOptions(enabled=True, budget_blocks=num_blocks // 4, min_drop_blocks=2)
+        self.coord = HybridCoordinator(GROUPS, num_blocks, retention=retention, enable_events=True)
+        self.queue: deque[Job] = deque()
+        self.pending: deque[Job] = deque()
+        self.current: Job | None = None
+        self.current_end = 0.0
+        self.alive = True
+        self.busy = 0.0
+        self.queued_work = 0.0  # work of queued jobs, prefill-token equivalents
+
+    def load(self, now: float, prefill_tps: float) -> WorkerLoad:
+        work = self.queued_work + sum(j.request.num_tokens for j in self.pending)
+        if self.current is not None:
+            work += max(0.0, self.current_end - now) * prefill_tps
+        running = len(self.queue) + len(self.pending) + (self.current is not None)
+        return WorkerLoad(work, running, self.coord.usage)
+
+
+@dataclass
+class Record:
+    arrival: float
+    prefix: int
+    num_tokens: int
+    hit: int = -1  # at admission on the chosen worker
+    hit_at_route: int = -1  # what the chosen worker's coordinator answered when the router decided
+    predicted: int = -1
+    ttft: float = -1.0
+    decision_ns: int = 0  # wall time of route()
+    decision_cpu_ns: int = 0  # CPU time of route() (excludes preemption by other processes)
+    delayed: bool = False
+    worker: str = ""
+
+
+@dataclass
+class Result:
+    name: str
+    workers: int
+    ratio: float
+    records: list[Record]
+    busy: list[float]
+    duration: float
+    warmup: int
+    pinned_ranks: set[int] = field(default_factory=set)
+    pin_lengths: dict[int, int] = field(default_factory=dict)
+    recovery_s: float | None = None
+    wall_s: float = 0.0
+    num_blocks: int = 0
+
+    def measured(self) -> list[Record]:
+        return [r for r in self.records[self.warmup :] if r.hit >= 0]
+
+    def hit_rate(self) -> float:
+        rows = self.measured()
+        return sum(r.hit for r in rows) / max(1, sum(r.num_tokens for r in rows))
+
+    def ttft(self) -> tuple[float, float]:
+        values = sorted(r.ttft for r in self.measured())
+        return sum(values) / len(values), percentile(values, 0.9)
+
+    def imbalance(self) -> float:
+        busy = [b for b in self.busy]
+        return max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0
+
+    def decision_us(self, cpu: bool = True) -> tuple[float, float]:
+        values = sorted((r.decision_cpu_ns if cpu else r.decision_ns) / 1000 for r in self.records if r.decision_ns)
+        return percentile(values, 0.5), percentile(values, 0.99)
+
+    def accuracy(self, at_route: bool = False) -> float | None:
+        """Share of requests whose predicted hit equals the hit at admission (``at_route``: the
+        chosen worker's hit at the moment of the decision)."""
+        rows = [r for r in self.measured() if r.predicted >= 0]
+        if not rows:
+            return None
+        return sum(r.predicted == (r.hit_at_route if at_route else r.hit) for r in rows) / len(rows)
+
+    def delayed(self) -> float:
+        """Share of requests not admitted at once (no KV room or max_num_seqs reached)."""
+        rows = self.measured()
+        return sum(r.delayed for r in rows) / max(1, len(rows))
+
+    def utilisation(self) -> float:
+        return sum(self.busy) / (len(self.busy) * self.duration) if self.duration else 0.0
+
+    def prefix_hit_rate(self, ranks: set[int] | None, inside: bool, aligned: dict[int, int]) -> float:
+        """Cached share of the shared-prefix tokens, over requests whose prefix is (not) in ``ranks``."""
+        hit = total = 0
+        for r in self.measured():
+            if ranks is not None and (r.prefix in ranks) != inside:
+                continue
+            length = aligned[r.prefix]
+            hit += min(r.hit, length)
+            total += length
+        return hit / total if total else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# -- the simulation --------------------------------------------------------------------------------------------------
+class Simulation:
+    ARRIVE, DONE, DELIVER, TICK, REMOVE = range(5)
+
+    def __init__(self, args: argparse.Namespace, trace: Trace, policy: str, pinned: list[int] | None = None,
+                 remove_at: float | None = None, event_lag_s: float = 0.0, label: str = ""):  # fmt: skip
+        self.args = args
+        self.trace = trace
+        self.label = label or policy
+        self.ratio = trace.ratio
+        workers = trace.workers
+        self.event_lag_s = event_lag_s
+        self.num_blocks = trace.num_blocks
+        self.workers = {f"w{i}": SimWorker(f"w{i}", self.num_blocks) for i in range(workers)}
+        self.pinned = pinned or []
+        self.router = self._make_router(policy)
+        for name in self.workers:
+            self.router.add_worker(name, num_blocks=self.num_blocks)
+        self.records = [Record(a.time, a.prefix, len(trace.prefixes[a.prefix]) + len(a.suffix)) for a in trace.arrivals]
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.order = itertools.count()
+        self.now = 0.0
+        self.remove_at = remove_at
+        self.removed_at: float | None = None
+        self.removed_pins: set[int] = set()
+        self.pin_ranks: dict[int, int] = {}
+        self.jobs = itertools.count()
+
+    def _make_router(self, policy: str) -> Router:
+        seed = self.args.seed
+        if policy == "round_robin":
+            return RoundRobinRouter(GROUPS, seed=seed)
+        if policy == "least_loaded":
+            return LeastLoadedRouter(GROUPS, seed=seed)
+        if policy == "prefix_tree":
+            # eviction budget: the full-attention share of the worker's cache, in tokens
+            return PrefixTreeRouter(GROUPS, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * 0.6))
+        capacity = None
+        if self.pinned:
+            capacity = sum(
+                len(HitRules(GROUPS).needed(self.trace.prefix_hashes[r], self._aligned(r))) for r in self.pinned
+            ) * self.args.pin_replicas  # fmt: skip
+        return RoutingPolicy(GROUPS, pin_capacity_blocks=capacity, seed=seed)
+
+    def _aligned(self, rank: int) -> int:
+        n = len(self.trace.prefixes[rank])
+        return n - n % BLOCK
+
+    def push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.heap, (t, next(self.order), kind, payload))
+
+    # -- main loop -----------------------------------------------------------------------------------------------
+    def run(self) -> Result:
+        start = time.perf_counter()
+        for arrival in self.trace.arrivals:
+            self.push(arrival.time, self.ARRIVE, arrival.index)
+        self.push(1.0, self.TICK, None)
+        if self.pinned:
+            router = self.router
+            assert isinstance(router, RoutingPolicy)
+            for rank in self.pinned:
+                pin_id, actions = router.pin(self.trace.prefixes[rank], replicas=self.args.pin_replicas, now=0.0)
+                self.pin_ranks[pin_id] = rank
+                self.execute(actions)
+        if self.remove_at is not None:
+            self.push(self.remove_at, self.REMOVE, None)
+        last_arrival = self.trace.arrivals[-1].time
+        total = len(self.trace.arrivals)
+        next_log = 0.25
+        while self.heap:
+            t, _, kind, payload = heapq.heappop(self.heap)
+            self.now = t
+            if kind == self.ARRIVE:
+                self.arrive(payload)  # type: ignore[arg-type]
+                if payload / total >= next_log:  # type: ignore[operator]
+                    LOG.info("  %s: %d%% of arrivals, %.1f s", self.label, 100 * next_log, time.perf_counter() - start)
+                    next_log += 0.25
+            elif kind == self.DONE:
+                self.done(*payload)  # type: ignore[misc]
+            elif kind == self.DELIVER:
+                worker, events = payload  # type: ignore[misc]
+                if worker in self.router.roles:
+                    self.execute(self.router.apply_events(worker, events, t))
+            elif kind == self.TICK:
+                self.execute(self.router.tick(t))
+                if t < last_arrival or any(w.current or w.queue for w in self.workers.values()):
+                    self.push(t + 1.0, self.TICK, None)
+            elif kind == self.REMOVE:
+                self.remove_worker()
+        duration = max(self.now, last_arrival)
+        result = Result(
+            self.label,
+            len(self.workers),
+            self.ratio,
+            self.records,
+            [w.busy for w in self.workers.values()],
+            duration,
+            int(self.args.warmup * total),
+            set(self.pinned),
+            {r: self._aligned(r) for r in range(len(self.trace.prefixes))},
+            wall_s=time.perf_counter() - start,
+            num_blocks=self.num_blocks,
+        )
+        if self.removed_at is not None and isinstance(self.router, RoutingPolicy):
+            restored = [t1 for pid, t0, t1 in self.router.pins.recoveries if pid in self.removed_pins and t0 >= self.removed_at]
+            recovered = {pid for pid, t0, _ in self.router.pins.recoveries if t0 >= self.removed_at}
+            if self.removed_pins and self.removed_pins <= recovered:
+                result.recovery_s = max(restored) - self.removed_at
+        return result
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def arrive(self, index: int) -> None:
+        arrival = self.trace.arrivals[index]
+        tokens = self.trace.prefixes[arrival.prefix] + list(arrival.suffix)
+        hashes = extend_block_hashes(list(self.trace.prefix_hashes[arrival.prefix]), tokens, BLOCK)
+        router = self.router
+        for name, worker in self.workers.items():
+            if worker.alive:
+                router.update_load(name, worker.load(self.now, self.args.prefill_tps))
+        request = RouteRequest(f"r{index}", hashes, len(tokens), None)
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        decision = router.route(request, self.now)
+        elapsed = time.perf_counter_ns() - t0
+        cpu = time.thread_time_ns() - c0
+        record = self.records[index]
+        record.decision_ns = elapsed
+        record.decision_cpu_ns = cpu
+        record.predicted = decision.predicted_hit if router.name in ("kvfleet", "prefix_tree") else -1
+        record.worker = str(decision.prefill_worker)
+        chosen = self.workers[record.worker].coord
+        record.hit_at_route = chosen.find_longest_cache_hit(hashes, len(tokens) - 1).num_tokens
+        job = Job(f"r{index}-{next(self.jobs)}", CacheRequest(f"r{index}", tokens, BLOCK, block_hashes=hashes),
+                  arrival.time, arrival.output, index, decision.predicted_hit)  # fmt: skip
+        self.submit(self.workers[str(decision.prefill_worker)], job)
+
+    def submit(self, worker: SimWorker, job: Job, front: bool = False) -> None:
+        if worker.pending or not self.room(worker) or not self.admit(worker, job):
+            worker.pending.append(job)
+            if job.trace_index is not None:
+                self.records[job.trace_index].delayed = True
+        else:
+            self.enqueue(worker, job, front)
+        self.flush(worker)
+        self.start(worker)
+
+    def room(self, worker: SimWorker) -> bool:
+        """The engine admits at most ``--max-num-seqs`` requests; later ones wait without KV."""
+        return len(worker.queue) + (worker.current is not None) < self.args.max_num_seqs
+
+    def admit(self, worker: SimWorker, job: Job) -> bool:
+        """The engine's admission: local hit, then the prompt's KV built chunk by chunk."""
+        coord = worker.coord
+        request = job.request
+        rid = request.request_id
+        request.num_computed_tokens = 0
+        hit = coord.get_computed_blocks(request)
+        n = request.num_tokens
+        done = hit.num_tokens
+        first = min(CHUNK, n - done)
+        if coord.allocate_slots(request, first, hit) is None:
+            return False
+        done += first
+        request.num_computed_tokens = done
+        coord.remove_skipped_blocks(rid, done)
+        while done < n:
+            step = min(CHUNK, n - done)
+            if coord.allocate_slots(request, step) is None:
+                coord.free(rid)
+                request.num_computed_tokens = 0
+                return False
+            done += step
+            request.num_computed_tokens = done
+            coord.remove_skipped_blocks(rid, done)
+        job.hit = hit.num_tokens
+        job.uncached = n - hit.num_tokens
+        job.work = job.uncached + job.output * self.args.prefill_tps / self.args.decode_tps
+        if job.trace_index is not None:
+            record = self.records[job.trace_index]
+            record.hit = job.hit
+        return True
+
+    def enqueue(self, worker: SimWorker, job: Job, front: bool = False) -> None:
+        if front:
+            worker.queue.appendleft(job)
+        else:
+            worker.queue.append(job)
+        worker.queued_work += job.work
+
+    def start(self, worker: SimWorker) -> None:
+        if worker.current is not None or not worker.queue or not worker.alive:
+            return
+        job = worker.queue.popleft()
+        worker.queued_work -= job.work
+        prefill = job.uncached / self.args.prefill_tps
+        service = prefill + job.output / self.args.decode_tps
+        worker.current = job
+        worker.current_end = self.now + service
+        worker.busy += service
+        if job.trace_index is not None:
+            self.records[job.trace_index].ttft = self.now + prefill - job.arrival
+        self.push(self.now + service, self.DONE, (worker.name, job))
+
+    def done(self, name: str, job: Job) -> None:
+        worker = self.workers[name]
+        if not worker.alive or worker.current is not job:
+            return
+        worker.current = None
+        coord = worker.coord
+        if job.pin is not None:
+            pin = job.pin
+            pinned = coord.pin_prefix(pin.block_hashes, pin.num_tokens)
+            seq = snapshot_seq(coord)
+            coord.free(job.request.request_id)
+            self.flush(worker)
+            assert isinstance(self.router, RoutingPolicy)
+            self.execute(self.router.pin_result(name, pin.pin_id, pinned, self.now, seq))
+        else:
+            coord.free(job.request.request_id)
+            self.flush(worker)
+        while worker.pending and self.room(worker) and self.admit(worker, worker.pending[0]):
+            self.enqueue(worker, worker.pending.popleft())
+        self.flush(worker)
+        self.start(worker)
+
+    def flush(self, worker: SimWorker) -> None:
+        """Hand the worker's new KV events to the router (now, or after the event lag)."""
+        events = worker.coord.take_events()
+        if not events:
+            return
+        if self.event_lag_s > 0:
+            self.push(self.now + self.event_lag_s, self.DELIVER, (worker.name, events))
+        elif worker.name in self.router.roles:
+            self.execute(self.router.apply_events(worker.name, events, self.now))
+
+    # -- router actions -------------------------------------------------------------------------------------------
+    def execute(self, actions: list[Action]) -> None:
+        queue = deque(actions)
+        router = self.router
+        while queue:
+            action = queue.popleft()
+            worker = self.workers.get(str(action.worker))
+            if worker is None or not worker.alive:
+                continue
+            if isinstance(action, RequestSnapshot):
+                queue.extend(router.apply_snapshot(action.worker, snapshot_coordinator(worker.coord), self.now))
+            elif isinstance(action, Unpin):
+                worker.coord.unpin_prefix(action.block_hashes, action.num_tokens)
+                self.flush(worker)
+            elif isinstance(action, PinOn):
+                self.pin_on(worker, action)
+
+    def pin_on(self, worker: SimWorker, action: PinOn) -> None:
+        coord = worker.coord
+        if coord.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens >= action.num_tokens:
+            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
+            self.flush(worker)
+            assert isinstance(self.router, RoutingPolicy)
+            self.execute(self.router.pin_result(worker.name, action.pin_id, pinned, self.now, snapshot_seq(coord)))
+            return
+        assert action.token_ids is not None, "pins in the simulator always carry their tokens"
+        # Warm-up prefill of the prefix (+1 token: the hit search stops at N - 1), then pin.
+        tokens = list(action.token_ids) + [0]
+        rid = f"pin{action.pin_id}-{next(self.jobs)}"
+        job = Job(rid, CacheRequest(rid, tokens, BLOCK), self.now, 1, None, pin=action)
+        self.submit(worker, job, front=True)
+
+    def remove_worker(self) -> None:
+        """Take away the worker holding the most pins; re-route what it had queued."""
+        router = self.router
+        assert isinstance(router, RoutingPolicy)
+        counts = {name: 0 for name in self.workers}
+        for info in router.pin_info():
+            for w in info.active:
+                counts[str(w)] += 1
+        name = max(sorted(counts), key=lambda n: counts[n])
+        worker = self.workers[name]
+        self.removed_at = self.now
+        self.removed_pins = {info.pin_id for info in router.pin_info() if name in info.active}
+        LOG.info("  removing %s at t=%.1f s (holder of %d pins)", name, self.now, len(self.removed_pins))
+        worker.alive = False
+        jobs = ([worker.current] if worker.current else []) + list(worker.queue) + list(worker.pending)
+        worker.current, worker.queue, worker.pending = None, deque(), deque()
+        self.execute(router.remove_worker(name, self.now))
+        for job in jobs:
+            if job.trace_index is not None:
+                self.push(self.now, self.ARRIVE, job.trace_index)
+
+
+def snapshot_seq(coord: HybridCoordinator) -> int:
+    return coord.pool._seq  # noqa: SLF001 - the pool's last event number (no public accessor)
+
+
+# -- driver -----------------------------------------------------------------------------------------------------
+def table_row(result: Result) -> str:
+    mean, p90 = result.ttft()
+    p50, p99 = result.decision_us()
+    wall99 = result.decision_us(cpu=False)[1]
+    acc = result.accuracy()
+    acc_route = result.accuracy(at_route=True)
+    return (
+        f"{result.name:<26} W={result.workers:<3} ws={result.ratio:<4} blocks/w={result.num_blocks:<6} "
+        f"hit={result.hit_rate():.3f} ttft_mean={mean:.3f}s ttft_p90={p90:.3f}s "
+        f"imbalance={result.imbalance():.2f} util={result.utilisation():.2f} "
+        f"decide_cpu_p50={p50:.0f}us p99={p99:.0f}us (wall p99 {wall99:.0f}us) accuracy={'-' if acc is None else f'{acc:.4f}'}"
+        f"{'' if acc_route is None else f' (at decision {acc_route:.4f})'} delayed={result.delayed():.3f} "
+        f"wall={result.wall_s:.0f}s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    prefixes, prefix_hashes = make_prefixes(args)
+    results: dict[tuple[str, int, float], Result] = {}
+    rows: list[str] = []
+    oracle: list[str] = []
+
+    def run(trace: Trace, policy: str, **kwargs: object) -> Result:
+        label = str(kwargs.pop("label", policy))
+        LOG.info("W=%d ws=%.1fx %s: %d requests at %.1f req/s", trace.workers, trace.ratio, label,
+                 len(trace.arrivals), trace.rate)  # fmt: skip
+        result = Simulation(args, trace, policy, label=label, **kwargs).run()  # type: ignore[arg-type]
+        rows.append(table_row(result))
+        LOG.info("  %s", rows[-1])
+        return result
+
+    traces: dict[tuple[int, float], Trace] = {}
+    for workers, count in ((8, args.requests_w8), (64, args.requests_w64)):
+        for ratio in (0.5, 2.0):
+            trace = traces[(workers, ratio)] = make_trace(args, workers, ratio, count, prefixes, prefix_hashes)
+            oracle.append(
+                f"W={workers} ws={ratio}: {trace.num_blocks} blocks/worker, static-oracle hit rate "
+                f"{trace.oracle_hit_rate:.3f}, {trace.rate:.1f} req/s"
+            )
+            LOG.info("%s", oracle[-1])
+    for ratio in (0.5, 2.0):
+        for policy in POLICY_NAMES:
+            results[(policy, 8, ratio)] = run(traces[(8, ratio)], policy)
+    if args.lag_check_ms > 0:
+        lag = args.lag_check_ms
+        run(traces[(8, 0.5)], "kvfleet", event_lag_s=lag / 1000, label=f"kvfleet lag={lag:g}ms")
+    rng = random.Random(args.seed + 7)
+    pinned = sorted(rng.sample(range(args.prefixes), args.pins))
+    trace = traces[(8, 2.0)]
+    pins = run(trace, "kvfleet", pinned=pinned, label="kvfleet+pins")
+    middle = trace.arrivals[len(trace.arrivals) // 2].time
+    removal = run(trace, "kvfleet", pinned=pinned, remove_at=middle, label="kvfleet+pins-worker")
+    for ratio in (0.5, 2.0) if not args.skip_w64_2x else (0.5,):
+        for policy in POLICY_NAMES:
+            results[(policy, 64, ratio)] = run(traces[(64, ratio)], policy)
+    for load in args.sweep:
+        swept = argparse.Namespace(**{**vars(args), "load": load})
+        trace = make_trace(swept, 8, 0.5, args.requests_w8, prefixes, prefix_hashes)
+        for policy in ("round_robin", "prefix_tree", "kvfleet"):
+            run(trace, policy, label=f"{policy} load={load:g}")
+
+    main8 = {p: results[(p, 8, 0.5)] for p in POLICY_NAMES}
+    kv = main8["kvfleet"]
+    control = results[("kvfleet", 8, 2.0)]
+    ranks = set(pinned)
+    aligned = pins.pin_lengths
+    print("scenarios (the static oracle always hits the most requested prefixes that fit the cluster's cache):")
+    for line in oracle:
+        print("  " + line)
+    print("per policy (hit = cached prompt tokens / prompt tokens; util = busy time / (W x duration)):")
+    for row in rows:
+        print("  " + row)
+    print(
+        "pinned prefixes at W=8 2x: hit rate of pinned-prefix tokens "
+        f"{pins.prefix_hit_rate(ranks, True, aligned):.3f} with pins vs {control.prefix_hit_rate(ranks, True, aligned):.3f} "
+        f"without; other prefixes {pins.prefix_hit_rate(ranks, False, aligned):.3f} vs "
+        f"{control.prefix_hit_rate(ranks, False, aligned):.3f}; with a worker removed: pinned "
+        f"{removal.prefix_hit_rate(ranks, True, aligned):.3f}, recovery {removal.recovery_s}"
+    )
+    w64 = [r for (p, w, _), r in results.items() if p == "kvfleet" and w == 64]
+    report = {
+        "hit_ratio_vs_round_robin": round(kv.hit_rate() / max(1e-9, main8["round_robin"].hit_rate()), 3),
+        "hit_ratio_vs_approx_tree": round(kv.hit_rate() / max(1e-9, main8["prefix_tree"].hit_rate()), 3),
+        "p90_ttft_ratio_vs_round_robin": round(kv.ttft()[1] / max(1e-9, main8["round_robin"].ttft()[1]), 3),
+        "imbalance": round(kv.imbalance(), 3),
+        "prediction_accuracy": round(kv.accuracy() or 0.0, 4),
+        "decision_p99_us_w64": round(max(r.decision_us()[1] for r in w64), 1),
+        "pinned_hit_rate_2x": round(pins.prefix_hit_rate(ranks, True, aligned), 4),
+        "unpinned_hit_rate_2x": round(pins.prefix_hit_rate(ranks, False, aligned), 4),
+        "pin_recovery_sim_s": None if removal.recovery_s is None else round(removal.recovery_s, 3),
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
