@@ -50,6 +50,9 @@ class Pin:
     holders: dict[WorkerId, _Holder] = field(default_factory=dict)
     failed: dict[WorkerId, float] = field(default_factory=dict)
     short_since: float | None = None
+    losses: int = 0  # holders lost to memory pressure since the pin was last stable
+    retry_at: float = 0.0  # no new holder before this time (back-off after such losses)
+    full_since: float | None = None
 
     @property
     def key(self) -> bytes:
@@ -85,11 +88,17 @@ class PinTable:
         capacity_blocks: int | None = None,
         pending_timeout_s: float = 120.0,
         retry_after_s: float = 10.0,
+        backoff_s: float = 5.0,
+        max_backoff_s: float = 120.0,
+        stable_s: float = 60.0,
     ):
         self.index = index
         self.capacity_blocks = capacity_blocks
         self.pending_timeout_s = pending_timeout_s
         self.retry_after_s = retry_after_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stable_s = stable_s
         self.pins: dict[int, Pin] = {}
         self.by_key: dict[bytes, list[Pin]] = {}
         self.watch: dict[WorkerId, dict[GroupHash, set[int]]] = {}
@@ -193,8 +202,11 @@ class PinTable:
 
     # -- holders ----------------------------------------------------------------------------------------
     def fill(self, pin: Pin, now: float, choose: Chooser) -> list[Action]:
-        """Add PENDING holders until the pin has ``replicas`` (active + pending) or no worker fits."""
+        """Add PENDING holders until the pin has ``replicas`` (active + pending) or no worker fits
+        (nothing while the pin backs off after losing holders to memory pressure)."""
         actions: list[Action] = []
+        if now < pin.retry_at:
+            return actions
         while len(pin.holders) < pin.replicas:
             exclude = set(pin.holders)
             exclude.update(w for w, t in pin.failed.items() if now - t < self.retry_after_s)
@@ -230,9 +242,11 @@ class PinTable:
         watch = self.watch.setdefault(worker, {})
         for key in pin.needed:
             watch.setdefault(key, set()).add(pin.pin_id)
-        if len(pin.active()) >= pin.replicas and pin.short_since is not None:
-            self.recoveries.append((pin.pin_id, pin.short_since, now))
-            pin.short_since = None
+        if len(pin.active()) >= pin.replicas:
+            pin.full_since = now
+            if pin.short_since is not None:
+                self.recoveries.append((pin.pin_id, pin.short_since, now))
+                pin.short_since = None
         return []
 
     def verify(self, worker: WorkerId, now: float) -> list[GroupHash]:
@@ -287,6 +301,14 @@ class PinTable:
             pin.failed[worker] = now  # evicted under pressure there: prefer another worker
             if pin.short_since is None:
                 pin.short_since = now
+            # Memory pressure evicted it: re-establish at once the first time, then back off
+            # exponentially while losses repeat, so pins cannot thrash a cluster short of memory.
+            if pin.full_since is not None and now - pin.full_since >= self.stable_s:
+                pin.losses = 0
+            pin.full_since = None
+            if pin.losses:
+                pin.retry_at = now + min(self.max_backoff_s, self.backoff_s * 2 ** (pin.losses - 1))
+            pin.losses += 1
         return actions
 
     def _drop_holder(self, pin: Pin, worker: WorkerId) -> Action:

@@ -180,3 +180,26 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
     [info] = policy.pin_info()
     expected = block_hashes(warm, 4)[-1]
     assert policy.pins.pins[info.pin_id].key == expected and len(info.active) == 1
+
+
+def test_repeated_pressure_losses_back_off() -> None:
+    policy, workers = cluster(n=4)
+    pin_id, actions = policy.pin(PREFIX, replicas=1, now=0.0)
+    execute(policy, workers, actions)
+
+    def demote_holder(now: float) -> list[Action]:
+        [holder] = holders(policy, pin_id)
+        workers[holder].coord.pool.demote(10_000)  # memory pressure: every pinned block demoted
+        return sync(policy, workers, now)
+
+    first = demote_holder(1.0)
+    assert [type(a) for a in first] == [Unpin, PinOn]  # the first loss is re-established at once
+    execute(policy, workers, first, now=1.0)
+    second = demote_holder(2.0)
+    assert [type(a) for a in second] == [Unpin]  # a repeated loss backs off (5 s)
+    execute(policy, workers, second, now=2.0)
+    assert not [a for a in policy.tick(4.0) if isinstance(a, PinOn)]
+    retry = [a for a in policy.tick(7.5) if isinstance(a, PinOn)]
+    assert len(retry) == 1
+    execute(policy, workers, retry, now=7.5)
+    assert len(holders(policy, pin_id)) == 1
