@@ -114,7 +114,9 @@ class HitRules:
                 ranges.append((start, stop))
                 if shape == GENERIC:
                     continue
-                if shape == PREFIX:
+                if stop != k * self.alignment // manager.block_size:
+                    shape = GENERIC  # not a range ending at the hit
+                elif shape == PREFIX:
                     if start == 0:
                         continue
                     width = stop - start

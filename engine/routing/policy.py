@@ -494,11 +494,13 @@ class RoutingPolicy(Router):
             pin_id = pin.pin_id if pin is not None else None
             decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
         else:
-            decision = self._route_disaggregated(request, hits, pin)
+            decision = self._route_disaggregated(request, hits, pin, shared)
         self._record(decision)
         return decision
 
-    def _route_disaggregated(self, request: RouteRequest, hits: dict[WorkerId, int], pin: Pin | None) -> Decision:
+    def _route_disaggregated(
+        self, request: RouteRequest, hits: dict[WorkerId, int], pin: Pin | None, shared: dict[WorkerId, int]
+    ) -> Decision:
         num_tokens = request.num_tokens
         decoders = self._candidates("decode")
         self._require(decoders, "decode")
@@ -510,7 +512,7 @@ class RoutingPolicy(Router):
             local = hits.get(decode, 0)
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
         prefillers = self._candidates("prefill")
-        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_uncached)
+        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_uncached, shared)
         return Decision(
             prefill,
             decode,
