@@ -11,23 +11,33 @@ How it is wired
       calls ``make_prepped_xfer`` + ``transfer`` with ``notify`` as the NIXL notification, which
       the owner collects with ``owner_notifications()`` (``get_new_notifs``).
 
-Progress thread (measured on the project's 2-core VMs, 256 MiB / 512 x 64 KiB scattered reads)
+Progress thread and memory (2-core VM shared with other jobs, so ranges; ``--sweep`` of
+benchmarks/transfer_bandwidth.py: 256 MiB contiguous / 512 x 64 KiB scattered, GB/s)
     * NIXL's Python wrapper creates agents with ``pthrDelay = 0``: the UCX progress thread then
       polls with a zero timeout and burns a whole core even when idle (2.0 s CPU per 2 s idle).
       We create agents with a non-zero delay (``progress_delay_us``, default 1000): the thread
       sleeps in ``poll()`` on the worker's event fd and wakes on traffic; idle cost ~0.02 s/2 s.
-    * Owner on (1 ms delay) / reader off: 4.6-6.0 GB/s contiguous, 4.2-4.9 GB/s scattered.
-      Owner on / reader on: 2.3-3.0 and 1.6-3.0 GB/s (the reader's thread fights its own
-      polling for the UCX worker). Owner on with delay 0 (stock wrapper): 2.3-2.9 / 2.0-2.9.
+    * 4 KiB pages, owner thread (1 ms) / reader none: 4.6-6.0 contiguous, 4.2-4.9 scattered;
+      owner and reader threads: 2.3-3.0 / 1.6-3.0 (the reader's thread fights its own polling
+      for the UCX worker); owner thread with the stock 0 delay: 2.3-2.9 / 2.0-2.9.
+    * Huge pages (``allocate_slots``), owner thread (1 ms) / reader none: 7.3-8.3 / 5.3-6.9,
+      in-process copy of the same bytes 10.5-15 / 7.4-8.5. Owner and reader threads: 3.4 /
+      2.3. Stock 0 delay owner: 7.4 / 6.2 (same speed, but a core burnt forever). No threads,
+      owner polling ``owner_notifications()`` every 1 ms: 6.0 / 2.9. Raw ``process_vm_readv``
+      of 256 MiB is ~8.3 GB/s single-threaded here, so reads run at the kernel's ceiling.
     * Both off hangs: the first read to a peer needs the owner's UCX worker to answer the
       connection wire-up; if the owner never calls into NIXL the reader's ``check_xfer_state``
       returns PROC forever (reproduced). Reads of an established connection do not need the
       owner (UCX moves DRAM with ``cma``, i.e. ``process_vm_readv`` by the reader).
     => ``role="owner"|"both"``: progress thread on with a 1 ms poll delay; ``role="reader"``:
        off (the reader progresses its worker itself in ``poll``). Every wait is bounded anyway.
-    * With ``cma`` a CPU read is synchronous: ``transfer`` returns DONE after copying, so the
-      engine loop blocks for the copy (about 20 ms for 128 MiB); on GPUs (``cuda_ipc``/RDMA)
-      reads are asynchronous and ``poll`` matters.
+    * CPU slots from ``allocate_slots`` sit on transparent huge pages: ``cma`` pins and copies
+      page by page, and 2 MiB pages made reads ~1.5x faster (see ``hugepage_zeros``).
+    * With ``cma`` a CPU read is synchronous: ``transfer`` returns after copying, so the engine
+      loop blocks for the copy (about 8 ms for 64 MiB); on GPUs (``cuda_ipc``/RDMA) reads are
+      asynchronous and ``poll`` matters.
+    * One thread only: the agent is created with NIXL's default (unsynchronised) thread mode;
+      posting from two threads at once hung in a probe.
 
 Failures
     * A dead peer: ``transfer`` or ``check_xfer_state`` raise ``nixlRemoteDisconnectError`` ->
@@ -37,11 +47,14 @@ Failures
       is created; it is process-wide. ``UCX_TLS=shm,cma,self`` would need a backend created
       with ``ucx_error_handling_mode=none``: we keep UCX's default transports.
     * UCX prints "Connection refused" errors to stderr when a peer went away; they are noise.
+    * Importing nixl installs a handler that logs INFO lines to stdout; unless NIXL_LOG_LEVEL
+      is set we raise the "nixl" logger to WARNING (stdout carries benchmark JSON, CLI output).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import time
@@ -58,6 +71,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_HUGE_PAGE = 2 << 20
 _NIXL_STATE = {"DONE": DONE, "PROC": "pending", "ERR": FAILED}
 
 
@@ -77,6 +91,25 @@ def _slot_indices(block_ids: np.ndarray, num_slots: int, num_blocks: int) -> np.
     """Descriptor indices of ``block_ids`` in every slot, slot-major, as int32 for NIXL."""
     offsets = np.arange(num_slots, dtype=np.int64)[:, None] * num_blocks
     return (offsets + block_ids[None, :]).ravel().astype(np.int32)
+
+
+def hugepage_zeros(num_blocks: int, page: int) -> torch.Tensor:
+    """A zeroed, pre-faulted ``[num_blocks, page]`` uint8 CPU tensor on 2 MiB-aligned anonymous
+    memory advised for transparent huge pages (plain pages where THP is off).
+
+    ``process_vm_readv`` (UCX ``cma``) pins and copies page by page: with huge pages on both
+    sides a 256 MiB read went from 5.6 to 8.3 GB/s here (scattered 64 KiB: 4.5 -> 6.9 GB/s);
+    torch's allocator gives 4 KiB pages for these sizes.
+    """
+    import torch
+
+    nbytes = num_blocks * page
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch
+    start = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+    tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=-start % _HUGE_PAGE)
+    return tensor.view(num_blocks, page).zero_()  # fault the pages in now, not during a read
 
 
 def _new_agent(api: Any, name: str, progress_thread: bool, progress_delay_us: int) -> Any:
@@ -124,6 +157,8 @@ class NixlTransfer(KVTransfer):
             os.environ["UCX_NET_DEVICES"] = ucx_net_devices
         from nixl import _api as api  # lazy: hosts without NIXL use the local backend
 
+        if "NIXL_LOG_LEVEL" not in os.environ:  # nixl logs INFO lines to *stdout* by default
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.progress_thread = role != "reader" if progress_thread is None else progress_thread
         self._agent = _new_agent(api, self.name, self.progress_thread, progress_delay_us)
         self._reg_descs: Any = None
@@ -134,9 +169,12 @@ class NixlTransfer(KVTransfer):
 
     # -- memory ------------------------------------------------------------------------------
     def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+        """CPU: zeroed slots on transparent huge pages (``cma`` reads 1.5x faster); GPU: ``torch.zeros``."""
         import torch
 
-        return [torch.zeros((num_blocks, page), dtype=torch.uint8, device=device) for page in page_bytes]
+        if torch.device(device).type != "cpu":
+            return [torch.zeros((num_blocks, page), dtype=torch.uint8, device=device) for page in page_bytes]
+        return [hugepage_zeros(num_blocks, page) for page in page_bytes]
 
     def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo:
         on_gpu = tensors[0].device.type == "cuda"
