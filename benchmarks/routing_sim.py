@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of prefix popularity")
     ap.add_argument("--requests-w8", type=int, default=4000)
     ap.add_argument("--requests-w64", type=int, default=6400)
-    ap.add_argument("--load", type=float, default=0.5, help="arrival rate / the rate saturating a static-oracle cluster")
+    ap.add_argument("--load", type=float, default=0.5,
+                    help="arrival rate / the rate that saturates a static-oracle cluster")  # fmt: skip
     ap.add_argument("--sweep", type=float, nargs="*", default=[0.35, 0.65],
                     help="extra loads for a W=8 0.5x comparison of round robin, prefix tree and kvfleet")
     ap.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second per worker")
@@ -663,7 +664,8 @@ def table_row(result: Result) -> str:
         f"{result.name:<26} W={result.workers:<3} ws={result.ratio:<4} blocks/w={result.num_blocks:<6} "
         f"hit={result.hit_rate():.3f} ttft_mean={mean:.3f}s ttft_p90={p90:.3f}s "
         f"imbalance={result.imbalance():.2f} util={result.utilisation():.2f} "
-        f"decide_cpu_p50={p50:.0f}us p99={p99:.0f}us (wall p99 {wall99:.0f}us) accuracy={'-' if acc is None else f'{acc:.4f}'}"
+        f"decide_cpu_p50={p50:.0f}us p99={p99:.0f}us (wall p99 {wall99:.0f}us) "
+        f"accuracy={'-' if acc is None else f'{acc:.4f}'}"
         f"{'' if acc_route is None else f' (at decision {acc_route:.4f})'} delayed={result.delayed():.3f} "
         f"wall={result.wall_s:.0f}s"
     )
@@ -731,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + row)
     print(
         "pinned prefixes at W=8 2x: hit rate of pinned-prefix tokens "
-        f"{pins.prefix_hit_rate(ranks, True, aligned):.3f} with pins vs {control.prefix_hit_rate(ranks, True, aligned):.3f} "
+        f"{pins.prefix_hit_rate(ranks, True, aligned):.3f} with pins vs "
+        f"{control.prefix_hit_rate(ranks, True, aligned):.3f} "
         f"without; other prefixes {pins.prefix_hit_rate(ranks, False, aligned):.3f} vs "
         f"{control.prefix_hit_rate(ranks, False, aligned):.3f}; with a worker removed: pinned "
         f"{removal.prefix_hit_rate(ranks, True, aligned):.3f}, recovery {removal.recovery_s}"

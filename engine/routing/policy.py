@@ -504,7 +504,9 @@ class RoutingPolicy(Router):
         num_tokens = request.num_tokens
         decoders = self._candidates("decode")
         self._require(decoders, "decode")
-        remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True) if self.has_mamba else hits
+        remote_hits = hits
+        if self.has_mamba:  # the decode side of a remote prefill: Mamba groups do not veto
+            remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True)
         decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.w_uncached)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None

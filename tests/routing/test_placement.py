@@ -139,7 +139,8 @@ def test_from_config_carries_weights_thresholds_seed_and_pins() -> None:
     text_cfg = RouterConfig(pins=[PinConfig(text="abc")])
     tokenized = RoutingPolicy.from_config(text_cfg, GROUPS, tokenize=lambda s: [ord(c) for c in s * 8])
     assert tokenized.pin_info()[0].num_tokens == 24  # type: ignore[attr-defined]
-    for name, cls in [("round_robin", RoundRobinRouter), ("least_loaded", LeastLoadedRouter), ("prefix_tree", PrefixTreeRouter)]:
+    baselines = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_tree": PrefixTreeRouter}
+    for name, cls in baselines.items():
         assert isinstance(Router.from_config(RouterConfig(policy=name), GROUPS), cls)  # type: ignore[arg-type]
 
 
