@@ -182,7 +182,7 @@ class KVTransfer(ABC):
         """Zeroed ``[num_blocks, page_bytes[s]]`` uint8 tensors this backend can serve to peers.
 
         The runner should allocate its KV slots here: the local backend needs them in shared
-        memory, NIXL takes any tensors (this returns plain ``torch.zeros``).
+        memory; NIXL registers any tensors, but on CPU these sit on huge pages (faster reads).
         """
 
     def register(self, tensors: Sequence[torch.Tensor]) -> AgentInfo:
@@ -290,7 +290,7 @@ class KVTransfer(ABC):
                     self._fail(tid, rec, f"progress: {type(e).__name__}: {e}")
                 if rec.status == PENDING and now > rec.deadline:
                     self._fail(tid, rec, f"timed out after {self.read_timeout_s:g} s")
-                elif rec.status == FAILED:
+                if rec.status == FAILED:
                     logger.warning("%s: read %d from %s failed: %s", self.name, tid, rec.peer, rec.error)
             out[tid] = rec.status
         return out

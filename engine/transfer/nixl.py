@@ -165,6 +165,7 @@ class NixlTransfer(KVTransfer):
         self._local_dlist: Any = None
         self._remote_dlists: dict[str, Any] = {}
         self._tensors: list[torch.Tensor] = []
+        self._scratch_index = -1
         self._zombies: list[Any] = []  # handles whose release failed; retried later
 
     # -- memory ------------------------------------------------------------------------------
@@ -177,14 +178,22 @@ class NixlTransfer(KVTransfer):
         return [hugepage_zeros(num_blocks, page) for page in page_bytes]
 
     def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo:
+        import torch
+
         on_gpu = tensors[0].device.type == "cuda"
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
-        self._reg_descs = self._agent.register_memory(tensors)
+        # One extra row (the last descriptor) is a scratch target for notification-only reads.
+        scratch = torch.zeros((1, page_bytes[0]), dtype=torch.uint8, device=tensors[0].device)
+        self._reg_descs = self._agent.register_memory([*tensors, scratch])
         base_addrs = tuple(int(t.data_ptr()) for t in tensors)
-        descs = _block_descs(base_addrs, page_bytes, num_blocks, device_id)
+        descs = np.concatenate([
+            _block_descs(base_addrs, page_bytes, num_blocks, device_id),
+            _block_descs([scratch.data_ptr()], page_bytes[:1], 1, device_id),
+        ])
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
-        self._tensors = tensors  # keep the registered memory alive as long as the agent uses it
+        self._scratch_index = len(descs) - 1
+        self._tensors = [*tensors, scratch]  # registered memory stays alive while the agent uses it
         return AgentInfo(
             backend=self.backend,
             name=self.name,
@@ -234,20 +243,20 @@ class NixlTransfer(KVTransfer):
     def _start(
         self, rec: ReadRecord, peer: AgentInfo, remote_ids: np.ndarray, local_ids: np.ndarray, notify: bytes, t0: float
     ) -> None:
-        if local_ids.size == 0:
-            if notify:
-                self._agent.send_notif(peer.name, notify)
+        if local_ids.size == 0 and not notify:
             rec.status = DONE
-            rec.setup_s = time.perf_counter() - t0
             return
-        local = self.agent_info
+        if local_ids.size == 0:
+            # Notification only. ``send_notif`` to a peer not yet connected is dropped unless the
+            # reader keeps progressing (seen: "AM send failed ... Request canceled"), so read
+            # the peer's block 0 of slot 0 into our scratch row: its completion = delivery.
+            local_idx, remote_idx = np.array([self._scratch_index], np.int32), np.zeros(1, np.int32)
+        else:
+            local = self.agent_info
+            local_idx = _slot_indices(local_ids, local.num_slots, local.num_blocks)
+            remote_idx = _slot_indices(remote_ids, peer.num_slots, peer.num_blocks)
         handle = self._agent.make_prepped_xfer(
-            "READ",
-            self._local_dlist,
-            _slot_indices(local_ids, local.num_slots, local.num_blocks),
-            self._remote_dlists[peer.name],
-            _slot_indices(remote_ids, peer.num_slots, peer.num_blocks),
-            notify,
+            "READ", self._local_dlist, local_idx, self._remote_dlists[peer.name], remote_idx, notify
         )
         rec.handle = handle
         rec.setup_s = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Shared layout for the transfer tests: three slot tensors with different page sizes."""
+"""Shared layout and helpers for the transfer tests: three slot tensors with different page sizes."""
 
 from __future__ import annotations
 

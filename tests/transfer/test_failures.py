@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.transfer import make_transfer
-from tests.transfer.conftest import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, expected_after, fill, scattered_pairs
+from tests.transfer.helpers import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, expected_after, fill, scattered_pairs
 from tests.transfer.owner_proc import owner_process, source_slots
 
 TIMEOUT_S = 1.5
@@ -111,13 +111,15 @@ def test_local_undrained_owner_times_out_the_notification() -> None:
     reader = make_transfer("local", "reader", role="reader", read_timeout_s=0.3)
     info = owner.register(owner.allocate_slots(4, [64]))
     reader.register(reader.allocate_slots(4, [64]))
-    ids = [reader.start_read(info, [(0, 0)], notify=b"n%06d" % i) for i in range(5000)]
-    states = reader.poll(ids)
-    delivered = [i for i in ids if states[i] == "done"]
+    ids = []
+    while len(ids) < 200_000:  # until the owner's socket buffer is full (size is a kernel setting)
+        ids.append(reader.start_read(info, [(0, 0)], notify=b"n%06d" % len(ids)))
+        if reader.poll(ids[-1:])[ids[-1]] == "pending":
+            break
+    delivered = [i for i, state in reader.poll(ids).items() if state == "done"]
     assert 0 < len(delivered) < len(ids)
     time.sleep(0.35)
-    states = reader.poll(ids)
-    assert {states[i] for i in ids if i not in delivered} == {"failed"}
+    assert reader.poll(ids[len(delivered):]) == {i: "failed" for i in ids[len(delivered):]}
     assert len(owner.owner_notifications()) == len(delivered)
     reader.close()
     owner.close()

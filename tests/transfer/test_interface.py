@@ -63,12 +63,25 @@ def test_same_process_read_and_notify(pair) -> None:
         for r, l in pairs:
             assert torch.equal(dst[s][l], src[s][r])
         assert not dst[s][1:5].any()
+    assert drain(owner, 1) == [b"req"]
+
+
+def drain(owner, expect: int) -> list[bytes]:
     got: list[bytes] = []
     end = time.monotonic() + 5
-    while not got and time.monotonic() < end:
+    while len(got) < expect and time.monotonic() < end:
         got += owner.owner_notifications()
         time.sleep(0.001)
-    assert got == [b"req"]
+    return got
+
+
+def test_notification_only_to_a_fresh_peer(pair) -> None:
+    """A full local hit: nothing to read, but the owner must still hear about it (first contact)."""
+    owner, reader, info, _, dst = pair
+    tid = reader.start_read(info, [], notify=b"hit")
+    assert reader.wait(tid) == "done", reader.error(tid)
+    assert reader.read_record(tid).num_blocks == 0 and not any(t.any() for t in dst)
+    assert drain(owner, 1) == [b"hit"]
 
 
 def test_bad_pairs_raise_and_leave_nothing_pending(pair) -> None:

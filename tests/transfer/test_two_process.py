@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.transfer import make_transfer
-from tests.transfer.conftest import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, expected_after, fill, scattered_pairs
+from tests.transfer.helpers import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, expected_after, fill, scattered_pairs
 from tests.transfer.owner_proc import owner_process, source_slots
 
 
