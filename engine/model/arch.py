@@ -121,6 +121,22 @@ def _eos(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _shared_fields(config: dict[str, Any], heads: int, head_dim: int, eps: float, max_positions: int) -> dict[str, Any]:
+    """Fields every architecture reads the same way from its HF config."""
+    return dict(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", eps)),
+        max_position_embeddings=int(config.get("max_position_embeddings", max_positions)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos(config),
+    )
+
+
 def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | None = None) -> ModelArch:
     """Build a ModelArch from a Hugging Face config dict (``config.json`` contents)."""
     architectures = config.get("architectures") or []
@@ -156,25 +172,16 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
         return ModelArch(
             architecture=architecture,
             family="gemma3",
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads", heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            **_shared_fields(config, heads, head_dim, 1e-6, 32768),
             layers=layers,
             hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
             attention_bias=bool(config.get("attention_bias", False)),
             output_bias=bool(config.get("attention_bias", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
             attn_scale=float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             embed_scale=math.sqrt(hidden),
             final_logit_softcapping=config.get("final_logit_softcapping"),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_eos(config),
         )
 
     rope = _rope(rope_params if "rope_type" in rope_params or "type" in rope_params else None, default_theta)
@@ -196,22 +203,13 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
     return ModelArch(
         architecture=architecture,
         family="llama",
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        **_shared_fields(config, heads, head_dim, 1e-6, 4096),
         layers=layers,
         hidden_act=str(config.get("hidden_act", "silu")),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM")),
         output_bias=architecture != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         attn_scale=head_dim**-0.5,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_eos(config),
     )
 
 
@@ -259,22 +257,13 @@ def _bamba(
     return ModelArch(
         architecture=architecture,
         family="bamba",
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        **_shared_fields(config, heads, head_dim, 1e-5, 4096),
         layers=layers,
         hidden_act=str(config.get("hidden_act", "silu")),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", False)),
         output_bias=bool(config.get("attention_bias", False)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         attn_scale=head_dim**-0.5,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_eos(config),
         mlp_bias=bool(config.get("mlp_bias", False)),
         mamba=mamba,
     )
