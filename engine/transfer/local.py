@@ -14,8 +14,8 @@ Memory
     refuses others. CPU only.
 
 Notifications
-    The owner listens on an abstract ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (named after the
-    agent; nothing on disk). ``add_peer`` connects to it, which also proves the owner is alive;
+    The owner listens on an abstract ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (a random
+    abstract name; nothing on disk). ``add_peer`` connects to it, which also proves the owner is alive;
     a read sends ``notify`` as one message after the copy. A broken connection (owner gone) makes
     the read "failed". A full socket buffer (owner not draining) keeps the read pending and the
     send is retried in ``poll`` until the deadline. Datagram sockets were rejected: Linux queues
@@ -117,7 +117,7 @@ class LocalTransfer(KVTransfer):
                 )
             paths.append(f"/proc/{os.getpid()}/fd/{fd}")
         self._local = [t.numpy() for t in tensors]  # uint8 [num_blocks, page] views of our memfds
-        address = f"\0kvfleet-notify-{self.name}".encode()
+        address = f"\0kvfleet-notify-{os.getpid()}-{uuid.uuid4().hex}".encode()  # < 108 bytes
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(address)
         listener.listen(socket.SOMAXCONN)
