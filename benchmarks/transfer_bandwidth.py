@@ -27,7 +27,7 @@ Output
     copy GB/s. Acceptance: contiguous_ratio >= 0.5, scattered_ratio >= 0.3, setup_ms <= 1.0.
     ``--sweep`` first measures other progress-thread settings (logged, not in the JSON line).
 
-    python benchmarks/transfer_bandwidth.py [--reps 7] [--sweep]
+    python benchmarks/transfer_bandwidth.py [--reps 9] [--sweep]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -100,7 +101,10 @@ def owner_main(conn: Connection, mode: Mode) -> None:
                 continue
         cmd = conn.recv()
         if cmd == "stop":
-            received += len(xfer.owner_notifications())
+            end = time.monotonic() + 0.2  # let the last notifications land
+            while time.monotonic() < end:
+                received += len(xfer.owner_notifications())
+                time.sleep(0.005)
             conn.send(received)
             xfer.close()
             return
@@ -110,13 +114,13 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def best_copy(candidates: dict[str, callable]) -> tuple[str, float]:
+def best_copy(candidates: dict[str, Callable[[], object]]) -> tuple[str, float]:
     times = {name: timed(fn) for name, fn in candidates.items()}
     name = min(times, key=times.get)
     return name, times[name]
@@ -181,7 +185,10 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
             for r, l in zip(remote.tolist(), local.tolist()):
                 dst_np[l] = src_np[r]
 
-        name, t = best_copy({"numpy row loop": row_loop, "torch index_copy_": lambda: dst.index_copy_(0, l_t, src.index_select(0, r_t))})
+        def index_copy() -> None:
+            dst.index_copy_(0, l_t, src.index_select(0, r_t))
+
+        name, t = best_copy({"numpy row loop": row_loop, "torch index_copy_": index_copy})
         scat_copy.append(t)
         winners[name] = winners.get(name, 0) + 1
         log.info(
@@ -192,7 +199,8 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
 
     setup, e2e = [], []
     for _ in range(200):
-        pairs = np.stack([rng.choice(POOL, SETUP_BLOCKS, replace=False), rng.choice(POOL, SETUP_BLOCKS, replace=False)], axis=1)
+        remote = rng.choice(POOL, SETUP_BLOCKS, replace=False)
+        pairs = np.stack([remote, rng.choice(POOL, SETUP_BLOCKS, replace=False)], axis=1)
         t0 = time.perf_counter()
         tid = reader.start_read(peer, pairs, notify=b"bench")
         reader.wait(tid)
@@ -224,7 +232,7 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--sweep", action="store_true", help="also measure other progress-thread settings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

@@ -47,7 +47,9 @@ def make_transfer(
     if backend == "nixl":
         from engine.transfer.nixl import NixlTransfer
 
-        return NixlTransfer(name, read_timeout_s=read_timeout_s, ucx_net_devices=ucx_net_devices, role=role, **options)  # type: ignore[arg-type]
+        return NixlTransfer(  # type: ignore[arg-type]
+            name, read_timeout_s=read_timeout_s, ucx_net_devices=ucx_net_devices, role=role, **options
+        )
     if backend == "local":
         from engine.transfer.local import LocalTransfer
 

@@ -84,7 +84,9 @@ class LocalTransfer(KVTransfer):
         self._peer_socks: dict[str, socket.socket] = {}
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+    def allocate_slots(
+        self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu"
+    ) -> list[torch.Tensor]:
         import torch
 
         if torch.device(device).type != "cpu":
@@ -99,7 +101,8 @@ class LocalTransfer(KVTransfer):
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 os.close(fd)
-                raise TransferError(f"slot {s}: cannot reserve {nbytes / 2**20:.1f} MiB of shared memory: {e}") from e
+                need = f"{nbytes / 2**20:.1f} MiB"
+                raise TransferError(f"slot {s}: cannot reserve {need} of shared memory: {e}") from e
             buf = mmap.mmap(fd, nbytes)
             tensor = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, page)
             self._memfds[tensor.data_ptr()] = (fd, nbytes)
@@ -170,7 +173,13 @@ class LocalTransfer(KVTransfer):
 
     # -- reads -------------------------------------------------------------------------------
     def _start(
-        self, rec: ReadRecord, peer: AgentInfo, remote_ids: np.ndarray, local_ids: np.ndarray, notify: bytes, t0: float
+        self,
+        rec: ReadRecord,
+        peer: AgentInfo,
+        remote_ids: np.ndarray,
+        local_ids: np.ndarray,
+        notify: bytes,
+        t0: float,
     ) -> None:
         runs = copy_runs(remote_ids, local_ids) if local_ids.size else []
         rec.setup_s = time.perf_counter() - t0

@@ -75,7 +75,9 @@ _HUGE_PAGE = 2 << 20
 _NIXL_STATE = {"DONE": DONE, "PROC": "pending", "ERR": FAILED}
 
 
-def _block_descs(base_addrs: Sequence[int], page_bytes: Sequence[int], num_blocks: int, device_id: int) -> np.ndarray:
+def _block_descs(
+    base_addrs: Sequence[int], page_bytes: Sequence[int], num_blocks: int, device_id: int
+) -> np.ndarray:
     """``[S * num_blocks, 3]`` (address, length, device) rows: row ``s * num_blocks + b`` = block b of slot s."""
     rows = []
     for base, page in zip(base_addrs, page_bytes, strict=True):
@@ -169,7 +171,9 @@ class NixlTransfer(KVTransfer):
         self._zombies: list[Any] = []  # handles whose release failed; retried later
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+    def allocate_slots(
+        self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu"
+    ) -> list[torch.Tensor]:
         """CPU: zeroed slots on transparent huge pages (``cma`` reads 1.5x faster); GPU: ``torch.zeros``."""
         import torch
 
@@ -241,7 +245,13 @@ class NixlTransfer(KVTransfer):
 
     # -- reads -------------------------------------------------------------------------------
     def _start(
-        self, rec: ReadRecord, peer: AgentInfo, remote_ids: np.ndarray, local_ids: np.ndarray, notify: bytes, t0: float
+        self,
+        rec: ReadRecord,
+        peer: AgentInfo,
+        remote_ids: np.ndarray,
+        local_ids: np.ndarray,
+        notify: bytes,
+        t0: float,
     ) -> None:
         if local_ids.size == 0 and not notify:
             rec.status = DONE

@@ -112,7 +112,7 @@ def test_register_once_and_local_needs_its_own_memory() -> None:
     with pytest.raises(TransferError, match="already registered"):
         xfer.register(xfer.allocate_slots(4, [64]))
     with pytest.raises(ValueError, match="rows"):
-        make_transfer("local").register([torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(5, 8, dtype=torch.uint8)])
+        make_transfer("local").register([torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(5, 8)])
     xfer.close()
     with pytest.raises(ValueError, match="unknown backend"):
         make_transfer("rdma")
