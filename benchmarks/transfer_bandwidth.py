@@ -126,6 +126,23 @@ def best_copy(candidates: dict[str, Callable[[], object]]) -> tuple[str, float]:
     return name, times[name]
 
 
+def scattered_copies(
+    src: torch.Tensor, dst: torch.Tensor, remote: np.ndarray, local: np.ndarray
+) -> dict[str, Callable[[], object]]:
+    """In-process ways to copy rows ``remote`` of ``src`` into rows ``local`` of ``dst``."""
+    src_np, dst_np = src.numpy(), dst.numpy()
+    remote_t, local_t = torch.from_numpy(remote), torch.from_numpy(local)
+
+    def row_loop() -> None:
+        for r, d in zip(remote.tolist(), local.tolist(), strict=True):
+            dst_np[d] = src_np[r]
+
+    def index_copy() -> None:
+        dst.index_copy_(0, local_t, src.index_select(0, remote_t))
+
+    return {"numpy row loop": row_loop, "torch index_copy_": index_copy}
+
+
 def measure(mode: Mode, reps: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -168,9 +185,7 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
     winners: dict[str, int] = {}
     for rep in range(reps):
         contig_nixl.append(nixl_read(np.stack([all_blocks, all_blocks], axis=1)))
-        name, t = best_copy(
-            {"torch copy_": lambda: dst.copy_(src), "numpy copyto": lambda: np.copyto(dst_np, src_np)}
-        )
+        name, t = best_copy({"torch copy_": lambda: dst.copy_(src), "numpy copyto": lambda: np.copyto(dst_np, src_np)})
         contig_copy.append(t)
         winners[name] = winners.get(name, 0) + 1
 
@@ -179,22 +194,16 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
         scat_nixl.append(nixl_read(np.stack([remote, local], axis=1)))
         if not np.array_equal(dst_np[local], src_np[remote]):
             raise RuntimeError("NIXL scattered read: bytes differ from the owner's")
-        r_t, l_t = torch.from_numpy(remote), torch.from_numpy(local)
-
-        def row_loop() -> None:
-            for r, l in zip(remote.tolist(), local.tolist()):
-                dst_np[l] = src_np[r]
-
-        def index_copy() -> None:
-            dst.index_copy_(0, l_t, src.index_select(0, r_t))
-
-        name, t = best_copy({"numpy row loop": row_loop, "torch index_copy_": index_copy})
+        name, t = best_copy(scattered_copies(src, dst, remote, local))
         scat_copy.append(t)
         winners[name] = winners.get(name, 0) + 1
         log.info(
             "rep %d: contiguous nixl %.2f / copy %.2f GB/s; scattered nixl %.2f / copy %.2f GB/s",
-            rep, gbps(NUM_BLOCKS * PAGE, contig_nixl[-1]), gbps(NUM_BLOCKS * PAGE, contig_copy[-1]),
-            gbps(SCATTERED * PAGE, scat_nixl[-1]), gbps(SCATTERED * PAGE, scat_copy[-1]),
+            rep,
+            gbps(NUM_BLOCKS * PAGE, contig_nixl[-1]),
+            gbps(NUM_BLOCKS * PAGE, contig_copy[-1]),
+            gbps(SCATTERED * PAGE, scat_nixl[-1]),
+            gbps(SCATTERED * PAGE, scat_copy[-1]),
         )
 
     setup, e2e = [], []
@@ -224,8 +233,13 @@ def measure(mode: Mode, reps: int) -> dict[str, float]:
     }
     log.info(
         "%s: contiguous %.2f vs %.2f GB/s, scattered %.2f vs %.2f GB/s, setup %.3f ms, 64-block read %.2f ms",
-        mode.label, res["nixl_contiguous_gbps"], res["copy_contiguous_gbps"], res["nixl_scattered_gbps"],
-        res["copy_scattered_gbps"], res["setup_ms"], res["read64_ms"],
+        mode.label,
+        res["nixl_contiguous_gbps"],
+        res["copy_contiguous_gbps"],
+        res["nixl_scattered_gbps"],
+        res["copy_scattered_gbps"],
+        res["setup_ms"],
+        res["read64_ms"],
     )
     return res
 
@@ -240,11 +254,15 @@ def main() -> None:
         for mode in SWEEP:
             measure(mode, args.reps)
     res = measure(CHOSEN, args.reps)
-    print(json.dumps({
-        "contiguous_ratio": round(res["nixl_contiguous_gbps"] / res["copy_contiguous_gbps"], 3),
-        "scattered_ratio": round(res["nixl_scattered_gbps"] / res["copy_scattered_gbps"], 3),
-        "setup_ms": round(res["setup_ms"], 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "contiguous_ratio": round(res["nixl_contiguous_gbps"] / res["copy_contiguous_gbps"], 3),
+                "scattered_ratio": round(res["nixl_scattered_gbps"] / res["copy_scattered_gbps"], 3),
+                "setup_ms": round(res["setup_ms"], 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ contract and ``nixl.py`` for measured NIXL behaviour (progress thread, failures)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.transfer.base import (
     DONE,
@@ -35,7 +35,7 @@ def make_transfer(
     role: Role = "both",
     read_timeout_s: float = 10.0,
     ucx_net_devices: str = "lo",
-    **options: object,
+    **options: Any,
 ) -> KVTransfer:
     """A transfer object for ``backend`` ("nixl" | "local").
 
@@ -47,13 +47,11 @@ def make_transfer(
     if backend == "nixl":
         from engine.transfer.nixl import NixlTransfer
 
-        return NixlTransfer(  # type: ignore[arg-type]
-            name, read_timeout_s=read_timeout_s, ucx_net_devices=ucx_net_devices, role=role, **options
-        )
+        return NixlTransfer(name, read_timeout_s=read_timeout_s, ucx_net_devices=ucx_net_devices, role=role, **options)
     if backend == "local":
         from engine.transfer.local import LocalTransfer
 
-        return LocalTransfer(name, read_timeout_s=read_timeout_s, role=role, **options)  # type: ignore[arg-type]
+        return LocalTransfer(name, read_timeout_s=read_timeout_s, role=role, **options)
     raise ValueError(f"transfer.backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 

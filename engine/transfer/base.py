@@ -122,9 +122,7 @@ def check_slot_tensors(tensors: Sequence[torch.Tensor]) -> tuple[int, tuple[int,
                 f"slot tensor {s}: expected a contiguous [num_blocks, page] tensor, got shape {tuple(t.shape)}"
             )
         if t.shape[0] != num_blocks:
-            raise ValueError(
-                f"slot tensor {s}: {t.shape[0]} rows, slot 0 has {num_blocks}; all slots share block ids"
-            )
+            raise ValueError(f"slot tensor {s}: {t.shape[0]} rows, slot 0 has {num_blocks}; all slots share block ids")
         if t.device != device:
             raise ValueError(f"slot tensor {s}: on {t.device}, slot 0 is on {device}")
         pages.append(t.shape[1] * t.element_size())
@@ -151,9 +149,7 @@ def as_pairs(pairs: BlockPairs, num_remote: int, num_local: int) -> tuple[np.nda
         raise ValueError(f"pairs: expected (remote_block_id, local_block_id) pairs, got shape {arr.shape}")
     remote, local = arr[:, 0], arr[:, 1]
     if remote.min() < 0 or remote.max() >= num_remote:
-        raise ValueError(
-            f"pairs: remote block ids must be in [0, {num_remote}), got {remote.min()}..{remote.max()}"
-        )
+        raise ValueError(f"pairs: remote block ids must be in [0, {num_remote}), got {remote.min()}..{remote.max()}")
     if local.min() < 0 or local.max() >= num_local:
         raise ValueError(f"pairs: local block ids must be in [0, {num_local}), got {local.min()}..{local.max()}")
     if np.unique(local).size != local.size:
@@ -184,9 +180,7 @@ class KVTransfer(ABC):
 
     # -- memory ------------------------------------------------------------------------------
     @abstractmethod
-    def allocate_slots(
-        self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu"
-    ) -> list[torch.Tensor]:
+    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
         """Zeroed ``[num_blocks, page_bytes[s]]`` uint8 tensors this backend can serve to peers.
 
         The runner should allocate its KV slots here: the local backend needs them in shared
@@ -202,7 +196,11 @@ class KVTransfer(ABC):
         self._info = self._register(list(tensors), num_blocks, page_bytes)
         logger.info(
             "%s: registered %d slot tensors x %d blocks (%.1f MiB) [%s]",
-            self.name, len(page_bytes), num_blocks, num_blocks * sum(page_bytes) / 2**20, self.backend,
+            self.name,
+            len(page_bytes),
+            num_blocks,
+            num_blocks * sum(page_bytes) / 2**20,
+            self.backend,
         )
         return self._info
 
@@ -376,9 +374,7 @@ class KVTransfer(ABC):
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
-    def _register(
-        self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]
-    ) -> AgentInfo: ...
+    def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo: ...
 
     @abstractmethod
     def _add_peer(self, info: AgentInfo) -> None: ...

@@ -61,11 +61,11 @@ def copy_runs(remote_ids: np.ndarray, local_ids: np.ndarray) -> list[tuple[int, 
     """``(remote_start, local_start, length)`` runs: pairs sorted by local id, merged while both
     ids advance by one. One run = one slice copy per slot."""
     order = np.argsort(local_ids, kind="stable")
-    r, l = remote_ids[order], local_ids[order]
-    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(l) != 1)) + 1
+    src, dst = remote_ids[order], local_ids[order]
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [r.size])))
-    return list(zip(r[starts].tolist(), l[starts].tolist(), lengths.tolist()))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
 
 
 class LocalTransfer(KVTransfer):
@@ -84,9 +84,7 @@ class LocalTransfer(KVTransfer):
         self._peer_socks: dict[str, socket.socket] = {}
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(
-        self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu"
-    ) -> list[torch.Tensor]:
+    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
         import torch
 
         if torch.device(device).type != "cpu":

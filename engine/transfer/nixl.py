@@ -75,9 +75,7 @@ _HUGE_PAGE = 2 << 20
 _NIXL_STATE = {"DONE": DONE, "PROC": "pending", "ERR": FAILED}
 
 
-def _block_descs(
-    base_addrs: Sequence[int], page_bytes: Sequence[int], num_blocks: int, device_id: int
-) -> np.ndarray:
+def _block_descs(base_addrs: Sequence[int], page_bytes: Sequence[int], num_blocks: int, device_id: int) -> np.ndarray:
     """``[S * num_blocks, 3]`` (address, length, device) rows: row ``s * num_blocks + b`` = block b of slot s."""
     rows = []
     for base, page in zip(base_addrs, page_bytes, strict=True):
@@ -92,7 +90,8 @@ def _block_descs(
 def _slot_indices(block_ids: np.ndarray, num_slots: int, num_blocks: int) -> np.ndarray:
     """Descriptor indices of ``block_ids`` in every slot, slot-major, as int32 for NIXL."""
     offsets = np.arange(num_slots, dtype=np.int64)[:, None] * num_blocks
-    return (offsets + block_ids[None, :]).ravel().astype(np.int32)
+    indices: np.ndarray = (offsets + block_ids[None, :]).ravel().astype(np.int32)
+    return indices
 
 
 def hugepage_zeros(num_blocks: int, page: int) -> torch.Tensor:
@@ -123,7 +122,7 @@ def _new_agent(api: Any, name: str, progress_thread: bool, progress_delay_us: in
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     bind = getattr(api, "nixlBind", None)
     real = getattr(bind, "nixlAgent", None)
-    if not progress_thread or real is None:
+    if not progress_thread or bind is None or real is None:
         if progress_thread:
             logger.warning("nixl: cannot set the progress-thread delay; its thread will spin a core")
         return api.nixl_agent(name, config)
@@ -171,9 +170,7 @@ class NixlTransfer(KVTransfer):
         self._zombies: list[Any] = []  # handles whose release failed; retried later
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(
-        self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu"
-    ) -> list[torch.Tensor]:
+    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
         """CPU: zeroed slots on transparent huge pages (``cma`` reads 1.5x faster); GPU: ``torch.zeros``."""
         import torch
 
@@ -191,10 +188,12 @@ class NixlTransfer(KVTransfer):
         scratch = torch.zeros((1, page_bytes[0]), dtype=torch.uint8, device=tensors[0].device)
         self._reg_descs = self._agent.register_memory([*tensors, scratch])
         base_addrs = tuple(int(t.data_ptr()) for t in tensors)
-        descs = np.concatenate([
-            _block_descs(base_addrs, page_bytes, num_blocks, device_id),
-            _block_descs([scratch.data_ptr()], page_bytes[:1], 1, device_id),
-        ])
+        descs = np.concatenate(
+            [
+                _block_descs(base_addrs, page_bytes, num_blocks, device_id),
+                _block_descs([scratch.data_ptr()], page_bytes[:1], 1, device_id),
+            ]
+        )
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
         self._scratch_index = len(descs) - 1
         self._tensors = [*tensors, scratch]  # registered memory stays alive while the agent uses it

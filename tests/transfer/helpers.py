@@ -22,8 +22,8 @@ def scattered_pairs(seed: int, n: int = 17) -> list[tuple[int, int]]:
 def expected_after(before: list[torch.Tensor], source: list[torch.Tensor], pairs) -> list[torch.Tensor]:
     out = [t.clone() for t in before]
     for s, dst in enumerate(out):
-        for r, l in pairs:
-            dst[l] = source[s][r]
+        for remote, local in pairs:
+            dst[local] = source[s][remote]
     return out
 
 

@@ -119,7 +119,7 @@ def test_local_undrained_owner_times_out_the_notification() -> None:
     delivered = [i for i, state in reader.poll(ids).items() if state == "done"]
     assert 0 < len(delivered) < len(ids)
     time.sleep(0.35)
-    assert reader.poll(ids[len(delivered):]) == {i: "failed" for i in ids[len(delivered):]}
+    assert reader.poll(ids[len(delivered) :]) == {i: "failed" for i in ids[len(delivered) :]}
     assert len(owner.owner_notifications()) == len(delivered)
     reader.close()
     owner.close()

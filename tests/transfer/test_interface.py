@@ -60,8 +60,8 @@ def test_same_process_read_and_notify(pair) -> None:
     tid = reader.start_read(info, pairs, notify=b"req")
     assert reader.wait(tid) == "done", reader.error(tid)
     for s in range(2):
-        for r, l in pairs:
-            assert torch.equal(dst[s][l], src[s][r])
+        for remote, local in pairs:
+            assert torch.equal(dst[s][local], src[s][remote])
         assert not dst[s][1:5].any()
     assert drain(owner, 1) == [b"req"]
 
