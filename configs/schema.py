@@ -150,10 +150,21 @@ class TransferConfig(_Frozen):
     """How decode workers pull KV from prefill workers, and how failures are handled."""
 
     backend: Literal["nixl", "local"] = "nixl"
-    read_timeout_s: PositiveFloat = 10.0
-    release_timeout_s: PositiveFloat = 5.0
+    read_timeout_s: PositiveFloat = 5.0
+    release_timeout_s: PositiveFloat = 15.0
     on_failure: Literal["recompute", "fail"] = "recompute"
     ucx_net_devices: str = "lo"
+
+    @model_validator(mode="after")
+    def _owner_outlives_reader(self) -> TransferConfig:
+        # The prefill side must not free (and reuse) blocks a decode worker may still be reading.
+        if self.release_timeout_s <= self.read_timeout_s:
+            raise cross_field_error(
+                "release_timeout_s",
+                f"must be > transfer.read_timeout_s ({self.read_timeout_s})",
+                self.release_timeout_s,
+            )
+        return self
 
 
 class RouterWeights(_Frozen):

@@ -115,6 +115,7 @@ def _error(preset: str, overrides: list[str]) -> str:
         ),
         ("router.pins=[{text: hi, replicas: 3}]", "router.pins.0.replicas: must be <= the number of workers (2) (got 3)"),
         ("router.pins=[{replicas: 1}]", "router.pins.0.text: give exactly one of text or token_ids"),
+        ("transfer.release_timeout_s=1", "transfer.release_timeout_s: must be > transfer.read_timeout_s (3.0) (got 1"),
     ],
 )
 def test_bad_input_names_field_and_value(override: str, expected: str) -> None:
