@@ -67,6 +67,7 @@ class ModelRunner:
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
@@ -95,6 +96,20 @@ class ModelRunner:
         ids = [c.request.request_id for c in sampling]
         tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
         return dict(zip(ids, tokens, strict=True)), dict(zip(ids, logits.cpu(), strict=True))
+
+    def _scratch_for(self, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gather buffers large enough for this step's biggest read, grown and then reused."""
+        rows = 0
+        for index in groups:
+            for _, blocks, _, _ in index.prefill_reads:
+                rows = max(rows, blocks.numel())
+            if index.decode_block is not None:
+                rows = max(rows, index.decode_block.numel())
+        size = rows * self.arch.num_kv_heads * self.arch.head_dim
+        if self._scratch is None or self._scratch[0].numel() < size:
+            size = max(size, 1) * 5 // 4  # headroom: sequences grow every step
+            self._scratch = tuple(torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(2))  # type: ignore[assignment]
+        return self._scratch  # type: ignore[return-value]
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
         chunks: list[ChunkSpec] = []
@@ -127,6 +142,7 @@ class ModelRunner:
             for g in range(len(self.layout.groups))
         ]
         return ForwardBatch(
+            scratch=self._scratch_for(groups),
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             chunks=chunks,

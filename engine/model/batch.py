@@ -50,6 +50,7 @@ class ForwardBatch:
     decode_chunks: list[int]
     groups: list[GroupIndex]
     sample_indices: torch.Tensor
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # reused K/V gather buffers (flat)
 
 
 def build_group_index(

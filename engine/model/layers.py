@@ -108,17 +108,31 @@ def paged_attention(
         chunk = batch.chunks[c]
         sl = slice(chunk.offset, chunk.offset + chunk.num_tokens)
         rows = blocks * stride + offsets
-        keys = flat.index_select(0, rows).transpose(0, 1)[None]
-        values = flat.index_select(0, rows + bs).transpose(0, 1)[None]
+        kbuf, vbuf = batch.scratch or (None, None)
+        keys = _gather(flat, rows, kbuf).transpose(0, 1)[None]
+        values = _gather(flat, rows + bs, vbuf).transpose(0, 1)[None]
         out[sl] = _attend(q[sl].transpose(0, 1)[None], keys, values, allowed[None, None], scale, softcap)[0].transpose(0, 1)
     if batch.decode_chunks:
         query_rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
         rows = (index.decode_block * stride + index.decode_offset).reshape(-1)  # type: ignore[operator]
         shape = (*index.decode_block.shape, kv_heads, head_dim)  # type: ignore[union-attr]
-        keys = flat.index_select(0, rows).view(shape).permute(0, 2, 1, 3)
-        values = flat.index_select(0, rows + bs).view(shape).permute(0, 2, 1, 3)
+        kbuf, vbuf = batch.scratch or (None, None)
+        keys = _gather(flat, rows, kbuf).view(shape).permute(0, 2, 1, 3)
+        values = _gather(flat, rows + bs, vbuf).view(shape).permute(0, 2, 1, 3)
         mask = index.decode_valid[:, None, None, :]  # type: ignore[index]
         out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
+    return out
+
+
+def _gather(flat: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """``flat[rows]`` into a reused buffer: allocating a fresh multi-MB tensor per call (and
+    faulting its pages in) costs several times the copy itself on CPU."""
+    shape = (rows.numel(), *flat.shape[1:])
+    size = shape[0] * shape[1] * shape[2]
+    if buffer is None or buffer.numel() < size:
+        return flat.index_select(0, rows)
+    out = buffer[:size].view(shape)
+    torch.index_select(flat, 0, rows, out=out)
     return out
 
 
