@@ -97,7 +97,8 @@ class Mamba2Mixer(nn.Module):
                 conv_prev = torch.zeros(arch.conv_dim, arch.d_conv, dtype=torch.float32, device=hidden.device)
                 h0 = torch.zeros(arch.num_heads, arch.head_dim, arch.d_state, dtype=torch.float32, device=hidden.device)
             window = torch.cat([conv_prev, xbc[rows].float().T], dim=1)  # [conv_dim, k + n]
-            conv = F.conv1d(window[None], weight.float(), self.conv1d.bias, groups=arch.conv_dim)[0, :, -chunk.num_tokens :]
+            bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+            conv = F.conv1d(window[None], weight.float(), bias, groups=arch.conv_dim)[0, :, -chunk.num_tokens :]
             conv = F.silu(conv).T  # [n, conv_dim]
             x, b, c = conv.split(
                 [arch.intermediate_size, arch.n_groups * arch.d_state, arch.n_groups * arch.d_state], dim=-1

@@ -127,3 +127,22 @@ def test_preempted_and_resumed_request(name: str, checkpoints, device: str) -> N
     requests, logits = _drive(engine, prompts, max_tokens=10, preempt_after=4)
     assert sum(r.num_preemptions for r in requests.values()) == 1
     _check_against_hf(checkpoints[name], requests, logits)
+
+
+BF16_ATOL = 0.1  # bf16 weights and activations vs HF in fp32: logits here are O(1-5)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_bfloat16_stays_close_to_fp32_reference(name: str, checkpoints, device: str) -> None:
+    engine = _engine(checkpoints[name], "model.dtype=bfloat16", device=device)
+    rng = random.Random(5)
+    requests, logits = _drive(engine, [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 26)], max_tokens=6)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
+    for rid, request in requests.items():
+        with torch.no_grad():
+            reference = hf(torch.tensor([request.token_ids])).logits[0]
+        for k, row in enumerate(logits[rid]):
+            diff = (row.float() - reference[request.prompt_len - 1 + k]).abs().max().item()
+            assert diff < BF16_ATOL, f"{rid} output {k}: max |diff| {diff:.3f}"
