@@ -69,33 +69,28 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run the scheduled chunks; return the sampled token of every chunk that samples."""
-        if not output.chunks:
-            return {}
-        batch = self.build_batch(output)
-        hidden = self.model(batch)
-        sampling = [c for c in output.chunks if c.sample]
-        if not sampling:
-            return {}
-        logits = self.model.logits(hidden[batch.sample_indices])
-        ids = [c.request.request_id for c in sampling]
-        tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
-        return dict(zip(ids, tokens, strict=True))
+        return self._run(output)[0]
+
+    def logits_for(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        """Like ``execute`` but also returns each sampled row's logits, on the CPU (for oracles)."""
+        tokens, logits = self._run(output)
+        return tokens, {rid: row.cpu() for rid, row in logits.items()}
 
     @torch.inference_mode()
-    def logits_for(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
-        """Like ``execute`` but also returns each sampled row's logits (for tests and oracles)."""
+    def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        sampling = [c for c in output.chunks if c.sample]
+        if not output.chunks:
+            return {}, {}
         batch = self.build_batch(output)
         hidden = self.model(batch)
-        sampling = [c for c in output.chunks if c.sample]
         if not sampling:
             return {}, {}
         logits = self.model.logits(hidden[batch.sample_indices])
         ids = [c.request.request_id for c in sampling]
         tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
-        return dict(zip(ids, tokens, strict=True)), dict(zip(ids, logits.cpu(), strict=True))
+        return dict(zip(ids, tokens, strict=True)), dict(zip(ids, logits, strict=True))
 
     def _scratch_for(self, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V gather buffers large enough for this step's biggest read, grown and then reused."""
