@@ -1,28 +1,40 @@
-"""EngineCore: one worker's synchronous engine — scheduler + coordinator + model runner.
+"""EngineCore: one worker's synchronous engine — scheduler + coordinator + model runner, and
+(with a ``kv_role``) the KV transfer object of prefill/decode disaggregation.
 
-``add_request`` / ``step`` / ``abort``; no threads, no ray. ``step`` schedules, runs the model and
-returns the tokens each request gained, with finish flags.
+``add_request`` / ``step`` / ``abort``; no threads, no ray. ``step`` progresses transfers,
+schedules, runs the model and returns the tokens each request gained, with finish flags.
+P/D (see ``engine.disagg``): ``add_request(prefill_only=True)`` on the prefill engine finishes
+with ``finish_reason="remote_decode"`` and a ``KVHandle``; ``add_request(kv_handle=...)`` on the
+decode engine pulls that KV, then decodes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from configs.schema import ClusterConfig
 from configs.models import SourceKind
+from engine.disagg import NULL_BLOCK, HeldBlocks, KVHandle, PendingLoads, TransferStats, check_handle, plan_read, token_digest
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
+from engine.kv_cache.events import KVEvent
 from engine.model.arch import ModelArch
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler
+from engine.transfer import DONE, FAILED, AgentInfo, KVTransfer, transfer_from_config
+
+KVRole = Literal["prefill", "decode", "both"]
+_TRANSFER_ROLE = {"prefill": "owner", "decode": "reader", "both": "both"}
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +72,29 @@ class EngineInfo:
 
 
 class EngineCore:
-    """Owns the scheduler, the KV-cache coordinator and the model runner of one worker."""
+    """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
+    the transfer object of one worker.
 
-    def __init__(self, config: ClusterConfig, model_directory: str | Path | None = None, threads: int | None = None):
+    Invariants: every block is owned by exactly one of: a running / waiting-for-KV request, a
+    prefill-only request held for its reader (released on the reader's notification or after
+    ``transfer.release_timeout_s``), or the pool; a transfer only writes blocks the coordinator
+    allocated to the request it serves, and those stay allocated until the read has ended.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        model_directory: str | Path | None = None,
+        threads: int | None = None,
+        *,
+        name: str | None = None,
+        kv_role: KVRole | None = None,
+    ):
         self.config = config
         if threads:
             torch.set_num_threads(threads)
+        if kv_role is not None and kv_role not in _TRANSFER_ROLE:
+            raise ValueError(f"kv_role: expected one of {sorted(_TRANSFER_ROLE)} or None, got {kv_role!r}")
         directory = Path(model_directory) if model_directory else resolve_model_directory(config)
         arch, weights = load_hf_directory(directory, config.model.sliding_window_override)
         dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
@@ -88,36 +117,232 @@ class EngineCore:
             max_model_len=max_model_len,
         )
         self.scheduler = Scheduler(config.scheduler, self.coordinator, max_model_len)
-        self.runner = ModelRunner(arch, layout, model, num_blocks, device, dtype)
+        self.name = name or (kv_role or "engine")
+        self.kv_role = kv_role
+        self.transfer: KVTransfer | None = None
+        if kv_role is not None:
+            self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])  # type: ignore[arg-type]
+        try:
+            allocate = self.transfer.allocate_slots if self.transfer is not None else None
+            self.runner = ModelRunner(arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate)
+            self._agent_info = self.transfer.register(self.runner.slots) if self.transfer is not None else None
+        except BaseException:
+            if self.transfer is not None:
+                self.transfer.close()
+            raise
+        self.layout_key = "|".join(
+            [arch.architecture, dtype, str(cache.block_size), str(layout.page_bytes), str(layout.num_slots)]
+            + [repr(group.spec) for group in layout.groups]
+        )
+        self.held = HeldBlocks(config.transfer.release_timeout_s)
+        self.loads = PendingLoads()
+        self.transfer_stats = TransferStats()
         self.info = EngineInfo(arch, num_blocks, cache.block_size, max_model_len)
         self.model_directory = directory
         eos = arch.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
         log.info(
-            "engine ready: %s, %d layers, %d KV groups, %d blocks of %d tokens",
-            arch.architecture, arch.num_layers, len(layout.groups), num_blocks, cache.block_size,
+            "engine %s ready: %s, %d layers, %d KV groups, %d blocks of %d tokens%s",
+            self.name, arch.architecture, arch.num_layers, len(layout.groups), num_blocks, cache.block_size,
+            f", kv_role={kv_role} ({config.transfer.backend})" if kv_role else "",
         )  # fmt: skip
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+    @property
+    def agent_info(self) -> AgentInfo:
+        """This worker's transfer registration (plain data a peer needs to read its blocks)."""
+        if self._agent_info is None:
+            raise ValueError(f"engine {self.name!r}: no kv_role, so no transfer registration")
+        return self._agent_info
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        kv_handle: KVHandle | None = None,
+    ) -> Request:
+        """Queue a request. ``prefill_only``: compute its prompt's KV for a decode worker (the
+        result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of computing it."""
+        if prefill_only and kv_handle is not None:
+            raise ValueError("prefill_only and kv_handle: a request is either prefilled here or pulled, not both")
+        if (prefill_only or kv_handle is not None) and self.transfer is None:
+            raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot do P/D transfers")
+        prompt = list(prompt_token_ids)
+        if prefill_only:
+            if len(prompt) < 2:
+                raise ValueError(
+                    f"prompt_token_ids: a prefill-only request needs >= 2 tokens (got {len(prompt)}); run it colocated"
+                )
+            request = Request(
+                request_id, prompt[:-1], sampling, self.coordinator.hash_block_size, self.eos_token_id, prefill_only=True
+            )
+            self.scheduler.add_request(request)
+            return request
+        if kv_handle is not None:
+            check_handle(kv_handle, self.layout_key, prompt)
         request = Request(
-            request_id, prompt_token_ids, sampling, self.coordinator.hash_block_size, eos_token_id=self.eos_token_id
+            request_id,
+            prompt,
+            sampling,
+            self.coordinator.hash_block_size,
+            eos_token_id=self.eos_token_id,
+            remote_prefill=kv_handle is not None,
         )
-        self.scheduler.add_request(request)
+        if kv_handle is None:
+            self.scheduler.add_request(request)
+        else:
+            self._start_load(request, kv_handle)
         return request
 
-    def step(self) -> list[RequestOutput]:
-        output = self.scheduler.schedule()
-        sampled = self.runner.execute(output)
-        results = self.scheduler.update(output, sampled)
-        for result in results:
-            if result.finished:
-                self.runner.sampler.forget(result.request_id)
-        return results
+    def _start_load(self, request: Request, handle: KVHandle) -> None:
+        assert self.transfer is not None
+        request_id = request.request_id
+        tables = self.scheduler.add_transferred_request(request, handle.num_tokens)
+        pairs = None
+        if tables is not None:
+            fresh = {b for group in self.coordinator.unhashed_block_ids(request_id) for b in group}
+            try:
+                pairs = plan_read(handle, tables, fresh)
+            except ValueError as e:
+                log.warning("%s: cannot read %s from %s (%s); recomputing", self.name, request_id, handle.agent.name, e)
+                self.scheduler.finish_kv_load(request_id, ok=False)
+        if pairs is None:  # nothing to read: still tell the owner so it frees at once
+            tid = self.transfer.start_read(handle.agent, [], notify=handle.notify_key)
+            self.loads.notify_only.add(tid)
+            self.transfer_stats.notify_only += 1
+            return
+        tid = self.transfer.start_read(handle.agent, pairs, notify=handle.notify_key)
+        self.loads.reads[tid] = request_id
+        self.transfer_stats.reads += 1
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
         self.runner.sampler.forget(request_id)
+        if request_id in self.scheduler.waiting_for_kv:
+            tid = self.loads.tid_of(request_id)
+            if tid is not None:
+                self.loads.aborted.add(request_id)
+                return True
+        self.held.forget(request_id)
         return self.scheduler.abort(request_id)
 
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        results = self._progress_transfers() if self.transfer is not None else []
+        scheduler = self.scheduler
+        if scheduler.running or scheduler.waiting:
+            output = scheduler.schedule()
+            sampled = self.runner.execute(output)
+            for result in scheduler.update(output, sampled):
+                if result.finished:
+                    self.runner.sampler.forget(result.request_id)
+                if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
+                    result = replace(result, kv_handle=self._export(result.request_id))
+                results.append(result)
+        return results
+
+    def _export(self, request_id: str) -> KVHandle:
+        """The handle of a prefilled request; its blocks stay held until the reader is done."""
+        request = self.scheduler.held[request_id]
+        null = self.coordinator.null_block_id
+        tables = tuple(
+            tuple(NULL_BLOCK if b == null else b for b in group) for group in self.coordinator.block_ids(request_id)
+        )
+        self.held.hold(request_id)
+        return KVHandle(
+            request_id, request.num_tokens, token_digest(request.token_ids), tables, self.agent_info, self.layout_key
+        )
+
+    def _progress_transfers(self) -> list[RequestOutput]:
+        transfer = self.transfer
+        assert transfer is not None
+        results: list[RequestOutput] = []
+        if self.kv_role != "decode":
+            notified, expired = self.held.due(transfer.owner_notifications())
+            for request_id in notified:
+                self.scheduler.release_held(request_id)
+            for request_id in expired:
+                log.warning("%s: no reader for %s within %.1f s; freeing its blocks", self.name, request_id,
+                            self.held.release_timeout_s)  # fmt: skip
+                self.scheduler.release_held(request_id)
+            self.transfer_stats.released_by_notification += len(notified)
+            self.transfer_stats.released_by_timeout += len(expired)
+        loads = self.loads
+        if loads.notify_only:
+            for tid, status in transfer.poll(list(loads.notify_only)).items():
+                if status in (DONE, FAILED):
+                    loads.notify_only.discard(tid)
+                    transfer.release(tid)
+        if loads.reads:
+            for tid, status in transfer.poll(list(loads.reads)).items():
+                if status not in (DONE, FAILED):
+                    continue
+                request_id = loads.reads.pop(tid)
+                record = transfer.read_record(tid)
+                transfer.release(tid)
+                result = self._load_ended(request_id, status == DONE, record)
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def _load_ended(self, request_id: str, ok: bool, record: Any) -> RequestOutput | None:
+        stats = self.transfer_stats
+        if request_id in self.loads.aborted:
+            self.loads.aborted.discard(request_id)
+            self.scheduler.abort(request_id)
+            return None
+        if ok:
+            stats.blocks += record.num_blocks
+            stats.bytes += record.nbytes
+            stats.seconds += time.monotonic() - record.started
+            self.scheduler.finish_kv_load(request_id, ok=True)
+            return None
+        stats.failures += 1
+        if self.config.transfer.on_failure == "fail":
+            log.error("%s: KV read for %s failed (%s); failing the request", self.name, request_id, record.error)
+            self.scheduler.abort(request_id)
+            return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value)
+        log.warning("%s: KV read for %s failed (%s); recomputing locally", self.name, request_id, record.error)
+        self.scheduler.finish_kv_load(request_id, ok=False)
+        return None
+
+    # -- state -------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Anything outstanding: requests to compute, reads in flight, or blocks held for readers."""
+        return self.scheduler.has_work or bool(self.loads) or bool(self.held)
+
+    @property
+    def has_compute_work(self) -> bool:
+        """Requests the next ``step`` will run the model for."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (stored / removed / pinned / ...) since the last call, for the router."""
+        return self.coordinator.take_events()
+
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths, block counts, hit counters and transfer counters (plain data)."""
+        scheduler, pool = self.scheduler, self.coordinator.pool
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "waiting_for_kv": len(scheduler.waiting_for_kv),
+            "held_for_transfer": len(scheduler.held),
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
+            "num_blocks": self.info.num_blocks - 1,
+            "free_blocks": pool.num_free_blocks,
+            "pinned_blocks": pool.num_pinned_free_blocks,
+            "hit_tokens": scheduler.hit_tokens,
+            "queried_tokens": scheduler.queried_tokens,
+            "num_preemptions": scheduler.num_preemptions,
+            "transfer": asdict(self.transfer_stats),
+        }
+
+    def close(self) -> None:
+        """Release the transfer registration (pending reads are cancelled). Idempotent."""
+        if self.transfer is not None:
+            self.transfer.close()

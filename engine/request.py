@@ -19,6 +19,7 @@ class RequestStatus(str, Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_REMOTE_DECODE = "remote_decode"  # prefill-only: KV computed, blocks held for a reader
 
     @property
     def finished(self) -> bool:
@@ -30,6 +31,7 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_REMOTE_DECODE,
 }
 
 
@@ -38,7 +40,8 @@ class Request(CacheRequest):
 
     ``num_computed_tokens`` counts tokens whose KV exists or is being computed in the current
     step; it returns to 0 on preemption (recompute). ``num_external_tokens`` is set while the
-    prompt's KV is being transferred in.
+    prompt's KV is being transferred in. A ``prefill_only`` request (prefill side of P/D) computes
+    its tokens' KV, samples nothing and finishes with its blocks still held for a reader.
     """
 
     __slots__ = (
@@ -51,6 +54,7 @@ class Request(CacheRequest):
         "num_cached_tokens",
         "num_external_tokens",
         "stop_reason",
+        "prefill_only",
     )
 
     def __init__(
@@ -62,6 +66,7 @@ class Request(CacheRequest):
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
         remote_prefill: bool = False,
+        prefill_only: bool = False,
     ):
         if not prompt_token_ids:
             raise ValueError(f"prompt_token_ids: must not be empty (request {request_id!r})")
@@ -75,6 +80,7 @@ class Request(CacheRequest):
         self.num_cached_tokens = -1  # hit + external tokens at first admission
         self.num_external_tokens = 0
         self.stop_reason: int | str | None = None
+        self.prefill_only = prefill_only
 
     @property
     def output_token_ids(self) -> list[int]:

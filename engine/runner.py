@@ -7,6 +7,8 @@ layer registers the raw slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.model.arch import ModelArch
@@ -37,6 +39,7 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         dtype: str,
+        allocate_slots: Callable[[int, list[int], str], list[torch.Tensor]] | None = None,
     ):
         self.arch = arch
         self.layout = layout
@@ -44,9 +47,13 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
         self.num_blocks = num_blocks
-        self.slots = [
-            torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
-        ]
+        if allocate_slots is not None:  # a transfer backend's memory (shared / registered)
+            self.slots = allocate_slots(num_blocks, [layout.page_bytes] * layout.num_slots, str(device))
+        else:
+            self.slots = [
+                torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device)
+                for _ in range(layout.num_slots)
+            ]
         bs, kvh, hd = layout.block_size, arch.num_kv_heads, arch.head_dim
         row_bytes = kvh * hd * self.dtype.itemsize
         for index, layer in enumerate(model.model.layers):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from configs.schema import SchedulerConfig
 from engine.kv_cache.coordinator import HybridCoordinator
@@ -53,12 +54,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """Tokens a request gained in one step, and whether (and why) it finished."""
+    """Tokens a request gained in one step, and whether (and why) it finished. A prefill-only
+    request finishes with ``finish_reason="remote_decode"`` and (from EngineCore) a ``kv_handle``."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    kv_handle: Any = None
 
 
 class Scheduler:
@@ -78,6 +81,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefill-only requests whose blocks await a reader
         mamba = [g.spec.block_size for g in coordinator.groups if isinstance(g.spec, MambaSpec)]
         self.mamba_align = coordinator.alignment if mamba else 0
         self.num_preemptions = 0
@@ -88,6 +92,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in this engine")
+        if request.request_id in self.held:
+            raise ValueError(f"request_id: {request.request_id!r} still holds prefilled blocks in this engine")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt: {request.num_tokens} tokens leave no room to generate within "
@@ -98,6 +104,8 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if unknown or finished."""
+        if self.release_held(request_id):
+            return True
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -193,7 +201,7 @@ class Scheduler:
             start,
             num_new,
             self.coordinator.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens and not request.prefill_only,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -211,7 +219,12 @@ class Scheduler:
         results: list[RequestOutput] = []
         for chunk in output.chunks:
             request = chunk.request
-            if not chunk.sample or request.status != RequestStatus.RUNNING:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            if not chunk.sample:
+                if request.prefill_only and chunk.start + chunk.num_tokens == request.num_tokens:
+                    self._hold_prefilled(request)
+                    results.append(RequestOutput(request.request_id, [], True, request.status.value))
                 continue
             token = sampled[request.request_id]
             request.append_token_ids([token])
@@ -222,6 +235,22 @@ class Scheduler:
                 self.finish(request.request_id, status)
             results.append(RequestOutput(request.request_id, [token], status is not None, status and status.value))
         return results
+
+    def _hold_prefilled(self, request: Request) -> None:
+        """A prefill-only request computed all its tokens: keep its in-window blocks for a reader."""
+        request_id = request.request_id
+        self.running.remove(request)
+        del self.requests[request_id]
+        self.coordinator.remove_skipped_blocks(request_id, request.num_tokens)
+        request.status = RequestStatus.FINISHED_REMOTE_DECODE
+        self.held[request_id] = request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a prefill-only request once its reader is done (or gave up)."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.coordinator.free(request_id)
+        return True
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Finish a running request (e.g. a stop string matched): free its blocks."""
@@ -235,24 +264,30 @@ class Scheduler:
 
     # -- transferred KV ------------------------------------------------------------------------------------
     def add_transferred_request(self, request: Request, num_external_tokens: int) -> list[list[int]] | None:
-        """Admit a request whose next ``num_external_tokens`` tokens' KV (beyond the local hit)
-        a transfer will write: allocate its blocks now (two-phase, in-window only) and park it in
-        ``waiting_for_kv``. Returns the block table per group to read into, or None when nothing
-        is to be read (the local hit covers it, or the blocks do not fit): the request then
-        waits to be computed locally."""
+        """Admit a ``remote_prefill`` request whose first ``num_external_tokens`` tokens' KV a
+        transfer will write (beyond the local hit): allocate its blocks now (two-phase, in-window
+        only, one state block per Mamba group) and park it in ``waiting_for_kv``.
+
+        Returns the block table per group to read into, or None when nothing is to be read (the
+        local hit covers it, or the blocks do not fit now): the request then waits to be computed
+        locally from its reconciled hit, like any other request.
+        """
         coord = self.coordinator
         hit = coord.get_computed_blocks(request)
-        num_external = max(0, min(num_external_tokens, request.num_tokens - 1 - hit.num_tokens))
+        num_external = max(0, min(num_external_tokens, request.num_tokens - 1) - hit.num_tokens)
         self.add_request(request)
-        if num_external == 0:
-            return None
-        if coord.allocate_slots(request, 0, hit, num_external_tokens=num_external, delay_cache=True) is None:
+        if num_external == 0 or coord.allocate_slots(request, 0, hit, num_external, delay_cache=True) is None:
+            # A Mamba group has no state at an attention-only hit: drop the remote-prefill view so
+            # the local lookup reconciles every group.
+            request.remote_prefill = False
             return None
         self.waiting.remove(request)
         request.num_cached_tokens = hit.num_tokens + num_external
         request.num_computed_tokens = hit.num_tokens
         request.num_external_tokens = num_external
         request.status = RequestStatus.WAITING_FOR_KV
+        self.hit_tokens += hit.num_tokens
+        self.queried_tokens += request.num_tokens
         self.waiting_for_kv[request.request_id] = request
         return coord.block_ids(request.request_id)
 
@@ -261,6 +296,7 @@ class Scheduler:
         request = self.waiting_for_kv.pop(request_id, None)
         if request is None:
             return
+        request.remote_prefill = False  # any later recompute (preemption) uses the local view
         if ok:
             request.num_computed_tokens += request.num_external_tokens
             self.coordinator.cache_blocks(request, request.num_computed_tokens)
