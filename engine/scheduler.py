@@ -62,6 +62,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     kv_handle: Any = None
+    num_cached_tokens: int = -1  # the request's local prefix hit (+ transferred tokens) at admission
 
 
 class Scheduler:
@@ -224,7 +225,9 @@ class Scheduler:
             if not chunk.sample:
                 if request.prefill_only and chunk.start + chunk.num_tokens == request.num_tokens:
                     self._hold_prefilled(request)
-                    results.append(RequestOutput(request.request_id, [], True, request.status.value))
+                    results.append(
+                        RequestOutput(request.request_id, [], True, request.status.value, None, request.num_cached_tokens)
+                    )
                 continue
             token = sampled[request.request_id]
             request.append_token_ids([token])
@@ -233,7 +236,16 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish(request.request_id, status)
-            results.append(RequestOutput(request.request_id, [token], status is not None, status and status.value))
+            results.append(
+                RequestOutput(
+                    request.request_id,
+                    [token],
+                    status is not None,
+                    status and status.value,
+                    None,
+                    request.num_cached_tokens,
+                )
+            )
         return results
 
     def _hold_prefilled(self, request: Request) -> None:
