@@ -572,7 +572,7 @@ class Simulation:
         if job.pin is not None:
             pin = job.pin
             pinned = coord.pin_prefix(pin.block_hashes, pin.num_tokens)
-            seq = snapshot_seq(coord)
+            seq = coord.event_seq
             coord.free(job.request.request_id)
             self.flush(worker)
             assert isinstance(self.router, RoutingPolicy)
@@ -618,7 +618,7 @@ class Simulation:
             pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
             self.flush(worker)
             assert isinstance(self.router, RoutingPolicy)
-            self.execute(self.router.pin_result(worker.name, action.pin_id, pinned, self.now, snapshot_seq(coord)))
+            self.execute(self.router.pin_result(worker.name, action.pin_id, pinned, self.now, coord.event_seq))
             return
         assert action.token_ids is not None, "pins in the simulator always carry their tokens"
         # Warm-up prefill of the prefix (+1 token: the hit search stops at N - 1), then pin.
@@ -647,10 +647,6 @@ class Simulation:
         for job in jobs:
             if job.trace_index is not None:
                 self.push(self.now, self.ARRIVE, job.trace_index)
-
-
-def snapshot_seq(coord: HybridCoordinator) -> int:
-    return coord.pool._seq  # noqa: SLF001 - the pool's last event number (no public accessor)
 
 
 # -- driver -----------------------------------------------------------------------------------------------------

@@ -267,5 +267,16 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    # -- read-only views for the router ----------------------------------------------------------
+    @property
+    def event_seq(self) -> int:
+        """Sequence number of the last KV event the pool emitted (0 before the first)."""
+        return self._seq
+
+    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
+        """``(event_seq, per-group {hash: pin level})``: every cached hash as of ``event_seq``
+        (events with a larger number are not reflected). The dicts are fresh copies."""
+        return self._seq, tuple({h: block.pin for h, block in table.items()} for table in self.cached)
+
 
 __all__ = ["PIN_EXPLICIT", "PIN_NONE", "PIN_RETAINED", "Block", "BlockPool", "BlockQueue"]

@@ -544,3 +544,14 @@ class HybridCoordinator:
         predicted, taken = self._last_allocation
         if predicted != taken:
             fail(f"last allocation predicted {predicted} blocks but took {taken}")
+
+    # -- read-only views for the router ---------------------------------------------------------------
+    @property
+    def event_seq(self) -> int:
+        """Sequence number of the last KV event this worker emitted (0 before the first)."""
+        return self.pool.event_seq
+
+    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
+        """``(event_seq, per-group {hash: pin level})`` of the prefix cache: what a router resyncs
+        from after a gap in the event stream (see ``BlockPool.snapshot``)."""
+        return self.pool.snapshot()

@@ -69,10 +69,8 @@ class WorkerSnapshot:
 
 def snapshot_coordinator(coord: HybridCoordinator) -> WorkerSnapshot:
     """The snapshot a worker returns when the router asks for a resync (runs on the worker)."""
-    pool = coord.pool
-    # The pool exposes no public event counter; _seq is the number of the last event it emitted.
-    seq: int = pool._seq  # noqa: SLF001
-    return WorkerSnapshot(seq, tuple({h: block.pin for h, block in table.items()} for table in pool.cached))
+    seq, groups = coord.snapshot()
+    return WorkerSnapshot(seq, groups)
 
 
 class HitRules:

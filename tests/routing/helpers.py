@@ -115,7 +115,7 @@ def execute(policy: Router, workers: dict[str, Worker], actions: list[Action], n
                 worker.finish(warm)
             queue.extend(sync(policy, workers, now))
             assert isinstance(policy, RoutingPolicy)
-            queue.extend(policy.pin_result(action.worker, action.pin_id, pinned, now, coord.pool._seq))
+            queue.extend(policy.pin_result(action.worker, action.pin_id, pinned, now, coord.event_seq))
     return done
 
 

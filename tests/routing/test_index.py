@@ -126,10 +126,24 @@ def test_snapshot_equals_event_replay() -> None:
             worker.coord.pin_prefix(block_hashes(tokens(rng, 12, vocab=4), 4), 12)
         index.apply_events("live", worker.coord.take_events())
     snap = snapshot_coordinator(worker.coord)
-    assert snap.seq == index.last_seq("live")
+    assert snap.seq == index.last_seq("live") == worker.coord.event_seq
     assert [dict(t) for t in index.tables("live")] == list(snap.groups)
     index.add_worker("fresh", snap)
     assert index.tables("fresh") == index.tables("live")
+
+
+def test_coordinator_snapshot_is_a_copy_taken_at_its_event_seq() -> None:
+    """The public read-only API the router uses: ``event_seq`` and ``snapshot()``."""
+    worker = Worker("w", SPECS, 40)
+    assert worker.coord.event_seq == 0 and worker.coord.snapshot() == (0, ({}, {}, {}))
+    worker.run(tokens(random.Random(1), 20, vocab=4))
+    events = worker.coord.take_events()
+    seq, groups = worker.coord.snapshot()
+    assert seq == worker.coord.event_seq == events[-1].seq
+    stored = {(e.group, h) for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert {(g, h) for g, table in enumerate(groups) for h in table} <= stored
+    groups[0].clear()  # a copy: clearing it leaves the pool alone
+    assert worker.coord.snapshot()[1][0]
 
 
 class CountingDict(dict):  # type: ignore[type-arg]
