@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import shlex
 import typing
 from collections.abc import Iterator
@@ -34,13 +35,17 @@ from configs.schema import WorkerResources
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
-CRD_DIR = REPO.parent / "shared" / "k8s-crds"
+# KubeRay's published CRDs (ray.io/v1 RayCluster, RayJob, RayService) live beside the repo in the
+# project's shared data, not in it; KVFLEET_KUBERAY_CRDS points elsewhere. Without them the
+# CRD-schema tests skip (with this reason in the summary); every other check still runs.
+CRD_DIR = Path(os.environ.get("KVFLEET_KUBERAY_CRDS", REPO.parent / "shared" / "k8s-crds"))
+needs_crds = pytest.mark.skipif(
+    not any(CRD_DIR.glob("ray.io_*.yaml")), reason=f"KubeRay CRDs not found in {CRD_DIR} (set KVFLEET_KUBERAY_CRDS)"
+)
 K8S_VERSION = "1.37.0"  # newest schema set kubernetes-validate 1.37 ships (v1.37.0-local-strict)
 RAY_KINDS = {"RayCluster", "RayJob", "RayService"}
 # The worker roles of the config schema: the WorkersConfig fields holding a WorkerResources.
-ROLES = tuple(
-    name for name, hint in typing.get_type_hints(WorkersConfig).items() if hint is WorkerResources
-)
+ROLES = tuple(name for name, hint in typing.get_type_hints(WorkersConfig).items() if hint is WorkerResources)
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD files are ~1 MB each
 
@@ -195,7 +200,7 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
     return {item["name"]: item.get("value", "") for item in container.get("env", [])}
 
 
-def parse_cpu(quantity: str | int | float) -> float:
+def parse_cpu(quantity: str | float) -> float:
     text = str(quantity)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
@@ -328,15 +333,20 @@ def test_k8s_dir_has_the_expected_kinds() -> None:
     assert cluster_specs(), "no Ray cluster spec in k8s/"
 
 
+@needs_crds
 @pytest.mark.parametrize(
-    "where,doc", [m for m in manifests() if m[1].get("kind") in RAY_KINDS], ids=lambda v: v if isinstance(v, str) else ""
+    "where,doc",
+    [m for m in manifests() if m[1].get("kind") in RAY_KINDS],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_custom_resource_validates_against_its_crd(where: str, doc: dict[str, Any]) -> None:
     assert crd_errors(doc) == [], where
 
 
 @pytest.mark.parametrize(
-    "where,doc", [m for m in manifests() if m[1].get("kind") not in RAY_KINDS], ids=lambda v: v if isinstance(v, str) else ""
+    "where,doc",
+    [m for m in manifests() if m[1].get("kind") not in RAY_KINDS],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_core_kind_validates_with_kubernetes_validate(where: str, doc: dict[str, Any]) -> None:
     assert core_errors(doc) == [], where
@@ -419,7 +429,7 @@ def test_all_ray_containers_share_one_image() -> None:
 
 
 def test_rayjob_cluster_is_the_raycluster_spec() -> None:
-    (_, cluster), = manifests("RayCluster")
+    ((_, cluster),) = manifests("RayCluster")
     for where, job in manifests("RayJob"):
         if "rayClusterSpec" in job["spec"]:
             assert job["spec"]["rayClusterSpec"] == cluster["spec"], f"{where}: drifted from raycluster.yaml"
@@ -427,6 +437,7 @@ def test_rayjob_cluster_is_the_raycluster_spec() -> None:
             assert job_cluster(job) is not None
 
 
+@needs_crds
 def test_rayservice_kind_exists_in_the_crds_if_used() -> None:
     for where, doc in manifests("RayService"):
         crd_schema("RayService", doc["apiVersion"])
@@ -437,7 +448,7 @@ def test_rayservice_kind_exists_in_the_crds_if_used() -> None:
 
 
 def _raycluster() -> dict[str, Any]:
-    (_, doc), = manifests("RayCluster")
+    ((_, doc),) = manifests("RayCluster")
     return copy.deepcopy(doc)
 
 
@@ -445,12 +456,14 @@ def _group(doc: dict[str, Any], role: str) -> dict[str, Any]:
     return next(g for g in doc["spec"]["workerGroupSpecs"] if g["groupName"] == role)
 
 
+@needs_crds
 def test_crd_validation_rejects_a_wrong_type() -> None:
     doc = _raycluster()
     _group(doc, "prefill")["replicas"] = "two"
     assert any("replicas" in e and "integer" in e for e in crd_errors(doc))
 
 
+@needs_crds
 def test_crd_validation_rejects_a_misspelled_field() -> None:
     doc = _raycluster()
     _group(doc, "decode")["replica"] = 1
@@ -458,6 +471,7 @@ def test_crd_validation_rejects_a_misspelled_field() -> None:
     assert errors and any("replica" in e for e in errors)
 
 
+@needs_crds
 def test_crd_validation_rejects_missing_required_and_out_of_range() -> None:
     doc = _raycluster()
     del _group(doc, "decode")["groupName"]
@@ -467,6 +481,7 @@ def test_crd_validation_rejects_missing_required_and_out_of_range() -> None:
     assert any("maxReplicas" in e and "int32" in e for e in errors)
 
 
+@needs_crds
 def test_crd_validation_handles_int_or_string() -> None:
     doc = _raycluster()
     group = _group(doc, "prefill")
@@ -479,8 +494,9 @@ def test_crd_validation_handles_int_or_string() -> None:
     assert crd_errors(doc)
 
 
+@needs_crds
 def test_crd_validation_rejects_a_bad_rayjob() -> None:
-    (_, job), = [m for m in manifests("RayJob") if "rayClusterSpec" in m[1]["spec"]]
+    ((_, job),) = [m for m in manifests("RayJob") if "rayClusterSpec" in m[1]["spec"]]
     job = copy.deepcopy(job)
     job["spec"]["shutdownAfterJobFinishes"] = "yes"
     job["spec"]["entrypiont"] = job["spec"].pop("entrypoint")
@@ -490,7 +506,7 @@ def test_crd_validation_rejects_a_bad_rayjob() -> None:
 
 
 def test_core_validation_rejects_bad_core_objects() -> None:
-    (_, cm), = manifests("ConfigMap")
+    ((_, cm),) = manifests("ConfigMap")
     cm = copy.deepcopy(cm)
     cm["data"]["count"] = 3
     assert core_errors(cm)
