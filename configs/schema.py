@@ -174,6 +174,9 @@ class RouterWeights(_Frozen):
     queued_tokens: NonNegativeFloat = 0.5
     running_requests: NonNegativeFloat = 16.0
     used_block_fraction: NonNegativeFloat = 256.0
+    #: per uncached token, on top of ``uncached_tokens``: the blocks it writes into the worker's
+    #: cache evict other prefixes there (so a miss costs more than its own prefill)
+    cache_churn: NonNegativeFloat = 0.5
 
 
 class PinConfig(_Frozen):
@@ -207,6 +210,11 @@ class RouterConfig(_Frozen):
     weights: RouterWeights = RouterWeights()
     decode_only_threshold_tokens: Annotated[int, Field(ge=0)] = 64
     imbalance_ratio: Annotated[float, Field(ge=1.0)] = 2.0
+    #: guard on the queue averaged over time (half-life ``load_halflife_s``; 0 turns it off)
+    sustained_imbalance_ratio: Annotated[float, Field(ge=1.0)] = 1.3
+    load_halflife_s: NonNegativeFloat = 5.0
+    #: share of a full-attention depth whose windows are missing credited to that worker
+    anchor_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     pin_capacity_blocks: Annotated[int, Field(ge=0)] | None = None
     pins: list[PinConfig] = Field(default_factory=list)
     auto_pin: AutoPinConfig = AutoPinConfig()

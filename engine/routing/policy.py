@@ -10,9 +10,12 @@ Placement of one request with N tokens (aggregated workers, role "both")::
     hit[w]    = index.predict(hashes, N - 1)[w]        exact: the worker coordinator's hit rules
     shared[w] = full-attention depth on w               the coordinator's shared_prefix_tokens
     credit[w] = hit[w] + anchor_credit * (shared[w] - hit[w])
-    cost[w]   = w_uncached * (N - credit[w]) + w_queued * queued_tokens[w]
+    cost[w]   = (w_uncached + w_churn) * (N - credit[w]) + w_queued * queued_tokens[w]
               + w_running * running_requests[w] + w_used * used_block_fraction[w]
-    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
+    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N, or when
+                its queue averaged over time (half-life load_halflife_s) exceeds
+                sustained_imbalance_ratio * the mean average + N: a hot prefix stays on its holder
+                until the holder is overloaded for seconds, then spreads to a second worker
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
                 workers with hit[w] >= L (its holders, or any worker that has it) when there is one
     choice    = argmin cost, ties broken at random (seeded)
@@ -20,6 +23,9 @@ Placement of one request with N tokens (aggregated workers, role "both")::
 Why these terms: in a worker that serves requests in order, a queued token delays this request as
 much as one of its own uncached tokens, and an uncached token also adds work every later request
 waits for; so an uncached token costs about twice a queued one (the default weights 1.0 and 0.5).
+On top, ``w_churn`` (0.5): an uncached token writes blocks (one per group) into the worker's
+cache, evicting other prefixes there; in the simulator most lost hits are prefixes evicted by
+that churn, so a miss is charged for it. The sustained guard keeps the stickier choice balanced.
 The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
 its end is not, the hit is lower (no false hit), yet running the request there makes the
 coordinator retain the windows at that shared-prefix boundary when the request is freed, so the
@@ -31,7 +37,8 @@ locally) is below ``decode_only_threshold_tokens`` it prefills too, otherwise th
 is chosen as above among prefill-capable workers. The decode worker's transfer hit uses the
 remote-prefill rule (Mamba groups do not veto: seed 004).
 
-Cost of ``route``: one index walk O(prefix blocks) + one pass over the workers.
+Cost of ``route``: one index walk O(prefix blocks), a cost per worker with a prefix, and C-level
+min/filter passes over the workers' load costs (the time averages are O(1), see ``load``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from engine.kv_cache.events import KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
+from engine.routing.load import SmoothedQueues
 from engine.routing.pins import HotPrefixes, Pin, PinTable
 from engine.routing.types import (
     Action,
@@ -177,6 +185,7 @@ class RoutingPolicy(Router):
         w_queued: float = 0.5,
         w_running: float = 16.0,
         w_used: float = 256.0,
+        w_churn: float = 0.5,
         decode_only_threshold_tokens: int = 64,
         imbalance_ratio: float = 2.0,
         pin_capacity_blocks: int | None = None,
@@ -187,6 +196,8 @@ class RoutingPolicy(Router):
         auto_pin_interval_s: float = 5.0,
         pin_worker_fraction: float = 0.5,
         anchor_credit: float = 0.5,
+        load_halflife_s: float = 5.0,
+        sustained_imbalance_ratio: float = 1.3,
         seed: int = 0,
     ):
         super().__init__(seed)
@@ -195,7 +206,10 @@ class RoutingPolicy(Router):
         self.index = PrefixIndex(groups)
         self.rules = self.index.rules
         self.has_mamba = bool(self.rules.mamba_groups)
+        if not 0.0 <= anchor_credit <= 1.0:
+            raise ValueError(f"anchor_credit: must be within [0, 1] (got {anchor_credit})")
         self.w_uncached = w_uncached
+        self.w_churn = w_churn
         self.w_queued = w_queued
         self.w_running = w_running
         self.w_used = w_used
@@ -203,6 +217,14 @@ class RoutingPolicy(Router):
         self.imbalance_ratio = imbalance_ratio
         self.pin_worker_fraction = pin_worker_fraction
         self.anchor_credit = anchor_credit
+        if sustained_imbalance_ratio < 1.0:
+            raise ValueError(f"sustained_imbalance_ratio: must be >= 1.0 (got {sustained_imbalance_ratio})")
+        if load_halflife_s < 0:
+            raise ValueError(f"load_halflife_s: must be >= 0 (got {load_halflife_s})")
+        self.load_halflife_s = load_halflife_s
+        self.sustained_imbalance_ratio = sustained_imbalance_ratio
+        self._smoothed = SmoothedQueues(load_halflife_s) if load_halflife_s > 0 else None
+        self._now = 0.0
         self.pins = PinTable(self.index, pin_capacity_blocks)
         self.auto_pin = auto_pin
         self.auto_pin_budget_blocks = auto_pin_budget_blocks
@@ -236,6 +258,10 @@ class RoutingPolicy(Router):
             w_queued=weights.queued_tokens,
             w_running=weights.running_requests,
             w_used=weights.used_block_fraction,
+            w_churn=weights.cache_churn,
+            anchor_credit=cfg.anchor_credit,
+            load_halflife_s=cfg.load_halflife_s,
+            sustained_imbalance_ratio=cfg.sustained_imbalance_ratio,
             decode_only_threshold_tokens=cfg.decode_only_threshold_tokens,
             imbalance_ratio=cfg.imbalance_ratio,
             pin_capacity_blocks=cfg.pin_capacity_blocks,
@@ -270,6 +296,8 @@ class RoutingPolicy(Router):
         self.index.add_worker(worker, snapshot)
         self._load_cost[worker] = 0.0
         self._queued[worker] = 0.0
+        if self._smoothed is not None:
+            self._smoothed.add(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
@@ -282,6 +310,8 @@ class RoutingPolicy(Router):
         self.index.remove_worker(worker)
         self._load_cost.pop(worker, None)
         self._queued.pop(worker, None)
+        if self._smoothed is not None:
+            self._smoothed.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
         self.pins.on_worker_removed(worker, now)
@@ -295,7 +325,14 @@ class RoutingPolicy(Router):
         self._queued_sum += load.queued_tokens - old.queued_tokens
         self.loads[worker] = load
         self._queued[worker] = load.queued_tokens
+        if self._smoothed is not None:
+            self._smoothed.set(worker, load.queued_tokens)
         self._load_cost[worker] = self._cost_of(load)
+
+    @property
+    def w_miss(self) -> float:
+        """Weight of an uncached prefill token: its compute plus the cache churn it causes."""
+        return self.w_uncached + self.w_churn
 
     def _cost_of(self, load: WorkerLoad) -> float:
         return (
@@ -479,6 +516,9 @@ class RoutingPolicy(Router):
         """Choose (prefill, decode) workers for ``request``; see the module docstring."""
         hashes = request.block_hashes
         num_tokens = request.num_tokens
+        self._now = now
+        if self._smoothed is not None:
+            self._smoothed.now = max(self._smoothed.now, now)
         shared: dict[WorkerId, int] = {}
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
         pin = self.pins.match(hashes) if self.pins.by_key else None
@@ -490,7 +530,7 @@ class RoutingPolicy(Router):
         if not self._disaggregated:
             workers = list(self._load_cost)
             self._require(workers, "")
-            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_uncached, shared, pending)
+            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending)
             pin_id = pin.pin_id if pin is not None else None
             decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
         else:
@@ -514,7 +554,7 @@ class RoutingPolicy(Router):
             local = hits.get(decode, 0)
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
         prefillers = self._candidates("prefill")
-        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_uncached, shared)
+        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared)
         return Decision(
             prefill,
             decode,
@@ -537,70 +577,54 @@ class RoutingPolicy(Router):
     ) -> tuple[WorkerId, str]:
         """argmin cost over the workers the imbalance guard lets through (pin holders first).
 
-        ``pending`` workers (hit below their full-attention depth, not yet resolved) are first
-        costed with the best hit they could have (one aligned step below that depth); only those
-        whose bound could beat (or tie) the best resolved cost are resolved exactly, so the result
-        equals the fully resolved one."""
+        Only workers with a prefix (a hit or a full-attention depth) are costed one by one; every
+        other worker costs its load alone, so the best of those is a C-level ``min``. ``pending``
+        workers (hit below their full-attention depth, not yet resolved) are first costed with
+        the best hit they could have (one aligned step below that depth); only those whose bound
+        could beat (or tie) the best cost are resolved exactly, so the result equals the fully
+        resolved one."""
         load_cost = self._load_cost
-        queued = self._queued
-        limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
-        c = self.anchor_credit
-        credit: dict[WorkerId, float] = dict(hits)
-        if shared:
-            for worker, depth in shared.items():
-                hit = hits.get(worker, 0)
-                credit[worker] = hit + c * (depth - hit)
+        ok = self._guard(num_tokens)
+        among = load_cost if len(workers) == len(load_cost) else set(workers)
+        credit = self._credit(hits, shared)
         reason = "cost"
-        candidates = workers
         if pin is not None:
-            allowed = set(workers)
-            resident = [w for w, h in hits.items() if h >= pin.length and queued[w] <= limit and w in allowed]
+            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok(w)]
             if resident:
-                candidates = resident
+                credit = {w: credit[w] for w in resident}
                 reason = "pin"
-        pending_set = set(self.index.workers_in(pending.workers)) if pending is not None else ()
-        deferred: list[tuple[WorkerId, float]] = []
         best_cost = float("inf")
         best: list[WorkerId] = []
-        guarded = 0
-        get = credit.get
-        for worker in candidates:
-            if queued[worker] > limit:
-                guarded += 1
+        deferred: list[WorkerId] = []
+        guarded = False
+        pending_mask = pending.workers if pending is not None else 0
+        for worker, value in credit.items():
+            if worker not in among:
                 continue
-            if pending_set and worker in pending_set:
-                depth = shared[worker] if shared else 0
-                bound = depth - self.rules.alignment
-                deferred.append((worker, load_cost[worker] - w_uncached * (bound + c * (depth - bound))))
+            if not ok(worker):
+                guarded = True
                 continue
-            cost = load_cost[worker] - w_uncached * get(worker, 0.0)
-            if cost < best_cost - 1e-9:
-                best_cost = cost
-                best = [worker]
-            elif cost <= best_cost + 1e-9:
-                best.append(worker)
+            if pending_mask and self.index.bit(worker) & pending_mask:
+                deferred.append(worker)
+                continue
+            best_cost, best = _better(worker, load_cost[worker] - w_uncached * value, best_cost, best)
+        if reason != "pin":  # workers without any prefix: their load cost alone (a C-level min)
+            rest = min(map(load_cost.__getitem__, workers))
+            if rest <= best_cost + 1e-9:
+                ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
+                allowed = [w for w in ties if ok(w)]
+                if ties and not allowed:  # the least loaded are guarded (rare): every worker
+                    guarded = True
+                    allowed = [w for w in workers if w not in credit and ok(w)]
+                    rest = min(map(load_cost.__getitem__, allowed), default=rest)
+                    allowed = [w for w in allowed if load_cost[w] <= rest + 1e-9]
+                if allowed and rest <= best_cost + 1e-9:
+                    best = best + allowed if rest >= best_cost - 1e-9 else allowed
+                    best_cost = min(best_cost, rest)
         if deferred:
-            contenders = [w for w, bound in deferred if bound <= best_cost + 1e-9]
-            if contenders:
-                assert pending is not None
-                mask = 0
-                for worker in contenders:
-                    mask |= self.index.bit(worker)
-                self.index.resolve(pending, hits, mask)
-                for worker in contenders:
-                    hit = hits.get(worker, 0)
-                    cost = load_cost[worker] - w_uncached * (hit + c * (shared[worker] - hit) if shared else hit)
-                    if cost < best_cost - 1e-9:
-                        best_cost = cost
-                        best = [worker]
-                    elif cost <= best_cost + 1e-9:
-                        best.append(worker)
+            best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, w_uncached, best_cost, best)
         if not best:  # every candidate guarded (possible only for a subset of the workers)
-            for worker in candidates:
-                cost = load_cost[worker] - w_uncached * get(worker, 0.0)
-                if cost < best_cost:
-                    best_cost, best = cost, [worker]
-            return best[0], "guard"
+            return min(workers, key=lambda w: load_cost[w] - w_uncached * hits.get(w, 0)), "guard"
         choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
         if reason == "cost":
             if guarded:
@@ -609,6 +633,60 @@ class RoutingPolicy(Router):
                 reason = "prefix"
         return choice, reason
 
+    def _guard(self, num_tokens: int) -> Callable[[WorkerId], bool]:
+        """The imbalance guard: a worker may take the request unless its queued tokens exceed
+        ``imbalance_ratio`` times the mean (plus this request), or its queue averaged over the
+        last seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio`` times
+        the mean average (plus this request): a hot prefix then spreads to a second worker."""
+        queued = self._queued
+        limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
+        smoothed = self._smoothed
+        if smoothed is None:
+            return lambda w: queued[w] <= limit
+        now = self._now
+        slow = self.sustained_imbalance_ratio * smoothed.mean(now) + num_tokens
+        return lambda w: queued[w] <= limit and smoothed.get(w, now) <= slow
+
+    def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
+        """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
+        its full-attention depth that a group cannot serve (running there anchors that depth)."""
+        credit: dict[WorkerId, float] = dict(hits)
+        if shared:
+            c = self.anchor_credit
+            for worker, depth in shared.items():
+                hit = hits.get(worker, 0)
+                credit[worker] = hit + c * (depth - hit)
+        return credit
+
+    def _resolve_deferred(
+        self,
+        deferred: list[WorkerId],
+        pending: Pending | None,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        w_uncached: float,
+        best_cost: float,
+        best: list[WorkerId],
+    ) -> tuple[float, list[WorkerId]]:
+        """Resolve the pending workers whose optimistic cost could still win, then cost them."""
+        assert pending is not None and shared is not None
+        load_cost = self._load_cost
+        slack = (1.0 - self.anchor_credit) * self.rules.alignment
+        # the best a pending worker can have: a hit one aligned step below its depth
+        contenders = [w for w in deferred if load_cost[w] - w_uncached * (shared[w] - slack) <= best_cost + 1e-9]
+        if not contenders:
+            return best_cost, best
+        mask = 0
+        for worker in contenders:
+            mask |= self.index.bit(worker)
+        self.index.resolve(pending, hits, mask)
+        c = self.anchor_credit
+        for worker in contenders:
+            hit = hits.get(worker, 0)
+            cost = load_cost[worker] - w_uncached * (hit + c * (shared[worker] - hit))
+            best_cost, best = _better(worker, cost, best_cost, best)
+        return best_cost, best
+
     def _record(self, decision: Decision) -> None:
         before = self.loads[decision.prefill_worker].queued_tokens
         super()._record(decision)
@@ -616,3 +694,14 @@ class RoutingPolicy(Router):
         for worker in {decision.prefill_worker, decision.decode_worker}:
             self._load_cost[worker] = self._cost_of(self.loads[worker])
             self._queued[worker] = self.loads[worker].queued_tokens
+            if self._smoothed is not None:
+                self._smoothed.set(worker, self._queued[worker])
+
+
+def _better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:
+    """Fold one (worker, cost) into the running argmin (ties kept for the random pick)."""
+    if cost < best_cost - 1e-9:
+        return cost, [worker]
+    if cost <= best_cost + 1e-9:
+        best.append(worker)
+    return best_cost, best

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from pydantic import ValidationError
 
 from configs.schema import PinConfig, RouterConfig, RouterWeights
 from engine.kv_cache.events import BlockStored
@@ -19,6 +20,7 @@ from engine.routing import (
     RoutingPolicy,
     WorkerLoad,
 )
+from engine.routing.load import SmoothedQueues
 from tests.routing.helpers import CONFIGS, groups_of
 
 SPECS = CONFIGS["full+2swa"]
@@ -91,6 +93,66 @@ def test_imbalance_guard_spreads_a_hot_prefix_to_a_second_worker() -> None:
     assert set(chosen(1e9)) == {"w0"}  # cost alone piles the hot prefix onto its holder
     guarded = chosen(2.0)
     assert guarded[0] == "w0" and len(set(guarded)) >= 2
+
+
+def test_sustained_guard_spreads_a_hot_prefix_whose_holder_stays_busy() -> None:
+    """Below the instantaneous guard, a holder whose queue stays long for seconds is left out."""
+
+    def chosen(load_halflife_s: float) -> list[str]:
+        policy = policy_with(
+            4, w_queued=0.01, w_running=0.0, imbalance_ratio=1e9, load_halflife_s=load_halflife_s,
+            sustained_imbalance_ratio=1.3,
+        )  # fmt: skip
+        cache(policy, "w0", PREFIX)
+        out = []
+        for i in range(20):
+            policy.update_load("w0", WorkerLoad(queued_tokens=2000))  # busy all along, cost still wins
+            out.append(str(policy.route(request(f"r{i}", PREFIX + [1000 + i]), now=0.5 * i).prefill_worker))
+        return out
+
+    assert set(chosen(0.0)) == {"w0"}  # no time average: the hot prefix stays on its holder
+    spread = chosen(1.0)
+    assert spread[0] == "w0" and "w0" not in spread[4:] and len(set(spread)) >= 2
+
+
+def test_smoothed_queues_average_over_time_in_constant_time() -> None:
+    queues = SmoothedQueues(halflife_s=2.0)
+    queues.add("a")
+    queues.add("b")
+    queues.set("a", 100.0, now=0.0)
+    assert queues.get("a", 0.0) == 0.0 and queues.get("a", 2.0) == pytest.approx(50.0)
+    assert queues.get("a", 4.0) == pytest.approx(75.0) and queues.mean(2.0) == pytest.approx(25.0)
+    queues.set("a", 0.0, now=4.0)  # the average then decays from 75 towards 0
+    assert queues.get("a", 6.0) == pytest.approx(37.5) and queues.mean(6.0) == pytest.approx(18.75)
+    queues.remove("a")
+    assert queues.mean(6.0) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="load_halflife_s"):
+        SmoothedQueues(0.0)
+
+
+def test_new_router_knobs_come_from_config_and_are_validated() -> None:
+    cfg = RouterConfig(
+        weights=RouterWeights(cache_churn=0.25), anchor_credit=0.75, load_halflife_s=2.0, sustained_imbalance_ratio=1.6
+    )
+    policy = RoutingPolicy.from_config(cfg, GROUPS)
+    assert isinstance(policy, RoutingPolicy)
+    assert (policy.w_churn, policy.w_miss, policy.anchor_credit) == (0.25, 1.25, 0.75)
+    assert (policy.load_halflife_s, policy.sustained_imbalance_ratio) == (2.0, 1.6)
+    defaults = RoutingPolicy.from_config(RouterConfig(), GROUPS)
+    assert isinstance(defaults, RoutingPolicy)
+    assert (defaults.w_churn, defaults.anchor_credit, defaults.load_halflife_s) == (0.5, 0.5, 5.0)
+    for bad, field in (
+        ({"sustained_imbalance_ratio": 0.9}, "sustained_imbalance_ratio"),
+        ({"anchor_credit": 1.5}, "anchor_credit"),
+        ({"load_halflife_s": -1.0}, "load_halflife_s"),
+        ({"weights": {"cache_churn": -0.1}}, "cache_churn"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            RouterConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="anchor_credit"):
+        RoutingPolicy(GROUPS, anchor_credit=2.0)
+    with pytest.raises(ValueError, match="sustained_imbalance_ratio"):
+        RoutingPolicy(GROUPS, sustained_imbalance_ratio=0.5)
 
 
 def test_disaggregated_pair_and_prefill_on_decode_below_threshold() -> None:
@@ -197,7 +259,7 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
                 continue
             hit = full.get(name, 0)
             credit = hit + policy.anchor_credit * (shared.get(name, hit) - hit)
-            costs[name] = policy._load_cost[name] + policy.w_uncached * (len(prompt) - credit)
+            costs[name] = policy._load_cost[name] + policy.w_miss * (len(prompt) - credit)
         decision = policy.route(RouteRequest(f"r{step}", hashes, len(prompt)))
         assert costs[str(decision.prefill_worker)] <= min(costs.values()) + 1e-6
         assert decision.predicted_hit == workers[str(decision.prefill_worker)].actual_hit(prompt)
