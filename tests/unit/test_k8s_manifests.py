@@ -336,8 +336,7 @@ def test_k8s_dir_has_the_expected_kinds() -> None:
 @needs_crds
 @pytest.mark.parametrize(
     "where,doc",
-    [m for m in manifests() if m[1].get("kind") in RAY_KINDS],
-    ids=lambda v: v if isinstance(v, str) else "",
+    [pytest.param(w, d, id=w) for w, d in manifests() if d.get("kind") in RAY_KINDS],
 )
 def test_custom_resource_validates_against_its_crd(where: str, doc: dict[str, Any]) -> None:
     assert crd_errors(doc) == [], where
@@ -345,14 +344,13 @@ def test_custom_resource_validates_against_its_crd(where: str, doc: dict[str, An
 
 @pytest.mark.parametrize(
     "where,doc",
-    [m for m in manifests() if m[1].get("kind") not in RAY_KINDS],
-    ids=lambda v: v if isinstance(v, str) else "",
+    [pytest.param(w, d, id=w) for w, d in manifests() if d.get("kind") not in RAY_KINDS],
 )
 def test_core_kind_validates_with_kubernetes_validate(where: str, doc: dict[str, Any]) -> None:
     assert core_errors(doc) == [], where
 
 
-@pytest.mark.parametrize("where,spec", cluster_specs(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("where,spec", [pytest.param(w, s, id=w) for w, s in cluster_specs()])
 def test_embedded_pod_templates_validate_as_core_pod_templates(where: str, spec: dict[str, Any]) -> None:
     for group, template in pod_templates(spec):
         doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template}
