@@ -2,9 +2,10 @@
 
 - ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
   the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment).
-- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins;
-  ``Router``: the interface every policy offers, ``Router.from_config`` builds one from
-  ``RouterConfig``.
+- ``router``: ``Router``, the interface every policy offers; ``Router.from_config`` builds one
+  from ``RouterConfig``.
+- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
+- ``load``: time-averaged queue lengths for the sustained-imbalance guard.
 - ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
 - ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).
 - ``types``: requests, loads, decisions and the actions the caller executes.
@@ -12,7 +13,8 @@
 
 from engine.routing.baselines import LeastLoadedRouter, PrefixTreeRouter, RoundRobinRouter
 from engine.routing.index import HitRules, PrefixIndex, WorkerSnapshot, snapshot_coordinator
-from engine.routing.policy import POLICIES, Router, RoutingPolicy
+from engine.routing.policy import RoutingPolicy
+from engine.routing.router import POLICIES, Router
 from engine.routing.types import (
     Action,
     Decision,

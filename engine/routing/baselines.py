@@ -21,9 +21,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.kv_cache.spec import KVCacheGroup, alignment_tokens, hash_block_size
-from engine.routing.policy import Router
-from engine.routing.types import Action, Decision, Role, RouteRequest, WorkerId
 from engine.routing.index import WorkerSnapshot
+from engine.routing.router import Router
+from engine.routing.types import Action, Decision, Role, RouteRequest, WorkerId, WorkerLoad
 
 
 class RoundRobinRouter(Router):
@@ -96,15 +96,7 @@ class PrefixTreeRouter(Router):
         self._by_bit: dict[int, WorkerId] = {}
         self._next_slot = 0
 
-    def add_worker(
-        self,
-        worker: WorkerId,
-        role: Role = "both",
-        num_blocks: int | None = None,
-        snapshot: WorkerSnapshot | None = None,
-        now: float = 0.0,
-    ) -> list[Action]:
-        super().add_worker(worker, role, num_blocks, snapshot, now)
+    def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
         bit = 1 << self._next_slot
         self._next_slot += 1
         self._bit[worker] = bit
@@ -112,8 +104,7 @@ class PrefixTreeRouter(Router):
         self._lru[worker] = OrderedDict()
         return []
 
-    def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
-        super().remove_worker(worker, now)
+    def _removed(self, worker: WorkerId, load: WorkerLoad, now: float) -> list[Action]:
         bit = self._bit.pop(worker, 0)
         self._by_bit.pop(bit, None)
         for block_hash in self._lru.pop(worker, OrderedDict()):

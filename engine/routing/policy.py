@@ -43,7 +43,6 @@ min/filter passes over the workers' load costs (the time averages are O(1), see 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -54,13 +53,12 @@ from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.load import SmoothedQueues
 from engine.routing.pins import HotPrefixes, Pin, PinTable
+from engine.routing.router import Router
 from engine.routing.types import (
     Action,
     Decision,
-    NoWorkerError,
     PinInfo,
     RequestSnapshot,
-    Role,
     RouteRequest,
     WorkerId,
     WorkerLoad,
@@ -68,109 +66,6 @@ from engine.routing.types import (
 
 if TYPE_CHECKING:
     from configs.schema import RouterConfig
-
-POLICIES = ("kvfleet", "round_robin", "least_loaded", "prefix_tree")
-
-
-class Router:
-    """The interface every placement policy offers (kvfleet's and the baselines).
-
-    Membership, load stats and actions are common; policies that ignore KV events keep the no-op
-    ``apply_events``. Loads: the caller reports ``update_load``; between reports the router adds
-    its own assignments (``route`` counts the request's uncached tokens and one running request
-    on the chosen workers) so a burst does not all land on one worker.
-    """
-
-    name = "base"
-
-    def __init__(self, seed: int = 0):
-        self.rng = random.Random(seed)
-        self.roles: dict[WorkerId, Role] = {}
-        self.loads: dict[WorkerId, WorkerLoad] = {}
-        self.num_blocks: dict[WorkerId, int | None] = {}
-
-    # -- construction -------------------------------------------------------------------------------
-    @classmethod
-    def from_config(
-        cls,
-        cfg: RouterConfig,
-        groups: Sequence[KVCacheGroup],
-        tokenize: Callable[[str], list[int]] | None = None,
-        now: float = 0.0,
-    ) -> Router:
-        """The policy ``cfg.policy`` names, with ``cfg``'s weights, thresholds, pins and seed.
-
-        ``groups``: the workers' KV-cache groups (all workers of a cluster share them).
-        ``tokenize``: needed only for pins given as text.
-        """
-        if cfg.policy == "kvfleet":
-            return RoutingPolicy.from_config(cfg, groups, tokenize, now)
-        from engine.routing.baselines import BASELINES
-
-        return BASELINES[cfg.policy](groups, seed=cfg.seed)
-
-    # -- membership and loads -------------------------------------------------------------------------
-    @property
-    def workers(self) -> list[WorkerId]:
-        return list(self.roles)
-
-    def add_worker(
-        self,
-        worker: WorkerId,
-        role: Role = "both",
-        num_blocks: int | None = None,
-        snapshot: WorkerSnapshot | None = None,
-        now: float = 0.0,
-    ) -> list[Action]:
-        if worker in self.roles:
-            raise ValueError(f"worker {worker!r} is already registered")
-        if role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role: must be 'both', 'prefill' or 'decode' (got {role!r})")
-        self.roles[worker] = role
-        self.loads[worker] = WorkerLoad()
-        self.num_blocks[worker] = num_blocks
-        return []
-
-    def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
-        self.roles.pop(worker, None)
-        self.loads.pop(worker, None)
-        self.num_blocks.pop(worker, None)
-        return []
-
-    def update_load(self, worker: WorkerId, load: WorkerLoad) -> None:
-        if worker in self.loads:
-            self.loads[worker] = replace(load)  # the router adds its own assignments to its copy
-
-    # -- events ---------------------------------------------------------------------------------------
-    def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
-        return []
-
-    def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
-        return []
-
-    def tick(self, now: float) -> list[Action]:
-        return []
-
-    # -- placement ------------------------------------------------------------------------------------
-    def route(self, request: RouteRequest, now: float = 0.0) -> Decision:
-        raise NotImplementedError
-
-    def _record(self, decision: Decision) -> None:
-        """Count the assignment until the next load report."""
-        load = self.loads[decision.prefill_worker]
-        load.queued_tokens += decision.uncached_tokens
-        load.running_requests += 1
-        if decision.decode_worker != decision.prefill_worker:
-            self.loads[decision.decode_worker].running_requests += 1
-
-    def _candidates(self, role: Role) -> list[WorkerId]:
-        want = ("both", role)
-        return [w for w, r in self.roles.items() if r in want]
-
-    def _require(self, workers: list[WorkerId], role: str) -> None:
-        if not workers:
-            raise NoWorkerError(f"no {role} worker is registered with the router")
-
 
 class RoutingPolicy(Router):
     """kvfleet's policy. See the module docstring for the cost and the rules."""
@@ -241,15 +136,10 @@ class RoutingPolicy(Router):
         self._pending_snapshots: set[WorkerId] = set()
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: RouterConfig,
-        groups: Sequence[KVCacheGroup],
-        tokenize: Callable[[str], list[int]] | None = None,
-        now: float = 0.0,
-    ) -> Router:
-        if cfg.policy != "kvfleet":
-            return Router.from_config(cfg, groups, tokenize, now)
+    def build(
+        cls, cfg: RouterConfig, groups: Sequence[KVCacheGroup], tokenize: Callable[[str], list[int]] | None, now: float
+    ) -> RoutingPolicy:
+        """kvfleet's policy from ``cfg`` (``Router.from_config`` calls this for policy "kvfleet")."""
         weights = cfg.weights
         auto = cfg.auto_pin
         policy = cls(
@@ -282,17 +172,9 @@ class RoutingPolicy(Router):
         return policy
 
     # -- membership and loads -------------------------------------------------------------------------
-    def add_worker(
-        self,
-        worker: WorkerId,
-        role: Role = "both",
-        num_blocks: int | None = None,
-        snapshot: WorkerSnapshot | None = None,
-        now: float = 0.0,
-    ) -> list[Action]:
+    def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
         """Track a worker (from ``snapshot`` if it already has a cache) and place pins short of
         replicas on it if it is their best holder."""
-        super().add_worker(worker, role, num_blocks, snapshot, now)
         self.index.add_worker(worker, snapshot)
         self._load_cost[worker] = 0.0
         self._queued[worker] = 0.0
@@ -301,12 +183,9 @@ class RoutingPolicy(Router):
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
-    def remove_worker(self, worker: WorkerId, now: float = 0.0) -> list[Action]:
+    def _removed(self, worker: WorkerId, load: WorkerLoad, now: float) -> list[Action]:
         """Forget a worker that left (or died): its cache, its load, its pins; re-place those pins."""
-        if worker not in self.roles:
-            return []
-        self._queued_sum -= self.loads[worker].queued_tokens
-        super().remove_worker(worker, now)
+        self._queued_sum -= load.queued_tokens
         self.index.remove_worker(worker)
         self._load_cost.pop(worker, None)
         self._queued.pop(worker, None)
