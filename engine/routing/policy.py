@@ -491,7 +491,11 @@ class RoutingPolicy(Router):
             rest = min(map(load_cost.__getitem__, workers))
             if rest <= best_cost + 1e-9:
                 ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
-                allowed = [w for w in ties if ok(w)]
+                if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one random tie
+                    pick = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+                    allowed = [pick] if ok(pick) else [w for w in ties if ok(w)]
+                else:
+                    allowed = [w for w in ties if ok(w)]
                 if ties and not allowed:  # the least loaded are guarded (rare): every worker
                     guarded = True
                     allowed = [w for w in workers if w not in credit and ok(w)]
