@@ -55,7 +55,9 @@ Metrics (the first ``--warmup`` of the arrivals are left out: cold caches)
     they need; pinned / unpinned hit rate = cached share of the shared-prefix tokens of requests
     whose prefix is / is not pinned; then the same run with the worker holding most pins removed
     mid-run (its requests routed again): recovery = time until every pin it held is fully
-    replicated again.
+    replicated again. Lost hits (W=8 0.5x, every policy): each request's missing shared-prefix
+    tokens by cause, from lookups on every worker's coordinator at the decision (first use of the
+    prefix in the run, evicted from every worker, another worker had more, or no worker had it all).
 
 Output
     Progress on stderr (logging). Tables on stdout, then one JSON line:
@@ -280,6 +282,8 @@ class Record:
     decision_cpu_ns: int = 0  # CPU time of route() (excludes preemption by other processes)
     delayed: bool = False
     worker: str = ""
+    best_hit: int = -1  # --diagnose: the best hit any worker's coordinator had at the decision
+    best_shared: int = -1  # --diagnose: the deepest cached full-attention prefix on any worker
 
 
 @dataclass
@@ -324,6 +328,31 @@ class Result:
             return None
         return sum(r.predicted == (r.hit_at_route if at_route else r.hit) for r in rows) / len(rows)
 
+    def lost_hits(self, aligned: dict[int, int]) -> dict[str, float]:
+        """Where the shared-prefix tokens not hit went, as shares of all prompt tokens (needs
+        ``diagnose``): ``first_use`` (the prefix's first request in the run: no router can hit),
+        ``evicted`` (no worker held any of it), ``not_best`` (a worker had a longer hit),
+        ``partial`` (no worker had the whole prefix: windows or blocks at its end evicted)."""
+        seen: set[int] = set()
+        lost = dict.fromkeys(("first_use", "evicted", "not_best", "partial"), 0)
+        total = 0
+        for i, r in enumerate(self.records):
+            measured = i >= self.warmup and r.hit >= 0
+            miss = aligned[r.prefix] - r.hit
+            if measured:
+                total += r.num_tokens
+            if measured and miss > 0 and r.best_hit >= 0:
+                if r.prefix not in seen:
+                    lost["first_use"] += miss
+                elif r.best_hit == 0 and r.best_shared == 0:
+                    lost["evicted"] += miss
+                elif r.hit < r.best_hit:
+                    lost["not_best"] += miss
+                else:
+                    lost["partial"] += miss
+            seen.add(r.prefix)
+        return {k: round(v / max(1, total), 4) for k, v in lost.items()}
+
     def delayed(self) -> float:
         """Share of requests not admitted at once (no KV room or max_num_seqs reached)."""
         rows = self.measured()
@@ -356,7 +385,7 @@ class Simulation:
 
     def __init__(self, args: argparse.Namespace, trace: Trace, policy: str, pinned: list[int] | None = None,
                  remove_at: float | None = None, event_lag_s: float = 0.0, label: str = "",
-                 auto_pin_blocks: int = 0):  # fmt: skip
+                 auto_pin_blocks: int = 0, diagnose: bool = False):  # fmt: skip
         self.args = args
         self.trace = trace
         self.label = label or policy
@@ -367,6 +396,7 @@ class Simulation:
         self.workers = {f"w{i}": SimWorker(f"w{i}", self.num_blocks) for i in range(workers)}
         self.pinned = pinned or []
         self.auto_pin_blocks = auto_pin_blocks
+        self.diagnose = diagnose
         self.router = self._make_router(policy)
         for name in self.workers:
             self.router.add_worker(name, num_blocks=self.num_blocks)
@@ -480,6 +510,10 @@ class Simulation:
             if worker.alive:
                 router.update_load(name, worker.load(self.now, self.args.prefill_tps))
         request = RouteRequest(f"r{index}", hashes, len(tokens), tuple(tokens) if self.auto_pin_blocks else None)
+        if self.diagnose:  # pure lookups on every worker, outside the timed decision
+            found = [w.coord.find_longest_cache_hit(hashes, len(tokens) - 1) for w in self.workers.values() if w.alive]
+            self.records[index].best_hit = max(h.num_tokens for h in found)
+            self.records[index].best_shared = max(h.shared_prefix_tokens for h in found)
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         decision = router.route(request, self.now)
@@ -695,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
             LOG.info("%s", oracle[-1])
     for ratio in (0.5, 2.0):
         for policy in POLICY_NAMES:
-            results[(policy, 8, ratio)] = run(traces[(8, ratio)], policy)
+            results[(policy, 8, ratio)] = run(traces[(8, ratio)], policy, diagnose=ratio == 0.5)
     if args.lag_check_ms > 0:
         lag = args.lag_check_ms
         run(traces[(8, 0.5)], "kvfleet", event_lag_s=lag / 1000, label=f"kvfleet lag={lag:g}ms")
@@ -735,6 +769,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{control.prefix_hit_rate(ranks, False, aligned):.3f}; with a worker removed: pinned "
         f"{removal.prefix_hit_rate(ranks, True, aligned):.3f}, recovery {removal.recovery_s}"
     )
+    print("lost prefix hits at W=8 0.5x, as shares of prompt tokens (static oracle "
+          f"{traces[(8, 0.5)].oracle_hit_rate:.3f} = hit + these + warm-up/alignment differences):")  # fmt: skip
+    for policy in POLICY_NAMES:
+        print(f"  {policy:<13} hit {main8[policy].hit_rate():.3f} lost {main8[policy].lost_hits(aligned)}")
     print(
         f"automatic pinning at W=8 2x (same block budget, hottest prefixes): hit rate {auto.hit_rate():.3f} "
         f"vs {control.hit_rate():.3f} without pins"
