@@ -12,8 +12,8 @@ Placement of one request with N tokens (aggregated workers, role "both")::
     credit[w] = hit[w] + anchor_credit * (shared[w] - hit[w])
     cost[w]   = (w_uncached + w_churn) * (N - credit[w]) + w_queued * queued_tokens[w]
               + w_running * running_requests[w] + w_used * used_block_fraction[w]
-    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N, or when
-                its queue averaged over time (half-life load_halflife_s) exceeds
+    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N, or, if
+                w holds the prefix, when its queue averaged over time (half-life load_halflife_s) exceeds
                 sustained_imbalance_ratio * the mean average + N: a hot prefix stays on its holder
                 until the holder is overloaded for seconds, then spreads to a second worker
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
@@ -463,12 +463,12 @@ class RoutingPolicy(Router):
         could beat (or tie) the best cost are resolved exactly, so the result equals the fully
         resolved one."""
         load_cost = self._load_cost
-        ok = self._guard(num_tokens)
+        ok, ok_holder = self._guard(num_tokens)
         among = load_cost if len(workers) == len(load_cost) else set(workers)
         credit = self._credit(hits, shared)
         reason = "cost"
         if pin is not None:
-            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok(w)]
+            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok_holder(w)]
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"
@@ -480,7 +480,7 @@ class RoutingPolicy(Router):
         for worker, value in credit.items():
             if worker not in among:
                 continue
-            if not ok(worker):
+            if not ok_holder(worker):
                 guarded = True
                 continue
             if pending_mask and self.index.bit(worker) & pending_mask:
@@ -516,19 +516,27 @@ class RoutingPolicy(Router):
                 reason = "prefix"
         return choice, reason
 
-    def _guard(self, num_tokens: int) -> Callable[[WorkerId], bool]:
-        """The imbalance guard: a worker may take the request unless its queued tokens exceed
-        ``imbalance_ratio`` times the mean (plus this request), or its queue averaged over the
-        last seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio`` times
-        the mean average (plus this request): a hot prefix then spreads to a second worker."""
+    def _guard(self, num_tokens: int) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:
+        """The imbalance guard, as (any worker, a worker holding the request's prefix).
+
+        Any worker may take the request unless its queued tokens exceed ``imbalance_ratio`` times
+        the mean (plus this request). A prefix holder is also left out when its queue averaged
+        over the last seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio``
+        times the mean average (plus this request): the hot prefix then spreads to a second
+        worker. (Workers without the prefix compete on load cost alone, which already avoids
+        overloaded ones.)"""
         queued = self._queued
         limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
         smoothed = self._smoothed
+
+        def ok(worker: WorkerId) -> bool:
+            return queued[worker] <= limit
+
         if smoothed is None:
-            return lambda w: queued[w] <= limit
+            return ok, ok
         now = self._now
         slow = self.sustained_imbalance_ratio * smoothed.mean(now) + num_tokens
-        return lambda w: queued[w] <= limit and smoothed.get(w, now) <= slow
+        return ok, lambda w: queued[w] <= limit and smoothed.get(w, now) <= slow
 
     def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
         """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
