@@ -1,1 +1,16 @@
-"""kvfleet's user-facing layer: the driver API, the `kvfleet` CLI and the `ray job submit` entrypoint."""
+"""kvfleet's user-facing layer: the driver API, the `kvfleet` CLI and the `ray job submit` entrypoint.
+
+``from cluster import Cluster`` loads Ray and torch lazily (the CLI's ``config`` command needs neither).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Cluster", "ClusterCompletion"):
+        from cluster import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

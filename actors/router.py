@@ -1,0 +1,200 @@
+"""The router actor: engine.routing's placement policy behind a Ray actor.
+
+It owns the policy object (prefix index, loads, pins) and the worker handles, and it executes
+the actions the policy returns by calling the workers without waiting (``PinOn`` -> ``pin``,
+``Unpin`` -> ``unpin``, ``RequestSnapshot`` -> ``snapshot``); workers answer with their own
+calls (``pin_result``, ``apply_snapshot``). The router never blocks on a worker, so a worker may
+wait for the router (it does, before handing out a finished request) without a deadlock.
+
+A plain (non-async) actor with one thread: calls run one at a time in arrival order, and calls
+from one caller in the order that caller made them, so a worker's reports apply in sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from configs.schema import ClusterConfig
+from engine.kv_cache.events import KVEvent
+from engine.kv_cache.spec import KVCacheGroup
+from engine.routing import Action, Decision, PinOn, RequestSnapshot, RouteRequest, Unpin, WorkerLoad
+from engine.routing import Router as RoutingPolicy
+
+log = logging.getLogger(__name__)
+
+TICK_INTERVAL_S = 0.5
+
+
+@ray.remote
+class Router:
+    """Owns one routing policy and the handles of the workers registered with it.
+
+    Invariants: every worker registered with the policy has a handle here; time passed to the
+    policy is this process's monotonic clock; pins given in the config are created by the driver
+    (it has the tokenizer), so the policy starts without them.
+    """
+
+    def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup]):
+        from cluster.logs import setup_logging
+
+        setup_logging(config.logging)
+        router_config = config.router.model_copy(update={"pins": []})
+        self.policy = RoutingPolicy.from_config(router_config, list(groups), now=time.monotonic())
+        self.handles: dict[str, Any] = {}
+        self.reasons: Counter[str] = Counter()
+        self.routed = 0
+        self.disaggregated = 0
+        self.predicted_hit_tokens = 0
+        self.prompt_tokens = 0
+        self._last_tick = 0.0
+        self.metrics = _router_metrics()
+
+    def ready(self) -> str:
+        return self.policy.name
+
+    # -- membership --------------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, role: str, num_blocks: int, handle: Any) -> None:
+        self.handles[worker_id] = handle
+        self._execute(self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic()))  # type: ignore[arg-type]
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._execute(self.policy.remove_worker(worker_id, now=time.monotonic()))
+        self.handles.pop(worker_id, None)
+
+    # -- reports from workers ----------------------------------------------------------------------
+    def report(self, worker_id: str, events: list[KVEvent], load: WorkerLoad) -> None:
+        """A worker's new KV events and current load."""
+        now = time.monotonic()
+        if events:
+            self._execute(self.policy.apply_events(worker_id, events, now))
+        self.policy.update_load(worker_id, load)
+        self._maybe_tick(now)
+
+    def apply_snapshot(self, worker_id: str, snapshot: Any) -> None:
+        self._execute(self.policy.apply_snapshot(worker_id, snapshot, time.monotonic()))
+
+    def pin_result(self, worker_id: str, pin_id: int, pinned_tokens: int, seq: int | None = None) -> None:
+        pin_result = getattr(self.policy, "pin_result", None)
+        if pin_result is not None:
+            self._execute(pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
+
+    # -- placement ---------------------------------------------------------------------------------
+    def route(self, request_id: str, block_hashes: list[bytes], num_tokens: int,
+              token_ids: tuple[int, ...] | None = None) -> Decision:  # fmt: skip
+        """Where ``request_id`` runs: its prefill and decode workers and the predicted hit."""
+        now = time.monotonic()
+        self._maybe_tick(now)
+        decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens, token_ids), now)
+        self.routed += 1
+        self.reasons[decision.reason] += 1
+        split = decision.prefill_worker != decision.decode_worker
+        self.disaggregated += split
+        self.prompt_tokens += num_tokens
+        self.predicted_hit_tokens += decision.predicted_hit
+        if self.metrics is not None:
+            self.metrics.record_request_routed(num_tokens, min(decision.predicted_hit, num_tokens), disaggregated=split)
+        return decision
+
+    def finished(self, ttft_s: float, output_tokens: int, ok: bool = True) -> None:
+        """The driver reports a request's end (for the router's metrics)."""
+        if self.metrics is None:
+            return
+        if ok:
+            self.metrics.record_request_finished(max(0.0, ttft_s), max(0, output_tokens))
+        else:
+            self.metrics.record_request_failed()
+
+    # -- pins --------------------------------------------------------------------------------------
+    def pin(self, token_ids: list[int], replicas: int = 1, ttl_s: float | None = None) -> int:
+        """Pin a prefix on ``replicas`` workers (optionally for ``ttl_s``); returns the pin id."""
+        pin = getattr(self.policy, "pin", None)
+        if pin is None:
+            raise ValueError(f"router.policy: {self.policy.name!r} does not support pinned prefixes (use kvfleet)")
+        pin_id, actions = pin(token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic())
+        self._execute(actions)
+        self._update_pin_gauges()
+        return int(pin_id)
+
+    def unpin(self, pin_id: int) -> bool:
+        unpin = getattr(self.policy, "unpin", None)
+        if unpin is None:
+            return False
+        known = any(info.pin_id == pin_id for info in self.policy.pin_info())  # type: ignore[attr-defined]
+        self._execute(unpin(pin_id, now=time.monotonic()))
+        self._update_pin_gauges()
+        return known
+
+    def pins(self) -> list[dict[str, Any]]:
+        """Every cluster pin: id, length, replicas, active and pending holders, expiry."""
+        self._maybe_tick(time.monotonic())
+        pin_info = getattr(self.policy, "pin_info", None)
+        if pin_info is None:
+            return []
+        return [
+            {
+                "pin_id": info.pin_id,
+                "num_tokens": info.num_tokens,
+                "replicas": info.replicas,
+                "active": [str(w) for w in info.active],
+                "pending": [str(w) for w in info.pending],
+                "expires_at": info.expires_at,
+                "auto": info.auto,
+            }
+            for info in pin_info()
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "routed": self.routed,
+            "disaggregated": self.disaggregated,
+            "reasons": dict(self.reasons),
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "pins": self.pins(),
+            "loads": {str(w): vars(load) for w, load in self.policy.loads.items()},
+        }
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _maybe_tick(self, now: float) -> None:
+        if now - self._last_tick >= TICK_INTERVAL_S:
+            self._last_tick = now
+            self._execute(self.policy.tick(now))
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            handle = self.handles.get(str(action.worker))
+            if handle is None:
+                continue
+            if isinstance(action, PinOn):
+                handle.pin.remote(action)
+            elif isinstance(action, Unpin):
+                handle.unpin.remote(action.block_hashes, action.num_tokens)
+            elif isinstance(action, RequestSnapshot):
+                handle.snapshot.remote()
+        if actions:
+            self._update_pin_gauges()
+
+    def _update_pin_gauges(self) -> None:
+        pin_info = getattr(self.policy, "pin_info", None)
+        if self.metrics is None or pin_info is None:
+            return
+        infos = pin_info()
+        blocks = sum(info.blocks_per_replica * len(info.active) for info in infos)
+        self.metrics.set_pin_stats(len(infos), blocks)
+
+
+def _router_metrics() -> Any:
+    try:
+        from actors.metrics import RouterMetrics
+
+        return RouterMetrics()
+    except Exception as exc:  # metrics must never stop the router
+        log.warning("router: no metrics (%s)", exc)
+        return None

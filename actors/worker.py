@@ -1,0 +1,482 @@
+"""Prefill and decode worker actors: one EngineCore each, stepped by a background thread.
+
+The actor is an asyncio actor, so it keeps accepting calls (new requests, aborts, pins, stats)
+while the engine computes. Every engine access happens on the engine thread: actor methods
+enqueue a command and await its result. Tokens stream back per request through a Ray streaming
+generator (``generate``); a prefill-only request resolves to its ``KVHandle`` (``prefill``).
+
+After each step the thread reports the engine's KV events and load to the router actor. Before
+it hands out a finished request's last output it waits until the router has applied every
+report so far, so a request routed after another finished sees that request's cached blocks.
+
+No policy lives here: the router decides placement and pins; this only executes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import ray
+
+from configs.schema import ClusterConfig
+from engine.kv_cache.spec import KVCacheGroup
+from engine.routing import PinOn, WorkerLoad, snapshot_coordinator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestOutput
+
+log = logging.getLogger(__name__)
+
+WorkerRole = Literal["prefill", "decode"]
+REMOTE_DECODE = "remote_decode"
+IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
+TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this often
+LOAD_REPORT_INTERVAL_S = 0.05  # a changed load alone is reported at most this often
+ROUTER_SYNC_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the driver and the router need to know of a started worker (plain data)."""
+
+    worker_id: str
+    role: WorkerRole
+    router_role: Literal["prefill", "decode", "both"]
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    groups: tuple[KVCacheGroup, ...]
+    model_directory: str
+    node_ip: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens one request gained on a worker since the last chunk, and whether it finished."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = -1
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill-only request's outcome: the handle the decode worker pulls from (None if it was
+    aborted or failed) and the prefill worker's prefix hit at admission."""
+
+    kv_handle: Any
+    num_cached_tokens: int
+    finish_reason: str
+
+
+@dataclass
+class _Tracked:
+    """Per-request bookkeeping of the engine thread (for streams, prefills, pins, metrics)."""
+
+    loop: asyncio.AbstractEventLoop | None
+    sink: asyncio.Queue[TokenChunk] | asyncio.Future[PrefillResult] | None
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    pin: PinOn | None = None
+
+
+class EngineWorker:
+    """Owns one EngineCore and the thread that steps it; the body of both worker actors.
+
+    Invariants: only the engine thread touches ``self.engine``; every request in ``_tracked``
+    is in the engine (or just left it and is being answered); a request's stream receives
+    exactly one ``finished`` chunk.
+    """
+
+    role: WorkerRole = "decode"
+
+    def __init__(self, config: ClusterConfig, worker_id: str, disaggregated: bool):
+        from cluster.logs import setup_logging
+        from engine.core import EngineCore
+
+        setup_logging(config.logging)
+        self.config = config
+        self.worker_id = worker_id
+        resources = config.workers.prefill if self.role == "prefill" else config.workers.decode
+        kv_role = self.role if disaggregated else None
+        self.router_role: Literal["prefill", "decode", "both"] = self.role if disaggregated else "both"
+        self.engine = EngineCore(config, threads=resources.num_threads, name=worker_id, kv_role=kv_role)
+        self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]]
+        self._commands = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._router: Any = None
+        self._last_report: Any = None
+        self._last_load: WorkerLoad | None = None
+        self._last_report_at = 0.0
+        self._stopped = False
+        self._error: str | None = None
+        self._steps = 0
+        self.metrics = _worker_metrics(worker_id, self.role)
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        engine = self.engine
+        return WorkerInfo(
+            self.worker_id,
+            self.role,
+            self.router_role,
+            engine.info.num_blocks - 1,
+            engine.info.block_size,
+            engine.info.max_model_len,
+            engine.info.arch.vocab_size,
+            tuple(engine.coordinator.groups),
+            str(engine.model_directory),
+            _node_ip(),
+            os.getpid(),
+        )
+
+    async def set_router(self, router: Any) -> None:
+        """Start reporting KV events and load to ``router`` (a Router actor handle)."""
+        await self._call(self._set_router, router)
+
+    def _set_router(self, router: Any) -> None:
+        self._router = router
+        self._report(force=True)
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness of the engine thread; raises if the thread died."""
+        if not self._thread.is_alive() or self._error:
+            raise RuntimeError(f"{self.worker_id}: engine thread stopped ({self._error or 'exited'})")
+        return {"worker_id": self.worker_id, "steps": self._steps, "requests": len(self._tracked)}
+
+    async def shutdown(self) -> None:
+        """Abort everything, stop the engine thread and release the transfer registration."""
+        if self._stopped:
+            return
+        try:
+            await self._call(self._abort_all)
+        finally:
+            self._stopped = True
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+            self.engine.close()
+
+    # -- requests ----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, kv_handle: Any = None
+    ) -> AsyncIterator[TokenChunk]:
+        """Run a request to the end here (pulling its prompt's KV first when given a handle);
+        yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        await self._call(self._add, request_id, prompt_token_ids, sampling, _Tracked(loop, chunks, len(prompt_token_ids)), kv_handle)
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                while not chunks.empty() and not chunk.finished:  # coalesce what piled up
+                    more = chunks.get_nowait()
+                    chunk = TokenChunk(chunk.token_ids + more.token_ids, more.finished, more.finish_reason,
+                                       more.num_cached_tokens)  # fmt: skip
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:  # the consumer went away (cancelled, or the driver died)
+                self._submit(self._abort, request_id)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int]) -> PrefillResult:
+        """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[PrefillResult] = loop.create_future()
+        tracked = _Tracked(loop, done, len(prompt_token_ids))
+        await self._call(self._add, request_id, prompt_token_ids, SamplingParams(max_tokens=1), tracked, None, True)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self._submit(self._abort, request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request here and free its blocks; its stream ends with ``finish_reason="abort"``."""
+        return bool(await self._call(self._abort, request_id))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters plus this worker's identity and hit rate (plain data)."""
+        stats = await self._call(self.engine.stats)
+        stats.update(worker_id=self.worker_id, role=self.role, requests=len(self._tracked))
+        queried = stats["queried_tokens"]
+        stats["hit_rate"] = stats["hit_tokens"] / queried if queried else 0.0
+        stats["metrics"] = self.metrics.snapshot() if self.metrics is not None else {}
+        return stats
+
+    # -- router actions ----------------------------------------------------------------------------
+    def pin(self, action: PinOn) -> None:
+        """Make ``action``'s prefix resident (computing it if needed), pin it, tell the router."""
+        self._submit(self._pin_on, action)
+
+    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        self._submit(self._unpin, block_hashes, num_tokens)
+
+    def snapshot(self) -> None:
+        """Send the router a full snapshot of the prefix cache (it lost events)."""
+        self._submit(self._snapshot)
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if self._stopped or not self._thread.is_alive():
+            future.set_exception(RuntimeError(f"{self.worker_id}: worker is shut down"))
+        else:
+            self._commands.put((fn, args, future))
+        return future
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                if engine.has_compute_work:
+                    wait = 0.0
+                else:
+                    wait = TRANSFER_WAIT_S if engine.has_work else IDLE_WAIT_S
+                self._run_commands(wait)
+                if engine.has_work:
+                    outputs = engine.step()
+                    self._steps += 1
+                    if outputs:
+                        self._dispatch(outputs)
+                self._report()
+        except BaseException as exc:  # a broken engine: fail every request, stay inspectable
+            self._error = f"{type(exc).__name__}: {exc}"
+            log.exception("%s: engine loop failed", self.worker_id)
+            for request_id in list(self._tracked):
+                self._answer(request_id, TokenChunk([], True, "error"))
+            while True:  # fail commands queued behind the crash
+                try:
+                    _, _, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                future.set_exception(RuntimeError(f"{self.worker_id}: engine failed ({self._error})"))
+
+    def _run_commands(self, wait: float) -> None:
+        try:
+            command = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, args, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # errors go back to the caller, the loop goes on
+                    future.set_exception(exc)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        tracked: _Tracked,
+        kv_handle: Any = None,
+        prefill_only: bool = False,
+    ) -> None:
+        if request_id in self._tracked:
+            raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
+        self.engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only, kv_handle=kv_handle)
+        self._tracked[request_id] = tracked
+
+    def _abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        if request_id in self._tracked:
+            found = True
+            if self.metrics is not None:
+                self.metrics.record_request_aborted()
+            self._answer(request_id, TokenChunk([], True, "abort"))
+        return found
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            self._abort(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if any(out.finished for out in outputs):
+            self._report(force=True, wait=True)  # the router sees these blocks before the driver does
+        now = time.monotonic()
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if out.num_cached_tokens >= 0:
+                tracked.cached_tokens = out.num_cached_tokens
+            if out.new_token_ids:
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                tracked.output_tokens += len(out.new_token_ids)
+            if out.finish_reason == REMOTE_DECODE:
+                self._answer(out.request_id, PrefillResult(out.kv_handle, tracked.cached_tokens, REMOTE_DECODE))
+            elif out.finished:
+                self._finished(out, tracked, now)
+            elif tracked.sink is not None:
+                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens))
+
+    def _finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
+        if self.metrics is not None and out.finish_reason not in ("abort", "error"):
+            self.metrics.record_request_finished(
+                (tracked.first_token or now) - tracked.arrival,
+                tracked.prompt_tokens,
+                tracked.output_tokens,
+                cached_tokens=max(0, min(tracked.cached_tokens, tracked.prompt_tokens)),
+            )
+        if tracked.pin is not None:
+            del self._tracked[out.request_id]
+            self._finish_pin(tracked.pin)
+            return
+        self._answer(out.request_id, TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens))
+
+    def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:
+        """Deliver a request's final result and forget it."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None or tracked.sink is None:
+            return
+        if isinstance(tracked.sink, asyncio.Queue):
+            if isinstance(result, PrefillResult):
+                result = TokenChunk([], True, result.finish_reason)
+            self._put(tracked, result)
+            return
+        if isinstance(result, TokenChunk):  # a prefill that ended without a handle
+            result = PrefillResult(None, tracked.cached_tokens, result.finish_reason or "abort")
+        future = tracked.sink
+        assert tracked.loop is not None
+        tracked.loop.call_soon_threadsafe(_resolve, future, result)
+
+    @staticmethod
+    def _put(tracked: _Tracked, chunk: TokenChunk) -> None:
+        assert tracked.loop is not None and isinstance(tracked.sink, asyncio.Queue)
+        tracked.loop.call_soon_threadsafe(tracked.sink.put_nowait, chunk)
+
+    # -- reports to the router ---------------------------------------------------------------------
+    def _load(self) -> WorkerLoad:
+        scheduler = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
+        coordinator = self.engine.coordinator
+        total = max(1, self.engine.info.num_blocks - 1)
+        used = 1.0 - coordinator.num_free_blocks / total
+        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
+        return WorkerLoad(float(queued), running, min(1.0, max(0.0, used)))
+
+    def _report(self, force: bool = False, wait: bool = False) -> None:
+        router = self._router
+        if router is None:
+            return
+        events = self.engine.take_events()
+        load = self._load()
+        now = time.monotonic()
+        changed = load != self._last_load
+        if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
+            self._last_report = router.report.remote(self.worker_id, events, load)
+            self._last_load, self._last_report_at = load, now
+            if self.metrics is not None:
+                self._update_gauges()
+        if wait and self._last_report is not None:
+            try:
+                self._last_report.future().result(timeout=ROUTER_SYNC_TIMEOUT_S)
+            except Exception as exc:  # the router is gone or slow: serve on, it resyncs later
+                log.warning("%s: router report not acknowledged (%s)", self.worker_id, exc)
+
+    def _update_gauges(self) -> None:
+        assert self.metrics is not None
+        scheduler = self.engine.scheduler
+        pool = self.engine.coordinator.pool
+        queried = scheduler.queried_tokens
+        self.metrics.set_cache_stats(
+            pool.num_free_blocks, pool.num_pinned_free_blocks, scheduler.hit_tokens / queried if queried else 0.0
+        )
+        self.metrics.set_queue_stats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.waiting_for_kv))
+
+    # -- pins --------------------------------------------------------------------------------------
+    def _pin_on(self, action: PinOn) -> None:
+        coordinator = self.engine.coordinator
+        have = coordinator.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens
+        if have >= action.num_tokens or not action.token_ids:
+            self._finish_pin(action)
+            return
+        # Compute the prefix here (+1 token: a request's hit search stops before its last token),
+        # then pin it the moment the request finishes, before anything can evict it.
+        request_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
+        tokens = list(action.token_ids) + [0]
+        self.engine.add_request(request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        self._tracked[request_id] = _Tracked(None, None, len(tokens), pin=action)
+
+    def _finish_pin(self, action: PinOn) -> None:
+        coordinator = self.engine.coordinator
+        pinned = coordinator.pin_prefix(action.block_hashes, action.num_tokens)
+        self._report(force=True)  # the pin's events reach the router before its result
+        if self._router is not None:
+            self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, coordinator.event_seq)
+        log.info("%s: pinned %d/%d tokens of pin %d", self.worker_id, pinned, action.num_tokens, action.pin_id)
+
+    def _unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        self.engine.coordinator.unpin_prefix(block_hashes, num_tokens)
+        self._report(force=True)
+
+    def _snapshot(self) -> None:
+        self._report(force=True)
+        if self._router is not None:
+            self._router.apply_snapshot.remote(self.worker_id, snapshot_coordinator(self.engine.coordinator))
+
+
+def _resolve(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _worker_metrics(worker_id: str, role: WorkerRole) -> Any:
+    try:
+        from actors.metrics import WorkerMetrics
+    except ImportError:
+        return None
+    try:
+        return WorkerMetrics(worker_id, role)
+    except Exception as exc:  # metrics must never stop a worker
+        log.warning("%s: no metrics (%s)", worker_id, exc)
+        return None
+
+
+@ray.remote
+class PrefillWorker(EngineWorker):
+    """A prefill worker actor: runs prefill-only requests (P/D) and colocated short requests."""
+
+    role: WorkerRole = "prefill"
+
+
+@ray.remote
+class DecodeWorker(EngineWorker):
+    """A decode worker actor: pulls prefilled KV and decodes, or runs whole requests."""
+
+    role: WorkerRole = "decode"

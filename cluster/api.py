@@ -1,0 +1,514 @@
+"""The driver API: ``Cluster(config)`` starts (or attaches to) Ray, starts the workers and the
+router, and serves ``generate`` / ``stream`` / ``pin_prefix`` / ``unpin`` / ``stats`` / ``abort``.
+
+One request (see ARCHITECTURE.md): the driver tokenizes and hashes the prompt once, asks the
+router actor where it runs; when the router splits it, the prefill worker computes the prompt's
+KV and returns a handle, and the decode worker pulls that KV and decodes; otherwise the decode
+(or aggregated) worker runs it whole. Tokens stream back from the decode worker; the driver
+detokenizes and applies stop strings (aborting the request on the worker when one matches).
+
+    with Cluster("tiny") as cluster:
+        print(cluster.generate(["Hello"], SamplingParams(max_tokens=8))[0].text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from configs import ClusterConfig, load_config
+from engine.llm import Completion
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Prompt = str | Sequence[int]
+DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GGUF (minutes)
+
+
+@dataclass(frozen=True)
+class ClusterCompletion(Completion):
+    """A finished request with where it ran: the router's predicted prefix hit and the hit the
+    worker that prefilled it actually found (``cached_tokens``), and driver-side timings."""
+
+    request_id: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    route_reason: str = ""
+    predicted_hit: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_worker != self.decode_worker
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    submitted: float = field(default_factory=time.monotonic)
+    workers: list[Any] = field(default_factory=list)
+    aborted: bool = False
+
+
+class Cluster:
+    """Owns a set of prefill/decode worker actors and a router actor on a Ray cluster (embedded
+    or attached), the driver-side tokenizer, and the requests in flight.
+
+    Invariants: between ``start`` and ``shutdown`` every worker is registered with the router
+    and reports to it; a request is in ``_active`` from submission until its last token; an
+    embedded Ray started here is shut down here (an attached one is left running).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig | str = "local",
+        overrides: Sequence[str] = (),
+        *,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    ):
+        self.config = load_config(config, overrides) if isinstance(config, str) else config
+        self.start_timeout_s = start_timeout_s
+        self.workers: dict[str, Any] = {}
+        self.infos: dict[str, Any] = {}
+        self.router: Any = None
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self._hash_block_size = 1
+        self._owns_ray = False
+        self._active: dict[str, _Request] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> Cluster:
+        """Connect to Ray (or start it), start the workers and the router; wait until ready."""
+        if self._started:
+            return self
+        import ray
+
+        from actors.router import Router
+        from actors.worker import DecodeWorker, PrefillWorker
+        from cluster.placement import (
+            ROUTER_NUM_CPUS,
+            check_capacity,
+            embedded_init_kwargs,
+            loopback_environment,
+            worker_options,
+        )
+        from engine.core import resolve_model_directory
+        from engine.kv_cache.spec import hash_block_size
+        from engine.tokenizer import load_tokenizer
+
+        config = self.config
+        loopback_environment()
+        if not ray.is_initialized():
+            if config.ray.address:
+                ray.init(address=config.ray.address, namespace=config.ray.namespace)
+            else:
+                ray.init(**embedded_init_kwargs(config))
+                self._owns_ray = True
+        try:
+            resources = ray.cluster_resources()
+            check_capacity(config, resources)
+            model_directory = resolve_model_directory(config)  # built/converted once, here
+            disaggregated = config.workers.num_prefill > 0
+            for i in range(config.workers.num_prefill):
+                options = worker_options(config, "prefill", resources)
+                self.workers[f"prefill-{i}"] = PrefillWorker.options(**options).remote(config, f"prefill-{i}", True)
+            for i in range(config.workers.num_decode):
+                options = worker_options(config, "decode", resources)
+                self.workers[f"decode-{i}"] = DecodeWorker.options(**options).remote(
+                    config, f"decode-{i}", disaggregated
+                )
+            infos = self._wait_ready({wid: w.info.remote() for wid, w in self.workers.items()})
+            self.infos = infos
+            first = next(iter(infos.values()))
+            for info in infos.values():
+                if info.groups != first.groups or info.block_size != first.block_size:
+                    raise RuntimeError(f"{info.worker_id}: KV layout differs from {first.worker_id}'s")
+            self.max_model_len = min(info.max_model_len for info in infos.values())
+            self.vocab_size = first.vocab_size
+            self._hash_block_size = hash_block_size(list(first.groups))
+            self.tokenizer = load_tokenizer(Path(model_directory), first.vocab_size)
+            self.router = Router.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=0).remote(config, first.groups)
+            ray.get(self.router.ready.remote(), timeout=120)
+            ray.get([
+                self.router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
+                for wid, info in infos.items()
+            ])  # fmt: skip
+            ray.get([w.set_router.remote(self.router) for w in self.workers.values()], timeout=120)
+            self._start_loop()
+            self._started = True
+            for pin in config.router.pins:
+                self.pin_prefix(pin.text if pin.text is not None else list(pin.token_ids or []), pin.replicas,
+                                pin.ttl_s, wait=False)  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info(
+            "cluster ready: %d prefill + %d decode workers, router policy %s, %s",
+            config.workers.num_prefill, config.workers.num_decode, config.router.policy, config.model.source,
+        )  # fmt: skip
+        return self
+
+    def _wait_ready(self, refs: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        pending = list(refs.values())
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.start_timeout_s)
+        if pending:
+            waiting = [wid for wid, ref in refs.items() if ref in pending]
+            raise TimeoutError(
+                f"workers {waiting} not ready after {self.start_timeout_s:.0f} s (not enough Ray resources, "
+                f"or the model is still loading); available: {ray.available_resources()}"
+            )
+        return {wid: ray.get(ref) for wid, ref in refs.items()}
+
+    def shutdown(self) -> None:
+        """Stop the workers and the router (and the embedded Ray, if started here). Idempotent."""
+        import ray
+
+        if ray.is_initialized():
+            if self.workers:
+                refs = [w.shutdown.remote() for w in self.workers.values()]
+                try:
+                    ray.wait(refs, num_returns=len(refs), timeout=30)
+                except Exception as exc:  # dead actors: nothing to stop
+                    log.debug("worker shutdown: %s", exc)
+            for handle in [*self.workers.values(), self.router]:
+                if handle is not None:
+                    try:
+                        ray.kill(handle)
+                    except Exception as exc:
+                        log.debug("kill: %s", exc)
+        self.workers.clear()
+        self.router = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(10)
+            self._loop.close()
+            self._loop = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+        self._started = False
+
+    def _start_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="kvfleet-driver", daemon=True)
+        thread.start()
+        self._loop, self._loop_thread = loop, thread
+
+    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # -- requests ----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        on_completion: Callable[[ClusterCompletion], None] | None = None,
+    ) -> list[ClusterCompletion]:
+        """Run every prompt (text, or a list of token ids) to completion; results in input order.
+
+        Every prompt is checked before any runs: an empty prompt, one of max_model_len tokens or
+        more, a token id outside the vocabulary or bad sampling values raise ValueError naming
+        the field and the value. ``on_completion`` is called as each request finishes.
+        """
+        sampling = self._sampling(sampling)
+        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)  # type: ignore[list-item]
+        if request_ids is not None and len(request_ids) != len(batch):
+            raise ValueError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
+        requests = [
+            self._prepare(prompt, sampling, request_ids[i] if request_ids else None) for i, prompt in enumerate(batch)
+        ]
+
+        async def run_all() -> list[ClusterCompletion]:
+            async def one(request: _Request) -> ClusterCompletion:
+                result = await self._collect(request)
+                if on_completion is not None:
+                    on_completion(result)
+                return result
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+        return self._sync(run_all())
+
+    async def stream(
+        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[str]:
+        """Text deltas of one request as its tokens arrive (an async iterator)."""
+        request = self._prepare(prompt, self._sampling(sampling), request_id)
+        queue: asyncio.Queue[str | None | BaseException] = asyncio.Queue()
+        caller = asyncio.get_running_loop()
+
+        async def produce() -> None:
+            try:
+                await self._collect(request, lambda delta: caller.call_soon_threadsafe(queue.put_nowait, delta))
+                caller.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:  # handed to the consumer
+                caller.call_soon_threadsafe(queue.put_nowait, exc)
+
+        if self._loop is None:
+            raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
+        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
+        finally:
+            if not future.done():
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in flight and free its blocks everywhere; False if it is unknown."""
+        import ray
+
+        request = self._active.get(request_id)
+        if request is None:
+            return False
+        request.aborted = True
+        refs = [w.abort.remote(request_id) for w in request.workers]
+        if refs:
+            ray.get(refs, timeout=60)
+        return True
+
+    # -- pins and stats ----------------------------------------------------------------------------
+    def pin_prefix(
+        self,
+        prefix: str | Sequence[int],
+        replicas: int = 1,
+        ttl: float | None = None,
+        *,
+        wait: bool = True,
+        timeout_s: float = 120.0,
+    ) -> int:
+        """Keep ``prefix`` (text or token ids) resident on ``replicas`` workers, for ``ttl``
+        seconds or until ``unpin``; returns the pin id. ``wait``: until every replica holds it."""
+        import ray
+
+        self._require_started()
+        if isinstance(prefix, str):
+            if not prefix:
+                raise ValueError("prefix: must not be empty (got '')")
+            token_ids = list(self.tokenizer.encode(prefix))
+        else:
+            token_ids = self._check_ids("prefix", prefix)
+        if not token_ids:
+            raise ValueError(f"prefix: encodes to no tokens (got {prefix!r})")
+        if replicas < 1:
+            raise ValueError(f"replicas: must be >= 1 (got {replicas})")
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
+        pin_id = ray.get(self.router.pin.remote(token_ids, replicas, ttl))
+        if wait:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                pins = {p["pin_id"]: p for p in ray.get(self.router.pins.remote())}
+                pin = pins.get(pin_id)
+                if pin is None or len(pin["active"]) >= pin["replicas"]:
+                    break
+                time.sleep(0.05)
+            else:
+                log.warning("pin %d: not on %d replicas after %.0f s", pin_id, replicas, timeout_s)
+        return pin_id
+
+    def unpin(self, pin_id: int) -> bool:
+        """Remove a pin everywhere; False if no such pin."""
+        import ray
+
+        self._require_started()
+        return bool(ray.get(self.router.unpin.remote(pin_id)))
+
+    def pins(self) -> list[dict[str, Any]]:
+        import ray
+
+        self._require_started()
+        return list(ray.get(self.router.pins.remote()))
+
+    def stats(self) -> dict[str, Any]:
+        """Per worker: running, queued, free / total / pinned blocks, hit rate; totals; router."""
+        import ray
+
+        self._require_started()
+        raw = ray.get([w.stats.remote() for w in self.workers.values()])
+        workers = {}
+        for stats in raw:
+            workers[stats["worker_id"]] = {
+                "role": stats["role"],
+                "running": stats["running"],
+                "queued": stats["waiting"] + stats["waiting_for_kv"],
+                "held_for_transfer": stats["held_for_transfer"],
+                "free_blocks": stats["free_blocks"],
+                "num_blocks": stats["num_blocks"],
+                "pinned_blocks": stats["pinned_blocks"],
+                "hit_rate": stats["hit_rate"],
+                "hit_tokens": stats["hit_tokens"],
+                "queried_tokens": stats["queried_tokens"],
+                "num_preemptions": stats["num_preemptions"],
+                "transfer": stats["transfer"],
+            }
+        keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
+                "hit_tokens", "queried_tokens")  # fmt: skip
+        totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
+        totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
+        return {"workers": workers, "totals": totals, "router": ray.get(self.router.stats.remote())}
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
+
+    @staticmethod
+    def _sampling(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        if isinstance(sampling, dict):
+            return SamplingParams(**sampling)  # raises "max_tokens: must be >= 1 (got 0)" etc.
+        raise TypeError(f"sampling: expected SamplingParams or a dict (got {type(sampling).__name__})")
+
+    def _check_ids(self, name: str, ids: Sequence[int]) -> list[int]:
+        token_ids = list(ids)
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+    def _prepare(self, prompt: Prompt, sampling: SamplingParams, request_id: str | None) -> _Request:
+        self._require_started()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty (got '')")
+            token_ids = list(self.tokenizer.encode(prompt))
+            text = prompt
+        else:
+            token_ids = self._check_ids("prompt", prompt)
+            text = self.tokenizer.decode(token_ids) if token_ids else ""
+        if not token_ids:
+            raise ValueError(f"prompt: must not be empty (got {prompt!r})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len} (got a prompt of {len(token_ids)} tokens)"
+            )
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if request_id in self._active:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        return _Request(request_id, text, token_ids, sampling)
+
+    async def _collect(self, request: _Request, on_delta: Callable[[str], None] | None = None) -> ClusterCompletion:
+        """Route, (prefill,) decode and detokenize one request; always leaves ``_active``."""
+        from engine.kv_cache.hashing import block_hashes
+        from engine.tokenizer import IncrementalDetokenizer
+
+        rid = request.request_id
+        self._active[rid] = request
+        ok, ttft_s, num_out = False, 0.0, 0
+        try:
+            ids = request.token_ids
+            auto_pin = self.config.router.auto_pin.enabled
+            hashes = block_hashes(ids, self._hash_block_size)
+            decision = await self.router.route.remote(rid, hashes, len(ids), tuple(ids) if auto_pin else None)
+            prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
+            decoder = self.workers[decode_id]
+            kv_handle = None
+            cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
+            if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
+                prefill_id = decode_id
+            if prefill_id != decode_id and not request.aborted:
+                prefiller = self.workers[prefill_id]
+                request.workers = [prefiller]
+                result = await prefiller.prefill.remote(rid, ids)
+                cached = result.num_cached_tokens
+                kv_handle = result.kv_handle
+                if kv_handle is None:
+                    request.aborted = request.aborted or result.finish_reason == "abort"
+                    if not request.aborted:
+                        raise RuntimeError(f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}")
+            detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
+                                           request.sampling.include_stop_str_in_output)  # fmt: skip
+            reason = "abort"
+            first_token: float | None = None
+            if not request.aborted:
+                request.workers = [decoder]
+                stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, kv_handle)
+                stopped = False
+                async for ref in stream:
+                    chunk = await ref
+                    if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
+                        cached = chunk.num_cached_tokens
+                    if chunk.token_ids and not stopped:
+                        first_token = first_token or time.monotonic()
+                        delta = detok.add(chunk.token_ids)
+                        if delta and on_delta is not None:
+                            on_delta(delta)
+                        if detok.stopped and not chunk.finished:
+                            stopped = True
+                            await decoder.abort.remote(rid)
+                    if chunk.finished:
+                        reason = "stop" if stopped else (chunk.finish_reason or "stop")
+                        break
+            now = time.monotonic()
+            if reason == "error":
+                raise RuntimeError(f"{decode_id}: request {rid} failed on the worker")
+            ok, ttft_s, num_out = True, (first_token or now) - request.submitted, len(detok.token_ids)
+            return ClusterCompletion(
+                request.prompt,
+                detok.text,
+                list(detok.token_ids),
+                reason,
+                request_id=rid,
+                prompt_token_ids=tuple(ids),
+                prefill_worker=prefill_id,
+                decode_worker=decode_id,
+                route_reason=decision.reason,
+                predicted_hit=decision.predicted_hit,
+                cached_tokens=max(cached, 0),
+                ttft_s=ttft_s,
+                latency_s=now - request.submitted,
+            )
+        finally:
+            self._active.pop(rid, None)
+            if self.router is not None:
+                self.router.finished.remote(ttft_s, num_out, ok)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) for t in value)
