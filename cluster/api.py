@@ -234,23 +234,30 @@ class Cluster:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling: SamplingParams | dict[str, Any] | None = None,
+        sampling: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
         *,
         request_ids: Sequence[str] | None = None,
         on_completion: Callable[[ClusterCompletion], None] | None = None,
     ) -> list[ClusterCompletion]:
         """Run every prompt (text, or a list of token ids) to completion; results in input order.
 
-        Every prompt is checked before any runs: an empty prompt, one of max_model_len tokens or
-        more, a token id outside the vocabulary or bad sampling values raise ValueError naming
-        the field and the value. ``on_completion`` is called as each request finishes.
+        ``sampling``: one for all prompts, or one per prompt. Every prompt is checked before any
+        runs: an empty prompt, one of max_model_len tokens or more, a token id outside the
+        vocabulary or bad sampling values raise ValueError naming the field and the value.
+        ``on_completion`` is called (on the driver's event-loop thread) as each request finishes.
         """
-        sampling = self._sampling(sampling)
         batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)  # type: ignore[list-item]
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(batch):
+                raise ValueError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")
+            samplings = [self._sampling(s) for s in sampling]
+        else:
+            samplings = [self._sampling(sampling)] * len(batch)  # type: ignore[arg-type]
         if request_ids is not None and len(request_ids) != len(batch):
             raise ValueError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
         requests = [
-            self._prepare(prompt, sampling, request_ids[i] if request_ids else None) for i, prompt in enumerate(batch)
+            self._prepare(prompt, samplings[i], request_ids[i] if request_ids else None)
+            for i, prompt in enumerate(batch)
         ]
 
         async def run_all() -> list[ClusterCompletion]:
@@ -264,36 +271,36 @@ class Cluster:
 
         return self._sync(run_all())
 
+    async def agenerate(
+        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+    ) -> ClusterCompletion:
+        """One request, awaited in the caller's event loop (the same checks as ``generate``)."""
+        return await self._collect(self._prepare(prompt, self._sampling(sampling), request_id))
+
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
     ) -> AsyncIterator[str]:
-        """Text deltas of one request as its tokens arrive (an async iterator)."""
+        """Text deltas of one request as its tokens arrive (an async iterator in the caller's
+        loop). Leaving the iteration early aborts the request."""
         request = self._prepare(prompt, self._sampling(sampling), request_id)
-        queue: asyncio.Queue[str | None | BaseException] = asyncio.Queue()
-        caller = asyncio.get_running_loop()
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()
 
-        async def produce() -> None:
+        async def produce() -> ClusterCompletion:
             try:
-                await self._collect(request, lambda delta: caller.call_soon_threadsafe(queue.put_nowait, delta))
-                caller.call_soon_threadsafe(queue.put_nowait, None)
-            except BaseException as exc:  # handed to the consumer
-                caller.call_soon_threadsafe(queue.put_nowait, exc)
+                return await self._collect(request, deltas.put_nowait)
+            finally:
+                deltas.put_nowait(None)
 
-        if self._loop is None:
-            raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
-        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        task = asyncio.ensure_future(produce())
         try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                if item:
-                    yield item
+            while (delta := await deltas.get()) is not None:
+                yield delta
+            task.result()  # raise what the request raised
         finally:
-            if not future.done():
-                self.abort(request.request_id)
+            if not task.done():
+                request.aborted = True
+                await asyncio.gather(*(w.abort.remote(request.request_id) for w in request.workers))
+                await asyncio.gather(task, return_exceptions=True)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in flight and free its blocks everywhere; False if it is unknown."""

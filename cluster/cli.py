@@ -1,7 +1,8 @@
-"""The `kvfleet` command line: `config` and `generate`, each with `--config` and `--set a.b=c`.
+"""The `kvfleet` command line: `config`, `generate` and `bench`, each with `--config` and `--set a.b=c`.
 
 A bad config or override prints one message naming the field and value and exits with code 2,
-without a traceback.
+without a traceback; so does a bad prompt (empty, too long, bad sampling value). A failure of
+the cluster itself exits with code 1.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from cluster.logs import setup_logging
 from configs import ClusterConfig, ConfigError, available_presets, config_to_yaml, load_config
 
+EXIT_FAILURE = 1
 EXIT_BAD_CONFIG = 2
+EXIT_BAD_INPUT = 2
 log = logging.getLogger("kvfleet.cli")
 
 
@@ -29,13 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     config_cmd = commands.add_parser("config", help="print the resolved configuration as YAML")
     _add_config_options(config_cmd)
 
-    generate = commands.add_parser("generate", help="generate completions for prompts on the cluster")
+    generate = commands.add_parser("generate", help="generate completions for prompts on the cluster (JSONL out)")
     _add_config_options(generate)
     generate.add_argument("prompts", nargs="*", help="prompts to complete")
-    generate.add_argument("--input", help="JSONL file with one {\"prompt\": ...} object per line")
+    generate.add_argument(
+        "--input", help="JSONL file, one {\"prompt\": text or token ids, \"id\"?, \"max_tokens\"?, ...} per line"
+    )
     generate.add_argument("--output", help="write JSONL results here instead of stdout")
-    generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    _add_sampling_options(generate)
+    generate.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    bench = commands.add_parser(
+        "bench", help="shared-prefix workload: prefix-aware routing vs round robin (JSON result, last line)"
+    )
+    _add_config_options(bench)
+    add_bench_options(bench)
     return parser
 
 
@@ -55,8 +67,41 @@ def _add_config_options(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_sampling_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    cmd.add_argument("--top-p", type=float, default=1.0)
+    cmd.add_argument("--top-k", type=int, default=0)
+    cmd.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cmd.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def add_bench_options(cmd: argparse.ArgumentParser) -> None:
+    """Workload options shared by `kvfleet bench` and benchmarks/cluster_bench.py."""
+    from cluster.bench import Workload
+
+    d = Workload()
+    cmd.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
+    cmd.add_argument("--requests-per-prefix", type=int, default=d.requests_per_prefix)
+    cmd.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
+    cmd.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens)
+    cmd.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    cmd.add_argument("--concurrency", type=int, default=d.concurrency)
+    cmd.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
+                     help="each worker's pool as a share of the whole prefix set (unless kv_cache.num_blocks is set)")
+    cmd.add_argument("--seed", type=int, default=d.seed)
+    cmd.add_argument("--policies", default="kvfleet,round_robin", help="comma-separated router policies")
+
+
+BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and not any(o.startswith(("workers.num_prefill", "workers.num_decode"))
+                                           for o in args.overrides):  # fmt: skip
+        args.overrides = [*BENCH_WORKERS, *args.overrides]  # the benchmark's 2 prefill + 2 decode workers
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -66,21 +111,128 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(config_to_yaml(config))
         return 0
+    if args.command == "bench":
+        return _bench(config, args)
     return _generate(config, args)
 
 
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
 def _generate(config: ClusterConfig, args: argparse.Namespace) -> int:
-    prompts = list(args.prompts)
-    if args.input:
-        with open(args.input) as f:
-            prompts += [json.loads(line)["prompt"] for line in f if line.strip()]
-    if not prompts:
+    from cluster.jsonl import PromptItem, read_prompts
+
+    try:
+        defaults = sampling_from_args(args)
+        items = [PromptItem(p, defaults) for p in args.prompts]
+        if args.input:
+            items += read_prompts(args.input, defaults)
+    except (ValueError, OSError) as exc:
+        print(f"kvfleet: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not items:
         print("kvfleet: generate needs at least one prompt (arguments or --input)", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    # The cluster (prefill/decode actors, router) lands with the cluster issue; until then this
-    # command resolves and prints the configuration it will run with.
-    log.warning("the serving cluster is not built yet; printing the resolved configuration instead")
-    sys.stdout.write(config_to_yaml(config))
+        return EXIT_BAD_INPUT
+    return run_items(config, items, args.output, progress=not args.no_progress)
+
+
+def run_items(config: ClusterConfig, items: list[Any], output: str | None, *, progress: bool = True) -> int:
+    """Start a cluster, run ``items`` (PromptItem), write JSONL; the exit code."""
+    from cluster.api import Cluster
+    from cluster.jsonl import write_results
+
+    try:
+        with Cluster(config) as cluster:
+            bar = _progress_bar(len(items)) if progress else None
+            try:
+                completions = cluster.generate(
+                    [item.prompt for item in items],
+                    [item.sampling for item in items],
+                    request_ids=_request_ids(items),
+                    on_completion=(lambda _: bar.update(1)) if bar is not None else None,
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+    except ValueError as exc:  # a bad prompt or sampling value: named field and value
+        print(f"kvfleet: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        log.exception("generation failed")
+        print(f"kvfleet: generation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    ids = [item.id for item in items]
+    if output:
+        with open(output, "w") as out:
+            write_results(out, ids, completions)
+    else:
+        write_results(sys.stdout, ids, completions)
+    return 0
+
+
+def _request_ids(items: list[Any]) -> list[str] | None:
+    ids = [item.id for item in items]
+    if any(i is None for i in ids) or len(set(ids)) != len(ids):
+        return None  # ids are echoed in the output; requests get unique internal ids
+    return ids
+
+
+class _LogProgress:
+    """Fallback progress: a log line per finished request (when tqdm is not installed)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        log.info("finished %d/%d", self.done, self.total)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _LogProgress(total)
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr, leave=False)
+
+
+def _bench(config: ClusterConfig, args: argparse.Namespace) -> int:
+    from cluster.bench import Workload, run_bench
+
+    workload = Workload(
+        num_prefixes=args.num_prefixes,
+        requests_per_prefix=args.requests_per_prefix,
+        prefix_tokens=args.prefix_tokens,
+        suffix_tokens=args.suffix_tokens,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        cache_fraction=args.cache_fraction,
+        seed=args.seed,
+    )
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    try:
+        result = run_bench(config, workload, policies)
+    except Exception as exc:
+        log.exception("bench failed")
+        print(f"kvfleet: bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    for name, run in result["runs"].items():
+        print(json.dumps({"policy": name, **run}))
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
     return 0
 
 

@@ -1,0 +1,163 @@
+"""Shared-prefix workload against the cluster: kvfleet's prefix-aware routing vs round robin.
+
+``num_prefixes`` documents of ``prefix_tokens`` tokens, each asked ``requests_per_prefix``
+questions of ``suffix_tokens`` tokens, in a shuffled order, ``concurrency`` requests in flight.
+Each policy runs on a fresh cluster of the same config (same workers, same cache sizes) so
+neither inherits the other's cache. Unless the config sets ``kv_cache.num_blocks`` explicitly,
+each worker's pool holds about ``cache_fraction`` of the whole prefix set: a router that keeps a
+prefix on one worker fits, one that spreads every prefix over every worker evicts.
+
+Reported per policy: TTFT p50/p90 (driver side), output tokens/s, token hit rate (prompt tokens
+found cached on the worker that prefilled, over prompt tokens). ``summary`` gives the ratios
+the acceptance check reads: ``p90_ttft_ratio_vs_round_robin`` and ``hit_rate_ratio_vs_round_robin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from configs import ClusterConfig
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("kvfleet", "round_robin")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The shared-prefix request mix (token-id prompts, so lengths are exact)."""
+
+    num_prefixes: int = 8
+    requests_per_prefix: int = 6
+    prefix_tokens: int = 256
+    suffix_tokens: int = 16
+    max_tokens: int = 8
+    concurrency: int = 4
+    cache_fraction: float = 0.7
+    warmup: int = 2
+    seed: int = 0
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        low, high = min(3, vocab_size - 1), vocab_size - 1
+        prefixes = [[rng.randint(low, high) for _ in range(self.prefix_tokens)] for _ in range(self.num_prefixes)]
+        prompts = [
+            prefix + [rng.randint(low, high) for _ in range(self.suffix_tokens)]
+            for prefix in prefixes
+            for _ in range(self.requests_per_prefix)
+        ]
+        rng.shuffle(prompts)
+        return prompts
+
+    def warmup_prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed + 1)
+        return [[rng.randint(3, vocab_size - 1) for _ in range(self.suffix_tokens + 4)] for _ in range(self.warmup)]
+
+
+def sized_config(config: ClusterConfig, workload: Workload, num_groups: int, block_size: int) -> ClusterConfig:
+    """``config`` with every worker's pool sized to ``cache_fraction`` of the prefix set (plus
+    room for the requests in flight), unless the config fixes ``kv_cache.num_blocks`` itself."""
+    if config.kv_cache.num_blocks is not None:
+        return config
+    per_prompt = num_groups * -(-(workload.prefix_tokens + workload.suffix_tokens + workload.max_tokens) // block_size)
+    prefix_set = workload.num_prefixes * num_groups * -(-workload.prefix_tokens // block_size)
+    num_blocks = int(workload.cache_fraction * prefix_set) + (workload.concurrency + 2) * per_prompt + 1
+    pinning = config.kv_cache.pinning
+    if pinning.budget_blocks is not None and pinning.budget_blocks > num_blocks:
+        pinning = pinning.model_copy(update={"budget_blocks": num_blocks})
+    kv = config.kv_cache.model_copy(update={"num_blocks": num_blocks, "memory_budget_mib": None, "pinning": pinning})
+    return config.model_copy(update={"kv_cache": kv})
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def run_policy(config: ClusterConfig, policy: str, workload: Workload, *, probe: Any = None) -> dict[str, Any]:
+    """One policy on a fresh cluster: the workload's latency, throughput and hit numbers."""
+    from cluster.api import Cluster
+
+    router = config.router.model_copy(update={"policy": policy, "pins": [], "auto_pin": config.router.auto_pin})
+    cfg = config.model_copy(update={"router": router})
+    sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
+    with Cluster(cfg) as cluster:
+        vocab = cluster.vocab_size
+        cluster.generate(workload.warmup_prompts(vocab), sampling)  # first-step costs out of the numbers
+        prompts = workload.prompts(vocab)
+
+        async def drive() -> list[Any]:
+            gate = asyncio.Semaphore(workload.concurrency)
+
+            async def one(prompt: list[int]) -> Any:
+                async with gate:
+                    return await cluster.agenerate(prompt, sampling)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        start = time.monotonic()
+        results = asyncio.run(drive())
+        elapsed = time.monotonic() - start
+        stats = cluster.stats()
+    ttfts = [r.ttft_s for r in results]
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
+    output_tokens = sum(len(r.token_ids) for r in results)
+    cached = sum(min(r.cached_tokens, len(r.prompt_token_ids)) for r in results)
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "seconds": round(elapsed, 3),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+        "ttft_p90_s": round(percentile(ttfts, 0.9), 4),
+        "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else 0.0,
+        "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "disaggregated": sum(r.disaggregated for r in results),
+        "num_blocks_per_worker": cfg.kv_cache.num_blocks,
+        "worker_hit_rates": {w: round(s["hit_rate"], 4) for w, s in stats["workers"].items()},
+    }
+
+
+def run_bench(config: ClusterConfig, workload: Workload, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+    """Every policy in turn on the same config and workload; the per-policy numbers + ratios."""
+    from engine.core import resolve_model_directory
+    from engine.model.arch import arch_from_hf_config
+    from engine.model.kv_layout import build_kv_layout
+    from engine.model.loader import read_hf_config
+
+    hf_config = read_hf_config(resolve_model_directory(config))
+    arch = arch_from_hf_config(hf_config, config.model.sliding_window_override)
+    dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+    layout = build_kv_layout(arch, config.kv_cache.block_size, dtype)
+    config = sized_config(config, workload, len(layout.groups), config.kv_cache.block_size)
+    runs = {policy: run_policy(config, policy, workload) for policy in policies}
+    return {"runs": runs, **summary(runs)}
+
+
+def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ratios of kvfleet to round robin (None where round robin's value is 0)."""
+    out: dict[str, Any] = {"tokens_per_s": {p: r["output_tokens_per_s"] for p, r in runs.items()}}
+    ours, base = runs.get("kvfleet"), runs.get("round_robin")
+    if ours is None or base is None:
+        return out
+    out["p90_ttft_ratio_vs_round_robin"] = _ratio(ours["ttft_p90_s"], base["ttft_p90_s"])
+    out["hit_rate_ratio_vs_round_robin"] = _ratio(ours["hit_rate"], base["hit_rate"])
+    out["ttft_p50_s"] = {p: r["ttft_p50_s"] for p, r in runs.items()}
+    out["ttft_p90_s"] = {p: r["ttft_p90_s"] for p, r in runs.items()}
+    out["hit_rate"] = {p: r["hit_rate"] for p, r in runs.items()}
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None

@@ -1,0 +1,69 @@
+"""The `ray job submit` entrypoint: prompts from a JSONL file -> completions to a JSONL file.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python -m cluster.job --config tiny --input prompts.jsonl --output results.jsonl
+
+Inside a Ray job ``RAY_ADDRESS`` is set, so the job attaches to the job's cluster
+(``ray.address=auto``) unless the config names an address; without it, it starts an embedded
+Ray. Exit code 0 on success, 2 on a bad config or input, 1 on any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from cluster.cli import EXIT_BAD_CONFIG, EXIT_BAD_INPUT, EXIT_FAILURE, run_items
+from cluster.logs import setup_logging
+from configs import ConfigError, load_config
+
+log = logging.getLogger("kvfleet.job")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster.job", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="local", help="preset name or path to a YAML file (default: local)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--input", required=True, help="JSONL file of {\"prompt\": ...} lines")
+    parser.add_argument("--output", required=True, help="JSONL file to write the results to")
+    parser.add_argument("--max-tokens", type=int, default=32, help="default tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if os.environ.get("RAY_ADDRESS") and not any(o.split("=", 1)[0].strip() == "ray.address" for o in overrides):
+        overrides.append("ray.address=auto")
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"cluster.job: invalid configuration:\n{exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    setup_logging(config.logging)
+    from cluster.jsonl import read_prompts
+    from engine.sampling_params import SamplingParams
+
+    try:
+        defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        items = read_prompts(args.input, defaults)
+    except (ValueError, OSError) as exc:
+        print(f"cluster.job: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not items:
+        print(f"cluster.job: {args.input} holds no prompts", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    log.info("running %d prompts with config %s (ray.address=%s)", len(items), args.config, config.ray.address)
+    code = run_items(config, items, args.output, progress=False)
+    if code == 0:
+        log.info("wrote %d results to %s", len(items), args.output)
+    return code if code in (0, EXIT_BAD_INPUT) else EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
