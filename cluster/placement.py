@@ -46,6 +46,7 @@ def embedded_init_kwargs(config: ClusterConfig) -> dict[str, Any]:
     workers = config.workers
     num_gpus = workers.num_prefill * workers.prefill.num_gpus + workers.num_decode * workers.decode.num_gpus
     kwargs: dict[str, Any] = {
+        "address": "local",  # a new cluster, even where /tmp/ray names another (perhaps stale) one
         "num_cpus": int(-(-num_cpus // 1)),
         "resources": {"prefill": float(max(1, workers.num_prefill)), "decode": float(workers.num_decode)},
         "include_dashboard": ray_cfg.include_dashboard,

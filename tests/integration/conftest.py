@@ -23,6 +23,7 @@ def ray_session() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # never attach to another cluster on this machine
         num_cpus=RAY_NUM_CPUS,
         resources={"prefill": 4, "decode": 4},
         include_dashboard=False,

@@ -71,6 +71,9 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
         head = subprocess.Popen(
             [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
              "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+             # free ports for what has fixed defaults (the tests' own Ray holds the agent's 52365)
+             "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
+             "--ray-client-server-port", str(_free_port()),
              "--num-cpus", "4", "--resources", json.dumps({"prefill": 2, "decode": 2}),
              "--object-store-memory", str(200 * 1024**2)],
             stdout=head_log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -81,12 +84,15 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
             assert head.poll() is None, f"ray start exited:\n{log_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"ray start not ready:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.5)
-        submit = subprocess.run(
-            [RAY, "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--working-dir", str(REPO),
-             "--", "python", "-m", "cluster.job", "--config", "tiny", "--input", str(inputs), "--output", str(output),
-             "--max-tokens", str(MAX_TOKENS), "--ignore-eos"],
-            capture_output=True, text=True, timeout=240, env=env, check=False,
-        )  # fmt: skip
+        command = [RAY, "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--working-dir", str(REPO),
+                   "--", "python", "-m", "cluster.job", "--config", "tiny", "--input", str(inputs),
+                   "--output", str(output), "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # the head's job agent may come up a little after `ray start` reports ready
+            submit = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, check=False)
+            if "No available agent" not in submit.stdout + submit.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "succeeded" in submit.stdout + submit.stderr
     finally:
@@ -96,6 +102,9 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(10)
+        current = Path("/tmp/ray/ray_current_cluster")  # `ray start` wrote it; only `ray stop` removes it
+        if current.is_file() and current.read_text().strip() == f"127.0.0.1:{gcs_port}":
+            current.unlink()
 
     results = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["id"] for r in results] == ["p0", "p1", "p2"]
