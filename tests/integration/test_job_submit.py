@@ -3,14 +3,15 @@ to that cluster, runs the prompts and writes the JSONL the single engine predict
 
 The head runs as `ray start --block` in its own session, so SIGTERM to that one process stops
 exactly this cluster (never `ray stop`, which would also stop the tests' own Ray). Token auth
-is requested explicitly (RAY_AUTH_MODE=token) for the head and the client alike, so the test
-does not depend on what earlier runs left in ~/.ray.
+is requested explicitly (RAY_AUTH_MODE=token, with a token made here in RAY_AUTH_TOKEN) for the
+head, the client and the job alike, so the test does not depend on what is in ~/.ray.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ BIN = Path(sys.executable).parent
 RAY = shutil.which("ray", path=str(BIN)) or shutil.which("ray")
 PROMPTS = ["The capital of France is", "x", "a longer prompt that goes through a prefill worker and a KV transfer " * 2]
 MAX_TOKENS = 6
+TOKEN = secrets.token_hex(16)
 
 
 def _free_port(preferred: int | None = None) -> int:
@@ -49,6 +51,7 @@ def _env() -> dict[str, str]:
         RAY_USAGE_STATS_ENABLED="0",
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=TOKEN,  # this test's own token: nothing read from (or left in) ~/.ray
         UCX_NET_DEVICES="lo",
     )
     return env
