@@ -89,7 +89,7 @@ def add_bench_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--max-tokens", type=int, default=d.max_tokens)
     cmd.add_argument("--concurrency", type=int, default=d.concurrency)
     cmd.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
-                     help="each worker's pool as a share of the whole prefix set (unless kv_cache.num_blocks is set)")
+                     help="each worker's pool as a share of the whole prefix set (0: the config's own size)")
     cmd.add_argument("--seed", type=int, default=d.seed)
     cmd.add_argument("--policies", default="kvfleet,round_robin", help="comma-separated router policies")
 
