@@ -131,10 +131,12 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def _generate(config: ClusterConfig, args: argparse.Namespace) -> int:
-    from cluster.jsonl import PromptItem, read_prompts
+    from cluster.jsonl import PromptItem, check_prompt, read_prompts
 
     try:
         defaults = sampling_from_args(args)
+        for prompt in args.prompts:
+            check_prompt(prompt)
         items = [PromptItem(p, defaults) for p in args.prompts]
         if args.input:
             items += read_prompts(args.input, defaults)

@@ -27,6 +27,16 @@ class PromptItem:
     id: str | None = None
 
 
+def check_prompt(prompt: object) -> None:
+    """The checks that need no tokenizer: text or token ids, and not empty."""
+    if not isinstance(prompt, (str, list)) or (
+        isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise ValueError(f"prompt: must be text or a list of token ids (got {prompt!r})")
+    if not prompt:
+        raise ValueError(f"prompt: must not be empty (got {prompt!r})")
+
+
 def read_prompts(path: str | Path, defaults: SamplingParams) -> list[PromptItem]:
     """Parse a JSONL file; raises ValueError naming the line and the field for a bad line."""
     items: list[PromptItem] = []
@@ -42,8 +52,10 @@ def read_prompts(path: str | Path, defaults: SamplingParams) -> list[PromptItem]
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{where}: expected an object with a 'prompt' field (got {line.strip()[:80]!r})")
             prompt = record["prompt"]
-            if not isinstance(prompt, (str, list)):
-                raise ValueError(f"{where}: prompt: must be text or a list of token ids (got {prompt!r})")
+            try:
+                check_prompt(prompt)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
             updates = {k: record[k] for k in SAMPLING_FIELDS if k in record}
             if "stop" in updates and isinstance(updates["stop"], str):
                 updates["stop"] = (updates["stop"],)

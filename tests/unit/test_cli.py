@@ -47,3 +47,27 @@ def test_config_prints_yaml_that_reloads(capsys, tmp_path) -> None:
     path.write_text(printed)
     assert load_config(path) == load_config("tiny", ["workers.num_decode=2"])
     assert yaml.safe_load(printed)["workers"]["num_decode"] == 2
+
+
+def test_help_lists_bench(capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "bench" in capsys.readouterr().out
+
+
+def test_generate_rejects_bad_prompts_before_starting_a_cluster(capsys, tmp_path) -> None:
+    assert main(["generate", "--config", "tiny", ""]) == 2
+    assert "prompt: must not be empty (got '')" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--max-tokens", "0", "hello"]) == 2
+    assert "max_tokens: must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny"]) == 2
+    assert "needs at least one prompt" in capsys.readouterr().err
+    bad = tmp_path / "in.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": []}\n')
+    assert main(["generate", "--config", "tiny", "--input", str(bad)]) == 2
+    assert f"{bad}:2: prompt: must not be empty (got [])" in capsys.readouterr().err
+    bad.write_text('{"prompt": "ok", "max_tokens": -1}\n')
+    assert main(["generate", "--config", "tiny", "--input", str(bad)]) == 2
+    assert "max_tokens: must be >= 1 (got -1)" in capsys.readouterr().err
