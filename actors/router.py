@@ -61,7 +61,8 @@ class Router:
     # -- membership --------------------------------------------------------------------------------
     def add_worker(self, worker_id: str, role: str, num_blocks: int, handle: Any) -> None:
         self.handles[worker_id] = handle
-        self._execute(self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic()))  # type: ignore[arg-type]
+        actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())  # type: ignore[arg-type]
+        self._execute(actions)
 
     def remove_worker(self, worker_id: str) -> None:
         self._execute(self.policy.remove_worker(worker_id, now=time.monotonic()))

@@ -181,7 +181,8 @@ class EngineWorker:
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        await self._call(self._add, request_id, prompt_token_ids, sampling, _Tracked(loop, chunks, len(prompt_token_ids)), kv_handle)
+        tracked = _Tracked(loop, chunks, len(prompt_token_ids))
+        await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle)
         finished = False
         try:
             while not finished:
@@ -349,7 +350,8 @@ class EngineWorker:
             del self._tracked[out.request_id]
             self._finish_pin(tracked.pin)
             return
-        self._answer(out.request_id, TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens))
+        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens)
+        self._answer(out.request_id, chunk)
 
     def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:
         """Deliver a request's final result and forget it."""

@@ -179,7 +179,7 @@ class Cluster:
         import ray
 
         pending = list(refs.values())
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.start_timeout_s)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.start_timeout_s)
         if pending:
             waiting = [wid for wid, ref in refs.items() if ref in pending]
             raise TimeoutError(
@@ -246,7 +246,8 @@ class Cluster:
         vocabulary or bad sampling values raise ValueError naming the field and the value.
         ``on_completion`` is called (on the driver's event-loop thread) as each request finishes.
         """
-        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)  # type: ignore[list-item]
+        single = isinstance(prompts, str) or _is_token_list(prompts)
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(batch):
                 raise ValueError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")

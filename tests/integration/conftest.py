@@ -45,7 +45,9 @@ def random_prompts(seed: int, lengths: list[int], low: int = 3, high: int = 250)
     return [[rng.randrange(low, high) for _ in range(n)] for n in lengths]
 
 
-def oracle_tokens(config: ClusterConfig, prompts: list[list[int]], sampling: SamplingParams = GREEDY) -> list[list[int]]:
+def oracle_tokens(
+    config: ClusterConfig, prompts: list[list[int]], sampling: SamplingParams = GREEDY
+) -> list[list[int]]:
     """Greedy tokens of one in-process engine running every prompt whole (same config)."""
     from engine.core import EngineCore
 
