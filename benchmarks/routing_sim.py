@@ -8,12 +8,12 @@ What it models
     no P/D split: every decision has ``prefill == decode``; the P/D path is covered by unit tests).
 
     Trace (seeded): ``--prefixes`` shared prefixes of ``--prefix-min``..``--prefix-max`` random
-    tokens (the issue says 1k-8k; scaled down 4x to 256-2048 so the whole run takes about two
+    tokens (the issue says 1k-8k; scaled down 4x to 256-2048 so the whole run takes about four
     minutes on 2 shared cores; the cache is sized from the working set, so the scale-down keeps
     the cache regimes), each request picks one with Zipf(``--alpha``) popularity, appends a unique
     random suffix of ``--suffix-min``..``--suffix-max`` tokens (about 1/8 of the prefix, the shape
     of llm-d's shared-prefix benchmark) and asks for ``--output-min``..``--output-max`` tokens.
-    W=8 replays ``--requests-w8`` requests, W=64 ``--requests-w64`` (100 per worker).
+    W=8 replays ``--requests-w8`` requests (10,000), W=64 ``--requests-w64`` (9,600: 150 per worker).
 
     Cache size: the working set is the blocks needed to hold a hit on every prefix (all groups:
     the full prefix plus one window per sliding group). Each worker gets ``working_set / (ratio *
@@ -43,7 +43,19 @@ What it models
     PinOn whose worker lacks the prefix queues a warm-up prefill at the head of that worker's FIFO
     and pins when it completes. ``policy.tick`` runs every simulated second.
 
-Metrics (the first ``--warmup`` of the arrivals are left out: cold caches)
+Steady state (``--warmup``, default 0.3: the first 30 % of each trace's arrivals, 3,000 requests at
+W=8 and 2,880 at W=64, the same for every policy)
+    Cache simulations measure after a warm-up: every run starts with empty caches, so its first
+    requests miss on every prefix whatever the policy, and those first-use misses are a property of
+    the trace length, not of the router (at W=8 0.5x with 4,000 requests and a 10 % warm-up they
+    were 1.9 % of the measured prompt tokens, as much as all of kvfleet's other losses together).
+    The trace is therefore longer than the issue's minimum and the metrics (hit rate, TTFT, and the
+    imbalance: busy time after the first measured arrival) cover the requests after the warm-up;
+    the per-scenario lines also print the whole-trace numbers and the hit rate by quarter of the
+    trace (it levels off after the first quarter), so nothing is hidden; the JSON line reports the
+    steady-state numbers. Lengths were chosen so the whole run stays around four minutes.
+
+Metrics
     hit: cached prompt tokens / prompt tokens, at admission. TTFT mean and p90. imbalance: max /
     mean busy time over the workers. decision latency: CPU time of ``route`` alone (the thread's
     CPU clock: preemption by other processes on the shared machine is excluded, the wall-clock p99
@@ -66,7 +78,7 @@ Output
     "unpinned_hit_rate_2x", "pin_recovery_sim_s"}`` (ratios, imbalance and accuracy: kvfleet at
     W=8, working set 0.5x; decision_p99_us_w64: the larger of kvfleet's two W=64 runs).
 
-    python benchmarks/routing_sim.py                  # full run (about two minutes)
+    python benchmarks/routing_sim.py                  # full run (about four minutes)
     python benchmarks/routing_sim.py --quick          # smoke run (seconds)
 """
 
@@ -131,8 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-min", type=int, default=32)
     ap.add_argument("--output-max", type=int, default=256)
     ap.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of prefix popularity")
-    ap.add_argument("--requests-w8", type=int, default=4000)
-    ap.add_argument("--requests-w64", type=int, default=6400)
+    ap.add_argument("--requests-w8", type=int, default=10000)
+    ap.add_argument("--requests-w64", type=int, default=9600)
     ap.add_argument("--load", type=float, default=0.5,
                     help="arrival rate / the rate that saturates a static-oracle cluster")  # fmt: skip
     ap.add_argument("--sweep", type=float, nargs="*", default=[0.35, 0.65],
@@ -142,14 +154,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--event-lag-ms", type=float, default=0.0, help="KV event delivery delay to the router")
     ap.add_argument("--lag-check-ms", type=float, default=20.0, help="extra kvfleet run at W=8 0.5x with this lag")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="requests a worker admits (holding KV) at once")
-    ap.add_argument("--warmup", type=float, default=0.1, help="fraction of arrivals left out of the metrics")
+    ap.add_argument("--warmup", type=float, default=0.3,
+                    help="fraction of arrivals left out of the steady-state metrics (the same for every policy)")
     ap.add_argument("--pins", type=int, default=10, help="prefixes pinned in the pinned scenarios")
     ap.add_argument("--pin-replicas", type=int, default=2)
     ap.add_argument("--skip-w64-2x", action="store_true", help="leave out the W=64 2x scenario")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prefixes, args.requests_w8, args.requests_w64 = 40, 400, 640
+        args.prefixes, args.requests_w8, args.requests_w64 = 40, 600, 640
         args.prefix_max, args.pins = 1024, 4
     return args
 
@@ -259,6 +272,7 @@ class SimWorker:
         self.current_end = 0.0
         self.alive = True
         self.busy = 0.0
+        self.busy_measured = 0.0  # busy time after the warm-up (the first measured arrival)
         self.queued_work = 0.0  # work of queued jobs, prefill-token equivalents
 
     def load(self, now: float, prefill_tps: float) -> WorkerLoad:
@@ -295,25 +309,38 @@ class Result:
     busy: list[float]
     duration: float
     warmup: int
+    busy_measured: list[float] = field(default_factory=list)
+    warm_time: float = 0.0  # arrival time of the first measured request
     pinned_ranks: set[int] = field(default_factory=set)
     pin_lengths: dict[int, int] = field(default_factory=dict)
     recovery_s: float | None = None
     wall_s: float = 0.0
     num_blocks: int = 0
 
-    def measured(self) -> list[Record]:
-        return [r for r in self.records[self.warmup :] if r.hit >= 0]
+    def measured(self, whole: bool = False) -> list[Record]:
+        """The requests after the warm-up (``whole``: every request of the trace)."""
+        return [r for r in self.records[0 if whole else self.warmup :] if r.hit >= 0]
 
-    def hit_rate(self) -> float:
-        rows = self.measured()
+    def hit_rate(self, whole: bool = False) -> float:
+        rows = self.measured(whole)
         return sum(r.hit for r in rows) / max(1, sum(r.num_tokens for r in rows))
 
-    def ttft(self) -> tuple[float, float]:
-        values = sorted(r.ttft for r in self.measured())
+    def window_hits(self, parts: int = 4) -> list[float]:
+        """Hit rate over each of ``parts`` equal slices of the trace (shows when it levels off)."""
+        n = len(self.records)
+        out = []
+        for k in range(parts):
+            rows = [r for r in self.records[k * n // parts : (k + 1) * n // parts] if r.hit >= 0]
+            out.append(sum(r.hit for r in rows) / max(1, sum(r.num_tokens for r in rows)))
+        return out
+
+    def ttft(self, whole: bool = False) -> tuple[float, float]:
+        values = sorted(r.ttft for r in self.measured(whole))
         return sum(values) / len(values), percentile(values, 0.9)
 
-    def imbalance(self) -> float:
-        busy = [b for b in self.busy]
+    def imbalance(self, whole: bool = False) -> float:
+        """max / mean busy time over the workers, after the warm-up (``whole``: the whole run)."""
+        busy = self.busy if whole or not self.busy_measured else self.busy_measured
         return max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0
 
     def decision_us(self, cpu: bool = True) -> tuple[float, float]:
@@ -409,6 +436,9 @@ class Simulation:
         self.removed_pins: set[int] = set()
         self.pin_ranks: dict[int, int] = {}
         self.jobs = itertools.count()
+        # steady state: the first --warmup of the arrivals fill the caches and are not measured
+        self.warmup = int(args.warmup * len(trace.arrivals))
+        self.warm_time = trace.arrivals[min(self.warmup, len(trace.arrivals) - 1)].time
 
     def _make_router(self, policy: str) -> Router:
         seed = self.args.seed
@@ -484,7 +514,9 @@ class Simulation:
             self.records,
             [w.busy for w in self.workers.values()],
             duration,
-            int(self.args.warmup * total),
+            self.warmup,
+            [w.busy_measured for w in self.workers.values()],
+            self.warm_time,
             set(self.pinned),
             {r: self._aligned(r) for r in range(len(self.trace.prefixes))},
             wall_s=time.perf_counter() - start,
@@ -593,6 +625,7 @@ class Simulation:
         worker.current = job
         worker.current_end = self.now + service
         worker.busy += service
+        worker.busy_measured += max(0.0, worker.current_end - max(self.now, self.warm_time))
         if job.trace_index is not None:
             self.records[job.trace_index].ttft = self.now + prefill - job.arrival
         self.push(self.now + service, self.DONE, (worker.name, job))
@@ -690,10 +723,14 @@ def table_row(result: Result) -> str:
     wall99 = result.decision_us(cpu=False)[1]
     acc = result.accuracy()
     acc_route = result.accuracy(at_route=True)
+    whole_mean, whole_p90 = result.ttft(whole=True)
+    quarters = "/".join(f"{h:.3f}" for h in result.window_hits())
     return (
         f"{result.name:<26} W={result.workers:<3} ws={result.ratio:<4} blocks/w={result.num_blocks:<6} "
         f"hit={result.hit_rate():.3f} ttft_mean={mean:.3f}s ttft_p90={p90:.3f}s "
-        f"imbalance={result.imbalance():.2f} util={result.utilisation():.2f} "
+        f"imbalance={result.imbalance():.2f} [whole trace: hit={result.hit_rate(True):.3f} "
+        f"ttft_mean={whole_mean:.3f}s ttft_p90={whole_p90:.3f}s imbalance={result.imbalance(True):.2f}; "
+        f"hit by quarter {quarters}] util={result.utilisation():.2f} "
         f"decide_cpu_p50={p50:.0f}us p99={p99:.0f}us (wall p99 {wall99:.0f}us) "
         f"accuracy={'-' if acc is None else f'{acc:.4f}'}"
         f"{'' if acc_route is None else f' (at decision {acc_route:.4f})'} delayed={result.delayed():.3f} "

@@ -176,7 +176,7 @@ class RouterWeights(_Frozen):
     used_block_fraction: NonNegativeFloat = 256.0
     #: per uncached token, on top of ``uncached_tokens``: the blocks it writes into the worker's
     #: cache evict other prefixes there (so a miss costs more than its own prefill)
-    cache_churn: NonNegativeFloat = 0.5
+    cache_churn: NonNegativeFloat = 1.0
 
 
 class PinConfig(_Frozen):
@@ -215,6 +215,14 @@ class RouterConfig(_Frozen):
     load_halflife_s: NonNegativeFloat = 5.0
     #: share of a full-attention depth whose windows are missing credited to that worker
     anchor_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    #: the instantaneous guard ignores queues up to this many tokens above ``imbalance_ratio`` x mean
+    imbalance_slack_tokens: NonNegativeFloat = 4096.0
+    #: guard on work assigned lately (decaying with ``work_halflife_s``): a prefix holder above
+    #: this ratio x the mean is left out (0 turns it off; otherwise it must be >= 1)
+    work_imbalance_ratio: Annotated[float, Field(ge=0.0)] = 1.3
+    work_halflife_s: PositiveFloat = 10.0
+    #: work of one request beyond its uncached prompt tokens (decode), in prefill-token equivalents
+    request_work_tokens: NonNegativeFloat = 256.0
     pin_capacity_blocks: Annotated[int, Field(ge=0)] | None = None
     pins: list[PinConfig] = Field(default_factory=list)
     auto_pin: AutoPinConfig = AutoPinConfig()

@@ -1,4 +1,5 @@
-"""Time-averaged queue lengths for the sustained-imbalance guard, O(1) per change and per query.
+"""Time-averaged queue lengths (the sustained-imbalance guard) and decayed assigned work (the work
+guard), O(1) per change and per query.
 
 Each worker's queued tokens are piecewise constant between load reports and assignments, so the
 exponential average with half-life h has a closed form: after a change at time t0 with average
@@ -72,3 +73,49 @@ class SmoothedQueues:
 
     def mean(self, now: float) -> float:
         return self._total.get(now, self.halflife_s) / max(1, len(self._workers))
+
+
+class DecayedWork:
+    """Per worker and in total: work assigned lately, each amount decaying with half-life
+    ``halflife_s`` (a rate estimate: about ``rate * halflife_s / ln 2`` in steady state).
+
+    Every worker's value decays by the same factor, so comparing two workers, or one worker with
+    the mean, needs no pass over the others; ``add`` and ``get`` are O(1).
+    """
+
+    def __init__(self, halflife_s: float):
+        if halflife_s <= 0:
+            raise ValueError(f"work_halflife_s: must be > 0 (got {halflife_s})")
+        self.halflife_s = halflife_s
+        self._workers: dict[WorkerId, list[float]] = {}  # worker -> [value, at]
+        self._total = [0.0, 0.0]
+        self.now = 0.0
+
+    def _at(self, state: list[float], now: float) -> float:
+        if now <= state[1]:
+            return state[0]
+        return state[0] * 0.5 ** ((now - state[1]) / self.halflife_s)
+
+    def add_worker(self, worker: WorkerId) -> None:
+        self._workers[worker] = [0.0, self.now]
+
+    def remove(self, worker: WorkerId) -> None:
+        state = self._workers.pop(worker, None)
+        if state is not None:
+            self._total = [max(0.0, self._at(self._total, self.now) - self._at(state, self.now)), self.now]
+
+    def add(self, worker: WorkerId, amount: float, now: float) -> None:
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        now = max(now, self.now)
+        self.now = now
+        state[0], state[1] = self._at(state, now) + amount, now
+        total = self._total
+        total[0], total[1] = self._at(total, now) + amount, now
+
+    def get(self, worker: WorkerId, now: float) -> float:
+        return self._at(self._workers[worker], now)
+
+    def mean(self, now: float) -> float:
+        return self._at(self._total, now) / max(1, len(self._workers))

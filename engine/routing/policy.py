@@ -12,10 +12,13 @@ Placement of one request with N tokens (aggregated workers, role "both")::
     credit[w] = hit[w] + anchor_credit * (shared[w] - hit[w])
     cost[w]   = (w_uncached + w_churn) * (N - credit[w]) + w_queued * queued_tokens[w]
               + w_running * running_requests[w] + w_used * used_block_fraction[w]
-    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N, or, if
-                w holds the prefix, when its queue averaged over time (half-life load_halflife_s) exceeds
-                sustained_imbalance_ratio * the mean average + N: a hot prefix stays on its holder
-                until the holder is overloaded for seconds, then spreads to a second worker
+    guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
+                + imbalance_slack_tokens, or, if w holds the prefix, when its queue averaged over time
+                (half-life load_halflife_s) exceeds sustained_imbalance_ratio * the mean average + N, or
+                when the work assigned to it lately (uncached tokens + request_work_tokens per request,
+                decaying with half-life work_halflife_s) exceeds work_imbalance_ratio * the mean + this
+                request's work: a hot prefix stays on its holder until the holder has taken more than
+                its share of the work for seconds, then spreads to a second worker
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
                 workers with hit[w] >= L (its holders, or any worker that has it) when there is one
     choice    = argmin cost, ties broken at random (seeded)
@@ -23,9 +26,17 @@ Placement of one request with N tokens (aggregated workers, role "both")::
 Why these terms: in a worker that serves requests in order, a queued token delays this request as
 much as one of its own uncached tokens, and an uncached token also adds work every later request
 waits for; so an uncached token costs about twice a queued one (the default weights 1.0 and 0.5).
-On top, ``w_churn`` (0.5): an uncached token writes blocks (one per group) into the worker's
+On top, ``w_churn`` (1.0): an uncached token writes blocks (one per group) into the worker's
 cache, evicting other prefixes there; in the simulator most lost hits are prefixes evicted by
-that churn, so a miss is charged for it. The sustained guard keeps the stickier choice balanced.
+that churn, so a miss is charged for it. The guards keep the stickier choice balanced.
+
+Why the work guard (and the slack on the instantaneous one): at moderate load queues are short
+and bursty, so a queue-length guard trips on a burst and sends a prefix's request to a worker
+without it, which then caches a second copy; each copy takes room the least requested prefixes
+need (in the simulator most lost hits are prefixes evicted from every worker, and mid-popular
+prefixes copied on two workers were the difference to a sticky history-based router). Work
+assigned over the last seconds is what busy time follows, so the guard balances busy time while a
+prefix moves only when its holder keeps taking more than its share.
 The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
 its end is not, the hit is lower (no false hit), yet running the request there makes the
 coordinator retain the windows at that shared-prefix boundary when the request is freed, so the
@@ -51,7 +62,7 @@ from engine.kv_cache.events import KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.load import SmoothedQueues
+from engine.routing.load import DecayedWork, SmoothedQueues
 from engine.routing.pins import HotPrefixes, Pin, PinTable
 from engine.routing.router import Router
 from engine.routing.types import (
@@ -80,7 +91,7 @@ class RoutingPolicy(Router):
         w_queued: float = 0.5,
         w_running: float = 16.0,
         w_used: float = 256.0,
-        w_churn: float = 0.5,
+        w_churn: float = 1.0,
         decode_only_threshold_tokens: int = 64,
         imbalance_ratio: float = 2.0,
         pin_capacity_blocks: int | None = None,
@@ -93,6 +104,10 @@ class RoutingPolicy(Router):
         anchor_credit: float = 0.5,
         load_halflife_s: float = 5.0,
         sustained_imbalance_ratio: float = 1.3,
+        work_imbalance_ratio: float = 1.3,
+        work_halflife_s: float = 10.0,
+        request_work_tokens: float = 256.0,
+        imbalance_slack_tokens: float = 4096.0,
         seed: int = 0,
     ):
         super().__init__(seed)
@@ -119,6 +134,17 @@ class RoutingPolicy(Router):
         self.load_halflife_s = load_halflife_s
         self.sustained_imbalance_ratio = sustained_imbalance_ratio
         self._smoothed = SmoothedQueues(load_halflife_s) if load_halflife_s > 0 else None
+        if work_imbalance_ratio != 0.0 and work_imbalance_ratio < 1.0:
+            raise ValueError(f"work_imbalance_ratio: must be 0 (off) or >= 1.0 (got {work_imbalance_ratio})")
+        if request_work_tokens < 0:
+            raise ValueError(f"request_work_tokens: must be >= 0 (got {request_work_tokens})")
+        self.work_imbalance_ratio = work_imbalance_ratio
+        if imbalance_slack_tokens < 0:
+            raise ValueError(f"imbalance_slack_tokens: must be >= 0 (got {imbalance_slack_tokens})")
+        self.imbalance_slack_tokens = imbalance_slack_tokens
+        self.work_halflife_s = work_halflife_s
+        self.request_work_tokens = request_work_tokens
+        self._work = DecayedWork(work_halflife_s)
         self._now = 0.0
         self.pins = PinTable(self.index, pin_capacity_blocks)
         self.auto_pin = auto_pin
@@ -152,6 +178,10 @@ class RoutingPolicy(Router):
             anchor_credit=cfg.anchor_credit,
             load_halflife_s=cfg.load_halflife_s,
             sustained_imbalance_ratio=cfg.sustained_imbalance_ratio,
+            imbalance_slack_tokens=cfg.imbalance_slack_tokens,
+            work_imbalance_ratio=cfg.work_imbalance_ratio,
+            work_halflife_s=cfg.work_halflife_s,
+            request_work_tokens=cfg.request_work_tokens,
             decode_only_threshold_tokens=cfg.decode_only_threshold_tokens,
             imbalance_ratio=cfg.imbalance_ratio,
             pin_capacity_blocks=cfg.pin_capacity_blocks,
@@ -180,6 +210,7 @@ class RoutingPolicy(Router):
         self._queued[worker] = 0.0
         if self._smoothed is not None:
             self._smoothed.add(worker)
+        self._work.add_worker(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
@@ -191,6 +222,7 @@ class RoutingPolicy(Router):
         self._queued.pop(worker, None)
         if self._smoothed is not None:
             self._smoothed.remove(worker)
+        self._work.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
         self.pins.on_worker_removed(worker, now)
@@ -523,20 +555,35 @@ class RoutingPolicy(Router):
         the mean (plus this request). A prefix holder is also left out when its queue averaged
         over the last seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio``
         times the mean average (plus this request): the hot prefix then spreads to a second
-        worker. (Workers without the prefix compete on load cost alone, which already avoids
-        overloaded ones.)"""
+        worker. And when the work assigned to a holder lately (uncached tokens plus
+        ``request_work_tokens`` per request, half-life ``work_halflife_s``) exceeds
+        ``work_imbalance_ratio`` times the mean (plus this request's): busy time follows that work,
+        so a prefix moves only when its holder keeps taking more than its share. The instantaneous
+        guard ignores queues up to ``imbalance_slack_tokens`` above its limit: at moderate load a
+        burst should not copy a prefix to a second worker. (Workers without the prefix compete on
+        load cost alone, which already avoids overloaded ones.)"""
         queued = self._queued
         limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
+        limit += self.imbalance_slack_tokens
         smoothed = self._smoothed
+        now = self._now
+        slow = self.sustained_imbalance_ratio * smoothed.mean(now) + num_tokens if smoothed is not None else 0.0
+        work = self._work if self.work_imbalance_ratio else None
+        cap = self.work_imbalance_ratio * work.mean(now) + num_tokens + self.request_work_tokens if work else 0.0
 
         def ok(worker: WorkerId) -> bool:
             return queued[worker] <= limit
 
-        if smoothed is None:
+        def holder_ok(worker: WorkerId) -> bool:
+            return (
+                queued[worker] <= limit
+                and (smoothed is None or smoothed.get(worker, now) <= slow)
+                and (work is None or work.get(worker, now) <= cap)
+            )
+
+        if smoothed is None and work is None:
             return ok, ok
-        now = self._now
-        slow = self.sustained_imbalance_ratio * smoothed.mean(now) + num_tokens
-        return ok, lambda w: queued[w] <= limit and smoothed.get(w, now) <= slow
+        return ok, holder_ok
 
     def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
         """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
@@ -580,6 +627,7 @@ class RoutingPolicy(Router):
 
     def _record(self, decision: Decision) -> None:
         before = self.loads[decision.prefill_worker].queued_tokens
+        self._work.add(decision.prefill_worker, decision.uncached_tokens + self.request_work_tokens, self._now)
         super()._record(decision)
         self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
         for worker in {decision.prefill_worker, decision.decode_worker}:

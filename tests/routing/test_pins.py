@@ -93,14 +93,14 @@ def test_requests_with_a_pinned_prefix_go_to_a_holder() -> None:
     pin_id, actions = policy.pin(prefix, replicas=1)
     execute(policy, workers, actions)
     [holder] = holders(policy, pin_id)
-    policy.update_load(holder, WorkerLoad(queued_tokens=600, running_requests=0))
+    policy.update_load(holder, WorkerLoad(queued_tokens=2000, running_requests=0))
     prompt = prefix + [7, 8, 9]
     decision = policy.route(RouteRequest("r", block_hashes(prompt, 4), len(prompt)))
     assert decision.prefill_worker == holder and decision.reason == "pin" and decision.pin_id == pin_id
     no_pin = RoutingPolicy(groups_of(SPECS))  # same state without the pin preference: cost says idle worker
     for name, w in workers.items():
         no_pin.add_worker(name, snapshot=snapshot_coordinator(w.coord))
-    no_pin.update_load(holder, WorkerLoad(queued_tokens=600, running_requests=0))
+    no_pin.update_load(holder, WorkerLoad(queued_tokens=2000, running_requests=0))
     assert no_pin.route(RouteRequest("r", block_hashes(prompt, 4), len(prompt))).prefill_worker != holder
 
 

@@ -20,7 +20,7 @@ from engine.routing import (
     RoutingPolicy,
     WorkerLoad,
 )
-from engine.routing.load import SmoothedQueues
+from engine.routing.load import DecayedWork, SmoothedQueues
 from tests.routing.helpers import CONFIGS, groups_of
 
 SPECS = CONFIGS["full+2swa"]
@@ -79,7 +79,10 @@ def test_ties_are_broken_at_random_and_seeded() -> None:
 
 def test_imbalance_guard_spreads_a_hot_prefix_to_a_second_worker() -> None:
     def chosen(imbalance_ratio: float) -> list[str]:
-        policy = policy_with(4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=imbalance_ratio)
+        policy = policy_with(
+            4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=imbalance_ratio, imbalance_slack_tokens=0.0,
+            work_imbalance_ratio=0.0,
+        )  # fmt: skip
         cache(policy, "w0", PREFIX)
         queued: Counter[str] = Counter()
         out = []
@@ -101,7 +104,7 @@ def test_sustained_guard_spreads_a_hot_prefix_whose_holder_stays_busy() -> None:
     def chosen(load_halflife_s: float) -> list[str]:
         policy = policy_with(
             4, w_queued=0.01, w_running=0.0, imbalance_ratio=1e9, load_halflife_s=load_halflife_s,
-            sustained_imbalance_ratio=1.3,
+            sustained_imbalance_ratio=1.3, work_imbalance_ratio=0.0,
         )  # fmt: skip
         cache(policy, "w0", PREFIX)
         out = []
@@ -113,6 +116,57 @@ def test_sustained_guard_spreads_a_hot_prefix_whose_holder_stays_busy() -> None:
     assert set(chosen(0.0)) == {"w0"}  # no time average: the hot prefix stays on its holder
     spread = chosen(1.0)
     assert spread[0] == "w0" and "w0" not in spread[4:] and len(set(spread)) >= 2
+
+
+def test_instantaneous_guard_ignores_a_queue_within_the_slack() -> None:
+    """A burst on the holder below ``imbalance_slack_tokens`` does not move its prefix elsewhere."""
+
+    def chosen(slack: float) -> str:
+        policy = policy_with(
+            4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=2.0, load_halflife_s=0.0,
+            work_imbalance_ratio=0.0, imbalance_slack_tokens=slack,
+        )  # fmt: skip
+        cache(policy, "w0", PREFIX)
+        policy.update_load("w0", WorkerLoad(queued_tokens=3000))  # limit 2 x 750 + 201 (+ slack)
+        return str(policy.route(request("r", PREFIX + [1])).prefill_worker)
+
+    assert chosen(0.0) != "w0"
+    assert chosen(4096.0) == "w0"
+
+
+def test_work_guard_spreads_a_holder_that_keeps_taking_more_than_its_share() -> None:
+    """Cost alone keeps a hot prefix on its holder; the work guard moves it once the holder has
+    taken more than ``work_imbalance_ratio`` x the mean of the work assigned lately."""
+
+    def chosen(ratio: float, gap_s: float = 0.1) -> list[str]:
+        policy = policy_with(
+            4, w_queued=0.0, w_running=0.0, w_used=0.0, imbalance_ratio=1e9, load_halflife_s=0.0,
+            work_imbalance_ratio=ratio, work_halflife_s=1.0,
+        )  # fmt: skip
+        cache(policy, "w0", PREFIX)
+        prompts = [PREFIX + [1000 + i] for i in range(12)]
+        return [str(policy.route(request(f"r{i}", p), now=gap_s * i).prefill_worker) for i, p in enumerate(prompts)]
+
+    assert set(chosen(0.0)) == {"w0"}  # off
+    spread = chosen(1.3)
+    assert spread[0] == "w0" and 2 <= len(set(spread)) and spread.count("w0") >= 3
+    assert set(chosen(1.3, gap_s=100.0)) == {"w0"}  # work long past has decayed away: no spreading
+    with pytest.raises(ValueError, match="work_imbalance_ratio"):
+        RoutingPolicy(GROUPS, work_imbalance_ratio=0.5)
+
+
+def test_decayed_work_compares_workers_in_constant_time() -> None:
+    work = DecayedWork(halflife_s=2.0)
+    work.add_worker("a")
+    work.add_worker("b")
+    work.add("a", 100.0, now=0.0)
+    work.add("b", 50.0, now=2.0)
+    assert work.get("a", 2.0) == pytest.approx(50.0) and work.get("b", 2.0) == pytest.approx(50.0)
+    assert work.mean(4.0) == pytest.approx(25.0)
+    work.remove("a")
+    assert work.mean(4.0) == pytest.approx(25.0)  # b alone: 25 / 1
+    with pytest.raises(ValueError, match="work_halflife_s"):
+        DecayedWork(0.0)
 
 
 def test_smoothed_queues_average_over_time_in_constant_time() -> None:
@@ -140,12 +194,25 @@ def test_new_router_knobs_come_from_config_and_are_validated() -> None:
     assert (policy.load_halflife_s, policy.sustained_imbalance_ratio) == (2.0, 1.6)
     defaults = RoutingPolicy.from_config(RouterConfig(), GROUPS)
     assert isinstance(defaults, RoutingPolicy)
-    assert (defaults.w_churn, defaults.anchor_credit, defaults.load_halflife_s) == (0.5, 0.5, 5.0)
+    assert (defaults.w_churn, defaults.anchor_credit, defaults.load_halflife_s) == (1.0, 0.5, 5.0)
+    assert (defaults.work_imbalance_ratio, defaults.work_halflife_s, defaults.request_work_tokens) == (1.3, 10.0, 256.0)
+    assert defaults.imbalance_slack_tokens == 4096.0
+    tuned = RoutingPolicy.from_config(
+        RouterConfig(work_imbalance_ratio=0.0, work_halflife_s=3.0, request_work_tokens=64, imbalance_slack_tokens=0),
+        GROUPS,
+    )
+    assert isinstance(tuned, RoutingPolicy)
+    assert (tuned.work_imbalance_ratio, tuned.work_halflife_s, tuned.request_work_tokens) == (0.0, 3.0, 64.0)
+    assert tuned.imbalance_slack_tokens == 0.0
     for bad, field in (
         ({"sustained_imbalance_ratio": 0.9}, "sustained_imbalance_ratio"),
         ({"anchor_credit": 1.5}, "anchor_credit"),
         ({"load_halflife_s": -1.0}, "load_halflife_s"),
         ({"weights": {"cache_churn": -0.1}}, "cache_churn"),
+        ({"work_imbalance_ratio": -1.0}, "work_imbalance_ratio"),
+        ({"work_halflife_s": 0.0}, "work_halflife_s"),
+        ({"request_work_tokens": -1.0}, "request_work_tokens"),
+        ({"imbalance_slack_tokens": -1.0}, "imbalance_slack_tokens"),
     ):
         with pytest.raises(ValidationError, match=field):
             RouterConfig(**bad)  # type: ignore[arg-type]
@@ -235,7 +302,8 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
     rng = random.Random(4)
     specs = CONFIGS["full+2swa"]
     workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40])) for i in range(6)}
-    policy = RoutingPolicy(groups_of(specs), seed=1)
+    # the guards have their own tests: here only the instantaneous one, which the costs below mirror
+    policy = RoutingPolicy(groups_of(specs), seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0)
     for name in workers:
         policy.add_worker(name)
     prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]
