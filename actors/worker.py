@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -43,6 +44,7 @@ IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this often
 LOAD_REPORT_INTERVAL_S = 0.05  # a changed load alone is reported at most this often
 ROUTER_SYNC_TIMEOUT_S = 30.0
+MAX_TOMBSTONES = 10_000
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class EngineWorker:
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
         self._router: Any = None
         self._last_report: Any = None
         self._last_load: WorkerLoad | None = None
@@ -301,6 +304,10 @@ class EngineWorker:
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
+        if self._tombstones.pop(request_id, 0) is None:  # its abort overtook it: end it at once
+            self._tracked[request_id] = tracked
+            self._answer(request_id, TokenChunk([], True, "abort"))
+            return
         self.engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only, kv_handle=kv_handle)
         self._tracked[request_id] = tracked
 
@@ -311,6 +318,10 @@ class EngineWorker:
             if self.metrics is not None:
                 self.metrics.record_request_aborted()
             self._answer(request_id, TokenChunk([], True, "abort"))
+        elif not found:  # not here (yet): if it arrives later, it ends at once
+            self._tombstones[request_id] = None
+            if len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)
         return found
 
     def _abort_all(self) -> None:

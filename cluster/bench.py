@@ -6,7 +6,7 @@ Each policy runs on a fresh cluster of the same config (same workers, same cache
 neither inherits the other's cache. Each worker's pool holds ``cache_fraction`` of the whole
 prefix set plus room for its requests in flight (``cache_fraction`` 0 keeps the config's size):
 a router that keeps each prefix on one worker fits its share, one that spreads every prefix over
-every worker evicts. With 12 requests per prefix, compulsory misses stay under 10% of the
+every worker evicts. With 16 requests per prefix, compulsory misses stay well under 10% of the
 requests, so the p90 TTFT measures the routing, not the first sight of each prefix.
 
 Reported per policy: TTFT p50/p90 (driver side), output tokens/s, token hit rate (prompt tokens
@@ -37,12 +37,12 @@ class Workload:
     """The shared-prefix request mix (token-id prompts, so lengths are exact)."""
 
     num_prefixes: int = 8
-    requests_per_prefix: int = 12
+    requests_per_prefix: int = 16
     prefix_tokens: int = 256
     suffix_tokens: int = 16
     max_tokens: int = 8
     concurrency: int = 4
-    cache_fraction: float = 0.4
+    cache_fraction: float = 0.5
     warmup: int = 2
     seed: int = 0
 
@@ -86,7 +86,7 @@ def sized_config(config: ClusterConfig, workload: Workload, groups: list[Any]) -
     if workload.cache_fraction <= 0:
         return config
     prompt_tokens = workload.prefix_tokens + workload.suffix_tokens + workload.max_tokens
-    in_flight = -(-workload.concurrency // max(1, config.workers.num_prefill)) + 1
+    in_flight = -(-workload.concurrency // max(1, config.workers.num_prefill))
     prefix_set = workload.num_prefixes * blocks_for(groups, workload.prefix_tokens)
     num_blocks = int(workload.cache_fraction * prefix_set) + in_flight * blocks_for(groups, prompt_tokens) + 1
     pinning = config.kv_cache.pinning
