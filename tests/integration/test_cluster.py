@@ -99,6 +99,12 @@ def test_aborts_free_every_block(cluster):
     assert [r.finish_reason for r in results] == ["abort"] * len(prompts)
     assert all(len(r.token_ids) < 300 for r in results)
     assert not cluster.abort("no-such-request")
+    # an abort that overtakes its request (it reaches the workers first) still ends it
+    import ray
+
+    ray.get([w.abort.remote("overtaken") for w in cluster.workers.values()])
+    (late,) = cluster.generate([prompts[3]], GREEDY, request_ids=["overtaken"])
+    assert late.finish_reason == "abort" and late.token_ids == []
     wait_for(lambda: all_free(cluster), 15, "free blocks back to baseline on every worker")
     # and it keeps serving
     again = cluster.generate(prompts[:2], GREEDY)
