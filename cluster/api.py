@@ -63,6 +63,12 @@ class _Request:
     submitted: float = field(default_factory=time.monotonic)
     workers: list[Any] = field(default_factory=list)
     aborted: bool = False
+    attempt: int = 0
+
+    @property
+    def engine_id(self) -> str:
+        """The id the workers know this attempt by (a retry must not meet its first try's state)."""
+        return self.request_id if not self.attempt else f"{self.request_id}#retry{self.attempt}"
 
 
 class Cluster:
@@ -300,7 +306,7 @@ class Cluster:
         finally:
             if not task.done():
                 request.aborted = True
-                await asyncio.gather(*(w.abort.remote(request.request_id) for w in request.workers))
+                await asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers))
                 await asyncio.gather(task, return_exceptions=True)
 
     def abort(self, request_id: str) -> bool:
@@ -311,7 +317,7 @@ class Cluster:
         if request is None:
             return False
         request.aborted = True
-        refs = [w.abort.remote(request_id) for w in request.workers]
+        refs = [w.abort.remote(request.engine_id) for w in request.workers]
         if refs:
             ray.get(refs, timeout=60)
         return True
@@ -374,7 +380,13 @@ class Cluster:
         import ray
 
         self._require_started()
-        raw = ray.get([w.stats.remote() for w in self.workers.values()])
+        raw = []
+        refs = {worker_id: handle.stats.remote() for worker_id, handle in self.workers.items()}
+        for worker_id, ref in refs.items():
+            try:
+                raw.append(ray.get(ref, timeout=60))
+            except ray.exceptions.RayActorError:
+                self._forget_worker(worker_id)
         workers = {}
         for stats in raw:
             workers[stats["worker_id"]] = {
@@ -442,42 +454,72 @@ class Cluster:
         return _Request(request_id, text, token_ids, sampling)
 
     async def _collect(self, request: _Request, on_delta: Callable[[str], None] | None = None) -> ClusterCompletion:
-        """Route, (prefill,) decode and detokenize one request; always leaves ``_active``."""
-        from engine.kv_cache.hashing import block_hashes
-        from engine.tokenizer import IncrementalDetokenizer
+        """Route, (prefill,) decode and detokenize one request; always leaves ``_active``.
 
+        A worker that dies is removed from the router; the request is routed again if it had
+        streamed no token yet (otherwise it fails with a RuntimeError naming the worker)."""
         rid = request.request_id
         self._active[rid] = request
         ok, ttft_s, num_out = False, 0.0, 0
         try:
-            ids = request.token_ids
-            auto_pin = self.config.router.auto_pin.enabled
-            hashes = block_hashes(ids, self._hash_block_size)
-            decision = await self.router.route.remote(rid, hashes, len(ids), tuple(ids) if auto_pin else None)
-            prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
-            decoder = self.workers[decode_id]
-            kv_handle = None
-            cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
-            if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
-                prefill_id = decode_id
-            if prefill_id != decode_id and not request.aborted:
-                prefiller = self.workers[prefill_id]
-                request.workers = [prefiller]
+            for _ in range(max(1, len(self.infos))):
+                try:
+                    result = await self._attempt(request, on_delta)
+                except _WorkerLost as lost:
+                    self._forget_worker(lost.worker_id)
+                    for handle in self.workers.values():  # e.g. the prefill worker's held blocks
+                        handle.abort.remote(request.engine_id)
+                    request.attempt += 1
+                    if lost.streamed or not self.workers:
+                        raise RuntimeError(f"{lost.worker_id}: worker died while running {rid}") from lost.__cause__
+                    log.warning("%s died before %s produced a token; routing it again", lost.worker_id, rid)
+                    continue
+                ok, ttft_s, num_out = True, result.ttft_s, len(result.token_ids)
+                return result
+            raise RuntimeError(f"request {rid}: every worker it was routed to died")
+        finally:
+            self._active.pop(rid, None)
+            if self.router is not None:
+                self.router.finished.remote(ttft_s, num_out, ok)
+
+    async def _attempt(self, request: _Request, on_delta: Callable[[str], None] | None) -> ClusterCompletion:
+        from ray.exceptions import RayActorError
+
+        from engine.kv_cache.hashing import block_hashes
+        from engine.tokenizer import IncrementalDetokenizer
+
+        rid, ids = request.engine_id, request.token_ids
+        auto_pin = self.config.router.auto_pin.enabled
+        hashes = block_hashes(ids, self._hash_block_size)
+        decision = await self.router.route.remote(rid, hashes, len(ids), tuple(ids) if auto_pin else None)
+        prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
+        kv_handle = None
+        cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
+        if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
+            prefill_id = decode_id
+        if prefill_id != decode_id and not request.aborted:
+            prefiller = self._worker(prefill_id)
+            request.workers = [prefiller]
+            try:
                 result = await prefiller.prefill.remote(rid, ids)
-                cached = result.num_cached_tokens
-                kv_handle = result.kv_handle
-                if kv_handle is None:
-                    request.aborted = request.aborted or result.finish_reason == "abort"
-                    if not request.aborted:
-                        raise RuntimeError(f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}")
-            detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
-                                           request.sampling.include_stop_str_in_output)  # fmt: skip
-            reason = "abort"
-            first_token: float | None = None
-            if not request.aborted:
-                request.workers = [decoder]
+            except RayActorError as exc:
+                raise _WorkerLost(prefill_id, False) from exc
+            cached = result.num_cached_tokens
+            kv_handle = result.kv_handle
+            if kv_handle is None:
+                request.aborted = request.aborted or result.finish_reason == "abort"
+                if not request.aborted:
+                    raise RuntimeError(f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}")
+        detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
+                                       request.sampling.include_stop_str_in_output)  # fmt: skip
+        reason = "abort"
+        first_token: float | None = None
+        if not request.aborted:
+            decoder = self._worker(decode_id)
+            request.workers = [decoder]
+            stopped = False
+            try:
                 stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, kv_handle)
-                stopped = False
                 async for ref in stream:
                     chunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
@@ -493,29 +535,47 @@ class Cluster:
                     if chunk.finished:
                         reason = "stop" if stopped else (chunk.finish_reason or "stop")
                         break
-            now = time.monotonic()
-            if reason == "error":
-                raise RuntimeError(f"{decode_id}: request {rid} failed on the worker")
-            ok, ttft_s, num_out = True, (first_token or now) - request.submitted, len(detok.token_ids)
-            return ClusterCompletion(
-                request.prompt,
-                detok.text,
-                list(detok.token_ids),
-                reason,
-                request_id=rid,
-                prompt_token_ids=tuple(ids),
-                prefill_worker=prefill_id,
-                decode_worker=decode_id,
-                route_reason=decision.reason,
-                predicted_hit=decision.predicted_hit,
-                cached_tokens=max(cached, 0),
-                ttft_s=ttft_s,
-                latency_s=now - request.submitted,
-            )
-        finally:
-            self._active.pop(rid, None)
-            if self.router is not None:
-                self.router.finished.remote(ttft_s, num_out, ok)
+            except RayActorError as exc:
+                raise _WorkerLost(decode_id, first_token is not None) from exc
+        now = time.monotonic()
+        if reason == "error":
+            raise RuntimeError(f"{decode_id}: request {rid} failed on the worker")
+        return ClusterCompletion(
+            request.prompt,
+            detok.text,
+            list(detok.token_ids),
+            reason,
+            request_id=request.request_id,
+            prompt_token_ids=tuple(ids),
+            prefill_worker=prefill_id,
+            decode_worker=decode_id,
+            route_reason=decision.reason,
+            predicted_hit=decision.predicted_hit,
+            cached_tokens=max(cached, 0),
+            ttft_s=(first_token or now) - request.submitted,
+            latency_s=now - request.submitted,
+        )
+
+    def _worker(self, worker_id: str) -> Any:
+        handle = self.workers.get(worker_id)
+        if handle is None:  # removed after the router chose it
+            raise _WorkerLost(worker_id, False)
+        return handle
+
+    def _forget_worker(self, worker_id: str) -> None:
+        """Drop a dead worker here and in the router (its pins are placed elsewhere)."""
+        if self.workers.pop(worker_id, None) is not None and self.router is not None:
+            log.error("worker %s died; removing it from the router", worker_id)
+            self.router.remove_worker.remote(worker_id)
+
+
+class _WorkerLost(Exception):
+    """A worker actor died during a request (``streamed``: it had already sent tokens)."""
+
+    def __init__(self, worker_id: str, streamed: bool):
+        super().__init__(worker_id)
+        self.worker_id = worker_id
+        self.streamed = streamed
 
 
 def _is_token_list(value: object) -> bool:
