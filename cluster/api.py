@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from configs import ClusterConfig, load_config
 from engine.llm import Completion
@@ -103,14 +103,14 @@ class Cluster:
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def start(self) -> Cluster:
+    def start(self) -> Self:
         """Connect to Ray (or start it), start the workers and the router; wait until ready."""
         if self._started:
             return self

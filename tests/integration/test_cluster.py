@@ -90,7 +90,9 @@ def test_aborts_free_every_block(cluster):
     runner = threading.Thread(target=lambda: results.extend(cluster.generate(prompts, sampling, request_ids=ids)))
     runner.start()
     wait_for(lambda: all(rid in cluster._active for rid in ids), 10, "requests in flight")
-    decoding = lambda: sum(w["running"] for w in cluster.stats()["workers"].values()) > 0  # noqa: E731
+    def decoding() -> bool:
+        return sum(w["running"] for w in cluster.stats()["workers"].values()) > 0
+
     wait_for(decoding, 10, "some requests decoding (others may still be in prefill or transfer)", 0.005)
     for rid in ids:
         assert cluster.abort(rid)
