@@ -1,5 +1,8 @@
-"""One local Ray for the whole integration session (loopback, no dashboard, enough logical CPUs)
-and helpers shared by the cluster tests: config building, oracle tokens, waiting."""
+"""One local Ray for the whole integration suite (loopback, no dashboard, enough logical CPUs)
+and helpers shared by the cluster tests: config building, oracle tokens, waiting.
+
+The Ray fixture is scoped to this package: it starts before the first integration test and stops
+after the last one, so the unit tests that run later in the same session see no Ray."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ RAY_NUM_CPUS = 8
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session() -> Iterator[None]:
     import ray
 
