@@ -466,10 +466,15 @@ class RoutingPolicy(Router):
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
         prefillers = self._candidates("prefill")
         prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared)
+        predicted = hits.get(prefill, 0)
+        if predicted > num_tokens - 2:
+            # A prefill-only request computes the first N - 1 tokens, so its engine looks up at
+            # most N - 2 of them: predict exactly what that lookup returns.
+            predicted = self.index.hit(prefill, request.block_hashes, num_tokens - 2)
         return Decision(
             prefill,
             decode,
-            hits.get(prefill, 0),
+            predicted,
             num_tokens,
             reason,
             pin_id,

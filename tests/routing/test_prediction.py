@@ -132,3 +132,29 @@ def test_approximate_tree_believes_hits_the_worker_does_not_have() -> None:
     actual = worker.actual_hit(query)
     assert tree.route(request).predicted_hit == 40 != actual
     assert policy.route(request).predicted_hit == actual
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_disaggregated_prediction_equals_the_prefill_only_lookup(name: str) -> None:
+    """A prefill-only request carries the prompt's first N - 1 tokens, so the prefill engine looks
+    up at most N - 2 of them; the router's predicted prefill hit must be that lookup, also when
+    the whole prompt is cached there (where the N - 1 bound would over-predict)."""
+    specs = CONFIGS[name]
+    rng = random.Random(5)
+    workers = {"p0": Worker("p0", specs, 96), "d0": Worker("d0", specs, 96)}
+    policy = RoutingPolicy(groups_of(specs), decode_only_threshold_tokens=1)
+    policy.add_worker("p0", role="prefill")
+    policy.add_worker("d0", role="decode")
+    hbs = policy.rules.hash_block_size
+    over = 0
+    for n in (17, 24, 25, 33, 40, 49):  # aligned and unaligned N - 1
+        prompt = tokens(rng, n, vocab=50)
+        assert workers["p0"].run(prompt + [1]) is not None  # the whole prompt is cached on p0
+        workers["p0"].finish_all()
+        sync(policy, workers)
+        decision = policy.route(RouteRequest(f"r{n}", block_hashes(prompt, hbs), n))
+        assert decision.prefill_worker == "p0"
+        actual = workers["p0"].actual_hit(prompt[:-1])  # what the prefill-only request finds
+        assert decision.predicted_hit == actual, (n, decision.predicted_hit, actual)
+        over += policy.index.hit("p0", block_hashes(prompt, hbs), n - 1) > actual
+    assert over > 0  # the case the N - 1 bound gets wrong does occur
