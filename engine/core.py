@@ -221,11 +221,9 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
         self.runner.sampler.forget(request_id)
-        if request_id in self.scheduler.waiting_for_kv:
-            tid = self.loads.tid_of(request_id)
-            if tid is not None:
-                self.loads.aborted.add(request_id)
-                return True
+        if request_id in self.scheduler.waiting_for_kv:  # a read into its blocks is in flight
+            self.loads.aborted.add(request_id)
+            return True
         self.held.forget(request_id)
         return self.scheduler.abort(request_id)
 

@@ -160,11 +160,5 @@ class PendingLoads:
     notify_only: set[int] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
 
-    def tid_of(self, request_id: str) -> int | None:
-        for tid, rid in self.reads.items():
-            if rid == request_id:
-                return tid
-        return None
-
     def __len__(self) -> int:
         return len(self.reads) + len(self.notify_only)
