@@ -223,6 +223,9 @@ class RouterConfig(_Frozen):
     work_halflife_s: PositiveFloat = 10.0
     #: work of one request beyond its uncached prompt tokens (decode), in prefill-token equivalents
     request_work_tokens: NonNegativeFloat = 256.0
+    #: a prefix routed to a worker counts as held there until the worker reports its blocks,
+    #: for at most this long (0 turns it off)
+    inflight_ttl_s: NonNegativeFloat = 30.0
     pin_capacity_blocks: Annotated[int, Field(ge=0)] | None = None
     pins: list[PinConfig] = Field(default_factory=list)
     auto_pin: AutoPinConfig = AutoPinConfig()

@@ -21,6 +21,10 @@ Placement of one request with N tokens (aggregated workers, role "both")::
                 its share of the work for seconds, then spreads to a second worker
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
                 workers with hit[w] >= L (its holders, or any worker that has it) when there is one
+    in flight : a worker the prompt's prefix was routed to and that has not reported those blocks
+                yet (it is still computing or pulling them) is credited with them (``inflight``):
+                a second request for a new prefix follows the first instead of computing it again
+                elsewhere. This steers placement only; the predicted hit stays the index's.
     choice    = argmin cost, ties broken at random (seeded)
 
 Why these terms: in a worker that serves requests in order, a queued token delays this request as
@@ -61,7 +65,9 @@ from typing import TYPE_CHECKING
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
+from engine.kv_cache.events import AllBlocksCleared, BlockStored
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
+from engine.routing.inflight import InFlightPrefixes
 from engine.routing.load import DecayedWork, SmoothedQueues
 from engine.routing.pins import HotPrefixes, Pin, PinTable
 from engine.routing.router import Router
@@ -108,6 +114,7 @@ class RoutingPolicy(Router):
         work_halflife_s: float = 10.0,
         request_work_tokens: float = 256.0,
         imbalance_slack_tokens: float = 4096.0,
+        inflight_ttl_s: float = 30.0,
         seed: int = 0,
     ):
         super().__init__(seed)
@@ -160,6 +167,10 @@ class RoutingPolicy(Router):
         self._queued_sum = 0.0
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
+        # Prefixes routed but not yet reported, in the hash space of the first checked group.
+        self._inflight = InFlightPrefixes(inflight_ttl_s)
+        self._inflight_group = self.rules.order[0]
+        self._inflight_block = self.rules.block_sizes[self._inflight_group]
 
     @classmethod
     def build(
@@ -182,6 +193,7 @@ class RoutingPolicy(Router):
             work_imbalance_ratio=cfg.work_imbalance_ratio,
             work_halflife_s=cfg.work_halflife_s,
             request_work_tokens=cfg.request_work_tokens,
+            inflight_ttl_s=cfg.inflight_ttl_s,
             decode_only_threshold_tokens=cfg.decode_only_threshold_tokens,
             imbalance_ratio=cfg.imbalance_ratio,
             pin_capacity_blocks=cfg.pin_capacity_blocks,
@@ -225,6 +237,7 @@ class RoutingPolicy(Router):
         self._work.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
+        self._inflight.forget_worker(worker)
         self.pins.on_worker_removed(worker, now)
         return self._fill_pins(now)
 
@@ -258,13 +271,27 @@ class RoutingPolicy(Router):
         re-establishment actions when a holder's pinned blocks were demoted or evicted."""
         if worker not in self.roles:
             return []
+        events = events if isinstance(events, list) else list(events)
+        if len(self._inflight):
+            self._forget_reported(worker, events)
         outcome = self.index.apply_events(worker, events, self.pins.watch.get(worker))
         return self._after_update(worker, outcome.needs_resync, outcome.lost, outcome.cleared, now)
+
+    def _forget_reported(self, worker: WorkerId, events: list[KVEvent]) -> None:
+        """Blocks a worker reports are the index's business from now on (so an in-flight entry
+        never outlives the blocks it announced); a cleared cache drops them all."""
+        group = self._inflight_group
+        for event in events:
+            if isinstance(event, BlockStored) and event.group == group:
+                self._inflight.discard(worker, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._inflight.forget_worker(worker)
 
     def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
         if worker not in self.roles:
             return []
         self._pending_snapshots.discard(worker)
+        self._inflight.forget_worker(worker)
         outcome = self.index.apply_snapshot(worker, snapshot)
         # Re-check every active holder on this worker against the snapshot.
         watch = self.pins.watch.get(worker, {})
@@ -433,7 +460,9 @@ class RoutingPolicy(Router):
         shared: dict[WorkerId, int] = {}
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
         pin = self.pins.match(hashes) if self.pins.by_key else None
-        if pending is not None and (pin is not None or self._disaggregated):
+        view = self.rules.managers[self._inflight_group].view(hashes if isinstance(hashes, list) else list(hashes))
+        ahead = self._ahead(view, num_tokens, now) if len(self._inflight) else {}
+        if pending is not None and (pin is not None or self._disaggregated or ahead):
             self.index.resolve(pending, hits)
             pending = None
         if self.hot is not None:
@@ -441,16 +470,34 @@ class RoutingPolicy(Router):
         if not self._disaggregated:
             workers = list(self._load_cost)
             self._require(workers, "")
-            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending)
+            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead)
             pin_id = pin.pin_id if pin is not None else None
             decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
         else:
-            decision = self._route_disaggregated(request, hits, pin, shared)
+            decision = self._route_disaggregated(request, hits, pin, shared, ahead)
         self._record(decision)
+        # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D).
+        announced = view[: (num_tokens - 1) // self._inflight_block]
+        for worker in {decision.prefill_worker, decision.decode_worker}:
+            self._inflight.add(worker, announced, now)
         return decision
 
+    def _ahead(self, view: list[bytes], num_tokens: int, now: float) -> dict[WorkerId, int]:
+        """Tokens of this prompt already routed to each worker but not yet reported by it (what
+        it will hold once those requests have run), aligned like a hit and below N."""
+        depths = self._inflight.depths(view, now)
+        if not depths:
+            return {}
+        cap = self.rules.aligned(num_tokens - 1)
+        return {w: min(cap, self.rules.aligned(d * self._inflight_block)) for w, d in depths.items()}
+
     def _route_disaggregated(
-        self, request: RouteRequest, hits: dict[WorkerId, int], pin: Pin | None, shared: dict[WorkerId, int]
+        self,
+        request: RouteRequest,
+        hits: dict[WorkerId, int],
+        pin: Pin | None,
+        shared: dict[WorkerId, int],
+        ahead: dict[WorkerId, int],
     ) -> Decision:
         num_tokens = request.num_tokens
         decoders = self._candidates("decode")
@@ -458,14 +505,14 @@ class RoutingPolicy(Router):
         remote_hits = hits
         if self.has_mamba:  # the decode side of a remote prefill: Mamba groups do not veto
             remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True)
-        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.w_uncached)
+        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.w_uncached, ahead=ahead)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
         if local_uncached < self.decode_only_threshold_tokens:
             local = hits.get(decode, 0)
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
         prefillers = self._candidates("prefill")
-        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared)
+        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead)
         predicted = hits.get(prefill, 0)
         if predicted > num_tokens - 2:
             # A prefill-only request computes the first N - 1 tokens, so its engine looks up at
@@ -490,6 +537,7 @@ class RoutingPolicy(Router):
         w_uncached: float,
         shared: dict[WorkerId, int] | None = None,
         pending: Pending | None = None,
+        ahead: dict[WorkerId, int] | None = None,
     ) -> tuple[WorkerId, str]:
         """argmin cost over the workers the imbalance guard lets through (pin holders first).
 
@@ -498,11 +546,16 @@ class RoutingPolicy(Router):
         workers (hit below their full-attention depth, not yet resolved) are first costed with
         the best hit they could have (one aligned step below that depth); only those whose bound
         could beat (or tie) the best cost are resolved exactly, so the result equals the fully
-        resolved one."""
+        resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
+        (credited where they exceed what the index knows; the caller resolves ``pending`` first)."""
         load_cost = self._load_cost
         ok, ok_holder = self._guard(num_tokens)
         among = load_cost if len(workers) == len(load_cost) else set(workers)
         credit = self._credit(hits, shared)
+        if ahead:
+            for worker, tokens in ahead.items():
+                if tokens > credit.get(worker, 0):
+                    credit[worker] = tokens
         reason = "cost"
         if pin is not None:
             resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok_holder(w)]
@@ -551,6 +604,8 @@ class RoutingPolicy(Router):
                 reason = "guard"
             elif hits.get(choice, 0) > 0:
                 reason = "prefix"
+            elif ahead and ahead.get(choice, 0) > 0:
+                reason = "inflight"
         return choice, reason
 
     def _guard(self, num_tokens: int) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:

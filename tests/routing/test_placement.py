@@ -302,8 +302,11 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
     rng = random.Random(4)
     specs = CONFIGS["full+2swa"]
     workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40])) for i in range(6)}
-    # the guards have their own tests: here only the instantaneous one, which the costs below mirror
-    policy = RoutingPolicy(groups_of(specs), seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0)
+    # the guards and the in-flight credit have their own tests: here only the instantaneous guard,
+    # which the costs below mirror (requests routed here never run, so nothing is in flight)
+    policy = RoutingPolicy(
+        groups_of(specs), seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0
+    )
     for name in workers:
         policy.add_worker(name)
     prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]

@@ -1,0 +1,139 @@
+"""In-flight prefixes: a prefix routed to a worker counts as held there until the worker reports
+its blocks (or the entry expires). Property test against a brute-force model, then the policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kv_cache.events import AllBlocksCleared, BlockStored
+from engine.kv_cache.hashing import block_hashes
+from engine.routing import RouteRequest, RoutingPolicy, WorkerLoad
+from engine.routing.inflight import InFlightPrefixes
+from tests.routing.helpers import CONFIGS, groups_of
+
+HASHES = [bytes([i]) for i in range(8)]
+WORKERS = ["a", "b", "c"]
+TTL = 5.0
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(WORKERS), st.integers(0, 7), st.integers(0, 8), st.floats(0, 3)),
+    st.tuples(st.just("discard"), st.sampled_from(WORKERS), st.integers(0, 7), st.integers(0, 8), st.just(0.0)),
+    st.tuples(st.just("forget"), st.sampled_from(WORKERS), st.just(0), st.just(0), st.just(0.0)),
+    st.tuples(st.just("query"), st.just(""), st.integers(0, 7), st.integers(0, 8), st.floats(0, 3)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(operation, max_size=40))
+def test_depths_match_a_brute_force_model(ops: list[tuple[str, str, int, int, float]]) -> None:
+    tracker = InFlightPrefixes(TTL)
+    model: dict[tuple[str, bytes], float] = {}  # (worker, hash) -> expiry
+    now = 0.0
+    for kind, worker, start, length, step in ops:
+        now += step
+        hashes = HASHES[start : start + length]
+        if kind == "add":
+            tracker.add(worker, hashes, now)
+            model.update({(worker, h): now + TTL for h in hashes})
+        elif kind == "discard":
+            tracker.discard(worker, hashes)
+            for h in hashes:
+                model.pop((worker, h), None)
+        elif kind == "forget":
+            tracker.forget_worker(worker)
+            model = {k: v for k, v in model.items() if k[0] != worker}
+        else:
+            expected = {}
+            for w in WORKERS:
+                depth = 0
+                while depth < len(hashes) and model.get((w, hashes[depth]), -1.0) > now:
+                    depth += 1
+                if depth:
+                    expected[w] = depth
+            assert tracker.depths(hashes, now) == expected
+    tracker.expire(now + TTL + 1)
+    assert len(tracker) == 0  # nothing outlives its expiry
+
+
+def test_a_negative_ttl_is_refused() -> None:
+    with pytest.raises(ValueError, match="inflight_ttl_s"):
+        InFlightPrefixes(-1.0)
+
+
+SPECS = CONFIGS["full+2swa"]
+
+
+def two_requests(policy: RoutingPolicy, prompt_a: list[int], prompt_b: list[int]) -> tuple[str, str, str, int]:
+    first = policy.route(RouteRequest("a", block_hashes(prompt_a, 4), len(prompt_a)), now=0.0)
+    second = policy.route(RouteRequest("b", block_hashes(prompt_b, 4), len(prompt_b)), now=0.1)
+    return str(first.prefill_worker), str(second.prefill_worker), second.reason, second.predicted_hit
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_second_request_follows_the_first_before_its_blocks_are_reported(seed: int) -> None:
+    prefix = list(range(100, 300))
+    policy = RoutingPolicy(groups_of(SPECS), seed=seed)
+    for i in range(4):
+        policy.add_worker(f"w{i}")
+    first, second, reason, predicted = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
+    assert second == first and reason == "inflight"
+    assert predicted == 0  # the prediction stays what the worker's cache holds now: nothing yet
+
+
+def test_without_the_credit_the_second_request_goes_to_the_least_loaded() -> None:
+    prefix = list(range(100, 300))
+    seen = set()
+    for seed in range(8):
+        policy = RoutingPolicy(groups_of(SPECS), seed=seed, inflight_ttl_s=0.0)
+        for i in range(4):
+            policy.add_worker(f"w{i}")
+        first, second, reason, _ = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
+        assert second != first and reason == "cost"
+        seen.add(second)
+    assert len(seen) > 1  # random among the idle ones
+
+
+def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
+    prefix = list(range(100, 300))
+    policy = RoutingPolicy(groups_of(SPECS), seed=0)
+    for i in range(2):
+        policy.add_worker(f"w{i}")
+    decision = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
+    worker = str(decision.prefill_worker)
+    assert len(policy._inflight) == 50
+    hashes = tuple(block_hashes(prefix, 4))
+    policy.apply_events(worker, [BlockStored(1 + g, g, hashes) for g in range(3)], now=0.5)
+    assert len(policy._inflight) == 0
+    decision = policy.route(RouteRequest("b", block_hashes(list(range(500, 700)) + [1], 4), 201), now=1.0)
+    other = str(decision.prefill_worker)
+    assert len(policy._inflight) == 50
+    policy.apply_events(other, [AllBlocksCleared(policy.index.last_seq(other) + 1)], now=1.5)
+    assert len(policy._inflight) == 0
+
+
+def test_the_credit_expires() -> None:
+    prefix = list(range(100, 300))
+    policy = RoutingPolicy(groups_of(SPECS), seed=0, inflight_ttl_s=2.0)
+    for i in range(2):
+        policy.add_worker(f"w{i}")
+    first = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
+    # the first worker is now busier; after the TTL the credit is gone and load decides
+    policy.update_load(str(first.prefill_worker), WorkerLoad(queued_tokens=500, running_requests=1))
+    later = policy.route(RouteRequest("b", block_hashes(prefix + [2], 4), 201), now=2.5)
+    assert later.prefill_worker != first.prefill_worker and later.reason == "cost"
+
+
+def test_the_credit_is_held_to_the_imbalance_guard() -> None:
+    """A hot new prefix does not pile onto the worker computing it once that worker is overloaded."""
+    prefix = list(range(100, 300))
+    policy = RoutingPolicy(groups_of(SPECS), seed=0, imbalance_slack_tokens=0.0, work_imbalance_ratio=0.0)
+    for i in range(2):
+        policy.add_worker(f"w{i}")
+    first = str(policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0).prefill_worker)
+    other = "w1" if first == "w0" else "w0"
+    policy.update_load(first, WorkerLoad(queued_tokens=5000, running_requests=4))
+    policy.update_load(other, WorkerLoad(queued_tokens=0, running_requests=0))
+    decision = policy.route(RouteRequest("b", block_hashes(prefix + [2], 4), 201), now=0.1)
+    assert decision.prefill_worker == other
