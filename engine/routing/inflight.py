@@ -6,94 +6,143 @@ request with the same prefix arriving meanwhile sees no holder, may land on anot
 compute the prefix a second time (two misses instead of one, and two copies in the cluster).
 Prefix-tree routers avoid that by inserting the prompt when they route it; this is the same idea
 kept apart from the exact index: it steers placement only, never the predicted hit (which stays
-what the worker's coordinator will find), and its entries expire after ``ttl_s`` (by then the
-worker's own events describe the blocks, or the request failed).
+what the worker's coordinator will find), and its entries end when the worker reports the blocks
+or after ``ttl_s`` (the request failed, or waited that long).
+
+Block hashes are chained (a block's hash commits to every token before it), so two hash lists
+that agree at position i agree everywhere before it: the blocks two prompts share are found by a
+binary search, and an announcement is stored once, under the hash of its first block.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.routing.types import WorkerId
 
 
-class InFlightPrefixes:
-    """Block hashes recently routed to each worker, with an expiry.
+class _Sent:
+    """Blocks ``hashes[start:end]`` of one routed prompt, announced for ``worker``."""
 
-    Owns ``block hash -> {worker: expiry}`` and a FIFO of the same entries by expiry (the TTL is
-    fixed, so adding in time order keeps the FIFO sorted). Invariants: every map entry has a FIFO
-    record with the same expiry (re-adding refreshes the map and leaves a stale record that
-    ``expire`` skips); no map entry outlives its expiry once ``expire`` has run at a later time.
-    ``add`` and ``depths`` cost O(the request's blocks x workers sharing them).
+    __slots__ = ("worker", "hashes", "start", "end", "expiry")
+
+    def __init__(self, worker: WorkerId, hashes: Sequence[bytes], start: int, end: int, expiry: float):
+        self.worker = worker
+        self.hashes = hashes
+        self.start = start
+        self.end = end
+        self.expiry = expiry
+
+
+class InFlightPrefixes:
+    """Announcements "worker w will hold blocks [start, end) of this prompt", with an expiry.
+
+    Owns the announcements, keyed by the hash of their first block, and a FIFO of them by expiry
+    (the TTL is fixed, so adding in time order keeps it sorted). Invariants: every keyed
+    announcement is in the FIFO; none is keyed once ``expire`` ran past its expiry; none of a
+    worker is keyed under a hash that worker has since reported (``discard``). ``add`` is O(1)
+    (the caller hands over the hash list and does not change it), ``depths`` O(log blocks) per
+    announcement met, ``discard`` O(reported blocks).
     """
 
     def __init__(self, ttl_s: float):
         if ttl_s < 0:
             raise ValueError(f"inflight_ttl_s: must be >= 0 (got {ttl_s})")
         self.ttl_s = ttl_s
-        self._by_hash: dict[bytes, dict[WorkerId, float]] = {}
-        self._fifo: deque[tuple[float, bytes, WorkerId]] = deque()
+        self._by_start: dict[bytes, list[_Sent]] = {}
+        self._fifo: deque[_Sent] = deque()
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        """Announcements still keyed (expired ones count until ``expire`` runs)."""
+        return sum(map(len, self._by_start.values()))
 
-    def add(self, worker: WorkerId, block_hashes: Sequence[bytes], now: float) -> None:
-        """``worker`` will hold ``block_hashes`` (a prompt's leading full blocks) soon."""
-        if self.ttl_s == 0:
+    def __bool__(self) -> bool:
+        return bool(self._by_start)
+
+    def add(self, worker: WorkerId, block_hashes: Sequence[bytes], start: int, end: int, now: float) -> None:
+        """``worker`` will hold ``block_hashes[start:end]`` soon (it holds the blocks before)."""
+        end = min(end, len(block_hashes))
+        if self.ttl_s == 0 or start >= end:
             return
-        expiry = now + self.ttl_s
-        by_hash, fifo = self._by_hash, self._fifo
-        for block_hash in block_hashes:
-            holders = by_hash.get(block_hash)
-            if holders is None:
-                by_hash[block_hash] = {worker: expiry}
-            else:
-                holders[worker] = expiry
-            fifo.append((expiry, block_hash, worker))
+        sent = _Sent(worker, block_hashes, start, end, now + self.ttl_s)
+        key = block_hashes[start]
+        listed = self._by_start.get(key)
+        if listed is None:
+            self._by_start[key] = [sent]
+        else:
+            listed.append(sent)
+        self._fifo.append(sent)
 
     def expire(self, now: float) -> None:
-        """Drop the entries whose expiry has passed."""
-        by_hash, fifo = self._by_hash, self._fifo
-        while fifo and fifo[0][0] <= now:
-            expiry, block_hash, worker = fifo.popleft()
-            holders = by_hash.get(block_hash)
-            if holders is not None and holders.get(worker) == expiry:
-                del holders[worker]
-                if not holders:
-                    del by_hash[block_hash]
+        """Drop the announcements whose expiry has passed."""
+        fifo = self._fifo
+        while fifo and fifo[0].expiry <= now:
+            self._unkey(fifo.popleft())
 
-    def depths(self, block_hashes: Sequence[bytes], now: float) -> dict[WorkerId, int]:
-        """Per worker, how many leading blocks of ``block_hashes`` were routed to it (>= 1)."""
+    def depths(
+        self, block_hashes: Sequence[bytes], now: float, known: Mapping[WorkerId, int] | None = None
+    ) -> dict[WorkerId, int]:
+        """Per worker, how many leading blocks of ``block_hashes`` it will hold: the ``known``
+        blocks it holds (the index's view; 0 if absent) extended by an announcement that starts
+        right there. Only workers such an announcement extends are returned."""
         self.expire(now)
-        by_hash = self._by_hash
-        if not block_hashes or block_hashes[0] not in by_hash:
+        by_start = self._by_start
+        if not by_start or not block_hashes:
             return {}
-        alive = set(by_hash[block_hashes[0]])
+        n = len(block_hashes)
         depth: dict[WorkerId, int] = {}
-        for i, block_hash in enumerate(block_hashes[1:], start=1):
-            holders = by_hash.get(block_hash)
-            for worker in [w for w in alive if holders is None or w not in holders]:
-                alive.discard(worker)
-                depth[worker] = i
-            if not alive:
-                return depth
-        for worker in alive:
-            depth[worker] = len(block_hashes)
+        for sent in by_start.get(block_hashes[0], ()):
+            if not known or not known.get(sent.worker, 0):
+                _deepen(depth, sent, block_hashes, n)
+        if known:
+            for worker, start in known.items():
+                if 0 < start < n:
+                    for sent in by_start.get(block_hashes[start], ()):
+                        if sent.worker == worker and sent.start == start:
+                            _deepen(depth, sent, block_hashes, n)
         return depth
 
     def discard(self, worker: WorkerId, block_hashes: Sequence[bytes]) -> None:
-        """``worker`` reported these blocks (the index knows them now) or dropped them."""
-        by_hash = self._by_hash
+        """``worker`` reported these blocks: announcements of it starting at one of them end
+        (the index knows those blocks now)."""
+        by_start = self._by_start
         for block_hash in block_hashes:
-            holders = by_hash.get(block_hash)
-            if holders is not None and holders.pop(worker, None) is not None and not holders:
-                del by_hash[block_hash]
+            listed = by_start.get(block_hash)
+            if listed is not None:
+                kept = [s for s in listed if s.worker != worker]
+                if not kept:
+                    del by_start[block_hash]
+                elif len(kept) != len(listed):
+                    by_start[block_hash] = kept
 
     def forget_worker(self, worker: WorkerId) -> None:
-        """Drop every entry of ``worker`` (it left, or its cache was cleared)."""
-        for block_hash in [h for h, holders in self._by_hash.items() if worker in holders]:
-            holders = self._by_hash[block_hash]
-            del holders[worker]
-            if not holders:
-                del self._by_hash[block_hash]
+        """Drop every announcement of ``worker`` (it left, or its cache was cleared)."""
+        for key in list(self._by_start):
+            self.discard(worker, (key,))
+
+    def _unkey(self, sent: _Sent) -> None:
+        key = sent.hashes[sent.start]
+        listed = self._by_start.get(key)
+        if listed is None:
+            return
+        for i, other in enumerate(listed):
+            if other is sent:
+                del listed[i]
+                if not listed:
+                    del self._by_start[key]
+                return
+
+
+def _deepen(depth: dict[WorkerId, int], sent: _Sent, block_hashes: Sequence[bytes], n: int) -> None:
+    """Fold in how far ``sent`` agrees with ``block_hashes`` (chained: agreement is a prefix)."""
+    lo, hi = sent.start + 1, min(sent.end, n)  # agreement is known at sent.start
+    mine = sent.hashes
+    while lo < hi:  # first position in [lo, hi) where they differ, else hi
+        mid = (lo + hi) // 2
+        if mine[mid] == block_hashes[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo > depth.get(sent.worker, 0):
+        depth[sent.worker] = lo

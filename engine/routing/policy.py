@@ -272,7 +272,7 @@ class RoutingPolicy(Router):
         if worker not in self.roles:
             return []
         events = events if isinstance(events, list) else list(events)
-        if len(self._inflight):
+        if self._inflight:
             self._forget_reported(worker, events)
         outcome = self.index.apply_events(worker, events, self.pins.watch.get(worker))
         return self._after_update(worker, outcome.needs_resync, outcome.lost, outcome.cleared, now)
@@ -461,7 +461,7 @@ class RoutingPolicy(Router):
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
         pin = self.pins.match(hashes) if self.pins.by_key else None
         view = self.rules.managers[self._inflight_group].view(hashes if isinstance(hashes, list) else list(hashes))
-        ahead = self._ahead(view, num_tokens, now) if len(self._inflight) else {}
+        ahead = self._ahead(view, num_tokens, shared, now) if self._inflight else {}
         if pending is not None and (pin is not None or self._disaggregated or ahead):
             self.index.resolve(pending, hits)
             pending = None
@@ -476,20 +476,27 @@ class RoutingPolicy(Router):
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead)
         self._record(decision)
-        # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D).
-        announced = view[: (num_tokens - 1) // self._inflight_block]
-        for worker in {decision.prefill_worker, decision.decode_worker}:
-            self._inflight.add(worker, announced, now)
+        # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
+        # part each already holds is the index's business.
+        block = self._inflight_block
+        end = (num_tokens - 1) // block
+        if self._inflight.ttl_s > 0:
+            kept = tuple(view)  # the request's list is the caller's
+            for worker in {decision.prefill_worker, decision.decode_worker}:
+                self._inflight.add(worker, kept, shared.get(worker, 0) // block, end, now)
         return decision
 
-    def _ahead(self, view: list[bytes], num_tokens: int, now: float) -> dict[WorkerId, int]:
-        """Tokens of this prompt already routed to each worker but not yet reported by it (what
-        it will hold once those requests have run), aligned like a hit and below N."""
-        depths = self._inflight.depths(view, now)
+    def _ahead(self, view: list[bytes], num_tokens: int, shared: dict[WorkerId, int], now: float) -> dict[WorkerId, int]:
+        """Tokens of this prompt each worker will hold once the requests routed to it have run
+        (what it holds, extended by what it was sent and has not reported), aligned like a hit
+        and below N; only workers with such unreported blocks."""
+        block = self._inflight_block
+        known = {w: depth // block for w, depth in shared.items()} if shared else None
+        depths = self._inflight.depths(view, now, known)
         if not depths:
             return {}
         cap = self.rules.aligned(num_tokens - 1)
-        return {w: min(cap, self.rules.aligned(d * self._inflight_block)) for w, d in depths.items()}
+        return {w: min(cap, self.rules.aligned(d * block)) for w, d in depths.items()}
 
     def _route_disaggregated(
         self,

@@ -68,6 +68,32 @@ def test_prefix_request_lands_on_its_holder_with_the_predicted_hit(cluster):
     assert long.disaggregated and long.prefill_worker == first.prefill_worker
     expected = oracle_tokens(cluster.config, [list(short.prompt_token_ids), list(long.prompt_token_ids)])
     assert [short.token_ids, long.token_ids] == expected
+    # the whole prompt again (where it runs depends on the load guards: this prefix has had every
+    # request so far), predicted exactly wherever that is
+    same = cluster.generate([base], GREEDY)[0]
+    assert same.predicted_hit == same.cached_tokens, (same.route_reason, same.predicted_hit, same.cached_tokens)
+    assert same.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_a_fully_cached_prompt_split_anyway_is_predicted_exactly(ray_session, preset):
+    """Every request through the prefill worker (threshold 0): a prompt it computed before is
+    fully cached there, and its prefill-only lookup stops two tokens short of the prompt (it
+    computes N - 1 tokens); the router must predict that bound, not the N - 1 one."""
+    from cluster.api import Cluster
+
+    prompts = random_prompts(51, [64, 97, 128, 145])
+    config = cluster_config(preset, 1, 1, "router.decode_only_threshold_tokens=0")
+    with Cluster(config) as c:
+        first = c.generate(prompts, GREEDY)
+        again = c.generate(prompts, GREEDY)
+        assert all(r.disaggregated for r in first + again)
+        for r in again:
+            assert r.predicted_hit == r.cached_tokens, (len(r.prompt_token_ids), r.predicted_hit, r.cached_tokens)
+            assert r.cached_tokens <= len(r.prompt_token_ids) - 2
+        assert max(r.cached_tokens for r in again) >= 64
+        assert [r.token_ids for r in again] == [r.token_ids for r in first] == oracle_tokens(config, prompts)
+        wait_for(lambda: all_free(c), 15, "every block back in the pool")
 
 
 def test_stream_yields_the_same_text_as_generate(cluster):

@@ -13,48 +13,58 @@ from engine.routing import RouteRequest, RoutingPolicy, WorkerLoad
 from engine.routing.inflight import InFlightPrefixes
 from tests.routing.helpers import CONFIGS, groups_of
 
-HASHES = [bytes([i]) for i in range(8)]
 WORKERS = ["a", "b", "c"]
 TTL = 5.0
 
+
+def chain(tokens: list[int]) -> list[bytes]:
+    """Chained "hashes": block i's hash is the whole prefix up to it (as the real ones commit to)."""
+    return [bytes(tokens[: i + 1]) for i in range(len(tokens))]
+
+
+prompt = st.lists(st.integers(0, 2), min_size=1, max_size=8)  # few token values: prompts share prefixes
 operation = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from(WORKERS), st.integers(0, 7), st.integers(0, 8), st.floats(0, 3)),
-    st.tuples(st.just("discard"), st.sampled_from(WORKERS), st.integers(0, 7), st.integers(0, 8), st.just(0.0)),
-    st.tuples(st.just("forget"), st.sampled_from(WORKERS), st.just(0), st.just(0), st.just(0.0)),
-    st.tuples(st.just("query"), st.just(""), st.integers(0, 7), st.integers(0, 8), st.floats(0, 3)),
+    st.tuples(st.just("add"), st.sampled_from(WORKERS), prompt, st.integers(0, 8), st.floats(0, 3)),
+    st.tuples(st.just("discard"), st.sampled_from(WORKERS), prompt, st.integers(0, 8), st.just(0.0)),
+    st.tuples(st.just("forget"), st.sampled_from(WORKERS), prompt, st.just(0), st.just(0.0)),
+    st.tuples(st.just("query"), st.just(""), prompt, st.just(0), st.floats(0, 3)),
 )
+known_blocks = st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 8), max_size=3)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(operation, max_size=40))
-def test_depths_match_a_brute_force_model(ops: list[tuple[str, str, int, int, float]]) -> None:
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(operation, known_blocks), max_size=40))
+def test_depths_match_a_brute_force_model(ops: list[tuple[tuple[str, str, list[int], int, float], dict[str, int]]]) -> None:
     tracker = InFlightPrefixes(TTL)
-    model: dict[tuple[str, bytes], float] = {}  # (worker, hash) -> expiry
+    model: list[tuple[str, list[bytes], int, float]] = []  # (worker, hashes, start, expiry), end = len
     now = 0.0
-    for kind, worker, start, length, step in ops:
+    for (kind, worker, tokens, start, step), known in ops:
         now += step
-        hashes = HASHES[start : start + length]
+        hashes = chain(tokens)
         if kind == "add":
-            tracker.add(worker, hashes, now)
-            model.update({(worker, h): now + TTL for h in hashes})
+            tracker.add(worker, hashes, start, len(hashes), now)
+            if start < len(hashes):
+                model.append((worker, hashes, start, now + TTL))
         elif kind == "discard":
-            tracker.discard(worker, hashes)
-            for h in hashes:
-                model.pop((worker, h), None)
+            tracker.discard(worker, hashes[start:])
+            gone = set(hashes[start:])
+            model = [m for m in model if not (m[0] == worker and m[1][m[2]] in gone)]
         elif kind == "forget":
             tracker.forget_worker(worker)
-            model = {k: v for k, v in model.items() if k[0] != worker}
+            model = [m for m in model if m[0] != worker]
         else:
-            expected = {}
-            for w in WORKERS:
-                depth = 0
-                while depth < len(hashes) and model.get((w, hashes[depth]), -1.0) > now:
+            expected: dict[str, int] = {}
+            for w, sent, begin, expiry in model:
+                if expiry <= now or begin != known.get(w, 0) or begin >= len(hashes):
+                    continue  # expired, or not continuing what the worker holds
+                depth = begin
+                while depth < min(len(sent), len(hashes)) and sent[depth] == hashes[depth]:
                     depth += 1
-                if depth:
-                    expected[w] = depth
-            assert tracker.depths(hashes, now) == expected
+                if depth > begin:
+                    expected[w] = max(expected.get(w, 0), depth)
+            assert tracker.depths(hashes, now, known) == expected
     tracker.expire(now + TTL + 1)
-    assert len(tracker) == 0  # nothing outlives its expiry
+    assert len(tracker) == 0 and not tracker  # nothing outlives its expiry
 
 
 def test_a_negative_ttl_is_refused() -> None:
@@ -102,13 +112,13 @@ def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
         policy.add_worker(f"w{i}")
     decision = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
     worker = str(decision.prefill_worker)
-    assert len(policy._inflight) == 50
+    assert len(policy._inflight) == 1
     hashes = tuple(block_hashes(prefix, 4))
     policy.apply_events(worker, [BlockStored(1 + g, g, hashes) for g in range(3)], now=0.5)
     assert len(policy._inflight) == 0
     decision = policy.route(RouteRequest("b", block_hashes(list(range(500, 700)) + [1], 4), 201), now=1.0)
     other = str(decision.prefill_worker)
-    assert len(policy._inflight) == 50
+    assert len(policy._inflight) == 1
     policy.apply_events(other, [AllBlocksCleared(policy.index.last_seq(other) + 1)], now=1.5)
     assert len(policy._inflight) == 0
 
