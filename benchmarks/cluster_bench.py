@@ -12,9 +12,10 @@ Measured on this project's machines (2 cores, Gemma-3-270M fp32, NIXL over loopb
 workload: 8 prefixes x 16 requests, 256 + 16 tokens, 8 out, 4 in flight, pools at half the
 prefix set + in-flight room = 601 blocks per worker), about 3.5 minutes in all. Three runs:
 
-    kvfleet      TTFT p50 0.36-0.40 s  p90 0.57-0.73 s  hit rate 0.870-0.882  16.4-17.5 output tok/s
-    round_robin  TTFT p50 1.24-1.32 s  p90 2.15-2.22 s  hit rate 0.493-0.502  11.3-11.9 output tok/s
-    p90_ttft_ratio_vs_round_robin 0.338 / 0.261 / 0.324, hit_rate_ratio_vs_round_robin 1.784 / 1.744 / 1.767
+    kvfleet      TTFT p50 0.36-0.39 s  p90 0.59-0.80 s  hit rate 0.880-0.882  16.6-17.9 output tok/s
+    round_robin  TTFT p50 1.18-1.33 s  p90 2.17-2.20 s  hit rate 0.484-0.498  11.4-12.3 output tok/s
+    p90_ttft_ratio_vs_round_robin 0.310 / 0.370 / 0.271, hit_rate_ratio_vs_round_robin 1.820 / 1.805 / 1.771
+    (three earlier runs, same policy before its in-flight index was made O(1): 0.338 / 0.261 / 0.324)
 
 kvfleet's p90 is set by the compulsory misses (8 of 128 requests see their prefix first); before
 the router counted prefixes in flight (routed, not yet reported), a second request for a new
