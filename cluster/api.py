@@ -489,9 +489,8 @@ class Cluster:
         from engine.tokenizer import IncrementalDetokenizer
 
         rid, ids = request.engine_id, request.token_ids
-        auto_pin = self.config.router.auto_pin.enabled
         hashes = block_hashes(ids, self._hash_block_size)
-        decision = await self.router.route.remote(rid, hashes, len(ids), tuple(ids) if auto_pin else None)
+        decision = await self.router.route.remote(rid, hashes, len(ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
         kv_handle = None
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0

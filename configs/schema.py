@@ -195,11 +195,19 @@ class PinConfig(_Frozen):
 
 
 class AutoPinConfig(_Frozen):
-    """Automatic pinning of the hottest prefixes within a block budget."""
+    """Automatic pinning of the most requested shared prefixes within a block budget.
+
+    The router counts the shared prefixes of the requests it routes (decaying counts) and keeps
+    the most requested ones with at least ``min_requests`` pinned on ``replicas`` workers: a
+    prefix asked for again and again, but less often than the workers' LRU turns over, stays
+    resident instead of being evicted by one-off prompt tails. Automatic pins keep prefixes
+    resident; they do not force placement (explicit pins do)."""
 
     enabled: bool = False
+    #: cluster-wide budget in blocks; 0: ``budget_fraction`` of the prefill-capable workers' pools
     budget_blocks: Annotated[int, Field(ge=0)] = 0
-    min_requests: PositiveInt = 4
+    budget_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
+    min_requests: PositiveInt = 2
     replicas: PositiveInt = 1
 
 

@@ -103,7 +103,8 @@ class RoutingPolicy(Router):
         pin_capacity_blocks: int | None = None,
         auto_pin: bool = False,
         auto_pin_budget_blocks: int = 0,
-        auto_pin_min_requests: int = 4,
+        auto_pin_budget_fraction: float = 0.3,
+        auto_pin_min_requests: int = 2,
         auto_pin_replicas: int = 1,
         auto_pin_interval_s: float = 5.0,
         pin_worker_fraction: float = 0.5,
@@ -156,6 +157,9 @@ class RoutingPolicy(Router):
         self.pins = PinTable(self.index, pin_capacity_blocks)
         self.auto_pin = auto_pin
         self.auto_pin_budget_blocks = auto_pin_budget_blocks
+        if not 0.0 <= auto_pin_budget_fraction <= 1.0:
+            raise ValueError(f"auto_pin.budget_fraction: must be within [0, 1] (got {auto_pin_budget_fraction})")
+        self.auto_pin_budget_fraction = auto_pin_budget_fraction
         self.auto_pin_min_requests = auto_pin_min_requests
         self.auto_pin_replicas = auto_pin_replicas
         self.auto_pin_interval_s = auto_pin_interval_s
@@ -199,6 +203,7 @@ class RoutingPolicy(Router):
             pin_capacity_blocks=cfg.pin_capacity_blocks,
             auto_pin=auto.enabled,
             auto_pin_budget_blocks=auto.budget_blocks,
+            auto_pin_budget_fraction=auto.budget_fraction,
             auto_pin_min_requests=auto.min_requests,
             auto_pin_replicas=auto.replicas,
             seed=cfg.seed,
@@ -382,7 +387,9 @@ class RoutingPolicy(Router):
 
     def _choose_holder(self, pin: Pin, exclude: set[WorkerId]) -> WorkerId | None:
         """Best new holder: a worker that already caches the prefix, then the one with the fewest
-        pinned blocks, then the least loaded; never beyond ``pin_worker_fraction`` of its pool."""
+        pinned blocks, then the least loaded; never beyond ``pin_worker_fraction`` of its pool
+        (for an explicit pin, counting explicit pins only: automatic ones give way, and the
+        worker's pinned tier demotes the oldest under pressure)."""
         hits = self.index.predict(pin.block_hashes, pin.length)
         can_build = pin.token_ids is not None or bool(pin.active())
         best: tuple[int, int, float, float] | None = None
@@ -394,6 +401,8 @@ class RoutingPolicy(Router):
             if not resident and not can_build:
                 continue
             pinned = self.pins.worker_blocks.get(worker, 0)
+            if not pin.auto:  # the user's pins come first: automatic ones are best effort
+                pinned -= self.pins.auto_worker_blocks.get(worker, 0)
             limit = self.num_blocks.get(worker)
             if limit is not None and pinned + pin.blocks_per_replica > self.pin_worker_fraction * limit:
                 continue
@@ -413,11 +422,15 @@ class RoutingPolicy(Router):
 
     def _auto_pin(self, now: float) -> list[Action]:
         """Pin the hottest shared prefixes (>= ``auto_pin_min_requests`` recent requests) within
-        ``auto_pin_budget_blocks``; unpin automatic pins that fell out of that set."""
+        the budget (``auto_pin_budget_blocks``, else ``auto_pin_budget_fraction`` of the
+        prefill-capable workers' pools); unpin automatic pins that fell out of that set."""
         hot = self.hot
         assert hot is not None
         hot.decay(now)
         pinned = self._auto_pins
+        budget = self.auto_pin_budget_blocks or int(
+            self.auto_pin_budget_fraction * sum(self.num_blocks.get(w) or 0 for w in self._candidates("prefill"))
+        )
 
         def rank(key: bytes) -> float:
             count = hot.counts[key].count
@@ -431,7 +444,7 @@ class RoutingPolicy(Router):
             if prefix.count < self.auto_pin_min_requests and key not in pinned:
                 break
             cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
-            if used + cost <= self.auto_pin_budget_blocks:
+            if used + cost <= budget:
                 chosen.append(key)
                 used += cost
         actions: list[Action] = []
@@ -443,7 +456,7 @@ class RoutingPolicy(Router):
                 continue
             prefix = hot.counts[key]
             pin = self.pins.create(
-                prefix.block_hashes, prefix.length, replicas, now, token_ids=prefix.token_ids, auto=True
+                prefix.block_hashes, prefix.length, replicas, now, token_ids=None, auto=True
             )
             pinned[key] = pin.pin_id
             actions.extend(self.pins.fill(pin, now, self._choose_holder))
@@ -460,6 +473,8 @@ class RoutingPolicy(Router):
         shared: dict[WorkerId, int] = {}
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
         pin = self.pins.match(hashes) if self.pins.by_key else None
+        if pin is not None and pin.auto:
+            pin = None  # automatic pins keep a prefix resident; placement stays the cost's
         view = self.rules.managers[self._inflight_group].view(hashes if isinstance(hashes, list) else list(hashes))
         ahead = self._ahead(view, num_tokens, shared, now) if self._inflight else {}
         if pending is not None and (pin is not None or self._disaggregated or ahead):

@@ -162,15 +162,22 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
     warm = list(range(3000, 3040))
 
     def send(prefix: list[int], n: int, base: int, now: float) -> None:
+        """Route each request and run it where it was placed (so its prefix is resident there)."""
         for i in range(n):
             prompt = prefix + [base + i, 1, 2, 3]
-            policy.route(RouteRequest(f"r{base + i}", block_hashes(prompt, 4), len(prompt), tuple(prompt)), now)
+            decision = policy.route(RouteRequest(f"r{base + i}", block_hashes(prompt, 4), len(prompt)), now)
+            worker = workers[str(decision.prefill_worker)]
+            worker.run(prompt)
+            worker.finish(worker.last_id)
+            execute(policy, workers, sync(policy, workers, now), now)
 
     send(hot, 8, 0, 1.0)
     send(warm, 3, 100, 1.0)
     actions = policy.tick(2.0)
     pins = [a for a in actions if isinstance(a, PinOn)]
-    assert len(pins) == 1 and pins[0].num_tokens == 40 and list(pins[0].token_ids or ()) == hot
+    assert len(pins) == 1 and pins[0].num_tokens == 40
+    # automatic pins keep resident what a worker holds: the holder has the prefix, nothing is computed
+    assert workers[str(pins[0].worker)].actual_hit(hot + [9]) == 40 and pins[0].token_ids is None
     execute(policy, workers, actions, now=2.0)
     assert len(policy.pin_info()) == 1 and policy.pin_info()[0].auto
     # Traffic moves to the other prefix; the old one cools down and is replaced.
@@ -180,6 +187,33 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
     [info] = policy.pin_info()
     expected = block_hashes(warm, 4)[-1]
     assert policy.pins.pins[info.pin_id].key == expected and len(info.active) == 1
+
+
+def test_auto_pins_do_not_force_placement_and_give_way_to_explicit_pins() -> None:
+    policy, workers = cluster(n=2, num_blocks=96, auto_pin=True, auto_pin_budget_blocks=1000, auto_pin_min_requests=2)
+    prompt = PREFIX + [7, 1, 2, 3]
+    for i in range(3):
+        decision = policy.route(RouteRequest(f"r{i}", block_hashes(prompt, 4), len(prompt)), float(i))
+        worker = workers[str(decision.prefill_worker)]
+        worker.run(prompt)
+        worker.finish(worker.last_id)
+        execute(policy, workers, sync(policy, workers, float(i)), float(i))
+    execute(policy, workers, policy.tick(5.0), now=5.0)
+    [auto] = policy.pin_info()
+    assert auto.auto and len(auto.active) == 1
+    holder = str(auto.active[0])
+    other = "w1" if holder == "w0" else "w0"
+    # the holder is swamped: an explicit pin would send the request there anyway; an automatic one
+    # leaves it to the cost, which picks the idle worker
+    policy.update_load(holder, WorkerLoad(queued_tokens=50_000, running_requests=30, used_block_fraction=0.9))
+    policy.update_load(other, WorkerLoad())
+    decision = policy.route(RouteRequest("after", block_hashes(prompt, 4), len(prompt)), 6.0)
+    assert decision.prefill_worker == other
+    # per-worker pin room: an explicit pin does not count automatic pins against it
+    policy.pin_worker_fraction = 16 / 96  # room for exactly one 16-block pin per worker
+    policy.update_load(holder, WorkerLoad())
+    pin_id, actions = policy.pin(list(range(500, 540)), replicas=2, now=7.0)
+    assert sorted(str(a.worker) for a in actions) == ["w0", "w1"]
 
 
 def test_repeated_pressure_losses_back_off() -> None:
