@@ -36,12 +36,15 @@ What it models
     ``--decode-tps`` (decode throughput amortised over a batch); TTFT = wait + own prefill. KV is
     freed when the request finishes; decode tokens take no KV blocks.
 
-    kvfleet runs as its router config ships in the presets: ``RouterConfig`` defaults plus
-    automatic pinning (``router.auto_pin.enabled``: prefixes with >= 2 recent requests kept
+    kvfleet runs with ``RouterConfig`` defaults plus automatic pinning turned on
+    (``router.auto_pin.enabled=true``, an opt-in setting: prefixes with >= 2 recent requests kept
     resident on the worker holding them, within 30 % of the cluster's pool); a "no-auto-pin" run
-    at W=8 shows what that adds (0.5x: 0.892 vs 0.879; 2x: 0.747 vs 0.701). Nearly all the hits
-    the router alone cannot win back are prefixes evicted from every worker by one-off prompt
-    tails between two requests for them; pinning the recurring ones halves that loss.
+    at W=8 shows what that adds (0.5x: 0.892 vs 0.879, the approximate tree's 0.879; 2x: 0.747 vs
+    0.701). Nearly all the hits the router alone cannot win back are prefixes evicted from every
+    worker by one-off prompt tails between two requests for them; pinning the recurring ones
+    halves that loss. (The presets leave it off: they split prefill and decode, and automatic
+    pins go on prefill workers only, while a repeated prompt is mostly served from the decode
+    worker's cache; in the 2P+2D cluster benchmark it brought no gain.)
 
     Router: every arrival is routed with the worker loads of that instant (queued work in
     prefill-token equivalents, admitted + waiting requests, used block fraction); KV events reach
@@ -462,7 +465,7 @@ class Simulation:
             capacity = sum(
                 len(HitRules(GROUPS).needed(self.trace.prefix_hashes[r], self._aligned(r))) for r in self.pinned
             ) * self.args.pin_replicas  # fmt: skip
-        # kvfleet as the router config ships it (automatic pinning on, as in the presets)
+        # kvfleet: RouterConfig defaults, automatic pinning on unless the run says otherwise
         config = RouterConfig(seed=seed, pin_capacity_blocks=capacity, auto_pin=AutoPinConfig(enabled=self.auto_pin))
         return RoutingPolicy.build(config, GROUPS, None, 0.0)
 
