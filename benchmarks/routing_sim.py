@@ -69,7 +69,12 @@ Metrics
     hit: cached prompt tokens / prompt tokens, at admission. TTFT mean and p90. imbalance: max /
     mean busy time over the workers. decision latency: CPU time of ``route`` alone (the thread's
     CPU clock: preemption by other processes on the shared machine is excluded, the wall-clock p99
-    is printed next to it; hashing happens once at the ingress and is excluded). accuracy: share
+    is printed next to it; hashing happens once at the ingress and is excluded). The JSON's W=64
+    decision p99 replays each W=64 kvfleet run ``--decision-replays`` times (3; the simulation is
+    deterministic, so the decisions are the same) and takes each decision's least CPU time
+    before the p99: stalls from other tenants of the shared 2-core VM moved the single-run p99
+    between 171 and 287 us for the same code, and moved the prefix tree's and round robin's by
+    the same factor. accuracy: share
     of requests whose predicted hit equals the hit the chosen worker's coordinator gave at
     admission ("at decision": the hit it would have given at the routing instant; the two differ
     only for requests that had to wait for admission). Pinned scenarios (W=8, 2x): ``--pins``
@@ -86,9 +91,10 @@ Output
     ``{"hit_ratio_vs_round_robin", "hit_ratio_vs_approx_tree", "p90_ttft_ratio_vs_round_robin",
     "imbalance", "prediction_accuracy", "decision_p99_us_w64", "pinned_hit_rate_2x",
     "unpinned_hit_rate_2x", "pin_recovery_sim_s"}`` (ratios, imbalance and accuracy: kvfleet at
-    W=8, working set 0.5x; decision_p99_us_w64: the larger of kvfleet's two W=64 runs).
+    W=8, working set 0.5x; decision_p99_us_w64: the larger of kvfleet's two W=64 scenarios, each
+    decision at its least CPU time over the replays).
 
-    python benchmarks/routing_sim.py                  # full run (about four minutes)
+    python benchmarks/routing_sim.py                  # full run (about five minutes)
     python benchmarks/routing_sim.py --quick          # smoke run (seconds)
 """
 
@@ -170,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pins", type=int, default=10, help="prefixes pinned in the pinned scenarios")
     ap.add_argument("--pin-replicas", type=int, default=2)
     ap.add_argument("--skip-w64-2x", action="store_true", help="leave out the W=64 2x scenario")
+    ap.add_argument("--decision-replays", type=int, default=3,
+                    help="W=64 kvfleet runs whose per-decision minimum CPU time gives decision_p99_us_w64")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = ap.parse_args(argv)
     if args.quick:
@@ -409,6 +417,17 @@ class Result:
             hit += min(r.hit, length)
             total += length
         return hit / total if total else 0.0
+
+
+def min_decision_p99(first: Result, replays: list[Result]) -> float:
+    """p99 over decisions of each decision's least CPU time across identical runs (the runs are
+    deterministic, so record i is the same decision in every one)."""
+    runs = [first, *replays]
+    placed = [rec.worker for rec in first.records]
+    if any([rec.worker for rec in r.records] != placed for r in replays):
+        raise RuntimeError("decision replays placed requests differently: the simulation is not deterministic")
+    least = [min(r.records[i].decision_cpu_ns for r in runs) / 1000 for i in range(len(first.records))]
+    return percentile(sorted(v for v, rec in zip(least, first.records) if rec.decision_ns), 0.99)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -766,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     traces: dict[tuple[int, float], Trace] = {}
+    decision_min: dict[float, float] = {}
     for workers, count in ((8, args.requests_w8), (64, args.requests_w64)):
         for ratio in (0.5, 2.0):
             trace = traces[(workers, ratio)] = make_trace(args, workers, ratio, count, prefixes, prefix_hashes)
@@ -791,6 +811,13 @@ def main(argv: list[str] | None = None) -> int:
     for ratio in (0.5, 2.0) if not args.skip_w64_2x else (0.5,):
         for policy in POLICY_NAMES:
             results[(policy, 64, ratio)] = run(traces[(64, ratio)], policy)
+        # Decision cost: the same deterministic run replayed, each decision's CPU time the least
+        # of its replays (a shared VM's stalls out, the decision's own work in)
+        first = results[("kvfleet", 64, ratio)]
+        replays = [Simulation(args, traces[(64, ratio)], "kvfleet").run() for _ in range(args.decision_replays - 1)]
+        decision_min[ratio] = min_decision_p99(first, replays)
+        LOG.info("  W=64 ws=%.1fx kvfleet decision p99 over %d replays: %.1f us (single run %.1f us)",
+                 ratio, args.decision_replays, decision_min[ratio], first.decision_us()[1])  # fmt: skip
     for load in args.sweep:
         swept = argparse.Namespace(**{**vars(args), "load": load})
         trace = make_trace(swept, 8, 0.5, args.requests_w8, prefixes, prefix_hashes)
@@ -830,14 +857,13 @@ def main(argv: list[str] | None = None) -> int:
             oracle_rate = traces[(workers, ratio)].oracle_hit_rate
             print(f"kvfleet W={workers} ws={ratio}: hit rate {result.hit_rate():.3f} = "
                   f"{result.hit_rate() / oracle_rate:.3f} of the static oracle's {oracle_rate:.3f}")  # fmt: skip
-    w64 = [r for (p, w, _), r in results.items() if p == "kvfleet" and w == 64]
     report = {
         "hit_ratio_vs_round_robin": round(kv.hit_rate() / max(1e-9, main8["round_robin"].hit_rate()), 3),
         "hit_ratio_vs_approx_tree": round(kv.hit_rate() / max(1e-9, main8["prefix_tree"].hit_rate()), 3),
         "p90_ttft_ratio_vs_round_robin": round(kv.ttft()[1] / max(1e-9, main8["round_robin"].ttft()[1]), 3),
         "imbalance": round(kv.imbalance(), 3),
         "prediction_accuracy": round(kv.accuracy() or 0.0, 4),
-        "decision_p99_us_w64": round(max(r.decision_us()[1] for r in w64), 1),
+        "decision_p99_us_w64": round(max(decision_min.values()), 1),
         "pinned_hit_rate_2x": round(pins.prefix_hit_rate(ranks, True, aligned), 4),
         "unpinned_hit_rate_2x": round(pins.prefix_hit_rate(ranks, False, aligned), 4),
         "pin_recovery_sim_s": None if removal.recovery_s is None else round(removal.recovery_s, 3),
