@@ -86,12 +86,11 @@ class Router:
             self._execute(pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
 
     # -- placement ---------------------------------------------------------------------------------
-    def route(self, request_id: str, block_hashes: list[bytes], num_tokens: int,
-              token_ids: tuple[int, ...] | None = None) -> Decision:  # fmt: skip
+    def route(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Decision:
         """Where ``request_id`` runs: its prefill and decode workers and the predicted hit."""
         now = time.monotonic()
         self._maybe_tick(now)
-        decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens, token_ids), now)
+        decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens), now)
         self.routed += 1
         self.reasons[decision.reason] += 1
         split = decision.prefill_worker != decision.decode_worker

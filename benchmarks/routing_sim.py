@@ -568,7 +568,7 @@ class Simulation:
         for name, worker in self.workers.items():
             if worker.alive:
                 router.update_load(name, worker.load(self.now, self.args.prefill_tps))
-        request = RouteRequest(f"r{index}", hashes, len(tokens), tuple(tokens) if self.auto_pin else None)
+        request = RouteRequest(f"r{index}", hashes, len(tokens))
         if self.diagnose:  # pure lookups on every worker, outside the timed decision
             found = [w.coord.find_longest_cache_hit(hashes, len(tokens) - 1) for w in self.workers.values() if w.alive]
             self.records[index].best_hit = max(h.num_tokens for h in found)

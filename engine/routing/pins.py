@@ -216,9 +216,7 @@ class PinTable:
                 break
             source = next(iter(pin.active()), None)
             pin.holders[worker] = _Holder(PENDING, now)
-            self.worker_blocks[worker] = self.worker_blocks.get(worker, 0) + pin.blocks_per_replica
-            if pin.auto:
-                self.auto_worker_blocks[worker] = self.auto_worker_blocks.get(worker, 0) + pin.blocks_per_replica
+            self._charge(worker, pin, pin.blocks_per_replica)
             actions.append(PinOn(worker, pin.pin_id, pin.block_hashes, pin.length, pin.token_ids, source))
         return actions
 
@@ -315,11 +313,15 @@ class PinTable:
             pin.losses += 1
         return actions
 
+    def _charge(self, worker: WorkerId, pin: Pin, blocks: int) -> None:
+        """Count ``blocks`` (negative: release) of ``pin`` against ``worker``."""
+        self.worker_blocks[worker] = self.worker_blocks.get(worker, 0) + blocks
+        if pin.auto:
+            self.auto_worker_blocks[worker] = self.auto_worker_blocks.get(worker, 0) + blocks
+
     def _drop_holder(self, pin: Pin, worker: WorkerId) -> Action:
         holder = pin.holders.pop(worker)
-        self.worker_blocks[worker] = self.worker_blocks.get(worker, 0) - pin.blocks_per_replica
-        if pin.auto:
-            self.auto_worker_blocks[worker] = self.auto_worker_blocks.get(worker, 0) - pin.blocks_per_replica
+        self._charge(worker, pin, -pin.blocks_per_replica)
         watch = self.watch.get(worker)
         if watch is not None:
             for key in holder.watch:
@@ -348,7 +350,6 @@ class HotPrefix:
     key: bytes
     block_hashes: list[bytes]
     length: int
-    token_ids: tuple[int, ...] | None
     count: float = 0.0
 
 
@@ -369,7 +370,7 @@ class HotPrefixes:
         self._older: set[bytes] = set()
         self._rotated_at: float | None = None
 
-    def observe(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None, now: float) -> None:
+    def observe(self, block_hashes: Sequence[bytes], now: float) -> None:
         if self._rotated_at is None:
             self._rotated_at = now
         step = self.step
@@ -395,9 +396,7 @@ class HotPrefixes:
         key = block_hashes[deepest - 1]
         hot = self.counts.get(key)
         if hot is None:
-            length = deepest * self.hash_block_size
-            tokens = tuple(token_ids[:length]) if token_ids is not None and len(token_ids) >= length else None
-            hot = self.counts[key] = HotPrefix(key, list(block_hashes[:deepest]), length, tokens)
+            hot = self.counts[key] = HotPrefix(key, list(block_hashes[:deepest]), deepest * self.hash_block_size)
         hot.count += 1.0
 
     def decay(self, now: float) -> None:

@@ -62,10 +62,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.kv_cache.events import KVEvent
+from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
-from engine.kv_cache.events import AllBlocksCleared, BlockStored
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
 from engine.routing.load import DecayedWork, SmoothedQueues
@@ -456,7 +455,7 @@ class RoutingPolicy(Router):
                 continue
             prefix = hot.counts[key]
             pin = self.pins.create(
-                prefix.block_hashes, prefix.length, replicas, now, token_ids=None, auto=True
+                prefix.block_hashes, prefix.length, replicas, now, auto=True
             )
             pinned[key] = pin.pin_id
             actions.extend(self.pins.fill(pin, now, self._choose_holder))
@@ -481,7 +480,7 @@ class RoutingPolicy(Router):
             self.index.resolve(pending, hits)
             pending = None
         if self.hot is not None:
-            self.hot.observe(hashes, request.token_ids, now)
+            self.hot.observe(hashes, now)
         if not self._disaggregated:
             workers = list(self._load_cost)
             self._require(workers, "")

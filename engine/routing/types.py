@@ -26,13 +26,11 @@ Role = Literal["both", "prefill", "decode"]
 @dataclass(frozen=True)
 class RouteRequest:
     """What the router needs of a request: its chained block hashes (computed once at the ingress,
-    at the coordinator's hash granularity) and its token count; ``token_ids`` only feed automatic
-    pinning (so a new holder can compute the prefix)."""
+    at the coordinator's hash granularity) and its token count."""
 
     request_id: str
     block_hashes: list[bytes]
     num_tokens: int
-    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass
