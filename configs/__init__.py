@@ -8,6 +8,7 @@ from configs.schema import (
     PinningConfig,
     RouterConfig,
     SchedulerConfig,
+    ServeConfig,
     TransferConfig,
     WorkersConfig,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "PinningConfig",
     "RouterConfig",
     "SchedulerConfig",
+    "ServeConfig",
     "TransferConfig",
     "WorkersConfig",
     "available_presets",

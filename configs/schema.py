@@ -262,8 +262,47 @@ class LoggingConfig(_Frozen):
         return level.upper() if isinstance(level, str) else level
 
 
+class ServeConfig(_Frozen):
+    """The OpenAI-compatible HTTP API (a Ray Serve application over the cluster).
+
+    ``host`` / ``port`` are where ``kvfleet serve`` binds Ray Serve's HTTP proxy (loopback by
+    default). ``api_key``: when set (here, or through the environment variable named by
+    ``api_key_env``, which wins), every endpoint but ``/health`` needs
+    ``Authorization: Bearer <key>``. ``max_queued_requests``: requests in flight (queued or
+    running) per ingress replica; one more is answered 429 with ``Retry-After``.
+    """
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    #: the ``model`` name clients send and /v1/models lists; None: ``model.source``
+    served_model_name: str | None = None
+    api_key: str | None = None
+    api_key_env: str = "KVFLEET_API_KEY"
+    max_queued_requests: PositiveInt = 256
+    ingress_replicas: PositiveInt = 1
+    #: CPUs each ingress replica asks of Ray (tokenizing, detokenizing, HTTP)
+    ingress_num_cpus: NonNegativeFloat = 0.5
+    graceful_shutdown_timeout_s: PositiveFloat = 30.0
+    retry_after_s: PositiveInt = 1
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        if not host.strip():
+            raise ValueError(f"must not be empty (got {host!r})")
+        return host
+
+    @field_validator("served_model_name", "api_key")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"must not be empty (got {value!r})")
+        return value
+
+
 class ClusterConfig(_Frozen):
-    """The whole cluster: model, KV cache, scheduler, workers, transfer, router, Ray, logging."""
+    """The whole cluster: model, KV cache, scheduler, workers, transfer, router, Ray, logging,
+    and the HTTP API (``serve``)."""
 
     model: ModelConfig = ModelConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
@@ -273,6 +312,7 @@ class ClusterConfig(_Frozen):
     router: RouterConfig = RouterConfig()
     ray: RayConfig = RayConfig()
     logging: LoggingConfig = LoggingConfig()
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
