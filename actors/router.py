@@ -132,7 +132,8 @@ class Router:
 
     def pins(self) -> list[dict[str, Any]]:
         """Every cluster pin: id, length, replicas, active and pending holders, expiry."""
-        self._maybe_tick(time.monotonic())
+        now = time.monotonic()
+        self._maybe_tick(now)
         pin_info = getattr(self.policy, "pin_info", None)
         if pin_info is None:
             return []
@@ -144,6 +145,7 @@ class Router:
                 "active": [str(w) for w in info.active],
                 "pending": [str(w) for w in info.pending],
                 "expires_at": info.expires_at,
+                "expires_in_s": None if info.expires_at is None else max(0.0, info.expires_at - now),
                 "auto": info.auto,
             }
             for info in pin_info()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
@@ -52,6 +53,27 @@ class ClusterCompletion(Completion):
     @property
     def disaggregated(self) -> bool:
         return self.prefill_worker != self.decode_worker
+
+
+@dataclass(frozen=True)
+class ClusterHandles:
+    """Everything another process needs to drive a started cluster (picklable): the config, the
+    worker and router actor handles, what each worker reported at start, the model directory.
+    The process that started the actors owns them; ``Cluster.attach`` only drives them."""
+
+    config: ClusterConfig
+    workers: dict[str, Any]
+    infos: dict[str, Any]
+    router: Any
+    model_directory: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text a request gained (``num_tokens`` new output tokens), as streamed to a client."""
+
+    text: str
+    num_tokens: int
 
 
 @dataclass
@@ -95,8 +117,10 @@ class Cluster:
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.model_directory = ""
         self._hash_block_size = 1
         self._owns_ray = False
+        self._owns_actors = True
         self._active: dict[str, _Request] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -126,8 +150,6 @@ class Cluster:
             worker_options,
         )
         from engine.core import resolve_model_directory
-        from engine.kv_cache.spec import hash_block_size
-        from engine.tokenizer import load_tokenizer
 
         config = self.config
         loopback_environment()
@@ -151,15 +173,8 @@ class Cluster:
                     config, f"decode-{i}", disaggregated
                 )
             infos = self._wait_ready({wid: w.info.remote() for wid, w in self.workers.items()})
-            self.infos = infos
+            self._adopt(infos, str(model_directory))
             first = next(iter(infos.values()))
-            for info in infos.values():
-                if info.groups != first.groups or info.block_size != first.block_size:
-                    raise RuntimeError(f"{info.worker_id}: KV layout differs from {first.worker_id}'s")
-            self.max_model_len = min(info.max_model_len for info in infos.values())
-            self.vocab_size = first.vocab_size
-            self._hash_block_size = hash_block_size(list(first.groups))
-            self.tokenizer = load_tokenizer(Path(model_directory), first.vocab_size)
             self.router = Router.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=0).remote(config, first.groups)
             ray.get(self.router.ready.remote(), timeout=120)
             ray.get([
@@ -181,6 +196,40 @@ class Cluster:
         )  # fmt: skip
         return self
 
+    def _adopt(self, infos: dict[str, Any], model_directory: str) -> None:
+        """Take the started workers' reports: check they share one KV layout, load the tokenizer."""
+        from engine.kv_cache.spec import hash_block_size
+        from engine.tokenizer import load_tokenizer
+
+        self.infos = dict(infos)
+        self.model_directory = model_directory
+        first = next(iter(infos.values()))
+        for info in infos.values():
+            if info.groups != first.groups or info.block_size != first.block_size:
+                raise RuntimeError(f"{info.worker_id}: KV layout differs from {first.worker_id}'s")
+        self.max_model_len = min(info.max_model_len for info in infos.values())
+        self.vocab_size = first.vocab_size
+        self._hash_block_size = hash_block_size(list(first.groups))
+        self.tokenizer = load_tokenizer(Path(model_directory), first.vocab_size)
+
+    def handles(self) -> ClusterHandles:
+        """What ``Cluster.attach`` needs to drive this cluster from another process."""
+        self._require_started()
+        return ClusterHandles(self.config, dict(self.workers), dict(self.infos), self.router, self.model_directory)
+
+    @classmethod
+    def attach(cls, handles: ClusterHandles) -> Cluster:
+        """Drive a cluster another process started (its actors stay that process's: ``shutdown``
+        here stops only this driver, never the actors or Ray)."""
+        cluster = cls(handles.config)
+        cluster._owns_actors = False
+        cluster.workers = dict(handles.workers)
+        cluster.router = handles.router
+        cluster._adopt(handles.infos, handles.model_directory)
+        cluster._start_loop()
+        cluster._started = True
+        return cluster
+
     def _wait_ready(self, refs: dict[str, Any]) -> dict[str, Any]:
         import ray
 
@@ -198,7 +247,7 @@ class Cluster:
         """Stop the workers and the router (and the embedded Ray, if started here). Idempotent."""
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized() and self._owns_actors:
             if self.workers:
                 refs = [w.shutdown.remote() for w in self.workers.values()]
                 try:
@@ -289,24 +338,36 @@ class Cluster:
     ) -> AsyncIterator[str]:
         """Text deltas of one request as its tokens arrive (an async iterator in the caller's
         loop). Leaving the iteration early aborts the request."""
-        request = self._prepare(prompt, self._sampling(sampling), request_id)
-        deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        async for item in self.stream_completion(prompt, sampling, request_id=request_id):
+            if isinstance(item, Delta) and item.text:
+                yield item.text
 
-        async def produce() -> ClusterCompletion:
+    async def stream_completion(
+        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[Delta | ClusterCompletion]:
+        """One request as it runs: a ``Delta`` whenever output tokens arrive, then its
+        ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the task that
+        iterates) aborts the request on its workers and frees its blocks."""
+        request = self._prepare(prompt, self._sampling(sampling), request_id)
+        items: asyncio.Queue[Delta | ClusterCompletion | None] = asyncio.Queue()
+
+        async def produce() -> None:
             try:
-                return await self._collect(request, deltas.put_nowait)
+                items.put_nowait(await self._collect(request, items.put_nowait))
             finally:
-                deltas.put_nowait(None)
+                items.put_nowait(None)
 
         task = asyncio.ensure_future(produce())
         try:
-            while (delta := await deltas.get()) is not None:
-                yield delta
+            while (item := await items.get()) is not None:
+                yield item
             task.result()  # raise what the request raised
         finally:
             if not task.done():
                 request.aborted = True
-                await asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers))
+                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
+                                        return_exceptions=True)  # fmt: skip
+                await asyncio.shield(aborts)
                 await asyncio.gather(task, return_exceptions=True)
 
     def abort(self, request_id: str) -> bool:
@@ -334,8 +395,18 @@ class Cluster:
     ) -> int:
         """Keep ``prefix`` (text or token ids) resident on ``replicas`` workers, for ``ttl``
         seconds or until ``unpin``; returns the pin id. ``wait``: until every replica holds it."""
-        import ray
+        return self._sync(self.apin_prefix(prefix, replicas, ttl, wait=wait, timeout_s=timeout_s))
 
+    async def apin_prefix(
+        self,
+        prefix: str | Sequence[int],
+        replicas: int = 1,
+        ttl: float | None = None,
+        *,
+        wait: bool = True,
+        timeout_s: float = 120.0,
+    ) -> int:
+        """``pin_prefix`` awaited in the caller's event loop."""
         self._require_started()
         if isinstance(prefix, str):
             if not prefix:
@@ -345,69 +416,86 @@ class Cluster:
             token_ids = self._check_ids("prefix", prefix)
         if not token_ids:
             raise ValueError(f"prefix: encodes to no tokens (got {prefix!r})")
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ValueError(f"replicas: must be an integer (got {replicas!r})")
         if replicas < 1:
             raise ValueError(f"replicas: must be >= 1 (got {replicas})")
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
-        pin_id = ray.get(self.router.pin.remote(token_ids, replicas, ttl))
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl):
+                raise ValueError(f"ttl: must be a number of seconds (got {ttl!r})")
+            if ttl <= 0:
+                raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
+            if math.isinf(ttl):
+                raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
+        pin_id = int(await self.router.pin.remote(token_ids, replicas, ttl))
         if wait:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                pins = {p["pin_id"]: p for p in ray.get(self.router.pins.remote())}
-                pin = pins.get(pin_id)
+                pin = {p["pin_id"]: p for p in await self.router.pins.remote()}.get(pin_id)
                 if pin is None or len(pin["active"]) >= pin["replicas"]:
                     break
-                time.sleep(0.05)
+                await asyncio.sleep(0.05)
             else:
                 log.warning("pin %d: not on %d replicas after %.0f s", pin_id, replicas, timeout_s)
         return pin_id
 
     def unpin(self, pin_id: int) -> bool:
         """Remove a pin everywhere; False if no such pin."""
-        import ray
+        return self._sync(self.aunpin(pin_id))
 
+    async def aunpin(self, pin_id: int) -> bool:
         self._require_started()
-        return bool(ray.get(self.router.unpin.remote(pin_id)))
+        return bool(await self.router.unpin.remote(pin_id))
 
     def pins(self) -> list[dict[str, Any]]:
-        import ray
+        return self._sync(self.apins())
 
+    async def apins(self) -> list[dict[str, Any]]:
         self._require_started()
-        return list(ray.get(self.router.pins.remote()))
+        return list(await self.router.pins.remote())
 
     def stats(self) -> dict[str, Any]:
         """Per worker: running, queued, free / total / pinned blocks, hit rate; totals; router."""
-        import ray
+        return self._sync(self.astats())
+
+    async def astats(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """``stats`` awaited in the caller's event loop."""
+        from ray.exceptions import RayActorError
 
         self._require_started()
         raw = []
         refs = {worker_id: handle.stats.remote() for worker_id, handle in self.workers.items()}
         for worker_id, ref in refs.items():
             try:
-                raw.append(ray.get(ref, timeout=60))
-            except ray.exceptions.RayActorError:
+                raw.append(await asyncio.wait_for(_await_ref(ref), timeout_s))
+            except RayActorError:
                 self._forget_worker(worker_id)
-        workers = {}
-        for stats in raw:
-            workers[stats["worker_id"]] = {
-                "role": stats["role"],
-                "running": stats["running"],
-                "queued": stats["waiting"] + stats["waiting_for_kv"],
-                "held_for_transfer": stats["held_for_transfer"],
-                "free_blocks": stats["free_blocks"],
-                "num_blocks": stats["num_blocks"],
-                "pinned_blocks": stats["pinned_blocks"],
-                "hit_rate": stats["hit_rate"],
-                "hit_tokens": stats["hit_tokens"],
-                "queried_tokens": stats["queried_tokens"],
-                "num_preemptions": stats["num_preemptions"],
-                "transfer": stats["transfer"],
-            }
+        workers = {stats["worker_id"]: _worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
-                "hit_tokens", "queried_tokens")  # fmt: skip
+                "hit_tokens", "queried_tokens", "transfer_bytes")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
-        return {"workers": workers, "totals": totals, "router": ray.get(self.router.stats.remote())}
+        return {"workers": workers, "totals": totals, "router": await self.router.stats.remote()}
+
+    async def ahealth(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Every worker this cluster started, with "ok" or why it is not healthy (an engine
+        thread that stopped, an actor that died or did not answer within ``timeout_s``)."""
+        self._require_started()
+        names = list(self.infos)
+        refs = {wid: self.workers[wid].health.remote() for wid in names if wid in self.workers}
+
+        async def one(worker_id: str) -> str:
+            if worker_id not in refs:
+                return "died (removed from the router)"
+            try:
+                await asyncio.wait_for(_await_ref(refs[worker_id]), timeout_s)
+                return "ok"
+            except TimeoutError:
+                return f"did not answer within {timeout_s:g} s"
+            except Exception as exc:
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+        return dict(zip(names, await asyncio.gather(*(one(w) for w in names)), strict=True))
 
     # -- internals ---------------------------------------------------------------------------------
     def _require_started(self) -> None:
@@ -453,7 +541,7 @@ class Cluster:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         return _Request(request_id, text, token_ids, sampling)
 
-    async def _collect(self, request: _Request, on_delta: Callable[[str], None] | None = None) -> ClusterCompletion:
+    async def _collect(self, request: _Request, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
         """Route, (prefill,) decode and detokenize one request; always leaves ``_active``.
 
         A worker that dies is removed from the router; the request is routed again if it had
@@ -482,7 +570,7 @@ class Cluster:
             if self.router is not None:
                 self.router.finished.remote(ttft_s, num_out, ok)
 
-    async def _attempt(self, request: _Request, on_delta: Callable[[str], None] | None) -> ClusterCompletion:
+    async def _attempt(self, request: _Request, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
         from ray.exceptions import RayActorError
 
         from engine.kv_cache.hashing import block_hashes
@@ -526,8 +614,8 @@ class Cluster:
                     if chunk.token_ids and not stopped:
                         first_token = first_token or time.monotonic()
                         delta = detok.add(chunk.token_ids)
-                        if delta and on_delta is not None:
-                            on_delta(delta)
+                        if on_delta is not None:
+                            on_delta(Delta(delta, len(chunk.token_ids)))
                         if detok.stopped and not chunk.finished:
                             stopped = True
                             await decoder.abort.remote(rid)
@@ -579,3 +667,26 @@ class _WorkerLost(Exception):
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+async def _await_ref(ref: Any) -> Any:
+    return await ref
+
+
+def _worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """One worker's line of ``Cluster.stats()`` from its actor's raw stats."""
+    return {
+        "role": stats["role"],
+        "running": stats["running"],
+        "queued": stats["waiting"] + stats["waiting_for_kv"],
+        "held_for_transfer": stats["held_for_transfer"],
+        "free_blocks": stats["free_blocks"],
+        "num_blocks": stats["num_blocks"],
+        "pinned_blocks": stats["pinned_blocks"],
+        "hit_rate": stats["hit_rate"],
+        "hit_tokens": stats["hit_tokens"],
+        "queried_tokens": stats["queried_tokens"],
+        "num_preemptions": stats["num_preemptions"],
+        "transfer": stats["transfer"],
+        "transfer_bytes": int(stats["transfer"].get("bytes", 0)) if isinstance(stats["transfer"], dict) else 0,
+    }

@@ -1,4 +1,5 @@
-"""The `kvfleet` command line: `config`, `generate` and `bench`, each with `--config` and `--set a.b=c`.
+"""The `kvfleet` command line: `config`, `generate`, `serve` and `bench`, each with `--config` and
+`--set a.b=c`.
 
 A bad config or override prints one message naming the field and value and exits with code 2,
 without a traceback; so does a bad prompt (empty, too long, bad sampling value). A failure of
@@ -42,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--output", help="write JSONL results here instead of stdout")
     _add_sampling_options(generate)
     generate.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API on Ray Serve until SIGINT/SIGTERM (then drain)"
+    )
+    _add_config_options(serve)
+    serve.add_argument("--host", help="bind address (default: serve.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: serve.port, 8000)")
 
     bench = commands.add_parser(
         "bench", help="shared-prefix workload: prefix-aware routing vs round robin (JSON result, last line)"
@@ -99,6 +107,8 @@ BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        args.overrides = [*args.overrides, *_serve_overrides(args)]
     if args.command == "bench" and not any(o.startswith(("workers.num_prefill", "workers.num_decode"))
                                            for o in args.overrides):  # fmt: skip
         args.overrides = [*BENCH_WORKERS, *args.overrides]  # the benchmark's 2 prefill + 2 decode workers
@@ -113,7 +123,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         return _bench(config, args)
+    if args.command == "serve":
+        return _serve(config)
     return _generate(config, args)
+
+
+def _serve_overrides(args: argparse.Namespace) -> list[str]:
+    overrides = []
+    if args.host is not None:
+        overrides.append(f"serve.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"serve.port={args.port}")
+    return overrides
+
+
+def _serve(config: ClusterConfig) -> int:
+    from serving.launch import serve_until_signalled
+
+    try:
+        return serve_until_signalled(config)
+    except Exception as exc:
+        log.exception("serve failed")
+        print(f"kvfleet: serve failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def sampling_from_args(args: argparse.Namespace) -> Any:

@@ -14,6 +14,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+
 
 class ByteTokenizer:
     """Bytes are token ids (0..255): the vocabulary of the tiny random models; needs no files."""
@@ -23,6 +25,12 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The tiny models' own chat format: ``<|role|>\ncontent\n`` per message, then
+        ``<|assistant|>\n`` when a reply is wanted."""
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return self.encode(text + ("<|assistant|>\n" if add_generation_prompt else ""))
 
 
 class HFTokenizer:
@@ -38,6 +46,16 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """``messages`` rendered by the checkpoint's own chat template and tokenized (the
+        template writes the special tokens, BOS included); ValueError if it has none."""
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use /v1/completions")
+        ids = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in some versions
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
 
 def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:

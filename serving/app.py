@@ -1,0 +1,140 @@
+"""The Ray Serve application: ``serve run serving.app:build_app config=<preset or path>``.
+
+Two deployments:
+
+* ``KvfleetController`` (one replica, no CPU of its own) starts the cluster exactly as
+  ``Cluster`` does (router actor, prefill and decode worker actors) and owns them: when Serve
+  stops it, it waits for the workers to go idle (up to the graceful-shutdown timeout) and stops
+  them.
+* ``KvfleetIngress`` (``serve.ingress_replicas`` replicas) serves the OpenAI-compatible API. Each
+  replica attaches a driver to the controller's actors (``Cluster.attach``): the same request
+  path as the driver API, with the tokenizer and the detokenizer in the ingress process.
+
+Arguments (``serve run ... key=value``, or ``args`` in a RayService's serveConfigV2):
+``config`` (preset name or YAML path; default ``local``) and ``overrides`` (a list of
+``a.b=c``, or one string of them separated by commas or spaces).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.api import Cluster, ClusterHandles
+from configs import ClusterConfig, load_config
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "kvfleet"
+CONTROLLER = "KvfleetController"
+INGRESS = "KvfleetIngress"
+IDLE_POLL_S = 0.2
+HEADROOM_REQUESTS = 64  # /health, /metrics and admin calls beyond the queue bound
+
+
+class ClusterController:
+    """Owns the cluster's router and worker actors for the application's lifetime.
+
+    Invariants: the cluster is started before the replica reports ready; ``handles()`` always
+    names the actors this replica started; stopping waits for idle workers, then kills them.
+    """
+
+    def __init__(self, config: ClusterConfig):
+        from cluster.logs import setup_logging
+
+        setup_logging(config.logging)
+        self.config = config
+        self.cluster = Cluster(config).start()
+
+    def handles(self) -> ClusterHandles:
+        return self.cluster.handles()
+
+    async def check_health(self) -> None:
+        """Serve's health check: the router must answer (workers are checked by /health)."""
+        await self.cluster.router.ready.remote()
+
+    def __del__(self) -> None:
+        cluster = getattr(self, "cluster", None)
+        if cluster is None:
+            return
+        deadline = time.monotonic() + self.config.serve.graceful_shutdown_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                totals = cluster.stats()["totals"]
+            except Exception:
+                break
+            if totals["running"] + totals["queued"] == 0:
+                break
+            time.sleep(IDLE_POLL_S)
+        cluster.shutdown()
+
+
+class OpenAIIngress:
+    """One ingress replica: a driver attached to the controller's cluster, serving the API.
+
+    Invariants: the driver is attached once, before the first request is answered; it never
+    stops the controller's actors.
+    """
+
+    def __init__(self, controller: Any):
+        self._controller = controller
+        self._cluster: Cluster | None = None
+        self._app: Any = None
+
+    async def _attach(self) -> Cluster:
+        if self._cluster is None:
+            handles: ClusterHandles = await self._controller.handles.remote()
+            self._cluster = Cluster.attach(handles)
+        return self._cluster
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        from serving.api import build_api
+
+        self._app = build_api(await self._attach())
+        return self._app
+
+    def __del__(self) -> None:
+        if self._cluster is not None:
+            self._cluster.shutdown()
+
+
+def kvfleet_app(config: ClusterConfig) -> Application:
+    """The application for ``config``: the controller and ``serve.ingress_replicas`` ingresses."""
+    serve_config = config.serve
+    timeout_s = serve_config.graceful_shutdown_timeout_s
+    controller = serve.deployment(
+        ClusterController,
+        name=CONTROLLER,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=timeout_s + 10,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+    )
+    ingress = serve.deployment(
+        serve.ingress()(OpenAIIngress),
+        name=INGRESS,
+        num_replicas=serve_config.ingress_replicas,
+        ray_actor_options={"num_cpus": serve_config.ingress_num_cpus},
+        max_ongoing_requests=serve_config.max_queued_requests + HEADROOM_REQUESTS,
+        graceful_shutdown_timeout_s=timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+    )
+    return ingress.bind(controller.bind(config))
+
+
+def build_app(args: Mapping[str, Any]) -> Application:
+    """``serve run serving.app:build_app config=tiny overrides=workers.num_decode=2``."""
+    unknown = set(args) - {"config", "overrides"}
+    if unknown:
+        raise ValueError(f"build_app: unknown arguments {sorted(unknown)} (expected config, overrides)")
+    overrides = args.get("overrides") or []
+    if isinstance(overrides, str):
+        overrides = [o for o in overrides.replace(",", " ").split() if o]
+    return kvfleet_app(load_config(str(args.get("config") or "local"), list(overrides)))
+

@@ -1,0 +1,98 @@
+"""Start and stop the HTTP API on Ray Serve: what ``kvfleet serve`` runs.
+
+``start_serving(config)`` connects to Ray (an embedded local cluster sized for the workers and
+the ingress replicas, or ``ray.address``), starts Serve's HTTP proxy on ``serve.host:serve.port``
+and deploys the application; it returns once every deployment is running (the workers have
+loaded the model). ``stop_serving`` deletes the application, which drains it: ingress replicas
+finish their in-flight requests (up to ``serve.graceful_shutdown_timeout_s``), the controller
+waits for idle workers and stops them; then Serve (and an embedded Ray) shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from configs import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Serving:
+    """A running application: its base URL and whether this process started Ray."""
+
+    url: str
+    owns_ray: bool
+    started_s: float
+
+
+def start_serving(config: ClusterConfig) -> Serving:
+    import ray
+    from ray import serve
+
+    from cluster.placement import embedded_init_kwargs, loopback_environment
+    from serving.app import APP_NAME, kvfleet_app
+
+    loopback_environment()
+    started = time.monotonic()
+    owns_ray = False
+    if not ray.is_initialized():
+        if config.ray.address:
+            ray.init(address=config.ray.address, namespace=config.ray.namespace)
+        else:
+            kwargs = embedded_init_kwargs(config)
+            ingress_cpus = config.serve.ingress_replicas * config.serve.ingress_num_cpus
+            kwargs["num_cpus"] = int(-(-(kwargs["num_cpus"] + ingress_cpus) // 1))
+            ray.init(**kwargs)
+            owns_ray = True
+    try:
+        serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+        serve.run(kvfleet_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    except BaseException:
+        stop_serving(owns_ray)
+        raise
+    host = config.serve.host if config.serve.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return Serving(f"http://{host}:{config.serve.port}", owns_ray, time.monotonic() - started)
+
+
+def stop_serving(owns_ray: bool) -> None:
+    """Drain and delete the application, stop Serve, and stop Ray if this process started it."""
+    import ray
+    from ray import serve
+
+    from serving.app import APP_NAME
+
+    if ray.is_initialized():
+        try:
+            serve.delete(APP_NAME)
+            serve.shutdown()
+        except Exception as exc:
+            log.warning("serve shutdown: %s", exc)
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
+
+
+def serve_until_signalled(config: ClusterConfig) -> int:
+    """``kvfleet serve``: start, print the URL, serve until SIGINT / SIGTERM, drain, stop."""
+    import signal
+
+    serving = start_serving(config)  # Ctrl-C while starting: KeyboardInterrupt, cleaned up there
+    stop = threading.Event()
+    # after ray.init, which installs a SIGTERM handler of its own that exits at once
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    model = config.serve.served_model_name or config.model.source
+    print(f"kvfleet: serving {model} at {serving.url} (OpenAI API under {serving.url}/v1)", flush=True)
+    log.info("ready in %.1f s; Ctrl-C (SIGINT) or SIGTERM drains and stops", serving.started_s)
+    try:
+        while not stop.wait(0.5):
+            pass
+        log.info("draining in-flight requests (up to %.0f s)", config.serve.graceful_shutdown_timeout_s)
+    finally:
+        stop_serving(serving.owns_ray)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,93 @@
+"""Prometheus metrics of the HTTP API (``GET /metrics``), with ``prometheus_client``.
+
+Request-level series (requests by endpoint and status, prompt / generated / cached tokens, TTFT
+and inter-token latency histograms, requests in flight) are counted by the ingress replica that
+served the request. Cluster-level gauges (queue depth, running requests, hit rate, free and
+pinned blocks, KV transfer bytes) are read from ``Cluster.astats()`` at scrape time. Every name
+starts with ``kvfleet_``; counters end in ``_total`` in the exposition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ClusterGauges:
+    """A collector exposing the last cluster stats snapshot (set before each scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] | None = None
+
+    def collect(self) -> Any:
+        stats = self.snapshot
+        if stats is None:
+            return
+        totals = stats["totals"]
+        yield _gauge("kvfleet_queue_depth", "Requests waiting on the workers (queued or waiting for KV).",
+                     totals["queued"])  # fmt: skip
+        yield _gauge("kvfleet_running_requests", "Requests running on the workers.", totals["running"])
+        yield _gauge("kvfleet_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, share.",
+                     totals["hit_rate"])  # fmt: skip
+        yield _gauge("kvfleet_free_blocks", "Free KV blocks over every worker.", totals["free_blocks"])
+        yield _gauge("kvfleet_pinned_blocks", "Pinned KV blocks over every worker.", totals["pinned_blocks"])
+        yield _gauge("kvfleet_kv_transfer_bytes", "KV bytes decode workers pulled from prefill workers (so far).",
+                     totals["transfer_bytes"])  # fmt: skip
+        per_worker = GaugeMetricFamily("kvfleet_worker_hit_rate", "Prefix cache hit rate per worker.",
+                                       labels=["worker_id", "role"])  # fmt: skip
+        for worker_id, worker in stats["workers"].items():
+            per_worker.add_metric([worker_id, worker["role"]], worker["hit_rate"])
+        yield per_worker
+
+
+class ServeMetrics:
+    """Owns one replica's registry: request counters and histograms plus the cluster gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvfleet_http_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("kvfleet_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("kvfleet_generation_tokens", "Generated tokens.", registry=r)
+        self.cached_tokens = Counter("kvfleet_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
+                                     registry=r)  # fmt: skip
+        self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "Time to first token, from arrival.",
+                              buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
+        self.itl = Histogram("kvfleet_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.in_flight = Gauge("kvfleet_http_requests_in_flight", "Generation requests admitted, not finished.",
+                               registry=r)  # fmt: skip
+        self.rejected = Counter("kvfleet_http_requests_rejected", "Requests refused with 429 (queue bound full).",
+                                registry=r)  # fmt: skip
+        self.cluster = ClusterGauges()
+        r.register(self.cluster)
+
+    def record_completion(self, prompt_tokens: int, output_tokens: int, cached_tokens: int, ttft_s: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        if output_tokens:
+            self.ttft.observe(ttft_s)
+
+    def record_gap(self, gap_s: float, num_tokens: int) -> None:
+        """Output tokens that arrived together ``gap_s`` after the previous ones."""
+        if num_tokens <= 0:
+            return
+        per_token = gap_s / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(per_token)
+
+    def exposition(self, cluster_stats: dict[str, Any] | None) -> bytes:
+        self.cluster.snapshot = cluster_stats
+        return generate_latest(self.registry)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))
