@@ -10,13 +10,21 @@
   manifest names (a mounted ConfigMap key or a repo preset) loads with ``configs.load_config``;
   each worker group advertises exactly the custom resource of its role (the roles of
   ``configs.schema.WorkersConfig``) with enough pods, CPUs and GPUs for the preset's workers.
-Negative tests mutate a manifest and show each validator catches the error.
+* The RayService: its serveConfigV2 is a valid Ray Serve config (with no unknown keys) whose
+  import path is a module of this repo that accepts its ``args``; the preset it names is the
+  mounted ConfigMap; its deployments are the app's (``KvfleetController``, ``KvfleetIngress``),
+  on the head, within the head's CPUs; port 8000 agrees across http_options, the head's `serve`
+  container port, the Service and the preset; its cluster is raycluster.yaml's but for the
+  documented serving changes.
+Every test that walks the manifests of a kind first asserts there is one: none passes on an
+empty k8s/. Negative tests mutate a manifest and show each validator catches the error.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import json
 import os
 import shlex
@@ -27,6 +35,7 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import pydantic
 import pytest
 import yaml
 
@@ -322,15 +331,178 @@ def _kinds() -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The RayService: its Serve config and what it must agree with
+
+SERVE_PORT = 8000
+SERVE_PORT_NAME = "serve"  # the head container port KubeRay's serve Service targets
+DEPLOYMENTS = {"KvfleetController", "KvfleetIngress"}  # the deployments of serving/app.py
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives the head node alone
+API_KEY_SECRET = {"name": "kvfleet-api-key", "key": "api-key", "optional": True}
+
+
+def rayservice() -> dict[str, Any]:
+    """A copy of the one RayService in k8s/."""
+    services = manifests("RayService")
+    assert len(services) == 1, f"expected exactly one RayService in k8s/, found {_ids(services)}"
+    return copy.deepcopy(services[0][1])
+
+
+def serve_config(doc: dict[str, Any]) -> dict[str, Any]:
+    """The RayService's serveConfigV2 (a YAML string in the manifest), parsed."""
+    text = doc["spec"]["serveConfigV2"]
+    assert isinstance(text, str), "serveConfigV2 must be a YAML string"
+    parsed = yaml.safe_load(text)
+    assert isinstance(parsed, dict), "serveConfigV2 must hold a YAML mapping"
+    return parsed
+
+
+def the_application(doc: dict[str, Any]) -> dict[str, Any]:
+    apps = serve_config(doc).get("applications", [])
+    assert len(apps) == 1, f"expected one Serve application, found {len(apps)}"
+    return apps[0]
+
+
+def serve_config_problems(config: dict[str, Any]) -> list[str]:
+    """Why Ray Serve would not take ``config`` as written ([] if it would).
+
+    Ray's own schema (``ray.serve.schema.ServeDeploySchema``) checks types and values; it ignores
+    unknown keys (for forward compatibility), so each key is also checked against its model here.
+    """
+    schema = pytest.importorskip("ray.serve.schema")
+    problems = []
+
+    def unknown_keys(where: str, mapping: Any, model: Any) -> None:
+        if isinstance(mapping, dict):
+            unknown = sorted(set(mapping) - set(model.model_fields))
+            problems.extend(f"{where}.{key}: unknown to Ray Serve" for key in unknown)
+
+    unknown_keys("<root>", config, schema.ServeDeploySchema)
+    unknown_keys("http_options", config.get("http_options"), schema.HTTPOptionsSchema)
+    for i, app in enumerate(config.get("applications") or []):
+        unknown_keys(f"applications.{i}", app, schema.ServeApplicationSchema)
+        deployments = app.get("deployments") if isinstance(app, dict) else None
+        for j, deployment in enumerate(deployments or []):
+            where = f"applications.{i}.deployments.{j}"
+            unknown_keys(where, deployment, schema.DeploymentSchema)
+            if isinstance(deployment, dict):
+                actor_options = deployment.get("ray_actor_options")
+                unknown_keys(f"{where}.ray_actor_options", actor_options, schema.RayActorOptionsSchema)
+    try:
+        schema.ServeDeploySchema.model_validate(config)
+    except pydantic.ValidationError as err:
+        problems += [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+    return problems
+
+
+def serving_port_problems(doc: dict[str, Any], config: ClusterConfig) -> list[str]:
+    """Where the port chain breaks: Serve's proxy (http_options), the head's `serve` container
+    port, the serve Service's port and target, and the preset's serve.port must all agree."""
+    problems = []
+    http = serve_config(doc).get("http_options", {})
+    port = http.get("port")
+    if http.get("host") != "0.0.0.0":
+        problems.append(f"http_options.host {http.get('host')!r}: the proxy must listen on the pod IP (0.0.0.0)")
+    head = ray_container(doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    named = {p.get("name"): p for p in head.get("ports", [])}
+    if SERVE_PORT_NAME not in named:
+        problems.append(f"head container: no port named {SERVE_PORT_NAME!r} (KubeRay's serve Service needs it)")
+    elif named[SERVE_PORT_NAME]["containerPort"] != port:
+        container_port = named[SERVE_PORT_NAME]["containerPort"]
+        problems.append(f"head container port {SERVE_PORT_NAME!r} {container_port} != http_options.port {port}")
+    service_ports = [p for p in doc["spec"].get("serveService", {}).get("spec", {}).get("ports", [])
+                     if p.get("name") == SERVE_PORT_NAME]  # fmt: skip
+    if len(service_ports) != 1:
+        problems.append(f"serveService: expected one port named {SERVE_PORT_NAME!r}, found {len(service_ports)}")
+    else:
+        service_port = service_ports[0]
+        if service_port.get("port") != port:
+            problems.append(f"serveService port {service_port.get('port')} != http_options.port {port}")
+        if service_port.get("targetPort", service_port.get("port")) not in (SERVE_PORT_NAME, port):
+            problems.append(f"serveService targetPort {service_port['targetPort']!r} is not the proxy's port")
+    if config.serve.port != port:
+        problems.append(f"preset serve.port {config.serve.port} != http_options.port {port}")
+    return problems
+
+
+def deployment_problems(doc: dict[str, Any], config: ClusterConfig) -> list[str]:
+    """Why the app's deployments are not the expected ones, on the head, within its CPUs."""
+    app = the_application(doc)
+    deployments = {d.get("name"): d for d in app.get("deployments", [])}
+    if set(deployments) != DEPLOYMENTS:
+        return [f"deployments {sorted(map(str, deployments))} != {sorted(DEPLOYMENTS)} (serving/app.py's names)"]
+    problems = []
+    head_cpus_needed = 0.0
+    for name, deployment in sorted(deployments.items()):
+        options = deployment.get("ray_actor_options", {})
+        if options.get("resources", {}).get(HEAD_RESOURCE, 0) <= 0:
+            problems.append(f"{name}: ray_actor_options.resources must ask for {HEAD_RESOURCE} (run on the head)")
+        head_cpus_needed += deployment.get("num_replicas", 1) * options.get("num_cpus", 1)  # Serve's default: 1 CPU
+    controller, ingress = deployments["KvfleetController"], deployments["KvfleetIngress"]
+    if controller.get("num_replicas") != 1 or controller.get("ray_actor_options", {}).get("num_cpus") != 0:
+        problems.append("KvfleetController: one replica, num_cpus 0 (it owns the cluster's actors)")
+    if ingress.get("num_replicas") != config.serve.ingress_replicas:
+        problems.append(f"KvfleetIngress num_replicas != preset serve.ingress_replicas {config.serve.ingress_replicas}")
+    if ingress.get("ray_actor_options", {}).get("num_cpus") != config.serve.ingress_num_cpus:
+        problems.append(f"KvfleetIngress num_cpus != preset serve.ingress_num_cpus {config.serve.ingress_num_cpus}")
+    head = doc["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head_cpus = float(head.get("rayStartParams", {}).get("num-cpus", 0))
+    if head_cpus_needed > head_cpus:
+        problems.append(f"the head's deployments need {head_cpus_needed} CPUs, rayStartParams num-cpus is {head_cpus}")
+    limit = parse_cpu(ray_container(head["template"]).get("resources", {}).get("limits", {}).get("cpu", 0))
+    if head_cpus > limit:
+        problems.append(f"head num-cpus {head_cpus} > its container's cpu limit {limit}")
+    return problems
+
+
+def serving_cluster(cluster_spec: dict[str, Any]) -> dict[str, Any]:
+    """raycluster.yaml's spec with the RayService's documented changes (see rayservice.yaml).
+
+    On the head only: the container port `serve` 8000 (Serve's HTTP proxy, which the serve
+    Service targets), KVFLEET_API_KEY from the optional Secret kvfleet-api-key, and no
+    kvfleet-data volume (serving reads no files; the ReadWriteOnce claim would tie this head to
+    raycluster.yaml's and block the second cluster KubeRay builds on a rayClusterConfig change).
+    """
+    spec = copy.deepcopy(cluster_spec)
+    template = spec["headGroupSpec"]["template"]
+    head = ray_container(template)
+    head["ports"].append({"name": SERVE_PORT_NAME, "containerPort": SERVE_PORT})
+    head["env"].append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": dict(API_KEY_SECRET)}})
+    head["volumeMounts"] = [m for m in head["volumeMounts"] if m["name"] != "kvfleet-data"]
+    template["spec"]["volumes"] = [v for v in template["spec"]["volumes"] if v["name"] != "kvfleet-data"]
+    return spec
+
+
+def _rayservice_preset(doc: dict[str, Any], tmp_path: Path) -> tuple[str, ClusterConfig]:
+    """(path as the pods see it, loaded config) of the preset the app's ``args.config`` names."""
+    path = the_application(doc)["args"]["config"]
+    _, text = configmap_preset(doc["spec"]["rayClusterConfig"], path)
+    return path, preset_from_text(text, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
 # The manifests as they are
 
 
 def test_k8s_dir_has_the_expected_kinds() -> None:
-    assert {"RayCluster", "RayJob", "ConfigMap"} <= _kinds()
+    assert {"RayCluster", "RayJob", "RayService", "ConfigMap", "PersistentVolumeClaim"} <= _kinds()
     for where, doc in manifests():
         assert doc.get("apiVersion") and doc.get("kind"), f"{where}: apiVersion and kind are required"
         assert doc.get("metadata", {}).get("name"), f"{where}: metadata.name is required"
     assert cluster_specs(), "no Ray cluster spec in k8s/"
+
+
+def test_parametrized_manifest_sets_are_not_empty() -> None:
+    """A parametrized test over zero manifests is skipped, not failed: name what each must see."""
+    custom = [d.get("kind") for _, d in manifests() if d.get("kind") in RAY_KINDS]
+    assert set(custom) == RAY_KINDS, f"each KubeRay kind needs a manifest to validate: {custom}"
+    core = [d.get("kind") for _, d in manifests() if d.get("kind") not in RAY_KINDS]
+    assert {"ConfigMap", "PersistentVolumeClaim"} <= set(core)
+    # raycluster.yaml, rayjob.yaml's own cluster and rayservice.yaml's
+    assert sorted(where.split("#")[0] for where, _ in cluster_specs()) == [
+        "k8s/raycluster.yaml",
+        "k8s/rayjob.yaml",
+        "k8s/rayservice.yaml",
+    ]
 
 
 @needs_crds
@@ -368,7 +540,9 @@ def test_entrypoint_modules_exist_in_the_repo() -> None:
 
 
 def test_entrypoint_preset_is_a_mounted_configmap_that_loads(tmp_path: Path) -> None:
-    for where, doc in manifests("RayJob"):
+    jobs = manifests("RayJob")
+    assert jobs
+    for where, doc in jobs:
         argv = entrypoint_argv(doc["spec"]["entrypoint"])
         config_arg = flag_value(argv, "--config")
         assert config_arg, f"{where}: the entrypoint names no --config"
@@ -395,6 +569,7 @@ def test_every_configmap_preset_loads(tmp_path: Path) -> None:
 
 def test_worker_groups_advertise_their_role_and_fit_the_preset(tmp_path: Path) -> None:
     assert ROLES == ("prefill", "decode")
+    assert cluster_specs()
     for where, spec in cluster_specs():
         _, text = configmap_preset(spec, "/etc/kvfleet/preset.yaml")
         config = preset_from_text(text, tmp_path)
@@ -402,6 +577,7 @@ def test_worker_groups_advertise_their_role_and_fit_the_preset(tmp_path: Path) -
 
 
 def test_ray_pods_have_shm_usage_stats_off_and_ucx_env(tmp_path: Path) -> None:
+    assert cluster_specs()
     for where, spec in cluster_specs():
         _, text = configmap_preset(spec, "/etc/kvfleet/preset.yaml")
         config = preset_from_text(text, tmp_path)
@@ -428,17 +604,92 @@ def test_all_ray_containers_share_one_image() -> None:
 
 def test_rayjob_cluster_is_the_raycluster_spec() -> None:
     ((_, cluster),) = manifests("RayCluster")
-    for where, job in manifests("RayJob"):
+    jobs = manifests("RayJob")
+    assert any("rayClusterSpec" in job["spec"] for _, job in jobs), "no RayJob with its own cluster"
+    assert any("clusterSelector" in job["spec"] for _, job in jobs), "no RayJob on the RayCluster"
+    for where, job in jobs:
         if "rayClusterSpec" in job["spec"]:
             assert job["spec"]["rayClusterSpec"] == cluster["spec"], f"{where}: drifted from raycluster.yaml"
         else:
             assert job_cluster(job) is not None
 
 
+
+
 @needs_crds
-def test_rayservice_kind_exists_in_the_crds_if_used() -> None:
-    for where, doc in manifests("RayService"):
-        crd_schema("RayService", doc["apiVersion"])
+def test_the_one_rayservice_validates_against_its_crd() -> None:
+    doc = rayservice()
+    assert doc["apiVersion"] == "ray.io/v1" and doc["metadata"]["name"] == "kvfleet"
+    assert crd_errors(doc) == []
+
+
+def test_rayservice_serve_service_validates_as_a_core_service() -> None:
+    service = rayservice()["spec"]["serveService"]
+    assert core_errors({"apiVersion": "v1", "kind": "Service", **service}) == []
+    assert service["metadata"]["name"] == "kvfleet-serve-svc"  # what k8s/README.md port-forwards
+
+
+def test_rayservice_serve_config_is_valid_for_ray_serve() -> None:
+    doc = rayservice()
+    config = serve_config(doc)
+    assert serve_config_problems(config) == []
+    assert config.get("proxy_location") == "HeadOnly"  # the proxy with the deployments, on the head
+    app = the_application(doc)
+    assert app["name"] == "kvfleet" and app["route_prefix"] == "/"
+
+
+def test_rayservice_import_path_is_a_module_of_the_repo() -> None:
+    module, _, attribute = the_application(rayservice())["import_path"].partition(":")
+    assert (module, attribute) == ("serving.app", "build_app")
+    source = REPO.joinpath(*module.split(".")).with_suffix(".py")
+    assert source.is_file(), f"{source.relative_to(REPO)} is not in the repo"
+    text = source.read_text()
+    assert f"def {attribute}(" in text
+    for name in DEPLOYMENTS:  # Serve rejects a config that names a deployment the app lacks
+        assert f'"{name}"' in text, f"{source.relative_to(REPO)} names no deployment {name!r}"
+
+
+def test_rayservice_preset_is_the_mounted_configmap_and_the_app_builds_from_it(tmp_path: Path) -> None:
+    doc = rayservice()
+    path, config = _rayservice_preset(doc, tmp_path)
+    assert path == "/etc/kvfleet/preset.yaml"
+    assert config.ray.address == "auto" and config.workers.role_resources
+    # build_app with the manifest's args (the preset at a local path): it rejects unknown args
+    # and loads the preset, as the replica will; nothing starts until Serve deploys it.
+    serve = pytest.importorskip("ray.serve")
+    app = the_application(doc)
+    module, _, attribute = app["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), attribute)
+    assert isinstance(builder({**app["args"], "config": str(tmp_path / "preset.yaml")}), serve.Application)
+
+
+def test_rayservice_deployments_run_on_the_head_and_fit_it(tmp_path: Path) -> None:
+    doc = rayservice()
+    _, config = _rayservice_preset(doc, tmp_path)
+    assert deployment_problems(doc, config) == []
+    constants = pytest.importorskip("ray._common.constants")
+    assert constants.HEAD_NODE_RESOURCE_NAME == HEAD_RESOURCE
+
+
+def test_rayservice_port_8000_agrees_everywhere(tmp_path: Path) -> None:
+    doc = rayservice()
+    _, config = _rayservice_preset(doc, tmp_path)
+    assert serve_config(doc)["http_options"]["port"] == SERVE_PORT
+    assert serving_port_problems(doc, config) == []
+
+
+def test_rayservice_api_key_comes_from_an_optional_secret(tmp_path: Path) -> None:
+    doc = rayservice()
+    _, config = _rayservice_preset(doc, tmp_path)
+    head = ray_container(doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    env = {item["name"]: item for item in head["env"]}
+    assert env[config.serve.api_key_env]["valueFrom"]["secretKeyRef"] == API_KEY_SECRET
+    assert config.serve.api_key is None, "keep the key out of the ConfigMap"
+
+
+def test_rayservice_cluster_is_the_raycluster_spec_with_the_serving_changes() -> None:
+    ((_, cluster),) = manifests("RayCluster")
+    assert rayservice()["spec"]["rayClusterConfig"] == serving_cluster(cluster["spec"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +752,57 @@ def test_crd_validation_rejects_a_bad_rayjob() -> None:
     errors = crd_errors(job)
     assert any("shutdownAfterJobFinishes" in e for e in errors)
     assert any("entrypiont" in e for e in errors)
+
+
+@needs_crds
+def test_crd_validation_rejects_a_bad_rayservice() -> None:
+    doc = rayservice()
+    doc["spec"]["serveConfigV2"] = serve_config(doc)  # a mapping where the CRD wants a string
+    doc["spec"]["serveService"]["spec"]["ports"][0]["port"] = "8000"
+    doc["spec"]["serveConfig"] = doc["spec"].pop("serveService")
+    errors = crd_errors(doc)
+    assert any(e.startswith("spec.serveConfigV2") and "string" in e for e in errors), errors
+    assert any("serveConfig" in e and "Additional properties" in e for e in errors), errors
+    doc["spec"]["serveService"] = doc["spec"].pop("serveConfig")
+    doc["spec"]["serveConfigV2"] = rayservice()["spec"]["serveConfigV2"]
+    assert any("ports.0.port" in e and "integer" in e for e in crd_errors(doc))
+
+
+def test_serve_config_check_catches_bad_serve_configs() -> None:
+    config = serve_config(rayservice())
+    deployment = config["applications"][0]["deployments"][1]
+    deployment["num_replica"] = deployment.pop("num_replicas")
+    deployment["ray_actor_options"]["num_cpu"] = 1
+    config["proxy_location"] = "Nowhere"
+    config["http_options"]["port"] = "eighty"
+    problems = serve_config_problems(config)
+    for fragment in ("num_replica:", "num_cpu:", "proxy_location", "http_options.port"):
+        assert any(fragment in p for p in problems), (fragment, problems)
+
+
+def test_serving_checks_catch_port_and_deployment_mismatches(tmp_path: Path) -> None:
+    doc = rayservice()
+    _, config = _rayservice_preset(doc, tmp_path)
+    head = ray_container(doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    next(p for p in head["ports"] if p["name"] == "serve")["containerPort"] = 8080
+    assert any("8080" in p for p in serving_port_problems(doc, config))
+    moved = config_from_dict({**config.model_dump(), "serve": {**config.serve.model_dump(), "port": 9000}})
+    assert any("serve.port 9000" in p for p in serving_port_problems(rayservice(), moved))
+
+    text = doc["spec"]["serveConfigV2"]
+    doc["spec"]["serveConfigV2"] = text.replace("num_cpus: 1\n", "num_cpus: 3\n")
+    assert any("need 3.0 CPUs" in p for p in deployment_problems(doc, config))
+    doc["spec"]["serveConfigV2"] = text.replace('resources: {"node:__internal_head__": 0.001}', "resources: {}", 1)
+    assert any("KvfleetController" in p and HEAD_RESOURCE in p for p in deployment_problems(doc, config))
+    doc["spec"]["serveConfigV2"] = text.replace("KvfleetIngress", "Ingress")
+    assert any("serving/app.py" in p for p in deployment_problems(doc, config))
+
+
+def test_serving_cluster_drift_is_caught() -> None:
+    ((_, cluster),) = manifests("RayCluster")
+    doc = rayservice()
+    _group({"spec": doc["spec"]["rayClusterConfig"]}, "decode")["replicas"] = 2
+    assert doc["spec"]["rayClusterConfig"] != serving_cluster(cluster["spec"])
 
 
 def test_core_validation_rejects_bad_core_objects() -> None:
