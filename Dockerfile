@@ -30,7 +30,8 @@ ENV PYTHONUNBUFFERED=1 \
 
 # wget: KubeRay's exec probes call it. The venv keeps pip away from the distribution's Python;
 # the profile.d line puts it first on PATH in login shells too (KubeRay's ENABLE_LOGIN_SHELL).
-RUN apt-get update \
+RUN export DEBIAN_FRONTEND=noninteractive \
+ && apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates wget \
  && if ! command -v python3 >/dev/null 2>&1; then \
         apt-get install -y --no-install-recommends python3 python3-venv; \
