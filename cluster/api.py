@@ -407,6 +407,8 @@ class Cluster:
         timeout_s: float = 120.0,
     ) -> int:
         """``pin_prefix`` awaited in the caller's event loop."""
+        from ray.exceptions import RayTaskError
+
         self._require_started()
         if isinstance(prefix, str):
             if not prefix:
@@ -427,7 +429,12 @@ class Cluster:
                 raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
             if math.isinf(ttl):
                 raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
-        pin_id = int(await self.router.pin.remote(token_ids, replicas, ttl))
+        try:
+            pin_id = int(await self.router.pin.remote(token_ids, replicas, ttl))
+        except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
+            if isinstance(exc.cause, ValueError):
+                raise ValueError(str(exc.cause)) from None
+            raise
         if wait:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
@@ -472,7 +479,8 @@ class Cluster:
                 self._forget_worker(worker_id)
         workers = {stats["worker_id"]: _worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
-                "hit_tokens", "queried_tokens", "transfer_bytes")  # fmt: skip
+                "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "requests_finished",
+                "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
         return {"workers": workers, "totals": totals, "router": await self.router.stats.remote()}
@@ -675,6 +683,7 @@ async def _await_ref(ref: Any) -> Any:
 
 def _worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
     """One worker's line of ``Cluster.stats()`` from its actor's raw stats."""
+    metrics = stats.get("metrics") or {}
     return {
         "role": stats["role"],
         "running": stats["running"],
@@ -683,10 +692,13 @@ def _worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "free_blocks": stats["free_blocks"],
         "num_blocks": stats["num_blocks"],
         "pinned_blocks": stats["pinned_blocks"],
+        "explicitly_pinned_blocks": stats["explicitly_pinned_blocks"],
         "hit_rate": stats["hit_rate"],
         "hit_tokens": stats["hit_tokens"],
         "queried_tokens": stats["queried_tokens"],
         "num_preemptions": stats["num_preemptions"],
         "transfer": stats["transfer"],
         "transfer_bytes": int(stats["transfer"].get("bytes", 0)) if isinstance(stats["transfer"], dict) else 0,
+        "requests_finished": int(metrics.get("kvfleet_requests_finished_total", 0)),
+        "requests_aborted": int(metrics.get("kvfleet_requests_aborted_total", 0)),
     }

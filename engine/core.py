@@ -333,7 +333,8 @@ class EngineCore:
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
             "num_blocks": self.info.num_blocks - 1,
             "free_blocks": pool.num_free_blocks,
-            "pinned_blocks": pool.num_pinned_free_blocks,
+            "pinned_blocks": pool.num_pinned_free_blocks,  # explicit pins + retained window/state anchors
+            "explicitly_pinned_blocks": pool.explicit.size,
             "hit_tokens": scheduler.hit_tokens,
             "queried_tokens": scheduler.queried_tokens,
             "num_preemptions": scheduler.num_preemptions,

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from cluster.api import Cluster
 from configs.schema import ServeConfig
 from serving.completions import Admission, Generation
-from serving.errors import APIError, bad_request, check_api_key, install_error_handlers
+from serving.errors import APIError, bad_request, check_api_key, install_error_handlers, leading_field
 from serving.metrics import CONTENT_TYPE, ServeMetrics
 from serving.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, describe
 
@@ -103,7 +103,7 @@ def build_api(cluster: Cluster) -> FastAPI:
         try:
             pin_id = await cluster.apin_prefix(body.prefix, body.replicas, body.ttl, wait=False)
         except ValueError as exc:
-            raise bad_request(str(exc).split(":", 1)[0], str(exc)) from None
+            raise bad_request(leading_field(str(exc)), str(exc)) from None
         record = next((p for p in await cluster.apins() if p["pin_id"] == pin_id), {"pin_id": pin_id})
         return JSONResponse(_pin_json(record), status_code=201)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
 from engine.sampling_params import SamplingParams
-from serving.errors import APIError, bad_request, error_body
+from serving.errors import APIError, bad_request, error_body, leading_field
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
@@ -135,8 +135,7 @@ class Generation:
         try:
             return body.sampling(max_tokens)
         except ValueError as exc:  # the engine's own checks, e.g. "top_p: must be in (0, 1]"
-            param = str(exc).split(":", 1)[0]
-            raise bad_request(param, str(exc)) from None
+            raise bad_request(leading_field(str(exc)), str(exc)) from None
 
     # -- running ------------------------------------------------------------------------------------
     async def respond(self, prepared: Prepared) -> dict[str, Any] | AsyncIterator[str]:
@@ -171,14 +170,15 @@ class Generation:
         queue: asyncio.Queue[tuple[int, Delta | ClusterCompletion | BaseException | None]] = asyncio.Queue()
 
         async def one(index: int, ids: list[int]) -> None:
+            request_id = f"{prepared.request_id}-{index}"
             try:
-                last = time.monotonic()
-                async for item in self.cluster.stream_completion(ids, prepared.sampling,
-                                                                 request_id=f"{prepared.request_id}-{index}"):  # fmt: skip
-                    if isinstance(item, Delta):
+                first, last = True, time.monotonic()
+                async for item in self.cluster.stream_completion(ids, prepared.sampling, request_id=request_id):
+                    if isinstance(item, Delta) and item.num_tokens:
                         now = time.monotonic()
-                        self.metrics.record_gap(now - last, item.num_tokens) if last and item.num_tokens else None
-                        last = now
+                        if not first:
+                            self.metrics.record_gap(now - last, item.num_tokens)
+                        first, last = False, now
                     queue.put_nowait((index, item))
             except asyncio.CancelledError:
                 raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,6 +61,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def bad_request(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def leading_field(message: str) -> str:
+    """The field a message starts with: ``replicas`` of "replicas=3 but ..." or "replicas: ..."."""
+    match = re.match(r"[A-Za-z_][A-Za-z0-9_.]*", message)
+    return match.group(0) if match else "body"
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:

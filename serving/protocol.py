@@ -210,7 +210,7 @@ def normalize_prompt(prompt: Any, field: str = "prompt") -> list[PromptItem]:
         raise ValueError(f"at most {MAX_PROMPTS} prompts per request (got {len(items)})")
     out: list[PromptItem] = []
     for i, item in enumerate(items):
-        where = f"item {i}" if len(items) > 1 else "prompt"
+        where = f"item {i}" if len(items) > 1 else field
         if isinstance(item, str):
             if not item:
                 raise ValueError(f"{where} is an empty string")

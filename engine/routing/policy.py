@@ -346,7 +346,7 @@ class RoutingPolicy(Router):
             raise ValueError("pin: give token_ids or block_hashes")
         if self.roles and replicas > len(self._candidates("prefill")):
             raise ValueError(
-                f"pin: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
+                f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
             )
         pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids)
         return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)

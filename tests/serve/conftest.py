@@ -1,0 +1,156 @@
+"""A live kvfleet HTTP API for the serve tests: one local Ray, Ray Serve's proxy on a free
+loopback port, and two applications on it.
+
+* ``main`` (route ``/``): tiny Gemma3 (sliding window + full attention), 1 prefill + 1 decode
+  worker over the local transfer backend, prompts from 16 tokens split P/D, an API key.
+* ``small`` (route ``/small``): tiny Bamba (Mamba2 hybrid), 1 prefill + 1 decode worker, a queue
+  bound of 2 requests per ingress replica; its decode worker is killed by the last health test.
+
+Both are deployed with ``serving.app.kvfleet_app``, the application ``serve run`` and the
+RayService deploy. The Ray fixture is scoped to this package.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from configs import ClusterConfig, load_config
+
+API_KEY = "test-key-" + "5f1c2e"
+MAIN_ROUTE = ""
+SMALL_ROUTE = "/small"
+SMALL_QUEUE_BOUND = 2
+
+
+@dataclass(frozen=True)
+class Server:
+    """One deployed application: where it answers and the config it runs."""
+
+    base: str  # http://127.0.0.1:PORT[/route]
+    config: ClusterConfig
+    app_name: str
+    api_key: str | None
+
+    @property
+    def model(self) -> str:
+        return self.config.serve.served_model_name or self.config.model.source
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self, **kwargs: Any) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def async_openai(self, **kwargs: Any) -> Any:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(f"{self.base}{path}", headers=self.headers(), timeout=60, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers(), **kwargs.pop("headers", {})}
+        return httpx.post(f"{self.base}{path}", headers=headers, timeout=60, **kwargs)
+
+    def totals(self) -> dict[str, Any]:
+        response = self.get("/v1/stats")
+        assert response.status_code == 200, response.text
+        return response.json()["totals"]
+
+    def controller_handles(self) -> Any:
+        from ray import serve
+
+        from serving.app import CONTROLLER
+
+        return serve.get_deployment_handle(CONTROLLER, app_name=self.app_name).handles.remote().result()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main_config() -> ClusterConfig:
+    return load_config("tiny", ["router.decode_only_threshold_tokens=16", "router.work_imbalance_ratio=0",
+                                f"serve.api_key={API_KEY}", "serve.max_queued_requests=128"])  # fmt: skip
+
+
+def small_config() -> ClusterConfig:
+    return load_config("tiny-hybrid", [f"serve.max_queued_requests={SMALL_QUEUE_BOUND}",
+                                       "serve.served_model_name=tiny-bamba-small"])  # fmt: skip
+
+
+@pytest.fixture(scope="package")
+def servers() -> Iterator[dict[str, Server]]:
+    import ray
+    from ray import serve
+
+    from serving.app import kvfleet_app
+
+    ray.init(
+        address="local",
+        num_cpus=8,
+        resources={"prefill": 4, "decode": 4},
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        _node_ip_address="127.0.0.1",
+        namespace="kvfleet-serve-tests",
+        log_to_driver=False,
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        root = f"http://127.0.0.1:{port}"
+        main, small = main_config(), small_config()
+        serve.run(kvfleet_app(main), name="main", route_prefix="/", blocking=False)
+        serve.run(kvfleet_app(small), name="small", route_prefix=SMALL_ROUTE, blocking=False)
+        yield {
+            "main": Server(root + MAIN_ROUTE, main, "main", API_KEY),
+            "small": Server(root + SMALL_ROUTE, small, "small", None),
+        }
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def server(servers: dict[str, Server]) -> Server:
+    return servers["main"]
+
+
+@pytest.fixture(scope="package")
+def small_server(servers: dict[str, Server]) -> Server:
+    return servers["small"]
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def all_blocks_free(server: Server) -> Callable[[], bool]:
+    """True once nothing runs, waits or is held for a transfer, and every block of every worker
+    is back in its pool (cached blocks count as free)."""
+
+    def check() -> bool:
+        totals = server.totals()
+        return (totals["running"] == 0 and totals["queued"] == 0 and totals["held_for_transfer"] == 0
+                and totals["free_blocks"] == totals["num_blocks"])  # fmt: skip
+
+    return check
