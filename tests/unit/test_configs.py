@@ -160,3 +160,40 @@ def test_several_problems_are_all_reported(tmp_path: Path) -> None:
     assert "workers.num_decode: must be >= 1 (got 0)" in problems
     assert "workers.num_prefill: must be >= 0 (got -2)" in problems
     assert "bogus: unknown field (got 1)" in problems
+
+
+def test_serve_defaults_bind_loopback_on_8000() -> None:
+    serve = load_config("local").serve
+    assert (serve.host, serve.port, serve.api_key, serve.served_model_name) == ("127.0.0.1", 8000, None, None)
+    assert serve.ingress_replicas == 1 and serve.max_queued_requests >= 1
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("serve.port=0", "serve.port: must be >= 1 (got 0)"),
+        ("serve.port=70000", "serve.port: must be <= 65535 (got 70000)"),
+        ("serve.port=abc", "serve.port: must be an integer (got 'abc')"),
+        ("serve.host=' '", "serve.host: must not be empty"),
+        ("serve.api_key=''", "serve.api_key: must not be empty"),
+        ("serve.max_queued_requests=0", "serve.max_queued_requests: must be >= 1 (got 0)"),
+        ("serve.ingress_replicas=-1", "serve.ingress_replicas: must be >= 1 (got -1)"),
+        ("serve.graceful_shutdown_timeout_s=0", "serve.graceful_shutdown_timeout_s: must be > 0.0 (got 0)"),
+        ("serve.graceful_shutdown_timeout_s=.nan", "serve.graceful_shutdown_timeout_s"),
+        ("serve.bogus=1", "serve.bogus: unknown field (got 1)"),
+    ],
+)
+def test_bad_serve_values_name_their_field(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config("tiny", [override])
+    assert expected in str(caught.value)
+
+
+def test_the_api_key_comes_from_the_environment_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.api import resolve_api_key
+
+    serve = load_config("tiny", ["serve.api_key=from-config"]).serve
+    monkeypatch.delenv(serve.api_key_env, raising=False)
+    assert resolve_api_key(serve) == "from-config"
+    monkeypatch.setenv(serve.api_key_env, "from-env")
+    assert resolve_api_key(serve) == "from-env"
