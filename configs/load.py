@@ -121,7 +121,8 @@ def _list_index(path: str, part: str, items: list[Any]) -> int:
     return int(part)
 
 
-_MESSAGES = {
+#: readable text of pydantic's error types, shared by every edge that validates input
+VALIDATION_MESSAGES = {
     "greater_than_equal": "must be >= {ge}",
     "greater_than": "must be > {gt}",
     "less_than_equal": "must be <= {le}",
@@ -151,8 +152,8 @@ def _describe(error: Mapping[str, Any]) -> str:
     if error["type"] == CROSS_FIELD_ERROR:
         loc += ctx["path"].split(".")
         message, value = ctx["message"], ctx["value"]
-    elif error["type"] in _MESSAGES:
-        message = _MESSAGES[error["type"]].format(**ctx)
+    elif error["type"] in VALIDATION_MESSAGES:
+        message = VALIDATION_MESSAGES[error["type"]].format(**ctx)
     else:
         message = str(error["msg"]).removeprefix("Value error, ")
     path = ".".join(loc) or "config"

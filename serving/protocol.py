@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from configs.load import VALIDATION_MESSAGES
 from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -283,22 +284,10 @@ def _is_union_tag(part: Any) -> bool:
 
 
 _MESSAGES = {
-    "greater_than_equal": "must be >= {ge}",
-    "greater_than": "must be > {gt}",
-    "less_than_equal": "must be <= {le}",
-    "less_than": "must be < {lt}",
-    "extra_forbidden": "unknown field",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
+    **VALIDATION_MESSAGES,
     "finite_number": "must be a finite number",
-    "bool_type": "must be true or false",
-    "string_type": "must be a string",
-    "list_type": "must be a list",
     "dict_type": "must be an object",
     "model_type": "must be an object",
-    "literal_error": "must be one of {expected}",
     "too_short": "must not be empty",
 }
 

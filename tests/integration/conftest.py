@@ -7,17 +7,14 @@ after the last one, so the unit tests that run later in the same session see no 
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from configs import ClusterConfig, load_config
 from engine.sampling_params import SamplingParams
+from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 
-# Logical CPUs: the largest cluster here (2 prefill + 2 decode workers at 0.5 CPU each) fits many
-# times over; Ray's num_cpus is a count, not cores, so this never leaves an actor pending.
-RAY_NUM_CPUS = 8
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -25,16 +22,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def ray_session() -> Iterator[None]:
     import ray
 
-    ray.init(
-        address="local",  # never attach to another cluster on this machine
-        num_cpus=RAY_NUM_CPUS,
-        resources={"prefill": 4, "decode": 4},
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        _node_ip_address="127.0.0.1",
-        namespace="kvfleet-tests",
-        log_to_driver=False,
-    )
+    init_local_ray("kvfleet-tests")
     yield
     ray.shutdown()
 
@@ -67,10 +55,3 @@ def oracle_tokens(
     finally:
         engine.close()
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)

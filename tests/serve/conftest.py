@@ -13,7 +13,6 @@ RayService deploy. The Ray fixture is scoped to this package.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from configs import ClusterConfig, load_config
+from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 
 API_KEY = "test-key-" + "5f1c2e"
 MAIN_ROUTE = ""
@@ -98,16 +98,7 @@ def servers() -> Iterator[dict[str, Server]]:
 
     from serving.app import kvfleet_app
 
-    ray.init(
-        address="local",
-        num_cpus=8,
-        resources={"prefill": 4, "decode": 4},
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        _node_ip_address="127.0.0.1",
-        namespace="kvfleet-serve-tests",
-        log_to_driver=False,
-    )
+    init_local_ray("kvfleet-serve-tests")
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -135,13 +126,6 @@ def server(servers: dict[str, Server]) -> Server:
 def small_server(servers: dict[str, Server]) -> Server:
     return servers["small"]
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def all_blocks_free(server: Server) -> Callable[[], bool]:
