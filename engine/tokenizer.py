@@ -40,6 +40,8 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(directory))
+        if not getattr(self._tok, "chat_template", None):
+            self._tok.chat_template = _builtin_template(directory)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -56,6 +58,19 @@ class HFTokenizer:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in some versions
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+
+def _builtin_template(directory: Path) -> str | None:
+    """kvfleet's chat template for the directory's model family, if its checkpoint has none."""
+    import json
+
+    from engine.chat_templates import builtin_chat_template
+
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError):
+        return None
+    return builtin_chat_template(str(model_type))
 
 
 def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:

@@ -61,3 +61,29 @@ def test_greedy_tokens_equal_hf(source: str) -> None:
     for completion, expected in zip(ours, reference, strict=True):
         assert len(expected) >= 8, expected
         assert completion.token_ids[: len(expected)] == expected, (completion.text, expected)
+
+
+def test_gemma3_chat_renders_gemma_turns() -> None:
+    """The Gemma-3-270M GGUF carries no chat template; kvfleet's Gemma 3 template renders its
+    public turn format (system text folded into the first user turn, "model" turns)."""
+    from pathlib import Path
+
+    from engine.core import resolve_model_directory
+    from engine.tokenizer import load_tokenizer
+
+    directory = Path(resolve_model_directory(load_config("local")))
+    tokenizer = load_tokenizer(directory, 262144)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name three rivers."},
+        {"role": "assistant", "content": "Nile."},
+        {"role": "user", "content": "More?"},
+    ]
+    expected = (
+        "<start_of_turn>user\nBe brief.\n\nName three rivers.<end_of_turn>\n"
+        "<start_of_turn>model\nNile.<end_of_turn>\n"
+        "<start_of_turn>user\nMore?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    ids = tokenizer.chat_token_ids(messages)
+    assert ids == tokenizer.encode(expected)  # encode adds the BOS the template writes itself
+    assert ids[0] == 2 and ids.count(2) == 1  # exactly one <bos>
