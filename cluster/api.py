@@ -27,6 +27,7 @@ from cluster.admin import ClusterAdmin
 from configs import ClusterConfig, load_config
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError, check_prompt, check_request_id, check_token_ids, problem, prompt_batch
 
 log = logging.getLogger(__name__)
 
@@ -301,16 +302,23 @@ class Cluster(ClusterAdmin):
         vocabulary or bad sampling values raise ValueError naming the field and the value.
         ``on_completion`` is called (on the driver's event-loop thread) as each request finishes.
         """
-        single = isinstance(prompts, str) or _is_token_list(prompts)
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+        batch = prompt_batch(prompts)
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(batch):
-                raise ValueError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")
+                raise InvalidRequestError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")
             samplings = [self._sampling(s) for s in sampling]
         else:
-            samplings = [self._sampling(sampling)] * len(batch)  # type: ignore[arg-type]
-        if request_ids is not None and len(request_ids) != len(batch):
-            raise ValueError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
+            samplings = [self._sampling(sampling)] * len(batch)
+        if request_ids is not None:
+            if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
+                raise InvalidRequestError(problem("request_ids", "must be a list of strings", request_ids))
+            if len(request_ids) != len(batch):
+                raise InvalidRequestError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
+            seen: set[str] = set()
+            for request_id in request_ids:
+                if check_request_id(request_id, "request_ids") in seen:
+                    raise InvalidRequestError(problem("request_ids", "must be unique", request_id))
+                seen.add(request_id)
         requests = [
             self._prepare(prompt, samplings[i], request_ids[i] if request_ids else None)
             for i, prompt in enumerate(batch)
@@ -389,42 +397,41 @@ class Cluster(ClusterAdmin):
             raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
 
     @staticmethod
-    def _sampling(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams()
-        if isinstance(sampling, SamplingParams):
-            return sampling
-        if isinstance(sampling, dict):
-            return SamplingParams(**sampling)  # raises "max_tokens: must be >= 1 (got 0)" etc.
-        raise TypeError(f"sampling: expected SamplingParams or a dict (got {type(sampling).__name__})")
+    def _sampling(sampling: object) -> SamplingParams:
+        return SamplingParams.coerce(sampling)  # raises "max_tokens: must be >= 1 (got 0)" etc.
 
     def _check_ids(self, name: str, ids: Sequence[int]) -> list[int]:
-        token_ids = list(ids)
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
+        return check_token_ids(ids, self.vocab_size, name)
 
-    def _prepare(self, prompt: Prompt, sampling: SamplingParams, request_id: str | None) -> _Request:
+    def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
+        """A prompt (text, or a list of token ids) as its text and token ids, after every check a
+        request gets before it runs; raises ValueError naming the field and the value for an
+        empty prompt, a wrong type, a token id outside the vocabulary, or a prompt of
+        max_model_len tokens or more."""
         self._require_started()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty (got '')")
-            token_ids = list(self.tokenizer.encode(prompt))
-            text = prompt
+        checked = check_prompt(prompt, self.vocab_size)
+        if isinstance(checked, str):
+            token_ids = list(self.tokenizer.encode(checked))
+            text = checked
         else:
-            token_ids = self._check_ids("prompt", prompt)
-            text = self.tokenizer.decode(token_ids) if token_ids else ""
+            token_ids, text = checked, self.tokenizer.decode(checked)
         if not token_ids:
-            raise ValueError(f"prompt: must not be empty (got {prompt!r})")
+            raise InvalidRequestError(problem("prompt", "encodes to no tokens", prompt))
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len} (got a prompt of {len(token_ids)} tokens)"
             )
+        return text, token_ids
+
+    def _prepare(self, prompt: object, sampling: SamplingParams, request_id: str | None) -> _Request:
+        self._require_started()
+        if request_id is not None:
+            check_request_id(request_id)
+        text, token_ids = self.check_prompt(prompt)
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._active:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
         return _Request(request_id, text, token_ids, sampling)
 
     async def _collect(self, request: _Request, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
@@ -549,7 +556,3 @@ class _WorkerLost(Exception):
         super().__init__(worker_id)
         self.worker_id = worker_id
         self.streamed = streamed
-
-
-def _is_token_list(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) for t in value)

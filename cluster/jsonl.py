@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -60,7 +60,7 @@ def read_prompts(path: str | Path, defaults: SamplingParams) -> list[PromptItem]
             if "stop" in updates and isinstance(updates["stop"], str):
                 updates["stop"] = (updates["stop"],)
             try:
-                sampling = replace(defaults, **updates)
+                sampling = defaults.replace(**updates)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{where}: {exc}") from None
             request_id = record.get("id")

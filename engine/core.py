@@ -32,6 +32,7 @@ from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler
 from engine.transfer import DONE, FAILED, AgentInfo, KVTransfer, transfer_from_config
+from engine.validation import InvalidRequestError, check_request_id, check_token_ids, problem
 
 KVRole = Literal["prefill", "decode", "both"]
 _TRANSFER_ROLE = {"prefill": "owner", "decode": "reader", "both": "both"}
@@ -165,7 +166,13 @@ class EngineCore:
         kv_handle: KVHandle | None = None,
     ) -> Request:
         """Queue a request. ``prefill_only``: compute its prompt's KV for a decode worker (the
-        result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of computing it."""
+        result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of computing it.
+        Raises ValueError naming the argument for a bad id, token ids or sampling parameters."""
+        check_request_id(request_id)
+        prompt_token_ids = check_token_ids(prompt_token_ids, self.info.arch.vocab_size, "prompt_token_ids")
+        if not prompt_token_ids:
+            raise InvalidRequestError(problem("prompt_token_ids", "must not be empty", prompt_token_ids))
+        sampling = SamplingParams.coerce(sampling)
         if prefill_only and kv_handle is not None:
             raise ValueError("prefill_only and kv_handle: a request is either prefilled here or pulled, not both")
         if (prefill_only or kv_handle is not None) and self.transfer is None:

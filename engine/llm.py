@@ -11,6 +11,7 @@ from engine.core import EngineCore
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.validation import InvalidRequestError, check_prompt, problem, prompt_batch
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,23 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_directory, self.engine.info.arch.vocab_size)
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | Sequence[str], sampling: SamplingParams | None = None) -> list[Completion]:
-        sampling = sampling or SamplingParams()
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not texts:
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling: SamplingParams | dict[str, object] | None = None,
+    ) -> list[Completion]:
+        """Run every prompt (text, or a list of token ids) to completion; results in input order.
+
+        Every prompt and the sampling parameters are checked before any runs: a bad one raises
+        ValueError naming the field and the value, e.g. ``prompt: must not be empty (got '')``."""
+        sampling = SamplingParams.coerce(sampling)
+        prepared = [self._prompt(prompt) for prompt in prompt_batch(prompts)]
+        if not prepared:
             return []
         detok: dict[str, IncrementalDetokenizer] = {}
         order: list[str] = []
-        for text in texts:
+        for _, ids in prepared:
             request_id = f"llm-{next(self._ids)}"
-            ids = self.tokenizer.encode(text)  # transformers tokenizers add BOS themselves
-            if not ids:
-                raise ValueError(f"prompt: encodes to no tokens (got {text!r})")
             self.engine.add_request(request_id, ids, sampling)
             detok[request_id] = IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
             order.append(request_id)
@@ -60,5 +66,23 @@ class LLM:
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [
             Completion(text, detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"))
-            for text, rid in zip(texts, order, strict=True)
+            for (text, _), rid in zip(prepared, order, strict=True)
         ]
+
+    def _prompt(self, prompt: object) -> tuple[str, list[int]]:
+        """A checked prompt as (text, token ids) that fit the engine's vocabulary and context."""
+        checked = check_prompt(prompt, self.engine.info.arch.vocab_size)
+        if isinstance(checked, str):
+            ids = self.tokenizer.encode(checked)  # transformers tokenizers add BOS themselves
+            if not ids:
+                raise InvalidRequestError(problem("prompt", "encodes to no tokens", checked))
+            text = checked
+        else:
+            ids, text = checked, self.tokenizer.decode(checked)
+        limit = self.engine.info.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit} "
+                f"(got a prompt of {len(ids)} tokens)"
+            )
+        return text, list(ids)

@@ -1,43 +1,122 @@
-"""Per-request sampling and stopping parameters (pure data; validated on construction)."""
+"""Per-request sampling and stopping parameters: a frozen pydantic model, strictly validated on
+construction, so that nothing a worker cannot sample with ever reaches one.
+
+Strict means: a string where a number belongs, a float or a bool where an integer belongs, NaN
+and infinities are refused, as are unknown keywords and out-of-range values. A failure raises
+``InvalidRequestError`` (a ``ValueError``) with one line per bad field, e.g.
+``temperature: must be a finite number (got nan)``. ``stop`` and ``stop_token_ids`` take a list
+or a tuple (``stop`` also one string) and are stored as tuples, so the model stays hashable.
+Equality and hashing ignore ``extra``, as the dataclass this replaces did.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.validation import InvalidRequestError, describe_validation_error, problem, short_repr
+
+#: the smallest non-zero temperature: smaller ones are greedy in effect, and far smaller ones
+#: (1e-38) overflow the scaled float32 logits, which gives the sampler NaN probabilities
+MIN_TEMPERATURE = 1e-3
+#: seeds a torch.Generator takes: signed or unsigned 64-bit
+SEED_MIN, SEED_END = -(2**63), 2**64
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(BaseModel):
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters;
     ``seed`` makes a sampled request reproducible on its own, independent of batching.
+    Build a changed copy with ``replace(...)`` (validated; ``model_copy(update=...)`` is not).
     """
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    temperature: Annotated[FiniteFloat, Field(ge=0.0)] = 0.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    extra: dict[str, object] = field(default_factory=dict, compare=False)
+    extra: dict[str, object] = Field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0 (got {self.temperature})")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (got {self.top_k})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1] (got {self.top_p})")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if any(not s for s in self.stop):
-            raise ValueError(f"stop: stop strings must be non-empty (got {self.stop!r})")
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise InvalidRequestError(describe_validation_error(exc)) from None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_vanishing(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (got {temperature!r})")
+        return temperature
+
+    @field_validator("seed")
+    @classmethod
+    def _fits_64_bits(cls, seed: int | None) -> int | None:
+        if seed is not None and not SEED_MIN <= seed < SEED_END:
+            raise ValueError(f"must fit in 64 bits (got {seed!r})")
+        return seed
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: object) -> object:
+        strings = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(strings, (list, tuple)):
+            raise ValueError(f"must be a string or a list of strings (got {short_repr(stop)})")
+        if any(isinstance(s, str) and not s for s in strings):
+            raise ValueError(f"stop strings must be non-empty (got {short_repr(stop)})")
+        return tuple(strings)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _listed_ids(cls, ids: object) -> object:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"must be a list of token ids (got {short_repr(ids)})")
+        return tuple(ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied, validated like a new instance."""
+        return SamplingParams(**{**self._fields(), **changes})
+
+    @classmethod
+    def coerce(cls, value: object, field: str = "sampling") -> SamplingParams:
+        """``value`` as SamplingParams: None gives the defaults, a mapping its fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+            return cls(**value)
+        raise InvalidRequestError(problem(field, "must be SamplingParams or a dict of its fields", value))
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    def _fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
+    def _key(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in type(self).model_fields if name != "extra")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())

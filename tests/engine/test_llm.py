@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 from engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 
@@ -58,3 +60,89 @@ def test_incremental_detokenizer_holds_back_partial_utf8() -> None:
 def test_bad_sampling_params_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"^{field}: "):
         SamplingParams(**{field: value})
+
+
+BAD_PROMPTS = [
+    (None, r"^prompt: must be text or a list of token ids \(got None\)$"),
+    (5, r"^prompt: must be text or a list of token ids \(got 5\)$"),
+    ("", r"^prompt: must not be empty \(got ''\)$"),
+    ([[]], r"^prompt: must not be empty \(got \[\]\)$"),
+    ([[1, "a"]], r"^prompt: token id 'a' is not an integer \(position 1 of 2\)$"),
+    ([1, 2.5], r"^prompt: token id 2.5 is not an integer \(position 1 of 2\)$"),
+    ([3, -1], r"^prompt: token id -1 is outside the vocabulary \[0, 256\) \(position 1 of 2\)$"),
+    ([3, 256], r"^prompt: token id 256 is outside the vocabulary \[0, 256\) \(position 1 of 2\)$"),
+    (["fine", None], r"^prompt: must be text or a list of token ids \(got None\)$"),
+]
+BAD_SAMPLING = [
+    ({"temperature": math.nan}, r"^temperature: must be a finite number \(got nan\)$"),
+    ({"temperature": "abc"}, r"^temperature: must be a number \(got 'abc'\)$"),
+    ({"top_p": -math.inf}, r"^top_p: must be a finite number \(got -inf\)$"),
+    ({"max_tokens": "5"}, r"^max_tokens: must be an integer \(got '5'\)$"),
+    ({"top_k": 2.0}, r"^top_k: must be an integer \(got 2.0\)$"),
+    ("greedy", r"^sampling: must be SamplingParams or a dict of its fields \(got 'greedy'\)$"),
+]
+
+
+def _idle(llm: LLM) -> bool:
+    return not llm.engine.has_work and llm.engine.coordinator.num_free_blocks == llm.engine.info.num_blocks - 1
+
+
+@pytest.mark.parametrize("prompts,message", BAD_PROMPTS)
+def test_llm_names_the_prompt_and_runs_nothing(llm: LLM, prompts, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert _idle(llm)  # a bad prompt in a batch: no other prompt was queued
+
+
+@pytest.mark.parametrize("sampling,message", BAD_SAMPLING)
+def test_llm_names_the_sampling_field_and_keeps_serving(llm: LLM, sampling, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["a", "b"], sampling)
+    assert _idle(llm)
+    assert len(llm.generate("still fine", {"max_tokens": 3, "ignore_eos": True})[0].token_ids) == 3
+
+
+def test_llm_refuses_a_prompt_without_room_to_generate(llm: LLM) -> None:
+    limit = llm.engine.info.max_model_len
+    with pytest.raises(ValueError, match=rf"^prompt: {limit} tokens leave no room to generate within max_model_len"):
+        llm.generate([[7] * limit])
+    assert _idle(llm)
+
+
+def test_llm_takes_token_ids_as_a_prompt(llm: LLM) -> None:
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    as_text = llm.generate("hello", sp)[0]
+    as_ids = llm.generate([list(b"hello")], sp)[0]
+    assert as_ids.token_ids == as_text.token_ids and as_ids.prompt == "hello"
+
+
+@pytest.mark.parametrize(
+    "request_id,prompt,sampling,message",
+    [
+        ("r", None, SamplingParams(), r"^prompt_token_ids: must be text or a list of token ids \(got None\)$"),
+        ("r", "text", SamplingParams(), r"^prompt_token_ids: must be text or a list of token ids \(got 'text'\)$"),
+        ("r", [], SamplingParams(), r"^prompt_token_ids: must not be empty \(got \[\]\)$"),
+        ("r", [1, "2"], SamplingParams(), r"^prompt_token_ids: token id '2' is not an integer \(position 1 of 2\)$"),
+        ("r", [1, 999], SamplingParams(), r"^prompt_token_ids: token id 999 is outside the vocabulary \[0, 256\)"),
+        ("r", [1, -5], SamplingParams(), r"^prompt_token_ids: token id -5 is outside the vocabulary \[0, 256\)"),
+        ("r", [1, 2], {"temperature": math.inf}, r"^temperature: must be a finite number \(got inf\)$"),
+        ("r", [1, 2], [1], r"^sampling: must be SamplingParams or a dict of its fields \(got \[1\]\)$"),
+        (None, [1, 2], SamplingParams(), r"^request_id: must be a non-empty string \(got None\)$"),
+        ("", [1, 2], SamplingParams(), r"^request_id: must be a non-empty string \(got ''\)$"),
+    ],
+)
+def test_engine_core_checks_its_arguments(llm: LLM, request_id, prompt, sampling, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(request_id, prompt, sampling)
+    assert _idle(llm)
+
+
+def test_a_nan_temperature_never_reaches_the_sampler(llm: LLM) -> None:
+    """The issue's symptom: NaN passed validation and torch.multinomial failed inside step()."""
+    with pytest.raises(ValueError, match=r"^temperature: must be a finite number \(got nan\)$"):
+        llm.engine.add_request("nan", [1, 2, 3], {"temperature": math.nan, "max_tokens": 2})
+    with pytest.raises(ValueError, match=r"^temperature: must be 0 \(greedy\) or >= 0.001 \(got 1e-40\)$"):
+        llm.engine.add_request("tiny", [1, 2, 3], {"temperature": 1e-40, "max_tokens": 2})
+    assert _idle(llm)
+    out = llm.generate("after", SamplingParams(max_tokens=3, temperature=MIN_TEMPERATURE, seed=1, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
