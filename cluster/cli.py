@@ -1,9 +1,19 @@
 """The `kvfleet` command line: `config`, `generate`, `serve` and `bench`, each with `--config` and
 `--set a.b=c`.
 
-A bad config or override prints one message naming the field and value and exits with code 2,
-without a traceback; so does a bad prompt (empty, too long, bad sampling value). A failure of
-the cluster itself exits with code 1.
+Exit codes (the same for `python -m cluster.job`):
+
+- 0: every prompt ran and has its result in the output;
+- 1 (``EXIT_FAILURE``): the cluster itself failed;
+- 2 (``EXIT_BAD_CONFIG``, ``EXIT_BAD_INPUT``): a bad invocation, nothing ran: a bad config or
+  override, a bad prompt or sampling value on the command line, an input file that cannot be
+  read or holds no prompts;
+- 3 (``EXIT_PARTIAL``): some JSONL lines failed (malformed, a bad field, a prompt too long for
+  the model); each is reported as ``file:line: <field-named error>`` and has an error record in
+  the output in its place (see ``cluster.jsonl``), and every other line ran.
+
+Every message names the field and the value (``temperature: must be a finite number (got nan)``),
+without a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from configs import ClusterConfig, ConfigError, available_presets, config_to_yam
 EXIT_FAILURE = 1
 EXIT_BAD_CONFIG = 2
 EXIT_BAD_INPUT = 2
+EXIT_PARTIAL = 3
 log = logging.getLogger("kvfleet.cli")
 
 
@@ -114,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*BENCH_WORKERS, *args.overrides]  # the benchmark's 2 prefill + 2 decode workers
     try:
         config = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"kvfleet: invalid configuration:\n{exc}", file=sys.stderr)
+    except (ConfigError, OSError) as exc:
+        report_config_error("kvfleet", exc)
         return EXIT_BAD_CONFIG
     setup_logging(config.logging)
     if args.command == "config":
@@ -148,6 +159,14 @@ def _serve(config: ClusterConfig) -> int:
         return EXIT_FAILURE
 
 
+def report_config_error(prog: str, error: Exception) -> None:
+    """Each problem of a config that cannot be used on its own line, e.g.
+    ``kvfleet: invalid configuration: config: unknown preset 'nope' (available: local, tiny)``."""
+    problems = error.problems if isinstance(error, ConfigError) else [f"config: {error}"]
+    for line in problems:
+        print(f"{prog}: invalid configuration: {line}", file=sys.stderr)
+
+
 def sampling_from_args(args: argparse.Namespace) -> Any:
     from engine.sampling_params import SamplingParams
 
@@ -163,61 +182,116 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def _generate(config: ClusterConfig, args: argparse.Namespace) -> int:
-    from cluster.jsonl import PromptItem, check_prompt, read_prompts
+    from cluster.jsonl import PromptItem, read_prompts
+    from engine.validation import check_prompt
 
+    entries: list[Any] = []
     try:
         defaults = sampling_from_args(args)
-        for prompt in args.prompts:
-            check_prompt(prompt)
-        items = [PromptItem(p, defaults) for p in args.prompts]
+        entries += [PromptItem(check_prompt(p), defaults) for p in args.prompts]
         if args.input:
-            items += read_prompts(args.input, defaults)
+            entries += report_line_errors("kvfleet", read_prompts(args.input, defaults))
     except (ValueError, OSError) as exc:
         print(f"kvfleet: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not items:
+    if not entries:
         print("kvfleet: generate needs at least one prompt (arguments or --input)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return run_items(config, items, args.output, progress=not args.no_progress)
+    return run_items(config, entries, args.output, progress=not args.no_progress)
 
 
-def run_items(config: ClusterConfig, items: list[Any], output: str | None, *, progress: bool = True) -> int:
-    """Start a cluster, run ``items`` (PromptItem), write JSONL; the exit code."""
+def report_line_errors(prog: str, entries: list[Any]) -> list[Any]:
+    """Print ``file:line: <error>`` for each failed JSONL line in ``entries``; returns them."""
+    from cluster.jsonl import LineError
+
+    for entry in entries:
+        if isinstance(entry, LineError):
+            print(f"{prog}: {entry}", file=sys.stderr)
+    return entries
+
+
+def run_items(
+    config: ClusterConfig, entries: Sequence[Any], output: str | None, *, progress: bool = True, prog: str = "kvfleet"
+) -> int:
+    """Start a cluster, run the prompts of ``entries`` (``PromptItem``; a ``LineError`` is a
+    JSONL line that already failed), and write one JSONL record per entry in order: a result, or
+    an error record. Prompts that fail the cluster's own checks (longer than the model's context,
+    token ids outside its vocabulary) fail their line too. Returns the exit code (see above)."""
     from cluster.api import Cluster
-    from cluster.jsonl import write_results
+    from cluster.jsonl import LineError, PromptItem, result_record, write_records
 
+    entries = list(entries)
+    completions: dict[int, Any] = {}
     try:
-        with Cluster(config) as cluster:
-            bar = _progress_bar(len(items)) if progress else None
-            try:
-                completions = cluster.generate(
-                    [item.prompt for item in items],
-                    [item.sampling for item in items],
-                    request_ids=_request_ids(items),
-                    on_completion=(lambda _: bar.update(1)) if bar is not None else None,
-                )
-            finally:
-                if bar is not None:
-                    bar.close()
+        if any(isinstance(e, PromptItem) for e in entries):
+            with Cluster(config) as cluster:
+                if not _reject_unfit(cluster, entries, prog):
+                    return EXIT_BAD_INPUT
+                runnable = {i: e for i, e in enumerate(entries) if isinstance(e, PromptItem)}
+                completions = dict(zip(runnable, _run(cluster, list(runnable.values()), progress), strict=True))
     except ValueError as exc:  # a bad prompt or sampling value: named field and value
-        print(f"kvfleet: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
         log.exception("generation failed")
-        print(f"kvfleet: generation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{prog}: generation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    ids = [item.id for item in items]
+    records = [
+        entry.record() if isinstance(entry, LineError) else result_record(entry.id, completions[index])
+        for index, entry in enumerate(entries)
+    ]
     if output:
         with open(output, "w") as out:
-            write_results(out, ids, completions)
+            write_records(out, records)
     else:
-        write_results(sys.stdout, ids, completions)
+        write_records(sys.stdout, records)
+    failed = sum(isinstance(entry, LineError) for entry in entries)
+    if failed:
+        lines = sum(entry.line is not None for entry in entries)
+        print(f"{prog}: {failed} of {lines} input lines failed; each has an error record in the output",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_PARTIAL
     return 0
+
+
+def _reject_unfit(cluster: Any, entries: list[Any], prog: str) -> bool:
+    """Apply the cluster's own prompt checks: a JSONL line that fails them becomes a LineError
+    in ``entries`` (reported); a failing command-line prompt is reported and gives False."""
+    from cluster.jsonl import PromptItem
+
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, PromptItem):
+            continue
+        try:
+            cluster.check_prompt(entry.prompt)
+        except ValueError as exc:
+            if entry.line is None:
+                print(f"{prog}: {exc}", file=sys.stderr)
+                return False
+            entries[index] = report_line_errors(prog, [entry.rejected(str(exc))])[0]
+    return True
+
+
+def _run(cluster: Any, items: list[Any], progress: bool) -> list[Any]:
+    """Run ``items`` (PromptItem) on a started cluster; completions in the same order."""
+    if not items:
+        return []
+    bar = _progress_bar(len(items)) if progress else None
+    try:
+        return cluster.generate(
+            [item.prompt for item in items],
+            [item.sampling for item in items],
+            request_ids=_request_ids(items),
+            on_completion=(lambda _: bar.update(1)) if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _request_ids(items: list[Any]) -> list[str] | None:
     ids = [item.id for item in items]
-    if any(i is None for i in ids) or len(set(ids)) != len(ids):
+    if any(not i for i in ids) or len(set(ids)) != len(ids):
         return None  # ids are echoed in the output; requests get unique internal ids
     return ids
 

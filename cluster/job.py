@@ -5,7 +5,10 @@
 
 Inside a Ray job ``RAY_ADDRESS`` is set, so the job attaches to the job's cluster
 (``ray.address=auto``) unless the config names an address; without it, it starts an embedded
-Ray. Exit code 0 on success, 2 on a bad config or input, 1 on any other failure.
+Ray. Exit code 0 when every line ran; 3 when some lines failed (each is reported as
+``file:line: <field-named error>`` and has an error record in the output, see ``cluster.jsonl``;
+the other lines ran); 2 on a bad config, arguments or an unreadable or empty input file; 1 on
+any other failure.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cluster.cli import EXIT_BAD_CONFIG, EXIT_BAD_INPUT, EXIT_FAILURE, run_items
+from cluster.cli import (
+    EXIT_BAD_CONFIG,
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_PARTIAL,
+    report_config_error,
+    report_line_errors,
+    run_items,
+)
 from cluster.logs import setup_logging
 from configs import ConfigError, load_config
 
 log = logging.getLogger("kvfleet.job")
+PROG = "cluster.job"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append("ray.address=auto")
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"cluster.job: invalid configuration:\n{exc}", file=sys.stderr)
+    except (ConfigError, OSError) as exc:
+        report_config_error(PROG, exc)
         return EXIT_BAD_CONFIG
     setup_logging(config.logging)
     from cluster.jsonl import read_prompts
@@ -51,18 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
-        items = read_prompts(args.input, defaults)
+        entries = report_line_errors(PROG, read_prompts(args.input, defaults))
     except (ValueError, OSError) as exc:
-        print(f"cluster.job: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not items:
-        print(f"cluster.job: {args.input} holds no prompts", file=sys.stderr)
+    if not entries:
+        print(f"{PROG}: {args.input} holds no prompts", file=sys.stderr)
         return EXIT_BAD_INPUT
-    log.info("running %d prompts with config %s (ray.address=%s)", len(items), args.config, config.ray.address)
-    code = run_items(config, items, args.output, progress=False)
-    if code == 0:
-        log.info("wrote %d results to %s", len(items), args.output)
-    return code if code in (0, EXIT_BAD_INPUT) else EXIT_FAILURE
+    log.info("running %d lines with config %s (ray.address=%s)", len(entries), args.config, config.ray.address)
+    code = run_items(config, entries, args.output, progress=False, prog=PROG)
+    if code in (0, EXIT_PARTIAL):
+        log.info("wrote %d records to %s", len(entries), args.output)
+    return code if code in (0, EXIT_BAD_INPUT, EXIT_PARTIAL) else EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -1,71 +1,110 @@
-"""JSONL in and out for the CLI and the job entrypoint.
+"""JSONL in and out for the CLI (``kvfleet generate --input``) and the job entrypoint.
 
 Input: one object per line with ``prompt`` (text, or a list of token ids) and optionally ``id``
-and per-request sampling fields (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-``stop``, ``ignore_eos``). Output: one object per request, in input order.
+(a string or an integer) and per-request sampling fields (``max_tokens``, ``temperature``,
+``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``); any other key is refused (a typo must
+not silently fall back to a default). Blank lines are skipped.
+
+A bad line does not stop the run: it becomes a ``LineError``, reported as
+``<file>:<line>: <field>: <what is wrong> (got <value>)``, and the good lines still run.
+
+Output: one object per non-blank input line, in input order. A line that ran gives
+``{"id"?, "prompt", "text", "token_ids", "finish_reason", "prefill_worker", "decode_worker",
+"cached_tokens", "ttft_s"}``; a bad line gives an error record
+``{"id"?, "line": <line number>, "error": "<field>: <what is wrong> (got <value>)"}`` (``id``
+when the line had a usable one), so nothing is dropped silently: a record is an error record
+exactly when it has an ``error`` key. The CLI and the job exit with ``EXIT_PARTIAL`` (3) when
+any line failed (see ``cluster.cli``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError, check_prompt, problem
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+LINE_FIELDS = ("prompt", "id", *SAMPLING_FIELDS)
 
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One input line: the prompt, its id (if given) and its sampling parameters."""
+    """One prompt to run: the prompt, its sampling parameters, its id (if given) and, for a JSONL
+    line, the file and line it came from (None for a prompt given on the command line)."""
 
     prompt: str | list[int]
     sampling: SamplingParams
     id: str | None = None
+    path: str | None = None
+    line: int | None = None
+
+    def rejected(self, message: str) -> LineError:
+        """This JSONL line as a failed one (e.g. a prompt longer than the model's context)."""
+        assert self.path is not None and self.line is not None, "only a JSONL line becomes a LineError"
+        return LineError(self.path, self.line, message, self.id)
 
 
-def check_prompt(prompt: object) -> None:
-    """The checks that need no tokenizer: text or token ids, and not empty."""
-    if not isinstance(prompt, (str, list)) or (
-        isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        raise ValueError(f"prompt: must be text or a list of token ids (got {prompt!r})")
-    if not prompt:
-        raise ValueError(f"prompt: must not be empty (got {prompt!r})")
+@dataclass(frozen=True)
+class LineError:
+    """A JSONL line that cannot run: where it is, the field-named message, its id if readable."""
+
+    path: str
+    line: int
+    message: str
+    id: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+    def record(self) -> dict[str, Any]:
+        """The error record written to the output in this line's place."""
+        record: dict[str, Any] = {} if self.id is None else {"id": self.id}
+        record.update(line=self.line, error=self.message)
+        return record
 
 
-def read_prompts(path: str | Path, defaults: SamplingParams) -> list[PromptItem]:
-    """Parse a JSONL file; raises ValueError naming the line and the field for a bad line."""
-    items: list[PromptItem] = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+def read_prompts(path: str | Path, defaults: SamplingParams) -> list[PromptItem | LineError]:
+    """Every non-blank line of a JSONL file, in order: a PromptItem, or a LineError naming the
+    field and the value. Raises OSError only when the file itself cannot be read."""
+    entries: list[PromptItem | LineError] = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            where = f"{path}:{number}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or "prompt" not in record:
-                raise ValueError(f"{where}: expected an object with a 'prompt' field (got {line.strip()[:80]!r})")
-            prompt = record["prompt"]
-            try:
-                check_prompt(prompt)
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-            updates = {k: record[k] for k in SAMPLING_FIELDS if k in record}
-            if "stop" in updates and isinstance(updates["stop"], str):
-                updates["stop"] = (updates["stop"],)
-            try:
-                sampling = defaults.replace(**updates)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: {exc}") from None
-            request_id = record.get("id")
-            items.append(PromptItem(prompt, sampling, None if request_id is None else str(request_id)))
-    return items
+                entries.append(parse_line(raw, defaults, str(path), number))
+            except InvalidRequestError as exc:
+                entries.append(LineError(str(path), number, "; ".join(exc.problems), _readable_id(raw)))
+    return entries
+
+
+def parse_line(raw: bytes, defaults: SamplingParams, path: str, number: int) -> PromptItem:
+    """One JSONL line as a PromptItem; InvalidRequestError naming the field for a bad one."""
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"line: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"line: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise InvalidRequestError(problem("line", 'must be a JSON object with a "prompt" field', record))
+    unknown = [key for key in record if key not in LINE_FIELDS]
+    if unknown:
+        raise InvalidRequestError([problem(key, "unknown field", record[key]) for key in unknown])
+    if "prompt" not in record:
+        raise InvalidRequestError("prompt: required field is missing")
+    request_id = _line_id(record.get("id"))
+    prompt = check_prompt(record["prompt"])
+    updates = {key: record[key] for key in SAMPLING_FIELDS if key in record}
+    sampling = defaults.replace(**updates) if updates else defaults
+    return PromptItem(prompt, sampling, request_id, path, number)
 
 
 def result_record(item_id: str | None, completion: Any) -> dict[str, Any]:
@@ -85,7 +124,26 @@ def result_record(item_id: str | None, completion: Any) -> dict[str, Any]:
     return record
 
 
-def write_results(out: IO[str], ids: Sequence[str | None], completions: Iterable[Any]) -> None:
-    for item_id, completion in zip(ids, completions, strict=True):
-        out.write(json.dumps(result_record(item_id, completion), ensure_ascii=False) + "\n")
+def write_records(out: IO[str], records: Iterable[dict[str, Any]]) -> None:
+    """One JSON object per line."""
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
     out.flush()
+
+
+def _line_id(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidRequestError(problem("id", "must be a string or an integer", value))
+    return str(value)
+
+
+def _readable_id(raw: bytes) -> str | None:
+    """The id of a bad line when it has a usable one, so its error record can carry it."""
+    try:
+        record = json.loads(raw)
+        return _line_id(record.get("id")) if isinstance(record, dict) else None
+    except ValueError:  # not JSON, or an unusable id
+        return None
+

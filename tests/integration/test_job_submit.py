@@ -10,6 +10,7 @@ head, the client and the job alike, so the test does not depend on what is in ~/
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -125,8 +126,47 @@ def test_job_exits_non_zero_on_bad_config_or_input(tmp_path):
     assert missing.returncode == 2 and "missing.jsonl" in missing.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
-    result = _job("--config", "tiny", "--input", str(bad), "--output", str(tmp_path / "o"))
-    assert result.returncode == 2 and "bad.jsonl:1: expected an object with a 'prompt' field" in result.stderr
+    output = tmp_path / "o.jsonl"
+    result = _job("--config", "tiny", "--input", str(bad), "--output", str(output))  # every line bad: no cluster
+    assert result.returncode == 3 and "bad.jsonl:1: text: unknown field (got 'no prompt field')" in result.stderr
+    assert json.loads(output.read_text()) == {"line": 1, "error": "text: unknown field (got 'no prompt field')"}
     result = _job("--config", "tiny", "--set", "workers.num_decode=0", "--input", str(bad), "--output", "o")
     assert result.returncode == 2 and "workers.num_decode: must be >= 1 (got 0)" in result.stderr
+    result = _job("--config", "tiny", "--temperature", "nan", "--input", str(bad), "--output", "o")
+    assert result.returncode == 2 and "cluster.job: temperature: must be a finite number (got nan)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_job_runs_the_good_lines_and_records_the_bad_ones(ray_session, tmp_path, capsys):
+    """``python -m cluster.job``'s main in-process on the tests' Ray: exit 3, the good lines'
+    tokens equal the single engine's, an error record in place of each bad line."""
+    from cluster.job import main
+    from engine.sampling_params import SamplingParams
+
+    config = load_config("tiny")
+    good = [list(b"The capital of France is"), list(b"a longer prompt that goes through P/D " * 2)]
+    lines = [
+        {"id": "g0", "prompt": "The capital of France is"},  # text: the tiny tokenizer is bytes
+        {"id": "nan", "prompt": "x", "temperature": math.nan},
+        {"id": "vocab", "prompt": [1, 2, 999]},
+        {"id": "long", "prompt": [5] * 600},  # the tiny model's context is 512 tokens
+        {"id": "g1", "prompt": good[1]},
+        {"id": "str", "prompt": "x", "max_tokens": "5"},
+    ]
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out.jsonl"
+    argv = ["--config", "tiny", "--input", str(inputs), "--output", str(output), "--max-tokens", str(MAX_TOKENS),
+            "--ignore-eos"]  # fmt: skip
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert f"{inputs}:2: temperature: must be a finite number (got nan)" in err
+    assert f"{inputs}:3: prompt: token id 999 is outside the vocabulary [0, 256) (position 2 of 3)" in err
+    assert f"{inputs}:4: prompt: 600 tokens leave no room to generate within max_model_len=512" in err
+    assert f"{inputs}:6: max_tokens: must be an integer (got '5')" in err
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["g0", "nan", "vocab", "long", "g1", "str"]
+    assert [r.get("line") for r in records] == [None, 2, 3, 4, None, 6]
+    expected = oracle_tokens(config, good, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [records[0]["token_ids"], records[4]["token_ids"]] == expected
+    assert all("error" in records[i] and "token_ids" not in records[i] for i in (1, 2, 3, 5))

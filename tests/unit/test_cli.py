@@ -1,14 +1,22 @@
-"""The `kvfleet` CLI: help, config printing, and exit code 2 without a traceback on bad config."""
+"""The `kvfleet` CLI: help, config printing, exit code 2 without a traceback on a bad config or a
+bad command-line value, exit code 3 with an error record per bad JSONL line while the good lines
+run. ``FakeCluster`` stands in for the cluster (the real one runs in tests/integration)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import yaml
 
 from cluster.cli import main
 from configs import load_config
+from engine.sampling_params import SamplingParams
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -35,6 +43,14 @@ def test_unknown_preset_exits_2(capsys) -> None:  # in-process: no interpreter s
     assert "config: unknown preset 'does-not-exist'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["config", "--config", "nope"], ["generate", "--config", "nope", "hello"]])
+def test_unknown_preset_says_what_on_one_line(capsys, argv: list[str]) -> None:
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvfleet: invalid configuration: config: unknown preset 'nope' (available: ")
+    assert "tiny" in line
+
+
 def test_malformed_override_exits_2(capsys) -> None:
     assert main(["config", "--set", "workers.num_decode"]) == 2
     assert "expected dotted.key=value" in capsys.readouterr().err
@@ -57,17 +73,224 @@ def test_help_lists_bench(capsys) -> None:
     assert "bench" in capsys.readouterr().out
 
 
-def test_generate_rejects_bad_prompts_before_starting_a_cluster(capsys, tmp_path) -> None:
+def test_generate_rejects_bad_prompts_before_starting_a_cluster(capsys, no_cluster) -> None:
     assert main(["generate", "--config", "tiny", ""]) == 2
     assert "prompt: must not be empty (got '')" in capsys.readouterr().err
     assert main(["generate", "--config", "tiny", "--max-tokens", "0", "hello"]) == 2
     assert "max_tokens: must be >= 1 (got 0)" in capsys.readouterr().err
     assert main(["generate", "--config", "tiny"]) == 2
     assert "needs at least one prompt" in capsys.readouterr().err
-    bad = tmp_path / "in.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"prompt": []}\n')
-    assert main(["generate", "--config", "tiny", "--input", str(bad)]) == 2
-    assert f"{bad}:2: prompt: must not be empty (got [])" in capsys.readouterr().err
-    bad.write_text('{"prompt": "ok", "max_tokens": -1}\n')
-    assert main(["generate", "--config", "tiny", "--input", str(bad)]) == 2
-    assert "max_tokens: must be >= 1 (got -1)" in capsys.readouterr().err
+
+
+# -- generate and JSONL runs against a stand-in cluster ------------------------------------------
+
+MAX_MODEL_LEN = 64  # the stand-in's context: longer prompts fail its check like the real one
+
+
+class FakeCluster:
+    """The part of ``cluster.api.Cluster`` the CLI uses: start/stop, ``check_prompt`` (the same
+    context-length and vocabulary rule, on a byte vocabulary) and ``generate`` (echoes the prompt)."""
+
+    started: list[FakeCluster] = []
+    fail_next: Exception | None = None
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.ran: list[tuple[Any, Any, Any]] = []
+
+    def __enter__(self) -> FakeCluster:
+        FakeCluster.started.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def check_prompt(self, prompt: Any) -> tuple[str, list[int]]:
+        from engine.validation import check_prompt
+
+        checked = check_prompt(prompt, 256)
+        ids = list(checked.encode()) if isinstance(checked, str) else checked
+        if len(ids) >= MAX_MODEL_LEN:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={MAX_MODEL_LEN}")
+        return (checked if isinstance(checked, str) else bytes(ids).decode()), ids
+
+    def generate(self, prompts, samplings, request_ids=None, on_completion=None) -> list[Any]:
+        if FakeCluster.fail_next is not None:
+            raise FakeCluster.fail_next
+        out = []
+        for prompt, sampling, request_id in zip(prompts, samplings, request_ids or [None] * len(prompts), strict=True):
+            self.ran.append((prompt, sampling, request_id))
+            text, ids = self.check_prompt(prompt)
+            out.append(SimpleNamespace(prompt=text, text=text[::-1], token_ids=ids[::-1][: sampling.max_tokens],
+                                       finish_reason="length"))  # fmt: skip
+            if on_completion is not None:
+                on_completion(out[-1])
+        return out
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch) -> type[FakeCluster]:
+    import cluster.api
+
+    FakeCluster.started = []
+    FakeCluster.fail_next = None
+    monkeypatch.setattr(cluster.api, "Cluster", FakeCluster)
+    return FakeCluster
+
+
+@pytest.fixture
+def no_cluster(monkeypatch) -> None:
+    import cluster.api
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(cluster.api, "Cluster", refuse)
+
+
+BAD_OPTIONS = [
+    (["--temperature", "nan"], "temperature: must be a finite number (got nan)"),
+    (["--temperature", "inf"], "temperature: must be a finite number (got inf)"),
+    (["--temperature=-inf"], "temperature: must be a finite number (got -inf)"),
+    (["--temperature", "-1"], "temperature: must be >= 0.0 (got -1.0)"),
+    (["--temperature", "1e-9"], "temperature: must be 0 (greedy) or >= 0.001 (got 1e-09)"),
+    (["--top-p", "nan"], "top_p: must be a finite number (got nan)"),
+    (["--top-p", "0"], "top_p: must be > 0.0 (got 0.0)"),
+    (["--top-p", "1.5"], "top_p: must be <= 1.0 (got 1.5)"),
+    (["--top-k", "-1"], "top_k: must be >= 0 (got -1)"),
+    (["--max-tokens", "-5"], "max_tokens: must be >= 1 (got -5)"),
+    (["--seed", str(2**64)], f"seed: must fit in 64 bits (got {2**64})"),
+    (["--stop", ""], "stop: stop strings must be non-empty (got ('',))"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_OPTIONS, ids=[" ".join(o) for o, _ in BAD_OPTIONS])
+def test_bad_sampling_options_exit_2_naming_the_field(capsys, no_cluster, options: list[str], message: str) -> None:
+    assert main(["generate", "--config", "tiny", *options, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvfleet: {message}\n"
+
+
+def test_an_option_argparse_cannot_parse_is_a_usage_error(capsys, no_cluster) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["generate", "--config", "tiny", "--max-tokens", "5.5", "hello"])
+    assert caught.value.code == 2
+    assert "argument --max-tokens: invalid int value: '5.5'" in capsys.readouterr().err
+
+
+def _jsonl(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_jsonl_run_with_bad_lines_runs_the_good_ones_and_exits_3(capsys, tmp_path, fake_cluster) -> None:
+    inputs = _jsonl(
+        tmp_path / "in.jsonl",
+        '{"id": "a", "prompt": "good one"}',
+        '{"id": "b", "prompt": "x", "temperature": NaN}',
+        '{"id": "c", "prompt": null}',
+        "",
+        '{"id": "d", "prompt": [104, 105], "max_tokens": 1}',
+        '{"id": "e", "prompt": "' + "y" * MAX_MODEL_LEN + '"}',  # fails only the cluster's own check
+        '{"id": "f", "prompt": "x", "max_tokens": "5"}',
+        "not json",
+    )
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--config", "tiny", "--input", str(inputs), "--output", str(output), "--no-progress"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"kvfleet: {inputs}:2: temperature: must be a finite number (got nan)",
+        f"kvfleet: {inputs}:3: prompt: must be text or a list of token ids (got None)",
+        f"kvfleet: {inputs}:7: max_tokens: must be an integer (got '5')",
+        f"kvfleet: {inputs}:8: line: not valid JSON (Expecting value at column 1)",
+        f"kvfleet: {inputs}:6: prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64",
+        "kvfleet: 5 of 7 input lines failed; each has an error record in the output",
+    ]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert records == [
+        {"id": "a", "prompt": "good one", "text": "eno doog", "token_ids": list(b"good one"[::-1][:32]),
+         "finish_reason": "length"},
+        {"id": "b", "line": 2, "error": "temperature: must be a finite number (got nan)"},
+        {"id": "c", "line": 3, "error": "prompt: must be text or a list of token ids (got None)"},
+        {"id": "d", "prompt": "hi", "text": "ih", "token_ids": [105], "finish_reason": "length"},
+        {"id": "e", "line": 6,
+         "error": f"prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64"},
+        {"id": "f", "line": 7, "error": "max_tokens: must be an integer (got '5')"},
+        {"line": 8, "error": "line: not valid JSON (Expecting value at column 1)"},
+    ]  # fmt: skip
+    (ran,) = fake_cluster.started
+    assert [(prompt, request_id) for prompt, _, request_id in ran.ran] == [("good one", "a"), ([104, 105], "d")]
+
+
+def test_a_clean_jsonl_run_exits_0(capsys, tmp_path, fake_cluster) -> None:
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "one"}', '{"prompt": "two", "temperature": 0.5, "seed": 1}')
+    assert main(["generate", "--config", "tiny", "--input", str(inputs), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["text"] for line in captured.out.splitlines()] == ["eno", "owt"]
+    assert "failed" not in captured.err
+    assert fake_cluster.started[0].ran[1][1] == SamplingParams(max_tokens=32, temperature=0.5, seed=1)
+
+
+def test_every_line_bad_exits_3_without_starting_a_cluster(capsys, tmp_path, no_cluster) -> None:
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": ""}', '{"prompt": "x", "top_p": Infinity}')
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--config", "tiny", "--input", str(inputs), "--output", str(output)]) == 3
+    assert "2 of 2 input lines failed" in capsys.readouterr().err
+    assert [json.loads(line) for line in output.read_text().splitlines()] == [
+        {"line": 1, "error": "prompt: must not be empty (got '')"},
+        {"line": 2, "error": "top_p: must be a finite number (got inf)"},
+    ]
+
+
+def test_a_command_line_prompt_the_cluster_refuses_is_a_bad_invocation(capsys, tmp_path, fake_cluster) -> None:
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "fine"}')
+    too_long = "z" * MAX_MODEL_LEN
+    assert main(["generate", "--config", "tiny", too_long, "--input", str(inputs), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert f"kvfleet: prompt: {MAX_MODEL_LEN} tokens leave no room" in captured.err
+    assert captured.out == "" and fake_cluster.started[0].ran == []  # nothing ran
+
+
+def test_a_missing_input_file_is_a_bad_invocation(capsys, tmp_path, no_cluster) -> None:
+    assert main(["generate", "--config", "tiny", "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_cluster_failure_exits_1(capsys, tmp_path, fake_cluster) -> None:
+    fake_cluster.fail_next = RuntimeError("decode-0: worker died")
+    assert main(["generate", "--config", "tiny", "hello", "--no-progress"]) == 1
+    assert "generation failed: RuntimeError: decode-0: worker died" in capsys.readouterr().err
+
+
+def test_the_job_entrypoint_reports_lines_and_exits_3(capsys, tmp_path, fake_cluster) -> None:
+    from cluster.job import main as job_main
+
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "ok"}', '{"prompt": "x", "temperature": NaN}')
+    output = tmp_path / "out.jsonl"
+    assert job_main(["--config", "tiny", "--input", str(inputs), "--output", str(output)]) == 3
+    assert f"cluster.job: {inputs}:2: temperature: must be a finite number (got nan)" in capsys.readouterr().err
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert records[0]["text"] == "ko" and records[1] == {"line": 2, "error": "temperature: must be a finite number (got nan)"}
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--temperature", "nan"], "cluster.job: temperature: must be a finite number (got nan)"),
+        (["--max-tokens", "0"], "cluster.job: max_tokens: must be >= 1 (got 0)"),
+        (["--config", "nope"], "cluster.job: invalid configuration: config: unknown preset 'nope' (available: "),
+    ],
+)
+def test_the_job_entrypoint_refuses_bad_options_with_exit_2(capsys, tmp_path, no_cluster, options, message) -> None:
+    from cluster.job import main as job_main
+
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "ok"}')
+    assert job_main(["--config", "tiny", *options, "--input", str(inputs), "--output", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith(message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_nan_is_refused_however_it_is_spelled(capsys, no_cluster) -> None:
+    for spelling in ("nan", "NaN", "-nan", "NAN"):
+        assert main(["generate", "--config", "tiny", f"--temperature={spelling}", "x"]) == 2
+        assert "temperature: must be a finite number (got nan)" in capsys.readouterr().err
