@@ -134,6 +134,7 @@ VALIDATION_MESSAGES = {
     "int_from_float": "must be an integer",
     "float_parsing": "must be a number",
     "float_type": "must be a number",
+    "finite_number": "must be a finite number",
     "bool_parsing": "must be true or false",
     "bool_type": "must be true or false",
     "string_type": "must be a string",

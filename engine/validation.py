@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from configs.load import VALIDATION_MESSAGES
 
 #: the shared table, plus the one pydantic error type a request can hit and a config cannot
-REQUEST_MESSAGES = {**VALIDATION_MESSAGES, "finite_number": "must be a finite number"}
+
 REPR_LIMIT = 80
 
 
@@ -44,7 +44,7 @@ def describe_validation_error(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors(include_url=False):
         field = _field_path(item["loc"])
-        template = REQUEST_MESSAGES.get(item["type"])
+        template = VALIDATION_MESSAGES.get(item["type"])
         if template is not None:
             message = template.format(**(item.get("ctx") or {}))
         else:  # a validator's own ValueError

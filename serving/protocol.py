@@ -285,7 +285,6 @@ def _is_union_tag(part: Any) -> bool:
 
 _MESSAGES = {
     **VALIDATION_MESSAGES,
-    "finite_number": "must be a finite number",
     "dict_type": "must be an object",
     "model_type": "must be an object",
     "too_short": "must not be empty",
