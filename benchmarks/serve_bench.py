@@ -27,8 +27,11 @@ spreads every prefix over every worker evicts. guidellm sends the requests at a 
 (``--rates``, requests/s); the ratios in the summary are taken at the highest rate.
 
 Every (policy, rate) run gets a fresh server (a fresh cluster, caches empty) on a free loopback
-port, warmed up identically with ``--warmup`` short unrelated prompts before guidellm starts,
-and stopped with SIGINT (the server drains) afterwards.
+port, warmed up identically before guidellm starts (one request at a time: ``--warmup`` short
+unrelated prompts, then each prefix once with a warm-up question of its own, placed by the
+policy under test; ``--no-warm-prefixes`` leaves the first sights in the measured run, where at
+80 requests they and the requests queued behind them fill the p90 of every policy alike), and
+stopped with SIGINT (the server drains) afterwards.
 
 HTTP overhead: the first ``--overhead-requests`` prompts sent one at a time (kvfleet policy,
 same config) through the driver API (``Cluster.agenerate``; ``ClusterCompletion.ttft_s``) on
@@ -95,6 +98,7 @@ class Workload:
     in_flight: int = 2
     cache_fraction: float = 0.5
     warmup: int = 2
+    warm_prefixes: bool = True
     seed: int = 0
 
 
@@ -106,8 +110,9 @@ def _words(rng: random.Random, tokenizer: Any, lead: str, target_tokens: int) ->
     return text
 
 
-def build_prompts(workload: Workload, tokenizer: Any) -> list[str]:
-    """Every prefix asked ``requests_per_prefix`` distinct questions, shuffled once (seeded)."""
+def build_prompts(workload: Workload, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """The prefixes, and every prefix asked ``requests_per_prefix`` distinct questions, shuffled
+    once (seeded)."""
     rng = random.Random(workload.seed)
     prefixes = [_words(rng, tokenizer, f"Document {i}.", workload.prefix_tokens) + "\n"
                 for i in range(workload.num_prefixes)]  # fmt: skip
@@ -117,12 +122,19 @@ def build_prompts(workload: Workload, tokenizer: Any) -> list[str]:
         for j in range(workload.requests_per_prefix)
     ]
     rng.shuffle(prompts)
-    return prompts
+    return prefixes, prompts
 
 
-def warmup_prompts(workload: Workload, tokenizer: Any) -> list[str]:
+def warmup_prompts(workload: Workload, tokenizer: Any, prefixes: list[str]) -> list[str]:
+    """``warmup`` short unrelated prompts, then (``warm_prefixes``) each prefix once with a question
+    of its own: every policy then starts measuring with each prefix computed once, as it placed
+    it, so the p90 reflects the routing rather than the first sight of each prefix."""
     rng = random.Random(workload.seed + 1)
-    return [_words(rng, tokenizer, f"Warm-up {i}:", workload.suffix_tokens + 4) for i in range(workload.warmup)]
+    prompts = [_words(rng, tokenizer, f"Warm-up {i}:", workload.suffix_tokens + 4) for i in range(workload.warmup)]
+    if workload.warm_prefixes:
+        prompts += [prefix + _words(rng, tokenizer, "Warm-up question:", workload.suffix_tokens) + "?"
+                    for prefix in prefixes]  # fmt: skip
+    return prompts
 
 
 def sized_overrides(config: Any, workload: Workload, prompt_tokens: int, prefix_tokens: int) -> list[str]:
@@ -522,6 +534,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
                    help="each worker's pool as a share of the prefix set (0: the config's own size)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="short unrelated requests before each run")
+    p.add_argument("--no-warm-prefixes", dest="warm_prefixes", action="store_false",
+                   help="do not send each prefix once before each run (first sights land in the measured run)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--overhead-requests", type=int, default=24,
                    help="sequential requests for the HTTP-vs-driver TTFT (0: skip)")
@@ -541,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.tokenizer import load_tokenizer
 
     workload = Workload(args.num_prefixes, args.requests_per_prefix, args.prefix_tokens, args.suffix_tokens,
-                        args.max_tokens, args.in_flight, args.cache_fraction, args.warmup, args.seed)  # fmt: skip
+                        args.max_tokens, args.in_flight, args.cache_fraction, args.warmup, args.warm_prefixes,
+                        args.seed)  # fmt: skip
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
     tool = find_tool(args.guidellm)
@@ -554,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args.config, overrides)
     model_dir = resolve_model_directory(config)
     tokenizer = load_tokenizer(model_dir, 0)
-    prompts = build_prompts(workload, tokenizer)
+    prefixes, prompts = build_prompts(workload, tokenizer)
     lengths = [len(tokenizer.encode(p)) for p in prompts]
     prefix_len = max(len(tokenizer.encode(p.split("\n")[0] + "\n")) for p in prompts)
     overrides += sized_overrides(config, workload, max(lengths), prefix_len)
@@ -566,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("%s %s (%s); %d prompts of %d-%d tokens (prefixes %d); overrides %s; output in %s",
              TOOL, version, tool, len(prompts), min(lengths), max(lengths), prefix_len, overrides, out_dir)  # fmt: skip
     bench = Bench(kvfleet, args.config, overrides, tool, model_dir, workload, prompts,
-                  warmup_prompts(workload, tokenizer), out_dir)  # fmt: skip
+                  warmup_prompts(workload, tokenizer, prefixes), out_dir)  # fmt: skip
 
     runs: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in policies}
     for rate in rates:  # policies interleaved at each rate, so a drift in the machine's load hits all alike
