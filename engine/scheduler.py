@@ -177,10 +177,13 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
         num_new = min(request.num_tokens - start, budget, self.config.prefill_chunk_size)
-        if num_new <= 1 or not self.mamba_align:
+        if num_new <= 0 or not self.mamba_align:
             return max(num_new, 0)
         # Mamba "align": prefill chunks end on block boundaries (up to the last one before the
-        # sequence end) so every chunk's final state is a cacheable checkpoint.
+        # sequence end) so every chunk's final state is a cacheable checkpoint. This holds for
+        # 1-token chunks too: a budget remainder of 1 used to start a prefill with [0, 1) (or
+        # continue one with [64, 65)), leaving a state between boundaries in a block that the
+        # next chunk moved past (see MambaManager.cache_blocks); such a request now waits a step.
         align = self.mamba_align
         end = start + num_new
         last_boundary = request.num_tokens - request.num_tokens % align

@@ -319,17 +319,19 @@ class HybridCoordinator:
             self._cache(state, num_tokens)
 
     def _cache(self, state: _Admitted, num_tokens: int) -> None:
+        """Register the request's blocks once ``num_tokens`` tokens are computed (this step
+        included): every group up to the aligned count; Mamba groups only a state that is
+        exactly at it (``MambaManager.cache_blocks``)."""
         request = state.request
-        if num_tokens > request.num_tokens:
-            num_tokens = request.num_tokens
-        num_tokens -= num_tokens % self.alignment
+        exact = min(num_tokens, request.num_tokens)
+        num_tokens = exact - exact % self.alignment
         if num_tokens <= state.cached_upto or not self.enable_caching:
             return
         state.cached_upto = num_tokens
         request_id = request.request_id
         hashes = request.block_hashes
         for manager in self.managers:
-            manager.cache_blocks(request_id, manager.view(hashes), num_tokens)
+            manager.cache_blocks(request_id, manager.view(hashes), num_tokens, exact)
 
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Release blocks no group needs any more once ``num_computed`` tokens are computed."""

@@ -121,8 +121,14 @@ class SingleTypeManager:
         return blocks
 
     # -- caching, window maintenance, freeing --------------------------------------------------------
-    def cache_blocks(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
-        """Register every full block up to ``num_tokens`` (hashes at this group's granularity)."""
+    def cache_blocks(
+        self, request_id: str, hashes: list[bytes], num_tokens: int, state_tokens: int | None = None
+    ) -> None:
+        """Register every full block up to ``num_tokens`` (hashes at this group's granularity).
+
+        ``state_tokens`` is the request's exact computed count once the current step ran (the
+        coordinator rounds ``num_tokens`` down to its alignment); only Mamba groups use it.
+        """
         full = num_tokens // self.block_size
         done = self.num_cached[request_id]
         if done >= full:
@@ -442,17 +448,33 @@ class MambaManager(SingleTypeManager):
             return []
         return self._append_state(request_id, table, needed)
 
-    def cache_blocks(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
+    def cache_blocks(
+        self, request_id: str, hashes: list[bytes], num_tokens: int, state_tokens: int | None = None
+    ) -> None:
+        """Register the state after ``num_tokens`` tokens, if the request's newest state is that one.
+
+        A Mamba block is not "full" the way an attention block is: it holds one state, the one
+        after the last token its request computed into it. Only the tail state block can hold the
+        state at a boundary this call has not registered yet, and only when the request's exact
+        count (``state_tokens``, default ``num_tokens``) is that boundary. An older live block
+        can hold a state *between* boundaries (a chunk cut short, e.g. to 1 token by the step's
+        token budget, then a chunk that wrote its state into a new block): registering it under
+        its block's boundary hash would hand later hits the wrong recurrent state.
+        """
         full = num_tokens // self.block_size
         done = self.num_cached[request_id]
         if done >= full:
             return
-        table = self.tables[request_id]
-        self.pool.cache_blocks(self.group, table, hashes, done, full)
         self.num_cached[request_id] = full
-        for i in self.live.get(request_id, ()):
-            if done <= i < full and table[i].block_hash == hashes[i]:
-                self.cached_this_step.add(hashes[i])
+        if (num_tokens if state_tokens is None else state_tokens) != full * self.block_size:
+            return  # the newest state is off this boundary: nothing new to register
+        table = self.tables[request_id]
+        tail = full - 1
+        if tail >= len(table) or table[tail].is_null:
+            return
+        self.pool.cache_blocks(self.group, table, hashes, tail, full)
+        if table[tail].block_hash == hashes[tail]:
+            self.cached_this_step.add(hashes[tail])
 
     def new_step(self) -> None:
         self.cached_this_step.clear()

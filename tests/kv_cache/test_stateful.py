@@ -34,7 +34,7 @@ from engine.kv_cache import (
     SlidingWindowSpec,
 )
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_RETAINED
-from engine.kv_cache.managers import SlidingWindowManager
+from engine.kv_cache.managers import MambaManager, SlidingWindowManager
 from tests.kv_cache.sim import (
     MIXES,
     RandomDriver,
@@ -224,16 +224,59 @@ def test_random_driver_every_mix(mix: str) -> None:
 
 
 # -- the simulator's oracles have teeth ------------------------------------------------------------------------------
-def test_data_model_catches_unaligned_mamba_chunks() -> None:
-    """A scheduler that cuts Mamba prefill chunks off block boundaries gets a state cached under
-    the wrong boundary; the data model must notice (the simulator itself never does this)."""
+def _cache_every_live_state(self, request_id, hashes, num_tokens, state_tokens=None):  # type: ignore[no-untyped-def]
+    """``MambaManager.cache_blocks`` before issue 15's fix: every live state block up to
+    ``num_tokens``, whatever state it holds."""
+    full = num_tokens // self.block_size
+    done = self.num_cached[request_id]
+    if done >= full:
+        return
+    table = self.tables[request_id]
+    self.pool.cache_blocks(self.group, table, hashes, done, full)
+    self.num_cached[request_id] = full
+    for i in self.live.get(request_id, ()):
+        if done <= i < full and table[i].block_hash == hashes[i]:
+            self.cached_this_step.add(hashes[i])
+
+
+def _unaligned_split(req, start, chunk, aligned):  # type: ignore[no-untyped-def]
+    return max(1, min(chunk, req.num_tokens - start))
+
+
+def test_data_model_catches_a_mamba_state_cached_under_the_wrong_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unaligned Mamba prefill chunks (the engine's scheduler made them when a step's token budget
+    left 1 token) with a manager that registers every live state block: a state lands in the
+    cache under a boundary it does not hold, and the data model must notice."""
+    monkeypatch.setattr(MambaManager, "cache_blocks", _cache_every_live_state)
     sim = Sim(SimConfig(mix="full+mamba", num_blocks=32))
-    sim.split = lambda req, start, chunk, aligned: max(1, min(chunk, req.num_tokens - start))  # type: ignore[method-assign]
+    sim.split = _unaligned_split  # type: ignore[method-assign]
     sim.arrive(source=0, cut=13, suffix=[], max_tokens=4)
     sim.admit(0, chunk=6)  # the state after 6 tokens lands in table index 1 (tokens 4..8)
     sim.end_step()
     with pytest.raises(SimViolation, match="holds|state"):
         sim.advance(0, chunk=6)  # ends at 12: index 1 gets cached as the state after 8 tokens
+
+
+def test_unaligned_mamba_chunks_never_cache_a_state_under_the_wrong_boundary() -> None:
+    """The coordinator alone keeps the cache right when chunks end off Mamba boundaries: the
+    same scenario, then random runs of every Mamba mix with unaligned chunks."""
+    sim = Sim(SimConfig(mix="full+mamba", num_blocks=32))
+    sim.split = _unaligned_split  # type: ignore[method-assign]
+    sim.arrive(source=0, cut=13, suffix=[], max_tokens=4)
+    sim.admit(0, chunk=6)
+    sim.end_step()
+    sim.advance(0, chunk=6)
+    sim.end_step()
+    sim.drain()
+    rng = random.Random(15)
+    for mix in sorted(m for m in MIXES if "mamba" in m):
+        sim = Sim(SimConfig(mix=mix, num_blocks=max(12, min_blocks_for(mix)) + 8, seed=rng.randrange(1000)))
+        sim.split = _unaligned_split  # type: ignore[method-assign]
+        driver = RandomDriver(sim, random.Random(rng.randrange(1 << 30)))
+        for _ in range(400):
+            driver.step()
+        sim.drain()
+        assert sim.counts["arrive"] and sim.counts["decode"]
 
 
 def test_data_model_catches_a_window_dropped_too_early(monkeypatch: pytest.MonkeyPatch) -> None:
