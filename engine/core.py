@@ -21,7 +21,17 @@ import torch
 
 from configs.schema import ClusterConfig
 from configs.models import SourceKind
-from engine.disagg import NULL_BLOCK, HeldBlocks, KVHandle, PendingLoads, TransferStats, check_handle, plan_read, token_digest
+from engine.disagg import (
+    NULL_BLOCK,
+    HeldBlocks,
+    KVHandle,
+    PendingLoads,
+    TransferStats,
+    check_handle,
+    handle_usable,
+    plan_read,
+    token_digest,
+)
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.model.arch import ModelArch
@@ -207,6 +217,23 @@ class EngineCore:
     def _start_load(self, request: Request, handle: KVHandle) -> None:
         assert self.transfer is not None
         request_id = request.request_id
+        cfg = self.config.transfer
+        if not handle_usable(handle, cfg.read_timeout_s, cfg.release_timeout_s):
+            # Its owner frees (or already freed) the blocks before a read could end: reading
+            # them could copy another request's KV. Compute the prompt here instead.
+            self.transfer_stats.expired_handles += 1
+            late = time.time() - (handle.expires_at - cfg.release_timeout_s)
+            self._notify_only(handle)  # the owner may free at once
+            if cfg.on_failure == "fail":
+                raise ValueError(
+                    f"kv_handle.expires_at: handle of {request_id!r} arrived {late:.1f} s after its export; "
+                    f"its owner frees the blocks {cfg.release_timeout_s:g} s after it (transfer.on_failure=fail)"
+                )
+            log.warning("%s: handle of %s arrived %.1f s after its export, too late to read; recomputing",
+                        self.name, request_id, late)  # fmt: skip
+            request.remote_prefill = False
+            self.scheduler.add_request(request)
+            return
         tables = self.scheduler.add_transferred_request(request, handle.num_tokens)
         pairs = None
         if tables is not None:
@@ -217,13 +244,18 @@ class EngineCore:
                 log.warning("%s: cannot read %s from %s (%s); recomputing", self.name, request_id, handle.agent.name, e)
                 self.scheduler.finish_kv_load(request_id, ok=False)
         if pairs is None:  # nothing to read: still tell the owner so it frees at once
-            tid = self.transfer.start_read(handle.agent, [], notify=handle.notify_key)
-            self.loads.notify_only.add(tid)
-            self.transfer_stats.notify_only += 1
+            self._notify_only(handle)
             return
         tid = self.transfer.start_read(handle.agent, pairs, notify=handle.notify_key)
         self.loads.reads[tid] = request_id
         self.transfer_stats.reads += 1
+
+    def _notify_only(self, handle: KVHandle) -> None:
+        """Tell the owner it may free the handle's blocks, reading nothing."""
+        assert self.transfer is not None
+        tid = self.transfer.start_read(handle.agent, [], notify=handle.notify_key)
+        self.loads.notify_only.add(tid)
+        self.transfer_stats.notify_only += 1
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
@@ -256,9 +288,15 @@ class EngineCore:
         tables = tuple(
             tuple(NULL_BLOCK if b == null else b for b in group) for group in self.coordinator.block_ids(request_id)
         )
-        self.held.hold(request_id)
+        expires_at = self.held.hold(request_id)
         return KVHandle(
-            request_id, request.num_tokens, token_digest(request.token_ids), tables, self.agent_info, self.layout_key
+            request_id,
+            request.num_tokens,
+            token_digest(request.token_ids),
+            tables,
+            self.agent_info,
+            self.layout_key,
+            expires_at,
         )
 
     def _progress_transfers(self) -> list[RequestOutput]:

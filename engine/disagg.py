@@ -13,6 +13,14 @@ full attention: the blocks the decode side did not hit locally; sliding window: 
 inside the window at N - 1; Mamba: the single state block after N - 1 tokens. Null blocks never
 travel. ``plan_read`` pairs each fresh decode block with the prefill block at the same table
 index of the same group.
+
+Lifetime: the prefill engine frees a handle's blocks on the reader's notification, or
+``transfer.release_timeout_s`` after the export if none comes (the reader may be gone). Nothing
+bounds the time a handle spends between the two engines (a busy driver, a worker thread waiting
+on the router), so the handle carries the owner's release time (``expires_at``, wall clock) and
+a reader starts a read only if it ends, even timed out, ``expiry_margin`` before then; otherwise
+it recomputes (``handle_usable``). A read of blocks the owner already freed and reused would
+give wrong tokens with no error.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class KVHandle:
     block_ids: tuple[tuple[int, ...], ...]
     agent: AgentInfo
     layout_key: str
+    expires_at: float = 0.0  # ``time.time()`` when the owner frees the blocks unread (0: never)
 
     @property
     def notify_key(self) -> bytes:
@@ -79,6 +88,21 @@ def check_handle(handle: KVHandle, layout_key: str, prompt_token_ids: Sequence[i
         )
     if handle.token_digest != token_digest(prompt_token_ids[:-1]):
         raise ValueError(f"kv_handle.token_digest: request {handle.request_id!r} was prefilled for a different prompt")
+
+
+def expiry_margin(release_timeout_s: float) -> float:
+    """Slack kept between a read's end and its owner's release: clock skew between hosts and the
+    owner's step granularity (1 s, or a tenth of the release timeout when that is shorter)."""
+    return min(1.0, 0.1 * release_timeout_s)
+
+
+def handle_usable(handle: KVHandle, read_timeout_s: float, release_timeout_s: float, now: float | None = None) -> bool:
+    """Whether a read started now ends (done, or failed at ``read_timeout_s``) before the owner
+    may free the handle's blocks, with ``expiry_margin`` to spare."""
+    if not handle.expires_at:
+        return True
+    now = time.time() if now is None else now
+    return now + read_timeout_s + expiry_margin(release_timeout_s) <= handle.expires_at
 
 
 def plan_read(handle: KVHandle, local_tables: Sequence[Sequence[int]], fresh: set[int]) -> np.ndarray:
@@ -111,8 +135,10 @@ class HeldBlocks:
         self.release_timeout_s = release_timeout_s
         self.deadlines: dict[str, float] = {}
 
-    def hold(self, request_id: str, now: float | None = None) -> None:
+    def hold(self, request_id: str, now: float | None = None) -> float:
+        """Start holding; returns the release time on the wall clock (for the handle)."""
         self.deadlines[request_id] = (time.monotonic() if now is None else now) + self.release_timeout_s
+        return time.time() + self.release_timeout_s
 
     def due(self, notifications: Iterable[bytes], now: float | None = None) -> tuple[list[str], list[str]]:
         """``(notified, expired)`` request ids to release now; both leave the ledger."""
@@ -136,10 +162,12 @@ class HeldBlocks:
 
 @dataclass
 class TransferStats:
-    """Decode-side counters: reads started, blocks and bytes moved, failures, read seconds."""
+    """Decode-side counters: reads started, blocks and bytes moved, failures, read seconds,
+    handles refused because their owner could free the blocks before a read would end."""
 
     reads: int = 0
     notify_only: int = 0
+    expired_handles: int = 0
     blocks: int = 0
     bytes: int = 0
     failures: int = 0

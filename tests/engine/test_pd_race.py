@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
 from configs import load_config
 from engine.core import EngineCore
+from engine.disagg import expiry_margin, handle_usable
 from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec
@@ -136,6 +138,77 @@ def test_pd_request_hitting_a_prefill_state_after_a_budget_cut_chunk(backend):
         handles = run_prefill(prefill, [("b", b + [9]), ("a", a)])
         handles |= run_prefill(prefill, [("c", c)])  # C hits A's held blocks on the prefill engine
         assert run(decode, [("c", c, GREEDY)], kv_handle=handles["c"])["c"] == expected
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# -- a handle read after its owner's release timeout --------------------------------------------------
+def expiring(backend: str, on_failure: str = "recompute") -> tuple[EngineCore, EngineCore]:
+    cfg = load_config(
+        "tiny-hybrid",
+        [f"transfer.backend={backend}", "transfer.read_timeout_s=0.3", "transfer.release_timeout_s=1.5",
+         f"transfer.on_failure={on_failure}"],
+    )  # fmt: skip
+    return EngineCore(cfg, name="prefill", kv_role="prefill"), EngineCore(cfg, name="decode", kv_role="decode")
+
+
+@pytest.mark.parametrize("backend", ["local", "nixl"])
+def test_a_handle_that_reaches_the_decoder_after_its_owner_freed_the_blocks_is_recomputed(backend):
+    """The owner frees unread blocks ``release_timeout_s`` after the export; nothing bounds the
+    hand-off (driver, Ray, a worker thread waiting on the router). A read of blocks already
+    reused by another prefill returned another request's KV: wrong tokens, no error."""
+    if backend == "nixl":
+        pytest.importorskip("nixl")
+    x, y = tokens(11, 70), tokens(12, 70)
+    expected = alone_tokens(load_config("tiny-hybrid"), [x], GREEDY)[tuple(x)]
+    prefill, decode = expiring(backend)
+    try:
+        handle = run_prefill(prefill, [("x", x)])["x"]
+        time.sleep(1.6)
+        prefill.step()  # no reader came in time: x's blocks go back to the pool ...
+        assert prefill.transfer_stats.released_by_timeout == 1
+        run_prefill(prefill, [("y", y)])  # ... and y's prefill writes over them
+        assert run(decode, [("x", x, GREEDY)], kv_handle=handle)["x"] == expected
+        assert decode.transfer_stats.expired_handles == 1 and decode.transfer_stats.reads == 0
+        assert decode.coordinator.num_free_blocks == decode.info.num_blocks - 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_handle_too_close_to_its_release_is_not_read_and_the_owner_is_told():
+    prefill, decode = expiring("local")
+    try:
+        prompt = tokens(13, 50)
+        handle = run_prefill(prefill, [("r", prompt)])["r"]
+        read_timeout, release = 0.3, 1.5
+        assert handle_usable(handle, read_timeout, release)
+        assert not handle_usable(handle, read_timeout, release, now=handle.expires_at - read_timeout)
+        time.sleep(release - read_timeout - expiry_margin(release) + 0.05)  # inside the last read_timeout + margin
+        decode.add_request("r", prompt, GREEDY, kv_handle=handle)
+        assert decode.transfer_stats.expired_handles == 1 and decode.transfer_stats.notify_only == 1
+        run(decode, [])
+        for _ in range(50):  # the notification frees the owner's blocks before its timeout
+            prefill.step()
+            if not prefill.held:
+                break
+            time.sleep(0.002)
+        assert prefill.transfer_stats.released_by_notification == 1 and not prefill.held
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_late_handle_with_on_failure_fail_is_refused_with_the_field_named():
+    prefill, decode = expiring("local", on_failure="fail")
+    try:
+        prompt = tokens(14, 50)
+        handle = run_prefill(prefill, [("r", prompt)])["r"]
+        time.sleep(1.3)
+        with pytest.raises(ValueError, match="kv_handle.expires_at"):
+            decode.add_request("r", prompt, GREEDY, kv_handle=handle)
+        assert not decode.scheduler.has_work
     finally:
         prefill.close()
         decode.close()
