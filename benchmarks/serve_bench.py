@@ -34,9 +34,10 @@ policy under test; ``--no-warm-prefixes`` leaves the first sights in the measure
 stopped with SIGINT (the server drains) afterwards.
 
 HTTP overhead: the first ``--overhead-requests`` prompts sent one at a time (kvfleet policy,
-same config) through the driver API (``Cluster.agenerate``; ``ClusterCompletion.ttft_s``) on
-a fresh cluster, then through HTTP on a fresh server with a minimal streaming client (TTFT: the
-first chunk with text); ``http_ttft_overhead_ratio`` is HTTP TTFT p50 over driver TTFT p50.
+same config) through the driver API (``Cluster.stream``, timed by the caller to its first text
+delta) on a fresh cluster, then through HTTP on a fresh server with a minimal streaming client
+(timed to the first chunk with text); ``http_ttft_overhead_ratio`` is HTTP TTFT p50 over driver
+TTFT p50. Both sides time from the call, tokenizing included.
 
 Last stdout line, one JSON object: ``tool``, ``tool_version``, ``p90_ttft_ratio_vs_round_robin``,
 ``p90_ttft_ratio_vs_prefix_tree`` (kvfleet's p90 TTFT over the baseline's at ``ratio_rate_rps``),
@@ -493,13 +494,24 @@ class Bench:
                 for prompt in prompts:
                     self.sent += 1
                     try:
-                        ttfts.append((await cluster.agenerate(prompt, sampling)).ttft_s)
+                        ttfts.append(await first_text_s(cluster, prompt, sampling))
                     except Exception as exc:
                         self.lost += 1
                         log.warning("driver request failed: %s", exc)
 
             asyncio.run(drive())
         return ttfts
+
+
+async def first_text_s(cluster: Any, prompt: str, sampling: Any) -> float:
+    """Seconds from the driver call to its first text delta, timed by the caller as the HTTP
+    client times its first chunk (tokenizing included on both sides); the stream runs to its end."""
+    start = time.perf_counter()
+    ttft = None
+    async for delta in cluster.stream(prompt, sampling):
+        if delta and ttft is None:
+            ttft = time.perf_counter() - start
+    return ttft if ttft is not None else time.perf_counter() - start
 
 
 def summary(runs: dict[str, dict[str, dict[str, Any]]], rate: float) -> dict[str, Any]:
