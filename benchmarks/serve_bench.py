@@ -34,10 +34,11 @@ policy under test; ``--no-warm-prefixes`` leaves the first sights in the measure
 stopped with SIGINT (the server drains) afterwards.
 
 HTTP overhead: the first ``--overhead-requests`` prompts sent one at a time (kvfleet policy,
-same config) through the driver API (``Cluster.stream``, timed by the caller to its first text
-delta) on a fresh cluster, then through HTTP on a fresh server with a minimal streaming client
-(timed to the first chunk with text); ``http_ttft_overhead_ratio`` is HTTP TTFT p50 over driver
-TTFT p50. Both sides time from the call, tokenizing included.
+same config) to a fresh server and a fresh driver cluster running side by side, each prompt
+through the driver API (``Cluster.stream``, timed by the caller to its first text delta) and
+then through HTTP with a minimal streaming client (timed to the first chunk with text), so a
+change in the machine's load weighs on both; ``http_ttft_overhead_ratio`` is HTTP TTFT p50 over
+driver TTFT p50. Both sides time from the call, tokenizing included.
 
 Last stdout line, one JSON object: ``tool``, ``tool_version``, ``p90_ttft_ratio_vs_round_robin``,
 ``p90_ttft_ratio_vs_prefix_tree`` (kvfleet's p90 TTFT over the baseline's at ``ratio_rate_rps``),
@@ -84,7 +85,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -471,20 +472,39 @@ class Bench:
         return result
 
     def http_overhead(self, count: int) -> dict[str, Any]:
-        """Sequential TTFT p50 through the driver API, then through HTTP (kvfleet policy)."""
-        prompts = self.prompts[:count]
-        driver = self.driver_ttfts(prompts)
+        """TTFT p50 through HTTP over TTFT p50 through the driver API, one request at a time
+        (kvfleet policy): a fresh server and a fresh driver cluster side by side, warmed alike,
+        each prompt sent to one then the other, so a change in the machine's load weighs on both."""
+        from cluster.api import Cluster
+        from configs import load_config
+        from engine.sampling_params import SamplingParams
+
+        config = load_config(self.config, [*self.overrides, "router.policy=kvfleet"])
+        sampling = SamplingParams(max_tokens=self.workload.max_tokens, temperature=0.0, ignore_eos=True)
+        driver: list[float] = []
         http_ttfts: list[float] = []
-        with self.server("kvfleet", "overhead") as server:
+        with self.server("kvfleet", "overhead") as server, Cluster(config) as cluster:
             model = served_model(server.url)
             self.warm(server, model)
-            for prompt in prompts:
+
+            async def timed(side: str, call: Coroutine[Any, Any, float], out: list[float]) -> None:
                 self.sent += 1
                 try:
-                    http_ttfts.append(stream_completion(server.url, model, prompt, self.workload.max_tokens)["ttft_s"])
-                except (RuntimeError, OSError) as exc:
+                    out.append(await call)
+                except Exception as exc:
                     self.lost += 1
-                    log.warning("overhead request failed: %s", exc)
+                    log.warning("%s request failed: %s", side, exc)
+
+            async def drive() -> None:
+                for prompt in self.warmups:
+                    self.sent += 1
+                    await cluster.agenerate(prompt, sampling)
+                for prompt in self.prompts[:count]:
+                    await timed("driver", first_text_s(cluster, prompt, sampling), driver)
+                    await timed("HTTP", http_first_text_s(server.url, model, prompt, self.workload.max_tokens),
+                                http_ttfts)  # fmt: skip
+
+            asyncio.run(drive())
         driver_p50, http_p50 = percentile(driver, 0.5), percentile(http_ttfts, 0.5)
         log.info("HTTP overhead: TTFT p50 driver %.4f s, HTTP %.4f s", driver_p50, http_p50)
         return {
@@ -496,30 +516,10 @@ class Bench:
             "http_ttft_overhead_ratio": ratio(http_p50, driver_p50),
         }
 
-    def driver_ttfts(self, prompts: list[str]) -> list[float]:
-        from cluster.api import Cluster
-        from configs import load_config
-        from engine.sampling_params import SamplingParams
 
-        config = load_config(self.config, [*self.overrides, "router.policy=kvfleet"])
-        sampling = SamplingParams(max_tokens=self.workload.max_tokens, temperature=0.0, ignore_eos=True)
-        ttfts: list[float] = []
-        with Cluster(config) as cluster:
-
-            async def drive() -> None:
-                for prompt in self.warmups:
-                    self.sent += 1
-                    await cluster.agenerate(prompt, sampling)
-                for prompt in prompts:
-                    self.sent += 1
-                    try:
-                        ttfts.append(await first_text_s(cluster, prompt, sampling))
-                    except Exception as exc:
-                        self.lost += 1
-                        log.warning("driver request failed: %s", exc)
-
-            asyncio.run(drive())
-        return ttfts
+async def http_first_text_s(url: str, model: str, prompt: str, max_tokens: int) -> float:
+    """``stream_completion``'s TTFT, from a thread (the caller's event loop keeps running)."""
+    return float((await asyncio.to_thread(stream_completion, url, model, prompt, max_tokens))["ttft_s"])
 
 
 async def first_text_s(cluster: Any, prompt: str, sampling: Any) -> float:
