@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                         summary["wrong_tokens"] += result.wrong_tokens
                         summary["preemptions"] += result.preemptions
                         if result.wrong_tokens:
-                            summary["runs_with_wrong_tokens"].append({"seed": seed, "mismatches": result.mismatches[:4]})
+                            wrong = {"seed": seed, "mismatches": result.mismatches[:4]}
+                            summary["runs_with_wrong_tokens"].append(wrong)
                     configs[name] = summary
                     print(json.dumps({"config": name, **summary}), flush=True)
     if args.level in ("cluster", "both"):
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "requests": sum(c["requests"] for c in configs.values()),
         "wrong_tokens": sum(c["wrong_tokens"] for c in configs.values()),
-        "configs": {name: {"requests": c["requests"], "wrong_tokens": c["wrong_tokens"]} for name, c in configs.items()},
+        "configs": {name: {"requests": c["requests"], "wrong_tokens": c["wrong_tokens"]}
+                    for name, c in configs.items()},
         "seconds": round(time.monotonic() - start, 1),
     }
     print(json.dumps(report), flush=True)

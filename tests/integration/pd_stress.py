@@ -1,7 +1,7 @@
 """Cluster-level P/D stress: shared-prefix requests in concurrent waves on a local Ray cluster
 while other processes keep every core busy; every request's greedy tokens against a single
-engine that ran the prompt alone on an empty cache (``pd_harness.alone_tokens``). Used by ``tests/integration/test_pd_stress.py`` (bounded) and
-``benchmarks/pd_stress.py`` (longer runs).
+engine that ran the prompt alone on an empty cache (``pd_harness.alone_tokens``). Used by
+``tests/integration/test_pd_stress.py`` (bounded) and ``benchmarks/pd_stress.py`` (longer runs).
 
 The workload reuses a few prefixes with different suffixes and exact repeats, so prefill
 workers hit held (not yet read) blocks, decode workers hit blocks other requests pulled, and
