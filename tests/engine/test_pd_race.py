@@ -7,7 +7,11 @@ boundary, so its state block held the state after an unaligned count (say 65 tok
 chunk wrote its state into a new block, and the prefix cache registered the old block under the
 hash of its full boundary (68). A later request hitting 68 tokens (on a prefill worker: its
 exported KV) continued from the wrong recurrent state. It needs a budget remainder of exactly
-1 token, so it appears with load (many requests batched per step) and never on an idle engine.
+1 token, so it appears with load (many requests batched per step), hardly ever on an idle one;
+a single engine has it too (the batched oracle of tests/integration did).
+
+A second way to silent wrong tokens, found on the way: a handle that reached the decode engine
+after its owner's release timeout was read anyway, out of blocks another prefill had reused.
 
 ``KVFLEET_PD_STRESS=long`` runs the stress with more seeds and requests.
 """
