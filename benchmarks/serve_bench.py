@@ -47,23 +47,24 @@ passes), ``lost`` (those that did not complete), and per-policy per-rate details
 One JSON line per (policy, rate) run is printed before it. Progress goes to stderr (logging).
 
 Measured on this project's machines (2 cores shared with other test runs, 1-minute load average
-between 1 and 10 during the runs; Gemma-3-270M fp32, 2P+2D, defaults: 5 prefixes x 16 requests
-of 273-277 tokens, 8 out, 364 blocks per worker, 0.5 and 1.0 req/s), about 21 minutes a run:
+1.0-7.4 during the run; Gemma-3-270M fp32, 2P+2D, defaults: 5 prefixes x 16 requests of
+273-277 tokens, 8 out, 364 blocks per worker, 0.5 and 1.0 req/s), 20.6 minutes:
 
-    1.0 req/s   kvfleet      TTFT p50 0.229 s  p90 0.416 s  hit rate 0.876
-                prefix_tree  TTFT p50 0.230 s  p90 0.242 s  hit rate 0.934
-                round_robin  TTFT p50 0.413 s  p90 1.241 s  hit rate 0.506
-    0.5 req/s   p90 0.265 / 0.306 / 1.031 s (same order)
-    p90_ttft_ratio_vs_round_robin 0.335 (0.257 at 0.5), p90_ttft_ratio_vs_prefix_tree 1.719 (0.866
-    at 0.5), http_ttft_overhead_ratio 1.164 (TTFT p50 0.177 s driver, 0.206 s HTTP), 584 requests,
-    0 lost
+    1.0 req/s   kvfleet      TTFT p50 0.261 s  p90 0.505 s  hit rate 0.866
+                prefix_tree  TTFT p50 0.236 s  p90 0.254 s  hit rate 0.934
+                round_robin  TTFT p50 0.427 s  p90 1.186 s  hit rate 0.506
+    0.5 req/s   p90 0.287 / 0.313 / 1.045 s (same order), hit rates 0.934 / 0.934 / 0.506
+    p90_ttft_ratio_vs_round_robin 0.425 (0.275 at 0.5), p90_ttft_ratio_vs_prefix_tree 1.986 (0.917
+    at 0.5), http_ttft_overhead_ratio 1.047 (TTFT p50 0.195 s driver, 0.204 s HTTP), 584 requests,
+    0 lost. The run before (sequential overhead passes): 0.335, 1.719, 1.164, 0 lost.
 
-At 1.0 req/s kvfleet sent 5 of 80 requests to a worker without their prefix (cached_tokens 0,
-TTFT 1.0-1.5 s) although every prefix had been computed once in the warm-up; prefix_tree missed
-none. Without the prefix warm-up (two earlier runs of 80 requests) the first sights and the
-requests queued behind them set every policy's p90 (ratios vs round robin 0.38 and 1.03 at
-1.0 req/s, vs prefix_tree 0.57 and 0.91, depending on the machine's load); the HTTP overhead
-ratio was 1.122 in the second.
+At 1.0 req/s 5-6 of kvfleet's 80 requests found their prefix uncached (cached_tokens 0 or 48,
+TTFT 1.0-1.7 s; routed to a worker without it, or evicted there) although every prefix had been
+computed once in the warm-up (its prefill workers' hit rates 0.44-0.78, prefix_tree's 0.88);
+prefix_tree missed none in either run, so its p90 stays at the hit TTFT. Without the prefix warm-up (two
+earlier runs) the first sights and the requests queued behind them set every policy's p90
+(ratios vs round robin 0.38 and 1.03 at 1.0 req/s, vs prefix_tree 0.57 and 0.91, with the
+machine's load).
 """
 
 from __future__ import annotations
