@@ -33,7 +33,7 @@ else:
 
 
 @pytest.mark.parametrize(
-    "preset, backend, shape, requests", CASES, ids=lambda v: v if isinstance(v, str) else None
+    "preset, backend, shape, requests", CASES, ids=[f"{p}-{b}-{s[0]}P{s[1]}D-{n}" for p, b, s, n in CASES]
 )
 def test_pd_under_cpu_load_returns_the_single_engine_tokens(ray_session, preset, backend, shape, requests):
     if backend == "nixl" and not HAS_NIXL:
