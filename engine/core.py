@@ -40,14 +40,21 @@ from engine.model.loader import CheckpointError, build_model, load_hf_directory
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestOutput, Scheduler
+from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.transfer import DONE, FAILED, AgentInfo, KVTransfer, transfer_from_config
 from engine.validation import InvalidRequestError, check_request_id, check_token_ids, problem
 
 KVRole = Literal["prefill", "decode", "both"]
+#: batches in a row whose forward raised before an engine counts as broken (``EngineBroken``)
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 _TRANSFER_ROLE = {"prefill": "owner", "decode": "reader", "both": "both"}
 
 log = logging.getLogger(__name__)
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot go on (its state is inconsistent, or every step fails): the worker
+    owning it must be taken out of service and replaced."""
 
 
 def cache_root() -> Path:
@@ -148,6 +155,9 @@ class EngineCore:
         self.held = HeldBlocks(config.transfer.release_timeout_s)
         self.loads = PendingLoads()
         self.transfer_stats = TransferStats()
+        self.consecutive_failed_steps = 0
+        self.failed_steps = 0
+        self.failed_requests = 0
         self.info = EngineInfo(arch, num_blocks, cache.block_size, max_model_len)
         self.model_directory = directory
         eos = arch.eos_token_ids
@@ -268,18 +278,57 @@ class EngineCore:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Progress transfers, run one scheduled batch, return what each request gained.
+
+        Fault isolation: a row that cannot be sampled fails only its request; a forward that
+        raises fails only the requests of that batch (their blocks freed, anything the failed
+        step registered in the prefix cache taken out) and the engine goes on. ``EngineBroken``
+        is raised only when it cannot go on: its bookkeeping no longer holds, or
+        ``MAX_CONSECUTIVE_FAILED_STEPS`` batches in a row failed."""
         results = self._progress_transfers() if self.transfer is not None else []
         scheduler = self.scheduler
         if scheduler.running or scheduler.waiting:
             output = scheduler.schedule()
-            sampled = self.runner.execute(output)
-            for result in scheduler.update(output, sampled):
+            try:
+                sampled = self.runner.execute(output)
+            except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
+                results.extend(self._fail_batch(output, exc))
+                return results
+            self.consecutive_failed_steps = 0
+            for request_id, why in sampled.failures.items():
+                results.append(self._fail_request(request_id, why))
+            for result in scheduler.update(output, sampled.tokens):
                 if result.finished:
                     self.runner.sampler.forget(result.request_id)
                 if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
                     result = replace(result, kv_handle=self._export(result.request_id))
                 results.append(result)
         return results
+
+    def _fail_batch(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        self.consecutive_failed_steps += 1
+        self.failed_steps += 1
+        why = f"engine step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.error("%s: %s (%d requests in the batch)", self.name, why, len(output.chunks), exc_info=exc)
+        results = []
+        for chunk in output.chunks:
+            request_id = chunk.request.request_id
+            self.coordinator.discard_uncomputed(request_id, chunk.start)
+            results.append(self._fail_request(request_id, why))
+        try:
+            self.coordinator.check_invariants()
+        except Exception as broken:
+            raise EngineBroken(f"{self.name}: KV cache inconsistent after a failed step ({broken})") from exc
+        if self.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineBroken(f"{self.name}: {self.consecutive_failed_steps} steps in a row failed ({why})") from exc
+        return results
+
+    def _fail_request(self, request_id: str, why: str) -> RequestOutput:
+        """End one request with ``finish_reason="error"``, freeing its blocks."""
+        self.failed_requests += 1
+        self.runner.sampler.forget(request_id)
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
+        return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
 
     def _export(self, request_id: str) -> KVHandle:
         """The handle of a prefilled request; its blocks stay held until the reader is done."""
@@ -347,7 +396,8 @@ class EngineCore:
         if self.config.transfer.on_failure == "fail":
             log.error("%s: KV read for %s failed (%s); failing the request", self.name, request_id, record.error)
             self.scheduler.abort(request_id)
-            return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value)
+            return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value,
+                                 error=f"KV read from the prefill worker failed ({record.error})")  # fmt: skip
         log.warning("%s: KV read for %s failed (%s); recomputing locally", self.name, request_id, record.error)
         self.scheduler.finish_kv_load(request_id, ok=False)
         return None
@@ -383,6 +433,8 @@ class EngineCore:
             "hit_tokens": scheduler.hit_tokens,
             "queried_tokens": scheduler.queried_tokens,
             "num_preemptions": scheduler.num_preemptions,
+            "failed_steps": self.failed_steps,
+            "failed_requests": self.failed_requests,
             "transfer": asdict(self.transfer_stats),
         }
 

@@ -17,7 +17,7 @@ from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index, build
 from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
-from engine.sampler import Sampler
+from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,28 +76,31 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run the scheduled chunks; return the sampled token of every chunk that samples."""
+    def execute(self, output: SchedulerOutput) -> SampledTokens:
+        """Run the scheduled chunks; return the sampled token of every chunk that samples (and
+        the requests whose row could not be sampled). A failed forward raises."""
         return self._run(output)[0]
 
     def logits_for(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
         """Like ``execute`` but also returns each sampled row's logits, on the CPU (for oracles)."""
-        tokens, logits = self._run(output)
-        return tokens, {rid: row.cpu() for rid, row in logits.items()}
+        sampled, logits = self._run(output)
+        if sampled.failures:
+            raise RuntimeError(f"sampling failed: {sampled.failures}")
+        return sampled.tokens, {rid: row.cpu() for rid, row in logits.items()}
 
     @torch.inference_mode()
-    def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    def _run(self, output: SchedulerOutput) -> tuple[SampledTokens, dict[str, torch.Tensor]]:
         sampling = [c for c in output.chunks if c.sample]
         if not output.chunks:
-            return {}, {}
+            return SampledTokens(), {}
         batch = self.build_batch(output)
         hidden = self.model(batch)
         if not sampling:
-            return {}, {}
+            return SampledTokens(), {}
         logits = self.model.logits(hidden[batch.sample_indices])
         ids = [c.request.request_id for c in sampling]
-        tokens = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
-        return dict(zip(ids, tokens, strict=True)), dict(zip(ids, logits, strict=True))
+        sampled = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
+        return sampled, dict(zip(ids, logits, strict=True))
 
     def _scratch_for(self, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V gather buffers large enough for this step's biggest read, grown and then reused."""

@@ -1,10 +1,29 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator.
+
+A row that cannot be sampled (non-finite logits, probabilities torch refuses) fails only its own
+request: ``sample`` reports it in ``SampledTokens.failures`` and samples every other row.
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledTokens:
+    """One step's samples: the token of each request that sampled, and why each failed one did
+    not (a request is in exactly one of the two)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -15,15 +34,27 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
+        """One token per row; a row with non-finite logits, or one torch cannot sample from,
+        fails its request alone (a NaN logit would otherwise be a silent argmax of 0)."""
         greedy = logits.argmax(dim=-1).tolist()
-        out = []
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        out = SampledTokens()
         for row, (request_id, sp) in enumerate(zip(request_ids, params, strict=True)):
-            if sp.greedy:
-                out.append(greedy[row])
+            if not finite[row]:
+                out.failures[request_id] = "the model produced non-finite logits for this request"
                 continue
-            probs = self._probs(logits[row], sp)
-            out.append(int(torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item()))
+            if sp.greedy:
+                out.tokens[request_id] = greedy[row]
+                continue
+            try:
+                probs = self._probs(logits[row], sp)
+                token = torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item()
+            except RuntimeError as exc:  # e.g. probabilities torch refuses: this request only
+                log.warning("sampling %s failed: %s", request_id, exc)
+                out.failures[request_id] = f"sampling failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                continue
+            out.tokens[request_id] = int(token)
         return out
 
     def _probs(self, logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

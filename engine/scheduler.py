@@ -63,6 +63,7 @@ class RequestOutput:
     finish_reason: str | None = None
     kv_handle: Any = None
     num_cached_tokens: int = -1  # the request's local prefix hit (+ transferred tokens) at admission
+    error: str | None = None  # why a request finished with "error"
 
 
 class Scheduler:

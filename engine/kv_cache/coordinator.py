@@ -333,6 +333,20 @@ class HybridCoordinator:
         for manager in self.managers:
             manager.cache_blocks(request_id, manager.view(hashes), num_tokens, exact)
 
+    def discard_uncomputed(self, request_id: str, num_computed: int) -> None:
+        """Take out of the prefix cache every block of the request holding positions at or past
+        ``num_computed`` (their compute failed, so what ``allocate_slots`` registered for them
+        was never written); hits and pins before that point stay. Call before ``free``."""
+        state = self._admitted.get(request_id)
+        if state is None:
+            return
+        stale = []
+        for manager in self.managers:
+            table = manager.tables.get(request_id, [])
+            stale += [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.pin]
+        self.pool.evict(stale)
+        state.cached_upto = min(state.cached_upto, num_computed)
+
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Release blocks no group needs any more once ``num_computed`` tokens are computed."""
         state = self._admitted.get(request_id)
