@@ -85,7 +85,12 @@ def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas and watches for stop strings.
 
-    Text that ends in an incomplete UTF-8 sequence is held back until it completes.
+    Only the U+FFFD characters at the end of the decoded text are held back (an incomplete UTF-8
+    sequence, or stray bytes, that later tokens may still complete); everything before them is
+    emitted. So the text is a function of the token ids alone, never of how they were grouped
+    into ``add`` calls: a stream's chunks depend on load (a worker coalesces chunks that pile
+    up), and holding back a whole chunk for its last byte lost the characters before it for
+    good whenever no later token completed that byte.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
@@ -99,8 +104,8 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Add tokens; return the new text (cut at a stop string, after which ``stopped`` is set)."""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids)
-        if full.endswith("\ufffd"):
+        full = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        if len(full) <= len(self.text):
             return ""
         for stop in self.stop:
             at = full.find(stop, max(0, len(self.text) - len(stop)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -54,6 +55,50 @@ def test_incremental_detokenizer_holds_back_partial_utf8() -> None:
     euro = list("€".encode())
     assert detok.add(euro[:1]) == "" and detok.add(euro[1:2]) == ""
     assert detok.add(euro[2:]) == "€"
+
+
+def _text(chunks: list[list[int]], stop: tuple[str, ...] = ()) -> tuple[str, str, bool]:
+    """(the deltas joined, the final text, stopped) of one detokenizer fed ``chunks`` in order."""
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop)
+    streamed = "".join(detok.add(chunk) for chunk in chunks)
+    return streamed, detok.text, detok.stopped
+
+
+def _groupings(rng: random.Random, ids: list[int]) -> list[list[int]]:
+    cuts = sorted(rng.sample(range(1, len(ids)), rng.randrange(0, len(ids)))) if len(ids) > 1 else []
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+
+
+# The 12 greedy tokens of the serve test's stream 63 (tiny-gemma3): two invalid lead bytes, "bbb",
+# then seven stray continuation bytes. CI once streamed them as [..., [98, 132], ...] (a worker
+# coalesces chunks that pile up under load) and the text lost its third "b".
+CI_STREAM_63 = [174, 174, 98, 98, 98, 132, 132, 132, 132, 132, 132, 132]
+ALPHABET = [98, 99, 32, 174, 132, 226, 130, 172, 240, 159, 152, 128, 0xC3, 0xA9, 255]  # ASCII, leads, continuations
+
+
+def test_a_valid_character_is_never_held_back_behind_bytes_that_never_complete() -> None:
+    one_by_one = _text([[t] for t in CI_STREAM_63])
+    assert one_by_one == ("\ufffd\ufffdbbb", "\ufffd\ufffdbbb", False)
+    assert _text([[174], [174], [98], [98], [98, 132]] + [[132]] * 6) == one_by_one
+    assert _text([CI_STREAM_63]) == one_by_one
+
+
+def test_detokenized_text_does_not_depend_on_how_tokens_are_grouped() -> None:
+    """Whatever the grouping of the same token ids into ``add`` calls (a stream's chunks depend
+    on load), the deltas and the text equal those of one token at a time."""
+    rng = random.Random(15)
+    for _ in range(300):
+        ids = [rng.choice(ALPHABET) for _ in range(rng.randrange(1, 20))]
+        chunks = _groupings(rng, ids)
+        assert _text(chunks) == _text([[t] for t in ids]), (ids, chunks)
+
+
+def test_where_a_stop_string_cuts_does_not_depend_on_how_tokens_are_grouped() -> None:
+    rng = random.Random(16)
+    for _ in range(300):
+        ids = [rng.choice(ALPHABET) for _ in range(rng.randrange(1, 20))]
+        chunks = _groupings(rng, ids)
+        assert _text(chunks, ("cb",))[1:] == _text([[t] for t in ids], ("cb",))[1:], (ids, chunks)
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2)])
