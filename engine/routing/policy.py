@@ -13,19 +13,23 @@ Placement of one request with N tokens (aggregated workers, role "both")::
     cost[w]   = (w_uncached + w_churn) * (N - credit[w]) + w_queued * queued_tokens[w]
               + w_running * running_requests[w] + w_used * used_block_fraction[w]
     guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
-                + imbalance_slack_tokens, or, if w holds the prefix, when its queue averaged over time
-                (half-life load_halflife_s) exceeds sustained_imbalance_ratio * the mean average + N, or
-                when the work assigned to it lately (uncached tokens + request_work_tokens per request,
-                decaying with half-life work_halflife_s) exceeds work_imbalance_ratio * the mean + this
-                request's work: a hot prefix stays on its holder until the holder has taken more than
-                its share of the work for seconds, then spreads to a second worker
+                + imbalance_slack_tokens. A holder of the prefix is *over its share* when its queue
+                averaged over time (half-life load_halflife_s) exceeds sustained_imbalance_ratio *
+                the mean average + N, or when the work assigned to it lately (uncached tokens +
+                request_work_tokens per request, decaying with half-life work_halflife_s) exceeds
+                work_imbalance_ratio * the mean + this request's work (means over the pool the
+                request is placed in: the prefill-capable workers, or the decode workers). Such a
+                holder keeps its credit at w_uncached only (no churn term): the prefix spreads to
+                another worker only where the holder's load costs more than recomputing it there
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
-                workers with hit[w] >= L (its holders, or any worker that has it) when there is one
+                workers not over their share with hit[w] >= L (its holders, or any worker that has
+                it) when there is one
     in flight : a worker the prompt's prefix was routed to and that has not reported those blocks
                 yet (it is still computing or pulling them) is credited with them (``inflight``):
                 a second request for a new prefix follows the first instead of computing it again
                 elsewhere. This steers placement only; the predicted hit stays the index's.
-    choice    = argmin cost, ties broken at random (seeded)
+    choice    = argmin cost; among equally loaded workers without the prefix, the one assigned the
+                least work lately (it holds the fewest prefixes), then at random (seeded)
 
 Why these terms: in a worker that serves requests in order, a queued token delays this request as
 much as one of its own uncached tokens, and an uncached token also adds work every later request
@@ -40,7 +44,10 @@ without it, which then caches a second copy; each copy takes room the least requ
 need (in the simulator most lost hits are prefixes evicted from every worker, and mid-popular
 prefixes copied on two workers were the difference to a sticky history-based router). Work
 assigned over the last seconds is what busy time follows, so the guard balances busy time while a
-prefix moves only when its holder keeps taking more than its share.
+prefix moves only when its holder keeps taking more than its share, and even then only when
+waiting there costs more than computing the prefix again elsewhere: an idle holder keeps it. (A
+guard that left the holder out whatever its queue sent warmed prefixes to cold prefill workers
+at 1 request/s in serve_bench, where the holder had nothing queued: a second of TTFT each.)
 The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
 its end is not, the hit is lower (no false hit), yet running the request there makes the
 coordinator retain the windows at that shared-prefix boundary when the request is freed, so the
@@ -560,7 +567,13 @@ class RoutingPolicy(Router):
         pending: Pending | None = None,
         ahead: dict[WorkerId, int] | None = None,
     ) -> tuple[WorkerId, str]:
-        """argmin cost over the workers the imbalance guard lets through (pin holders first).
+        """argmin cost over the workers the guards let through (pin holders first).
+
+        The guards (``_guard``): a worker whose queue is far above the pool's mean is left out; a
+        worker holding the prefix that has taken more than its share lately (``over``) keeps its
+        credit at the compute weight only (``w_spread``: ``self.w_uncached``, without the churn
+        term), so the prefix spreads to another worker only where the holder's load costs more
+        than recomputing the prefix there. This is the one place that rule is applied.
 
         Only workers with a prefix (a hit or a full-attention depth) are costed one by one; every
         other worker costs its load alone, so the best of those is a C-level ``min``. ``pending``
@@ -570,8 +583,8 @@ class RoutingPolicy(Router):
         resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
         (credited where they exceed what the index knows; the caller resolves ``pending`` first)."""
         load_cost = self._load_cost
-        ok, ok_holder = self._guard(num_tokens)
         among = load_cost if len(workers) == len(load_cost) else set(workers)
+        ok, over = self._guard(num_tokens, workers)
         credit = self._credit(hits, shared)
         if ahead:
             for worker, tokens in ahead.items():
@@ -579,10 +592,12 @@ class RoutingPolicy(Router):
                     credit[worker] = tokens
         reason = "cost"
         if pin is not None:
-            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok_holder(w)]
+            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok(w) and not over(w)]
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"
+        w_spread = min(w_uncached, self.w_uncached)
+        spread: set[WorkerId] = set()  # holders over their share: credit at w_spread
         best_cost = float("inf")
         best: list[WorkerId] = []
         deferred: list[WorkerId] = []
@@ -591,19 +606,23 @@ class RoutingPolicy(Router):
         for worker, value in credit.items():
             if worker not in among:
                 continue
-            if not ok_holder(worker):
+            if not ok(worker):
                 guarded = True
                 continue
+            weight = w_uncached
+            if w_spread < w_uncached and value > 0 and over(worker):
+                spread.add(worker)
+                weight = w_spread
             if pending_mask and self.index.bit(worker) & pending_mask:
                 deferred.append(worker)
                 continue
-            best_cost, best = _better(worker, load_cost[worker] - w_uncached * value, best_cost, best)
+            best_cost, best = _better(worker, load_cost[worker] - weight * value, best_cost, best)
         if reason != "pin":  # workers without any prefix: their load cost alone (a C-level min)
             rest = min(map(load_cost.__getitem__, workers))
             if rest <= best_cost + 1e-9:
                 ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
-                if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one random tie
-                    pick = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+                if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one tie
+                    pick = ties[0] if len(ties) == 1 else self._least_worked(ties)
                     allowed = [pick] if ok(pick) else [w for w in ties if ok(w)]
                 else:
                     allowed = [w for w in ties if ok(w)]
@@ -616,12 +635,13 @@ class RoutingPolicy(Router):
                     best = best + allowed if rest >= best_cost - 1e-9 else allowed
                     best_cost = min(best_cost, rest)
         if deferred:
-            best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, w_uncached, best_cost, best)
+            weights = {w: w_spread if w in spread else w_uncached for w in deferred}
+            best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, weights, best_cost, best)
         if not best:  # every candidate guarded (possible only for a subset of the workers)
             return min(workers, key=lambda w: load_cost[w] - w_uncached * hits.get(w, 0)), "guard"
         choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
         if reason == "cost":
-            if guarded:
+            if (guarded or spread) and choice not in spread:
                 reason = "guard"
             elif hits.get(choice, 0) > 0:
                 reason = "prefix"
@@ -629,42 +649,58 @@ class RoutingPolicy(Router):
                 reason = "inflight"
         return choice, reason
 
-    def _guard(self, num_tokens: int) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:
-        """The imbalance guard, as (any worker, a worker holding the request's prefix).
-
-        Any worker may take the request unless its queued tokens exceed ``imbalance_ratio`` times
-        the mean (plus this request). A prefix holder is also left out when its queue averaged
-        over the last seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio``
-        times the mean average (plus this request): the hot prefix then spreads to a second
-        worker. And when the work assigned to a holder lately (uncached tokens plus
-        ``request_work_tokens`` per request, half-life ``work_halflife_s``) exceeds
-        ``work_imbalance_ratio`` times the mean (plus this request's): busy time follows that work,
-        so a prefix moves only when its holder keeps taking more than its share. The instantaneous
-        guard ignores queues up to ``imbalance_slack_tokens`` above its limit: at moderate load a
-        burst should not copy a prefix to a second worker. (Workers without the prefix compete on
-        load cost alone, which already avoids overloaded ones.)"""
-        queued = self._queued
-        limit = self.imbalance_ratio * self._queued_sum / max(1, len(queued)) + num_tokens
-        limit += self.imbalance_slack_tokens
-        smoothed = self._smoothed
+    def _least_worked(self, ties: list[WorkerId]) -> WorkerId:
+        """Among equally loaded workers without the prefix, the one assigned the least work lately
+        (a new prefix goes where the others are not: idle workers look alike, and a worker that
+        already took most recent work holds most prefixes, so another one there evicts them);
+        equal work is broken at random (seeded)."""
         now = self._now
-        slow = self.sustained_imbalance_ratio * smoothed.mean(now) + num_tokens if smoothed is not None else 0.0
+        work = {w: self._work.get(w, now) for w in ties}
+        least = min(work.values())
+        ties = [w for w in ties if work[w] <= least + 1e-6]
+        return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+
+    def _guard(
+        self, num_tokens: int, workers: list[WorkerId]
+    ) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:
+        """The guards, as (``ok``: may take the request, ``over``: a prefix holder over its share),
+        each against the mean of ``workers`` (the pool the request is placed in: with dedicated
+        prefill and decode workers, the other role's load says nothing about this pool's balance).
+
+        ``ok`` fails when a worker's queued tokens exceed ``imbalance_ratio`` times the mean plus
+        this request and ``imbalance_slack_tokens`` (at moderate load a burst should not copy a
+        prefix to a second worker). ``over`` holds when the worker's queue averaged over the last
+        seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio`` times the
+        mean average (plus this request), or when the work assigned to it lately (uncached tokens
+        plus ``request_work_tokens`` per request, half-life ``work_halflife_s``) exceeds
+        ``work_imbalance_ratio`` times the mean (plus this request's): busy time follows that work.
+        What ``over`` does is ``_pick``'s rule (the holder's credit at the compute weight)."""
+        queued = self._queued
+        whole = len(workers) == len(queued)
+        count = max(1, len(workers))
+        now = self._now
+        mean_queued = self._queued_sum / max(1, len(queued)) if whole else sum(map(queued.__getitem__, workers)) / count
+        limit = self.imbalance_ratio * mean_queued + num_tokens + self.imbalance_slack_tokens
+        smoothed = self._smoothed
+        slow = 0.0
+        if smoothed is not None:
+            mean = smoothed.mean(now) if whole else sum(smoothed.get(w, now) for w in workers) / count
+            slow = self.sustained_imbalance_ratio * mean + num_tokens
         work = self._work if self.work_imbalance_ratio else None
-        cap = self.work_imbalance_ratio * work.mean(now) + num_tokens + self.request_work_tokens if work else 0.0
+        cap = 0.0
+        if work is not None:
+            mean = work.mean(now) if whole else sum(work.get(w, now) for w in workers) / count
+            cap = self.work_imbalance_ratio * mean + num_tokens + self.request_work_tokens
 
         def ok(worker: WorkerId) -> bool:
             return queued[worker] <= limit
 
-        def holder_ok(worker: WorkerId) -> bool:
-            return (
-                queued[worker] <= limit
-                and (smoothed is None or smoothed.get(worker, now) <= slow)
-                and (work is None or work.get(worker, now) <= cap)
+        def over(worker: WorkerId) -> bool:
+            return (smoothed is not None and smoothed.get(worker, now) > slow) or (
+                work is not None and work.get(worker, now) > cap
             )
 
-        if smoothed is None and work is None:
-            return ok, ok
-        return ok, holder_ok
+        return ok, over
 
     def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
         """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
@@ -683,16 +719,17 @@ class RoutingPolicy(Router):
         pending: Pending | None,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
-        w_uncached: float,
+        weights: dict[WorkerId, float],
         best_cost: float,
         best: list[WorkerId],
     ) -> tuple[float, list[WorkerId]]:
-        """Resolve the pending workers whose optimistic cost could still win, then cost them."""
+        """Resolve the pending workers whose optimistic cost could still win, then cost them
+        (``weights``: each one's weight of an uncached token, see ``_pick``)."""
         assert pending is not None and shared is not None
         load_cost = self._load_cost
         slack = (1.0 - self.anchor_credit) * self.rules.alignment
         # the best a pending worker can have: a hit one aligned step below its depth
-        contenders = [w for w in deferred if load_cost[w] - w_uncached * (shared[w] - slack) <= best_cost + 1e-9]
+        contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]
         if not contenders:
             return best_cost, best
         mask = 0
@@ -702,7 +739,7 @@ class RoutingPolicy(Router):
         c = self.anchor_credit
         for worker in contenders:
             hit = hits.get(worker, 0)
-            cost = load_cost[worker] - w_uncached * (hit + c * (shared[worker] - hit))
+            cost = load_cost[worker] - weights[worker] * (hit + c * (shared[worker] - hit))
             best_cost, best = _better(worker, cost, best_cost, best)
         return best_cost, best
 
