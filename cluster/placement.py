@@ -18,7 +18,12 @@ from configs.schema import ClusterConfig, WorkerResources
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
-ROUTER_NUM_CPUS = 0.0  # the router is light; it must never be what keeps a worker pending
+# The router is light but asks for a sliver of a CPU: an actor that asks for no resources at all is
+# sent to a random node of a multi-node cluster (Ray's GCS forwards it anywhere), where losing
+# that node takes the router with it; one that asks for some starts on its owner's (the driver's)
+# node when that node has room. It starts after the workers, so it never keeps one pending; the
+# capacity check and the embedded cluster's size count it.
+ROUTER_NUM_CPUS = 0.01
 
 
 class PlacementError(RuntimeError):
@@ -34,6 +39,7 @@ def loopback_environment() -> None:
 
 
 def needed_cpus(config: ClusterConfig) -> float:
+    """Logical CPUs the configured workers ask for in all (the router not included)."""
     workers = config.workers
     return workers.num_prefill * workers.prefill.num_cpus + workers.num_decode * workers.decode.num_cpus
 
@@ -42,7 +48,7 @@ def embedded_init_kwargs(config: ClusterConfig) -> dict[str, Any]:
     """``ray.init`` arguments of an embedded local cluster sized for ``config``'s workers."""
     ray_cfg = config.ray
     num_cpus = ray_cfg.num_cpus if ray_cfg.num_cpus is not None else max(float(os.cpu_count() or 1), 1.0)
-    num_cpus = max(num_cpus, needed_cpus(config))
+    num_cpus = max(num_cpus, needed_cpus(config) + ROUTER_NUM_CPUS)
     workers = config.workers
     num_gpus = workers.num_prefill * workers.prefill.num_gpus + workers.num_decode * workers.decode.num_gpus
     kwargs: dict[str, Any] = {
@@ -85,7 +91,8 @@ def worker_options(config: ClusterConfig, role: str, cluster_resources: dict[str
 
 
 def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -> None:
-    """Raise PlacementError if the workers' total CPUs / GPUs exceed what the cluster has."""
+    """Raise PlacementError if the workers' total CPUs / GPUs (and the router's CPU beside them)
+    exceed what the cluster has."""
     workers = config.workers
     for kind, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         need = workers.num_prefill * getattr(workers.prefill, field) + workers.num_decode * getattr(
@@ -98,3 +105,10 @@ def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -
                 f"{kind} in all but the Ray cluster has {have:g} (lower workers.*.{field} or add capacity; "
                 f"for an embedded cluster raise ray.num_cpus)"
             )
+    need, have = needed_cpus(config), cluster_resources.get("CPU", 0.0)
+    if need + ROUTER_NUM_CPUS > have + 1e-9:
+        raise PlacementError(
+            f"workers: the workers need {need:g} CPU and the router {ROUTER_NUM_CPUS:g} beside them but the "
+            f"Ray cluster has {have:g} (lower workers.*.num_cpus or add capacity; for an embedded cluster "
+            f"raise ray.num_cpus)"
+        )

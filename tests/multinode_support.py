@@ -218,7 +218,8 @@ class LocalMultiNodeRay:
         deadline = time.monotonic() + START_TIMEOUT_S
         while STARTED_MARKER not in node.log_path.read_text(errors="replace"):
             if not node.alive():
-                raise RuntimeError(f"node {node.name}: `ray start` exited {node.process.returncode}:\n{node.log_tail()}")
+                code = node.process.returncode
+                raise RuntimeError(f"node {node.name}: `ray start` exited {code}:\n{node.log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"node {node.name}: not started after {START_TIMEOUT_S:.0f} s:\n{node.log_tail()}")
             time.sleep(0.2)

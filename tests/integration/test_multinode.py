@@ -155,9 +155,6 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
     """Kill the node holding one prefill and one decode worker while requests run: each request
     ends with the single engine's tokens or a clear error, none hangs, and the two survivors on
     the other nodes keep serving P/D over NIXL with every block back in their pools."""
-    import ray
-    from ray.exceptions import RayActorError
-
     from cluster.api import Cluster
 
     config = multinode_config(multinode_ray, "tiny-hybrid", 2, 2)
@@ -171,8 +168,9 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
         survivors = sorted(set(placement) - set(doomed))
         assert [w.split("-")[0] for w in doomed] == ["decode", "prefill"], placement
         assert {placement[w] for w in survivors} == {"head", "decode-node"}, placement
-        router_nodes = [n.name for n in multinode_ray.nodes.values() if "ray::Router" in actor_process_titles(n)]
-        assert router_nodes == ["head"], "the router runs on the head (with the driver), never on the doomed node"
+        titles = {n.name: actor_process_titles(n) for n in multinode_ray.nodes.values()}
+        router_nodes = [n for n, t in titles.items() if "ray::Router" in t]
+        assert router_nodes == ["head"], f"the router runs beside the driver: {titles}"
         doomed_decoder = next(w for w in doomed if w.startswith("decode"))
         doomed_pids = {w: cluster.infos[w].pid for w in doomed}
         doomed_handles = {w: cluster.workers[w] for w in doomed}  # the driver may drop them
@@ -204,27 +202,42 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
                 assert any(w in str(outcome) for w in doomed), f"request {i}: error names no lost worker: {outcome}"
             else:
                 assert outcome.token_ids == expected[i], f"request {i} ({outcome.request_id}): wrong tokens"
-        log.info("node loss: %d completed, %d errors", sum(not isinstance(o, BaseException) for o in outcomes),
-                 sum(isinstance(o, BaseException) for o in outcomes))  # fmt: skip
+        errors = [str(o).splitlines()[0] for o in outcomes if isinstance(o, BaseException)]
+        log.info("node loss: %d completed, %d errors %s", len(outcomes) - len(errors), len(errors), errors[:3])
 
         # the node really is gone: every process of it, the workers' processes, Ray's view
         assert set(doomed_pids.values()) <= set(killed)
         assert not [p for p in killed if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         wait_for(lambda: doomed_node.ip not in alive_node_ips(), DEATH_TIMEOUT_S, "Ray to see the node dead")
         for worker_id, handle in doomed_handles.items():
-            with pytest.raises(RayActorError):
-                ray.get(handle.health.remote(), timeout=60)
+            wait_for(lambda: actor_died(handle), DEATH_TIMEOUT_S, f"Ray to report {worker_id} dead", 0.5)
 
         # the survivors keep serving, split across their two nodes, the same tokens
+        decoder = next(w for w in survivors if w.startswith("decode"))
+        reads_before = cluster.stats()["workers"][decoder]["transfer"]["reads"]
         results = completions(asyncio.run(run_bounded(cluster, after, LOAD, "after")))
         assert [r.token_ids for r in results] == expected[len(load):]
         assert {w for r in results for w in (r.prefill_worker, r.decode_worker)} <= set(survivors)
-        assert any(r.disaggregated for r in results), "P/D between the head and the decode node"
-        stats = cluster.stats()
-        assert set(stats["workers"]) == set(survivors)
+        split = [r for r in results if r.disaggregated]
+        assert split, "P/D between the head and the decode node"
+        assert cluster.stats()["workers"][decoder]["transfer"]["reads"] >= reads_before + len(split)
 
         def back_to_baseline() -> bool:
             workers = cluster.stats()["workers"]
             return all(workers[w]["free_blocks"] == baseline[w] and workers[w]["running"] == 0 for w in survivors)
 
         wait_for(back_to_baseline, 30, "the surviving workers' free blocks back to their baseline")
+
+
+def actor_died(handle: Any) -> bool:
+    """Whether Ray reports the actor dead (not merely unreachable for now)."""
+    import ray
+    from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+    try:
+        ray.get(handle.health.remote(), timeout=10)
+    except ActorDiedError:
+        return True
+    except (RayActorError, GetTimeoutError):  # unavailable: the GCS has not declared it dead yet
+        return False
+    return False
