@@ -179,3 +179,96 @@ def run_engine_stress(
             engine.close()
     result.seconds = round(time.monotonic() - start, 2)
     return result
+
+
+def duplicate_wave_prompts(seed: int, distinct: int = 16) -> list[list[int]]:
+    """``distinct`` prompts of 56 + 17 k tokens (k = 0 ..), the lengths of the serve test's
+    64-stream prompts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(56 + 17 * k)] for k in range(distinct)]
+
+
+def run_duplicate_waves(
+    config,
+    prompts: list[list[int]],
+    oracle: list[list[int]],
+    *,
+    waves: int,
+    copies: int = 4,
+    seed: int = 0,
+    decode_only_below: int = 16,
+    sampling: SamplingParams = SAMPLING,
+) -> EngineStressResult:
+    """The serve test's 64 concurrent streams at engine level: one prefill and one decode engine
+    (``config``'s transfer backend) kept across ``waves`` waves; each wave sends every prompt
+    ``copies`` times, in order or shuffled, in bursts of 1-16. Like the router, a request runs
+    whole on the decode engine when that engine's prefix hit leaves fewer than
+    ``decode_only_below`` tokens to compute, otherwise it is prefilled and its handle reaches
+    the decode engine 0-5 iterations later. Every request's tokens against ``oracle`` (the
+    tokens of ``prompts[i]``); engines are closed on return."""
+    from engine.core import EngineCore
+    from engine.kv_cache.hashing import block_hashes
+
+    result = EngineStressResult(f"{config.model.source}/{config.transfer.backend}/1P1D/duplicate-waves")
+    start = time.monotonic()
+    prefill = EngineCore(config, name="prefill-0", kv_role="prefill")
+    decode = EngineCore(config, name="decode-0", kv_role="decode")
+    block_size = config.kv_cache.block_size
+    try:
+        for wave in range(waves):
+            rng = random.Random(seed * 1000 + wave)
+            order = [i % len(prompts) for i in range(copies * len(prompts))]
+            if rng.random() < 0.5:
+                rng.shuffle(order)
+            pending = [(f"w{wave}-{n}", index) for n, index in enumerate(order)]
+            tokens: dict[str, list[int]] = {}
+            prefilling: dict[str, int] = {}
+            handles: list[tuple[int, str, int, Any]] = []  # (deliver at iteration, id, prompt index, handle)
+            iteration = 0
+            while pending or handles or prefill.has_work or decode.has_work:
+                iteration += 1
+                if pending and rng.random() < 0.6:
+                    for _ in range(min(len(pending), rng.randrange(1, 17))):
+                        request_id, index = pending.pop(0)
+                        prompt = prompts[index]
+                        hit = decode.coordinator.find_longest_cache_hit(block_hashes(prompt, block_size), len(prompt) - 1)
+                        if len(prompt) - hit.num_tokens < decode_only_below:
+                            decode.add_request(request_id, prompt, sampling)
+                            tokens[request_id] = []
+                            result.colocated += 1
+                        else:
+                            prefill.add_request(request_id, prompt, sampling, prefill_only=True)
+                            prefilling[request_id] = index
+                for item in [h for h in handles if h[0] <= iteration]:
+                    handles.remove(item)
+                    _, request_id, index, handle = item
+                    decode.add_request(request_id, prompts[index], sampling, kv_handle=handle)
+                    tokens[request_id] = []
+                    result.transferred += 1
+                for engine in rng.sample([prefill, decode], rng.randrange(1, 3)):
+                    if not engine.has_work:
+                        continue
+                    for out in engine.step():
+                        if out.kv_handle is not None:
+                            index = prefilling.pop(out.request_id)
+                            handles.append((iteration + rng.choice([0, 0, 1, 2, 5]), out.request_id, index, out.kv_handle))
+                        elif out.request_id in tokens:
+                            tokens[out.request_id] += out.new_token_ids
+            for request_id, index in ((f"w{wave}-{n}", index) for n, index in enumerate(order)):
+                result.requests += 1
+                want, got = oracle[index], tokens[request_id]
+                if got != want:
+                    result.wrong_tokens += 1
+                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    result.mismatches.append({"request": request_id, "prompt_tokens": len(prompts[index]), "diverged_at": at})
+        result.preemptions = prefill.scheduler.num_preemptions + decode.scheduler.num_preemptions
+        result.read_failures = decode.transfer_stats.failures
+        for engine in (prefill, decode):
+            engine.coordinator.check_invariants()
+            assert not engine.has_work
+            assert engine.coordinator.num_free_blocks == engine.info.num_blocks - 1, f"{engine.name}: blocks leaked"
+    finally:
+        prefill.close()
+        decode.close()
+    result.seconds = round(time.monotonic() - start, 2)
+    return result

