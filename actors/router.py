@@ -23,7 +23,7 @@ import ray
 from configs.schema import ClusterConfig
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
-from engine.routing import Action, Decision, PinOn, RequestSnapshot, RouteRequest, Unpin, WorkerLoad
+from engine.routing import Action, Decision, PinOn, RequestSnapshot, RouteOutcomes, RouteRequest, Unpin, WorkerLoad
 from engine.routing import Router as RoutingPolicy
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class Router:
         self.policy = RoutingPolicy.from_config(router_config, list(groups), now=time.monotonic())
         self.handles: dict[str, Any] = {}
         self.reasons: Counter[str] = Counter()
+        self.outcomes = RouteOutcomes()
         self.routed = 0
         self.disaggregated = 0
         self.predicted_hit_tokens = 0
@@ -93,6 +94,11 @@ class Router:
         decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens), now)
         self.routed += 1
         self.reasons[decision.reason] += 1
+        self.outcomes.record(decision)
+        log.debug(
+            "route %s: %s -> %s/%s, hit %d of %d (best %d)", request_id, decision.reason, decision.prefill_worker,
+            decision.decode_worker, decision.predicted_hit, num_tokens, decision.best_hit,
+        )  # fmt: skip
         split = decision.prefill_worker != decision.decode_worker
         self.disaggregated += split
         self.prompt_tokens += num_tokens
@@ -157,6 +163,7 @@ class Router:
             "routed": self.routed,
             "disaggregated": self.disaggregated,
             "reasons": dict(self.reasons),
+            "route_outcomes": self.outcomes.as_dict(),
             "prompt_tokens": self.prompt_tokens,
             "predicted_hit_tokens": self.predicted_hit_tokens,
             "pins": self.pins(),

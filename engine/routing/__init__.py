@@ -9,10 +9,12 @@
 - ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
 - ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).
 - ``types``: requests, loads, decisions and the actions the caller executes.
+- ``outcomes``: route decisions counted per reason as hit / miss / below the best worker's hit.
 """
 
 from engine.routing.baselines import LeastLoadedRouter, PrefixTreeRouter, RoundRobinRouter
 from engine.routing.index import HitRules, PrefixIndex, WorkerSnapshot, snapshot_coordinator
+from engine.routing.outcomes import RouteOutcomes
 from engine.routing.policy import RoutingPolicy
 from engine.routing.router import POLICIES, Router
 from engine.routing.types import (
@@ -42,6 +44,7 @@ __all__ = [
     "PrefixTreeRouter",
     "RequestSnapshot",
     "RoundRobinRouter",
+    "RouteOutcomes",
     "RouteRequest",
     "Router",
     "RoutingPolicy",

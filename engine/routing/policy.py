@@ -493,7 +493,8 @@ class RoutingPolicy(Router):
             self._require(workers, "")
             worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead)
             pin_id = pin.pin_id if pin is not None else None
-            decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id)
+            best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
+            decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best)
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead)
         self._record(decision)
@@ -538,7 +539,7 @@ class RoutingPolicy(Router):
         pin_id = pin.pin_id if pin is not None else None
         if local_uncached < self.decode_only_threshold_tokens:
             local = hits.get(decode, 0)
-            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local)
+            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local)
         prefillers = self._candidates("prefill")
         prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead)
         predicted = hits.get(prefill, 0)
@@ -546,6 +547,8 @@ class RoutingPolicy(Router):
             # A prefill-only request computes the first N - 1 tokens, so its engine looks up at
             # most N - 2 of them: predict exactly what that lookup returns.
             predicted = self.index.hit(prefill, request.block_hashes, num_tokens - 2)
+        best = max((hits.get(w, 0) for w in prefillers), default=0)
+        best = predicted if hits.get(prefill, 0) >= best else best  # the same N - 2 rule as predicted
         return Decision(
             prefill,
             decode,
@@ -554,6 +557,7 @@ class RoutingPolicy(Router):
             reason,
             pin_id,
             remote_hits.get(decode, 0),
+            best,
         )
 
     def _pick(

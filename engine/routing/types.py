@@ -50,7 +50,10 @@ class WorkerLoad:
 class Decision:
     """Where a request runs. ``prefill_worker == decode_worker`` means no transfer (aggregated,
     or prefill on the decode worker); ``predicted_hit``: tokens the prefill worker will find
-    cached (the router's prediction of its coordinator's ``get_computed_blocks``)."""
+    cached (the router's prediction of its coordinator's ``get_computed_blocks``);
+    ``best_hit``: the longest hit the policy predicted on any worker that could have prefilled
+    it (kvfleet's policy; 0 where a policy does not know), so ``predicted_hit < best_hit`` marks
+    a request sent away from a worker holding more of its prompt."""
 
     prefill_worker: WorkerId
     decode_worker: WorkerId
@@ -59,6 +62,7 @@ class Decision:
     reason: str = "cost"
     pin_id: int | None = None
     predicted_decode_hit: int = 0
+    best_hit: int = 0
 
     @property
     def uncached_tokens(self) -> int:
