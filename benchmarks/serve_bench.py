@@ -293,15 +293,18 @@ def served_model(url: str) -> str:
     return str(get_json(url, "/v1/models")["data"][0]["id"])
 
 
-def worker_stats(url: str) -> dict[str, Any] | None:
-    """Requests finished and hit rate per worker (``/v1/stats``): how a policy spread the load."""
+def cluster_stats(url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """From ``/v1/stats``: requests finished and hit rate per worker (how a policy spread the
+    load), and the router's decisions per reason as hit / miss / below_best (``below_best``: sent
+    to a worker predicted to hold less of the prompt than another one; kvfleet's policy only)."""
     try:
-        workers = get_json(url, "/v1/stats")["workers"]
-        return {w: {"finished": s.get("requests_finished"), "hit_rate": round(s.get("hit_rate") or 0.0, 4)}
-                for w, s in sorted(workers.items())}  # fmt: skip
+        stats = get_json(url, "/v1/stats")
+        workers = {w: {"finished": s.get("requests_finished"), "hit_rate": round(s.get("hit_rate") or 0.0, 4)}
+                   for w, s in sorted(stats["workers"].items())}  # fmt: skip
+        return workers, (stats.get("router") or {}).get("route_outcomes")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("no /v1/stats: %s", exc)
-        return None
+        return None, None
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -462,10 +465,10 @@ class Bench:
             log.info("%s: %d requests at %g req/s", name, len(self.prompts), rate)
             report = run_tool(self.tool, server.url, model, self.out_dir / "prompts.jsonl", self.tokenizer_dir,
                               rate, len(self.prompts), run_dir)  # fmt: skip
-            workers = worker_stats(server.url)
+            workers, routes = cluster_stats(server.url)
         result = {"policy": policy, "rate_rps": rate, **summarize_report(report, len(self.prompts)),
                   "server_start_s": round(server.start_s, 1), "loadavg_1m": round(os.getloadavg()[0], 2),
-                  "workers": workers}  # fmt: skip
+                  "workers": workers, "route_outcomes": routes}  # fmt: skip
         self.sent += result["sent"]
         self.lost += result["lost"]
         log.info("%s: TTFT p50 %.3f s p90 %.3f s, hit rate %s, %d lost", name, result["ttft_p50_s"],
