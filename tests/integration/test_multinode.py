@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
+from configs import ClusterConfig
 from engine.sampling_params import SamplingParams
 from tests.integration.conftest import GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
 from tests.multinode_support import LocalMultiNodeRay, RayNode
@@ -74,7 +75,8 @@ def doomed_node(multinode_ray: LocalMultiNodeRay) -> Iterator[RayNode]:
     node.stop()
 
 
-def multinode_config(nodes: LocalMultiNodeRay, preset: str, num_prefill: int, num_decode: int) -> Any:
+def multinode_config(nodes: LocalMultiNodeRay, preset: str, num_prefill: int, num_decode: int) -> ClusterConfig:
+    """``preset`` with its workers on ``nodes`` (the driver attaches by address), KV over NIXL."""
     return cluster_config(
         preset, num_prefill, num_decode, "transfer.backend=nixl", f"ray.address={nodes.address}",
         "router.work_imbalance_ratio=0",  # placement by load and prefixes only, not by earlier tests
@@ -127,6 +129,7 @@ async def run_bounded(
 
 
 def completions(results: list[Any]) -> list[Any]:
+    """``results`` when every request completed (else fail, naming the first errors)."""
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} of {len(results)} requests failed: {errors[:3]!r}"
     return results
@@ -134,6 +137,8 @@ def completions(results: list[Any]) -> list[Any]:
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
 def test_prefill_and_decode_on_different_nodes_over_nixl(multinode_ray, preset):
+    """1P+1D on two nodes (role resources put each on its own): the split requests pull their KV
+    across nodes over NIXL and give the single engine's tokens."""
     from cluster.api import Cluster
 
     config = multinode_config(multinode_ray, preset, 1, 1)
@@ -227,6 +232,18 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
             return all(workers[w]["free_blocks"] == baseline[w] and workers[w]["running"] == 0 for w in survivors)
 
         wait_for(back_to_baseline, 30, "the surviving workers' free blocks back to their baseline")
+
+
+def test_the_router_cpu_is_counted():
+    """The router asks for a sliver of a CPU (so that Ray starts it on the driver's node rather
+    than on any node): a cluster the workers alone fill exactly is refused with a clear error."""
+    from cluster.placement import ROUTER_NUM_CPUS, PlacementError, check_capacity
+
+    config = cluster_config("tiny", 2, 2)  # 4 workers x 0.5 CPU
+    assert ROUTER_NUM_CPUS > 0
+    with pytest.raises(PlacementError, match=r"the workers need 2 CPU and the router 0.01 beside them .* has 2"):
+        check_capacity(config, {"CPU": 2.0, "prefill": 2.0, "decode": 2.0})
+    check_capacity(config, {"CPU": 3.0, "prefill": 2.0, "decode": 2.0})
 
 
 def actor_died(handle: Any) -> bool:
