@@ -61,13 +61,25 @@ class Router:
 
     # -- membership --------------------------------------------------------------------------------
     def add_worker(self, worker_id: str, role: str, num_blocks: int, handle: Any) -> None:
+        """Register a worker (a replacement takes over its predecessor's id and nothing else)."""
+        if worker_id in self.handles:
+            self.remove_worker(worker_id)
         self.handles[worker_id] = handle
         actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())  # type: ignore[arg-type]
         self._execute(actions)
 
-    def remove_worker(self, worker_id: str) -> None:
+    def remove_worker(self, worker_id: str, actor_id: str | None = None) -> None:
+        """Forget a worker and place its pins elsewhere. ``actor_id``: only if that actor still
+        holds the id (a driver that saw the old one fail must not remove its replacement)."""
+        handle = self.handles.get(worker_id)
+        if handle is None or (actor_id is not None and handle._actor_id.hex() != actor_id):
+            return
         self._execute(self.policy.remove_worker(worker_id, now=time.monotonic()))
         self.handles.pop(worker_id, None)
+
+    def worker_handles(self) -> dict[str, Any]:
+        """The registered workers' actor handles (drivers attached later adopt replacements)."""
+        return dict(self.handles)
 
     # -- reports from workers ----------------------------------------------------------------------
     def report(self, worker_id: str, events: list[KVEvent], load: WorkerLoad) -> None:

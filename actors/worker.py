@@ -9,6 +9,12 @@ After each step the thread reports the engine's KV events and load to the router
 it hands out a finished request's last output it waits until the router has applied every
 report so far, so a request routed after another finished sees that request's cached blocks.
 
+Health: a request whose step fails ends alone with ``finish_reason="error"`` and its reason (the
+engine isolates it); an engine that cannot go on stops its thread, and from then on every call
+raises ``WorkerUnavailableError`` and every open stream ends with ``worker_failed`` set, so
+drivers treat the worker like a dead actor. ``health`` also renews the lease of the requests a
+driver still waits on: a request whose lease runs out (its driver or client is gone) is aborted.
+
 No policy lives here: the router decides placement and pins; this only executes.
 """
 
@@ -45,6 +51,12 @@ TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this oft
 LOAD_REPORT_INTERVAL_S = 0.05  # a changed load alone is reported at most this often
 ROUTER_SYNC_TIMEOUT_S = 30.0
 MAX_TOMBSTONES = 10_000
+LEASE_SWEEP_INTERVAL_S = 1.0  # how often the engine thread looks for requests whose lease ran out
+
+
+class WorkerUnavailableError(RuntimeError):
+    """The worker's engine stopped (or the worker is shut down): it serves nothing more, and a
+    driver should treat it as dead (route elsewhere, replace it)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class TokenChunk:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = -1
+    error: str | None = None  # why it finished with "error"
+    worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,8 @@ class PrefillResult:
     kv_handle: Any
     num_cached_tokens: int
     finish_reason: str
+    error: str | None = None
+    worker_failed: bool = False
 
 
 @dataclass
@@ -130,6 +146,9 @@ class EngineWorker:
         self._stopped = False
         self._error: str | None = None
         self._steps = 0
+        self._leases: dict[str, float] = {}  # request id -> when its driver last renewed it
+        self._last_loop = time.monotonic()  # when the engine thread last came round its loop
+        self._last_sweep = 0.0
         self.metrics = _worker_metrics(worker_id, self.role)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True)
         self._thread.start()
@@ -159,11 +178,27 @@ class EngineWorker:
         self._router = router
         self._report(force=True)
 
-    async def health(self) -> dict[str, Any]:
-        """Liveness of the engine thread; raises if the thread died."""
-        if not self._thread.is_alive() or self._error:
-            raise RuntimeError(f"{self.worker_id}: engine thread stopped ({self._error or 'exited'})")
+    async def health(self, renew: list[str] | None = None) -> dict[str, Any]:
+        """Liveness of the engine thread; raises ``WorkerUnavailableError`` if it stopped or has
+        not come round its loop for ``workers.engine_stall_timeout_s``. ``renew``: ids of the
+        requests the caller still waits on (their leases start again)."""
+        self._check_alive()
+        stalled = time.monotonic() - self._last_loop
+        if stalled > self.config.workers.engine_stall_timeout_s:
+            raise WorkerUnavailableError(f"{self.worker_id}: engine thread stalled for {stalled:.0f} s")
+        if renew:
+            now = time.monotonic()
+            leases = self._leases
+            for request_id in renew:
+                if request_id in leases:
+                    leases[request_id] = now
         return {"worker_id": self.worker_id, "steps": self._steps, "requests": len(self._tracked)}
+
+    def _check_alive(self) -> None:
+        if self._error:
+            raise WorkerUnavailableError(f"{self.worker_id}: engine stopped ({self._error})")
+        if self._stopped or not self._thread.is_alive():
+            raise WorkerUnavailableError(f"{self.worker_id}: worker is shut down")
 
     async def shutdown(self) -> None:
         """Abort everything, stop the engine thread and release the transfer registration."""
@@ -240,8 +275,10 @@ class EngineWorker:
     # -- engine thread -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if self._stopped or not self._thread.is_alive():
-            future.set_exception(RuntimeError(f"{self.worker_id}: worker is shut down"))
+        try:
+            self._check_alive()
+        except WorkerUnavailableError as exc:
+            future.set_exception(exc)
         else:
             self._commands.put((fn, args, future))
         return future
@@ -253,6 +290,10 @@ class EngineWorker:
         engine = self.engine
         try:
             while not self._stopped:
+                self._last_loop = now = time.monotonic()
+                if now - self._last_sweep >= LEASE_SWEEP_INTERVAL_S:
+                    self._last_sweep = now
+                    self._expire_leases(now)
                 if engine.has_compute_work:
                     wait = 0.0
                 else:
@@ -266,15 +307,16 @@ class EngineWorker:
                 self._report()
         except BaseException as exc:  # a broken engine: fail every request, stay inspectable
             self._error = f"{type(exc).__name__}: {exc}"
-            log.exception("%s: engine loop failed", self.worker_id)
+            log.exception("%s: engine loop failed; the worker is unhealthy from now on", self.worker_id)
+            why = f"{self.worker_id}: engine stopped ({self._error})"
             for request_id in list(self._tracked):
-                self._answer(request_id, TokenChunk([], True, "error"))
+                self._answer(request_id, TokenChunk([], True, "error", error=why, worker_failed=True))
             while True:  # fail commands queued behind the crash
                 try:
                     _, _, future = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                future.set_exception(RuntimeError(f"{self.worker_id}: engine failed ({self._error})"))
+                future.set_exception(WorkerUnavailableError(why))
 
     def _run_commands(self, wait: float) -> None:
         try:
@@ -310,6 +352,17 @@ class EngineWorker:
             return
         self.engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only, kv_handle=kv_handle)
         self._tracked[request_id] = tracked
+        self._leases[request_id] = time.monotonic()
+
+    def _expire_leases(self, now: float) -> None:
+        """Abort the requests no driver renewed within ``workers.request_lease_s``."""
+        lease_s = self.config.workers.request_lease_s
+        for request_id, renewed in list(self._leases.items()):
+            if now - renewed > lease_s:
+                log.warning("%s: %s not renewed for %.0f s (its driver or client is gone); aborting it",
+                            self.worker_id, request_id, now - renewed)  # fmt: skip
+                self._leases.pop(request_id, None)
+                self._abort(request_id)
 
     def _abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)
@@ -361,21 +414,24 @@ class EngineWorker:
             del self._tracked[out.request_id]
             self._finish_pin(tracked.pin)
             return
-        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens)
+        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error)
         self._answer(out.request_id, chunk)
 
     def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:
         """Deliver a request's final result and forget it."""
         tracked = self._tracked.pop(request_id, None)
+        self._leases.pop(request_id, None)
         if tracked is None or tracked.sink is None:
             return
         if isinstance(tracked.sink, asyncio.Queue):
             if isinstance(result, PrefillResult):
-                result = TokenChunk([], True, result.finish_reason)
+                result = TokenChunk([], True, result.finish_reason, error=result.error,
+                                    worker_failed=result.worker_failed)  # fmt: skip
             self._put(tracked, result)
             return
         if isinstance(result, TokenChunk):  # a prefill that ended without a handle
-            result = PrefillResult(None, tracked.cached_tokens, result.finish_reason or "abort")
+            result = PrefillResult(None, tracked.cached_tokens, result.finish_reason or "abort", result.error,
+                                   result.worker_failed)  # fmt: skip
         future = tracked.sink
         assert tracked.loop is not None
         tracked.loop.call_soon_threadsafe(_resolve, future, result)

@@ -23,6 +23,7 @@ class ClusterAdmin:
     workers: dict[str, Any]
     infos: dict[str, Any]
     tokenizer: Any
+    lost: dict[str, str]  # worker id -> why it was taken out (see ClusterSupervision)
 
     def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
         raise NotImplementedError
@@ -33,7 +34,7 @@ class ClusterAdmin:
     def _check_ids(self, name: str, ids: Sequence[int]) -> list[int]:
         raise NotImplementedError
 
-    def _forget_worker(self, worker_id: str) -> None:
+    def _forget_worker(self, worker_id: str, why: str = "its actor died", handle: Any = None) -> None:
         raise NotImplementedError
 
     def pin_prefix(
@@ -121,21 +122,32 @@ class ClusterAdmin:
         """``stats`` awaited in the caller's event loop."""
         from ray.exceptions import RayActorError
 
+        from cluster.supervision import describe_failure
+
         self._require_started()
         raw = []
+        unhealthy: dict[str, str] = {wid: f"lost: {why}" for wid, why in self.lost.items()}
         refs = {worker_id: handle.stats.remote() for worker_id, handle in self.workers.items()}
         for worker_id, ref in refs.items():
             try:
                 raw.append(await asyncio.wait_for(_await_ref(ref), timeout_s))
-            except RayActorError:
-                self._forget_worker(worker_id)
+            except TimeoutError:
+                unhealthy[worker_id] = f"stats did not answer within {timeout_s:g} s"
+            except Exception as exc:  # a dead actor, a stopped engine: report it, never raise
+                unhealthy[worker_id] = describe_failure(exc)
+                if isinstance(exc, RayActorError):
+                    self._forget_worker(worker_id, unhealthy[worker_id])
         workers = {stats["worker_id"]: _worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
                 "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "requests_finished",
                 "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
-        return {"workers": workers, "totals": totals, "router": await self.router.stats.remote()}
+        return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": await self.router.stats.remote()}
+
+    def health(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Every worker this cluster started: "ok", or why it is not healthy."""
+        return self._sync(self.ahealth(timeout_s))
 
     async def ahealth(self, timeout_s: float = 5.0) -> dict[str, str]:
         """Every worker this cluster started, with "ok" or why it is not healthy (an engine
@@ -146,7 +158,7 @@ class ClusterAdmin:
 
         async def one(worker_id: str) -> str:
             if worker_id not in refs:
-                return "died (removed from the router)"
+                return f"lost: {self.lost.get(worker_id, 'removed from the router')}"
             try:
                 await asyncio.wait_for(_await_ref(refs[worker_id]), timeout_s)
                 return "ok"

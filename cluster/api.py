@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from cluster.admin import ClusterAdmin
+from cluster.supervision import ClusterSupervision, describe_failure
 from configs import ClusterConfig, load_config
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
@@ -85,16 +86,30 @@ class _Request:
     sampling: SamplingParams
     submitted: float = field(default_factory=time.monotonic)
     workers: list[Any] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)  # where the current attempt waits
     aborted: bool = False
     attempt: int = 0
+    streamed: bool = False  # the current attempt delivered output tokens
+    task: asyncio.Task[Any] | None = None  # the current attempt
+    lost_worker: str | None = None  # the worker the current attempt was cut loose from
 
     @property
     def engine_id(self) -> str:
         """The id the workers know this attempt by (a retry must not meet its first try's state)."""
         return self.request_id if not self.attempt else f"{self.request_id}#retry{self.attempt}"
 
+    def on(self, worker_id: str, handle: Any) -> None:
+        """The current attempt now waits on this worker."""
+        self.workers, self.worker_ids = [handle], [worker_id]
 
-class Cluster(ClusterAdmin):
+    def cut_loose(self, worker_id: str) -> None:
+        """The worker this attempt waits on is lost: stop waiting (``_collect`` decides what next)."""
+        if self.task is not None and not self.task.done() and self.lost_worker is None:
+            self.lost_worker = worker_id
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+
+
+class Cluster(ClusterSupervision, ClusterAdmin):
     """Owns a set of prefill/decode worker actors and a router actor on a Ray cluster (embedded
     or attached), the driver-side tokenizer, and the requests in flight.
 
@@ -126,6 +141,7 @@ class Cluster(ClusterAdmin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._started = False
+        self._init_supervision()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -185,6 +201,7 @@ class Cluster(ClusterAdmin):
             ray.get([w.set_router.remote(self.router) for w in self.workers.values()], timeout=120)
             self._start_loop()
             self._started = True
+            self._start_supervision()
             for pin in config.router.pins:
                 self.pin_prefix(pin.text if pin.text is not None else list(pin.token_ids or []), pin.replicas,
                                 pin.ttl_s, wait=False)  # fmt: skip
@@ -229,6 +246,7 @@ class Cluster(ClusterAdmin):
         cluster._adopt(handles.infos, handles.model_directory)
         cluster._start_loop()
         cluster._started = True
+        cluster._start_supervision()
         return cluster
 
     def _wait_ready(self, refs: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +266,7 @@ class Cluster(ClusterAdmin):
         """Stop the workers and the router (and the embedded Ray, if started here). Idempotent."""
         import ray
 
+        self._stop_supervision()
         if ray.is_initialized() and self._owns_actors:
             if self.workers:
                 refs = [w.shutdown.remote() for w in self.workers.values()]
@@ -445,15 +464,19 @@ class Cluster(ClusterAdmin):
         try:
             for _ in range(max(1, len(self.infos))):
                 try:
-                    result = await self._attempt(request, on_delta)
+                    result = await self._attempt_supervised(request, on_delta)
                 except _WorkerLost as lost:
-                    self._forget_worker(lost.worker_id)
+                    self._forget_worker(lost.worker_id, lost.why)
                     for handle in self.workers.values():  # e.g. the prefill worker's held blocks
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
                     if lost.streamed or not self.workers:
-                        raise RuntimeError(f"{lost.worker_id}: worker died while running {rid}") from lost.__cause__
-                    log.warning("%s died before %s produced a token; routing it again", lost.worker_id, rid)
+                        raise RuntimeError(
+                            f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
+                            + (" after streaming output; not retried" if lost.streamed else "")
+                        ) from lost.__cause__
+                    log.warning("%s failed before %s produced a token (%s); routing it again",
+                                lost.worker_id, rid, lost.why)  # fmt: skip
                     continue
                 ok, ttft_s, num_out = True, result.ttft_s, len(result.token_ids)
                 return result
@@ -463,8 +486,28 @@ class Cluster(ClusterAdmin):
             if self.router is not None:
                 self.router.finished.remote(ttft_s, num_out, ok)
 
+    async def _attempt_supervised(
+        self, request: _Request, on_delta: Callable[[Delta], None] | None
+    ) -> ClusterCompletion:
+        """``_attempt`` as a task the health loop can cut loose from a lost worker (then this
+        raises ``_WorkerLost``); cancelling the caller still cancels the attempt."""
+        request.lost_worker, request.streamed, request.worker_ids = None, False, []
+        task = asyncio.ensure_future(self._attempt(request, on_delta))
+        request.task = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if request.lost_worker is None or (current is not None and current.cancelling()):
+                raise
+            raise _WorkerLost(request.lost_worker, request.streamed, self.lost.get(request.lost_worker, "lost")) from None
+        finally:
+            request.task = None
+
     async def _attempt(self, request: _Request, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from actors.worker import WorkerUnavailableError
 
         from engine.kv_cache.hashing import block_hashes
         from engine.tokenizer import IncrementalDetokenizer
@@ -479,24 +522,30 @@ class Cluster(ClusterAdmin):
             prefill_id = decode_id
         if prefill_id != decode_id and not request.aborted:
             prefiller = self._worker(prefill_id)
-            request.workers = [prefiller]
+            request.on(prefill_id, prefiller)
             try:
                 result = await prefiller.prefill.remote(rid, ids)
-            except RayActorError as exc:
-                raise _WorkerLost(prefill_id, False) from exc
+            except (RayActorError, RayTaskError) as exc:
+                raise _lost_or_raise(prefill_id, False, exc, WorkerUnavailableError) from exc
             cached = result.num_cached_tokens
             kv_handle = result.kv_handle
             if kv_handle is None:
+                if result.worker_failed:
+                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped")
                 request.aborted = request.aborted or result.finish_reason == "abort"
                 if not request.aborted:
-                    raise RuntimeError(f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}")
+                    raise RequestFailedError(
+                        f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}"
+                        + (f": {result.error}" if result.error else "")
+                    )
         detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
                                        request.sampling.include_stop_str_in_output)  # fmt: skip
         reason = "abort"
+        error: str | None = None
         first_token: float | None = None
         if not request.aborted:
             decoder = self._worker(decode_id)
-            request.workers = [decoder]
+            request.on(decode_id, decoder)
             stopped = False
             try:
                 stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, kv_handle)
@@ -504,8 +553,11 @@ class Cluster(ClusterAdmin):
                     chunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
+                    if chunk.worker_failed:
+                        raise _WorkerLost(decode_id, first_token is not None, chunk.error or "its engine stopped")
                     if chunk.token_ids and not stopped:
                         first_token = first_token or time.monotonic()
+                        request.streamed = True
                         delta = detok.add(chunk.token_ids)
                         if on_delta is not None:
                             on_delta(Delta(delta, len(chunk.token_ids)))
@@ -514,12 +566,13 @@ class Cluster(ClusterAdmin):
                             await decoder.abort.remote(rid)
                     if chunk.finished:
                         reason = "stop" if stopped else (chunk.finish_reason or "stop")
+                        error = chunk.error
                         break
-            except RayActorError as exc:
-                raise _WorkerLost(decode_id, first_token is not None) from exc
+            except (RayActorError, RayTaskError) as exc:
+                raise _lost_or_raise(decode_id, first_token is not None, exc, WorkerUnavailableError) from exc
         now = time.monotonic()
         if reason == "error":
-            raise RuntimeError(f"{decode_id}: request {rid} failed on the worker")
+            raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")
         return ClusterCompletion(
             request.prompt,
             detok.text,
@@ -539,20 +592,30 @@ class Cluster(ClusterAdmin):
     def _worker(self, worker_id: str) -> Any:
         handle = self.workers.get(worker_id)
         if handle is None:  # removed after the router chose it
-            raise _WorkerLost(worker_id, False)
+            raise _WorkerLost(worker_id, False, self.lost.get(worker_id, "removed from the router"))
         return handle
 
-    def _forget_worker(self, worker_id: str) -> None:
-        """Drop a dead worker here and in the router (its pins are placed elsewhere)."""
-        if self.workers.pop(worker_id, None) is not None and self.router is not None:
-            log.error("worker %s died; removing it from the router", worker_id)
-            self.router.remove_worker.remote(worker_id)
+
+class RequestFailedError(RuntimeError):
+    """A request failed on its worker (the worker itself serves on); the message says why."""
 
 
 class _WorkerLost(Exception):
-    """A worker actor died during a request (``streamed``: it had already sent tokens)."""
+    """A worker died, stopped or hung during a request (``streamed``: it had already sent
+    tokens, so the request cannot run again elsewhere without repeating them)."""
 
-    def __init__(self, worker_id: str, streamed: bool):
+    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died"):
         super().__init__(worker_id)
         self.worker_id = worker_id
         self.streamed = streamed
+        self.why = why
+
+
+def _lost_or_raise(worker_id: str, streamed: bool, exc: Exception, unavailable: type[Exception]) -> Exception:
+    """A Ray error of a worker call as ``_WorkerLost`` when the worker is gone or unhealthy;
+    any other task error stays what it is."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), unavailable):
+        return _WorkerLost(worker_id, streamed, describe_failure(exc))
+    return exc

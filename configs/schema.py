@@ -133,6 +133,14 @@ class WorkersConfig(_Frozen):
 
     With ``role_resources`` on, prefill actors also require the custom resource ``prefill`` and
     decode actors ``decode`` (KubeRay worker groups advertise them), one unit each.
+
+    Health: every driver checks each worker every ``health_check_interval_s``; a worker whose
+    engine stopped, or that does not answer within ``health_check_timeout_s``, is taken out of
+    the router like a dead one and (with ``replace_failed``) replaced by the process that started
+    it. The same check renews the lease of each request the driver still waits on; a worker
+    aborts a request whose lease is older than ``request_lease_s`` (its driver or client is
+    gone), so its blocks never leak. ``engine_stall_timeout_s``: an engine thread that has not
+    come round its loop for that long counts as unhealthy.
     """
 
     num_prefill: Annotated[int, Field(ge=0)] = 1
@@ -140,6 +148,23 @@ class WorkersConfig(_Frozen):
     prefill: WorkerResources = WorkerResources()
     decode: WorkerResources = WorkerResources()
     role_resources: bool = False
+    health_check_interval_s: PositiveFloat = 2.0
+    health_check_timeout_s: PositiveFloat = 10.0
+    engine_stall_timeout_s: PositiveFloat = 120.0
+    request_lease_s: PositiveFloat = 60.0
+    replace_failed: bool = True
+
+    @model_validator(mode="after")
+    def _lease_outlives_renewals(self) -> WorkersConfig:
+        floor = 2 * (self.health_check_interval_s + self.health_check_timeout_s)
+        if self.request_lease_s < floor:
+            raise cross_field_error(
+                "request_lease_s",
+                f"must be >= 2 x (health_check_interval_s + health_check_timeout_s) = {floor:g}, "
+                "so a live driver always renews it in time",
+                self.request_lease_s,
+            )
+        return self
 
     @property
     def num_workers(self) -> int:

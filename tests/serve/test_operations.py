@@ -55,7 +55,7 @@ def test_pins_and_stats_over_http(server: Server) -> None:
              30, "the pin to become active")  # fmt: skip
     assert server.totals()["explicitly_pinned_blocks"] > 0
     stats = server.get("/v1/stats").json()
-    assert set(stats) == {"workers", "totals", "router"}
+    assert set(stats) == {"workers", "unhealthy", "totals", "router"} and stats["unhealthy"] == {}
     assert set(stats["workers"]) == {"prefill-0", "decode-0"}
     token_pin = server.post("/v1/pins", json={"prefix": list(range(40, 80))})
     assert token_pin.status_code == 201
@@ -118,3 +118,12 @@ def test_health_turns_503_naming_a_killed_worker(small_server: Server) -> None:
     assert body["workers"]["prefill-0"] == "ok"
     assert body["workers"]["decode-0"] != "ok"
     assert "decode-0" in body["error"]["message"]
+    # the controller replaces it; the ingress adopts the replacement, and /health is 200 again
+    deadline = time.monotonic() + 180
+    while response.status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        response = httpx.get(f"{server.base}/health", timeout=30)
+    assert response.status_code == 200, response.text
+    reply = httpx.post(f"{server.base}/v1/completions", timeout=120,
+                       json={"model": server.model, "prompt": "after", "max_tokens": 4, "temperature": 0})  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4

@@ -1,0 +1,193 @@
+"""Worker health as the driver sees it: a periodic check of every worker, what happens to a
+worker that fails it, and its replacement. A mixin of ``Cluster`` (it reads the worker and router
+handles, the requests in flight and the config that ``Cluster`` owns).
+
+Every ``workers.health_check_interval_s`` the driver calls each worker's ``health`` (which also
+renews the leases of the requests this driver waits on there). A worker that raises (its engine
+stopped), does not answer within ``workers.health_check_timeout_s`` (hung, frozen, its node
+gone) or whose actor died is *lost*: it leaves this driver and the router at once, the requests
+waiting on it are cut loose (``_collect`` routes again the ones that streamed nothing and fails
+the others with an error naming the worker), and the process that started it (``Cluster.start``,
+not an attached driver) kills it and starts a replacement under the same id, which rejoins the
+router. Attached drivers adopt replacements from the router's registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+REPLACE_RETRY_S = 5.0  # wait this long before trying again to start a replacement
+
+
+class ClusterSupervision:
+    """Owns the driver's health loop, the record of lost workers (``lost``: id -> why) and the
+    replacements in progress.
+
+    Invariants: a worker id is in at most one of ``workers`` and ``lost``; a lost worker is never
+    routed to by this driver; only the process that started the actors replaces them.
+    """
+
+    config: Any
+    router: Any
+    workers: dict[str, Any]
+    infos: dict[str, Any]
+    _active: dict[str, Any]
+    _owns_actors: bool
+    _loop: asyncio.AbstractEventLoop | None
+
+    def _init_supervision(self) -> None:
+        self.lost: dict[str, str] = {}
+        self._replacing: set[str] = set()
+        self._health_task: asyncio.Future[None] | None = None
+        self._closing = False
+        self.replacements = 0
+
+    def _start_supervision(self) -> None:
+        assert self._loop is not None
+        self._closing = False
+        self._health_task = asyncio.run_coroutine_threadsafe(self._supervise(), self._loop)  # type: ignore[assignment]
+
+    def _stop_supervision(self) -> None:
+        self._closing = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+
+    async def _supervise(self) -> None:
+        interval = self.config.workers.health_check_interval_s
+        while not self._closing:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_workers()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive any one failed round
+                log.exception("worker health check failed")
+
+    async def check_workers(self) -> dict[str, str]:
+        """One round: every worker's health (renewing this driver's leases on it); a worker that
+        fails is lost. Returns ``{worker id: "ok" or why not}`` for the workers checked."""
+        if not self._owns_actors:
+            await self._adopt_registered()
+        timeout_s = self.config.workers.health_check_timeout_s
+        renew: dict[str, list[str]] = {wid: [] for wid in self.workers}
+        for request in list(self._active.values()):
+            for worker_id in request.worker_ids:
+                if worker_id in renew:
+                    renew[worker_id].append(request.engine_id)
+        checked = dict(self.workers)
+
+        async def one(worker_id: str, handle: Any) -> str:
+            try:
+                await asyncio.wait_for(_await(handle.health.remote(renew[worker_id])), timeout_s)
+                return "ok"
+            except TimeoutError:
+                return f"did not answer a health check within {timeout_s:g} s"
+            except Exception as exc:  # a dead actor, or a worker whose engine stopped
+                return describe_failure(exc)
+
+        results = dict(zip(checked, await asyncio.gather(*(one(w, h) for w, h in checked.items())), strict=True))
+        for worker_id, verdict in results.items():
+            if verdict != "ok":
+                self._forget_worker(worker_id, verdict, checked[worker_id])
+        return results
+
+    def _forget_worker(self, worker_id: str, why: str = "its actor died", handle: Any = None) -> None:
+        """Take a lost worker out of this driver and the router, cut loose the requests waiting
+        on it, and (in the process that started it) replace it."""
+        current = self.workers.get(worker_id)
+        if current is None or (handle is not None and current is not handle):
+            return  # already lost, or a replacement holds the id now
+        del self.workers[worker_id]
+        self.lost[worker_id] = why
+        log.error("worker %s lost (%s); removing it from the router", worker_id, why)
+        if self.router is not None:
+            self.router.remove_worker.remote(worker_id, current._actor_id.hex())
+        for request in list(self._active.values()):
+            if worker_id in request.worker_ids:
+                request.cut_loose(worker_id)
+        if self._owns_actors and self.config.workers.replace_failed and self._loop is not None:
+            if worker_id not in self._replacing:
+                self._replacing.add(worker_id)
+                asyncio.run_coroutine_threadsafe(self._replace(worker_id, current), self._loop)
+
+    async def _replace(self, worker_id: str, old: Any) -> None:
+        """Kill a lost worker and start another under its id until one joins (or we shut down)."""
+        import ray
+
+        try:  # off the driver's loop: killing a frozen process may take a while
+            await asyncio.get_running_loop().run_in_executor(None, _kill, old)
+        except Exception as exc:  # already gone
+            log.debug("kill %s: %s", worker_id, exc)
+        try:
+            while not self._closing:
+                started = time.monotonic()
+                try:
+                    await self._start_replacement(worker_id)
+                    self.replacements += 1
+                    log.warning("worker %s replaced in %.1f s", worker_id, time.monotonic() - started)
+                    return
+                except Exception as exc:
+                    log.error("could not start a replacement for %s (%s); retrying", worker_id, describe_failure(exc))
+                    await asyncio.sleep(REPLACE_RETRY_S)
+        finally:
+            self._replacing.discard(worker_id)
+
+    async def _start_replacement(self, worker_id: str) -> None:
+        import ray
+
+        log.info("starting a replacement for %s", worker_id)
+        from actors.worker import DecodeWorker, PrefillWorker
+        from cluster.placement import worker_options
+
+        config = self.config
+        old_info = self.infos[worker_id]
+        actor_class = PrefillWorker if old_info.role == "prefill" else DecodeWorker
+        options = worker_options(config, old_info.role, ray.cluster_resources())
+        handle = actor_class.options(**options).remote(config, worker_id, config.workers.num_prefill > 0)
+        try:
+            info = await asyncio.wait_for(_await(handle.info.remote()), self.config.workers.health_check_timeout_s * 30)
+            if info.groups != old_info.groups or info.block_size != old_info.block_size:
+                raise RuntimeError(f"{worker_id}: the replacement's KV layout differs from the cluster's")
+            if self._closing:
+                raise RuntimeError("the cluster is shutting down")
+            await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+            await _await(handle.set_router.remote(self.router))
+        except BaseException:
+            _kill(handle)
+            raise
+        self.infos[worker_id] = info
+        self.workers[worker_id] = handle
+        self.lost.pop(worker_id, None)
+
+    async def _adopt_registered(self) -> None:
+        """An attached driver takes the replacements the owner registered with the router."""
+        registered = await _await(self.router.worker_handles.remote())
+        for worker_id, handle in registered.items():
+            current = self.workers.get(worker_id)
+            if worker_id in self.infos and (current is None or current._actor_id != handle._actor_id):
+                self.workers[worker_id] = handle
+                self.lost.pop(worker_id, None)
+                log.info("adopted worker %s from the router", worker_id)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line saying why a worker call failed (a dead actor, a stopped engine, ...)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}".strip()
+
+
+def _kill(handle: Any) -> None:
+    import ray
+
+    ray.kill(handle, no_restart=True)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
