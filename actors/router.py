@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from actors.pin_journal import JournaledPin, PinJournal
 from configs.schema import ClusterConfig
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
@@ -37,10 +39,13 @@ class Router:
 
     Invariants: every worker registered with the policy has a handle here; time passed to the
     policy is this process's monotonic clock; pins given in the config are created by the driver
-    (it has the tokenizer), so the policy starts without them.
+    (it has the tokenizer), so the policy starts without them; every explicit pin is journaled
+    (``cluster_key`` given), so a restarted router (a new ``incarnation``) restores them under
+    their ids once enough workers have registered again, while the process that started the
+    cluster registers the workers and has them send full snapshots.
     """
 
-    def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup]):
+    def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup], cluster_key: str = ""):
         from cluster.logs import setup_logging
 
         setup_logging(config.logging)
@@ -55,9 +60,19 @@ class Router:
         self.prompt_tokens = 0
         self._last_tick = 0.0
         self.metrics = _router_metrics()
+        self.incarnation = uuid.uuid4().hex
+        self.journal = PinJournal(cluster_key) if cluster_key else None
+        self._to_restore: list[JournaledPin] = []
+        if self.journal is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            self._to_restore = self.journal.load()
+            log.warning("router restarted: %d pins to restore once workers register", len(self._to_restore))
 
     def ready(self) -> str:
         return self.policy.name
+
+    def identity(self) -> str:
+        """This router process's incarnation: it changes when Ray restarts the router."""
+        return self.incarnation
 
     # -- membership --------------------------------------------------------------------------------
     def add_worker(self, worker_id: str, role: str, num_blocks: int, handle: Any) -> None:
@@ -67,6 +82,30 @@ class Router:
         self.handles[worker_id] = handle
         actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())  # type: ignore[arg-type]
         self._execute(actions)
+        if self._to_restore:
+            self._restore_pins()
+
+    def _restore_pins(self) -> None:
+        """Place the journaled pins again (those whose replicas the registered workers allow)."""
+        pending = []
+        for entry in self._to_restore:
+            ttl = entry.ttl_left()
+            if ttl is not None and ttl <= 0:
+                assert self.journal is not None
+                self.journal.forget(entry.pin_id)
+                continue
+            try:
+                _, actions = self.policy.pin(  # type: ignore[attr-defined]
+                    list(entry.token_ids), replicas=entry.replicas, ttl_s=ttl, now=time.monotonic(), pin_id=entry.pin_id
+                )
+            except ValueError as exc:  # e.g. not enough workers registered yet
+                log.debug("pin %d not restored yet: %s", entry.pin_id, exc)
+                pending.append(entry)
+                continue
+            self._execute(actions)
+            log.warning("restored pin %d (%d tokens x %d)", entry.pin_id, len(entry.token_ids), entry.replicas)
+        self._to_restore = pending
+        self._update_pin_gauges()
 
     def remove_worker(self, worker_id: str, actor_id: str | None = None) -> None:
         """Forget a worker and place its pins elsewhere. ``actor_id``: only if that actor still
@@ -135,6 +174,8 @@ class Router:
         if pin is None:
             raise ValueError(f"router.policy: {self.policy.name!r} does not support pinned prefixes (use kvfleet)")
         pin_id, actions = pin(token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic())
+        if self.journal is not None:
+            self.journal.record(int(pin_id), token_ids, replicas, ttl_s)
         self._execute(actions)
         self._update_pin_gauges()
         return int(pin_id)
@@ -144,7 +185,12 @@ class Router:
         if unpin is None:
             return False
         known = any(info.pin_id == pin_id for info in self.policy.pin_info())  # type: ignore[attr-defined]
+        pending = [entry for entry in self._to_restore if entry.pin_id != pin_id]
+        known = known or len(pending) < len(self._to_restore)
+        self._to_restore = pending
         self._execute(unpin(pin_id, now=time.monotonic()))
+        if self.journal is not None:
+            self.journal.forget(pin_id)
         self._update_pin_gauges()
         return known
 

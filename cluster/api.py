@@ -192,7 +192,10 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             infos = self._wait_ready({wid: w.info.remote() for wid, w in self.workers.items()})
             self._adopt(infos, str(model_directory))
             first = next(iter(infos.values()))
-            self.router = Router.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=0).remote(config, first.groups)
+            # Ray restarts a router that dies; this process then registers the workers with it again
+            self.router = Router.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=-1).remote(
+                config, first.groups, uuid.uuid4().hex
+            )
             ray.get(self.router.ready.remote(), timeout=120)
             ray.get([
                 self.router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
@@ -514,7 +517,12 @@ class Cluster(ClusterSupervision, ClusterAdmin):
 
         rid, ids = request.engine_id, request.token_ids
         hashes = block_hashes(ids, self._hash_block_size)
-        decision = await self.router.route.remote(rid, hashes, len(ids))
+        try:
+            decision = await asyncio.wait_for(_await(self.router.route.remote(rid, hashes, len(ids))),
+                                              self.config.workers.health_check_timeout_s)  # fmt: skip
+        except (RayActorError, RayTaskError, TimeoutError) as exc:  # restarting, or no workers registered yet
+            log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
+            decision = self.fallback_decision(rid, len(ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
         kv_handle = None
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
@@ -594,6 +602,10 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         if handle is None:  # removed after the router chose it
             raise _WorkerLost(worker_id, False, self.lost.get(worker_id, "removed from the router"))
         return handle
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
 
 
 class RequestFailedError(RuntimeError):

@@ -10,6 +10,11 @@ waiting on it are cut loose (``_collect`` routes again the ones that streamed no
 the others with an error naming the worker), and the process that started it (``Cluster.start``,
 not an attached driver) kills it and starts a replacement under the same id, which rejoins the
 router. Attached drivers adopt replacements from the router's registry.
+
+The router is watched too: Ray restarts a router process that dies (its pins come back from their
+journal, see ``actors.pin_journal``), and the process that started the cluster notices the new
+incarnation and registers every live worker with it again, each sending a full snapshot of its
+prefix cache. Meanwhile requests are placed by ``fallback_decision`` instead of failing.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class ClusterSupervision:
         self._health_task: asyncio.Future[None] | None = None
         self._closing = False
         self.replacements = 0
+        self.router_incarnation: str | None = None
+        self.router_rejoins = 0
+        self._fallback_turn = 0
 
     def _start_supervision(self) -> None:
         assert self._loop is not None
@@ -72,7 +80,9 @@ class ClusterSupervision:
     async def check_workers(self) -> dict[str, str]:
         """One round: every worker's health (renewing this driver's leases on it); a worker that
         fails is lost. Returns ``{worker id: "ok" or why not}`` for the workers checked."""
-        if not self._owns_actors:
+        if self._owns_actors:
+            await self._watch_router()
+        else:
             await self._adopt_registered()
         timeout_s = self.config.workers.health_check_timeout_s
         renew: dict[str, list[str]] = {wid: [] for wid in self.workers}
@@ -164,6 +174,39 @@ class ClusterSupervision:
         self.infos[worker_id] = info
         self.workers[worker_id] = handle
         self.lost.pop(worker_id, None)
+
+    async def _watch_router(self) -> None:
+        """Register every live worker again with a router Ray restarted (a new incarnation)."""
+        timeout_s = self.config.workers.health_check_timeout_s
+        try:
+            incarnation = await asyncio.wait_for(_await(self.router.identity.remote()), timeout_s)
+        except Exception as exc:  # down or restarting: requests fall back until it is back
+            log.warning("router did not answer (%s); placing requests without it", describe_failure(exc))
+            return
+        if self.router_incarnation is None:
+            self.router_incarnation = incarnation
+        if incarnation == self.router_incarnation:
+            return
+        log.warning("router restarted; registering %d workers with it again", len(self.workers))
+        for worker_id, handle in list(self.workers.items()):
+            info = self.infos[worker_id]
+            await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+            await _await(handle.set_router.remote(self.router))
+            handle.snapshot.remote()
+        self.router_incarnation = incarnation
+        self.router_rejoins += 1
+
+    def fallback_decision(self, request_id: str, num_tokens: int) -> Any:
+        """Where a request runs while the router cannot be asked: whole on the next live worker
+        that decodes (no prefix knowledge; exact tokens all the same)."""
+        from engine.routing import Decision
+
+        candidates = sorted(w for w in self.workers if self.infos[w].role == "decode")
+        if not candidates:
+            raise RuntimeError(f"request {request_id}: the router is unavailable and no decode worker is alive")
+        self._fallback_turn += 1
+        worker = candidates[self._fallback_turn % len(candidates)]
+        return Decision(worker, worker, 0, num_tokens, reason="fallback")
 
     async def _adopt_registered(self) -> None:
         """An attached driver takes the replacements the owner registered with the router."""

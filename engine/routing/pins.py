@@ -123,9 +123,13 @@ class PinTable:
         ttl_s: float | None = None,
         token_ids: Sequence[int] | None = None,
         auto: bool = False,
+        pin_id: int | None = None,
     ) -> Pin:
         """Register a pin (no holders yet; ``fill`` places them). Raises ``PinCapacityError`` when
-        ``replicas`` copies would exceed the capacity, ValueError for an empty prefix."""
+        ``replicas`` copies would exceed the capacity, ValueError for an empty prefix or a taken
+        ``pin_id`` (given when a restarted router restores a pin under the id clients know)."""
+        if pin_id is not None and pin_id in self.pins:
+            raise ValueError(f"pin_id: {pin_id} is already in use")
         rules = self.index.rules
         hbs = rules.hash_block_size
         length = rules.aligned(min(num_tokens, len(block_hashes) * hbs))
@@ -147,7 +151,7 @@ class PinTable:
                 "(router.pin_capacity_blocks)"
             )
         pin = Pin(
-            self._next_id,
+            self._next_id if pin_id is None else pin_id,
             hashes,
             length,
             replicas,
@@ -158,7 +162,7 @@ class PinTable:
             needed,
             short_since=now,
         )
-        self._next_id += 1
+        self._next_id = max(self._next_id, pin.pin_id) + 1
         self.pins[pin.pin_id] = pin
         self.by_key.setdefault(pin.key, []).append(pin)
         if auto:

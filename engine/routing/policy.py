@@ -336,8 +336,10 @@ class RoutingPolicy(Router):
         replicas: int = 1,
         ttl_s: float | None = None,
         now: float = 0.0,
+        pin_id: int | None = None,
     ) -> tuple[int, list[Action]]:
-        """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds.
+        """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds
+        (under ``pin_id`` when restoring a pin a restarted router had).
 
         Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
         holders must already have it or copy it from another holder). Returns the pin id and the
@@ -355,7 +357,7 @@ class RoutingPolicy(Router):
             raise ValueError(
                 f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
             )
-        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids)
+        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id)
         return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
 
     def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:
