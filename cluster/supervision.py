@@ -185,16 +185,22 @@ class ClusterSupervision:
             return
         if self.router_incarnation is None:
             self.router_incarnation = incarnation
-        if incarnation == self.router_incarnation:
-            return
-        log.warning("router restarted; registering %d workers with it again", len(self.workers))
-        for worker_id, handle in list(self.workers.items()):
-            info = self.infos[worker_id]
+        restarted = incarnation != self.router_incarnation
+        registered = await _await(self.router.worker_handles.remote())
+        missing = [w for w, h in self.workers.items() if w not in registered or registered[w]._actor_id != h._actor_id]
+        if missing:
+            await self._register_again(missing, "router restarted" if restarted else "router lacks workers")
+        if restarted:
+            self.router_incarnation = incarnation
+            self.router_rejoins += 1
+
+    async def _register_again(self, missing: list[str], why: str) -> None:
+        log.warning("%s; registering %s with it again", why, ", ".join(sorted(missing)))
+        for worker_id in missing:  # e.g. a replacement that joined the router just before it died
+            handle, info = self.workers[worker_id], self.infos[worker_id]
             await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
             await _await(handle.set_router.remote(self.router))
             handle.snapshot.remote()
-        self.router_incarnation = incarnation
-        self.router_rejoins += 1
 
     def fallback_decision(self, request_id: str, num_tokens: int) -> Any:
         """Where a request runs while the router cannot be asked: whole on the next live worker

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Chaos at scale (issue 15): shared-prefix requests at a steady rate on a 2P+2D cluster while
+decode workers, prefill workers and the router are killed in turn at seeded random moments
+(``tests/integration/chaos.py``; ``tests/integration/test_chaos.py`` is its bounded CI version).
+
+Every request is checked against a single engine that ran its prompt alone, while it streams and
+at its end. The last stdout line is
+``{"requests": n, "completed": n, "wrong_tokens": 0, "lost": 0, "errored": n, "kills": n,
+"recovery_s_p90": x, "blocks_leaked": 0, ...}``; ``recovery_s`` of a kill runs until the cluster
+is whole again (replacement joined / workers re-registered with the restarted router) and a
+request sent after the kill completed within twice the median latency before the first kill
+(``latency_p50_before_kills_s``, the undisturbed baseline). Exit status 1 on a wrong token, a lost
+request, an unclear error or a leaked block.
+
+    python benchmarks/chaos_bench.py                          # 2000 requests, 8 req/s, 9 kills
+    python benchmarks/chaos_bench.py --requests 300 --kills 3 --backend nixl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+log = logging.getLogger("chaos_bench")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests sent per second (open loop)")
+    ap.add_argument("--kills", type=int, default=9, help="kills, cycling decode, prefill, router")
+    ap.add_argument("--backend", choices=["local", "nixl"], default="local")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("tests.integration.chaos").setLevel(logging.INFO)
+    from tests.integration.chaos import run_chaos
+
+    result = run_chaos(
+        requests=args.requests, rate=args.rate, kills=args.kills, seed=args.seed, preset=args.preset,
+        backend=args.backend,
+    )  # fmt: skip
+    report = {key: value for key, value in result.as_dict().items() if key != "errors"}
+    report.update(preset=args.preset, backend=args.backend, rate=args.rate, first_errors=result.errors[:5])
+    print(json.dumps(report), flush=True)
+    bad = result.wrong_tokens + result.wrong_stream + result.lost + result.unclear_errors + result.blocks_leaked
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""Chaos: shared-prefix requests at a steady rate on a 2P+2D cluster while a decode worker, a
+prefill worker and the router are killed at seeded random moments. Used by
+``tests/integration/test_chaos.py`` (bounded) and ``benchmarks/chaos_bench.py`` (larger).
+
+Every request is checked as it streams: its text so far must be a prefix of the text of a single
+engine that ran the prompt alone, and at its end its tokens must equal that engine's. A request
+may instead end with an error, but only a ``RuntimeError`` naming a worker, and only if nothing it
+streamed was wrong. A request that has not ended ``request_timeout_s`` after it was sent is lost
+(hung). After the run the cluster is quiesced and every worker must have all its blocks free.
+
+Recovery of one kill: from the kill until the cluster is whole again (the replacement joined, or
+the driver re-registered the workers with the restarted router) and a request sent after the
+kill has completed in no more than twice the median latency measured before the first kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from tests.engine.pd_harness import alone_tokens, shared_prefix_prompts
+
+log = logging.getLogger(__name__)
+
+SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+HEALTH = (
+    "workers.health_check_interval_s=0.5",
+    "workers.health_check_timeout_s=3",
+    "workers.request_lease_s=8",
+)
+KINDS = ("decode", "prefill", "router")
+
+
+@dataclass
+class ChaosResult:
+    """The outcome of one chaos run (the benchmark's JSON line)."""
+
+    requests: int = 0
+    completed: int = 0
+    wrong_tokens: int = 0
+    wrong_stream: int = 0
+    lost: int = 0
+    errored: int = 0
+    unclear_errors: int = 0
+    kills: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    recovery_s_p90: float = 0.0
+    blocks_leaked: int = 0
+    latency_p50_before_kills_s: float = 0.0  # the undisturbed baseline recovery is measured against
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Kill:
+    kind: str
+    victim: str
+    at: float
+    killed_actor: str = ""  # the worker actor killed (its replacement is another one)
+    rejoins_before: int = 0  # the driver's router re-registrations before a router kill
+    whole_at: float | None = None
+    served_at: float | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        if self.whole_at is None or self.served_at is None:
+            return None
+        return max(self.whole_at, self.served_at) - self.at
+
+
+def run_chaos(
+    *,
+    requests: int,
+    rate: float,
+    kills: int,
+    seed: int = 0,
+    preset: str = "tiny",
+    backend: str = "local",
+    request_timeout_s: float = 120.0,
+    quiesce_timeout_s: float = 60.0,
+) -> ChaosResult:
+    """Run the chaos workload on a fresh 2P+2D cluster (on the Ray this process is attached to,
+    else an embedded one); ``kills`` kills cycle decode, prefill, router at seeded moments
+    spread over the middle of the run."""
+    from cluster.api import Cluster
+    from configs import load_config
+    from tests.integration.conftest import cluster_config
+
+    rng = random.Random(seed)
+    prompts = shared_prefix_prompts(seed, requests)
+    config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *HEALTH)
+    expected = alone_tokens(load_config(preset), prompts, SAMPLING)
+    duration = requests / rate
+    kill_times = sorted(rng.uniform(0.15, 0.8) * duration for _ in range(kills))
+    result = ChaosResult(requests=requests)
+    started = time.monotonic()
+    with Cluster(config) as cluster:
+        texts = {key: cluster.tokenizer.decode(list(tokens)) for key, tokens in expected.items()}
+        asyncio.run(_drive(cluster, prompts, expected, texts, rate, kill_times, rng, request_timeout_s, result))
+        result.blocks_leaked = _quiesce(cluster, quiesce_timeout_s)
+    result.seconds = round(time.monotonic() - started, 1)
+    done = sorted(result.recovery_s)
+    result.recovery_s_p90 = round(done[min(len(done) - 1, int(0.9 * len(done)))], 2) if done else 0.0
+    return result
+
+
+async def _drive(
+    cluster: Any,
+    prompts: list[list[int]],
+    expected: dict[tuple[int, ...], list[int]],
+    texts: dict[tuple[int, ...], str],
+    rate: float,
+    kill_times: list[float],
+    rng: random.Random,
+    request_timeout_s: float,
+    result: ChaosResult,
+) -> None:
+    from cluster.api import ClusterCompletion, Delta
+
+    t0 = time.monotonic()
+    latencies_before: list[float] = []
+    kills: list[_Kill] = []
+
+    async def one(prompt: list[int], sent: float) -> None:
+        key = tuple(prompt)
+        streamed = ""
+        try:
+            async with asyncio.timeout(request_timeout_s):
+                async for item in cluster.stream_completion(prompt, SAMPLING):
+                    if isinstance(item, Delta):
+                        streamed += item.text
+                        if not texts[key].startswith(streamed):
+                            result.wrong_stream += 1
+                            result.errors.append(f"streamed {streamed!r}, oracle {texts[key]!r}")
+                            return
+                    elif isinstance(item, ClusterCompletion):
+                        finished = time.monotonic()
+                        if list(item.token_ids) != expected[key]:
+                            result.wrong_tokens += 1
+                            result.errors.append(f"{item.request_id} on {item.decode_worker}: wrong tokens")
+                            return
+                        result.completed += 1
+                        if not kills:
+                            latencies_before.append(finished - sent)
+                        _note_served(kills, sent, finished, latencies_before)
+        except TimeoutError:
+            result.lost += 1
+            result.errors.append(f"a request sent at {sent - t0:.1f} s hung")
+        except RuntimeError as exc:
+            result.errored += 1
+            if "worker" not in str(exc) and "router" not in str(exc):
+                result.unclear_errors += 1
+                result.errors.append(f"unclear error: {exc}")
+        except Exception as exc:  # anything else is not a clear error
+            result.errored += 1
+            result.unclear_errors += 1
+            result.errors.append(f"unexpected {type(exc).__name__}: {exc}")
+
+    async def killer() -> None:
+        for i, at in enumerate(kill_times):
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            kind = KINDS[i % len(KINDS)]
+            while kind != "router" and len([w for w in cluster.workers if w.startswith(kind)]) < 2:
+                await asyncio.sleep(0.2)  # never the last live worker of a role
+            kills.append(await asyncio.get_running_loop().run_in_executor(None, _kill, cluster, kind, rng))
+            result.kills += 1
+
+    async def watch_whole() -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for kill in kills:
+                if kill.whole_at is None and _whole_again(cluster, kill):
+                    kill.whole_at = time.monotonic()
+
+    watcher = asyncio.ensure_future(watch_whole())
+    chaos = asyncio.ensure_future(killer())
+    running = []
+    for i, prompt in enumerate(prompts):
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        running.append(asyncio.ensure_future(one(prompt, time.monotonic())))
+    await asyncio.gather(*running)
+    await chaos
+    deadline = time.monotonic() + 120
+    while any(k.whole_at is None for k in kills) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    watcher.cancel()
+    if any(k.served_at is None for k in kills):  # the run ended before a post-kill request did
+        probe = prompts[0]
+        sent = time.monotonic()
+        await one(probe, sent)
+    result.recovery_s = [round(k.recovery_s, 2) for k in kills if k.recovery_s is not None]
+    if latencies_before:
+        result.latency_p50_before_kills_s = round(statistics.median(latencies_before), 3)
+    for kill in kills:
+        log.info("kill of %s (%s) at %.1f s: recovered in %s s", kill.victim, kill.kind, kill.at - t0, kill.recovery_s)
+        if kill.recovery_s is None:
+            result.errors.append(f"the cluster did not recover from killing {kill.victim}")
+
+
+def _note_served(kills: list[_Kill], sent: float, finished: float, latencies_before: list[float]) -> None:
+    if not kills or not latencies_before:
+        return
+    normal = 2 * statistics.median(latencies_before)
+    for kill in kills:
+        if kill.served_at is None and sent >= kill.at and finished - sent <= normal:
+            kill.served_at = finished
+
+
+def _kill(cluster: Any, kind: str, rng: random.Random) -> _Kill:
+    import ray
+
+    if kind == "router":
+        kill = _Kill(kind, "router", time.monotonic(), rejoins_before=cluster.router_rejoins)
+        ray.kill(cluster.router, no_restart=False)
+        return kill
+    victim = rng.choice(sorted(w for w in cluster.workers if w.startswith(kind)))
+    handle = cluster.workers[victim]
+    kill = _Kill(kind, victim, time.monotonic(), killed_actor=handle._actor_id.hex())
+    ray.kill(handle, no_restart=True)
+    log.warning("chaos: killed %s", victim)
+    return kill
+
+
+def _whole_again(cluster: Any, kill: _Kill) -> bool:
+    if kill.kind == "router":
+        return cluster.router_rejoins > kill.rejoins_before
+    handle = cluster.workers.get(kill.victim)
+    return handle is not None and handle._actor_id.hex() != kill.killed_actor
+
+
+def _quiesce(cluster: Any, timeout_s: float) -> int:
+    """Wait until every worker is idle with every block free; the blocks still in use then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = cluster.stats()["workers"]
+        leaked = sum(w["num_blocks"] - w["free_blocks"] for w in workers.values())
+        idle = all(w["running"] == 0 and w["queued"] == 0 for w in workers.values())
+        if (leaked == 0 and idle and len(workers) == len(cluster.infos)) or time.monotonic() > deadline:
+            return leaked
+        time.sleep(0.2)
