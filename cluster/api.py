@@ -578,6 +578,9 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                         break
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(decode_id, first_token is not None, exc, WorkerUnavailableError) from exc
+        tail = detok.flush()  # a held-back tail that turned out not to start a stop string
+        if tail and on_delta is not None:
+            on_delta(Delta(tail, 0))
         now = time.monotonic()
         if reason == "error":
             raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")

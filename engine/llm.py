@@ -63,6 +63,7 @@ class LLM:
                     self.engine.runner.sampler.forget(out.request_id)
                     reasons[out.request_id] = "stop"
                 elif out.finished:
+                    d.flush()
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [
             Completion(text, detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"))

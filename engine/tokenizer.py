@@ -85,9 +85,10 @@ def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas and watches for stop strings.
 
-    Only the U+FFFD characters at the end of the decoded text are held back (an incomplete UTF-8
-    sequence, or stray bytes, that later tokens may still complete); everything before them is
-    emitted. So the text is a function of the token ids alone, never of how they were grouped
+    Two things are held back at the end of the decoded text: U+FFFD characters (an incomplete
+    UTF-8 sequence, or stray bytes, that later tokens may still complete) and a tail that could
+    be the start of a stop string (emitted by ``flush`` when the request ends without it);
+    everything before them is emitted, and nothing emitted is ever taken back. So the text is a function of the token ids alone, never of how they were grouped
     into ``add`` calls: a stream's chunks depend on load (a worker coalesces chunks that pile
     up), and holding back a whole chunk for its last byte lost the characters before it for
     good whenever no later token completed that byte.
@@ -95,24 +96,50 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
-        self.stop = stop
+        self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
         self.token_ids: list[int] = []
-        self.text = ""
+        self.text = ""  # emitted so far
         self.stopped = False
+        self._held = ""  # the decoded tail that may still start a stop string
 
     def add(self, token_ids: list[int]) -> str:
-        """Add tokens; return the new text (cut at a stop string, after which ``stopped`` is set)."""
+        """Add tokens; return the new text (cut at the earliest stop string, after which
+        ``stopped`` is set). A tail that could be the start of a stop string is held back until
+        later tokens show it is not (or ``flush``), so no streamed text is ever taken back."""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
-        if len(full) <= len(self.text):
+        if self.stopped:
             return ""
-        for stop in self.stop:
-            at = full.find(stop, max(0, len(self.text) - len(stop)))
-            if at >= 0:
-                full = full[: at + len(stop)] if self.include_stop else full[:at]
-                self.stopped = True
-                break
-        delta = full[len(self.text) :]
-        self.text = full
+        full = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        start = len(self.text)  # emitted text never holds the start of a stop string
+        found = [(at, stop) for stop in self.stop if (at := full.find(stop, start)) >= 0]
+        if found:
+            at, stop = min(found)
+            full = full[: at + len(stop)] if self.include_stop else full[:at]
+            self.stopped = True
+            self._held = ""
+            return self._emit(full)
+        hold = self._stop_prefix_len(full, start)
+        self._held = full[len(full) - hold :] if hold else ""
+        return self._emit(full[: len(full) - hold])
+
+    def flush(self) -> str:
+        """The request ended: emit what was held back as a possible stop-string start."""
+        held, self._held = self._held, ""
+        self.text += held
+        return held
+
+    def _emit(self, upto: str) -> str:
+        delta = upto[len(self.text) :]
+        self.text = upto if len(upto) > len(self.text) else self.text
         return delta
+
+    def _stop_prefix_len(self, full: str, start: int) -> int:
+        """The longest tail of ``full`` (after ``start``) that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(full) - start), longest, -1):
+                if full.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
