@@ -316,6 +316,7 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         *,
         request_ids: Sequence[str] | None = None,
         on_completion: Callable[[ClusterCompletion], None] | None = None,
+        return_exceptions: bool = False,
     ) -> list[ClusterCompletion]:
         """Run every prompt (text, or a list of token ids) to completion; results in input order.
 
@@ -323,6 +324,8 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         runs: an empty prompt, one of max_model_len tokens or more, a token id outside the
         vocabulary or bad sampling values raise ValueError naming the field and the value.
         ``on_completion`` is called (on the driver's event-loop thread) as each request finishes.
+        ``return_exceptions``: a request that fails (e.g. on a worker) gives its exception in its
+        place and the others run on; by default the first failure raises.
         """
         batch = prompt_batch(prompts)
         if isinstance(sampling, (list, tuple)):
@@ -353,7 +356,7 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                     on_completion(result)
                 return result
 
-            return list(await asyncio.gather(*(one(r) for r in requests)))
+            return list(await asyncio.gather(*(one(r) for r in requests), return_exceptions=return_exceptions))
 
         return self._sync(run_all())
 

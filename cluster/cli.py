@@ -229,6 +229,12 @@ def run_items(
                     return EXIT_BAD_INPUT
                 runnable = {i: e for i, e in enumerate(entries) if isinstance(e, PromptItem)}
                 completions = dict(zip(runnable, _run(cluster, list(runnable.values()), progress), strict=True))
+                for index, outcome in completions.items():  # a request that failed fails its line
+                    if isinstance(outcome, Exception):
+                        if entries[index].line is None:  # a command-line prompt: the run failed
+                            raise outcome
+                        entries[index] = report_line_errors(prog, [entries[index].rejected(
+                            f"request failed: {outcome}")])[0]  # fmt: skip
     except ValueError as exc:  # a bad prompt or sampling value: named field and value
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -283,6 +289,7 @@ def _run(cluster: Any, items: list[Any], progress: bool) -> list[Any]:
             [item.sampling for item in items],
             request_ids=_request_ids(items),
             on_completion=(lambda _: bar.update(1)) if bar is not None else None,
+            return_exceptions=True,
         )
     finally:
         if bar is not None:

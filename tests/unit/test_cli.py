@@ -93,6 +93,7 @@ class FakeCluster:
 
     started: list[FakeCluster] = []
     fail_next: Exception | None = None
+    fail_prompts: dict[str, Exception] = {}  # prompt text -> the error that request fails with
 
     def __init__(self, config: Any):
         self.config = config
@@ -114,13 +115,18 @@ class FakeCluster:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={MAX_MODEL_LEN}")
         return (checked if isinstance(checked, str) else bytes(ids).decode()), ids
 
-    def generate(self, prompts, samplings, request_ids=None, on_completion=None) -> list[Any]:
+    def generate(self, prompts, samplings, request_ids=None, on_completion=None, return_exceptions=False) -> list[Any]:
         if FakeCluster.fail_next is not None:
             raise FakeCluster.fail_next
-        out = []
+        out: list[Any] = []
         for prompt, sampling, request_id in zip(prompts, samplings, request_ids or [None] * len(prompts), strict=True):
             self.ran.append((prompt, sampling, request_id))
             text, ids = self.check_prompt(prompt)
+            if text in FakeCluster.fail_prompts:
+                if not return_exceptions:
+                    raise FakeCluster.fail_prompts[text]
+                out.append(FakeCluster.fail_prompts[text])
+                continue
             out.append(SimpleNamespace(prompt=text, text=text[::-1], token_ids=ids[::-1][: sampling.max_tokens],
                                        finish_reason="length"))  # fmt: skip
             if on_completion is not None:
@@ -134,6 +140,7 @@ def fake_cluster(monkeypatch) -> type[FakeCluster]:
 
     FakeCluster.started = []
     FakeCluster.fail_next = None
+    FakeCluster.fail_prompts = {}
     monkeypatch.setattr(cluster.api, "Cluster", FakeCluster)
     return FakeCluster
 
@@ -260,6 +267,19 @@ def test_a_cluster_failure_exits_1(capsys, tmp_path, fake_cluster) -> None:
     fake_cluster.fail_next = RuntimeError("decode-0: worker died")
     assert main(["generate", "--config", "tiny", "hello", "--no-progress"]) == 1
     assert "generation failed: RuntimeError: decode-0: worker died" in capsys.readouterr().err
+
+
+def test_a_request_that_fails_on_a_worker_fails_its_line_only(capsys, tmp_path, fake_cluster) -> None:
+    why = "decode-0: request r failed on the worker: sampling failed: invalid multinomial distribution"
+    fake_cluster.fail_prompts = {"boom": RuntimeError(why)}
+    inputs = _jsonl(tmp_path / "in.jsonl", '{"id": "a", "prompt": "one"}', '{"id": "b", "prompt": "boom"}',
+                    '{"id": "c", "prompt": "two"}')  # fmt: skip
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--config", "tiny", "--input", str(inputs), "--output", str(output), "--no-progress"]) == 3
+    assert f"kvfleet: {inputs}:2: request failed: {why}" in capsys.readouterr().err.splitlines()
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r.get("text") for r in records] == ["eno", None, "owt"]
+    assert records[1] == {"id": "b", "line": 2, "error": f"request failed: {why}"}
 
 
 def test_the_job_entrypoint_reports_lines_and_exits_3(capsys, tmp_path, fake_cluster) -> None:
