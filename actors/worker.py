@@ -28,93 +28,36 @@ import queue
 import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
 
+from actors.router_link import RouterLink
+from actors.worker_types import (  # noqa: F401  (re-exported: drivers import them from here)
+    PrefillResult,
+    TokenChunk,
+    WorkerInfo,
+    WorkerRole,
+    WorkerUnavailableError,
+    _Tracked,
+)
 from configs.schema import ClusterConfig
-from engine.kv_cache.spec import KVCacheGroup
-from engine.routing import PinOn, WorkerLoad, snapshot_coordinator
+from engine.routing import WorkerLoad
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput
 
 log = logging.getLogger(__name__)
 
-WorkerRole = Literal["prefill", "decode"]
 REMOTE_DECODE = "remote_decode"
 IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this often
-LOAD_REPORT_INTERVAL_S = 0.05  # a changed load alone is reported at most this often
-ROUTER_SYNC_TIMEOUT_S = 30.0
 MAX_TOMBSTONES = 10_000
 LEASE_SWEEP_INTERVAL_S = 1.0  # how often the engine thread looks for requests whose lease ran out
 
 
-class WorkerUnavailableError(RuntimeError):
-    """The worker's engine stopped (or the worker is shut down): it serves nothing more, and a
-    driver should treat it as dead (route elsewhere, replace it)."""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the driver and the router need to know of a started worker (plain data)."""
-
-    worker_id: str
-    role: WorkerRole
-    router_role: Literal["prefill", "decode", "both"]
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    groups: tuple[KVCacheGroup, ...]
-    model_directory: str
-    node_ip: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """Tokens one request gained on a worker since the last chunk, and whether it finished."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    num_cached_tokens: int = -1
-    error: str | None = None  # why it finished with "error"
-    worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """A prefill-only request's outcome: the handle the decode worker pulls from (None if it was
-    aborted or failed) and the prefill worker's prefix hit at admission."""
-
-    kv_handle: Any
-    num_cached_tokens: int
-    finish_reason: str
-    error: str | None = None
-    worker_failed: bool = False
-
-
-@dataclass
-class _Tracked:
-    """Per-request bookkeeping of the engine thread (for streams, prefills, pins, metrics)."""
-
-    loop: asyncio.AbstractEventLoop | None
-    sink: asyncio.Queue[TokenChunk] | asyncio.Future[PrefillResult] | None
-    prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    pin: PinOn | None = None
-
-
-class EngineWorker:
+class EngineWorker(RouterLink):
     """Owns one EngineCore and the thread that steps it; the body of both worker actors.
 
     Invariants: only the engine thread touches ``self.engine``; every request in ``_tracked``
@@ -259,18 +202,6 @@ class EngineWorker:
         stats["hit_rate"] = stats["hit_tokens"] / queried if queried else 0.0
         stats["metrics"] = self.metrics.snapshot() if self.metrics is not None else {}
         return stats
-
-    # -- router actions ----------------------------------------------------------------------------
-    def pin(self, action: PinOn) -> None:
-        """Make ``action``'s prefix resident (computing it if needed), pin it, tell the router."""
-        self._submit(self._pin_on, action)
-
-    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        self._submit(self._unpin, block_hashes, num_tokens)
-
-    def snapshot(self) -> None:
-        """Send the router a full snapshot of the prefix cache (it lost events)."""
-        self._submit(self._snapshot)
 
     # -- engine thread -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
@@ -440,78 +371,6 @@ class EngineWorker:
     def _put(tracked: _Tracked, chunk: TokenChunk) -> None:
         assert tracked.loop is not None and isinstance(tracked.sink, asyncio.Queue)
         tracked.loop.call_soon_threadsafe(tracked.sink.put_nowait, chunk)
-
-    # -- reports to the router ---------------------------------------------------------------------
-    def _load(self) -> WorkerLoad:
-        scheduler = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
-        coordinator = self.engine.coordinator
-        total = max(1, self.engine.info.num_blocks - 1)
-        used = 1.0 - coordinator.num_free_blocks / total
-        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
-        return WorkerLoad(float(queued), running, min(1.0, max(0.0, used)))
-
-    def _report(self, force: bool = False, wait: bool = False) -> None:
-        router = self._router
-        if router is None:
-            return
-        events = self.engine.take_events()
-        load = self._load()
-        now = time.monotonic()
-        changed = load != self._last_load
-        if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
-            self._last_report = router.report.remote(self.worker_id, events, load)
-            self._last_load, self._last_report_at = load, now
-            if self.metrics is not None:
-                self._update_gauges()
-        if wait and self._last_report is not None:
-            try:
-                self._last_report.future().result(timeout=ROUTER_SYNC_TIMEOUT_S)
-            except Exception as exc:  # the router is gone or slow: serve on, it resyncs later
-                log.warning("%s: router report not acknowledged (%s)", self.worker_id, exc)
-
-    def _update_gauges(self) -> None:
-        assert self.metrics is not None
-        scheduler = self.engine.scheduler
-        pool = self.engine.coordinator.pool
-        queried = scheduler.queried_tokens
-        self.metrics.set_cache_stats(
-            pool.num_free_blocks, pool.num_pinned_free_blocks, scheduler.hit_tokens / queried if queried else 0.0
-        )
-        self.metrics.set_queue_stats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.waiting_for_kv))
-
-    # -- pins --------------------------------------------------------------------------------------
-    def _pin_on(self, action: PinOn) -> None:
-        coordinator = self.engine.coordinator
-        have = coordinator.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens
-        if have >= action.num_tokens or not action.token_ids:
-            self._finish_pin(action)
-            return
-        # Compute the prefix here (+1 token: a request's hit search stops before its last token),
-        # then pin it the moment the request finishes, before anything can evict it.
-        request_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
-        tokens = list(action.token_ids) + [0]
-        self.engine.add_request(request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
-        self._tracked[request_id] = _Tracked(None, None, len(tokens), pin=action)
-
-    def _finish_pin(self, action: PinOn) -> None:
-        coordinator = self.engine.coordinator
-        pinned = coordinator.pin_prefix(action.block_hashes, action.num_tokens)
-        self._report(force=True)  # the pin's events reach the router before its result
-        if self._router is not None:
-            self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, coordinator.event_seq)
-        log.info("%s: pinned %d/%d tokens of pin %d", self.worker_id, pinned, action.num_tokens, action.pin_id)
-
-    def _unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        self.engine.coordinator.unpin_prefix(block_hashes, num_tokens)
-        self._report(force=True)
-
-    def _snapshot(self) -> None:
-        self._report(force=True)
-        if self._router is not None:
-            self._router.apply_snapshot.remote(self.worker_id, snapshot_coordinator(self.engine.coordinator))
-
 
 def _resolve(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:
     if not future.done():

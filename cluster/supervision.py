@@ -128,8 +128,6 @@ class ClusterSupervision:
 
     async def _replace(self, worker_id: str, old: Any) -> None:
         """Kill a lost worker and start another under its id until one joins (or we shut down)."""
-        import ray
-
         try:  # off the driver's loop: killing a frozen process may take a while
             await asyncio.get_running_loop().run_in_executor(None, _kill, old)
         except Exception as exc:  # already gone
