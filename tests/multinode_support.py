@@ -41,12 +41,14 @@ OBJECT_STORE_BYTES = 128 * 2**20
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
 STARTED_MARKER = "Ray runtime started"
-# The GCS declares a silent node dead after about period x threshold (Ray's defaults: 3 s x 5,
-# plus a 10 s timeout per check); a killed node's actors are reported dead only then.
+# The GCS declares a node dead after ``failure_threshold`` failed health checks in a row (Ray's
+# defaults: every 3 s, 10 s timeout); a killed node's actors are reported dead only then. A dead
+# raylet refuses the check at once, so checking every second finds it in about 5 s; the timeout
+# stays long so that a live node on a loaded machine is never declared dead.
 HEALTH_CHECK_ENV = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_timeout_ms": "5000",
     "RAY_health_check_failure_threshold": "5",
 }
 
