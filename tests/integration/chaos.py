@@ -9,8 +9,10 @@ streamed was wrong. A request that has not ended ``request_timeout_s`` after it 
 (hung). After the run the cluster is quiesced and every worker must have all its blocks free.
 
 Recovery of one kill: from the kill until the cluster is whole again (the replacement joined, or
-the driver re-registered the workers with the restarted router) and a request sent after the
-kill has completed in no more than twice the median latency measured before the first kill.
+the driver re-registered the workers with the restarted router) and serves at its earlier rate
+again: the first moment when the requests completed in the ``RATE_WINDOW_S`` seconds before it,
+all after the kill, reach ``RATE_RECOVERED`` of the completion rate measured before the first
+kill (the undisturbed baseline; requests arrive open loop at a constant rate).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ HEALTH = (
 )
 KINDS = ("decode", "prefill", "router")
 DISTINCT_PROMPTS = 120
+RATE_WINDOW_S = 2.0
+RATE_RECOVERED = 0.9
 
 
 @dataclass
@@ -53,7 +57,8 @@ class ChaosResult:
     recovery_s: list[float] = field(default_factory=list)
     recovery_s_p90: float = 0.0
     blocks_leaked: int = 0
-    latency_p50_before_kills_s: float = 0.0  # the undisturbed baseline recovery is measured against
+    latency_p50_before_kills_s: float = 0.0
+    completions_per_s_before_kills: float = 0.0  # the undisturbed rate recovery is measured against
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -102,7 +107,7 @@ def run_chaos(
     config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *HEALTH)
     expected = alone_tokens(load_config(preset), prompts, SAMPLING)
     duration = requests / rate
-    kill_times = sorted(rng.uniform(0.15, 0.8) * duration for _ in range(kills))
+    kill_times = sorted(rng.uniform(0.15, 0.6) * duration for _ in range(kills))  # room to recover after
     result = ChaosResult(requests=requests)
     started = time.monotonic()
     with Cluster(config) as cluster:
@@ -130,6 +135,7 @@ async def _drive(
 
     t0 = time.monotonic()
     latencies_before: list[float] = []
+    completed_at: list[float] = []
     kills: list[_Kill] = []
 
     async def one(prompt: list[int], sent: float) -> None:
@@ -151,9 +157,9 @@ async def _drive(
                             result.errors.append(f"{item.request_id} on {item.decode_worker}: wrong tokens")
                             return
                         result.completed += 1
+                        completed_at.append(finished)
                         if not kills:
                             latencies_before.append(finished - sent)
-                        _note_served(kills, sent, finished, latencies_before)
         except TimeoutError:
             result.lost += 1
             result.errors.append(f"a request sent at {sent - t0:.1f} s hung")
@@ -195,10 +201,10 @@ async def _drive(
     while any(k.whole_at is None for k in kills) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     watcher.cancel()
-    if any(k.served_at is None for k in kills):  # the run ended before a post-kill request did
-        probe = prompts[0]
-        sent = time.monotonic()
-        await one(probe, sent)
+    baseline = _rate_before(completed_at, t0 + 0.1 * len(prompts) / rate, kills[0].at if kills else time.monotonic())
+    result.completions_per_s_before_kills = round(baseline, 2)
+    for kill in kills:
+        kill.served_at = _rate_recovered(completed_at, kill.at, baseline)
     result.recovery_s = [round(k.recovery_s, 2) for k in kills if k.recovery_s is not None]
     if latencies_before:
         result.latency_p50_before_kills_s = round(statistics.median(latencies_before), 3)
@@ -208,13 +214,24 @@ async def _drive(
             result.errors.append(f"the cluster did not recover from killing {kill.victim}")
 
 
-def _note_served(kills: list[_Kill], sent: float, finished: float, latencies_before: list[float]) -> None:
-    if not kills or not latencies_before:
-        return
-    normal = 2 * statistics.median(latencies_before)
-    for kill in kills:
-        if kill.served_at is None and sent >= kill.at and finished - sent <= normal:
-            kill.served_at = finished
+def _rate_before(completed_at: list[float], start: float, end: float) -> float:
+    """Completions per second between ``start`` (past the warm-up) and ``end`` (the first kill)."""
+    count = sum(start <= t < end for t in completed_at)
+    return count / (end - start) if end > start else 0.0
+
+
+def _rate_recovered(completed_at: list[float], kill_at: float, baseline: float) -> float | None:
+    """The first completion time after which the last ``RATE_WINDOW_S`` seconds, all after the
+    kill, held ``RATE_RECOVERED`` x ``baseline`` x ``RATE_WINDOW_S`` completions; None if never."""
+    need = RATE_RECOVERED * baseline * RATE_WINDOW_S
+    after = sorted(t for t in completed_at if t > kill_at)
+    lo = 0
+    for hi, t in enumerate(after):
+        while after[lo] <= t - RATE_WINDOW_S:
+            lo += 1
+        if t - RATE_WINDOW_S >= kill_at and hi - lo + 1 >= need:
+            return t
+    return None
 
 
 def _kill(cluster: Any, kind: str, rng: random.Random) -> _Kill:
