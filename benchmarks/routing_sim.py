@@ -39,10 +39,11 @@ What it models
     kvfleet runs with ``RouterConfig`` defaults plus automatic pinning turned on
     (``router.auto_pin.enabled=true``, an opt-in setting: prefixes with >= 2 recent requests kept
     resident on the worker holding them, within 30 % of the cluster's pool); a "no-auto-pin" run
-    at W=8 shows what that adds (0.5x: 0.892 vs 0.879, the approximate tree's 0.879; 2x: 0.747 vs
-    0.701). Nearly all the hits the router alone cannot win back are prefixes evicted from every
-    worker by one-off prompt tails between two requests for them; pinning the recurring ones
-    halves that loss. (The presets leave it off: they split prefill and decode, and automatic
+    at W=8 shows what that adds (0.5x: 0.888 vs 0.874, the approximate tree's 0.879; 2x: 0.748 vs
+    0.702; before the guards kept an idle holder's credit and new prefixes went to the
+    least-worked of equally loaded workers: 0.892 vs 0.879 and 0.747 vs 0.701). Nearly all the
+    hits the router alone cannot win back are prefixes evicted from every worker by one-off prompt
+    tails between two requests for them; pinning the recurring ones halves that loss. (The presets leave it off: they split prefill and decode, and automatic
     pins go on prefill workers only, while a repeated prompt is mostly served from the decode
     worker's cache; in the 2P+2D cluster benchmark it brought no gain.)
 
