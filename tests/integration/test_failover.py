@@ -200,3 +200,27 @@ def _resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         pass
+
+
+def test_stats_and_health_report_a_broken_worker_instead_of_raising(ray_session):
+    """With replacement off, a worker whose engine stopped stays out of the router; stats() and
+    health() name it and why, and the cluster serves on with what is left."""
+    from cluster.api import Cluster
+
+    config = cluster_config("tiny", 1, 2, *FAST_HEALTH, "workers.replace_failed=false")
+    prompts = random_prompts(44, [9, 21])
+    expected = oracle_tokens(config, prompts)
+    with Cluster(config) as cluster:
+        poison = SamplingParams.model_construct(**{**GREEDY.model_dump(), "stop_token_ids": None})
+        stream = cluster.workers["decode-1"].generate.options(num_returns="streaming").remote("poison", [5, 6], poison)
+        (chunk,) = [ray.get(ref, timeout=60) for ref in stream]
+        assert chunk.worker_failed and "engine stopped" in (chunk.error or "")
+        wait_for(lambda: "decode-1" in cluster.lost, 30, "decode-1 found broken")
+        stats = cluster.stats()
+        assert set(stats["workers"]) == {"prefill-0", "decode-0"}
+        assert "decode-1" in stats["unhealthy"] and "engine stopped" in stats["unhealthy"]["decode-1"]
+        assert set(stats["router"]["loads"]) == {"prefill-0", "decode-0"}
+        health = cluster.health()
+        assert health["decode-0"] == "ok" and "engine stopped" in health["decode-1"]
+        assert [r.token_ids for r in cluster.generate(prompts, GREEDY)] == expected
+        assert cluster.replacements == 0
