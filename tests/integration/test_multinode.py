@@ -230,7 +230,7 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
 
         # the node really is gone: every process of it, the workers' processes, Ray's view
         assert set(doomed_pids.values()) <= set(killed)
-        assert not [p for p in killed if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not [pid for pid in killed if running(pid)], "a process of the killed node is still running"
         wait_for(lambda: doomed_node.ip not in alive_node_ips(), DEATH_TIMEOUT_S, "Ray to see the node dead")
         for worker_id, handle in doomed_handles.items():
             wait_for(lambda: actor_died(handle), DEATH_TIMEOUT_S, f"Ray to report {worker_id} dead", 0.5)
@@ -319,6 +319,14 @@ def test_the_router_cpu_is_counted():
     with pytest.raises(PlacementError, match=r"the workers need 2 CPU and the router 0.01 beside them .* has 2"):
         check_capacity(config, {"CPU": 2.0, "prefill": 2.0, "decode": 2.0})
     check_capacity(config, {"CPU": 3.0, "prefill": 2.0, "decode": 2.0})
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its parent is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def actor_died(handle: Any) -> bool:
