@@ -20,13 +20,16 @@ prefix cache. Meanwhile requests are placed by ``fallback_decision`` instead of 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 REPLACE_RETRY_S = 5.0  # wait this long before trying again to start a replacement
+STOP_TIMEOUT_S = 15.0  # at shutdown, wait this long for the health loop and replacements to end
 
 
 class ClusterSupervision:
@@ -48,7 +51,7 @@ class ClusterSupervision:
     def _init_supervision(self) -> None:
         self.lost: dict[str, str] = {}
         self._replacing: set[str] = set()
-        self._health_task: asyncio.Future[None] | None = None
+        self._background: set[concurrent.futures.Future[Any]] = set()  # the health loop, replacements
         self._closing = False
         self.replacements = 0
         self.router_incarnation: str | None = None
@@ -58,13 +61,23 @@ class ClusterSupervision:
     def _start_supervision(self) -> None:
         assert self._loop is not None
         self._closing = False
-        self._health_task = asyncio.run_coroutine_threadsafe(self._supervise(), self._loop)  # type: ignore[assignment]
+        self._in_background(self._supervise())
+
+    def _in_background(self, coro: Any) -> None:
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
 
     def _stop_supervision(self) -> None:
+        """Cancel the health loop and any replacement in progress, and wait until they ended (a
+        replacement being started is killed), so nothing of the driver runs on after shutdown."""
         self._closing = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
+        pending = list(self._background)
+        for future in pending:
+            future.cancel()
+        if pending and threading.current_thread() is not getattr(self, "_loop_thread", None):
+            concurrent.futures.wait(pending, timeout=STOP_TIMEOUT_S)
 
     async def _supervise(self) -> None:
         interval = self.config.workers.health_check_interval_s
@@ -124,7 +137,7 @@ class ClusterSupervision:
         if self._owns_actors and self.config.workers.replace_failed and self._loop is not None:
             if worker_id not in self._replacing:
                 self._replacing.add(worker_id)
-                asyncio.run_coroutine_threadsafe(self._replace(worker_id, current), self._loop)
+                self._in_background(self._replace(worker_id, current))
 
     async def _replace(self, worker_id: str, old: Any) -> None:
         """Kill a lost worker and start another under its id until one joins (or we shut down)."""
@@ -233,7 +246,8 @@ def describe_failure(exc: BaseException) -> str:
 def _kill(handle: Any) -> None:
     import ray
 
-    ray.kill(handle, no_restart=True)
+    if ray.is_initialized():  # never start a Ray just to kill an actor of one that is gone
+        ray.kill(handle, no_restart=True)
 
 
 async def _await(ref: Any) -> Any:

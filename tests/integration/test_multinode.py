@@ -283,13 +283,6 @@ def pending_driver_coroutines() -> list[str]:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cluster/supervision.py: Cluster.shutdown() cancels the health loop but not _replace(), which "
-    "waits (up to 30 x health_check_timeout_s) for a replacement that cannot be placed once its node is "
-    "gone; finalized later, it calls ray.kill() on a stale handle, and after the driver disconnected that "
-    "starts a new local Ray in the driver's process",
-)
 def test_no_driver_work_left_pending_after_a_node_loss(multinode_ray, doomed_node):
     """After a node is lost and the driver has noticed, ``Cluster.shutdown()`` ends all of the
     driver's work: no coroutine of it stays suspended (it would run on after, or call Ray as it
