@@ -14,7 +14,7 @@ What it measures
     Request construction (sha256 block hashing) is outside every timed call, as in vLLM.
 
 Baseline
-    ``/work/shared/bench/vllm_kv_anchor/drive.py`` runs vLLM 0.33.0's pure-Python v1
+    ``../shared/bench/vllm_kv_anchor/drive.py`` (beside the repository) runs vLLM 0.33.0's pure-Python v1
     ``KVCacheManager`` in its own venv (built by the anchor's ``install.sh``). This script runs it
     through subprocesses in the same invocation and replays the very same deterministic trace and
     scheduling loop on kvfleet, so that the ratio ``speedup = vLLM mean µs / kvfleet mean µs``
@@ -101,7 +101,9 @@ VLLM_CALL = {
     "free": "free",
 }
 
-ANCHOR_DIR = Path(os.environ.get("VLLM_KV_ANCHOR_DIR", "/work/shared/bench/vllm_kv_anchor"))
+ANCHOR_DIR = Path(
+    os.environ.get("VLLM_KV_ANCHOR_DIR", Path(__file__).resolve().parents[2] / "shared" / "bench" / "vllm_kv_anchor")
+)
 ANCHOR_VENV = Path(
     os.environ.get("VLLM_ANCHOR_VENV", str(Path.home() / ".cache" / "kvfleet-anchors" / "vllm-venv"))
 )
