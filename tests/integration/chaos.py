@@ -31,11 +31,6 @@ from tests.engine.pd_harness import alone_tokens, shared_prefix_prompts
 log = logging.getLogger(__name__)
 
 SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-HEALTH = (
-    "workers.health_check_interval_s=0.5",
-    "workers.health_check_timeout_s=3",
-    "workers.request_lease_s=8",
-)
 KINDS = ("decode", "prefill", "router")
 DISTINCT_PROMPTS = 120
 RATE_WINDOW_S = 2.0
@@ -99,12 +94,12 @@ def run_chaos(
     spread over the middle of the run."""
     from cluster.api import Cluster
     from configs import load_config
-    from tests.integration.conftest import cluster_config
+    from tests.integration.conftest import FAST_HEALTH, cluster_config
 
     rng = random.Random(seed)
     pool = shared_prefix_prompts(seed, min(requests, DISTINCT_PROMPTS))  # the oracle runs each alone
     prompts = [pool[rng.randrange(len(pool))] for _ in range(requests)]
-    config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *HEALTH)
+    config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *FAST_HEALTH)
     expected = alone_tokens(load_config(preset), prompts, SAMPLING)
     duration = requests / rate
     kill_times = sorted(rng.uniform(0.15, 0.6) * duration for _ in range(kills))  # room to recover after

@@ -16,6 +16,12 @@ from engine.sampling_params import SamplingParams
 from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# health checks fast enough that a failed worker is noticed within seconds in a test
+FAST_HEALTH = (
+    "workers.health_check_interval_s=0.5",
+    "workers.health_check_timeout_s=3",
+    "workers.request_lease_s=8",
+)
 
 
 @pytest.fixture(scope="package")

@@ -17,13 +17,8 @@ import pytest
 import ray
 
 from engine.sampling_params import SamplingParams
-from tests.integration.conftest import GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
+from tests.integration.conftest import FAST_HEALTH, GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
 
-FAST_HEALTH = (
-    "workers.health_check_interval_s=0.5",
-    "workers.health_check_timeout_s=3",
-    "workers.request_lease_s=8",
-)
 LONG = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 REPLACE_TIMEOUT_S = 180
 

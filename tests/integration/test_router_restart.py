@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import ray
 
-from tests.integration.conftest import GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
-
-FAST_HEALTH = (
-    "workers.health_check_interval_s=0.5",
-    "workers.health_check_timeout_s=3",
-    "workers.request_lease_s=8",
-)
+from tests.integration.conftest import FAST_HEALTH, GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
 
 
 def test_router_restart_loses_no_request_and_rebuilds_index_and_pins(ray_session):
