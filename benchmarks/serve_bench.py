@@ -46,25 +46,31 @@ Last stdout line, one JSON object: ``tool``, ``tool_version``, ``p90_ttft_ratio_
 passes), ``lost`` (those that did not complete), and per-policy per-rate details under ``runs``.
 One JSON line per (policy, rate) run is printed before it. Progress goes to stderr (logging).
 
-Measured on this project's machines (2 cores shared with other test runs, 1-minute load average
-1.0-7.4 during the run; Gemma-3-270M fp32, 2P+2D, defaults: 5 prefixes x 16 requests of
-273-277 tokens, 8 out, 364 blocks per worker, 0.5 and 1.0 req/s), 20.6 minutes:
+Measured on this project's machines (2 cores shared with other agents' test runs, 1-minute load
+average 2.2-8.3 during the run; Gemma-3-270M fp32, 2P+2D, defaults: 5 prefixes x 16 requests of
+273-277 tokens, 8 out, 364 blocks per worker, 0.5 and 1.0 req/s), 19.2 minutes:
 
-    1.0 req/s   kvfleet      TTFT p50 0.261 s  p90 0.505 s  hit rate 0.866
-                prefix_tree  TTFT p50 0.236 s  p90 0.254 s  hit rate 0.934
-                round_robin  TTFT p50 0.427 s  p90 1.186 s  hit rate 0.506
-    0.5 req/s   p90 0.287 / 0.313 / 1.045 s (same order), hit rates 0.934 / 0.934 / 0.506
-    p90_ttft_ratio_vs_round_robin 0.425 (0.275 at 0.5), p90_ttft_ratio_vs_prefix_tree 1.986 (0.917
-    at 0.5), http_ttft_overhead_ratio 1.047 (TTFT p50 0.195 s driver, 0.204 s HTTP), 584 requests,
-    0 lost. The run before (sequential overhead passes): 0.335, 1.719, 1.164, 0 lost.
+    1.0 req/s   kvfleet      TTFT p50 0.171 s  p90 0.220 s  hit rate 0.934
+                prefix_tree  TTFT p50 0.204 s  p90 0.223 s  hit rate 0.934
+                round_robin  TTFT p50 0.310 s  p90 0.862 s  hit rate 0.506
+    0.5 req/s   p90 0.221 / 0.315 / 0.937 s (same order), hit rates 0.934 / 0.934 / 0.506
+    p90_ttft_ratio_vs_round_robin 0.256 (0.236 at 0.5), p90_ttft_ratio_vs_prefix_tree 0.986 (0.701
+    at 0.5), http_ttft_overhead_ratio 1.059 (TTFT p50 0.147 s driver, 0.155 s HTTP), 584 requests,
+    0 lost.
 
-At 1.0 req/s 5-6 of kvfleet's 80 requests found their prefix uncached (cached_tokens 0 or 48,
-TTFT 1.0-1.7 s; routed to a worker without it, or evicted there) although every prefix had been
-computed once in the warm-up (its prefill workers' hit rates 0.44-0.78, prefix_tree's 0.88);
-prefix_tree missed none in either run, so its p90 stays at the hit TTFT. Without the prefix warm-up (two
-earlier runs) the first sights and the requests queued behind them set every policy's p90
-(ratios vs round robin 0.38 and 1.03 at 1.0 req/s, vs prefix_tree 0.57 and 0.91, with the
-machine's load).
+Every measured kvfleet request found its prefix cached: its router's ``route_outcomes`` show no
+decision below the best worker's hit (75 ``decode_only`` and 5 ``prefix`` hits at 1.0 req/s; the
+misses are the warm-up's 2 unrelated prompts and 5 first sights). Before the guard change (commit
+6a51cc6) 5-6 of kvfleet's 80 requests at 1.0 req/s were sent to a prefill worker without their
+warmed prefix (TTFT 1.0-1.7 s; p90 0.505 s, ratio vs prefix_tree 1.986): the work guard compared
+each prefill worker's recent work with the mean over all four workers, decode workers included,
+and left an idle holder out (reproduced in tests/routing/test_guards.py). The p90 at this size is
+sensitive to the machine's load: a run at load average 9-32 (its prefix_tree server's GCS died
+under it, losing 58 requests) gave kvfleet p90 0.509 s from a 12-second stall that slowed 10
+requests, all of them hits.
+Without the prefix warm-up (two earlier runs) the first sights and the requests queued behind
+them set every policy's p90 (ratios vs round robin 0.38 and 1.03 at 1.0 req/s, vs prefix_tree
+0.57 and 0.91, with the machine's load).
 """
 
 from __future__ import annotations
