@@ -93,9 +93,7 @@ class ClusterSupervision:
     async def check_workers(self) -> dict[str, str]:
         """One round: every worker's health (renewing this driver's leases on it); a worker that
         fails is lost. Returns ``{worker id: "ok" or why not}`` for the workers checked."""
-        if self._owns_actors:
-            await self._watch_router()
-        else:
+        if not self._owns_actors:
             await self._adopt_registered()
         timeout_s = self.config.workers.health_check_timeout_s
         renew: dict[str, list[str]] = {wid: [] for wid in self.workers}
@@ -118,6 +116,8 @@ class ClusterSupervision:
         for worker_id, verdict in results.items():
             if verdict != "ok":
                 self._forget_worker(worker_id, verdict, checked[worker_id])
+        if self._owns_actors:  # after the checks: only workers that just answered are registered again
+            await self._watch_router()
         return results
 
     def _forget_worker(self, worker_id: str, why: str = "its actor died", handle: Any = None) -> None:
@@ -208,10 +208,15 @@ class ClusterSupervision:
     async def _register_again(self, missing: list[str], why: str) -> None:
         log.warning("%s; registering %s with it again", why, ", ".join(sorted(missing)))
         for worker_id in missing:  # e.g. a replacement that joined the router just before it died
-            handle, info = self.workers[worker_id], self.infos[worker_id]
-            await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
-            await _await(handle.set_router.remote(self.router))
-            handle.snapshot.remote()
+            handle, info = self.workers.get(worker_id), self.infos[worker_id]
+            if handle is None:
+                continue
+            try:
+                await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+                await _await(handle.set_router.remote(self.router))
+                handle.snapshot.remote()
+            except Exception as exc:  # it failed since its check: lost, not registered
+                self._forget_worker(worker_id, describe_failure(exc), handle)
 
     def fallback_decision(self, request_id: str, num_tokens: int) -> Any:
         """Where a request runs while the router cannot be asked: whole on the next live worker

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -219,3 +220,32 @@ def test_stats_and_health_report_a_broken_worker_instead_of_raising(ray_session)
         assert health["decode-0"] == "ok" and "engine stopped" in health["decode-1"]
         assert [r.token_ids for r in cluster.generate(prompts, GREEDY)] == expected
         assert cluster.replacements == 0
+
+
+def test_a_worker_another_driver_removed_first_is_still_replaced(ray_session):
+    """An attached driver (a Serve ingress replica) may notice a dead worker and take it out of
+    the router before the owner does; the owner must still find it dead and replace it, and the
+    attached driver adopt the replacement. (CI once saw the owner re-register the dead actor on
+    every round while the ingress removed it again, so it was never replaced.)"""
+    from cluster.api import Cluster
+
+    config = cluster_config("tiny", 1, 2, "workers.health_check_interval_s=2", "workers.health_check_timeout_s=3",
+                            "workers.request_lease_s=10")  # fmt: skip
+    fast = config.model_copy(update={"workers": config.workers.model_copy(update={"health_check_interval_s": 0.2})})
+    prompts = random_prompts(55, [11, 23, 37])
+    expected = oracle_tokens(config, prompts)
+    with Cluster(config) as cluster:
+        attached = Cluster.attach(replace(cluster.handles(), config=fast))  # notices failures first
+        try:
+            victim = cluster.workers["decode-1"]
+            ray.kill(victim, no_restart=True)
+            wait_for(lambda: "decode-1" in attached.lost, 30, "the attached driver to notice")
+            wait_for(lambda: replaced(cluster, "decode-1", 1), REPLACE_TIMEOUT_S, "decode-1 replaced")
+            registered = ray.get(cluster.router.worker_handles.remote(), timeout=30)
+            assert registered["decode-1"]._actor_id != victim._actor_id
+            wait_for(lambda: replaced(attached, "decode-1", 0) and attached.workers["decode-1"] is not victim,
+                     30, "the attached driver to adopt the replacement")  # fmt: skip
+            assert set(cluster.stats()["router"]["loads"]) == {"prefill-0", "decode-0", "decode-1"}
+            assert [r.token_ids for r in attached.generate(prompts * 2, GREEDY)] == expected * 2
+        finally:
+            attached.shutdown()
