@@ -56,7 +56,8 @@ average 2.2-8.3 during the run; Gemma-3-270M fp32, 2P+2D, defaults: 5 prefixes x
     0.5 req/s   p90 0.221 / 0.315 / 0.937 s (same order), hit rates 0.934 / 0.934 / 0.506
     p90_ttft_ratio_vs_round_robin 0.256 (0.236 at 0.5), p90_ttft_ratio_vs_prefix_tree 0.986 (0.701
     at 0.5), http_ttft_overhead_ratio 1.059 (TTFT p50 0.147 s driver, 0.155 s HTTP), 584 requests,
-    0 lost.
+    0 lost. The run after it (load average 1.5-12): 0.214, 0.833 (kvfleet p90 0.204 s, prefix_tree
+    0.245 s), 1.137, 584 requests, 0 lost.
 
 Every measured kvfleet request found its prefix cached: its router's ``route_outcomes`` show no
 decision below the best worker's hit (75 ``decode_only`` and 5 ``prefix`` hits at 1.0 req/s; the
