@@ -122,28 +122,30 @@ class ClusterAdmin:
         """``stats`` awaited in the caller's event loop."""
         from ray.exceptions import RayActorError
 
-        from cluster.supervision import describe_failure
+        from cluster.supervision import await_ref, describe_failure
 
         self._require_started()
         raw = []
         unhealthy: dict[str, str] = {wid: f"lost: {why}" for wid, why in self.lost.items()}
-        refs = {worker_id: handle.stats.remote() for worker_id, handle in self.workers.items()}
+        handles = dict(self.workers)
+        refs = {worker_id: handle.stats.remote() for worker_id, handle in handles.items()}
         for worker_id, ref in refs.items():
             try:
-                raw.append(await asyncio.wait_for(_await_ref(ref), timeout_s))
+                raw.append(await asyncio.wait_for(await_ref(ref), timeout_s))
             except TimeoutError:
                 unhealthy[worker_id] = f"stats did not answer within {timeout_s:g} s"
             except Exception as exc:  # a dead actor, a stopped engine: report it, never raise
                 unhealthy[worker_id] = describe_failure(exc)
                 if isinstance(exc, RayActorError):
-                    self._forget_worker(worker_id, unhealthy[worker_id])
+                    self._forget_worker(worker_id, unhealthy[worker_id], handles[worker_id])
         workers = {stats["worker_id"]: _worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
                 "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "requests_finished",
                 "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
-        return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": await self.router.stats.remote()}
+        router = await self.router.stats.remote()
+        return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": router}
 
     def health(self, timeout_s: float = 5.0) -> dict[str, str]:
         """Every worker this cluster started: "ok", or why it is not healthy."""
@@ -152,26 +154,18 @@ class ClusterAdmin:
     async def ahealth(self, timeout_s: float = 5.0) -> dict[str, str]:
         """Every worker this cluster started, with "ok" or why it is not healthy (an engine
         thread that stopped, an actor that died or did not answer within ``timeout_s``)."""
+        from cluster.supervision import probe
+
         self._require_started()
         names = list(self.infos)
-        refs = {wid: self.workers[wid].health.remote() for wid in names if wid in self.workers}
 
         async def one(worker_id: str) -> str:
-            if worker_id not in refs:
+            handle = self.workers.get(worker_id)
+            if handle is None:
                 return f"lost: {self.lost.get(worker_id, 'removed from the router')}"
-            try:
-                await asyncio.wait_for(_await_ref(refs[worker_id]), timeout_s)
-                return "ok"
-            except TimeoutError:
-                return f"did not answer within {timeout_s:g} s"
-            except Exception as exc:
-                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return await probe(handle, timeout_s)
 
         return dict(zip(names, await asyncio.gather(*(one(w) for w in names)), strict=True))
-
-
-async def _await_ref(ref: Any) -> Any:
-    return await ref
 
 
 def _worker_summary(stats: dict[str, Any]) -> dict[str, Any]:

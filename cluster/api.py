@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from cluster.admin import ClusterAdmin
-from cluster.supervision import ClusterSupervision, describe_failure
+from cluster.supervision import ClusterSupervision, await_ref, describe_failure
 from configs import ClusterConfig, load_config
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
@@ -472,7 +472,8 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                 try:
                     result = await self._attempt_supervised(request, on_delta)
                 except _WorkerLost as lost:
-                    self._forget_worker(lost.worker_id, lost.why)
+                    if lost.handle is not None:  # never its replacement, if one holds the id by now
+                        self._forget_worker(lost.worker_id, lost.why, lost.handle)
                     for handle in self.workers.values():  # e.g. the prefill worker's held blocks
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
@@ -506,7 +507,8 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             current = asyncio.current_task()
             if request.lost_worker is None or (current is not None and current.cancelling()):
                 raise
-            raise _WorkerLost(request.lost_worker, request.streamed, self.lost.get(request.lost_worker, "lost")) from None
+            why = self.lost.get(request.lost_worker, "lost")
+            raise _WorkerLost(request.lost_worker, request.streamed, why, request.workers[0]) from None
         finally:
             request.task = None
 
@@ -521,7 +523,7 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         rid, ids = request.engine_id, request.token_ids
         hashes = block_hashes(ids, self._hash_block_size)
         try:
-            decision = await asyncio.wait_for(_await(self.router.route.remote(rid, hashes, len(ids))),
+            decision = await asyncio.wait_for(await_ref(self.router.route.remote(rid, hashes, len(ids))),
                                               self.config.workers.health_check_timeout_s)  # fmt: skip
         except (RayActorError, RayTaskError, TimeoutError) as exc:  # restarting, or no workers registered yet
             log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
@@ -537,12 +539,12 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             try:
                 result = await prefiller.prefill.remote(rid, ids)
             except (RayActorError, RayTaskError) as exc:
-                raise _lost_or_raise(prefill_id, False, exc, WorkerUnavailableError) from exc
+                raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             cached = result.num_cached_tokens
             kv_handle = result.kv_handle
             if kv_handle is None:
                 if result.worker_failed:
-                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped")
+                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped", prefiller)
                 request.aborted = request.aborted or result.finish_reason == "abort"
                 if not request.aborted:
                     raise RequestFailedError(
@@ -565,7 +567,8 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
                     if chunk.worker_failed:
-                        raise _WorkerLost(decode_id, first_token is not None, chunk.error or "its engine stopped")
+                        why = chunk.error or "its engine stopped"
+                        raise _WorkerLost(decode_id, first_token is not None, why, decoder)
                     if chunk.token_ids and not stopped:
                         first_token = first_token or time.monotonic()
                         request.streamed = True
@@ -580,7 +583,7 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                         error = chunk.error
                         break
             except (RayActorError, RayTaskError) as exc:
-                raise _lost_or_raise(decode_id, first_token is not None, exc, WorkerUnavailableError) from exc
+                raise _lost_or_raise(decode_id, decoder, first_token is not None, exc, WorkerUnavailableError) from exc
         tail = detok.flush()  # a held-back tail that turned out not to start a stop string
         if tail and on_delta is not None:
             on_delta(Delta(tail, 0))
@@ -610,10 +613,6 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         return handle
 
 
-async def _await(ref: Any) -> Any:
-    return await ref
-
-
 class RequestFailedError(RuntimeError):
     """A request failed on its worker (the worker itself serves on); the message says why."""
 
@@ -622,18 +621,21 @@ class _WorkerLost(Exception):
     """A worker died, stopped or hung during a request (``streamed``: it had already sent
     tokens, so the request cannot run again elsewhere without repeating them)."""
 
-    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died"):
+    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died", handle: Any = None):
         super().__init__(worker_id)
         self.worker_id = worker_id
         self.streamed = streamed
         self.why = why
+        self.handle = handle  # the actor that failed (None: it had already left this driver)
 
 
-def _lost_or_raise(worker_id: str, streamed: bool, exc: Exception, unavailable: type[Exception]) -> Exception:
+def _lost_or_raise(
+    worker_id: str, handle: Any, streamed: bool, exc: Exception, unavailable: type[Exception]
+) -> Exception:
     """A Ray error of a worker call as ``_WorkerLost`` when the worker is gone or unhealthy;
     any other task error stays what it is."""
     from ray.exceptions import RayActorError
 
     if isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), unavailable):
-        return _WorkerLost(worker_id, streamed, describe_failure(exc))
+        return _WorkerLost(worker_id, streamed, describe_failure(exc), handle)
     return exc

@@ -102,17 +102,8 @@ class ClusterSupervision:
                 if worker_id in renew:
                     renew[worker_id].append(request.engine_id)
         checked = dict(self.workers)
-
-        async def one(worker_id: str, handle: Any) -> str:
-            try:
-                await asyncio.wait_for(_await(handle.health.remote(renew[worker_id])), timeout_s)
-                return "ok"
-            except TimeoutError:
-                return f"did not answer a health check within {timeout_s:g} s"
-            except Exception as exc:  # a dead actor, or a worker whose engine stopped
-                return describe_failure(exc)
-
-        results = dict(zip(checked, await asyncio.gather(*(one(w, h) for w, h in checked.items())), strict=True))
+        verdicts = await asyncio.gather(*(probe(h, timeout_s, renew[w]) for w, h in checked.items()))
+        results = dict(zip(checked, verdicts, strict=True))
         for worker_id, verdict in results.items():
             if verdict != "ok":
                 self._forget_worker(worker_id, verdict, checked[worker_id])
@@ -172,13 +163,14 @@ class ClusterSupervision:
         options = worker_options(config, old_info.role, ray.cluster_resources())
         handle = actor_class.options(**options).remote(config, worker_id, config.workers.num_prefill > 0)
         try:
-            info = await asyncio.wait_for(_await(handle.info.remote()), self.config.workers.health_check_timeout_s * 30)
+            start_timeout_s = config.workers.health_check_timeout_s * 30
+            info = await asyncio.wait_for(await_ref(handle.info.remote()), start_timeout_s)
             if info.groups != old_info.groups or info.block_size != old_info.block_size:
                 raise RuntimeError(f"{worker_id}: the replacement's KV layout differs from the cluster's")
             if self._closing:
                 raise RuntimeError("the cluster is shutting down")
-            await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
-            await _await(handle.set_router.remote(self.router))
+            await await_ref(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+            await await_ref(handle.set_router.remote(self.router))
         except BaseException:
             _kill(handle)
             raise
@@ -190,14 +182,14 @@ class ClusterSupervision:
         """Register every live worker again with a router Ray restarted (a new incarnation)."""
         timeout_s = self.config.workers.health_check_timeout_s
         try:
-            incarnation = await asyncio.wait_for(_await(self.router.identity.remote()), timeout_s)
+            incarnation = await asyncio.wait_for(await_ref(self.router.identity.remote()), timeout_s)
         except Exception as exc:  # down or restarting: requests fall back until it is back
             log.warning("router did not answer (%s); placing requests without it", describe_failure(exc))
             return
         if self.router_incarnation is None:
             self.router_incarnation = incarnation
         restarted = incarnation != self.router_incarnation
-        registered = await _await(self.router.worker_handles.remote())
+        registered = await await_ref(self.router.worker_handles.remote())
         missing = [w for w, h in self.workers.items() if w not in registered or registered[w]._actor_id != h._actor_id]
         if missing:
             await self._register_again(missing, "router restarted" if restarted else "router lacks workers")
@@ -212,8 +204,8 @@ class ClusterSupervision:
             if handle is None:
                 continue
             try:
-                await _await(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
-                await _await(handle.set_router.remote(self.router))
+                await await_ref(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+                await await_ref(handle.set_router.remote(self.router))
                 handle.snapshot.remote()
             except Exception as exc:  # it failed since its check: lost, not registered
                 self._forget_worker(worker_id, describe_failure(exc), handle)
@@ -232,13 +224,25 @@ class ClusterSupervision:
 
     async def _adopt_registered(self) -> None:
         """An attached driver takes the replacements the owner registered with the router."""
-        registered = await _await(self.router.worker_handles.remote())
+        registered = await await_ref(self.router.worker_handles.remote())
         for worker_id, handle in registered.items():
             current = self.workers.get(worker_id)
             if worker_id in self.infos and (current is None or current._actor_id != handle._actor_id):
                 self.workers[worker_id] = handle
                 self.lost.pop(worker_id, None)
                 log.info("adopted worker %s from the router", worker_id)
+
+
+async def probe(handle: Any, timeout_s: float, renew: list[str] | None = None) -> str:
+    """A worker's health: "ok", or why not (a dead actor, a stopped engine, no answer in time).
+    ``renew``: the request ids whose leases the call renews there."""
+    try:
+        await asyncio.wait_for(await_ref(handle.health.remote(renew)), timeout_s)
+        return "ok"
+    except TimeoutError:
+        return f"did not answer a health check within {timeout_s:g} s"
+    except Exception as exc:
+        return describe_failure(exc)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -255,5 +259,6 @@ def _kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
 
 
-async def _await(ref: Any) -> Any:
+async def await_ref(ref: Any) -> Any:
+    """A Ray object ref as a coroutine (for ``asyncio.wait_for`` / ``gather``)."""
     return await ref

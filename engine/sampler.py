@@ -37,8 +37,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
         """One token per row; a row with non-finite logits, or one torch cannot sample from,
         fails its request alone (a NaN logit would otherwise be a silent argmax of 0)."""
-        greedy = logits.argmax(dim=-1).tolist()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        best, greedy_ids = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN
+        greedy, finite = greedy_ids.tolist(), torch.isfinite(best).tolist()
         out = SampledTokens()
         for row, (request_id, sp) in enumerate(zip(request_ids, params, strict=True)):
             if not finite[row]:
@@ -52,7 +52,8 @@ class Sampler:
                 token = torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item()
             except RuntimeError as exc:  # e.g. probabilities torch refuses: this request only
                 log.warning("sampling %s failed: %s", request_id, exc)
-                out.failures[request_id] = f"sampling failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                out.failures[request_id] = f"sampling failed: {first_line}"
                 continue
             out.tokens[request_id] = int(token)
         return out
