@@ -26,16 +26,82 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class YarnArch:
+    """YaRN context extension: frequencies below the ``beta_slow`` rotation count over
+    ``original_max_positions`` are interpolated by ``factor``, those above ``beta_fast`` kept, a
+    linear ramp between; cos/sin are scaled by ``attention_factor``."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class RopeArch:
-    """Rotary embedding of one layer type: inverse frequencies from theta, optional linear factor."""
+    """Rotary embedding of one layer type: inverse frequencies from theta, optional linear factor
+    or YaRN scaling."""
 
     theta: float
     linear_factor: float = 1.0
     rotary_dim: int = 0  # 0: the whole head
+    yarn: YarnArch | None = None
+
+    @property
+    def attention_factor(self) -> float:
+        """Scale applied to cos and sin (YaRN's attention temperature; 1 otherwise)."""
+        return self.yarn.attention_factor if self.yarn else 1.0
 
     def inv_freq(self, head_dim: int) -> list[float]:
         dim = self.rotary_dim or head_dim
-        return [1.0 / (self.theta ** (i / dim)) / self.linear_factor for i in range(0, dim, 2)]
+        plain = [1.0 / (self.theta ** (i / dim)) / self.linear_factor for i in range(0, dim, 2)]
+        if self.yarn is None:
+            return plain
+        yarn = self.yarn
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(yarn.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+        if yarn.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for i, extrapolated in enumerate(plain):
+            keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: original frequency
+            out.append(extrapolated / yarn.factor * (1.0 - keep) + extrapolated * keep)
+        return out
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """A sparse mixture-of-experts MLP (see engine/model/moe.py for the block).
+
+    ``layout`` names the checkpoint convention (parameter names and expert math):
+    ``"qwen"``: router ``gate``, experts ``experts.{i}.{gate,up,down}_proj`` (Qwen3-MoE, Qwen3-Next);
+    ``"gpt_oss"``: router ``router`` (with bias), fused ``experts.gate_up_proj[_bias]`` /
+    ``experts.down_proj[_bias]`` with interleaved gate/up and clamped SwiGLU;
+    ``"granite"``: router ``router.layer``, fused ``input_linear`` / ``output_linear``.
+    ``scoring``: ``"softmax_topk"`` (softmax over all experts, then top-k, optionally renormalised)
+    or ``"topk_softmax"`` (top-k logits, softmax over those k).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    layout: Literal["qwen", "gpt_oss", "granite"]
+    scoring: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702  # gpt_oss only
+    swiglu_limit: float = 7.0  # gpt_oss only
+    shared_intermediate_size: int = 0  # qwen layout: a ``shared_expert`` MLP inside the block (0: none)
+    shared_expert_gate: bool = False  # qwen layout: ``sigmoid(shared_expert_gate(x))`` scales the shared expert
 
 
 @dataclass(frozen=True)
@@ -97,6 +163,9 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     mlp_bias: bool = False
     mamba: MambaArch | None = None
+    moe: MoEArch | None = None  # every layer's MLP is this sparse MoE block
+    qk_norm: bool = False  # RMS norm over each q/k head before rotary (Qwen3)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
 
     @property
     def num_layers(self) -> int:
