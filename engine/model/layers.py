@@ -41,11 +41,15 @@ class Rotary(nn.Module):
         inv_freq = torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rotary_dim = rope.rotary_dim or head_dim
+        self.attention_factor = rope.attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, rotary_dim]."""
@@ -63,11 +67,17 @@ _ACTIVATIONS = {
 }
 
 
+def activation(name: str):  # noqa: ANN201 (a tensor -> tensor function)
+    """The activation a config's ``hidden_act`` names; an unknown name is an error naming it."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act: {name!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act: {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        activation(act)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -88,9 +98,12 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the layer's cache and attend. ``q``: [T, heads, head_dim];
-    ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
+    ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, head_dim]. ``sinks`` ([heads]): a
+    learned logit per head joining every softmax denominator (it takes probability mass but
+    contributes no value), in prefill and decode alike.
 
     ``flat`` is the cache as rows ``[num_blocks * rows_per_block, kv_heads, head_dim]``: block b's
     page starts at row ``rows_per_block * b`` and holds ``block_size`` key rows then
@@ -111,7 +124,9 @@ def paged_attention(
         kbuf, vbuf = batch.scratch or (None, None)
         keys = _gather(flat, rows, kbuf).transpose(0, 1)[None]
         values = _gather(flat, rows + bs, vbuf).transpose(0, 1)[None]
-        out[sl] = _attend(q[sl].transpose(0, 1)[None], keys, values, allowed[None, None], scale, softcap)[0].transpose(0, 1)
+        out[sl] = _attend(q[sl].transpose(0, 1)[None], keys, values, allowed[None, None], scale, softcap, sinks)[
+            0
+        ].transpose(0, 1)
     if batch.decode_chunks:
         query_rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
         rows = (index.decode_block * stride + index.decode_offset).reshape(-1)  # type: ignore[operator]
@@ -120,7 +135,7 @@ def paged_attention(
         keys = _gather(flat, rows, kbuf).view(shape).permute(0, 2, 1, 3)
         values = _gather(flat, rows + bs, vbuf).view(shape).permute(0, 2, 1, 3)
         mask = index.decode_valid[:, None, None, :]  # type: ignore[index]
-        out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap)[:, :, 0, :]
+        out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap, sinks)[:, :, 0, :]
     return out
 
 
@@ -137,15 +152,27 @@ def _gather(flat: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor | None)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, Tq, D]; k/v: [B, KVH, S, D]; mask: bool, broadcastable to [B, H, Tq, S]."""
-    if softcap is None:
+    """q: [B, H, Tq, D]; k/v: [B, KVH, S, D]; mask: bool, broadcastable to [B, H, Tq, S];
+    sinks: [H] extra softmax logits whose probability is dropped (no value row)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
