@@ -17,6 +17,7 @@ from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index, build
 from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
+from engine.model.recurrent import RecurrentMixer, cache_users
 from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 
@@ -54,23 +55,13 @@ class ModelRunner:
                 torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device)
                 for _ in range(layout.num_slots)
             ]
-        bs, kvh, hd = layout.block_size, arch.num_kv_heads, arch.head_dim
-        row_bytes = kvh * hd * self.dtype.itemsize
         for index, layer in enumerate(model.model.layers):
-            slot = self.slots[layout.layer_slot[index]]
-            mixer = getattr(layer, "mamba", None)
-            if mixer is not None:
-                m = arch.mamba
-                assert m is not None
-                states = slot.view(torch.float32)  # [num_blocks, page_bytes / 4]
-                conv = m.conv_dim * m.d_conv
-                mixer.conv_state = states[:, :conv].view(num_blocks, m.conv_dim, m.d_conv)
-                mixer.ssm_state = states[:, conv : m.state_floats].view(num_blocks, m.num_heads, m.head_dim, m.d_state)
-            else:
-                attn = layer.self_attn
-                attn.rows_per_block = layout.page_bytes // row_bytes
-                attn.block_size = bs
-                attn.cache = slot.view(self.dtype).view(num_blocks * attn.rows_per_block, kvh, hd)
+            for user in cache_users(layer):
+                slot = self.slots[layout.layer_slot[index]]
+                if isinstance(user, RecurrentMixer):
+                    user.bind_state(slot.view(torch.float32))
+                else:
+                    user.bind_cache(slot, layout.block_size)
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)

@@ -18,7 +18,10 @@ SUPPORTED_ARCHITECTURES = (
     "BambaForCausalLM",
 )
 
-LayerKind = Literal["full_attention", "sliding_attention", "mamba"]
+# "mamba" and "linear_attention" keep a recurrent state per request; "mlp" layers keep no cache.
+LayerKind = Literal["full_attention", "sliding_attention", "mamba", "linear_attention", "mlp"]
+RECURRENT_KINDS = ("mamba", "linear_attention")
+CACHELESS_KINDS = ("mlp",)
 
 
 class UnsupportedModelError(ValueError):
@@ -170,6 +173,11 @@ class ModelArch:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def recurrent_state_floats(self) -> int:
+        """fp32 values in one request's state for one recurrent layer (0 without recurrent layers)."""
+        return self.mamba.state_floats if self.mamba is not None else 0
 
 
 def _rope(params: dict[str, Any] | None, default_theta: float) -> RopeArch:

@@ -38,6 +38,15 @@ class Attention(nn.Module):
         self.rows_per_block = 0
         self.block_size = 0
 
+    def bind_cache(self, slot: torch.Tensor, block_size: int) -> None:
+        """Take ``slot`` (``[num_blocks, page_bytes]`` uint8) as this layer's paged KV: each page
+        holds K rows then V rows of ``[kv_heads, head_dim]`` in the model dtype."""
+        dtype = self.q_proj.weight.dtype
+        row_bytes = self.num_kv_heads * self.head_dim * dtype.itemsize
+        self.rows_per_block = slot.shape[1] // row_bytes
+        self.block_size = block_size
+        self.cache = slot.view(dtype).view(slot.shape[0] * self.rows_per_block, self.num_kv_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from engine.model.arch import ModelArch
+from engine.model.arch import CACHELESS_KINDS, RECURRENT_KINDS, ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -36,18 +36,17 @@ def attention_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
 
 
 def mamba_page_bytes(arch: ModelArch) -> int:
-    """One Mamba layer's state per block: conv window and SSM state, both kept in fp32."""
-    assert arch.mamba is not None
-    return arch.mamba.state_floats * 4
+    """One recurrent layer's state per block (e.g. Mamba's conv window and SSM state), in fp32."""
+    return arch.recurrent_state_floats * 4
 
 
 def _page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
     """The largest page any layer needs, rounded up to whole attention rows (one token's K or V
     for all KV heads) so attention can address its cache as rows."""
-    has_attention = any(layer.kind != "mamba" for layer in arch.layers)
+    has_attention = any(layer.kind in ("full_attention", "sliding_attention") for layer in arch.layers)
     page = max(
         attention_page_bytes(arch, block_size, dtype) if has_attention else 0,
-        mamba_page_bytes(arch) if arch.mamba else 0,
+        mamba_page_bytes(arch),
     )
     if has_attention:
         row = arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
@@ -59,19 +58,21 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
     """Group the model's layers and size one page (the largest any layer needs)."""
     buckets: dict[tuple, list[int]] = {}
     for index, layer in enumerate(arch.layers):
+        if layer.kind in CACHELESS_KINDS:
+            continue
         key: tuple = (layer.kind, layer.window)
         buckets.setdefault(key, []).append(index)
     size = min(len(layers) for layers in buckets.values())
     groups: list[KVCacheGroup] = []
-    layer_group = [0] * arch.num_layers
-    layer_slot = [0] * arch.num_layers
+    layer_group = [-1] * arch.num_layers  # -1: a layer without cache
+    layer_slot = [-1] * arch.num_layers
     for (kind, window), layers in buckets.items():
         spec: KVCacheSpec
         if kind == "sliding_attention":
             spec = SlidingWindowSpec(block_size, int(window))
         elif kind == "full_attention":
             spec = FullAttentionSpec(block_size)
-        elif kind == "mamba":
+        elif kind in RECURRENT_KINDS:
             spec = MambaSpec(block_size)
         else:
             raise ValueError(f"layer kind {kind!r} has no KV-cache spec")

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
+from engine.model.recurrent import RecurrentMixer
 
 SUB_CHUNK = 64
 
@@ -60,7 +61,7 @@ def ssd_scan(
     return torch.cat(ys), h
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Parameter names follow Hugging Face's Bamba mixer (``in_proj``, ``conv1d``, ``A_log`` ...)."""
 
     def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float):
@@ -77,6 +78,16 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps)
         self.conv_state: torch.Tensor | None = None  # [num_blocks, conv_dim, d_conv] fp32 view
         self.ssm_state: torch.Tensor | None = None  # [num_blocks, H, P, N] fp32 view
+
+    @property
+    def state_floats(self) -> int:
+        return self.arch.state_floats
+
+    def bind_state(self, states: torch.Tensor) -> None:
+        m, blocks = self.arch, states.shape[0]
+        conv = m.conv_dim * m.d_conv
+        self.conv_state = states[:, :conv].view(blocks, m.conv_dim, m.d_conv)
+        self.ssm_state = states[:, conv : m.state_floats].view(blocks, m.num_heads, m.head_dim, m.d_state)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         arch = self.arch
