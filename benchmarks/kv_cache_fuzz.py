@@ -13,8 +13,9 @@ What it does
     and ``drain`` (everything freed, every pin released: all blocks free again) ends every segment.
 
     The run is split into segments of ``--segment-ops`` operations, each with its own random
-    configuration (group mix, block sizes, 12-64 blocks, retention on/off, caching on/off, events,
-    vocabulary) and its own seed, drawn from ``--seed``.
+    configuration (group mix, block sizes, 12-64 blocks, or for multi-pool mixes one pool per page
+    size with pools of different sizes, retention on/off, caching on/off, events, vocabulary) and
+    its own seed, drawn from ``--seed``. ``--multi-pool`` draws only mixes with several block pools.
 
 Output
     Progress goes to stderr (logging, every 10 %). The last stdout line is one JSON object:
@@ -24,6 +25,7 @@ Output
     script exits with status 1 (after the JSON line, which then has ``"violations": 1``).
 
     python benchmarks/kv_cache_fuzz.py --ops 1000000 --seed 0
+    python benchmarks/kv_cache_fuzz.py --ops 1000000 --seed 0 --multi-pool
     python benchmarks/kv_cache_fuzz.py --segment-seed 123456 --ops 1500    # replay one segment
 """
 
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kv_cache.sim import RandomDriver, Sim, random_config  # noqa: E402
+from tests.kv_cache.sim import MIX_POOLS, RandomDriver, Sim, random_config  # noqa: E402
 
 LOG = logging.getLogger("kv_cache_fuzz")
 
@@ -57,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--segment-seed", type=int, default=None,
         help="replay the single segment with this seed (as printed by a violation), for --ops operations",
     )  # fmt: skip
+    ap.add_argument("--multi-pool", action="store_true", help="only mixes with several block pools")
     ap.add_argument("--trace", type=int, default=40, help="recent operations printed with a violation")
     args = ap.parse_args(argv)
     if args.ops < 1 or args.segment_ops < 1:
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     while done < args.ops and violation is None:
         seg_seed = args.segment_seed if args.segment_seed is not None else master.randrange(1 << 62)
         rng = random.Random(seg_seed)
-        cfg = random_config(rng)
+        cfg = random_config(rng, sorted(MIX_POOLS) if args.multi_pool else None)
         segments += 1
         mixes[cfg.mix] += 1
         seg_ops = args.ops - done if args.segment_seed is not None else min(args.segment_ops, args.ops - done)
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  traceback:", file=sys.stdout)
             print(traceback.format_exc(), file=sys.stdout)
             print(
-                f"  reproduce: python benchmarks/kv_cache_fuzz.py --segment-seed {seg_seed} --ops {seg_index + 1}",
+                f"  reproduce: python benchmarks/kv_cache_fuzz.py --segment-seed {seg_seed} --ops {seg_index + 1}"
+                f"{' --multi-pool' if args.multi_pool else ''}",
                 file=sys.stdout,
             )
         if sim is not None:
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "segments": segments,
         "mixes": dict(sorted(mixes.items())),
         "seed": args.seed,
+        "multi_pool": args.multi_pool,
     }
     if violation is not None:
         report["violation"] = violation

@@ -1,13 +1,13 @@
 """Hybrid KV-cache management, pure Python (no torch, no ray).
 
-One ``HybridCoordinator`` per worker owns a ``BlockPool`` and a manager per KV-cache group (full
+One ``HybridCoordinator`` per worker owns one ``BlockPool`` per page size and a manager per KV-cache group (full
 attention, sliding window, chunked local, Mamba). See ``coordinator.py`` for the behaviours it
 guarantees and ``check_invariants`` for what tests assert after every operation.
 """
 
 from engine.kv_cache.block_pool import Block, BlockPool
-from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, KVCacheInvariantError, RetentionOptions
-from engine.kv_cache.events import AllBlocksCleared, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned, KVEvent
+from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, KVCacheInvariantError, PoolStats, RetentionOptions
+from engine.kv_cache.events import AllBlocksCleared, EventLog, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned, KVEvent
 from engine.kv_cache.hashing import block_hashes, extend_block_hashes, hash_block
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import (
@@ -29,6 +29,7 @@ __all__ = [
     "BlockUnpinned",
     "CacheHit",
     "CacheRequest",
+    "EventLog",
     "ChunkedLocalSpec",
     "FullAttentionSpec",
     "HybridCoordinator",
@@ -37,6 +38,7 @@ __all__ = [
     "KVCacheSpec",
     "KVEvent",
     "MambaSpec",
+    "PoolStats",
     "RetentionOptions",
     "SlidingWindowSpec",
     "block_hashes",

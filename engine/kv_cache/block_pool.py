@@ -1,10 +1,12 @@
-"""The block pool shared by every KV-cache group of one worker.
+"""One block pool: the blocks of one page size, shared by the KV-cache groups drawing from it.
 
-Owns: all blocks, the free queue (head = reused first), two pinned tiers (retained anchors, then
+A worker has one pool per page size (``KVCacheGroup.pool``); each pool numbers its blocks 0..n-1,
+block 0 being its own null block. Owns: all blocks of the pool, the free queue (head = reused first), two pinned tiers (retained anchors, then
 explicit pins; oldest first), one hash -> block map per group, the null block, and the KV event
 log. Invariants (checked by ``HybridCoordinator.check_invariants``): a non-null block is linked in
 exactly one queue iff its ref count is 0; free + pinned + in-use == num_blocks - 1; every map
-entry points at a block carrying that hash and group.
+entry points at a block carrying that hash and group. Only the maps of groups in this pool are
+ever filled. Events go to the worker's ``EventLog`` (shared by its pools: one sequence).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from engine.kv_cache.events import (
     BlockRemoved,
     BlockStored,
     BlockUnpinned,
+    EventLog,
     KVEvent,
 )
 
 
 class BlockPool:
-    """Blocks, ref counts, free/pinned queues, per-group prefix-cache maps and KV events.
+    """Blocks, ref counts, free/pinned queues, per-group prefix-cache maps and KV events of one pool.
 
-    ``retain_budget`` caps the retained tier (None: no cap); entering it beyond the cap demotes its
+    ``index`` is the pool's number (stamped on its blocks and events). ``retain_budget`` caps this
+    pool's retained tier (None: no cap); entering it beyond the cap demotes its
     oldest blocks. Allocation never fails while free + pinned blocks suffice: pinned blocks are
     demoted (oldest retained first, then oldest explicit) to make room.
     """
@@ -37,22 +41,24 @@ class BlockPool:
         enable_caching: bool = True,
         retain_budget: int | None = None,
         enable_events: bool = False,
+        index: int = 0,
+        events: EventLog | None = None,
     ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks: must be >= 2 (got {num_blocks})")
+        self.index = index
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.retain_budget = retain_budget
-        self.enable_events = enable_events
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.log = events if events is not None else EventLog(enable_events)
+        self.enable_events = self.log.enabled
+        self.blocks = [Block(i, index) for i in range(num_blocks)]
         self.free_queue = BlockQueue("free", self.blocks)
         self.retained = BlockQueue("retained")
         self.explicit = BlockQueue("explicit")
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
         self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
-        self._events: list[KVEvent] = []
-        self._seq = 0
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -86,7 +92,7 @@ class BlockPool:
             block.ref_cnt = 1
         if removed:
             for group, hashes in removed.items():
-                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes)))
+                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes), self.index))
         return blocks
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -152,7 +158,7 @@ class BlockPool:
             block.group = group
             table[block_hash] = block
         if stored:
-            self._emit(BlockStored(self._next_seq(), group, tuple(stored)))
+            self._emit(BlockStored(self._next_seq(), group, tuple(stored), self.index))
 
     def _uncache(self, block: Block, removed: dict[int, list[bytes]] | None) -> None:
         del self.cached[block.group][block.block_hash]  # type: ignore[arg-type]
@@ -169,12 +175,23 @@ class BlockPool:
                 self._uncache(block, removed)
         if removed:
             for group, hashes in removed.items():
-                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes)))
+                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes), self.index))
+
+    @property
+    def idle(self) -> bool:
+        """No block of this pool is in use."""
+        return self.num_free_blocks == self.num_blocks - 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks - 1:
+        if not self.idle:
             return False
+        self.clear_prefix_cache()
+        self._emit(AllBlocksCleared(self._next_seq()))
+        return True
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached hash and pin of an idle pool (no event: the caller emits one)."""
         for queue in (self.retained, self.explicit):
             blocks = queue.popleft_n(queue.size)
             for block in blocks:
@@ -185,8 +202,6 @@ class BlockPool:
                 block.block_hash = None
                 block.group = -1
             table.clear()
-        self._emit(AllBlocksCleared(self._next_seq()))
-        return True
 
     # -- pinning -------------------------------------------------------------------------------
     def pin(self, blocks: Iterable[Block], level: int) -> None:
@@ -205,7 +220,7 @@ class BlockPool:
             newly.setdefault(block.group, []).append(block.block_hash)
         if self.enable_events:
             for group, hashes in newly.items():
-                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT))
+                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
         if newly:
             self._enforce_retain_budget()
 
@@ -250,33 +265,31 @@ class BlockPool:
 
     # -- events --------------------------------------------------------------------------------
     def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+        return self.log.next_seq()
 
     def _emit(self, event: KVEvent) -> None:
-        if self.enable_events:
-            self._events.append(event)
+        self.log.emit(event)
 
     def _emit_unpinned(self, gone: dict[int, list[bytes]]) -> None:
         if self.enable_events:
             for group, hashes in gone.items():
-                self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes)))
+                self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes), self.index))
 
     def take_events(self) -> list[KVEvent]:
-        """Drain the events published since the last call (in sequence order)."""
-        events, self._events = self._events, []
-        return events
+        """Drain the events published since the last call (in sequence order; with a shared log,
+        every pool's events)."""
+        return self.log.take()
 
     # -- read-only views for the router ----------------------------------------------------------
     @property
     def event_seq(self) -> int:
-        """Sequence number of the last KV event the pool emitted (0 before the first)."""
-        return self._seq
+        """Sequence number of the last KV event of the pool's log (0 before the first)."""
+        return self.log.seq
 
     def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
         """``(event_seq, per-group {hash: pin level})``: every cached hash as of ``event_seq``
         (events with a larger number are not reflected). The dicts are fresh copies."""
-        return self._seq, tuple({h: block.pin for h, block in table.items()} for table in self.cached)
+        return self.log.seq, tuple({h: block.pin for h, block in table.items()} for table in self.cached)
 
 
 __all__ = ["PIN_EXPLICIT", "PIN_NONE", "PIN_RETAINED", "Block", "BlockPool", "BlockQueue"]

@@ -15,14 +15,17 @@ PIN_EXPLICIT = 2  # pinned on request (router / user prefix pins); demoted last
 
 
 class Block:
-    """One physical page. ``ref_cnt`` counts block-table slots holding it; ``block_hash`` and
-    ``group`` are set while it is registered in the prefix cache; ``pin`` asks the pool to keep it
-    in a pinned tier instead of the free queue once ``ref_cnt`` drops to 0."""
+    """One physical page of one pool. ``block_id`` is its index in that pool and ``pool`` the pool's
+    index (neither ever changes: a block never moves between pools). ``ref_cnt`` counts block-table
+    slots holding it; ``block_hash`` and ``group`` are set while it is registered in the prefix
+    cache; ``pin`` asks the pool to keep it in a pinned tier instead of the free queue once
+    ``ref_cnt`` drops to 0."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next", "queue")
+    __slots__ = ("block_id", "pool", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next", "queue")
 
-    def __init__(self, block_id: int):
+    def __init__(self, block_id: int, pool: int = 0):
         self.block_id = block_id
+        self.pool = pool
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.group = -1
@@ -35,7 +38,8 @@ class Block:
     def __repr__(self) -> str:
         tag = "null" if self.is_null else f"ref={self.ref_cnt}"
         cached = f" g{self.group}:{self.block_hash.hex()[:8]}" if self.block_hash else ""
-        return f"Block({self.block_id} {tag}{cached}{' pin' + str(self.pin) if self.pin else ''})"
+        where = f"p{self.pool}:" if self.pool else ""
+        return f"Block({where}{self.block_id} {tag}{cached}{' pin' + str(self.pin) if self.pin else ''})"
 
 
 class BlockQueue:

@@ -1,6 +1,9 @@
-"""The hybrid coordinator: one block pool, any number of KV-cache groups, one answer per request.
+"""The hybrid coordinator: one or more block pools, any number of KV-cache groups, one answer per request.
 
-Responsibilities, each over all groups at once:
+Each group draws from the pool ``KVCacheGroup.pool`` names (one pool per page size, so no group
+pays for another's page size); every pool has its own block ids 0..n-1 and its own null block.
+
+Responsibilities, each over all groups (and pools) at once:
 - the longest common prefix hit, by a fixed point over groups aligned to the LCM of their block
   sizes (a group whose rule fails lowers the candidate; non-full groups are re-queried until no
   group lowers it);
@@ -14,10 +17,11 @@ Responsibilities, each over all groups at once:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, Block, BlockPool
-from engine.kv_cache.events import KVEvent
+from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
 from engine.kv_cache.managers import (
     MANAGER_FOR_SPEC,
     FullAttentionManager,
@@ -36,10 +40,14 @@ class KVCacheInvariantError(AssertionError):
 
 @dataclass(frozen=True)
 class RetentionOptions:
-    """The pinned retention tier: on/off, the retained-tier cap, sliding-window anchors."""
+    """The pinned retention tier: on/off, the retained-tier cap, sliding-window anchors.
+
+    ``budget_blocks`` caps each pool's retained tier: an int (or None: no cap) applies to every
+    pool alike, a tuple gives one cap per pool.
+    """
 
     enabled: bool = False
-    budget_blocks: int | None = None
+    budget_blocks: int | tuple[int | None, ...] | None = None
     pin_sliding_window: bool = True
     min_drop_blocks: int = 1
 
@@ -57,6 +65,41 @@ class CacheHit:
     num_tokens: int
     shared_prefix_tokens: int = 0
     partial: bool = False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Capacity of one block pool: usable blocks (null excluded), free ones (pinned included, as an
+    allocation may demote them), pinned ones, explicitly pinned ones, and usage in [0, 1]."""
+
+    pool: int
+    groups: tuple[int, ...]
+    num_blocks: int
+    free_blocks: int
+    pinned_blocks: int
+    explicitly_pinned_blocks: int
+    usage: float
+
+
+def _check_pools(group_pool: list[int]) -> int:
+    """Number of pools the groups name; every index 0..P-1 must be used by some group."""
+    if any(p < 0 for p in group_pool):
+        raise ValueError(f"KVCacheGroup.pool: must be >= 0 (got {group_pool})")
+    num_pools = max(group_pool) + 1
+    unused = sorted(set(range(num_pools)) - set(group_pool))
+    if unused:
+        raise ValueError(f"KVCacheGroup.pool: pools {unused} are used by no group (groups use {group_pool})")
+    return num_pools
+
+
+def _per_pool(name: str, value: object, num_pools: int) -> list:
+    """An int/None applies to every pool; a sequence must give one value per pool."""
+    if value is None or isinstance(value, int):
+        return [value] * num_pools
+    values = list(value)  # type: ignore[call-overload]
+    if len(values) != num_pools:
+        raise ValueError(f"{name}: {len(values)} values for {num_pools} pools")
+    return values
 
 
 class _Admitted:
@@ -82,17 +125,19 @@ class _PrefixPin:
 
 
 class HybridCoordinator:
-    """Owns the block pool and one manager per group; the scheduler's single KV-cache interface.
+    """Owns the block pools and one manager per group; the scheduler's single KV-cache interface.
 
-    Invariants (``check_invariants``): ref counts equal table references; a block is in exactly
-    one free/pinned queue iff unreferenced; a non-null block lives in one group only; the hash
-    maps match the blocks; each allocation took exactly the predicted number of blocks.
+    Invariants (``check_invariants``), per pool: ref counts equal table references; a block is in
+    exactly one free/pinned queue of its pool iff unreferenced; free + pinned + in use ==
+    num_blocks - 1; a non-null block lives in one group only, and that group draws from the
+    block's pool (a block never moves between pools); the hash maps match the blocks; each
+    allocation took exactly the predicted number of blocks from every pool.
     """
 
     def __init__(
         self,
         groups: list[KVCacheGroup],
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         enable_caching: bool = True,
         retention: RetentionOptions = RetentionOptions(),
         enable_events: bool = False,
@@ -106,27 +151,38 @@ class HybridCoordinator:
         self.max_model_len = max_model_len
         self.hash_block_size = hash_block_size(groups)
         self.alignment = alignment_tokens(groups)
-        self.pool = BlockPool(
-            num_blocks,
-            len(groups),
-            enable_caching=enable_caching,
-            retain_budget=retention.budget_blocks if retention.enabled else None,
-            enable_events=enable_events,
-        )
+        self.group_pool: list[int] = [group.pool for group in groups]
+        num_pools = _check_pools(self.group_pool)
+        sizes = _per_pool("num_blocks", num_blocks, num_pools)
+        budgets = _per_pool("retention.budget_blocks", retention.budget_blocks, num_pools)
+        self.events = EventLog(enable_events)
+        self.pools: list[BlockPool] = [
+            BlockPool(
+                size,
+                len(groups),
+                enable_caching=enable_caching,
+                retain_budget=budget if retention.enabled else None,
+                index=p,
+                events=self.events,
+            )
+            for p, (size, budget) in enumerate(zip(sizes, budgets))
+        ]
+        self.pool = self.pools[0]  # the only pool of a single-pool coordinator
         self.managers: list[SingleTypeManager] = []
         for index, group in enumerate(groups):
             spec = group.spec
+            pool = self.pools[group.pool]
             if isinstance(spec, SlidingWindowSpec):
                 manager: SingleTypeManager = SlidingWindowManager(
                     spec,
                     index,
-                    self.pool,
+                    pool,
                     self.hash_block_size,
                     retain=retention.enabled and retention.pin_sliding_window and enable_caching,
                     min_drop_blocks=retention.min_drop_blocks,
                 )
             else:
-                manager = MANAGER_FOR_SPEC[type(spec)](spec, index, self.pool, self.hash_block_size)
+                manager = MANAGER_FOR_SPEC[type(spec)](spec, index, pool, self.hash_block_size)
             self.managers.append(manager)
         # Full attention first: its cheap, downward-closed scan gives the tightest first bound.
         self._order = sorted(range(len(groups)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
@@ -140,16 +196,57 @@ class HybridCoordinator:
         self._admitted: dict[str, _Admitted] = {}
         self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
         self._prefix_pins: dict[tuple[int, bytes], _PrefixPin] = {}
-        self._last_allocation: tuple[int, int] = (0, 0)
+        self._last_allocation: list[tuple[int, int]] = [(0, 0)] * num_pools
 
     # -- capacity ------------------------------------------------------------------------------------
     @property
+    def num_pools(self) -> int:
+        return len(self.pools)
+
+    @property
+    def tightest_pool(self) -> int:
+        """The pool with the highest usage (the lowest index among equals)."""
+        pools = self.pools
+        if len(pools) == 1:
+            return 0
+        return max(range(len(pools)), key=lambda p: (pools[p].usage, -p))
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Free (incl. pinned, demotable) blocks of the tightest pool; with one pool, of the pool."""
+        return self.pools[self.tightest_pool].num_free_blocks
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Fraction of blocks in use in the tightest pool (the one that refuses admissions first)."""
+        return max(pool.usage for pool in self.pools)
+
+    def num_blocks_in(self, pool: int) -> int:
+        """Usable blocks of ``pool`` (its null block excluded)."""
+        return self.pools[pool].num_blocks - 1
+
+    def num_free_blocks_in(self, pool: int) -> int:
+        """Blocks of ``pool`` an allocation may take (free plus pinned ones, demoted on demand)."""
+        return self.pools[pool].num_free_blocks
+
+    def pool_usage(self, pool: int) -> float:
+        """Fraction of ``pool``'s usable blocks in use."""
+        return self.pools[pool].usage
+
+    def pool_stats(self) -> list[PoolStats]:
+        """Capacity of every pool, in pool order (what a worker reports per pool)."""
+        return [
+            PoolStats(
+                pool=p.index,
+                groups=tuple(g for g, q in enumerate(self.group_pool) if q == p.index),
+                num_blocks=p.num_blocks - 1,
+                free_blocks=p.num_free_blocks,
+                pinned_blocks=p.num_pinned_free_blocks,
+                explicitly_pinned_blocks=p.explicit.size,
+                usage=p.usage,
+            )
+            for p in self.pools
+        ]
 
     # -- hits -----------------------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int, skip_mamba: bool = False) -> CacheHit:
@@ -203,13 +300,15 @@ class HybridCoordinator:
         hit: CacheHit | None = None,
         num_external_tokens: int = 0,
         delay_cache: bool = False,
-        reserved_blocks: int = 0,
+        reserved_blocks: int | Sequence[int] = 0,
     ) -> tuple[list[int], ...] | None:
         """Give ``request`` blocks for ``num_new_tokens`` tokens to compute now, after claiming
         ``hit`` (first admission) and making room for ``num_external_tokens`` transferred ones.
 
-        Returns the new block ids per group (treat as read-only), or None when the pool cannot
-        fit it — then nothing changed except releasing blocks that already left the window.
+        Returns the new block ids per group (ids in that group's pool; treat as read-only), or
+        None when some pool cannot fit its share (after keeping ``reserved_blocks`` free: an int
+        for every pool, or one value per pool) — then nothing changed except releasing blocks that
+        already left the window.
         """
         state = self._admitted.get(request.request_id)
         if state is not None:
@@ -220,8 +319,25 @@ class HybridCoordinator:
             raise ValueError(f"num_new_tokens: must be > 0 when there are no external tokens (got {num_new_tokens})")
         return self._allocate_admission(request, num_new_tokens, hit, num_external_tokens, delay_cache, reserved_blocks)
 
+    def _fits(self, predicted: list[int], reserved_blocks: int | Sequence[int]) -> list[int] | None:
+        """Each pool's free count before the allocation, or None if some pool is short."""
+        free = [pool.num_free_blocks for pool in self.pools]
+        if isinstance(reserved_blocks, int):
+            for p, n in enumerate(predicted):
+                if n > free[p] - reserved_blocks:
+                    return None
+        else:
+            reserved = _per_pool("reserved_blocks", reserved_blocks, len(free))
+            for p, n in enumerate(predicted):
+                if n > free[p] - reserved[p]:
+                    return None
+        return free
+
+    def _record_allocation(self, predicted: list[int], free_before: list[int]) -> None:
+        self._last_allocation = [(n, free_before[p] - self.pools[p].num_free_blocks) for p, n in enumerate(predicted)]
+
     def _allocate_running(
-        self, state: _Admitted, num_new_tokens: int, delay_cache: bool, reserved_blocks: int
+        self, state: _Admitted, num_new_tokens: int, delay_cache: bool, reserved_blocks: int | Sequence[int]
     ) -> tuple[list[int], ...] | None:
         request = state.request
         request_id = request.request_id
@@ -234,17 +350,16 @@ class HybridCoordinator:
         for manager in self._droppers:
             manager.remove_skipped_blocks(request_id, total)
         state.removed_upto = total
-        predicted = 0
+        predicted = [0] * len(self.pools)
         for manager in self.managers:
-            predicted += manager.num_new_blocks(request_id, need)
-        pool = self.pool
-        free_before = pool.num_free_blocks
-        if predicted > free_before - reserved_blocks:
+            predicted[manager.pool.index] += manager.num_new_blocks(request_id, need)
+        free_before = self._fits(predicted, reserved_blocks)
+        if free_before is None:
             return None
         new_ids = self._no_new_ids
-        if predicted:
+        if any(predicted):
             new_ids = tuple([b.block_id for b in m.allocate_new(request_id, need)] for m in self.managers)
-        self._last_allocation = (predicted, free_before - pool.num_free_blocks)
+        self._record_allocation(predicted, free_before)
         if num_new_tokens > 1:  # a prefill chunk ends here
             for manager in self._windowed:
                 manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
@@ -259,7 +374,7 @@ class HybridCoordinator:
         hit: CacheHit | None,
         num_external_tokens: int,
         delay_cache: bool,
-        reserved_blocks: int,
+        reserved_blocks: int | Sequence[int],
     ) -> tuple[list[int], ...] | None:
         request_id = request.request_id
         managers = self.managers
@@ -272,20 +387,19 @@ class HybridCoordinator:
             need = min(need, self.max_model_len)
         hit_blocks = hit.blocks if hit is not None else self._no_hit
         partial = hit is not None and hit.partial
-        predicted = 0
+        predicted = [0] * len(self.pools)
         for g, manager in enumerate(managers):
             force = num_external_tokens > 0 or (partial and self._mamba_flags[g])
-            predicted += manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
-        pool = self.pool
-        free_before = pool.num_free_blocks
-        if predicted > free_before - reserved_blocks:
+            predicted[manager.pool.index] += manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
+        free_before = self._fits(predicted, reserved_blocks)
+        if free_before is None:
             return None
 
         state = _Admitted(request, hit.shared_prefix_tokens if hit is not None else 0)
         self._admitted[request_id] = state
         self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
         new_ids = tuple([b.block_id for b in manager.allocate_new(request_id, need)] for manager in managers)
-        self._last_allocation = (predicted, free_before - pool.num_free_blocks)
+        self._record_allocation(predicted, free_before)
 
         if self._windowed:
             if state.shared_prefix:
@@ -343,8 +457,8 @@ class HybridCoordinator:
         stale = []
         for manager in self.managers:
             table = manager.tables.get(request_id, [])
-            stale += [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.pin]
-        self.pool.evict(stale)
+            stale = [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.pin]
+            manager.pool.evict(stale)
         state.cached_upto = min(state.cached_upto, num_computed)
 
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
@@ -371,7 +485,7 @@ class HybridCoordinator:
             for manager in self.managers:
                 table = manager.tables[request_id]
                 keep = [table[i] for i in manager.blocks_needed_at(boundary) if i < len(table)]
-                self.pool.pin(keep, PIN_RETAINED)
+                manager.pool.pin(keep, PIN_RETAINED)
         for manager in self.managers:
             manager.free(request_id)
 
@@ -398,6 +512,7 @@ class HybridCoordinator:
 
     @property
     def null_block_id(self) -> int:
+        """The null block's id: the same (0) in every pool."""
         return self.pool.null_block.block_id
 
     # -- explicit prefix pins ------------------------------------------------------------------------------
@@ -421,7 +536,7 @@ class HybridCoordinator:
                 if block_key not in record.blocks:
                     record.blocks.add(block_key)  # type: ignore[arg-type]
                     self._explicit_pins[block_key] += 1  # type: ignore[index]
-            self.pool.pin(needed, PIN_EXPLICIT)
+            manager.pool.pin(needed, PIN_EXPLICIT)
         return hit.num_tokens
 
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
@@ -442,11 +557,11 @@ class HybridCoordinator:
                 self._explicit_pins[block_key] = count
                 continue
             del self._explicit_pins[block_key]
-            block = self.pool.cached[block_key[0]].get(block_key[1])
+            block = self.managers[block_key[0]].cached.get(block_key[1])
             if block is not None:
                 release.setdefault(block_key[0], []).append(block)
-        for blocks in release.values():
-            self.pool.unpin(blocks, PIN_EXPLICIT)
+        for g, blocks in release.items():
+            self.managers[g].pool.unpin(blocks, PIN_EXPLICIT)
         return True
 
     def _prefix_key(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, bytes]:
@@ -455,29 +570,38 @@ class HybridCoordinator:
 
     # -- events and maintenance ------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """Drain the KV events of every pool since the last call (one sequence, in order)."""
+        return self.events.take()
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.pool.reset_prefix_cache()
-        if ok:
-            self._explicit_pins.clear()
-            self._prefix_pins.clear()
-        return ok
+        """Forget every cached hash and pin in every pool; refused (False) while any pool has a
+        block in use. One ``AllBlocksCleared`` event covers all pools."""
+        if not all(pool.idle for pool in self.pools):
+            return False
+        for pool in self.pools:
+            pool.clear_prefix_cache()
+        self.events.emit(AllBlocksCleared(self.events.next_seq()))
+        self._explicit_pins.clear()
+        self._prefix_pins.clear()
+        return True
 
     # -- invariants ---------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if any structural invariant of the cache is broken."""
-        pool = self.pool
-        null = pool.null_block
 
         def fail(message: str) -> None:
             raise KVCacheInvariantError(message)
 
-        refs: Counter[int] = Counter()
-        owner_group: dict[int, int] = {}
+        refs: Counter[tuple[int, int]] = Counter()  # (pool, block id) -> table references
+        owner_group: dict[tuple[int, int], int] = {}
         position: dict[tuple[int, int], int] = {}
+        admitted = set(self._admitted)
         for g, manager in enumerate(self.managers):
-            admitted = set(self._admitted)
+            p = self.group_pool[g]
+            pool = self.pools[p]
+            if manager.pool is not pool:
+                fail(f"group {g} draws from pool {manager.pool.index}, its KVCacheGroup.pool is {p}")
+            null = pool.null_block
             if set(manager.tables) != admitted or set(manager.num_cached) != admitted:
                 fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(admitted)}")
             for request_id, table in manager.tables.items():
@@ -488,15 +612,20 @@ class HybridCoordinator:
                 for i, block in enumerate(table):
                     if block is null:
                         continue
-                    live += 1
                     bid = block.block_id
+                    if block.pool != p or not 0 <= bid < pool.num_blocks or pool.blocks[bid] is not block:
+                        fail(f"group {g} {request_id!r} index {i}: {block!r} is not a block of pool {p}")
+                    if block.is_null:
+                        fail(f"group {g} {request_id!r} index {i}: another pool's null block")
+                    live += 1
                     if bid in seen:
                         fail(f"block {bid} twice in {request_id!r} group {g}")
                     seen.add(bid)
-                    refs[bid] += 1
-                    if owner_group.setdefault(bid, g) != g:
-                        fail(f"block {bid} in groups {owner_group[bid]} and {g}")
-                    first = position.setdefault((g, bid), i)
+                    key = (p, bid)
+                    refs[key] += 1
+                    if owner_group.setdefault(key, g) != g:
+                        fail(f"block {bid} of pool {p} in groups {owner_group[key]} and {g}")
+                    first = position.setdefault(key, i)
                     if first != i:
                         fail(f"block {bid} at indices {first} and {i} in group {g}")
                     if block.block_hash is not None:
@@ -511,63 +640,82 @@ class HybridCoordinator:
                         fail(f"group {g} {request_id!r}: live block before the window ({first_live})")
                 if isinstance(manager, MambaManager) and live > 2:
                     fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
-        unshared_hashless = [bid for bid, n in refs.items() if n > 1 and pool.blocks[bid].block_hash is None]
+        unshared_hashless = [
+            key for key, n in refs.items() if n > 1 and self.pools[key[0]].blocks[key[1]].block_hash is None
+        ]
         if unshared_hashless:
-            fail(f"blocks without a hash held by several requests: {unshared_hashless[:5]}")
+            fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
+        for pool in self.pools:
+            self._check_pool(pool, refs, fail)
+        for p, (predicted, taken) in enumerate(self._last_allocation):
+            if predicted != taken:
+                fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
 
+    def _check_pool(self, pool: BlockPool, refs: Counter[tuple[int, int]], fail: Callable[[str], None]) -> None:
+        """Queues, ref counts, conservation and hash maps of one pool."""
+        p = pool.index
+        null = pool.null_block
         queues = {"free": pool.free_queue, "retained": pool.retained, "explicit": pool.explicit}
         queued: set[int] = set()
         for name, queue in queues.items():
             count = 0
             prev = queue.head
+            expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
             for block in queue:
                 count += 1
                 if block.queue is not queue or block.prev is not prev:
-                    fail(f"{name} queue links broken at block {block.block_id}")
+                    fail(f"pool {p}: {name} queue links broken at block {block.block_id}")
                 if block.block_id in queued:
-                    fail(f"block {block.block_id} queued twice")
+                    fail(f"pool {p}: block {block.block_id} queued twice")
+                if block.pool != p:
+                    fail(f"pool {p}: {block!r} of another pool in its {name} queue")
                 queued.add(block.block_id)
-                expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
                 if block.pin != expected_pin:
-                    fail(f"block {block.block_id} with pin {block.pin} in the {name} queue")
+                    fail(f"pool {p}: block {block.block_id} with pin {block.pin} in the {name} queue")
                 prev = block
             if count != queue.size:
-                fail(f"{name} queue size {queue.size} but {count} linked")
-        for block in pool.blocks:
+                fail(f"pool {p}: {name} queue size {queue.size} but {count} linked")
+        in_use = 0
+        for bid, block in enumerate(pool.blocks):
+            if block.block_id != bid or block.pool != p:
+                fail(f"pool {p}: slot {bid} holds {block!r}")
             if block.is_null:
                 if block.queue is not None or block.block_hash is not None or block is not null:
-                    fail("null block queued or hashed")
+                    fail(f"pool {p}: null block queued or hashed")
                 continue
-            bid = block.block_id
-            if block.ref_cnt != refs.get(bid, 0):
-                fail(f"block {bid} ref_cnt {block.ref_cnt} but {refs.get(bid, 0)} table references")
+            n = refs.get((p, bid), 0)
+            if block.ref_cnt != n:
+                fail(f"pool {p}: block {bid} ref_cnt {block.ref_cnt} but {n} table references")
+            if block.ref_cnt > 0:
+                in_use += 1
             in_queue = bid in queued
             if in_queue != (block.ref_cnt == 0):
-                fail(f"block {bid} ref_cnt {block.ref_cnt} but queued={in_queue}")
+                fail(f"pool {p}: block {bid} ref_cnt {block.ref_cnt} but queued={in_queue}")
             if block.queue is None and in_queue or block.queue is not None and not in_queue:
-                fail(f"block {bid} queue pointer disagrees with the queues")
-            if block.block_hash is not None and pool.cached[block.group].get(block.block_hash) is not block:
-                fail(f"block {bid} carries a hash that does not map to it")
-        in_use = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt > 0)
+                fail(f"pool {p}: block {bid} queue pointer disagrees with the queues")
+            if block.block_hash is not None:
+                if self.group_pool[block.group] != p:
+                    fail(f"pool {p}: block {bid} cached for group {block.group}, which draws from another pool")
+                if pool.cached[block.group].get(block.block_hash) is not block:
+                    fail(f"pool {p}: block {bid} carries a hash that does not map to it")
         if len(queued) + in_use != pool.num_blocks - 1:
-            fail(f"conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
+            fail(f"pool {p}: conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
         for g, table in enumerate(pool.cached):
+            if table and self.group_pool[g] != p:
+                fail(f"pool {p}: hash map of group {g}, which draws from pool {self.group_pool[g]}, is not empty")
             for block_hash, block in table.items():
-                if block.block_hash != block_hash or block.group != g or block.is_null:
-                    fail(f"hash map entry of group {g} points at {block!r}")
+                if block.block_hash != block_hash or block.group != g or block.is_null or block.pool != p:
+                    fail(f"pool {p}: hash map entry of group {g} points at {block!r}")
         if pool.retain_budget is not None and pool.retained.size > pool.retain_budget:
-            fail(f"retained tier holds {pool.retained.size} > budget {pool.retain_budget}")
-        predicted, taken = self._last_allocation
-        if predicted != taken:
-            fail(f"last allocation predicted {predicted} blocks but took {taken}")
+            fail(f"pool {p}: retained tier holds {pool.retained.size} > budget {pool.retain_budget}")
 
     # -- read-only views for the router ---------------------------------------------------------------
     @property
     def event_seq(self) -> int:
         """Sequence number of the last KV event this worker emitted (0 before the first)."""
-        return self.pool.event_seq
+        return self.events.seq
 
     def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
-        """``(event_seq, per-group {hash: pin level})`` of the prefix cache: what a router resyncs
-        from after a gap in the event stream (see ``BlockPool.snapshot``)."""
-        return self.pool.snapshot()
+        """``(event_seq, per-group {hash: pin level})`` of the prefix cache over all pools: what a
+        router resyncs from after a gap in the event stream. The dicts are fresh copies."""
+        return self.events.seq, tuple({h: block.pin for h, block in m.cached.items()} for m in self.managers)

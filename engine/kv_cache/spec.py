@@ -71,10 +71,16 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSp
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """One block table's worth of layers and the spec they share."""
+    """One block table's worth of layers and the spec they share.
+
+    ``pool`` is the index of the block pool the group draws its blocks from (one pool per page
+    size; pools are numbered 0..P-1 and the coordinator requires every index to be used). The
+    group's block ids are ids in that pool.
+    """
 
     spec: KVCacheSpec
     layer_names: tuple[str, ...] = ()
+    pool: int = 0
 
 
 def hash_block_size(groups: list[KVCacheGroup]) -> int:

@@ -90,13 +90,31 @@ MIXES: dict[str, tuple] = {
     "full+swa+mamba": (FullAttentionSpec(4), SlidingWindowSpec(4, 8), MambaSpec(4)),
     "full+chunked": (FullAttentionSpec(4), ChunkedLocalSpec(4, 8)),
     "swa": (SlidingWindowSpec(4, 7),),
+    # several block pools (one per page size): a block id names a block of its group's pool
+    "3pool:full|swa|mamba": (FullAttentionSpec(4), SlidingWindowSpec(4, 8), MambaSpec(4)),
+    "2pool:full+full8|mamba8": (FullAttentionSpec(4), FullAttentionSpec(8), MambaSpec(8)),
+    "2pool:full8|swa4+chunked": (FullAttentionSpec(8), SlidingWindowSpec(4, 12), ChunkedLocalSpec(4, 8)),
 }
+# The pool each group of a mix draws from (mixes not listed: every group in pool 0).
+MIX_POOLS: dict[str, tuple[int, ...]] = {
+    "3pool:full|swa|mamba": (0, 1, 2),
+    "2pool:full+full8|mamba8": (0, 0, 1),
+    "2pool:full8|swa4+chunked": (0, 1, 1),
+}
+
+
+def mix_pools(mix: str) -> tuple[int, ...]:
+    return MIX_POOLS.get(mix, (0,) * len(MIXES[mix]))
+
+
+def num_pools(mix: str) -> int:
+    return max(mix_pools(mix)) + 1
 
 
 @dataclass(frozen=True)
 class SimConfig:
     mix: str
-    num_blocks: int
+    num_blocks: int | tuple[int, ...]  # an int: that many blocks in every pool
     enable_caching: bool = True
     retention: RetentionOptions = RetentionOptions()
     enable_events: bool = True
@@ -105,7 +123,13 @@ class SimConfig:
 
     @property
     def groups(self) -> list[KVCacheGroup]:
-        return [KVCacheGroup(spec) for spec in MIXES[self.mix]]
+        return [KVCacheGroup(spec, pool=p) for spec, p in zip(MIXES[self.mix], mix_pools(self.mix))]
+
+    @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        if isinstance(self.num_blocks, int):
+            return (self.num_blocks,) * num_pools(self.mix)
+        return self.num_blocks
 
     def describe(self) -> str:
         r = self.retention
@@ -124,25 +148,51 @@ def _blocks_alone(specs: tuple, length: int) -> int:
     return total
 
 
-def max_len_for(mix: str, num_blocks: int) -> int:
-    """Longest request (prompt + output) that fits the pool alone, capped at MAX_LEN_CAP."""
-    specs = MIXES[mix]
+def _pool_specs(mix: str) -> list[tuple]:
+    """The specs of each pool of a mix, in pool order."""
+    pools = mix_pools(mix)
+    return [tuple(s for s, q in zip(MIXES[mix], pools) if q == p) for p in range(num_pools(mix))]
+
+
+def max_len_for(mix: str, num_blocks: int | tuple[int, ...]) -> int:
+    """Longest request (prompt + output) that fits every pool alone, capped at MAX_LEN_CAP."""
+    per_pool = _pool_specs(mix)
+    sizes = (num_blocks,) * len(per_pool) if isinstance(num_blocks, int) else num_blocks
     length = 1
-    while length < MAX_LEN_CAP and _blocks_alone(specs, length + 1) <= num_blocks - 1:
+    while length < MAX_LEN_CAP and all(
+        _blocks_alone(specs, length + 1) <= n - 1 for specs, n in zip(per_pool, sizes)
+    ):
         length += 1
     return length
 
 
-def min_blocks_for(mix: str) -> int:
-    """Smallest pool in which one request can reach a few alignment units."""
+def min_pool_blocks_for(mix: str) -> tuple[int, ...]:
+    """Per pool, the smallest size in which one request can reach a few alignment units."""
     groups = [KVCacheGroup(s) for s in MIXES[mix]]
-    return _blocks_alone(MIXES[mix], 3 * alignment_tokens(groups) + 1) + 1
+    length = 3 * alignment_tokens(groups) + 1
+    return tuple(_blocks_alone(specs, length) + 1 for specs in _pool_specs(mix))
 
 
-def random_config(rng: random.Random) -> SimConfig:
-    mix = rng.choice(sorted(MIXES))
-    low = max(12, min_blocks_for(mix))
-    num_blocks = rng.randint(low, max(low, 64))
+def min_blocks_for(mix: str) -> int:
+    """Smallest size that fits every pool of the mix (see ``min_pool_blocks_for``)."""
+    return max(min_pool_blocks_for(mix))
+
+
+def random_pool_sizes(rng: random.Random, mix: str) -> tuple[int, ...]:
+    """Pools of different sizes, each at least what one request needs alone."""
+    return tuple(rng.randint(max(4, low), max(4, low) + rng.choice([0, 4, 16, 40])) for low in min_pool_blocks_for(mix))
+
+
+def random_config(rng: random.Random, mixes: list[str] | None = None) -> SimConfig:
+    """A random configuration over ``mixes`` (default: every mix); several pools get random,
+    different-sized pools."""
+    mix = rng.choice(sorted(mixes or MIXES))
+    num_blocks: int | tuple[int, ...]
+    if num_pools(mix) > 1:
+        num_blocks = random_pool_sizes(rng, mix)
+    else:
+        low = max(12, min_blocks_for(mix))
+        num_blocks = rng.randint(low, max(low, 64))
     retention = RetentionOptions()
     if rng.random() < 0.5:
         retention = RetentionOptions(
@@ -180,8 +230,8 @@ class SimRequest:
 
 @dataclass
 class Snapshot:
-    refs: list[int]
-    cached: list[dict[bytes, int]]
+    refs: list[list[int]]  # per pool, per block id
+    cached: list[dict[bytes, int]]  # per group
     tables: dict[str, list[list[int]]]
     admitted: set[str]
 
@@ -211,7 +261,8 @@ class Sim:
             retention=cfg.retention,
             enable_events=cfg.enable_events,
         )
-        self.pool = self.coord.pool
+        self.pools = self.coord.pools
+        self.group_pool = self.coord.group_pool
         self.managers: list[SingleTypeManager] = self.coord.managers
         self.alignment = self.coord.alignment
         self.has_mamba = any(isinstance(m, MambaManager) for m in self.managers)
@@ -226,10 +277,10 @@ class Sim:
         self.preempted_this_step = False
         self.pins: list[PinRecord] = []
         self.held: Counter = Counter()  # pins that pinned something, per prefix (same arguments)
-        # data model: block id -> (group, first valid position, end, prefix key of the request through end)
-        self.content: dict[int, tuple[int, int, int, tuple]] = {}
+        # data model: (pool, block id) -> (group, first valid position, end, prefix key of the request through end)
+        self.content: dict[tuple[int, int], tuple[int, int, int, tuple]] = {}
         # Mamba states are written at the end of the forward: pending until end_step (block -> (rid, content))
-        self.pending: dict[int, tuple[str, tuple[int, int, int, tuple]]] = {}
+        self.pending: dict[tuple[int, int], tuple[str, tuple[int, int, int, tuple]]] = {}
         # event shadow of the router's index
         self.stored: set[tuple[int, bytes]] = set()
         self.pinned: dict[tuple[int, bytes], int] = {}
@@ -238,25 +289,30 @@ class Sim:
         self.next_order = 0
         self.trace: deque[str] = deque(maxlen=self.trace_len)
         self.op_index = 0
-        self.fresh: set[int] = set()  # blocks handed out by get_new_blocks since the last check
-        self.hashed_before: set[int] = set()  # blocks carrying a hash before the last allocation
-        real_demote = self.pool.demote
-        real_get_new_blocks = self.pool.get_new_blocks
+        self.fresh: set[tuple[int, int]] = set()  # (pool, id) handed out by get_new_blocks since the last check
+        self.hashed_before: set[tuple[int, int]] = set()  # blocks carrying a hash before the last allocation
+        for pool in self.pools:
+            self._instrument(pool)
+        self.check()
 
-        def recording_get_new_blocks(n: int) -> list:  # instrumentation only: remember fresh blocks
+    def _instrument(self, pool) -> None:
+        """Instrumentation only: remember fresh blocks, count demotions under pressure."""
+        real_demote = pool.demote
+        real_get_new_blocks = pool.get_new_blocks
+
+        def recording_get_new_blocks(n: int) -> list:
             blocks = real_get_new_blocks(n)
-            self.fresh.update(b.block_id for b in blocks)
+            self.fresh.update((b.pool, b.block_id) for b in blocks)
             return blocks
 
-        def counting_demote(n: int) -> int:  # instrumentation only: count demotions under pressure
+        def counting_demote(n: int) -> int:
             done = real_demote(n)
             if done:
                 self.counts["demoted_blocks"] += done
             return done
 
-        self.pool.demote = counting_demote  # type: ignore[method-assign]
-        self.pool.get_new_blocks = recording_get_new_blocks  # type: ignore[method-assign]
-        self.check()
+        pool.demote = counting_demote  # type: ignore[method-assign]
+        pool.get_new_blocks = recording_get_new_blocks  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------------------------
     # helpers
@@ -313,7 +369,7 @@ class Sim:
         for length in range(max_length - max_length % align, 0, -align):
             ok = True
             for g, m, view in groups:
-                cached = self.pool.cached[g]
+                cached = m.cached
                 mine = all(view[i] in cached for i in self.needed_blocks(m, length))
                 if mine != m.hit_valid(view, length):
                     self.fail(f"group {g} hit_valid({length}) = {not mine} but the rule says {mine}")
@@ -335,8 +391,8 @@ class Sim:
             self.fail(f"{what}: partial={hit.partial} for skip_mamba={skip_mamba}")
         if length and hit.shared_prefix_tokens < length:
             self.fail(f"{what}: shared_prefix_tokens {hit.shared_prefix_tokens} < hit {length}")
-        null = self.pool.null_block
         for g, m in enumerate(self.managers):
+            null = self.pools[self.group_pool[g]].null_block
             blocks = hit.blocks[g]
             if skip_mamba and isinstance(m, MambaManager):
                 if blocks:
@@ -348,7 +404,7 @@ class Sim:
             needed = self.needed_blocks(m, length)
             for i, block in enumerate(blocks):
                 if i in needed:
-                    if block is null or block.block_hash != view[i] or self.pool.cached[g].get(view[i]) is not block:
+                    if block is null or block.block_hash != view[i] or m.cached.get(view[i]) is not block:
                         self.fail(f"{what}: group {g} index {i} of the hit is {block!r}, not the cached block")
                 elif block is not null:
                     self.fail(f"{what}: group {g} index {i} outside the needed range holds {block!r}")
@@ -357,10 +413,10 @@ class Sim:
     def _read(self, req: CacheRequest, g: int, table: list, j: int, lo: int, hi: int, what: str) -> None:
         """Positions [lo, hi) of table index j must hold ``req``'s own KV."""
         bs = self.managers[g].block_size
-        if j >= len(table) or table[j] is self.pool.null_block:
+        if j >= len(table) or table[j].is_null:
             self.fail(f"{what}: {req.request_id} group {g} reads positions {lo}..{hi} but index {j} is null/missing")
         bid = table[j].block_id
-        content = self.content.get(bid)
+        content = self.content.get(self.key(table[j]))
         if content is None:
             self.fail(f"{what}: {req.request_id} group {g} reads block {bid} (index {j}) that was never written")
         group, first, end, key = content
@@ -372,10 +428,10 @@ class Sim:
 
     def _write(self, req: CacheRequest, g: int, table: list, j: int, lo: int, hi: int, what: str) -> None:
         bs = self.managers[g].block_size
-        if j >= len(table) or table[j] is self.pool.null_block:
+        if j >= len(table) or table[j].is_null:
             self.fail(f"{what}: {req.request_id} group {g} writes positions {lo}..{hi} but index {j} is null/missing")
         block = table[j]
-        old = self.content.get(block.block_id)
+        old = self.content.get(self.key(block))
         first = lo
         end = hi
         if old is not None:
@@ -391,9 +447,14 @@ class Sim:
         new = (g, first, end, self._prefix_key(req, end))
         if new != old and self._sealed(block):
             self.fail(f"{what}: {req.request_id} group {g} writes into cached block {block!r} at index {j}")
-        self.content[block.block_id] = new
+        self.content[self.key(block)] = new
 
-    def effective(self, bid: int) -> tuple | None:
+    @staticmethod
+    def key(block) -> tuple[int, int]:
+        """A block's identity across pools: (pool, block id)."""
+        return block.pool, block.block_id
+
+    def effective(self, bid: tuple[int, int]) -> tuple | None:
         """Contents once the current step's forward has finished (pending Mamba states included)."""
         pending = self.pending.get(bid)
         return pending[1] if pending is not None else self.content.get(bid)
@@ -410,33 +471,34 @@ class Sim:
     ) -> None:
         bs = self.managers[g].block_size
         j = cdiv(length, bs) - 1
-        if j >= len(table) or table[j] is self.pool.null_block:
+        if j >= len(table) or table[j].is_null:
             self.fail(f"{what}: {req.request_id} Mamba group {g} has no state block at index {j} for {length} tokens")
         block = table[j]
+        key = self.key(block)
         new = (g, length, length, self._prefix_key(req, length))
-        if self.effective(block.block_id) != new and self._sealed(block):
+        if self.effective(key) != new and self._sealed(block):
             self.fail(f"{what}: {req.request_id} Mamba group {g} overwrites cached state block {block!r}")
         if deferred:
-            self.pending[block.block_id] = (req.request_id, new)
+            self.pending[key] = (req.request_id, new)
         else:
-            self.pending.pop(block.block_id, None)
-            self.content[block.block_id] = new
+            self.pending.pop(key, None)
+            self.content[key] = new
 
     def _sealed(self, block) -> bool:
         """A block whose contents must not change: cached before this operation's allocation and not
         handed out again since (eager caching hashes blocks just before their KV is written)."""
-        bid = block.block_id
-        return block.block_hash is not None and bid in self.hashed_before and bid not in self.fresh
+        key = self.key(block)
+        return block.block_hash is not None and key in self.hashed_before and key not in self.fresh
 
     def _read_state(self, req: CacheRequest, g: int, table: list, length: int, what: str) -> None:
         bs = self.managers[g].block_size
         j = cdiv(length, bs) - 1
-        if j >= len(table) or table[j] is self.pool.null_block:
+        if j >= len(table) or table[j].is_null:
             self.fail(f"{what}: {req.request_id} Mamba group {g} lost the state after {length} tokens (index {j})")
         bid = table[j].block_id
-        if bid in self.pending:
+        if self.key(table[j]) in self.pending:
             self.fail(f"{what}: {req.request_id} Mamba group {g} reads block {bid}, whose state is written only at the end of this step")
-        content = self.content.get(bid)
+        content = self.content.get(self.key(table[j]))
         if content is None or content[:3] != (g, length, length) or content[3] != self._prefix_key(req, length):
             self.fail(
                 f"{what}: {req.request_id} Mamba group {g} index {j} block {table[j].block_id} holds state "
@@ -482,14 +544,14 @@ class Sim:
                 continue
             bs = m.block_size
             for j in range(start // bs, cdiv(end, bs)):
-                if j < len(table) and table[j] is not self.pool.null_block:
+                if j < len(table) and not table[j].is_null:
                     self._write(req, g, table, j, max(start, j * bs), min(end, (j + 1) * bs), what)
 
     # -- snapshots for failed allocations --------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         return Snapshot(
-            refs=[b.ref_cnt for b in self.pool.blocks],
-            cached=[{h: b.block_id for h, b in table.items()} for table in self.pool.cached],
+            refs=[[b.ref_cnt for b in pool.blocks] for pool in self.pools],
+            cached=[{h: b.block_id for h, b in m.cached.items()} for m in self.managers],
             tables={rid: self.coord.block_ids(rid) for rid in self.coord.requests},
             admitted=set(self.coord.requests),
         )
@@ -502,8 +564,8 @@ class Sim:
             self.fail(f"failed allocation for {rid} changed the admitted set")
         if after.cached != before.cached:
             self.fail(f"failed allocation for {rid} changed the prefix-cache maps")
-        null_id = self.pool.null_block.block_id
-        released: Counter[int] = Counter()
+        null_id = self.coord.null_block_id
+        released: Counter[tuple[int, int]] = Counter()  # (pool, block id)
         for other, tables in before.tables.items():
             now = after.tables[other]
             if other != rid:
@@ -519,12 +581,16 @@ class Sim:
                     if a != b:
                         if b != null_id or i >= skipped:
                             self.fail(f"failed allocation for {rid} replaced group {g} index {i}: {a} -> {b}")
-                        released[a] += 1
-        for bid, (a, b) in enumerate(zip(before.refs, after.refs)):
-            if bid == null_id:
-                continue
-            if a - b != released.get(bid, 0):
-                self.fail(f"failed allocation for {rid}: block {bid} ref {a} -> {b}, released {released.get(bid, 0)}")
+                        released[(self.group_pool[g], a)] += 1
+        for p, (refs_before, refs_after) in enumerate(zip(before.refs, after.refs)):
+            for bid, (a, b) in enumerate(zip(refs_before, refs_after)):
+                if bid == null_id:
+                    continue
+                if a - b != released.get((p, bid), 0):
+                    self.fail(
+                        f"failed allocation for {rid}: block {bid} of pool {p} ref {a} -> {b}, "
+                        f"released {released.get((p, bid), 0)}"
+                    )
 
     def _mamba_deferred(self, hit: CacheHit | None) -> bool:
         if hit is None:
@@ -545,7 +611,7 @@ class Sim:
     ) -> list[list[int]] | None:
         req = r.req
         before = self.snapshot()
-        self.hashed_before = {bid for table in before.cached for bid in table.values()}
+        self.hashed_before = {(self.group_pool[g], bid) for g, table in enumerate(before.cached) for bid in table.values()}
         deferred = self._mamba_deferred(hit)
         ids = self.coord.allocate_slots(
             req, num_new, hit=hit, num_external_tokens=ext, delay_cache=delay, reserved_blocks=reserved
@@ -560,12 +626,13 @@ class Sim:
                 self.tag("mamba_same_step_defer")
             self.check_unchanged(r.rid, before, req.num_computed_tokens)
             need = req.num_computed_tokens + (hit.num_tokens if hit else 0) + ext + num_new
-            bound = sum(
-                3 if isinstance(m, MambaManager) else cdiv(need, m.block_size) for m in self.managers
-            )
-            if not deferred and self.pool.num_free_blocks - reserved >= bound:
+            bound = [0] * len(self.pools)
+            for g, m in enumerate(self.managers):
+                bound[self.group_pool[g]] += 3 if isinstance(m, MambaManager) else cdiv(need, m.block_size)
+            free = [pool.num_free_blocks for pool in self.pools]
+            if not deferred and all(f - reserved >= n for f, n in zip(free, bound)):
                 self.fail(
-                    f"allocate_slots({r.rid}, {num_new}) failed with {self.pool.num_free_blocks} free blocks, "
+                    f"allocate_slots({r.rid}, {num_new}) failed with {free} free blocks per pool, "
                     f"reserved {reserved}, while at most {bound} are needed"
                 )
             self.check()
@@ -577,12 +644,13 @@ class Sim:
         self.fresh.clear()
         self.hashed_before = set()
         self.coord.check_invariants()
-        pool = self.pool
         if self.cfg.enable_events:
             for event in self.coord.take_events():
                 if event.seq != self.last_seq + 1:
                     self.fail(f"event sequence gap: {self.last_seq} -> {event.seq}")
                 self.last_seq = event.seq
+                if not isinstance(event, AllBlocksCleared) and event.pool != self.group_pool[event.group]:
+                    self.fail(f"{type(event).__name__} of group {event.group} names pool {event.pool}")
                 if isinstance(event, BlockStored):
                     for h in event.block_hashes:
                         key = (event.group, h)
@@ -617,19 +685,19 @@ class Sim:
                 elif isinstance(event, AllBlocksCleared):
                     self.stored.clear()
                     self.pinned.clear()
-            actual = {(g, h) for g, table in enumerate(pool.cached) for h in table}
+            actual = {(g, h) for g, m in enumerate(self.managers) for h in m.cached}
             if actual != self.stored:
                 self.fail(
                     f"event replay disagrees with the pool: {len(actual - self.stored)} cached but not announced, "
                     f"{len(self.stored - actual)} announced but not cached"
                 )
-            pins = {(b.group, b.block_hash): b.pin for b in pool.blocks if b.pin != PIN_NONE}
+            pins = {(b.group, b.block_hash): b.pin for pool in self.pools for b in pool.blocks if b.pin != PIN_NONE}
             if pins != self.pinned:
                 self.fail(f"event replay disagrees with pin levels: {len(pins)} pinned vs {len(self.pinned)} announced")
         if self.data_model:
-            for g, table in enumerate(pool.cached):
-                for h, block in table.items():
-                    content = self.effective(block.block_id)
+            for g, m in enumerate(self.managers):
+                for h, block in m.cached.items():
+                    content = self.effective(self.key(block))
                     bs = self.managers[g].block_size
                     if (
                         content is None
@@ -644,13 +712,19 @@ class Sim:
                 table = m.tables[r.rid]
                 for j in range(local // m.block_size, len(table)):
                     b = table[j]
-                    if b is not pool.null_block and (b.block_hash is not None or b.ref_cnt != 1):
+                    if not b.is_null and (b.block_hash is not None or b.ref_cnt != 1):
                         self.fail(f"{r.rid} waits for KV but its group {g} index {j} block is {b!r}")
         admitted = {r.rid for r in self.reqs.values() if r.state in (RUNNING, LOADING)}
         if set(self.coord.requests) != admitted:
             self.fail(f"coordinator admits {sorted(self.coord.requests)}, simulator {sorted(admitted)}")
-        if not 0 <= pool.num_free_blocks <= pool.num_blocks - 1:
-            self.fail(f"num_free_blocks {pool.num_free_blocks} out of range")
+        for p, pool in enumerate(self.pools):
+            if not 0 <= pool.num_free_blocks <= pool.num_blocks - 1:
+                self.fail(f"pool {p}: num_free_blocks {pool.num_free_blocks} out of range")
+            if self.coord.num_free_blocks_in(p) != pool.num_free_blocks:
+                self.fail(f"num_free_blocks_in({p}) disagrees with the pool")
+        tight = max(range(len(self.pools)), key=lambda p: (self.pools[p].usage, -p))
+        if self.coord.num_free_blocks != self.pools[tight].num_free_blocks or self.coord.usage != self.pools[tight].usage:
+            self.fail("num_free_blocks/usage do not describe the tightest pool")
 
     def free_request(self, rid: str) -> None:
         """coord.free, then invariant 16: within each group, the request's blocks that went to the free
@@ -659,17 +733,17 @@ class Sim:
         tables = [list(m.tables.get(rid, ())) for m in self.managers]
         # Explicitly pinned blocks go to their tier. (With retention, freeing may also pin blocks
         # and demote others to the tail over budget: the order is then a retention policy.)
-        pinned = {b.block_id for table in tables for b in table if b.pin}
+        pinned = {self.key(b) for table in tables for b in table if b.pin}
         self.coord.free(rid)
         if not any(tables) or self.cfg.retention.enabled:
             return
-        position = {b.block_id: i for i, b in enumerate(self.pool.free_queue)}
-        null = self.pool.null_block
         for g, table in enumerate(tables):
+            pool = self.pools[self.group_pool[g]]
+            position = {b.block_id: i for i, b in enumerate(pool.free_queue)}
             freed = [
                 (j, b)
                 for j, b in enumerate(table)
-                if b is not null and b.block_id in position and b.block_id not in pinned
+                if not b.is_null and b.block_id in position and self.key(b) not in pinned
             ]
             cached = [position[b.block_id] for j, b in sorted(freed, key=lambda jb: -jb[0]) if b.block_hash is not None]
             uncached = [position[b.block_id] for _, b in freed if b.block_hash is None]
@@ -960,7 +1034,7 @@ class Sim:
             for g, m in enumerate(self.managers):
                 view = m.view(hashes)
                 for i in self.needed_blocks(m, pinned):
-                    block = self.pool.cached[g].get(view[i])
+                    block = m.cached.get(view[i])
                     if block is None or block.pin != PIN_EXPLICIT:
                         self.fail(f"pin_prefix({n}) -> {pinned}: group {g} index {i} is {block!r}, not pinned")
             self.tag("pin")
@@ -995,13 +1069,15 @@ class Sim:
         return "unpin"
 
     def reset(self) -> str:
-        idle = self.pool.num_free_blocks == self.pool.num_blocks - 1
+        idle = all(pool.num_free_blocks == pool.num_blocks - 1 for pool in self.pools)
         ok = self.coord.reset_prefix_cache()
         self.note(f"reset_prefix_cache -> {ok}")
         if ok != idle:
             self.fail(f"reset_prefix_cache() returned {ok} with idle={idle}")
         if ok:
-            if any(self.pool.cached) or any(b.block_hash is not None or b.pin for b in self.pool.blocks):
+            if any(m.cached for m in self.managers) or any(
+                b.block_hash is not None or b.pin for pool in self.pools for b in pool.blocks
+            ):
                 self.fail("reset_prefix_cache left hashes or pins behind")
             self.pins.clear()
             self.held.clear()
@@ -1016,18 +1092,19 @@ class Sim:
             self.check()
         while self.pins:
             self.unpin(0)
-        pool = self.pool
-        if pool.num_free_blocks != pool.num_blocks - 1:
-            self.fail(f"after draining {pool.num_free_blocks} free blocks, expected {pool.num_blocks - 1}")
-        if any(b.ref_cnt for b in pool.blocks if not b.is_null):
-            self.fail("after draining some block is still referenced")
-        left = [b for b in pool.blocks if b.pin == PIN_EXPLICIT]
+        for p, pool in enumerate(self.pools):
+            if pool.num_free_blocks != pool.num_blocks - 1:
+                self.fail(f"after draining pool {p} has {pool.num_free_blocks} free blocks, expected {pool.num_blocks - 1}")
+            if any(b.ref_cnt for b in pool.blocks if not b.is_null):
+                self.fail(f"after draining some block of pool {p} is still referenced")
+        left = [b for pool in self.pools for b in pool.blocks if b.pin == PIN_EXPLICIT]
+        explicit = sum(pool.explicit.size for pool in self.pools)
         # The coordinator's private pin bookkeeping, where it has any, must be empty too.
         books = {name: len(getattr(self.coord, name, ())) for name in ("_explicit_pins", "_prefix_pins")}
-        if left or pool.explicit.size or any(books.values()):
+        if left or explicit or any(books.values()):
             self.fail(
-                f"after unpinning every pin: {len(left)} blocks still explicitly pinned, explicit tier "
-                f"{pool.explicit.size}, pin bookkeeping {books}"
+                f"after unpinning every pin: {len(left)} blocks still explicitly pinned, explicit tiers "
+                f"{explicit}, pin bookkeeping {books}"
             )
         self.commit()
         self.scheduled.clear()
