@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
     "BambaForCausalLM",
+    "Qwen3ForCausalLM",
+    "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 # "mamba" and "linear_attention" keep a recurrent state per request; "mlp" layers keep no cache.
@@ -133,6 +136,37 @@ class MambaArch:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetArch:
+    """A Gated DeltaNet mixer (Qwen3-Next's linear attention): ``num_k_heads`` query/key heads of
+    ``head_k_dim``, ``num_v_heads`` value heads of ``head_v_dim`` (a multiple of the key heads),
+    a depthwise causal conv of width ``conv_kernel`` over the concatenated q, k, v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """fp32 numbers in one request's state: the last ``conv_kernel - 1`` conv inputs plus the
+        delta-rule state (``[num_v_heads, head_k_dim, head_v_dim]``)."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+
+@dataclass(frozen=True)
 class LayerArch:
     kind: LayerKind
     window: int | None = None  # sliding window in tokens (query sees keys in (q - window, q])
@@ -144,7 +178,7 @@ class ModelArch:
     """Everything the torch model needs to know about one checkpoint's architecture."""
 
     architecture: str
-    family: Literal["llama", "gemma3", "bamba"]
+    family: Literal["llama", "gemma3", "bamba", "qwen3_next"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -169,6 +203,8 @@ class ModelArch:
     moe: MoEArch | None = None  # every layer's MLP is this sparse MoE block
     qk_norm: bool = False  # RMS norm over each q/k head before rotary (Qwen3)
     attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
+    gated_deltanet: GatedDeltaNetArch | None = None  # the "linear_attention" layers' mixer (Qwen3-Next)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers whose MLP is dense even though ``moe`` is set
 
     @property
     def num_layers(self) -> int:
@@ -177,10 +213,12 @@ class ModelArch:
     @property
     def recurrent_state_floats(self) -> int:
         """fp32 values in one request's state for one recurrent layer (0 without recurrent layers)."""
+        if self.gated_deltanet is not None:
+            return self.gated_deltanet.state_floats
         return self.mamba.state_floats if self.mamba is not None else 0
 
 
-def _rope(params: dict[str, Any] | None, default_theta: float) -> RopeArch:
+def _rope(params: dict[str, Any] | None, default_theta: float, max_positions: int | None = None) -> RopeArch:
     params = params or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", default_theta))
@@ -188,7 +226,39 @@ def _rope(params: dict[str, Any] | None, default_theta: float) -> RopeArch:
         return RopeArch(theta)
     if rope_type == "linear":
         return RopeArch(theta, float(params["factor"]))
-    raise UnsupportedModelError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default, linear)")
+    if rope_type == "yarn":
+        return RopeArch(theta, yarn=_yarn(params, max_positions))
+    raise UnsupportedModelError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default, linear, yarn)")
+
+
+def _yarn(params: dict[str, Any], max_positions: int | None) -> YarnArch:
+    """YaRN as Hugging Face's ``rope_type: yarn`` defines it (attention factor from ``factor`` and
+    optional ``mscale`` / ``mscale_all_dim`` unless given)."""
+    if "original_max_position_embeddings" not in params:
+        raise UnsupportedModelError("rope_parameters.original_max_position_embeddings: required by rope_type 'yarn'")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise UnsupportedModelError("rope_parameters.factor: required by rope_type 'yarn'")
+        factor = max_positions / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return YarnArch(
+        factor=factor,
+        original_max_positions=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
 
 
 def _eos(config: dict[str, Any]) -> tuple[int, ...]:
@@ -218,6 +288,13 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
     """Build a ModelArch from a Hugging Face config dict (``config.json`` contents)."""
     architectures = config.get("architectures") or []
     architecture = architectures[0] if architectures else _guess_architecture(config)
+    quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "<unnamed>") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method: {method!r} is not supported (kvfleet loads unquantized "
+            f"float32/bfloat16/float16 safetensors only)"
+        )
     if architecture not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise UnsupportedModelError(f"architecture {architecture!r} is not supported (supported: {supported})")
@@ -261,6 +338,15 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
         )
 
+    if architecture in ("Qwen3ForCausalLM", "GptOssForCausalLM"):
+        from engine.model.qwen3_gpt_oss_arch import gpt_oss_arch, qwen3_arch  # imports this module
+
+        adapter = qwen3_arch if architecture == "Qwen3ForCausalLM" else gpt_oss_arch
+        return adapter(config, architecture, head_dim, window)
+    if architecture == "Qwen3NextForCausalLM":
+        from engine.model.qwen3_next_arch import qwen3_next_arch  # imports this module
+
+        return qwen3_next_arch(config, architecture, head_dim)
     rope = _rope(rope_params if "rope_type" in rope_params or "type" in rope_params else None, default_theta)
     if architecture == "BambaForCausalLM":
         return _bamba(config, architecture, hidden, heads, head_dim, num_layers, rope_params, default_theta)
@@ -354,4 +440,7 @@ def _guess_architecture(config: dict[str, Any]) -> str:
         "mistral": "MistralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
         "bamba": "BambaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "gpt_oss": "GptOssForCausalLM",
+        "qwen3_next": "Qwen3NextForCausalLM",
     }.get(model_type, model_type or "<missing architectures>")

@@ -1,8 +1,9 @@
-"""Decoder-only transformers of the Llama family (Llama, Qwen2, Mistral) and Gemma3.
+"""Decoder-only transformers of the Llama family (Llama, Qwen2, Mistral, Qwen3, gpt-oss) and Gemma3.
 
-One class covers both: Gemma3 adds q/k norms, pre/post feed-forward norms, ``1 + weight`` RMS
-norms, a scaled embedding and per-layer-type rotary bases; the rest is shared. Parameter names
-follow the Hugging Face checkpoints, so ``load_state_dict`` maps weights by name.
+One class covers them: Gemma3 adds q/k norms, pre/post feed-forward norms, ``1 + weight`` RMS
+norms, a scaled embedding and per-layer-type rotary bases; Qwen3 adds plain q/k norms; gpt-oss
+adds attention sinks and a sparse MoE MLP (``ModelArch.moe``); the rest is shared. Parameter
+names follow the Hugging Face checkpoints, so ``load_state_dict`` maps weights by name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from engine.model.arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.layers import GatedMLP, RMSNorm, Rotary, paged_attention
+from engine.model.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -28,10 +30,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=bias)
         self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.output_bias)
-        if gemma:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
-        self.gemma = gemma
+        self.qk_norm = gemma or arch.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=gemma)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=gemma)
+        self.register_parameter("sinks", nn.Parameter(torch.empty(arch.num_heads)) if arch.attention_sinks else None)
         self.rope_key = arch.layers[layer].rope
         self.rotary = Rotary(arch.layers[layer].rope, arch.head_dim)  # type: ignore[arg-type]
         self.cache: torch.Tensor | None = None  # set by the runner: rows [n, kv_heads, head_dim]
@@ -52,7 +55,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.gemma:
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
@@ -68,6 +71,7 @@ class Attention(nn.Module):
             batch,
             self.arch.attn_scale,
             self.arch.attn_logit_softcapping,
+            self.sinks,
         )
         return self.o_proj(out.reshape(t, -1))
 
@@ -77,7 +81,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         gemma = arch.family == "gemma3"
         self.self_attn = Attention(arch, layer, group)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+        self.mlp: nn.Module = (
+            SparseMoE(arch.moe, arch.hidden_size)
+            if arch.moe
+            else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+        )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
         self.gemma = gemma

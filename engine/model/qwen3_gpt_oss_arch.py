@@ -1,0 +1,92 @@
+"""Hugging Face config -> ModelArch for Qwen3 and gpt-oss (called from ``arch_from_hf_config``).
+
+Qwen3 is Llama with an RMS norm over each q/k head before rotary; gpt-oss alternates sliding and
+full attention layers, adds q/k/v/o biases and per-head attention sinks, uses YaRN rotary and a
+sparse MoE MLP (top-k logits then softmax, router bias, clamped SwiGLU experts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.model.arch import (
+    LayerArch,
+    ModelArch,
+    MoEArch,
+    UnsupportedModelError,
+    _rope,
+    _shared_fields,
+)
+
+
+def _layers(config: dict[str, Any], num_layers: int, default_types: list[str], window: int | None, rope) -> tuple[LayerArch, ...]:
+    layer_types = list(config.get("layer_types") or default_types)
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    for kind in layer_types:
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UnsupportedModelError(f"layer_types: {kind!r} is not supported here (full_attention, sliding_attention)")
+    if "sliding_attention" in layer_types and not window:
+        raise UnsupportedModelError(f"sliding_window: {window!r}, but layer_types has sliding_attention layers")
+    return tuple(
+        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]
+        for kind in layer_types
+    )
+
+
+def _rope_for(config: dict[str, Any]):  # noqa: ANN202
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return _rope(params, float(config.get("rope_theta", 10000.0)), config.get("max_position_embeddings"))
+
+
+def qwen3_arch(config: dict[str, Any], architecture: str, head_dim: int, window: int | None) -> ModelArch:
+    num_layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    sliding = bool(config.get("use_sliding_window")) and window
+    max_window_layers = int(config.get("max_window_layers", num_layers))
+    default_types = [
+        "sliding_attention" if sliding and i >= max_window_layers else "full_attention" for i in range(num_layers)
+    ]
+    bias = bool(config.get("attention_bias", False))
+    return ModelArch(
+        architecture=architecture,
+        family="llama",
+        **_shared_fields(config, heads, head_dim, 1e-6, 32768),
+        layers=_layers(config, num_layers, default_types, window if sliding else None, _rope_for(config)),
+        hidden_act=str(config.get("hidden_act", "silu")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        output_bias=bias,
+        attn_scale=head_dim**-0.5,
+        qk_norm=True,
+    )
+
+
+def gpt_oss_arch(config: dict[str, Any], architecture: str, head_dim: int, window: int | None) -> ModelArch:
+    num_layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    moe = MoEArch(
+        num_experts=int(config["num_local_experts"]),
+        top_k=int(config.get("num_experts_per_tok", config.get("experts_per_token", 4))),
+        intermediate_size=int(config["intermediate_size"]),
+        layout="gpt_oss",
+        scoring="topk_softmax",
+        router_bias=True,
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+    )
+    bias = bool(config.get("attention_bias", True))
+    return ModelArch(
+        architecture=architecture,
+        family="llama",
+        **_shared_fields(config, heads, head_dim, 1e-5, 131072),
+        layers=_layers(config, num_layers, default_types, window, _rope_for(config)),
+        hidden_act="silu",  # unused: the experts' clamped SwiGLU is fixed by the layout
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        output_bias=bias,
+        attn_scale=head_dim**-0.5,
+        moe=moe,
+        attention_sinks=True,
+    )

@@ -1,0 +1,92 @@
+"""Random Qwen3 and gpt-oss checkpoints built offline through transformers (tests, benchmarks).
+
+``build_random_checkpoint(name, directory, seed, **overrides)`` writes a Hugging Face directory
+(config.json + safetensors) that both transformers and kvfleet load. Every parameter Hugging Face
+initialises to a constant (RMS norm weights, biases, gpt-oss's expert biases) gets random values,
+so norms and biases are really exercised by the logits oracles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+)
+
+# name -> (config class, model class, config fields over _COMMON)
+RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tiny-qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=3, intermediate_size=128)),
+    "tiny-gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=48,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            swiglu_limit=1.0,  # low enough that the clamps bind on random weights
+            # YaRN whose ramp falls inside the 8 rotary frequencies of a 16-wide head
+            rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                                 original_max_position_embeddings=64, truncate=False),
+        ),
+    ),
+    # benchmark sizes: 8 layers, hidden 512
+    "bench-qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, initializer_range=0.05),
+    ),
+    "bench-gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(vocab_size=32000, hidden_size=512, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, initializer_range=0.05,
+             num_local_experts=8, num_experts_per_tok=2, sliding_window=128),
+    ),
+}
+
+
+def randomise_constant_parameters(model: Any, scale: float = 0.2) -> int:
+    """Give every parameter whose entries are all equal (HF's ones/zeros inits) random values
+    around that constant; returns how many parameters changed."""
+    import torch
+
+    changed = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                param.add_(torch.randn_like(param) * scale)
+                changed += 1
+    return changed
+
+
+def build_random_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Create (or overwrite) the random checkpoint ``name`` in ``directory``."""
+    import torch
+    import transformers
+
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"model: unknown random model {name!r} (known: {', '.join(sorted(RANDOM_MODELS))})")
+    config_cls, model_cls, extra = RANDOM_MODELS[name]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    randomise_constant_parameters(model)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
