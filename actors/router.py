@@ -25,8 +25,17 @@ from actors.pin_journal import JournaledPin, PinJournal
 from configs.schema import ClusterConfig
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
-from engine.routing import Action, Decision, PinOn, RequestSnapshot, RouteOutcomes, RouteRequest, Unpin, WorkerLoad
-from engine.routing import Router as RoutingPolicy
+from engine.routing import (
+    Action,
+    Decision,
+    PinOn,
+    RequestSnapshot,
+    RouteOutcomes,
+    RouteRequest,
+    Unpin,
+    WorkerLoad,
+    build_router,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +59,7 @@ class Router:
 
         setup_logging(config.logging)
         router_config = config.router.model_copy(update={"pins": []})
-        self.policy = RoutingPolicy.from_config(router_config, list(groups), now=time.monotonic())
+        self.policy = build_router(router_config, list(groups), now=time.monotonic())
         self.handles: dict[str, Any] = {}
         self.reasons: Counter[str] = Counter()
         self.outcomes = RouteOutcomes()

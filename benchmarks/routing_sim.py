@@ -119,25 +119,31 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.kv_cache import CacheRequest, HybridCoordinator, KVCacheGroup, RetentionOptions  # noqa: E402
-from engine.kv_cache.hashing import extend_block_hashes  # noqa: E402
-from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from engine.routing import (  # noqa: E402
+from configs.schema import AutoPinConfig, RouterConfig
+from engine.kv_cache import (
+    CacheRequest,
+    HybridCoordinator,
+    KVCacheGroup,
+    RetentionOptions,
+)
+from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from engine.routing import (
     HitRules,
     LeastLoadedRouter,
     PinOn,
     PrefixTreeRouter,
     RequestSnapshot,
     RoundRobinRouter,
-    RouteRequest,
     Router,
+    RouteRequest,
     RoutingPolicy,
     Unpin,
     WorkerLoad,
+    build_router,
     snapshot_coordinator,
 )
-from engine.routing.types import Action  # noqa: E402
-from configs.schema import AutoPinConfig, RouterConfig  # noqa: E402
+from engine.routing.types import Action
 
 LOG = logging.getLogger("routing_sim")
 BLOCK = 16
@@ -235,7 +241,7 @@ def make_trace(args: argparse.Namespace, workers: int, ratio: float, count: int,
     working_set = sum(needed)
     # Blocks one longest request holds while its prompt is built (full prefix, the windows, a chunk).
     longest = (args.prefix_max + args.suffix_max) // BLOCK + sum(
-        -(-(g.spec.window - 1) // BLOCK) + CHUNK // BLOCK for g in GROUPS[1:]  # type: ignore[union-attr]
+        g.spec.blocks_for_hit + CHUNK // BLOCK for g in GROUPS[1:]  # type: ignore[union-attr]
     )
     num_blocks = max(math.ceil(working_set / (ratio * workers)), 2 * longest)
     # Static oracle: the most requested prefixes that fit the cluster's cache are always hit.
@@ -487,7 +493,7 @@ class Simulation:
             ) * self.args.pin_replicas  # fmt: skip
         # kvfleet: RouterConfig defaults, automatic pinning on unless the run says otherwise
         config = RouterConfig(seed=seed, pin_capacity_blocks=capacity, auto_pin=AutoPinConfig(enabled=self.auto_pin))
-        return RoutingPolicy.build(config, GROUPS, None, 0.0)
+        return build_router(config, GROUPS)
 
     def _aligned(self, rank: int) -> int:
         n = len(self.trace.prefixes[rank])
@@ -709,13 +715,13 @@ class Simulation:
 
     def pin_on(self, worker: SimWorker, action: PinOn) -> None:
         coord = worker.coord
-        if coord.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens >= action.num_tokens:
+        held = coord.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens
+        if held >= action.num_tokens or not action.token_ids:  # automatic pins keep what is held
             pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
             self.flush(worker)
             assert isinstance(self.router, RoutingPolicy)
             self.execute(self.router.pin_result(worker.name, action.pin_id, pinned, self.now, coord.event_seq))
             return
-        assert action.token_ids is not None, "pins in the simulator always carry their tokens"
         # Warm-up prefill of the prefix (+1 token: the hit search stops at N - 1), then pin.
         tokens = list(action.token_ids) + [0]
         rid = f"pin{action.pin_id}-{next(self.jobs)}"

@@ -64,19 +64,17 @@ class Workload:
 
 
 def blocks_for(groups: list[Any], num_tokens: int) -> int:
-    """Blocks a cached prefix of ``num_tokens`` keeps in the pool across ``groups`` (full: every
+    """Blocks a cached prefix of ``num_tokens`` keeps in the pool across ``groups``: what a hit at
+    its last whole block needs, by the coordinator's own per-group rules (full attention: every
     block; sliding window: the window's; Mamba: one state)."""
-    from engine.kv_cache.spec import MambaSpec, SlidingWindowSpec
+    from engine.routing import HitRules
 
+    rules = HitRules(groups)
     total = 0
-    for group in groups:
-        spec = group.spec
-        blocks = -(-num_tokens // spec.block_size)
-        if isinstance(spec, MambaSpec):
-            blocks = 1
-        elif isinstance(spec, SlidingWindowSpec):
-            blocks = min(blocks, -(-spec.window // spec.block_size) + 1)
-        total += blocks
+    for manager in rules.managers:
+        aligned = max(num_tokens - num_tokens % manager.block_size, manager.block_size)
+        needed = manager.blocks_needed_at(aligned)
+        total += needed.stop - needed.start
     return total
 
 

@@ -74,6 +74,12 @@ class KVCacheConfig(_Frozen):
     block_size: PositiveInt = 16
     num_blocks: PositiveInt | None = None
     memory_budget_mib: PositiveFloat | None = 512.0
+    # hybrid models: how memory_budget_mib is split between pools (engine/model/kv_budget.py):
+    # running requests' recurrent states first, cached states at most this share of the rest
+    state_cache_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
+    # typical shared-prefix length of the workload: caps cached states at one per prefix the
+    # attention pool can hold (None: the fraction alone decides)
+    expected_prefix_tokens: PositiveInt | None = None
     prefix_caching: bool = True
     hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
     pinning: PinningConfig = PinningConfig()
@@ -234,6 +240,8 @@ class AutoPinConfig(_Frozen):
     budget_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
     min_requests: PositiveInt = 2
     replicas: PositiveInt = 1
+    #: seconds between two revisions of the automatic pins
+    interval_s: PositiveFloat = 5.0
 
 
 class RouterConfig(_Frozen):
@@ -260,9 +268,18 @@ class RouterConfig(_Frozen):
     #: for at most this long (0 turns it off)
     inflight_ttl_s: NonNegativeFloat = 30.0
     pin_capacity_blocks: Annotated[int, Field(ge=0)] | None = None
+    #: pins never take more than this share of one worker's pool
+    pin_worker_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
     pins: list[PinConfig] = Field(default_factory=list)
     auto_pin: AutoPinConfig = AutoPinConfig()
     seed: int = 0
+
+    @field_validator("work_imbalance_ratio")
+    @classmethod
+    def _work_guard_off_or_ratio(cls, ratio: float) -> float:
+        if 0.0 < ratio < 1.0:
+            raise ValueError(f"must be 0 (off) or >= 1.0 (got {ratio})")
+        return ratio
 
 
 class RayConfig(_Frozen):

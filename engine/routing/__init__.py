@@ -2,8 +2,8 @@
 
 - ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
   the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment).
-- ``router``: ``Router``, the interface every policy offers; ``Router.from_config`` builds one
-  from ``RouterConfig``.
+- ``router``: ``Router``, the interface every policy offers.
+- ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
 - ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
 - ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
@@ -12,8 +12,18 @@
 - ``outcomes``: route decisions counted per reason as hit / miss / below the best worker's hit.
 """
 
-from engine.routing.baselines import LeastLoadedRouter, PrefixTreeRouter, RoundRobinRouter
-from engine.routing.index import HitRules, PrefixIndex, WorkerSnapshot, snapshot_coordinator
+from engine.routing.baselines import (
+    LeastLoadedRouter,
+    PrefixTreeRouter,
+    RoundRobinRouter,
+)
+from engine.routing.factory import build_router
+from engine.routing.index import (
+    HitRules,
+    PrefixIndex,
+    WorkerSnapshot,
+    snapshot_coordinator,
+)
 from engine.routing.outcomes import RouteOutcomes
 from engine.routing.policy import RoutingPolicy
 from engine.routing.router import POLICIES, Router
@@ -51,5 +61,6 @@ __all__ = [
     "Unpin",
     "WorkerLoad",
     "WorkerSnapshot",
+    "build_router",
     "snapshot_coordinator",
 ]

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from engine.kv_cache.spec import KVCacheGroup, alignment_tokens, hash_block_size
 from engine.routing.index import WorkerSnapshot
 from engine.routing.router import Router
-from engine.routing.types import Action, Decision, Role, RouteRequest, WorkerId, WorkerLoad
+from engine.routing.types import (
+    Action,
+    Decision,
+    Role,
+    RouteRequest,
+    WorkerId,
+    WorkerLoad,
+)
 
 
 class RoundRobinRouter(Router):

@@ -33,17 +33,28 @@ snapshot. A stale worker keeps predicting from its last known state.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from bisect import bisect_left
 from functools import reduce
 from itertools import accumulate, repeat
 from operator import and_
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED
 from engine.kv_cache.coordinator import HybridCoordinator
-from engine.kv_cache.events import AllBlocksCleared, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned, KVEvent
-from engine.kv_cache.managers import FullAttentionManager, MambaManager, SingleTypeManager
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+    KVEvent,
+)
+from engine.kv_cache.managers import (
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeManager,
+)
 from engine.kv_cache.spec import KVCacheGroup
 
 WorkerId = Hashable
@@ -160,7 +171,7 @@ class HitRules:
 
 
 class _Worker:
-    __slots__ = ("worker", "slot", "bit", "tables", "last_seq", "stale", "buffer", "overflowed")
+    __slots__ = ("bit", "buffer", "last_seq", "overflowed", "slot", "stale", "tables", "worker")
 
     def __init__(self, worker: WorkerId, slot: int, num_groups: int):
         self.worker = worker
@@ -590,7 +601,7 @@ class _RangeAnd:
     """AND of worker bitmasks over any index range of ``present`` (prefix ANDs for ranges from 0,
     a sparse table built level by level on demand for the others)."""
 
-    __slots__ = ("present", "_prefix", "_levels")
+    __slots__ = ("_levels", "_prefix", "present")
 
     def __init__(self, present: list[int]):
         self.present = present

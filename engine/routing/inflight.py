@@ -25,7 +25,7 @@ from engine.routing.types import WorkerId
 class _Sent:
     """Blocks ``hashes[start:end]`` of one routed prompt, announced for ``worker``."""
 
-    __slots__ = ("worker", "hashes", "start", "end", "expiry")
+    __slots__ = ("end", "expiry", "hashes", "start", "worker")
 
     def __init__(self, worker: WorkerId, hashes: Sequence[bytes], start: int, end: int, expiry: float):
         self.worker = worker

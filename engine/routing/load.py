@@ -16,7 +16,7 @@ from engine.routing.types import WorkerId
 class _Average:
     """One exponentially averaged piecewise-constant value."""
 
-    __slots__ = ("value", "avg", "at")
+    __slots__ = ("at", "avg", "value")
 
     def __init__(self, at: float):
         self.value = 0.0

@@ -22,7 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.routing.index import GroupHash, PrefixIndex
-from engine.routing.types import Action, PinCapacityError, PinInfo, PinOn, Unpin, WorkerId
+from engine.routing.types import (
+    Action,
+    PinCapacityError,
+    PinInfo,
+    PinOn,
+    Unpin,
+    WorkerId,
+)
 
 PENDING = "pending"
 ACTIVE = "active"

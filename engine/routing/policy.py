@@ -67,8 +67,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from configs.schema import PinConfig, RouterConfig
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
@@ -87,89 +87,28 @@ from engine.routing.types import (
     WorkerLoad,
 )
 
-if TYPE_CHECKING:
-    from configs.schema import RouterConfig
 
 class RoutingPolicy(Router):
     """kvfleet's policy. See the module docstring for the cost and the rules."""
 
     name = "kvfleet"
 
-    def __init__(
-        self,
-        groups: Sequence[KVCacheGroup],
-        *,
-        w_uncached: float = 1.0,
-        w_queued: float = 0.5,
-        w_running: float = 16.0,
-        w_used: float = 256.0,
-        w_churn: float = 1.0,
-        decode_only_threshold_tokens: int = 64,
-        imbalance_ratio: float = 2.0,
-        pin_capacity_blocks: int | None = None,
-        auto_pin: bool = False,
-        auto_pin_budget_blocks: int = 0,
-        auto_pin_budget_fraction: float = 0.3,
-        auto_pin_min_requests: int = 2,
-        auto_pin_replicas: int = 1,
-        auto_pin_interval_s: float = 5.0,
-        pin_worker_fraction: float = 0.5,
-        anchor_credit: float = 0.5,
-        load_halflife_s: float = 5.0,
-        sustained_imbalance_ratio: float = 1.3,
-        work_imbalance_ratio: float = 1.3,
-        work_halflife_s: float = 10.0,
-        request_work_tokens: float = 256.0,
-        imbalance_slack_tokens: float = 4096.0,
-        inflight_ttl_s: float = 30.0,
-        seed: int = 0,
-    ):
-        super().__init__(seed)
-        if imbalance_ratio < 1.0:
-            raise ValueError(f"imbalance_ratio: must be >= 1.0 (got {imbalance_ratio})")
+    def __init__(self, groups: Sequence[KVCacheGroup], config: RouterConfig | None = None):
+        """``config``: every weight, threshold and pin option (validated by ``RouterConfig``);
+        the policy reads it directly. Configured pins are placed by ``engine.routing.factory``."""
+        super().__init__(config.seed if config is not None else 0)
+        self.config = config if config is not None else RouterConfig()
+        self.weights = self.config.weights
         self.index = PrefixIndex(groups)
         self.rules = self.index.rules
         self.has_mamba = bool(self.rules.mamba_groups)
-        if not 0.0 <= anchor_credit <= 1.0:
-            raise ValueError(f"anchor_credit: must be within [0, 1] (got {anchor_credit})")
-        self.w_uncached = w_uncached
-        self.w_churn = w_churn
-        self.w_queued = w_queued
-        self.w_running = w_running
-        self.w_used = w_used
-        self.decode_only_threshold_tokens = decode_only_threshold_tokens
-        self.imbalance_ratio = imbalance_ratio
-        self.pin_worker_fraction = pin_worker_fraction
-        self.anchor_credit = anchor_credit
-        if sustained_imbalance_ratio < 1.0:
-            raise ValueError(f"sustained_imbalance_ratio: must be >= 1.0 (got {sustained_imbalance_ratio})")
-        if load_halflife_s < 0:
-            raise ValueError(f"load_halflife_s: must be >= 0 (got {load_halflife_s})")
-        self.load_halflife_s = load_halflife_s
-        self.sustained_imbalance_ratio = sustained_imbalance_ratio
-        self._smoothed = SmoothedQueues(load_halflife_s) if load_halflife_s > 0 else None
-        if work_imbalance_ratio != 0.0 and work_imbalance_ratio < 1.0:
-            raise ValueError(f"work_imbalance_ratio: must be 0 (off) or >= 1.0 (got {work_imbalance_ratio})")
-        if request_work_tokens < 0:
-            raise ValueError(f"request_work_tokens: must be >= 0 (got {request_work_tokens})")
-        self.work_imbalance_ratio = work_imbalance_ratio
-        if imbalance_slack_tokens < 0:
-            raise ValueError(f"imbalance_slack_tokens: must be >= 0 (got {imbalance_slack_tokens})")
-        self.imbalance_slack_tokens = imbalance_slack_tokens
-        self.work_halflife_s = work_halflife_s
-        self.request_work_tokens = request_work_tokens
-        self._work = DecayedWork(work_halflife_s)
+        cfg = self.config
+        self._smoothed = SmoothedQueues(cfg.load_halflife_s) if cfg.load_halflife_s > 0 else None
+        self._work = DecayedWork(cfg.work_halflife_s)
         self._now = 0.0
-        self.pins = PinTable(self.index, pin_capacity_blocks)
-        self.auto_pin = auto_pin
-        self.auto_pin_budget_blocks = auto_pin_budget_blocks
-        if not 0.0 <= auto_pin_budget_fraction <= 1.0:
-            raise ValueError(f"auto_pin.budget_fraction: must be within [0, 1] (got {auto_pin_budget_fraction})")
-        self.auto_pin_budget_fraction = auto_pin_budget_fraction
-        self.auto_pin_min_requests = auto_pin_min_requests
-        self.auto_pin_replicas = auto_pin_replicas
-        self.auto_pin_interval_s = auto_pin_interval_s
-        self.hot = HotPrefixes(self.rules.hash_block_size, self.rules.alignment) if auto_pin else None
+        self.pins = PinTable(self.index, cfg.pin_capacity_blocks)
+        auto = cfg.auto_pin
+        self.hot = HotPrefixes(self.rules.hash_block_size, self.rules.alignment) if auto.enabled else None
         self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id
         self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
@@ -178,51 +117,22 @@ class RoutingPolicy(Router):
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
         # Prefixes routed but not yet reported, in the hash space of the first checked group.
-        self._inflight = InFlightPrefixes(inflight_ttl_s)
+        self._inflight = InFlightPrefixes(cfg.inflight_ttl_s)
         self._inflight_group = self.rules.order[0]
         self._inflight_block = self.rules.block_sizes[self._inflight_group]
 
-    @classmethod
-    def build(
-        cls, cfg: RouterConfig, groups: Sequence[KVCacheGroup], tokenize: Callable[[str], list[int]] | None, now: float
-    ) -> RoutingPolicy:
-        """kvfleet's policy from ``cfg`` (``Router.from_config`` calls this for policy "kvfleet")."""
-        weights = cfg.weights
-        auto = cfg.auto_pin
-        policy = cls(
-            groups,
-            w_uncached=weights.uncached_tokens,
-            w_queued=weights.queued_tokens,
-            w_running=weights.running_requests,
-            w_used=weights.used_block_fraction,
-            w_churn=weights.cache_churn,
-            anchor_credit=cfg.anchor_credit,
-            load_halflife_s=cfg.load_halflife_s,
-            sustained_imbalance_ratio=cfg.sustained_imbalance_ratio,
-            imbalance_slack_tokens=cfg.imbalance_slack_tokens,
-            work_imbalance_ratio=cfg.work_imbalance_ratio,
-            work_halflife_s=cfg.work_halflife_s,
-            request_work_tokens=cfg.request_work_tokens,
-            inflight_ttl_s=cfg.inflight_ttl_s,
-            decode_only_threshold_tokens=cfg.decode_only_threshold_tokens,
-            imbalance_ratio=cfg.imbalance_ratio,
-            pin_capacity_blocks=cfg.pin_capacity_blocks,
-            auto_pin=auto.enabled,
-            auto_pin_budget_blocks=auto.budget_blocks,
-            auto_pin_budget_fraction=auto.budget_fraction,
-            auto_pin_min_requests=auto.min_requests,
-            auto_pin_replicas=auto.replicas,
-            seed=cfg.seed,
-        )
-        for i, pin in enumerate(cfg.pins):
+    def pin_configured(
+        self, pins: Sequence[PinConfig], tokenize: Callable[[str], list[int]] | None, now: float
+    ) -> None:
+        """Pin the prefixes of ``router.pins`` (text needs ``tokenize``)."""
+        for i, pin in enumerate(pins):
             if pin.token_ids is not None:
                 tokens = list(pin.token_ids)
             elif tokenize is None:
                 raise ValueError(f"router.pins.{i}.text: pinning text needs a tokenizer (pass tokenize=...)")
             else:
                 tokens = tokenize(pin.text or "")
-            policy.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
-        return policy
+            self.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
 
     # -- membership and loads -------------------------------------------------------------------------
     def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
@@ -267,13 +177,13 @@ class RoutingPolicy(Router):
     @property
     def w_miss(self) -> float:
         """Weight of an uncached prefill token: its compute plus the cache churn it causes."""
-        return self.w_uncached + self.w_churn
+        return self.weights.uncached_tokens + self.weights.cache_churn
 
     def _cost_of(self, load: WorkerLoad) -> float:
         return (
-            self.w_queued * load.queued_tokens
-            + self.w_running * load.running_requests
-            + self.w_used * load.used_block_fraction
+            self.weights.queued_tokens * load.queued_tokens
+            + self.weights.running_requests * load.running_requests
+            + self.weights.used_block_fraction * load.used_block_fraction
         )
 
     # -- events ---------------------------------------------------------------------------------------
@@ -412,7 +322,7 @@ class RoutingPolicy(Router):
             if not pin.auto:  # the user's pins come first: automatic ones are best effort
                 pinned -= self.pins.auto_worker_blocks.get(worker, 0)
             limit = self.num_blocks.get(worker)
-            if limit is not None and pinned + pin.blocks_per_replica > self.pin_worker_fraction * limit:
+            if limit is not None and pinned + pin.blocks_per_replica > self.config.pin_worker_fraction * limit:
                 continue
             key = (0 if resident else 1, pinned, self._load_cost.get(worker, 0.0), self.rng.random())
             if best is None or key < best:
@@ -422,7 +332,7 @@ class RoutingPolicy(Router):
     def tick(self, now: float) -> list[Action]:
         """Time-driven work: pin TTLs, PENDING timeouts, retries, automatic pinning."""
         actions = self.pins.expire(now)
-        if self.hot is not None and (self._last_auto is None or now - self._last_auto >= self.auto_pin_interval_s):
+        if self.hot is not None and (self._last_auto is None or now - self._last_auto >= self.config.auto_pin.interval_s):
             self._last_auto = now
             actions.extend(self._auto_pin(now))
         actions.extend(self._fill_pins(now))
@@ -436,8 +346,8 @@ class RoutingPolicy(Router):
         assert hot is not None
         hot.decay(now)
         pinned = self._auto_pins
-        budget = self.auto_pin_budget_blocks or int(
-            self.auto_pin_budget_fraction * sum(self.num_blocks.get(w) or 0 for w in self._candidates("prefill"))
+        budget = self.config.auto_pin.budget_blocks or int(
+            self.config.auto_pin.budget_fraction * sum(self.num_blocks.get(w) or 0 for w in self._candidates("prefill"))
         )
 
         def rank(key: bytes) -> float:
@@ -446,10 +356,10 @@ class RoutingPolicy(Router):
 
         chosen: list[bytes] = []
         used = 0
-        replicas = min(self.auto_pin_replicas, max(1, len(self._candidates("prefill"))))
+        replicas = min(self.config.auto_pin.replicas, max(1, len(self._candidates("prefill"))))
         for key in sorted(hot.counts, key=rank, reverse=True):
             prefix = hot.counts[key]
-            if prefix.count < self.auto_pin_min_requests and key not in pinned:
+            if prefix.count < self.config.auto_pin.min_requests and key not in pinned:
                 break
             cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
             if used + cost <= budget:
@@ -536,10 +446,10 @@ class RoutingPolicy(Router):
         remote_hits = hits
         if self.has_mamba:  # the decode side of a remote prefill: Mamba groups do not veto
             remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True)
-        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.w_uncached, ahead=ahead)
+        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.weights.uncached_tokens, ahead=ahead)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
-        if local_uncached < self.decode_only_threshold_tokens:
+        if local_uncached < self.config.decode_only_threshold_tokens:
             local = hits.get(decode, 0)
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local)
         prefillers = self._candidates("prefill")
@@ -577,7 +487,7 @@ class RoutingPolicy(Router):
 
         The guards (``_guard``): a worker whose queue is far above the pool's mean is left out; a
         worker holding the prefix that has taken more than its share lately (``over``) keeps its
-        credit at the compute weight only (``w_spread``: ``self.w_uncached``, without the churn
+        credit at the compute weight only (``w_spread``: ``self.weights.uncached_tokens``, without the churn
         term), so the prefix spreads to another worker only where the holder's load costs more
         than recomputing the prefix there. This is the one place that rule is applied.
 
@@ -602,7 +512,7 @@ class RoutingPolicy(Router):
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"
-        w_spread = min(w_uncached, self.w_uncached)
+        w_spread = min(w_uncached, self.weights.uncached_tokens)
         spread: set[WorkerId] = set()  # holders over their share: credit at w_spread
         best_cost = float("inf")
         best: list[WorkerId] = []
@@ -686,17 +596,17 @@ class RoutingPolicy(Router):
         count = max(1, len(workers))
         now = self._now
         mean_queued = self._queued_sum / max(1, len(queued)) if whole else sum(map(queued.__getitem__, workers)) / count
-        limit = self.imbalance_ratio * mean_queued + num_tokens + self.imbalance_slack_tokens
+        limit = self.config.imbalance_ratio * mean_queued + num_tokens + self.config.imbalance_slack_tokens
         smoothed = self._smoothed
         slow = 0.0
         if smoothed is not None:
             mean = smoothed.mean(now) if whole else sum(smoothed.get(w, now) for w in workers) / count
-            slow = self.sustained_imbalance_ratio * mean + num_tokens
-        work = self._work if self.work_imbalance_ratio else None
+            slow = self.config.sustained_imbalance_ratio * mean + num_tokens
+        work = self._work if self.config.work_imbalance_ratio else None
         cap = 0.0
         if work is not None:
             mean = work.mean(now) if whole else sum(work.get(w, now) for w in workers) / count
-            cap = self.work_imbalance_ratio * mean + num_tokens + self.request_work_tokens
+            cap = self.config.work_imbalance_ratio * mean + num_tokens + self.config.request_work_tokens
 
         def ok(worker: WorkerId) -> bool:
             return queued[worker] <= limit
@@ -713,7 +623,7 @@ class RoutingPolicy(Router):
         its full-attention depth that a group cannot serve (running there anchors that depth)."""
         credit: dict[WorkerId, float] = dict(hits)
         if shared:
-            c = self.anchor_credit
+            c = self.config.anchor_credit
             for worker, depth in shared.items():
                 hit = hits.get(worker, 0)
                 credit[worker] = hit + c * (depth - hit)
@@ -733,7 +643,7 @@ class RoutingPolicy(Router):
         (``weights``: each one's weight of an uncached token, see ``_pick``)."""
         assert pending is not None and shared is not None
         load_cost = self._load_cost
-        slack = (1.0 - self.anchor_credit) * self.rules.alignment
+        slack = (1.0 - self.config.anchor_credit) * self.rules.alignment
         # the best a pending worker can have: a hit one aligned step below its depth
         contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]
         if not contenders:
@@ -742,7 +652,7 @@ class RoutingPolicy(Router):
         for worker in contenders:
             mask |= self.index.bit(worker)
         self.index.resolve(pending, hits, mask)
-        c = self.anchor_credit
+        c = self.config.anchor_credit
         for worker in contenders:
             hit = hits.get(worker, 0)
             cost = load_cost[worker] - weights[worker] * (hit + c * (shared[worker] - hit))
@@ -751,7 +661,7 @@ class RoutingPolicy(Router):
 
     def _record(self, decision: Decision) -> None:
         before = self.loads[decision.prefill_worker].queued_tokens
-        self._work.add(decision.prefill_worker, decision.uncached_tokens + self.request_work_tokens, self._now)
+        self._work.add(decision.prefill_worker, decision.uncached_tokens + self.config.request_work_tokens, self._now)
         super()._record(decision)
         self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
         for worker in {decision.prefill_worker, decision.decode_worker}:

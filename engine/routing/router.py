@@ -1,23 +1,26 @@
 """The interface every placement policy offers (kvfleet's and the baselines) and its bookkeeping.
 
-``Router.from_config`` builds the policy ``RouterConfig.policy`` names. Subclasses implement
+``engine.routing.factory.build_router`` builds the policy ``RouterConfig.policy`` names. Subclasses implement
 ``route`` and, for state of their own, the ``_added`` / ``_removed`` membership hooks.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from engine.kv_cache.events import KVEvent
-from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import WorkerSnapshot
-from engine.routing.types import Action, Decision, NoWorkerError, Role, RouteRequest, WorkerId, WorkerLoad
-
-if TYPE_CHECKING:
-    from configs.schema import RouterConfig
+from engine.routing.types import (
+    Action,
+    Decision,
+    NoWorkerError,
+    Role,
+    RouteRequest,
+    WorkerId,
+    WorkerLoad,
+)
 
 POLICIES = ("kvfleet", "round_robin", "least_loaded", "prefix_tree")
 
@@ -38,28 +41,6 @@ class Router:
         self.roles: dict[WorkerId, Role] = {}
         self.loads: dict[WorkerId, WorkerLoad] = {}
         self.num_blocks: dict[WorkerId, int | None] = {}
-
-    # -- construction -------------------------------------------------------------------------------
-    @classmethod
-    def from_config(
-        cls,
-        cfg: RouterConfig,
-        groups: Sequence[KVCacheGroup],
-        tokenize: Callable[[str], list[int]] | None = None,
-        now: float = 0.0,
-    ) -> Router:
-        """The policy ``cfg.policy`` names, with ``cfg``'s weights, thresholds, pins and seed.
-
-        ``groups``: the workers' KV-cache groups (all workers of a cluster share them).
-        ``tokenize``: needed only for pins given as text.
-        """
-        if cfg.policy == "kvfleet":
-            from engine.routing.policy import RoutingPolicy
-
-            return RoutingPolicy.build(cfg, groups, tokenize, now)
-        from engine.routing.baselines import BASELINES
-
-        return BASELINES[cfg.policy](groups, seed=cfg.seed)
 
     # -- membership and loads -------------------------------------------------------------------------
     @property

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
-from engine.kv_cache import CacheRequest, HybridCoordinator, KVCacheGroup, RetentionOptions
+from configs.schema import AutoPinConfig, RouterConfig, RouterWeights
+from engine.kv_cache import (
+    CacheRequest,
+    HybridCoordinator,
+    KVCacheGroup,
+    RetentionOptions,
+)
 from engine.kv_cache.spec import (
     ChunkedLocalSpec,
     FullAttentionSpec,
@@ -13,7 +20,14 @@ from engine.kv_cache.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine.routing import PinOn, RequestSnapshot, Router, RoutingPolicy, Unpin, snapshot_coordinator
+from engine.routing import (
+    PinOn,
+    RequestSnapshot,
+    Router,
+    RoutingPolicy,
+    Unpin,
+    snapshot_coordinator,
+)
 from engine.routing.types import Action
 
 # Group mixes the hit rules must agree on (block sizes give hash granularity 4, alignment 4 or 8).
@@ -130,3 +144,17 @@ def sync(policy: Router, workers: dict[str, Worker], now: float = 0.0) -> list[A
 
 def tokens(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+_WEIGHTS = {"w_uncached": "uncached_tokens", "w_queued": "queued_tokens", "w_running": "running_requests",
+            "w_used": "used_block_fraction", "w_churn": "cache_churn"}  # fmt: skip
+
+
+def router_config(**knobs: Any) -> RouterConfig:
+    """A ``RouterConfig`` from flat test knobs: ``w_<term>`` for weights, ``auto_pin_<field>`` for
+    the automatic pins (``auto_pin=True`` turns them on), anything else as a ``RouterConfig`` field."""
+    weights = {_WEIGHTS[k]: knobs.pop(k) for k in list(knobs) if k in _WEIGHTS}
+    auto = {k.removeprefix("auto_pin_"): knobs.pop(k) for k in list(knobs) if k.startswith("auto_pin_")}
+    if knobs.pop("auto_pin", False):
+        auto["enabled"] = True
+    return RouterConfig(weights=RouterWeights(**weights), auto_pin=AutoPinConfig(**auto), **knobs)

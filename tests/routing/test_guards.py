@@ -11,7 +11,14 @@ import random
 from collections import Counter
 
 from engine.kv_cache.hashing import block_hashes
-from engine.routing import PrefixTreeRouter, RouteRequest, Router, RoutingPolicy, WorkerLoad
+from engine.routing import (
+    PrefixTreeRouter,
+    Router,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerLoad,
+)
+from tests.routing.helpers import router_config
 from tests.routing.test_placement import GROUPS, PREFIX, cache, policy_with, request
 
 PREFIX_TOKENS = 256
@@ -80,7 +87,7 @@ def test_new_prefixes_go_to_the_worker_with_the_least_recent_work() -> None:
     random tie-break put four of five on one worker in a third of the seeds)."""
     prefixes, _ = shared_prefix_workload()
     for seed in range(10):
-        policy = pd_cluster(RoutingPolicy(GROUPS, seed=seed))
+        policy = pd_cluster(RoutingPolicy(GROUPS, router_config(seed=seed)))
         placed = Counter(route_idle(policy, f"w{i}", p + [1, 2, 3], float(i)) for i, p in enumerate(prefixes))
         assert sorted(placed.values()) == [2, 3], (seed, placed)
 

@@ -8,9 +8,21 @@ import sys
 
 import pytest
 
-from engine.kv_cache.events import AllBlocksCleared, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+)
 from engine.kv_cache.hashing import block_hashes
-from engine.routing import PrefixIndex, RequestSnapshot, RoutingPolicy, WorkerSnapshot, snapshot_coordinator
+from engine.routing import (
+    PrefixIndex,
+    RequestSnapshot,
+    RoutingPolicy,
+    WorkerSnapshot,
+    snapshot_coordinator,
+)
 from tests.routing.helpers import CONFIGS, Worker, groups_of, sync, tokens
 
 SPECS = CONFIGS["full+2swa"]

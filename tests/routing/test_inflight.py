@@ -11,7 +11,7 @@ from engine.kv_cache.events import AllBlocksCleared, BlockStored
 from engine.kv_cache.hashing import block_hashes
 from engine.routing import RouteRequest, RoutingPolicy, WorkerLoad
 from engine.routing.inflight import InFlightPrefixes
-from tests.routing.helpers import CONFIGS, groups_of
+from tests.routing.helpers import CONFIGS, groups_of, router_config
 
 WORKERS = ["a", "b", "c"]
 TTL = 5.0
@@ -84,7 +84,7 @@ def two_requests(policy: RoutingPolicy, prompt_a: list[int], prompt_b: list[int]
 @pytest.mark.parametrize("seed", range(8))
 def test_a_second_request_follows_the_first_before_its_blocks_are_reported(seed: int) -> None:
     prefix = list(range(100, 300))
-    policy = RoutingPolicy(groups_of(SPECS), seed=seed)
+    policy = RoutingPolicy(groups_of(SPECS), router_config(seed=seed))
     for i in range(4):
         policy.add_worker(f"w{i}")
     first, second, reason, predicted = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
@@ -96,7 +96,7 @@ def test_without_the_credit_the_second_request_goes_to_the_least_loaded() -> Non
     prefix = list(range(100, 300))
     seen = set()
     for seed in range(8):
-        policy = RoutingPolicy(groups_of(SPECS), seed=seed, inflight_ttl_s=0.0)
+        policy = RoutingPolicy(groups_of(SPECS), router_config(seed=seed, inflight_ttl_s=0.0))
         for i in range(4):
             policy.add_worker(f"w{i}")
         first, second, reason, _ = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
@@ -107,7 +107,7 @@ def test_without_the_credit_the_second_request_goes_to_the_least_loaded() -> Non
 
 def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
     prefix = list(range(100, 300))
-    policy = RoutingPolicy(groups_of(SPECS), seed=0)
+    policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0))
     for i in range(2):
         policy.add_worker(f"w{i}")
     decision = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
@@ -125,7 +125,7 @@ def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
 
 def test_the_credit_expires() -> None:
     prefix = list(range(100, 300))
-    policy = RoutingPolicy(groups_of(SPECS), seed=0, inflight_ttl_s=2.0)
+    policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0, inflight_ttl_s=2.0))
     for i in range(2):
         policy.add_worker(f"w{i}")
     first = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
@@ -138,7 +138,7 @@ def test_the_credit_expires() -> None:
 def test_the_credit_is_held_to_the_imbalance_guard() -> None:
     """A hot new prefix does not pile onto the worker computing it once that worker is overloaded."""
     prefix = list(range(100, 300))
-    policy = RoutingPolicy(groups_of(SPECS), seed=0, imbalance_slack_tokens=0.0, work_imbalance_ratio=0.0)
+    policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0, imbalance_slack_tokens=0.0, work_imbalance_ratio=0.0))
     for i in range(2):
         policy.add_worker(f"w{i}")
     first = str(policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0).prefill_worker)

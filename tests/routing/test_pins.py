@@ -17,14 +17,21 @@ from engine.routing import (
     snapshot_coordinator,
 )
 from engine.routing.types import Action
-from tests.routing.helpers import CONFIGS, Worker, execute, groups_of, sync
+from tests.routing.helpers import (
+    CONFIGS,
+    Worker,
+    execute,
+    groups_of,
+    router_config,
+    sync,
+)
 
 SPECS = CONFIGS["full+2swa"]  # block size 4; windows 9 and 17 -> 2 and 4 blocks per hit
 PREFIX = list(range(100, 140))  # 40 tokens: 10 full blocks + 2 + 4 window blocks = 16 per replica
 
 
 def cluster(n: int = 3, num_blocks: int = 96, **kwargs: object) -> tuple[RoutingPolicy, dict[str, Worker]]:
-    policy = RoutingPolicy(groups_of(SPECS), **kwargs)  # type: ignore[arg-type]
+    policy = RoutingPolicy(groups_of(SPECS), router_config(**kwargs))  # type: ignore[arg-type]
     workers = {f"w{i}": Worker(f"w{i}", SPECS, num_blocks) for i in range(n)}
     for name in workers:
         policy.add_worker(name, num_blocks=num_blocks)
@@ -210,7 +217,7 @@ def test_auto_pins_do_not_force_placement_and_give_way_to_explicit_pins() -> Non
     decision = policy.route(RouteRequest("after", block_hashes(prompt, 4), len(prompt)), 6.0)
     assert decision.prefill_worker == other
     # per-worker pin room: an explicit pin does not count automatic pins against it
-    policy.pin_worker_fraction = 16 / 96  # room for exactly one 16-block pin per worker
+    policy.config = policy.config.model_copy(update={"pin_worker_fraction": 16 / 96})  # room for one 16-block pin
     policy.update_load(holder, WorkerLoad())
     pin_id, actions = policy.pin(list(range(500, 540)), replicas=2, now=7.0)
     assert sorted(str(a.worker) for a in actions) == ["w0", "w1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -16,12 +17,12 @@ from engine.routing import (
     PrefixTreeRouter,
     RoundRobinRouter,
     RouteRequest,
-    Router,
     RoutingPolicy,
     WorkerLoad,
+    build_router,
 )
 from engine.routing.load import DecayedWork, SmoothedQueues
-from tests.routing.helpers import CONFIGS, groups_of
+from tests.routing.helpers import CONFIGS, groups_of, router_config
 
 SPECS = CONFIGS["full+2swa"]
 GROUPS = groups_of(SPECS)
@@ -40,7 +41,7 @@ def cache(policy: RoutingPolicy, worker: str, prompt: list[int]) -> None:
 
 
 def policy_with(n: int, **kwargs: object) -> RoutingPolicy:
-    policy = RoutingPolicy(GROUPS, **kwargs)  # type: ignore[arg-type]
+    policy = RoutingPolicy(GROUPS, router_config(**kwargs))  # type: ignore[arg-type]
     for i in range(n):
         policy.add_worker(f"w{i}")
     return policy
@@ -114,12 +115,6 @@ def test_instantaneous_guard_ignores_a_queue_within_the_slack() -> None:
     assert chosen(4096.0) == "w0"
 
 
-def test_work_imbalance_ratio_below_one_is_refused() -> None:
-    """(The work and sustained guards' placement tests are in test_guards.py.)"""
-    with pytest.raises(ValueError, match="work_imbalance_ratio"):
-        RoutingPolicy(GROUPS, work_imbalance_ratio=0.5)
-
-
 def test_decayed_work_compares_workers_in_constant_time() -> None:
     work = DecayedWork(halflife_s=2.0)
     work.add_worker("a")
@@ -153,22 +148,16 @@ def test_new_router_knobs_come_from_config_and_are_validated() -> None:
     cfg = RouterConfig(
         weights=RouterWeights(cache_churn=0.25), anchor_credit=0.75, load_halflife_s=2.0, sustained_imbalance_ratio=1.6
     )
-    policy = RoutingPolicy.from_config(cfg, GROUPS)
+    policy = build_router(cfg, GROUPS)
     assert isinstance(policy, RoutingPolicy)
-    assert (policy.w_churn, policy.w_miss, policy.anchor_credit) == (0.25, 1.25, 0.75)
-    assert (policy.load_halflife_s, policy.sustained_imbalance_ratio) == (2.0, 1.6)
-    defaults = RoutingPolicy.from_config(RouterConfig(), GROUPS)
-    assert isinstance(defaults, RoutingPolicy)
-    assert (defaults.w_churn, defaults.anchor_credit, defaults.load_halflife_s) == (1.0, 0.5, 5.0)
-    assert (defaults.work_imbalance_ratio, defaults.work_halflife_s, defaults.request_work_tokens) == (1.3, 10.0, 256.0)
-    assert defaults.imbalance_slack_tokens == 4096.0
-    tuned = RoutingPolicy.from_config(
-        RouterConfig(work_imbalance_ratio=0.0, work_halflife_s=3.0, request_work_tokens=64, imbalance_slack_tokens=0),
-        GROUPS,
-    )
-    assert isinstance(tuned, RoutingPolicy)
-    assert (tuned.work_imbalance_ratio, tuned.work_halflife_s, tuned.request_work_tokens) == (0.0, 3.0, 64.0)
-    assert tuned.imbalance_slack_tokens == 0.0
+    assert policy.config is cfg  # the policy reads its knobs from the config, no copies
+    assert (policy.weights.cache_churn, policy.w_miss) == (0.25, 1.25)
+    assert isinstance(policy._smoothed, SmoothedQueues) and policy._smoothed.halflife_s == 2.0
+    defaults = build_router(RouterConfig(), GROUPS)
+    assert isinstance(defaults, RoutingPolicy) and defaults.w_miss == 2.0
+    assert defaults._work.halflife_s == 10.0
+    unsmoothed = RoutingPolicy(GROUPS, RouterConfig(load_halflife_s=0.0))
+    assert unsmoothed._smoothed is None
     for bad, field in (
         ({"sustained_imbalance_ratio": 0.9}, "sustained_imbalance_ratio"),
         ({"anchor_credit": 1.5}, "anchor_credit"),
@@ -178,17 +167,16 @@ def test_new_router_knobs_come_from_config_and_are_validated() -> None:
         ({"work_halflife_s": 0.0}, "work_halflife_s"),
         ({"request_work_tokens": -1.0}, "request_work_tokens"),
         ({"imbalance_slack_tokens": -1.0}, "imbalance_slack_tokens"),
+        ({"work_imbalance_ratio": 0.5}, "work_imbalance_ratio"),
+        ({"pin_worker_fraction": 0.0}, "pin_worker_fraction"),
+        ({"auto_pin": {"interval_s": 0.0}}, "interval_s"),
     ):
         with pytest.raises(ValidationError, match=field):
             RouterConfig(**bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="anchor_credit"):
-        RoutingPolicy(GROUPS, anchor_credit=2.0)
-    with pytest.raises(ValueError, match="sustained_imbalance_ratio"):
-        RoutingPolicy(GROUPS, sustained_imbalance_ratio=0.5)
 
 
 def test_disaggregated_pair_and_prefill_on_decode_below_threshold() -> None:
-    policy = RoutingPolicy(GROUPS, decode_only_threshold_tokens=64)
+    policy = RoutingPolicy(GROUPS, router_config(decode_only_threshold_tokens=64))
     policy.add_worker("p0", role="prefill")
     policy.add_worker("p1", role="prefill")
     policy.add_worker("d0", role="decode")
@@ -220,22 +208,21 @@ def test_from_config_carries_weights_thresholds_seed_and_pins() -> None:
         pins=[PinConfig(token_ids=PREFIX[:64], replicas=1, ttl_s=30.0)],
         seed=5,
     )
-    policy = RoutingPolicy.from_config(cfg, GROUPS)
-    assert isinstance(policy, RoutingPolicy)
-    assert (policy.w_uncached, policy.w_queued, policy.w_running, policy.w_used) == (2.0, 0.25, 4.0, 8.0)
-    assert policy.decode_only_threshold_tokens == 32 and policy.imbalance_ratio == 1.5
+    policy = build_router(cfg, GROUPS)
+    assert isinstance(policy, RoutingPolicy) and policy.rng.random() == random.Random(5).random()
+    assert policy.pins.capacity_blocks == 1000
     [pin] = policy.pin_info()
     assert pin.num_tokens == 64 and pin.expires_at == 30.0 and pin.pending == []  # placed once workers join
     actions = policy.add_worker("w0")
     assert [type(a).__name__ for a in actions] == ["PinOn"]
     with pytest.raises(ValueError, match="tokenizer"):
-        RoutingPolicy.from_config(RouterConfig(pins=[PinConfig(text="system prompt")]), GROUPS)
+        build_router(RouterConfig(pins=[PinConfig(text="system prompt")]), GROUPS)
     text_cfg = RouterConfig(pins=[PinConfig(text="abc")])
-    tokenized = RoutingPolicy.from_config(text_cfg, GROUPS, tokenize=lambda s: [ord(c) for c in s * 8])
+    tokenized = build_router(text_cfg, GROUPS, tokenize=lambda s: [ord(c) for c in s * 8])
     assert tokenized.pin_info()[0].num_tokens == 24  # type: ignore[attr-defined]
     baselines = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_tree": PrefixTreeRouter}
     for name, cls in baselines.items():
-        assert isinstance(Router.from_config(RouterConfig(policy=name), GROUPS), cls)  # type: ignore[arg-type]
+        assert isinstance(build_router(RouterConfig(policy=name), GROUPS), cls)  # type: ignore[arg-type]
 
 
 def test_baselines() -> None:
@@ -270,8 +257,7 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
     # the guards and the in-flight credit have their own tests: here only the instantaneous guard,
     # which the costs below mirror (requests routed here never run, so nothing is in flight)
     policy = RoutingPolicy(
-        groups_of(specs), seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0
-    )
+        groups_of(specs), router_config(seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0))
     for name in workers:
         policy.add_worker(name)
     prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]
@@ -288,13 +274,13 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
         hashes = block_hashes(prompt, 4)
         shared: dict[str, int] = {}
         full = policy.index.predict(hashes, len(prompt) - 1, shared=shared)  # type: ignore[arg-type]
-        limit = policy.imbalance_ratio * policy._queued_sum / len(workers) + len(prompt)
+        limit = policy.config.imbalance_ratio * policy._queued_sum / len(workers) + len(prompt)
         costs = {}
         for name in workers:
             if policy._queued[name] > limit:
                 continue
             hit = full.get(name, 0)
-            credit = hit + policy.anchor_credit * (shared.get(name, hit) - hit)
+            credit = hit + policy.config.anchor_credit * (shared.get(name, hit) - hit)
             costs[name] = policy._load_cost[name] + policy.w_miss * (len(prompt) - credit)
         decision = policy.route(RouteRequest(f"r{step}", hashes, len(prompt)))
         assert costs[str(decision.prefill_worker)] <= min(costs.values()) + 1e-6

@@ -15,7 +15,14 @@ import engine.routing.index as index_module
 from engine.kv_cache.hashing import block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from engine.routing import PrefixTreeRouter, RouteRequest, RoutingPolicy
-from tests.routing.helpers import CONFIGS, Worker, groups_of, sync, tokens
+from tests.routing.helpers import (
+    CONFIGS,
+    Worker,
+    groups_of,
+    router_config,
+    sync,
+    tokens,
+)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -33,7 +40,7 @@ def test_prediction_equals_coordinator_hit(name: str, seed: int, few: int, monke
     specs = CONFIGS[name]
     rng = random.Random(seed)
     workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40, 64])) for i in range(4)}
-    policy = RoutingPolicy(groups_of(specs), seed=seed)
+    policy = RoutingPolicy(groups_of(specs), router_config(seed=seed))
     for w in workers:
         policy.add_worker(w)
     prefixes = [tokens(rng, rng.randrange(4, 48), vocab=6) for _ in range(6)]
@@ -142,7 +149,7 @@ def test_disaggregated_prediction_equals_the_prefill_only_lookup(name: str) -> N
     specs = CONFIGS[name]
     rng = random.Random(5)
     workers = {"p0": Worker("p0", specs, 96), "d0": Worker("d0", specs, 96)}
-    policy = RoutingPolicy(groups_of(specs), decode_only_threshold_tokens=1)
+    policy = RoutingPolicy(groups_of(specs), router_config(decode_only_threshold_tokens=1))
     policy.add_worker("p0", role="prefill")
     policy.add_worker("d0", role="decode")
     hbs = policy.rules.hash_block_size
