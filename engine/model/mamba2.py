@@ -4,9 +4,25 @@ A chunk of ``n`` tokens starting at ``start`` reads the request's state after ``
 (zero for a fresh request), runs the causal conv and the selective-state-space scan, and writes
 the state after ``start + n`` tokens. The scan is exact (no approximation): within sub-chunks it
 uses the quadratic (attention-like) form, and carries the state between sub-chunks.
+
+One forward handles every chunk of the step at once, in two batched passes with no Python loop
+over requests:
+
+- decode (one-token chunks): gather conv windows and SSM states by block id, one conv step and
+  one recurrence ``h = exp(dt*A) h + dt * B x; y = C h + D x`` for all of them, scatter the new
+  states into the write blocks;
+- prefill (longer chunks): padded to the longest into ``[R, T, ...]``; padded steps get ``dt = 0``
+  (identity for the SSM) and each chunk's new conv window is gathered at its own length, so the
+  padding changes no state.
+
+All reads happen before any write, so a chunk whose read and write block coincide is fine; two
+chunks never share a write block (the coordinator's guarantee). ``forward_per_request`` in
+``engine.model.mamba2_reference`` is the loop this replaces (set ``per_request`` to use it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +30,8 @@ from torch import nn
 
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
+from engine.model.mamba2_reference import SUB_CHUNK, forward_per_request
 from engine.model.recurrent import RecurrentMixer
-
-SUB_CHUNK = 64
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,37 +52,72 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.view(shape).to(dtype)
 
 
-def ssd_scan(
-    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
+def ssd_scan_batched(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selective scan of one sequence. x: [n, H, P]; dt: [n, H]; a: [H] (negative); b, c: [n, H, N];
-    h0: [H, P, N]. Returns y: [n, H, P] (without the D skip) and the final state [H, P, N]."""
+    """Selective scan of R sequences at once, heads split into G groups of E sharing B and C.
+
+    x: [R, T, G, E, P]; dt: [R, T, G, E] (0 on padded steps); a: [G, E] (negative);
+    b, c: [R, T, G, N]; h: [R, G, E, P, N] (the states before the chunks).
+    Returns y: [R, T, G, E, P] (without the D skip) and the final states [R, G, E, P, N].
+    """
     ys = []
-    h = h0
-    for lo in range(0, x.shape[0], SUB_CHUNK):
-        xs, dts, bs, cs = x[lo : lo + SUB_CHUNK], dt[lo : lo + SUB_CHUNK], b[lo : lo + SUB_CHUNK], c[lo : lo + SUB_CHUNK]
-        n = xs.shape[0]
-        s = torch.cumsum(dts * a[None, :], dim=0)  # [n, H] log-decay from the sub-chunk start
-        seg = s[:, None, :] - s[None, :, :]  # [t, s, H]
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp(seg.masked_fill(~causal[:, :, None], float("-inf")))
-        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay * dts[None, :, :]
-        y = torch.einsum("tsh,shp->thp", scores, xs)
-        y = y + torch.einsum("thn,hpn->thp", cs, h) * torch.exp(s)[:, :, None]
-        last = s[-1]
-        weights = torch.exp(last[None, :] - s) * dts  # [n, H]
-        h = torch.exp(last)[:, None, None] * h + torch.einsum("sh,shn,shp->hpn", weights, bs, xs)
+    for lo in range(0, x.shape[1], SUB_CHUNK):
+        xs, dts = x[:, lo : lo + SUB_CHUNK], dt[:, lo : lo + SUB_CHUNK]
+        bs, cs = b[:, lo : lo + SUB_CHUNK], c[:, lo : lo + SUB_CHUNK]
+        n = xs.shape[1]
+        s = torch.cumsum(dts * a, dim=1)  # [R, n, G, E] log-decay from the sub-chunk start
+        seg = s[:, :, None] - s[:, None, :]  # [R, t, s, G, E]
+        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        decay = torch.exp(seg.masked_fill(future[None, :, :, None, None], float("-inf")))
+        scores = torch.einsum("rtgn,rsgn->rtsg", cs, bs)[..., None] * decay * dts[:, None]
+        y = torch.einsum("rtsge,rsgep->rtgep", scores, xs)
+        y = y + torch.einsum("rtgn,rgepn->rtgep", cs, h) * torch.exp(s)[..., None]
+        last = s[:, -1]  # [R, G, E]
+        weights = torch.exp(last[:, None] - s) * dts  # [R, n, G, E]
+        h = torch.exp(last)[..., None, None] * h + torch.einsum("rsge,rsgn,rsgep->rgepn", weights, bs, xs)
         ys.append(y)
-    return torch.cat(ys), h
+    return torch.cat(ys, dim=1), h
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """Padded layout of the step's multi-token chunks: chunk ``r``'s token ``t`` is flat row
+    ``rows[r, t]`` where ``valid[r, t]`` (padding repeats the chunk's first row)."""
+
+    rows: torch.Tensor  # [R, T] long
+    valid: torch.Tensor  # [R, T] bool
+    lengths: torch.Tensor  # [R] long
+
+
+_Update = tuple[list[int], torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
+
+
+def _prefill_layout(batch: ForwardBatch, device: torch.device) -> _Prefill:
+    chunks = [batch.chunks[i] for i in batch.prefill_chunks]
+    offsets = torch.tensor([c.offset for c in chunks], dtype=torch.long)
+    lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+    steps = torch.arange(int(lengths.max()))
+    valid = steps[None, :] < lengths[:, None]
+    rows = torch.where(valid, offsets[:, None] + steps[None, :], offsets[:, None])
+    return _Prefill(rows.to(device), valid.to(device), lengths.to(device))
 
 
 class Mamba2Mixer(RecurrentMixer):
-    """Parameter names follow Hugging Face's Bamba mixer (``in_proj``, ``conv1d``, ``A_log`` ...)."""
+    """A Mamba2 layer over state blocks. Parameter names follow Hugging Face's Bamba mixer
+    (``in_proj``, ``conv1d``, ``A_log`` ...).
+
+    Owns: the conv-window and SSM-state views of its group's state blocks (``bind_state``).
+    Invariant: block ``b``'s first ``state_floats`` fp32 values are one request's state (conv
+    window ``[conv_dim, d_conv]`` then SSM state ``[H, P, N]``); a forward reads every chunk's
+    ``state_read`` block before it writes any ``state_write`` block.
+    """
 
     def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float):
         super().__init__()
         self.arch = arch
         self.group = group
+        self.per_request = False  # True: the pre-batching loop (benchmark "before", tests' reference)
         conv_dim = arch.conv_dim
         self.in_proj = nn.Linear(hidden_size, arch.intermediate_size + conv_dim + arch.num_heads, bias=arch.proj_bias)
         self.out_proj = nn.Linear(arch.intermediate_size, hidden_size, bias=arch.proj_bias)
@@ -90,40 +140,95 @@ class Mamba2Mixer(RecurrentMixer):
         self.ssm_state = states[:, conv : m.state_floats].view(blocks, m.num_heads, m.head_dim, m.d_state)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.per_request:
+            return forward_per_request(self, hidden, batch)
         arch = self.arch
         index: GroupIndex = batch.groups[self.group]
-        projected = self.in_proj(hidden)
-        gate, xbc, dt = projected.split([arch.intermediate_size, arch.conv_dim, arch.num_heads], dim=-1)
-        a = -torch.exp(self.A_log.float())
-        weight = self.conv1d.weight  # [conv_dim, 1, k]
+        gate, xbc, dt = self.in_proj(hidden).split([arch.intermediate_size, arch.conv_dim, arch.num_heads], dim=-1)
         out = torch.empty(hidden.shape[0], arch.intermediate_size, dtype=torch.float32, device=hidden.device)
-        assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        for i, chunk in enumerate(batch.chunks):
-            rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-            read, write = index.state_read[i], index.state_write[i]
-            if read >= 0:
-                conv_prev = self.conv_state[read]
-                h0 = self.ssm_state[read]
-            else:
-                conv_prev = torch.zeros(arch.conv_dim, arch.d_conv, dtype=torch.float32, device=hidden.device)
-                h0 = torch.zeros(arch.num_heads, arch.head_dim, arch.d_state, dtype=torch.float32, device=hidden.device)
-            window = torch.cat([conv_prev, xbc[rows].float().T], dim=1)  # [conv_dim, k + n]
-            bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-            conv = F.conv1d(window[None], weight.float(), bias, groups=arch.conv_dim)[0, :, -chunk.num_tokens :]
-            conv = F.silu(conv).T  # [n, conv_dim]
-            x, b, c = conv.split(
-                [arch.intermediate_size, arch.n_groups * arch.d_state, arch.n_groups * arch.d_state], dim=-1
-            )
-            n = chunk.num_tokens
-            heads_per_group = arch.num_heads // arch.n_groups
-            x = x.reshape(n, arch.num_heads, arch.head_dim)
-            b = b.reshape(n, arch.n_groups, arch.d_state).repeat_interleave(heads_per_group, dim=1)
-            c = c.reshape(n, arch.n_groups, arch.d_state).repeat_interleave(heads_per_group, dim=1)
-            step = F.softplus(dt[rows].float() + self.dt_bias.float())
-            step = step.clamp(arch.time_step_min, arch.time_step_max)
-            y, h = ssd_scan(x, step, a, b, c, h0)
-            y = y + x * self.D.float()[None, :, None]
-            out[rows] = y.reshape(n, -1)
-            self.conv_state[write] = window[:, -arch.d_conv :]
-            self.ssm_state[write] = h
+        updates = []  # every read happens before the first write
+        if batch.decode_chunks:
+            updates.append(self._decode(xbc, dt, out, batch, index))
+        if batch.prefill_chunks:
+            updates.append(self._prefill(xbc, dt, out, batch, index))
+        for writes, conv, ssm in updates:
+            self._scatter(writes, conv, ssm)
         return self.out_proj(self.norm(out, gate).to(hidden.dtype))
+
+    def _gather(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv windows and SSM states in blocks ``reads`` (zeros where -1)."""
+        assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
+        source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
+        conv, ssm = self.conv_state.index_select(0, source), self.ssm_state.index_select(0, source)
+        if min(reads) < 0:
+            fresh = torch.tensor([r < 0 for r in reads], device=device)
+            conv.masked_fill_(fresh[:, None, None], 0.0)
+            ssm.masked_fill_(fresh[:, None, None, None], 0.0)
+        return conv, ssm
+
+    def _scatter(self, writes: list[int], conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
+        target = torch.tensor(writes, dtype=torch.long, device=conv.device)
+        self.conv_state.index_copy_(0, target, conv)
+        self.ssm_state.index_copy_(0, target, ssm)
+
+    def _step_dt(self, dt: torch.Tensor) -> torch.Tensor:
+        step = F.softplus(dt.float() + self.dt_bias.float())
+        return step.clamp(self.arch.time_step_min, self.arch.time_step_max)
+
+    def _split_conv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[..., conv_dim] -> x [..., G, E, P], b [..., G, N], c [..., G, N]."""
+        m = self.arch
+        x, b, c = conv.split([m.intermediate_size, m.n_groups * m.d_state, m.n_groups * m.d_state], dim=-1)
+        lead = conv.shape[:-1]
+        heads_per_group = m.num_heads // m.n_groups
+        x = x.reshape(*lead, m.n_groups, heads_per_group, m.head_dim)
+        return x, b.reshape(*lead, m.n_groups, m.d_state), c.reshape(*lead, m.n_groups, m.d_state)
+
+    def _decode(
+        self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex
+    ) -> _Update:
+        """One recurrence step for every one-token chunk of the step, all at once; fills their rows
+        of ``out`` and returns their new states."""
+        m = self.arch
+        order = batch.decode_chunks
+        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=xbc.device)
+        conv_prev, h = self._gather([index.state_read[i] for i in order], xbc.device)
+        window = torch.cat([conv_prev[:, :, 1:], xbc.index_select(0, rows).float()[:, :, None]], dim=2)
+        conv = torch.einsum("bck,ck->bc", window, self.conv1d.weight.float()[:, 0, :])
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias.float()
+        x, b, c = self._split_conv(F.silu(conv))  # x [B, G, E, P]; b, c [B, G, N]
+        step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])  # [B, G, E]
+        a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
+        h = h.view(*x.shape, m.d_state)  # [B, G, E, P, N]
+        h.mul_(torch.exp(step * a)[..., None, None])
+        h.addcmul_((step[..., None] * x)[..., None], b[:, :, None, None, :])
+        y = torch.matmul(h.view(len(order), m.n_groups, -1, m.d_state), c[..., None]).view(x.shape)
+        y = y + x * self.D.float().view(x.shape[1:3])[..., None]
+        out.index_copy_(0, rows, y.reshape(len(order), -1))
+        return [index.state_write[i] for i in order], window, h.view(-1, m.num_heads, m.head_dim, m.d_state)
+
+    def _prefill(
+        self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex
+    ) -> _Update:
+        """The causal conv and SSD scan of every multi-token chunk, padded into ``[R, T, ...]``;
+        fills their rows of ``out`` and returns their new states."""
+        m = self.arch
+        order = batch.prefill_chunks
+        layout = _prefill_layout(batch, xbc.device)
+        num, width = layout.rows.shape
+        conv_prev, h0 = self._gather([index.state_read[i] for i in order], xbc.device)
+        inputs = xbc.float()[layout.rows] * layout.valid[..., None]  # [R, T, conv_dim]
+        window = torch.cat([conv_prev, inputs.transpose(1, 2)], dim=2)  # [R, conv_dim, k + T]
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        conv = F.conv1d(window, self.conv1d.weight.float(), bias, groups=m.conv_dim)[:, :, -width:]
+        tail = layout.lengths[:, None] + torch.arange(m.d_conv, device=xbc.device)[None, :]  # [R, k]
+        new_conv = window.gather(2, tail[:, None, :].expand(num, m.conv_dim, m.d_conv))
+        x, b, c = self._split_conv(F.silu(conv).transpose(1, 2))  # x [R, T, G, E, P]; b, c [R, T, G, N]
+        step = self._step_dt(dt[layout.rows]).view(x.shape[:4]) * layout.valid[:, :, None, None]
+        a = -torch.exp(self.A_log.float()).view(x.shape[2:4])
+        y, h = ssd_scan_batched(x, step, a, b, c, h0.view(num, *x.shape[2:], m.d_state))
+        y = y + x * self.D.float().view(x.shape[2:4])[..., None]
+        out.index_copy_(0, layout.rows[layout.valid], y[layout.valid].reshape(-1, m.intermediate_size))
+        return [index.state_write[i] for i in order], new_conv, h.reshape(num, m.num_heads, m.head_dim, m.d_state)
