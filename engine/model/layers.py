@@ -7,6 +7,8 @@ coordinator or the cache layout beyond its own typed page view.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,7 +69,7 @@ _ACTIVATIONS = {
 }
 
 
-def activation(name: str):  # noqa: ANN201 (a tensor -> tensor function)
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation a config's ``hidden_act`` names; an unknown name is an error naming it."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {name!r} is not supported ({', '.join(_ACTIVATIONS)})")

@@ -13,13 +13,17 @@ from engine.model.arch import (
     LayerArch,
     ModelArch,
     MoEArch,
+    RopeArch,
     UnsupportedModelError,
     _rope,
     _shared_fields,
 )
 
 
-def _layers(config: dict[str, Any], num_layers: int, default_types: list[str], window: int | None, rope) -> tuple[LayerArch, ...]:
+def _layers(
+    config: dict[str, Any], num_layers: int, default_types: list[str], window: int | None, rope: RopeArch
+) -> tuple[LayerArch, ...]:
+    """One LayerArch per ``layer_types`` entry (or ``default_types``); sliding layers get ``window``."""
     layer_types = list(config.get("layer_types") or default_types)
     if len(layer_types) != num_layers:
         raise UnsupportedModelError(f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}")
@@ -34,7 +38,7 @@ def _layers(config: dict[str, Any], num_layers: int, default_types: list[str], w
     )
 
 
-def _rope_for(config: dict[str, Any]):  # noqa: ANN202
+def _rope_for(config: dict[str, Any]) -> RopeArch:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     return _rope(params, float(config.get("rope_theta", 10000.0)), config.get("max_position_embeddings"))
 
