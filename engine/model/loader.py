@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from engine.model.arch import ModelArch, arch_from_hf_config
 from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
+from engine.model.qwen3_next import Qwen3NextLM
 
-MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM}
+MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM}
 
 log = logging.getLogger(__name__)
 

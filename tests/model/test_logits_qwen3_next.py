@@ -1,0 +1,107 @@
+"""Qwen3-Next (Gated DeltaNet + gated attention + MoE) equals Hugging Face transformers (fp32).
+
+The tiny random checkpoint has HF's constant-initialised parameters randomised. Each case drives
+the real scheduler, coordinator and runner and compares every sampled position's logits with one
+full HF forward over the final sequence (atol 1e-4), like tests/model/test_logits_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model.arch import UnsupportedModelError, arch_from_hf_config
+from engine.model.gated_deltanet import SUB_CHUNK, delta_rule_chunked, delta_rule_step
+from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
+from tests.model.test_logits_vs_hf import _check_against_hf, _drive, _engine, device  # noqa: F401 (fixture)
+
+NAME = "tiny-qwen3-next"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_qwen3_next_checkpoint(NAME, tmp_path_factory.mktemp("qwen3next") / NAME, seed=3)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+def test_single_prompt(checkpoint: Path, device: str) -> None:
+    engine = _engine(checkpoint, device=device)
+    requests, logits = _drive(engine, _prompts(1, (21,)), max_tokens=12)
+    _check_against_hf(checkpoint, requests, logits)
+
+
+def test_batch_with_chunked_prefill_crossing_the_recurrent_chunk(checkpoint: Path, device: str) -> None:
+    # Prefill chunks of 24 tokens: the 70- and 150-token prompts cross the 64-token recurrent
+    # sub-chunk in several chunks, decode steps of the short ones run batched beside them.
+    engine = _engine(
+        checkpoint, "scheduler.prefill_chunk_size=24", "scheduler.max_num_batched_tokens=56", device=device
+    )
+    requests, logits = _drive(engine, _prompts(2, (5, 70, 150, 33)), max_tokens=10)
+    _check_against_hf(checkpoint, requests, logits)
+
+
+def test_long_single_chunk_prefill(checkpoint: Path, device: str) -> None:
+    # One prefill chunk of 140 tokens: three recurrent sub-chunks inside one forward, batched with
+    # a second, shorter prefill (padding must leave its state unchanged).
+    engine = _engine(checkpoint, "scheduler.prefill_chunk_size=256", device=device)
+    requests, logits = _drive(engine, _prompts(6, (140, 9)), max_tokens=6)
+    _check_against_hf(checkpoint, requests, logits)
+
+
+def test_second_request_hits_the_first_ones_prefix(checkpoint: Path, device: str) -> None:
+    engine = _engine(checkpoint, device=device)
+    shared = _prompts(3, (36,))[0]
+    _drive(engine, [shared + [7, 8, 9]], max_tokens=4)
+    engine.scheduler.requests.clear()
+    requests, logits = _drive(engine, [shared + [10, 11]], max_tokens=8)
+    assert requests["r0"].num_cached_tokens >= 32  # a real prefix hit: the state came from a block
+    _check_against_hf(checkpoint, requests, logits)
+
+
+def test_preempted_and_resumed_request(checkpoint: Path, device: str) -> None:
+    engine = _engine(checkpoint, device=device)
+    requests, logits = _drive(engine, _prompts(4, (17, 29)), max_tokens=10, preempt_after=4)
+    assert sum(r.num_preemptions for r in requests.values()) == 1
+    _check_against_hf(checkpoint, requests, logits)
+
+
+def test_chunked_delta_rule_equals_the_token_recurrence() -> None:
+    torch.manual_seed(0)
+    b, h, length, dk, dv = 2, 3, 2 * SUB_CHUNK, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(b, h, length, dk, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, h, length, dk, dtype=torch.float64), dim=-1)
+    v = torch.randn(b, h, length, dv, dtype=torch.float64)
+    g = -torch.rand(b, h, length, dtype=torch.float64)
+    beta = torch.rand(b, h, length, dtype=torch.float64)
+    state0 = torch.randn(b, h, dk, dv, dtype=torch.float64)
+    out, state = delta_rule_chunked(q, k, v, g, beta, state0)
+    ref_state, ref = state0, []
+    for t in range(length):
+        o, ref_state = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], ref_state)
+        ref.append(o)
+    torch.testing.assert_close(out, torch.stack(ref, dim=2), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(state, ref_state, rtol=1e-9, atol=1e-9)
+
+
+def test_unsupported_options_name_the_field(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = arch_from_hf_config(config)
+    assert [layer.kind for layer in arch.layers].count("linear_attention") == 2
+    assert arch.recurrent_state_floats == arch.gated_deltanet.state_floats  # type: ignore[union-attr]
+    cases = {
+        "layer_types": {"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+        "linear_num_value_heads": {"linear_num_value_heads": 3},
+        "hidden_act": {"hidden_act": "gelu"},
+        "quantization_config": {"quantization_config": {"quant_method": "fp8"}},
+    }
+    for field, change in cases.items():
+        with pytest.raises(UnsupportedModelError, match=field):
+            arch_from_hf_config({**config, **change})
