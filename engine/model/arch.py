@@ -17,8 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "BambaForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
     "Qwen3NextForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM",
 )
 
 # "mamba" and "linear_attention" keep a recurrent state per request; "mlp" layers keep no cache.
@@ -338,10 +341,11 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
         )
 
-    if architecture in ("Qwen3ForCausalLM", "GptOssForCausalLM"):
-        from engine.model.qwen3_gpt_oss_arch import gpt_oss_arch, qwen3_arch  # imports this module
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"):
+        from engine.model import qwen3_gpt_oss_arch as adapters  # imports this module
 
-        adapter = qwen3_arch if architecture == "Qwen3ForCausalLM" else gpt_oss_arch
+        adapter = {"Qwen3ForCausalLM": adapters.qwen3_arch, "Qwen3MoeForCausalLM": adapters.qwen3_moe_arch,
+                   "GptOssForCausalLM": adapters.gpt_oss_arch}[architecture]
         return adapter(config, architecture, head_dim, window)
     if architecture == "Qwen3NextForCausalLM":
         from engine.model.qwen3_next_arch import qwen3_next_arch  # imports this module
@@ -441,6 +445,9 @@ def _guess_architecture(config: dict[str, Any]) -> str:
         "gemma3_text": "Gemma3ForCausalLM",
         "bamba": "BambaForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
         "gpt_oss": "GptOssForCausalLM",
+        "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+        "nemotron_h": "NemotronHForCausalLM",
         "qwen3_next": "Qwen3NextForCausalLM",
     }.get(model_type, model_type or "<missing architectures>")

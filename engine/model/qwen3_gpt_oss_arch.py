@@ -1,12 +1,14 @@
-"""Hugging Face config -> ModelArch for Qwen3 and gpt-oss (called from ``arch_from_hf_config``).
+"""Hugging Face config -> ModelArch for Qwen3, Qwen3-MoE and gpt-oss (from ``arch_from_hf_config``).
 
-Qwen3 is Llama with an RMS norm over each q/k head before rotary; gpt-oss alternates sliding and
+Qwen3 is Llama with an RMS norm over each q/k head before rotary; Qwen3-MoE replaces every MLP
+with the sparse MoE block (softmax over experts, top-k, optional renormalisation); gpt-oss alternates sliding and
 full attention layers, adds q/k/v/o biases and per-head attention sinks, uses YaRN rotary and a
 sparse MoE MLP (top-k logits then softmax, router bias, clamped SwiGLU experts).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.model.arch import (
@@ -94,3 +96,28 @@ def gpt_oss_arch(config: dict[str, Any], architecture: str, head_dim: int, windo
         moe=moe,
         attention_sinks=True,
     )
+
+
+def qwen3_moe_arch(config: dict[str, Any], architecture: str, head_dim: int, window: int | None) -> ModelArch:
+    """Qwen3 attention with the sparse MoE MLP in every layer (qwen layout, softmax then top-k)."""
+    mlp_only = list(config.get("mlp_only_layers") or [])
+    if mlp_only:
+        raise UnsupportedModelError(f"mlp_only_layers: {mlp_only} is not supported (every layer must be MoE)")
+    step = int(config.get("decoder_sparse_step", 1))
+    if step != 1:
+        raise UnsupportedModelError(f"decoder_sparse_step: {step} is not supported (1: every layer MoE)")
+    num_layers = int(config["num_hidden_layers"])
+    sliding = bool(config.get("use_sliding_window")) and window
+    dense = qwen3_arch({**config, "use_sliding_window": False, "layer_types": None}, architecture, head_dim, None)
+    moe = MoEArch(
+        num_experts=int(config.get("num_experts", config.get("num_local_experts", 0))),
+        top_k=int(config["num_experts_per_tok"]),
+        intermediate_size=int(config["moe_intermediate_size"]),
+        layout="qwen",
+        scoring="softmax_topk",
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        hidden_act=str(config.get("hidden_act", "silu")),
+    )
+    kind = "sliding_attention" if sliding else "full_attention"
+    layers = _layers({}, num_layers, [kind] * num_layers, window if sliding else None, _rope_for(config))
+    return replace(dense, layers=layers, moe=moe)

@@ -1,4 +1,4 @@
-"""Random Qwen3 and gpt-oss checkpoints built offline through transformers (tests, benchmarks).
+"""Random Qwen3, Qwen3-MoE and gpt-oss checkpoints built offline through transformers (tests, benchmarks).
 
 ``build_random_checkpoint(name, directory, seed, **overrides)`` writes a Hugging Face directory
 (config.json + safetensors) that both transformers and kvfleet load. Every parameter Hugging Face
@@ -27,6 +27,12 @@ _COMMON: dict[str, Any] = dict(
 # name -> (config class, model class, config fields over _COMMON)
 RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=3, intermediate_size=128)),
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=2, intermediate_size=128, num_experts=6, num_experts_per_tok=2,
+             moe_intermediate_size=32, norm_topk_prob=True),
+    ),
     "tiny-gpt-oss": (
         "GptOssConfig",
         "GptOssForCausalLM",

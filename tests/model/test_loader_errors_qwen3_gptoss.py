@@ -4,6 +4,7 @@ raised from config.json alone, before any weight file is opened."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,4 +68,14 @@ def test_sliding_layers_without_a_window_name_sliding_window() -> None:
 def test_layer_types_of_the_wrong_length() -> None:
     config = _gpt_oss_config(layer_types=["full_attention"] * 3)
     with pytest.raises(UnsupportedModelError, match=r"layer_types: 3 entries for num_hidden_layers=2"):
+        arch_from_hf_config(config)
+
+
+@pytest.mark.parametrize(("field", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
+def test_qwen3_moe_with_dense_layers_names_the_field(field: str, value) -> None:
+    import transformers
+
+    config = {**transformers.Qwen3MoeConfig(num_hidden_layers=2).to_dict(), "architectures": ["Qwen3MoeForCausalLM"],
+              field: value}
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"{field}: {value}")):
         arch_from_hf_config(config)

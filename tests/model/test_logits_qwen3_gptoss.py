@@ -1,4 +1,4 @@
-"""Qwen3 and gpt-oss logits equal Hugging Face transformers' on tiny random checkpoints (fp32).
+"""Qwen3, Qwen3-MoE and gpt-oss logits equal Hugging Face transformers' on tiny random checkpoints (fp32).
 
 The cases are tests/model/test_logits_vs_hf.py's (single prompt; a batch with chunked prefill
 crossing gpt-oss's 16-token sliding window; a prefix hit; preempt and resume; bf16 closeness),
@@ -22,7 +22,7 @@ from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import read_hf_config
 from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
 
-NAMES = ["tiny-qwen3", "tiny-gpt-oss"]
+NAMES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-gpt-oss"]
 
 
 @pytest.fixture(params=base.DEVICES)
