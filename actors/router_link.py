@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from actors.worker_types import _Tracked
-from engine.routing import PinOn, WorkerLoad, snapshot_coordinator
+from engine.routing import PinOn, WorkerLoad, WorkerSnapshot
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,7 @@ class RouterLink:
 
     # -- reports to the router ---------------------------------------------------------------------
     def _load(self) -> WorkerLoad:
-        scheduler = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
-        coordinator = self.engine.coordinator
-        total = max(1, self.engine.info.num_blocks - 1)
-        used = 1.0 - coordinator.num_free_blocks / total
-        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
-        return WorkerLoad(float(queued), running, min(1.0, max(0.0, used)))
+        return WorkerLoad(*self.engine.load())
 
     def _report(self, force: bool = False, wait: bool = False) -> None:
         router = self._router
@@ -79,18 +72,13 @@ class RouterLink:
 
     def _update_gauges(self) -> None:
         assert self.metrics is not None
-        scheduler = self.engine.scheduler
-        pool = self.engine.coordinator.pool
-        queried = scheduler.queried_tokens
-        self.metrics.set_cache_stats(
-            pool.num_free_blocks, pool.num_pinned_free_blocks, scheduler.hit_tokens / queried if queried else 0.0
-        )
-        self.metrics.set_queue_stats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.waiting_for_kv))
+        gauges = self.engine.cache_gauges()
+        self.metrics.set_cache_stats(gauges["free_blocks"], gauges["pinned_free_blocks"], gauges["hit_rate"])
+        self.metrics.set_queue_stats(gauges["running"], gauges["waiting"])
 
     # -- pins --------------------------------------------------------------------------------------
     def _pin_on(self, action: PinOn) -> None:
-        coordinator = self.engine.coordinator
-        have = coordinator.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens
+        have = self.engine.cached_prefix_tokens(action.block_hashes, action.num_tokens)
         if have >= action.num_tokens or not action.token_ids:
             self._finish_pin(action)
             return
@@ -102,18 +90,17 @@ class RouterLink:
         self._tracked[request_id] = _Tracked(None, None, len(tokens), pin=action)
 
     def _finish_pin(self, action: PinOn) -> None:
-        coordinator = self.engine.coordinator
-        pinned = coordinator.pin_prefix(action.block_hashes, action.num_tokens)
+        pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens)
         self._report(force=True)  # the pin's events reach the router before its result
         if self._router is not None:
-            self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, coordinator.event_seq)
+            self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
         log.info("%s: pinned %d/%d tokens of pin %d", self.worker_id, pinned, action.num_tokens, action.pin_id)
 
     def _unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        self.engine.coordinator.unpin_prefix(block_hashes, num_tokens)
+        self.engine.unpin_prefix(block_hashes, num_tokens)
         self._report(force=True)
 
     def _snapshot(self) -> None:
         self._report(force=True)
         if self._router is not None:
-            self._router.apply_snapshot.remote(self.worker_id, snapshot_coordinator(self.engine.coordinator))
+            self._router.apply_snapshot.remote(self.worker_id, WorkerSnapshot(*self.engine.cache_snapshot()))

@@ -107,7 +107,7 @@ class EngineWorker(RouterLink):
             engine.info.block_size,
             engine.info.max_model_len,
             engine.info.arch.vocab_size,
-            tuple(engine.coordinator.groups),
+            tuple(engine.kv_groups),
             str(engine.model_directory),
             _node_ip(),
             os.getpid(),

@@ -34,6 +34,7 @@ from engine.disagg import (
 )
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
+from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch import ModelArch
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
@@ -416,6 +417,54 @@ class EngineCore:
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / pinned / ...) since the last call, for the router."""
         return self.coordinator.take_events()
+
+    # -- what a worker actor reports and asks (it never reaches into the scheduler or the cache) ---
+    def load(self) -> tuple[float, int, float]:
+        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use)."""
+        scheduler = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
+        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
+        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage))
+
+    def cache_gauges(self) -> dict[str, float]:
+        """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
+        scheduler, coordinator = self.scheduler, self.coordinator
+        pool = coordinator.pools[coordinator.tightest_pool]
+        queried = scheduler.queried_tokens
+        return {
+            "free_blocks": pool.num_free_blocks,
+            "pinned_free_blocks": pool.num_pinned_free_blocks,
+            "hit_rate": scheduler.hit_tokens / queried if queried else 0.0,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + len(scheduler.waiting_for_kv),
+        }
+
+    @property
+    def kv_groups(self) -> list[KVCacheGroup]:
+        """The KV-cache groups of this engine (the router predicts hits with the same ones)."""
+        return list(self.coordinator.groups)
+
+    def cached_prefix_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
+        return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
+
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Pin the cached prefix; returns the tokens pinned."""
+        return self.coordinator.pin_prefix(block_hashes, num_tokens)
+
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
+        return self.coordinator.unpin_prefix(block_hashes, num_tokens)
+
+    @property
+    def event_seq(self) -> int:
+        """Sequence number of the last KV event emitted."""
+        return self.coordinator.event_seq
+
+    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
+        """(event seq, per group every cached hash and its pin level): a router resync."""
+        return self.coordinator.snapshot()
+
 
     def stats(self) -> dict[str, Any]:
         """Queue lengths, block counts, hit counters and transfer counters (plain data)."""
