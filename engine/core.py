@@ -36,7 +36,8 @@ from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch import ModelArch
-from engine.model.kv_layout import build_kv_layout
+from engine.model.kv_budget import split_budget
+from engine.model.kv_layout import KVLayout, build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
@@ -88,6 +89,19 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    pool_blocks: tuple[int, ...] = ()  # blocks per pool (null included); num_blocks is pool 0's
+
+
+def engine_pool_blocks(config: ClusterConfig, layout: KVLayout) -> tuple[int, ...]:
+    """Blocks per pool: ``kv_cache.num_blocks`` for every pool, or the memory budget's split."""
+    cache = config.kv_cache
+    if cache.num_blocks:
+        return (cache.num_blocks,) * layout.num_pools
+    budget = int(cache.memory_budget_mib * 2**20)  # type: ignore[operator]
+    split = split_budget(
+        layout, budget, config.scheduler.max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens
+    )
+    return split.num_blocks
 
 
 class EngineCore:
@@ -122,7 +136,7 @@ class EngineCore:
         layout = build_kv_layout(arch, cache.block_size, dtype)
         model = build_model(arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory))
         del weights
-        num_blocks = cache.num_blocks or layout.num_blocks_for_budget(int(cache.memory_budget_mib * 2**20))
+        num_blocks = engine_pool_blocks(config, layout)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         pinning = cache.pinning
         self.coordinator = HybridCoordinator(
@@ -144,28 +158,29 @@ class EngineCore:
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate)
-            self._agent_info = self.transfer.register(self.runner.slots) if self.transfer is not None else None
+            self._agent_info = (
+                self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None
+            )
         except BaseException:
             if self.transfer is not None:
                 self.transfer.close()
             raise
-        self.layout_key = "|".join(
-            [arch.architecture, dtype, str(cache.block_size), str(layout.page_bytes), str(layout.num_slots)]
-            + [repr(group.spec) for group in layout.groups]
-        )
+        self.layout = layout
+        self.layout_key = "|".join([arch.architecture, dtype, layout.describe()])
         self.held = HeldBlocks(config.transfer.release_timeout_s)
         self.loads = PendingLoads()
         self.transfer_stats = TransferStats()
         self.consecutive_failed_steps = 0
         self.failed_steps = 0
         self.failed_requests = 0
-        self.info = EngineInfo(arch, num_blocks, cache.block_size, max_model_len)
+        self.info = EngineInfo(arch, num_blocks[0], cache.block_size, max_model_len, num_blocks)
         self.model_directory = directory
         eos = arch.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
         log.info(
-            "engine %s ready: %s, %d layers, %d KV groups, %d blocks of %d tokens%s",
-            self.name, arch.architecture, arch.num_layers, len(layout.groups), num_blocks, cache.block_size,
+            "engine %s ready: %s, %d layers, %d KV groups, blocks per pool %s (%s), %d-token pages%s",
+            self.name, arch.architecture, arch.num_layers, len(layout.groups), list(num_blocks),
+            ", ".join(f"{p.kind} {p.page_bytes} B x {p.num_slots}" for p in layout.pools), cache.block_size,
             f", kv_role={kv_role} ({config.transfer.backend})" if kv_role else "",
         )  # fmt: skip
 
@@ -248,9 +263,9 @@ class EngineCore:
         tables = self.scheduler.add_transferred_request(request, handle.num_tokens)
         pairs = None
         if tables is not None:
-            fresh = {b for group in self.coordinator.unhashed_block_ids(request_id) for b in group}
+            fresh = [set(group) for group in self.coordinator.unhashed_block_ids(request_id)]
             try:
-                pairs = plan_read(handle, tables, fresh)
+                pairs = plan_read(handle, tables, fresh, [group.pool for group in self.layout.groups])
             except ValueError as e:
                 log.warning("%s: cannot read %s from %s (%s); recomputing", self.name, request_id, handle.agent.name, e)
                 self.scheduler.finish_kv_load(request_id, ok=False)
@@ -465,7 +480,6 @@ class EngineCore:
         """(event seq, per group every cached hash and its pin level): a router resync."""
         return self.coordinator.snapshot()
 
-
     def stats(self) -> dict[str, Any]:
         """Queue lengths, block counts, hit counters and transfer counters (plain data)."""
         scheduler, pool = self.scheduler, self.coordinator.pool
@@ -477,6 +491,7 @@ class EngineCore:
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
             "num_blocks": self.info.num_blocks - 1,
             "free_blocks": pool.num_free_blocks,
+            "capacity": self.capacity(),
             "pinned_blocks": pool.num_pinned_free_blocks,  # explicit pins + retained window/state anchors
             "explicitly_pinned_blocks": pool.explicit.size,
             "hit_tokens": scheduler.hit_tokens,
@@ -486,6 +501,18 @@ class EngineCore:
             "failed_requests": self.failed_requests,
             "transfer": asdict(self.transfer_stats),
         }
+
+    def capacity(self) -> dict[str, Any]:
+        """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``
+        (requests' full recurrent states), and per pool its kind, page size and blocks."""
+        coordinator, layout = self.coordinator, self.layout
+        pools = [
+            {"kind": pool.kind, "page_bytes": pool.page_bytes, "slots": pool.num_slots,
+             "num_blocks": coordinator.num_blocks_in(p), "free_blocks": coordinator.num_free_blocks_in(p)}
+            for p, pool in enumerate(layout.pools)
+        ]  # fmt: skip
+        return {**layout.capacity(self.info.pool_blocks), "bytes": layout.pool_bytes(self.info.pool_blocks),
+                "pools": pools}  # fmt: skip
 
     def close(self) -> None:
         """Release the transfer registration (pending reads are cancelled). Idempotent."""

@@ -105,24 +105,32 @@ def handle_usable(handle: KVHandle, read_timeout_s: float, release_timeout_s: fl
     return now + read_timeout_s + expiry_margin(release_timeout_s) <= handle.expires_at
 
 
-def plan_read(handle: KVHandle, local_tables: Sequence[Sequence[int]], fresh: set[int]) -> np.ndarray:
-    """``(remote, local)`` block pairs filling every fresh local block from the same table slot.
+def plan_read(
+    handle: KVHandle,
+    local_tables: Sequence[Sequence[int]],
+    fresh: Sequence[set[int]],
+    group_pool: Sequence[int] | None = None,
+) -> np.ndarray:
+    """``(pool, remote, local)`` block triples filling every fresh local block (``fresh[g]``: the
+    fresh block ids of group ``g``) from the same table slot; block ids are ids in the group's
+    pool (``group_pool[g]``, all 0 when None).
 
     Raises ValueError if the prefill engine no longer holds a block the decode side needs (a
     layout or window mismatch): the caller treats it as a failed transfer.
     """
-    pairs: list[tuple[int, int]] = []
+    triples: list[tuple[int, int, int]] = []
     if len(local_tables) != len(handle.block_ids):
         raise ValueError(f"kv_handle.block_ids: {len(handle.block_ids)} groups, this engine has {len(local_tables)}")
     for g, (remote, local) in enumerate(zip(handle.block_ids, local_tables)):
+        pool = group_pool[g] if group_pool is not None else 0
         for i, block in enumerate(local):
-            if block not in fresh:
+            if block not in fresh[g]:
                 continue
             source = remote[i] if i < len(remote) else NULL_BLOCK
             if source == NULL_BLOCK:
                 raise ValueError(f"kv_handle.block_ids: group {g} slot {i} is not held by the prefill engine")
-            pairs.append((source, block))
-    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+            triples.append((pool, source, block))
+    return np.asarray(triples, dtype=np.int64).reshape(-1, 3)
 
 
 class HeldBlocks:

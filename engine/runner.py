@@ -1,13 +1,14 @@
 """ModelRunner: owns the model and its KV slot tensors; SchedulerOutput -> forward -> tokens.
 
-The slot tensors (``[num_blocks, page_bytes]`` bytes each, see ``engine.model.kv_layout``) are the
-only KV memory of the worker; attention layers get typed views of their slot, and the transfer
-layer registers the raw slots.
+The slot tensors (``[num_blocks_p, page_bytes_p]`` bytes each for every slot of every pool
+``p``, see ``engine.model.kv_layout``) are the only KV memory of the worker; attention layers get
+typed views of their slot in the attention pool, recurrent layers fp32 views of their slot in a
+state pool, and the transfer layer registers the raw slots (with the pool of each).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,9 +28,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class ModelRunner:
     """Runs one step of the model over a batch of request chunks.
 
-    Invariant: ``slots[j]`` row ``b`` is block ``b``'s page for the ``j``-th layer of the group
-    that owns block ``b``; nothing else writes KV memory (except a transfer into blocks the
-    coordinator handed to it).
+    Invariant: ``slots[layout.slot_index(p, j)]`` row ``b`` is block ``b`` of pool ``p``: the
+    page of the ``j``-th layer of the group (of pool ``p``) that owns that block; slot tensors of
+    different pools never overlap; nothing else writes KV memory (except a transfer into blocks
+    the coordinator handed to it).
     """
 
     def __init__(
@@ -37,27 +39,32 @@ class ModelRunner:
         arch: ModelArch,
         layout: KVLayout,
         model: CausalLM | BambaLM,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         device: torch.device,
         dtype: str,
-        allocate_slots: Callable[[int, list[int], str], list[torch.Tensor]] | None = None,
+        allocate_slots: Callable[[list[int], list[int], str], list[torch.Tensor]] | None = None,
     ):
+        """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
+        slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's)."""
         self.arch = arch
         self.layout = layout
         self.model = model
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
-        self.num_blocks = num_blocks
+        counts = [num_blocks] * layout.num_pools if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != layout.num_pools:
+            raise ValueError(f"num_blocks: {len(counts)} values for {layout.num_pools} pools")
+        self.pool_blocks = tuple(counts)
+        self.num_blocks = counts[0]
+        rows = [counts[p] for p in layout.slot_pool]
+        pages = list(layout.slot_page_bytes)
         if allocate_slots is not None:  # a transfer backend's memory (shared / registered)
-            self.slots = allocate_slots(num_blocks, [layout.page_bytes] * layout.num_slots, str(device))
+            self.slots = allocate_slots(rows, pages, str(device))
         else:
-            self.slots = [
-                torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=device)
-                for _ in range(layout.num_slots)
-            ]
+            self.slots = [torch.zeros(n, page, dtype=torch.uint8, device=device) for n, page in zip(rows, pages)]
         for index, layer in enumerate(model.model.layers):
             for user in cache_users(layer):
-                slot = self.slots[layout.layer_slot[index]]
+                slot = self.slots[layout.slot_index(layout.layer_pool[index], layout.layer_slot[index])]
                 if isinstance(user, RecurrentMixer):
                     user.bind_state(slot.view(torch.float32))
                 else:

@@ -1,92 +1,225 @@
-"""How a model's layers map onto KV-cache groups and shared slot tensors (no torch here).
+"""How a model's layers map onto KV-cache groups, block pools and slot tensors (no torch here).
 
-Layers are bucketed by spec (full attention, sliding window W, Mamba); every bucket is cut into
-groups of ``G`` layers, ``G`` being the smallest bucket's size. The worker allocates ``G`` slot
-tensors of ``[num_blocks, page_bytes]``; slot ``j`` holds the page of the ``j``-th layer of every
-group, so a block id addresses one page per slot and groups draw disjoint ids from one pool.
+One block pool per page size, so no group pays for another group's page:
+
+* the *attention pool* (pool 0 when the model has attention) holds pages of
+  ``kv_cache.block_size`` tokens of K and V for one layer; full and sliding-window groups draw
+  from it, and attention hashing and hits stay at ``block_size`` tokens;
+* a *state pool* per recurrent state size (Mamba2, Gated DeltaNet: ``RECURRENT_KINDS``) holds
+  pages of exactly one layer's fp32 state.
+
+Within a pool, layers are bucketed by spec (full, sliding window W, recurrent kind) and every
+bucket is cut into groups of ``G_p`` layers, ``G_p`` chosen per pool (see ``_group_size``): the
+pool's largest size that divides every bucket (no group has an unused slot), unless that makes
+many more groups than cutting by the smallest bucket. The worker allocates ``G_p`` slot tensors
+``[num_blocks_p, page_bytes_p]`` per pool; slot ``j`` of pool ``p`` holds the page of the
+``j``-th layer of every group of that pool, so a block id of pool ``p`` addresses one page per
+slot of that pool and nothing in any other pool.
+
+With a single pool (pure attention models) groups, slots and page size are what one shared
+page size gave before pools existed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
+from typing import Literal
 
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from engine.model.arch import CACHELESS_KINDS, RECURRENT_KINDS, ModelArch
+from engine.model.arch import CACHELESS_KINDS, RECURRENT_KINDS, LayerArch, ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+PoolKind = Literal["attention", "state"]
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """One block pool: what its pages hold, their size and how many slot tensors it has.
+
+    Invariant: every group of the pool has exactly ``num_slots`` layers, unless the pool's
+    buckets forced a partial group (``unused_slot_pages`` > 0 says how many pages stay empty).
+    """
+
+    kind: PoolKind
+    page_bytes: int
+    num_slots: int
+    num_groups: int
+    unused_slot_pages: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block of this pool occupies over all its slot tensors (one transfer pair)."""
+        return self.page_bytes * self.num_slots
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Groups for the coordinator, and for each layer: its group and its slot tensor."""
+    """Groups for the coordinator (each naming its pool), the pools, and for each layer its
+    group, pool and slot (all -1 for a layer without cache).
+
+    Invariants: a group's layers all have one spec and one page size, the page size of its pool;
+    ``layer_slot[i] < pools[layer_pool[i]].num_slots``; no two layers of one group share a slot;
+    attention and state pages never share a pool.
+    """
 
     groups: list[KVCacheGroup]
     layer_group: tuple[int, ...]
+    layer_pool: tuple[int, ...]
     layer_slot: tuple[int, ...]
-    num_slots: int
-    page_bytes: int
+    pools: tuple[PoolLayout, ...]
     block_size: int
 
-    def num_blocks_for_budget(self, budget_bytes: int) -> int:
-        return max(2, budget_bytes // (self.num_slots * self.page_bytes))
+    @property
+    def num_pools(self) -> int:
+        return len(self.pools)
+
+    @property
+    def num_slots(self) -> int:
+        """Slot tensors over all pools."""
+        return sum(pool.num_slots for pool in self.pools)
+
+    @property
+    def slot_pool(self) -> tuple[int, ...]:
+        """The pool of every slot tensor, pools in order (the order the runner allocates them)."""
+        return tuple(p for p, pool in enumerate(self.pools) for _ in range(pool.num_slots))
+
+    @property
+    def slot_page_bytes(self) -> tuple[int, ...]:
+        return tuple(self.pools[p].page_bytes for p in self.slot_pool)
+
+    def slot_index(self, pool: int, slot: int) -> int:
+        """Index of slot ``slot`` of ``pool`` in the flat list of slot tensors."""
+        return sum(p.num_slots for p in self.pools[:pool]) + slot
+
+    def groups_in(self, pool: int) -> list[int]:
+        return [g for g, group in enumerate(self.groups) if group.pool == pool]
+
+    @property
+    def attention_pool(self) -> int | None:
+        """Index of the attention pool (None for a model without attention layers)."""
+        return next((p for p, pool in enumerate(self.pools) if pool.kind == "attention"), None)
+
+    def pool_bytes(self, num_blocks: int | tuple[int, ...] | list[int]) -> int:
+        """Memory the slot tensors take for ``num_blocks`` (an int: every pool alike)."""
+        counts = _per_pool(num_blocks, self.num_pools)
+        return sum(n * pool.block_bytes for n, pool in zip(counts, self.pools, strict=True))
+
+    def capacity(self, num_blocks: int | tuple[int, ...] | list[int]) -> dict[str, int]:
+        """What ``num_blocks`` per pool hold, with the null block of every pool left out:
+        ``tokens`` whose KV every attention group can keep at once (0 without attention) and
+        ``recurrent_states``, requests' full recurrent states (one page per recurrent group) the
+        tightest state pool can keep at once (0 without recurrent layers)."""
+        counts = _per_pool(num_blocks, self.num_pools)
+        tokens, states = 0, []
+        for p, pool in enumerate(self.pools):
+            usable = max(0, counts[p] - 1)
+            per_request = len(self.groups_in(p))
+            if pool.kind == "attention":
+                tokens = usable // per_request * self.block_size
+            else:
+                states.append(usable // per_request)
+        return {"tokens": tokens, "recurrent_states": min(states) if states else 0}
+
+    def describe(self) -> str:
+        """A stable text of the layout, for comparing two workers' layouts."""
+        pools = ",".join(f"{p.kind}:{p.page_bytes}x{p.num_slots}" for p in self.pools)
+        groups = ",".join(f"{g.pool}:{g.spec!r}" for g in self.groups)
+        return f"bs={self.block_size};pools={pools};groups={groups}"
+
+
+def _per_pool(num_blocks: int | tuple[int, ...] | list[int], num_pools: int) -> list[int]:
+    if isinstance(num_blocks, int):
+        return [num_blocks] * num_pools
+    counts = [int(n) for n in num_blocks]
+    if len(counts) != num_pools:
+        raise ValueError(f"num_blocks: {len(counts)} values for {num_pools} pools")
+    return counts
 
 
 def attention_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
+    """One attention layer's K and V for ``block_size`` tokens."""
     return 2 * block_size * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
 
 
 def mamba_page_bytes(arch: ModelArch) -> int:
-    """One recurrent layer's state per block (e.g. Mamba's conv window and SSM state), in fp32."""
+    """One recurrent layer's state (e.g. Mamba's conv window and SSM state), in fp32."""
     return arch.recurrent_state_floats * 4
 
 
-def _page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
-    """The largest page any layer needs, rounded up to whole attention rows (one token's K or V
-    for all KV heads) so attention can address its cache as rows."""
-    has_attention = any(layer.kind in ("full_attention", "sliding_attention") for layer in arch.layers)
-    page = max(
-        attention_page_bytes(arch, block_size, dtype) if has_attention else 0,
-        mamba_page_bytes(arch),
-    )
-    if has_attention:
-        row = arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
-        page = -(-page // row) * row
-    return page
+def layer_page(arch: ModelArch, layer: LayerArch, block_size: int, dtype: str) -> tuple[PoolKind, int]:
+    """The pool kind and page size one cache-owning layer needs."""
+    if layer.kind in ATTENTION_KINDS:
+        return "attention", attention_page_bytes(arch, block_size, dtype)
+    if layer.kind in RECURRENT_KINDS:
+        return "state", mamba_page_bytes(arch)
+    raise ValueError(f"layer kind {layer.kind!r} has no KV-cache spec")
+
+
+def _spec(layer: LayerArch, block_size: int) -> KVCacheSpec:
+    if layer.kind == "sliding_attention":
+        return SlidingWindowSpec(block_size, int(layer.window))  # type: ignore[arg-type]
+    if layer.kind == "full_attention":
+        return FullAttentionSpec(block_size)
+    return MambaSpec(block_size)
+
+
+def _group_size(bucket_sizes: list[int]) -> int:
+    """Layers per group in one pool: the largest size dividing every bucket (no unused slot
+    pages), unless that gives more than twice the groups that the smallest bucket's size gives
+    (then the smallest bucket's size, and the last group of a bucket may be partial)."""
+    divisor = 0
+    for size in bucket_sizes:
+        divisor = gcd(divisor, size)
+    smallest = min(bucket_sizes)
+    exact_groups = sum(size // divisor for size in bucket_sizes)
+    cut_groups = sum(-(-size // smallest) for size in bucket_sizes)
+    return divisor if exact_groups <= 2 * cut_groups else smallest
 
 
 def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
-    """Group the model's layers and size one page (the largest any layer needs)."""
-    buckets: dict[tuple, list[int]] = {}
+    """Pools by page size (attention first), buckets by spec, groups of each pool's group size."""
+    pool_keys: list[tuple[PoolKind, int]] = []
+    buckets: dict[tuple, list[int]] = {}  # (pool key, kind, window) -> layer indices
     for index, layer in enumerate(arch.layers):
         if layer.kind in CACHELESS_KINDS:
             continue
-        key: tuple = (layer.kind, layer.window)
-        buckets.setdefault(key, []).append(index)
-    size = min(len(layers) for layers in buckets.values())
+        key = layer_page(arch, layer, block_size, dtype)
+        if key not in pool_keys:
+            pool_keys.append(key)
+        buckets.setdefault((key, layer.kind, layer.window), []).append(index)
+    if not buckets:
+        raise ValueError(f"{arch.architecture}: no layer keeps a KV cache or a recurrent state")
+    pool_keys.sort(key=lambda k: k[0] != "attention")  # attention first; stable otherwise
     groups: list[KVCacheGroup] = []
-    layer_group = [-1] * arch.num_layers  # -1: a layer without cache
+    layer_group = [-1] * arch.num_layers
+    layer_pool = [-1] * arch.num_layers
     layer_slot = [-1] * arch.num_layers
-    for (kind, window), layers in buckets.items():
-        spec: KVCacheSpec
-        if kind == "sliding_attention":
-            spec = SlidingWindowSpec(block_size, int(window))
-        elif kind == "full_attention":
-            spec = FullAttentionSpec(block_size)
-        elif kind in RECURRENT_KINDS:
-            spec = MambaSpec(block_size)
-        else:
-            raise ValueError(f"layer kind {kind!r} has no KV-cache spec")
-        for start in range(0, len(layers), size):
-            members = layers[start : start + size]
-            for slot, layer in enumerate(members):
-                layer_group[layer] = len(groups)
-                layer_slot[layer] = slot
-            groups.append(KVCacheGroup(spec, tuple(f"layers.{i}" for i in members)))
-    return KVLayout(
-        groups=groups,
-        layer_group=tuple(layer_group),
-        layer_slot=tuple(layer_slot),
-        num_slots=size,
-        page_bytes=_page_bytes(arch, block_size, dtype),
-        block_size=block_size,
-    )
+    pools: list[PoolLayout] = []
+    for p, pool_key in enumerate(pool_keys):
+        mine = {k: v for k, v in buckets.items() if k[0] == pool_key}
+        size = _group_size([len(layers) for layers in mine.values()])
+        first_group, unused = len(groups), 0
+        for (_, _, _), layers in mine.items():
+            spec = _spec(arch.layers[layers[0]], block_size)
+            for start in range(0, len(layers), size):
+                members = layers[start : start + size]
+                unused += size - len(members)
+                for slot, layer in enumerate(members):
+                    layer_group[layer], layer_pool[layer], layer_slot[layer] = len(groups), p, slot
+                groups.append(KVCacheGroup(spec, tuple(f"layers.{i}" for i in members), pool=p))
+        kind, page = pool_key
+        pools.append(PoolLayout(kind, page, size, len(groups) - first_group, unused))
+    return KVLayout(groups, tuple(layer_group), tuple(layer_pool), tuple(layer_slot), tuple(pools), block_size)
+
+
+def padded_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:
+    """The page one shared pool would need (the largest any layer needs, rounded up to whole
+    attention rows): the layout before pools, kept for comparisons (benchmarks/hybrid_capacity)."""
+    pages = [layer_page(arch, layer, block_size, dtype) for layer in arch.layers if layer.kind not in CACHELESS_KINDS]
+    page = max(size for _, size in pages)
+    if any(kind == "attention" for kind, _ in pages):
+        row = arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
+        page = -(-page // row) * row
+    return page

@@ -1,17 +1,20 @@
 """The KV transfer interface shared by every backend, and the plain data that crosses processes.
 
 Layout (decided by the model runner): a worker owns S *slot tensors*, each a contiguous
-``[num_blocks, page_bytes[s]]`` tensor. Block id ``b`` of any KV-cache group addresses row ``b``
-of every slot tensor, so moving block ``r`` of a peer into local block ``l`` means copying row
-``r`` of each of the peer's S slot tensors into row ``l`` of the matching local slot tensor.
-A request transfer is a list of ``(remote_block_id, local_block_id)`` pairs; which blocks travel
-is the coordinator's decision, the transport moves exactly those rows and nothing else.
+``[num_blocks_p, page_bytes[s]]`` tensor of one block *pool* ``p = slot_pool[s]`` (one pool per
+page size: attention pages, recurrent states). Block id ``b`` of a pool addresses row ``b`` of
+every slot tensor of that pool and nothing else, so moving block ``r`` of a peer's pool ``p``
+into local block ``l`` means copying row ``r`` of each of the peer's slot tensors of pool ``p``
+into row ``l`` of the matching local slot tensor. A request transfer is a list of
+``(pool, remote_block_id, local_block_id)`` triples (or ``(remote, local)`` pairs: pool 0);
+which blocks travel is the coordinator's decision, the transport moves exactly those rows, each
+at its own pool's page size, and nothing else.
 
 Lifecycle of one worker::
 
     xfer = make_transfer(cfg.transfer.backend, name="decode-0", role="reader")
-    slots = xfer.allocate_slots(num_blocks, page_bytes)     # or any tensors (nixl only)
-    info = xfer.register(slots)                               # once, before anything is exported
+    slots = xfer.allocate_slots(rows, page_bytes)            # rows per slot (an int: all alike)
+    info = xfer.register(slots, slot_pool)                    # once, before anything is exported
     ...                                                       # info (plain data) travels via Ray
     tid = xfer.start_read(peer_info, pairs, notify=b"req-7")  # adds the peer on first use
     xfer.poll([tid]) -> {tid: "pending" | "done" | "failed"}   # every engine step
@@ -28,6 +31,7 @@ Objects are not thread-safe: call them from the worker's engine loop only.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -53,8 +57,9 @@ Role = Literal["owner", "reader", "both"]
 ``reader`` (decode: reads peers' blocks), ``both``. Backends may tune themselves by role (NIXL
 runs its progress thread only where someone else's reads depend on it)."""
 
-BlockPairs = Sequence[tuple[int, int]] | np.ndarray
-"""``(remote_block_id, local_block_id)`` pairs, or an ``[n, 2]`` integer array of them."""
+BlockPairs = Sequence[tuple[int, int]] | Sequence[tuple[int, int, int]] | np.ndarray
+"""``(remote_block_id, local_block_id)`` pairs (pool 0), ``(pool, remote_block_id,
+local_block_id)`` triples, or an ``[n, 2]`` / ``[n, 3]`` integer array of them."""
 
 
 class TransferError(RuntimeError):
@@ -66,8 +71,9 @@ class AgentInfo:
     """Everything a peer needs to read this worker's slot tensors. Plain data only (str, int,
     bytes, tuples), so it pickles and travels as a Ray argument or return value.
 
-    ``page_bytes[s]`` is the row size of slot tensor ``s``; ``num_blocks`` its row count.
-    NIXL fills ``metadata`` (the agent blob), ``base_addrs``, ``mem_type`` and ``device_id``;
+    ``page_bytes[s]`` is the row size of slot tensor ``s``, ``slot_pool[s]`` its pool (empty:
+    every slot in pool 0) and ``slot_blocks[s]`` its row count (empty: ``num_blocks`` each);
+    ``num_blocks`` is pool 0's row count. NIXL fills ``metadata`` (the agent blob), ``base_addrs``, ``mem_type`` and ``device_id``;
     the local backend fills ``shm_paths`` and ``notify_addr``.
     """
 
@@ -83,15 +89,43 @@ class AgentInfo:
     device_id: int = 0
     shm_paths: tuple[str, ...] = ()
     notify_addr: bytes = b""
+    slot_pool: tuple[int, ...] = ()
+    slot_blocks: tuple[int, ...] = ()
 
     @property
     def num_slots(self) -> int:
         return len(self.page_bytes)
 
+    def pool_of(self, slot: int) -> int:
+        return self.slot_pool[slot] if self.slot_pool else 0
+
+    def rows_of(self, slot: int) -> int:
+        return self.slot_blocks[slot] if self.slot_blocks else self.num_blocks
+
+    @property
+    def num_pools(self) -> int:
+        return max(self.slot_pool) + 1 if self.slot_pool else 1
+
+    @property
+    def pool_blocks(self) -> tuple[int, ...]:
+        """Row count of every pool."""
+        rows = [0] * self.num_pools
+        for s in range(self.num_slots):
+            rows[self.pool_of(s)] = self.rows_of(s)
+        return tuple(rows)
+
+    @property
+    def pool_block_bytes(self) -> tuple[int, ...]:
+        """Bytes one block of each pool occupies across that pool's slot tensors."""
+        sizes = [0] * self.num_pools
+        for s, page in enumerate(self.page_bytes):
+            sizes[self.pool_of(s)] += page
+        return tuple(sizes)
+
     @property
     def block_bytes(self) -> int:
-        """Bytes one block occupies across all slot tensors (what one pair moves)."""
-        return sum(self.page_bytes)
+        """Bytes one block of pool 0 occupies across its slot tensors (what one pair moves)."""
+        return self.pool_block_bytes[0]
 
 
 @dataclass(slots=True)
@@ -109,34 +143,47 @@ class ReadRecord:
     handle: Any = field(default=None, repr=False)
 
 
-def check_slot_tensors(tensors: Sequence[torch.Tensor]) -> tuple[int, tuple[int, ...]]:
-    """Validate the slot tensors; return ``(num_blocks, page_bytes per slot)``."""
+def check_slot_tensors(
+    tensors: Sequence[torch.Tensor], slot_pool: Sequence[int] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate the slot tensors (and their pools: 0..P-1, each used, one row count per pool);
+    return ``(rows per slot, page_bytes per slot)``."""
     if not tensors:
         raise ValueError("register: expected at least one slot tensor")
-    num_blocks = tensors[0].shape[0] if tensors[0].dim() == 2 else -1
+    pools = list(slot_pool) if slot_pool is not None else [0] * len(tensors)
+    if len(pools) != len(tensors) or (pools and sorted(set(pools)) != list(range(max(pools) + 1))):
+        raise ValueError(f"slot_pool: {pools} must name pools 0..P-1 (each used), one per slot tensor")
     device = tensors[0].device
-    pages = []
+    pages, rows = [], []
+    pool_rows: dict[int, int] = {}
     for s, t in enumerate(tensors):
         if t.dim() != 2 or not t.is_contiguous():
             raise ValueError(
                 f"slot tensor {s}: expected a contiguous [num_blocks, page] tensor, got shape {tuple(t.shape)}"
             )
-        if t.shape[0] != num_blocks:
-            raise ValueError(f"slot tensor {s}: {t.shape[0]} rows, slot 0 has {num_blocks}; all slots share block ids")
+        known = pool_rows.setdefault(pools[s], t.shape[0])
+        if t.shape[0] != known:
+            raise ValueError(
+                f"slot tensor {s}: {t.shape[0]} rows, pool {pools[s]} has {known}; the slots of a pool share block ids"
+            )
         if t.device != device:
             raise ValueError(f"slot tensor {s}: on {t.device}, slot 0 is on {device}")
         pages.append(t.shape[1] * t.element_size())
-    return num_blocks, tuple(pages)
+        rows.append(t.shape[0])
+    return tuple(rows), tuple(pages)
 
 
 def check_compatible(local: AgentInfo, remote: AgentInfo) -> None:
     """Raise ``TransferError`` unless rows of ``remote``'s slots can be copied into ours."""
     if remote.backend != local.backend:
         raise TransferError(f"peer {remote.name!r} uses backend {remote.backend!r}, this worker {local.backend!r}")
-    if remote.page_bytes != local.page_bytes:
+    if remote.page_bytes != local.page_bytes or remote.num_pools != local.num_pools or any(
+        remote.pool_of(s) != local.pool_of(s) for s in range(local.num_slots)
+    ):
         raise TransferError(
-            f"peer {remote.name!r} has slot page sizes {list(remote.page_bytes)}, this worker "
-            f"{list(local.page_bytes)}: both workers must allocate the same KV layout"
+            f"peer {remote.name!r} has slot page sizes {list(remote.page_bytes)} in pools "
+            f"{[remote.pool_of(s) for s in range(remote.num_slots)]}, this worker {list(local.page_bytes)} in "
+            f"{[local.pool_of(s) for s in range(local.num_slots)]}: both workers must allocate the same KV layout"
         )
 
 
@@ -155,6 +202,29 @@ def as_pairs(pairs: BlockPairs, num_remote: int, num_local: int) -> tuple[np.nda
     if np.unique(local).size != local.size:
         raise ValueError("pairs: a local block id appears twice (two sources for one destination row)")
     return np.ascontiguousarray(remote), np.ascontiguousarray(local)
+
+
+def as_pool_pairs(
+    pairs: BlockPairs, remote_blocks: Sequence[int], local_blocks: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pool, remote_ids, local_ids)`` int64 arrays from pairs (pool 0) or triples; ValueError
+    on an unknown pool, ids out of their pool's range or a local block of a pool named twice."""
+    arr = np.asarray(pairs, dtype=np.int64)
+    if arr.size == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+    if arr.ndim != 2 or arr.shape[1] not in (2, 3):
+        raise ValueError(f"pairs: expected (remote, local) pairs or (pool, remote, local) triples, got {arr.shape}")
+    if arr.shape[1] == 2:
+        arr = np.concatenate([np.zeros((arr.shape[0], 1), np.int64), arr], axis=1)
+    pool = arr[:, 0]
+    if pool.min() < 0 or pool.max() >= len(local_blocks) or len(remote_blocks) != len(local_blocks):
+        raise ValueError(f"pairs: pools must be in [0, {len(local_blocks)}), got {pool.min()}..{pool.max()}")
+    remote, local = np.empty(len(arr), np.int64), np.empty(len(arr), np.int64)
+    for p in np.unique(pool).tolist():
+        rows = pool == p
+        r, l = as_pairs(arr[rows, 1:], remote_blocks[p], local_blocks[p])
+        remote[rows], local[rows] = r, l
+    return np.ascontiguousarray(pool), remote, local
 
 
 class KVTransfer(ABC):
@@ -180,26 +250,34 @@ class KVTransfer(ABC):
 
     # -- memory ------------------------------------------------------------------------------
     @abstractmethod
-    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
-        """Zeroed ``[num_blocks, page_bytes[s]]`` uint8 tensors this backend can serve to peers.
+    def allocate_slots(
+        self, num_blocks: int | Sequence[int], page_bytes: Sequence[int], device: str = "cpu"
+    ) -> list[torch.Tensor]:
+        """Zeroed ``[num_blocks[s], page_bytes[s]]`` uint8 tensors this backend can serve to peers
+        (an int ``num_blocks``: every slot has that many rows).
 
         The runner should allocate its KV slots here: the local backend needs them in shared
         memory; NIXL registers any tensors, but on CPU these sit on huge pages (faster reads).
         """
 
-    def register(self, tensors: Sequence[torch.Tensor]) -> AgentInfo:
-        """Register this worker's slot tensors (once, before exporting) and return its AgentInfo."""
+    def register(self, tensors: Sequence[torch.Tensor], slot_pool: Sequence[int] | None = None) -> AgentInfo:
+        """Register this worker's slot tensors (once, before exporting) and return its AgentInfo.
+        ``slot_pool[s]`` names the block pool of slot tensor ``s`` (None: one pool)."""
         self._check_open()
         if self._info is not None:
             raise TransferError(f"{self.name}: slot tensors are already registered")
-        num_blocks, page_bytes = check_slot_tensors(tensors)
-        self._info = self._register(list(tensors), num_blocks, page_bytes)
+        rows, page_bytes = check_slot_tensors(tensors, slot_pool)
+        info = self._register(list(tensors), rows, page_bytes)
+        if slot_pool is not None and max(slot_pool) > 0:
+            info = dataclasses.replace(info, num_blocks=rows[list(slot_pool).index(0)],
+                                       slot_pool=tuple(slot_pool), slot_blocks=rows)  # fmt: skip
+        self._info = info
         logger.info(
-            "%s: registered %d slot tensors x %d blocks (%.1f MiB) [%s]",
+            "%s: registered %d slot tensors in %d pools (%.1f MiB) [%s]",
             self.name,
             len(page_bytes),
-            num_blocks,
-            num_blocks * sum(page_bytes) / 2**20,
+            info.num_pools,
+            sum(r * p for r, p in zip(rows, page_bytes)) / 2**20,
             self.backend,
         )
         return self._info
@@ -265,12 +343,12 @@ class KVTransfer(ABC):
         if info is None:
             return self._failed_at_start(tid, rec, f"unknown peer {name!r} (never added, or removed)")
         t0 = time.perf_counter()  # setup time: from here (peer prepared) to the transfer's post
-        remote_ids, local_ids = as_pairs(pairs, info.num_blocks, local.num_blocks)
+        pool_ids, remote_ids, local_ids = as_pool_pairs(pairs, info.pool_blocks, local.pool_blocks)
         rec.num_blocks = int(local_ids.size)
-        rec.nbytes = rec.num_blocks * local.block_bytes
+        rec.nbytes = int(np.asarray(local.pool_block_bytes, np.int64)[pool_ids].sum())
         self._reads[tid] = rec
         try:
-            self._start(rec, info, remote_ids, local_ids, bytes(notify), t0)
+            self._start(rec, info, pool_ids, remote_ids, local_ids, bytes(notify), t0)
         except Exception as e:  # a transport error must not take the engine loop down
             self._fail(tid, rec, f"start: {type(e).__name__}: {e}")
         if rec.status == FAILED:
@@ -374,7 +452,8 @@ class KVTransfer(ABC):
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
-    def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo: ...
+    def _register(self, tensors: list[torch.Tensor], rows: tuple[int, ...], page_bytes: tuple[int, ...]) -> AgentInfo:
+        """The AgentInfo of these slots (``rows``: per slot; ``register`` adds the pools)."""
 
     @abstractmethod
     def _add_peer(self, info: AgentInfo) -> None: ...
@@ -387,12 +466,14 @@ class KVTransfer(ABC):
         self,
         rec: ReadRecord,
         peer: AgentInfo,
+        pool_ids: np.ndarray,
         remote_ids: np.ndarray,
         local_ids: np.ndarray,
         notify: bytes,
         t0: float,
     ) -> None:
-        """Begin the read; set ``rec.status`` (DONE if already complete), ``rec.handle``, ``rec.setup_s``."""
+        """Begin the read (row ``remote_ids[i]`` of every peer slot of pool ``pool_ids[i]`` into
+        row ``local_ids[i]`` of the local slot of the same index); set ``rec.status`` (DONE if already complete), ``rec.handle``, ``rec.setup_s``."""
 
     @abstractmethod
     def _progress(self, rec: ReadRecord) -> None:

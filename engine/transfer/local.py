@@ -84,16 +84,19 @@ class LocalTransfer(KVTransfer):
         self._peer_socks: dict[str, socket.socket] = {}
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+    def allocate_slots(
+        self, num_blocks: int | Sequence[int], page_bytes: Sequence[int], device: str = "cpu"
+    ) -> list[torch.Tensor]:
         import torch
 
         if torch.device(device).type != "cpu":
             raise ValueError(f"local transfer backend: CPU memory only (got device {device!r}); use nixl on GPUs")
+        rows = [num_blocks] * len(page_bytes) if isinstance(num_blocks, int) else list(num_blocks)
         slots = []
-        for s, page in enumerate(page_bytes):
-            nbytes = num_blocks * page
+        for s, (n, page) in enumerate(zip(rows, page_bytes, strict=True)):
+            nbytes = n * page
             if nbytes <= 0:
-                raise ValueError(f"slot {s}: {num_blocks} blocks x {page} bytes is empty")
+                raise ValueError(f"slot {s}: {n} blocks x {page} bytes is empty")
             fd = os.memfd_create(f"kvfleet-{self.name}-slot{s}")
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -102,12 +105,12 @@ class LocalTransfer(KVTransfer):
                 need = f"{nbytes / 2**20:.1f} MiB"
                 raise TransferError(f"slot {s}: cannot reserve {need} of shared memory: {e}") from e
             buf = mmap.mmap(fd, nbytes)
-            tensor = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, page)
+            tensor = torch.frombuffer(buf, dtype=torch.uint8).view(n, page)
             self._memfds[tensor.data_ptr()] = (fd, nbytes)
             slots.append(tensor)
         return slots
 
-    def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo:
+    def _register(self, tensors: list[torch.Tensor], rows: tuple[int, ...], page_bytes: tuple[int, ...]) -> AgentInfo:
         paths = []
         for s, t in enumerate(tensors):
             fd, nbytes = self._memfds.get(t.data_ptr(), (-1, 0))
@@ -127,7 +130,7 @@ class LocalTransfer(KVTransfer):
         return AgentInfo(
             backend=self.backend,
             name=self.name,
-            num_blocks=num_blocks,
+            num_blocks=rows[0],
             page_bytes=page_bytes,
             host=_host_id(),
             pid=os.getpid(),
@@ -145,7 +148,10 @@ class LocalTransfer(KVTransfer):
         try:
             sock.connect(info.notify_addr)  # first: a live listener proves the /proc paths are the owner's
             sock.setblocking(False)
-            slots = [self._map(path, info.num_blocks, page) for path, page in zip(info.shm_paths, info.page_bytes)]
+            slots = [
+                self._map(path, info.rows_of(s), page)
+                for s, (path, page) in enumerate(zip(info.shm_paths, info.page_bytes, strict=True))
+            ]
         except OSError as e:
             sock.close()
             raise TransferError(f"peer {info.name!r} unreachable: {e}") from e
@@ -174,18 +180,22 @@ class LocalTransfer(KVTransfer):
         self,
         rec: ReadRecord,
         peer: AgentInfo,
+        pool_ids: np.ndarray,
         remote_ids: np.ndarray,
         local_ids: np.ndarray,
         notify: bytes,
         t0: float,
     ) -> None:
-        runs = copy_runs(remote_ids, local_ids) if local_ids.size else []
+        runs = {  # per pool: its pairs as runs of consecutive rows
+            p: copy_runs(remote_ids[pool_ids == p], local_ids[pool_ids == p]) for p in np.unique(pool_ids).tolist()
+        }
         rec.setup_s = time.perf_counter() - t0
         if not self._owner_alive(peer.name):
             rec.status, rec.error = FAILED, f"owner {peer.name} gone (notification socket closed)"
             return
-        for src, dst in zip(self._peer_slots[peer.name], self._local):
-            for r0, l0, n in runs:
+        local = self.agent_info
+        for s, (src, dst) in enumerate(zip(self._peer_slots[peer.name], self._local)):
+            for r0, l0, n in runs.get(local.pool_of(s), ()):
                 dst[l0 : l0 + n] = src[r0 : r0 + n]
         rec.handle = notify
         self._notify(rec)

@@ -3,7 +3,9 @@ worker's registered slot tensors. DRAM on CPU hosts, VRAM on GPUs; ``nixl`` is i
 
 How it is wired
     * ``register`` registers the slot tensors with the agent, then prepares ONE local descriptor
-      list, block-indexed: descriptor ``s * num_blocks + b`` is row ``b`` of slot tensor ``s``.
+      list, block-indexed: descriptor ``offset[s] + b`` is row ``b`` of slot tensor ``s``
+      (``offset[s]``: the rows of the slots before ``s``; slots of different pools have their
+      own row counts). A pair of pool ``p`` names one descriptor in every slot of pool ``p``.
       The AgentInfo carries the agent metadata blob plus the slots' base addresses and page sizes.
     * ``add_peer`` loads the peer's metadata and prepares the peer's descriptor list the same
       way, from its base addresses (no per-request descriptor building).
@@ -75,22 +77,27 @@ _HUGE_PAGE = 2 << 20
 _NIXL_STATE = {"DONE": DONE, "PROC": "pending", "ERR": FAILED}
 
 
-def _block_descs(base_addrs: Sequence[int], page_bytes: Sequence[int], num_blocks: int, device_id: int) -> np.ndarray:
-    """``[S * num_blocks, 3]`` (address, length, device) rows: row ``s * num_blocks + b`` = block b of slot s."""
-    rows = []
-    for base, page in zip(base_addrs, page_bytes, strict=True):
-        d = np.empty((num_blocks, 3), dtype=np.uint64)
-        d[:, 0] = np.uint64(base) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(page)
+def _block_descs(
+    base_addrs: Sequence[int], page_bytes: Sequence[int], rows: Sequence[int], device_id: int
+) -> np.ndarray:
+    """``[sum(rows), 3]`` (address, length, device) rows: row ``offset[s] + b`` = block b of slot s."""
+    out = []
+    for base, page, n in zip(base_addrs, page_bytes, rows, strict=True):
+        d = np.empty((n, 3), dtype=np.uint64)
+        d[:, 0] = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page)
         d[:, 1] = page
         d[:, 2] = device_id
-        rows.append(d)
-    return np.concatenate(rows)
+        out.append(d)
+    return np.concatenate(out)
 
 
-def _slot_indices(block_ids: np.ndarray, num_slots: int, num_blocks: int) -> np.ndarray:
-    """Descriptor indices of ``block_ids`` in every slot, slot-major, as int32 for NIXL."""
-    offsets = np.arange(num_slots, dtype=np.int64)[:, None] * num_blocks
-    indices: np.ndarray = (offsets + block_ids[None, :]).ravel().astype(np.int32)
+def _slot_indices(info: AgentInfo, pool_ids: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``block_ids`` (each in pool ``pool_ids[i]``) in every slot of its
+    pool, slot-major, as int32 for NIXL; the same order for two workers of one layout."""
+    rows = [info.rows_of(s) for s in range(info.num_slots)]
+    offsets = np.concatenate(([0], np.cumsum(rows)))[:-1]
+    parts = [offsets[s] + block_ids[pool_ids == info.pool_of(s)] for s in range(info.num_slots)]
+    indices: np.ndarray = np.concatenate(parts).astype(np.int32)
     return indices
 
 
@@ -170,15 +177,18 @@ class NixlTransfer(KVTransfer):
         self._zombies: list[Any] = []  # handles whose release failed; retried later
 
     # -- memory ------------------------------------------------------------------------------
-    def allocate_slots(self, num_blocks: int, page_bytes: Sequence[int], device: str = "cpu") -> list[torch.Tensor]:
+    def allocate_slots(
+        self, num_blocks: int | Sequence[int], page_bytes: Sequence[int], device: str = "cpu"
+    ) -> list[torch.Tensor]:
         """CPU: zeroed slots on transparent huge pages (``cma`` reads 1.5x faster); GPU: ``torch.zeros``."""
         import torch
 
+        rows = [num_blocks] * len(page_bytes) if isinstance(num_blocks, int) else list(num_blocks)
         if torch.device(device).type != "cpu":
-            return [torch.zeros((num_blocks, page), dtype=torch.uint8, device=device) for page in page_bytes]
-        return [hugepage_zeros(num_blocks, page) for page in page_bytes]
+            return [torch.zeros((n, page), dtype=torch.uint8, device=device) for n, page in zip(rows, page_bytes)]
+        return [hugepage_zeros(n, page) for n, page in zip(rows, page_bytes, strict=True)]
 
-    def _register(self, tensors: list[torch.Tensor], num_blocks: int, page_bytes: tuple[int, ...]) -> AgentInfo:
+    def _register(self, tensors: list[torch.Tensor], rows: tuple[int, ...], page_bytes: tuple[int, ...]) -> AgentInfo:
         import torch
 
         on_gpu = tensors[0].device.type == "cuda"
@@ -190,8 +200,8 @@ class NixlTransfer(KVTransfer):
         base_addrs = tuple(int(t.data_ptr()) for t in tensors)
         descs = np.concatenate(
             [
-                _block_descs(base_addrs, page_bytes, num_blocks, device_id),
-                _block_descs([scratch.data_ptr()], page_bytes[:1], 1, device_id),
+                _block_descs(base_addrs, page_bytes, rows, device_id),
+                _block_descs([scratch.data_ptr()], page_bytes[:1], [1], device_id),
             ]
         )
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
@@ -200,7 +210,7 @@ class NixlTransfer(KVTransfer):
         return AgentInfo(
             backend=self.backend,
             name=self.name,
-            num_blocks=num_blocks,
+            num_blocks=rows[0],
             page_bytes=page_bytes,
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -219,7 +229,8 @@ class NixlTransfer(KVTransfer):
             loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
             if loaded != info.name:
                 raise TransferError(f"peer metadata names agent {loaded!r}, AgentInfo says {info.name!r}")
-            descs = _block_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id)
+            rows = [info.rows_of(s) for s in range(info.num_slots)]
+            descs = _block_descs(info.base_addrs, info.page_bytes, rows, info.device_id)
             self._remote_dlists[info.name] = self._agent.prep_xfer_dlist(info.name, descs, info.mem_type)
         except TransferError:
             raise
@@ -247,6 +258,7 @@ class NixlTransfer(KVTransfer):
         self,
         rec: ReadRecord,
         peer: AgentInfo,
+        pool_ids: np.ndarray,
         remote_ids: np.ndarray,
         local_ids: np.ndarray,
         notify: bytes,
@@ -261,9 +273,8 @@ class NixlTransfer(KVTransfer):
             # the peer's block 0 of slot 0 into our scratch row: its completion = delivery.
             local_idx, remote_idx = np.array([self._scratch_index], np.int32), np.zeros(1, np.int32)
         else:
-            local = self.agent_info
-            local_idx = _slot_indices(local_ids, local.num_slots, local.num_blocks)
-            remote_idx = _slot_indices(remote_ids, peer.num_slots, peer.num_blocks)
+            local_idx = _slot_indices(self.agent_info, pool_ids, local_ids)
+            remote_idx = _slot_indices(peer, pool_ids, remote_ids)
         handle = self._agent.make_prepped_xfer(
             "READ", self._local_dlist, local_idx, self._remote_dlists[peer.name], remote_idx, notify
         )
