@@ -50,6 +50,11 @@ NAMED_MODELS: dict[str, NamedModel] = {
         NamedModel("tiny-gemma3", SourceKind.TINY_RANDOM, "4-layer random Gemma3, 2 sliding + 2 full layers"),
         NamedModel("tiny-bamba", SourceKind.TINY_RANDOM, "4-layer random Bamba, 2 Mamba2 + 2 attention layers"),
         NamedModel(
+            "tiny-qwen3-next",
+            SourceKind.TINY_RANDOM,
+            "4-layer random Qwen3-Next: 2 Gated DeltaNet + 2 gated attention layers, 6-expert MoE with shared expert",
+        ),
+        NamedModel(
             "tiny-granitemoehybrid",
             SourceKind.TINY_RANDOM,
             "4-layer random GraniteMoeHybrid, 2 Mamba2 + 2 attention layers",

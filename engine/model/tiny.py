@@ -61,6 +61,10 @@ def build_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0, **ove
     import torch
     import transformers
 
+    from engine.model.qwen3_next_tiny import QWEN3_NEXT_MODELS, build_qwen3_next_checkpoint
+
+    if name in QWEN3_NEXT_MODELS:  # with HF's constant parameters randomised
+        return build_qwen3_next_checkpoint(name, directory, seed, **overrides)
     if name not in TINY:
         raise ValueError(f"model: unknown tiny model {name!r} (known: {', '.join(sorted(TINY))})")
     config_cls, model_cls, extra = TINY[name]
