@@ -55,11 +55,15 @@ NAMED_MODELS: dict[str, NamedModel] = {
             "4-layer random Qwen3-Next: 2 Gated DeltaNet + 2 gated attention layers, 6-expert MoE with shared expert",
         ),
         NamedModel(
-            "tiny-granitemoehybrid",
+            "tiny-granite-h",
             SourceKind.TINY_RANDOM,
-            "4-layer random GraniteMoeHybrid, 2 Mamba2 + 2 attention layers",
+            "4-layer random Granite-4.0-H (GraniteMoeHybrid): 2 Mamba2 + 2 NoPE attention layers, 4-expert MoE",
         ),
-        NamedModel("tiny-nemotronh", SourceKind.TINY_RANDOM, "4-layer random NemotronH (Mamba2, MLP, attention)"),
+        NamedModel(
+            "tiny-nemotron-h",
+            SourceKind.TINY_RANDOM,
+            "6-layer random Nemotron-H (M*-EM*): Mamba2, NoPE attention, relu2 MLP and MoE layers",
+        ),
     )
 }
 

@@ -102,8 +102,8 @@ class MoEArch:
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert
-    layout: Literal["qwen", "gpt_oss", "granite"]
-    scoring: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    layout: Literal["qwen", "gpt_oss", "granite", "nemotron"]
+    scoring: Literal["softmax_topk", "topk_softmax", "sigmoid_grouped"] = "softmax_topk"
     norm_topk_prob: bool = False
     router_bias: bool = False
     hidden_act: str = "silu"
@@ -111,6 +111,13 @@ class MoEArch:
     swiglu_limit: float = 7.0  # gpt_oss only
     shared_intermediate_size: int = 0  # qwen layout: a ``shared_expert`` MLP inside the block (0: none)
     shared_expert_gate: bool = False  # qwen layout: ``sigmoid(shared_expert_gate(x))`` scales the shared expert
+    # nemotron layout (engine/model/nemotron_h.py), scoring "sigmoid_grouped": sigmoid scores plus a
+    # correction bias choose the experts within the best ``topk_group`` of ``n_group`` groups; weights
+    # are the plain sigmoid scores (renormalised if ``norm_topk_prob``) times ``routed_scaling_factor``
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    latent_size: int = 0  # nemotron: experts run in a latent space this wide (0: the hidden size)
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,8 @@ class GatedDeltaNetArch:
 class LayerArch:
     kind: LayerKind
     window: int | None = None  # sliding window in tokens (query sees keys in (q - window, q])
-    rope: RopeArch | None = None
+    rope: RopeArch | None = None  # None on an attention layer: no position embedding (NoPE)
+    moe: bool = False  # an "mlp" layer whose MLP is ModelArch.moe (Nemotron-H's "E" layers)
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ class ModelArch:
     """Everything the torch model needs to know about one checkpoint's architecture."""
 
     architecture: str
-    family: Literal["llama", "gemma3", "bamba", "qwen3_next"]
+    family: Literal["llama", "gemma3", "bamba", "qwen3_next", "granite_hybrid", "nemotron_h"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -206,6 +214,8 @@ class ModelArch:
     moe: MoEArch | None = None  # every layer's MLP is this sparse MoE block
     qk_norm: bool = False  # RMS norm over each q/k head before rotary (Qwen3)
     attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
+    residual_multiplier: float = 1.0  # GraniteMoeHybrid: every residual branch is scaled by this
+    logits_scaling: float = 1.0  # GraniteMoeHybrid: logits are divided by this
     gated_deltanet: GatedDeltaNetArch | None = None  # the "linear_attention" layers' mixer (Qwen3-Next)
     dense_mlp_layers: tuple[int, ...] = ()  # layers whose MLP is dense even though ``moe`` is set
 
@@ -303,6 +313,11 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
         raise UnsupportedModelError(f"architecture {architecture!r} is not supported (supported: {supported})")
     if config.get("text_config"):
         config = {**config["text_config"], "architectures": [architecture]}
+    if architecture in ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"):
+        from engine.model.hybrid_arch import granite_hybrid_arch, nemotron_h_arch  # imports this module
+
+        hybrid = granite_hybrid_arch if architecture == "GraniteMoeHybridForCausalLM" else nemotron_h_arch
+        return hybrid(config, architecture)
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)

@@ -36,7 +36,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=gemma)
         self.register_parameter("sinks", nn.Parameter(torch.empty(arch.num_heads)) if arch.attention_sinks else None)
         self.rope_key = arch.layers[layer].rope
-        self.rotary = Rotary(arch.layers[layer].rope, arch.head_dim)  # type: ignore[arg-type]
+        rope = arch.layers[layer].rope
+        self.rotary = Rotary(rope, arch.head_dim) if rope is not None else None  # None: NoPE
         self.cache: torch.Tensor | None = None  # set by the runner: rows [n, kv_heads, head_dim]
         self.rows_per_block = 0
         self.block_size = 0
@@ -50,15 +51,20 @@ class Attention(nn.Module):
         self.block_size = block_size
         self.cache = slot.view(dtype).view(slot.shape[0] * self.rows_per_block, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """``rope``: this layer type's cos/sin for the step's positions (None for a NoPE layer)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if self.rotary is not None:
+            assert rope is not None, "rotary layer called without cos/sin"
+            cos, sin = rope
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
             q,

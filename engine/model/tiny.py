@@ -61,6 +61,10 @@ def build_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0, **ove
     import torch
     import transformers
 
+    from engine.model.hybrid_tiny import HYBRID_MODELS, build_hybrid_checkpoint
+
+    if name in HYBRID_MODELS:  # Granite-4.0-H / Nemotron-H, with HF's constant parameters randomised
+        return build_hybrid_checkpoint(name, directory, seed, **overrides)
     from engine.model.qwen3_next_tiny import QWEN3_NEXT_MODELS, build_qwen3_next_checkpoint
 
     if name in QWEN3_NEXT_MODELS:  # with HF's constant parameters randomised

@@ -1,0 +1,96 @@
+"""GraniteMoeHybrid (IBM Granite-4.0-H): Mamba2 and attention layers, each followed by a dense
+``shared_mlp`` plus (with experts) a sparse MoE, with Granite's scalar multipliers.
+
+Per layer::
+
+    h = x + residual_multiplier * mixer(input_layernorm(x))        # mixer: Mamba2 or attention
+    y = post_attention_layernorm(h)
+    out = h + residual_multiplier * (shared_mlp(y) [+ block_sparse_moe(y)])
+
+Embeddings are scaled by ``embedding_multiplier``, attention scores by ``attention_multiplier``
+(instead of 1/sqrt(head_dim)), logits divided by ``logits_scaling``. Attention uses rotary
+embeddings only with ``position_embedding_type: rope``. Parameter names follow the Hugging Face
+checkpoints (``model.layers.{i}.mamba.*``, ``self_attn.*``, ``shared_mlp.*``,
+``block_sparse_moe.*``), so weights load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.arch import ModelArch
+from engine.model.batch import ForwardBatch
+from engine.model.decoder import Attention
+from engine.model.layers import RMSNorm
+from engine.model.mamba2 import Mamba2Mixer
+from engine.model.moe import FusedGatedMLP, SparseMoE
+
+
+class GraniteHybridLayer(nn.Module):
+    """One decoder layer: a Mamba2 mixer or an attention layer, then the shared MLP (+ MoE)."""
+
+    def __init__(self, arch: ModelArch, layer: int, group: int):
+        super().__init__()
+        self.is_mamba = arch.layers[layer].kind == "mamba"
+        if self.is_mamba:
+            assert arch.mamba is not None
+            self.mamba = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
+        else:
+            self.self_attn = Attention(arch, layer, group)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.shared_mlp = FusedGatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+        self.block_sparse_moe = SparseMoE(arch.moe, arch.hidden_size) if arch.moe is not None else None
+        self.residual_multiplier = arch.residual_multiplier
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.mamba(h, batch) if self.is_mamba else self.self_attn(h, batch, rope)
+        x = x + h * self.residual_multiplier
+        h = self.post_attention_layernorm(x)
+        mlp = self.shared_mlp(h)
+        if self.block_sparse_moe is not None:
+            mlp = self.block_sparse_moe(h) + mlp
+        return x + mlp * self.residual_multiplier
+
+
+class GraniteHybridModel(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.*`` weights)."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(GraniteHybridLayer(arch, i, layer_group[i]) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class GraniteHybridLM(nn.Module):
+    """GraniteMoeHybridForCausalLM. Same interface as ``CausalLM``: ``forward(batch)`` -> hidden
+    states of the step's tokens, ``logits(rows)`` -> fp32 logits of the rows to sample.
+    Invariant: every attention layer shares one rotary type (or none), computed once per step."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.arch = arch
+        self.model = GraniteHybridModel(arch, layer_group)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids) * self.arch.embed_scale
+        rope = None
+        for layer in self.model.layers:
+            rotary = None if layer.is_mamba else layer.self_attn.rotary
+            if rotary is not None:
+                rope = rotary.cos_sin(batch.positions, x.dtype)
+                break
+        for layer in self.model.layers:
+            x = layer(x, batch, rope)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden) / self.arch.logits_scaling).float()

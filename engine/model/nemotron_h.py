@@ -1,0 +1,188 @@
+"""Nemotron-H (NVIDIA): a stack of single-mixer blocks, ``x + mixer(norm(x))``, where the mixer
+is a Mamba2 layer (``M``), attention without position embedding (``*``), a relu2 MLP (``-``) or a
+sigmoid-routed MoE of relu2 experts plus a shared expert (``E``).
+
+Only Mamba2 and attention layers keep a cache; MLP and MoE layers have none (layer kind ``mlp``).
+Parameter names follow the Hugging Face checkpoints (``backbone.embeddings``,
+``backbone.layers.{i}.norm`` / ``.mixer.*``, ``backbone.norm_f``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.arch import ModelArch, MoEArch
+from engine.model.batch import ForwardBatch
+from engine.model.decoder import Attention
+from engine.model.layers import RMSNorm, activation
+from engine.model.mamba2 import Mamba2Mixer
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (Nemotron's ``mlp_hidden_act: relu2``)."""
+    return torch.square(F.relu(x))
+
+
+def _act(name: str):  # noqa: ANN202 (a tensor -> tensor function)
+    return relu2 if name == "relu2" else activation(name)
+
+
+class NemotronMLP(nn.Module):
+    """``down_proj(act(up_proj(x)))``: no gate (MLP layers, experts and the shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronRouter(nn.Module):
+    """Sigmoid top-k routing with a score-correction bias and group-limited choice (the
+    DeepSeek-V3 router): ``weight`` [E, H], ``e_score_correction_bias`` [E]."""
+
+    def __init__(self, moe: MoEArch, hidden: int):
+        super().__init__()
+        if moe.num_experts % moe.n_group or not 0 < moe.topk_group <= moe.n_group:
+            raise ValueError(f"moe.n_group: {moe.n_group} groups / topk_group {moe.topk_group} do not fit "
+                             f"{moe.num_experts} experts")
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the ``top_k`` routing weights (fp32) and expert ids."""
+        moe = self.moe
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if moe.n_group > 1:
+            grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(-1, moe.num_experts)
+        experts = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, experts
+
+
+class NemotronMoE(nn.Module):
+    """Owns one MoE layer's router, ``experts.{e}`` (relu2 MLPs), ``shared_experts`` and the
+    optional latent projections. Invariant: each token's output is the routing-weighted sum of
+    exactly its ``top_k`` experts (run in the latent space when ``latent_size``) plus the shared
+    expert on the token itself. Dispatch: (token, expert) pairs sorted by expert once, one matmul
+    per expert that received tokens, one ``index_add_`` back (no loop over tokens)."""
+
+    def __init__(self, moe: MoEArch, hidden: int, bias: bool):
+        super().__init__()
+        self.moe = moe
+        width = moe.latent_size or hidden
+        self.gate = NemotronRouter(moe, hidden)
+        self.experts = nn.ModuleList(NemotronMLP(width, moe.intermediate_size, moe.hidden_act)
+                                     for _ in range(moe.num_experts))
+        self.shared_experts = NemotronMLP(hidden, moe.shared_intermediate_size, moe.hidden_act, bias)
+        if moe.latent_size:
+            self.fc1_latent_proj = nn.Linear(hidden, moe.latent_size, bias=bias)
+            self.fc2_latent_proj = nn.Linear(moe.latent_size, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        routed = self.fc1_latent_proj(x) if self.moe.latent_size else x
+        k = self.moe.top_k
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        grouped = routed.index_select(0, tokens)
+        results = torch.empty(grouped.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                results[start : start + n] = self.experts[expert](grouped[start : start + n]).float()
+                start += n
+        results.mul_(weights.reshape(-1).index_select(0, order)[:, None])
+        out = torch.zeros(routed.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, results)
+        out = out.to(x.dtype)
+        if self.moe.latent_size:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    """``x + mixer(norm(x))`` with the mixer its layer kind names."""
+
+    def __init__(self, arch: ModelArch, layer: int, group: int):
+        super().__init__()
+        spec = arch.layers[layer]
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.kind = spec.kind
+        self.mixer: nn.Module
+        if spec.kind == "mamba":
+            assert arch.mamba is not None
+            self.mixer = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
+        elif spec.kind == "full_attention":
+            self.mixer = Attention(arch, layer, group)
+        elif spec.moe:
+            assert arch.moe is not None
+            self.mixer = NemotronMoE(arch.moe, arch.hidden_size, arch.mlp_bias)
+        else:
+            self.mixer = NemotronMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.norm(x)
+        if self.kind == "mamba":
+            h = self.mixer(h, batch)
+        elif self.kind == "full_attention":
+            h = self.mixer(h, batch, None)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+class NemotronHBackbone(nn.Module):
+    """HF's ``backbone.*`` weights: embeddings, blocks, final norm."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(arch, i, layer_group[i]) for i in range(arch.num_layers))
+        self.norm_f = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The loader ties ``lm_head`` to ``model.embed_tokens``."""
+        return self.embeddings
+
+
+class NemotronHLM(nn.Module):
+    """NemotronHForCausalLM. Same interface as ``CausalLM``: ``forward(batch)`` -> hidden states,
+    ``logits(rows)`` -> fp32 logits. ``model`` is the backbone (the runner binds caches through
+    ``model.layers``)."""
+
+    def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
+        super().__init__()
+        self.arch = arch
+        self.backbone = NemotronHBackbone(arch, layer_group)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @property
+    def model(self) -> NemotronHBackbone:
+        return self.backbone
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.backbone.embeddings(batch.input_ids)
+        for layer in self.backbone.layers:
+            x = layer(x, batch)
+        return self.backbone.norm_f(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
