@@ -10,13 +10,13 @@ over requests:
 
 - decode (one-token chunks): gather conv windows and SSM states by block id, one conv step and
   one recurrence ``h = exp(dt*A) h + dt * B x; y = C h + D x`` for all of them, scatter the new
-  states into the write blocks;
+  states into the write blocks (the SSM state a tile of heads at a time, so it stays in cache);
 - prefill (longer chunks): padded to the longest into ``[R, T, ...]``; padded steps get ``dt = 0``
   (identity for the SSM) and each chunk's new conv window is gathered at its own length, so the
   padding changes no state.
 
-All reads happen before any write, so a chunk whose read and write block coincide is fine; two
-chunks never share a write block (the coordinator's guarantee). ``forward_per_request`` in
+Every block is read before it is written, so a chunk whose read and write block coincide is
+fine; two chunks never share a write block (the coordinator's guarantee). ``forward_per_request`` in
 ``engine.model.mamba2_reference`` is the loop this replaces (set ``per_request`` to use it).
 """
 
@@ -90,6 +90,10 @@ class _Prefill:
     lengths: torch.Tensor  # [R] long
 
 
+#: SSM-state bytes a decode step gathers per tile of heads (all decoding chunks at once): small
+#: enough to stay in cache from the gather through the update to the scatter
+DECODE_TILE_BYTES = 1 << 21
+
 _Update = tuple[list[int], torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
 
 
@@ -109,8 +113,8 @@ class Mamba2Mixer(RecurrentMixer):
 
     Owns: the conv-window and SSM-state views of its group's state blocks (``bind_state``).
     Invariant: block ``b``'s first ``state_floats`` fp32 values are one request's state (conv
-    window ``[conv_dim, d_conv]`` then SSM state ``[H, P, N]``); a forward reads every chunk's
-    ``state_read`` block before it writes any ``state_write`` block.
+    window ``[conv_dim, d_conv]`` then SSM state ``[H, P, N]``); a forward reads each chunk's
+    ``state_read`` state before any chunk's new state overwrites it.
     """
 
     def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float):
@@ -146,29 +150,38 @@ class Mamba2Mixer(RecurrentMixer):
         index: GroupIndex = batch.groups[self.group]
         gate, xbc, dt = self.in_proj(hidden).split([arch.intermediate_size, arch.conv_dim, arch.num_heads], dim=-1)
         out = torch.empty(hidden.shape[0], arch.intermediate_size, dtype=torch.float32, device=hidden.device)
-        updates = []  # every read happens before the first write
+        # Every read of a block happens before any write of it: prefill gathers its states first,
+        # decode updates its states tile by tile in place, prefill scatters last.
+        update = self._prefill(xbc, dt, out, batch, index) if batch.prefill_chunks else None
         if batch.decode_chunks:
-            updates.append(self._decode(xbc, dt, out, batch, index))
-        if batch.prefill_chunks:
-            updates.append(self._prefill(xbc, dt, out, batch, index))
-        for writes, conv, ssm in updates:
-            self._scatter(writes, conv, ssm)
+            self._decode(xbc, dt, out, batch, index)
+        if update is not None:
+            self._scatter(*update)
         return self.out_proj(self.norm(out, gate).to(hidden.dtype))
+
+    def _read_blocks(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks
+        (those starting from zeros; None when there are none)."""
+        source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
+        fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
+        return source, fresh
+
+    def _write_blocks(self, writes: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(writes, dtype=torch.long, device=device)
 
     def _gather(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv windows and SSM states in blocks ``reads`` (zeros where -1)."""
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
+        source, fresh = self._read_blocks(reads, device)
         conv, ssm = self.conv_state.index_select(0, source), self.ssm_state.index_select(0, source)
-        if min(reads) < 0:
-            fresh = torch.tensor([r < 0 for r in reads], device=device)
+        if fresh is not None:
             conv.masked_fill_(fresh[:, None, None], 0.0)
             ssm.masked_fill_(fresh[:, None, None, None], 0.0)
         return conv, ssm
 
     def _scatter(self, writes: list[int], conv: torch.Tensor, ssm: torch.Tensor) -> None:
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        target = torch.tensor(writes, dtype=torch.long, device=conv.device)
+        target = self._write_blocks(writes, conv.device)
         self.conv_state.index_copy_(0, target, conv)
         self.ssm_state.index_copy_(0, target, ssm)
 
@@ -187,27 +200,42 @@ class Mamba2Mixer(RecurrentMixer):
 
     def _decode(
         self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex
-    ) -> _Update:
-        """One recurrence step for every one-token chunk of the step, all at once; fills their rows
-        of ``out`` and returns their new states."""
-        m = self.arch
-        order = batch.decode_chunks
-        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=xbc.device)
-        conv_prev, h = self._gather([index.state_read[i] for i in order], xbc.device)
+    ) -> None:
+        """One recurrence step for every one-token chunk of the step at once: fills their rows of
+        ``out`` and writes their new states. The SSM states are updated a tile of heads at a time
+        (all chunks together), so the gathered tile stays in cache through its update."""
+        assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
+        m, order, device = self.arch, batch.decode_chunks, xbc.device
+        count, heads_per_group = len(order), m.num_heads // m.n_groups
+        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
+        source, fresh = self._read_blocks([index.state_read[i] for i in order], device)
+        target = self._write_blocks([index.state_write[i] for i in order], device)
+        conv_prev = self.conv_state.index_select(0, source)
+        if fresh is not None:
+            conv_prev.masked_fill_(fresh[:, None, None], 0.0)
         window = torch.cat([conv_prev[:, :, 1:], xbc.index_select(0, rows).float()[:, :, None]], dim=2)
         conv = torch.einsum("bck,ck->bc", window, self.conv1d.weight.float()[:, 0, :])
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias.float()
         x, b, c = self._split_conv(F.silu(conv))  # x [B, G, E, P]; b, c [B, G, N]
-        step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])  # [B, G, E]
-        a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
-        h = h.view(*x.shape, m.d_state)  # [B, G, E, P, N]
-        h.mul_(torch.exp(step * a)[..., None, None])
-        h.addcmul_((step[..., None] * x)[..., None], b[:, :, None, None, :])
-        y = torch.matmul(h.view(len(order), m.n_groups, -1, m.d_state), c[..., None]).view(x.shape)
-        y = y + x * self.D.float().view(x.shape[1:3])[..., None]
-        out.index_copy_(0, rows, y.reshape(len(order), -1))
-        return [index.state_write[i] for i in order], window, h.view(-1, m.num_heads, m.head_dim, m.d_state)
+        x = x.reshape(count, m.num_heads, m.head_dim)
+        b, c = (t.repeat_interleave(heads_per_group, dim=1) for t in (b, c))  # [B, H, N]
+        step = self._step_dt(dt.index_select(0, rows))  # [B, H]
+        rate = torch.exp(step * -torch.exp(self.A_log.float()))
+        drive = step[..., None] * x  # [B, H, P]
+        y = torch.empty_like(x)
+        tile = max(1, DECODE_TILE_BYTES // (count * m.head_dim * m.d_state * 4))
+        for lo in range(0, m.num_heads, tile):
+            heads = slice(lo, lo + tile)
+            h = self.ssm_state[:, heads].index_select(0, source)  # [B, tile, P, N]
+            if fresh is not None:
+                h.masked_fill_(fresh[:, None, None, None], 0.0)
+            h.mul_(rate[:, heads, None, None]).addcmul_(drive[:, heads, :, None], b[:, heads, None, :])
+            y[:, heads] = torch.matmul(h, c[:, heads, :, None])[..., 0]
+            self.ssm_state[:, heads].index_copy_(0, target, h)
+        self.conv_state.index_copy_(0, target, window)
+        y += x * self.D.float()[:, None]
+        out.index_copy_(0, rows, y.view(count, -1))
 
     def _prefill(
         self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex

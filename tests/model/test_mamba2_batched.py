@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from engine.model import mamba2
 from engine.model.arch import MambaArch
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
 from engine.model.mamba2 import Mamba2Mixer
@@ -98,8 +99,15 @@ def _max_diffs(mixer: Mamba2Mixer, states: torch.Tensor, batch: ForwardBatch, se
     return (out - ref_out).abs().max().item(), (new_states - ref_states).abs().max().item()
 
 
+@pytest.fixture(params=["one_tile", "one_head_per_tile"])
+def decode_tile(request, monkeypatch) -> None:
+    """The decode update in one tile of heads (these shapes' default) or one head per tile."""
+    if request.param == "one_head_per_tile":
+        monkeypatch.setattr(mamba2, "DECODE_TILE_BYTES", 1)
+
+
 @pytest.mark.parametrize("name", sorted(ARCHS))
-def test_random_steps_equal_the_per_request_loop(name: str) -> None:
+def test_random_steps_equal_the_per_request_loop(name: str, decode_tile: None) -> None:
     arch = ARCHS[name]
     mixer, rng = _mixer(arch, seed=1), random.Random(name)
     for trial in range(25):
@@ -111,7 +119,7 @@ def test_random_steps_equal_the_per_request_loop(name: str) -> None:
 
 
 @pytest.mark.parametrize("lengths", [[1] * 32, [1, 1, 1], [5], [150, 1, 2, 1, 64], [65, 64, 63]])
-def test_pure_decode_pure_prefill_and_mixed_steps(lengths: list[int]) -> None:
+def test_pure_decode_pure_prefill_and_mixed_steps(lengths: list[int], decode_tile: None) -> None:
     arch = ARCHS["one_group"]
     count = len(lengths)
     reads = [-1 if i % 3 == 0 else i for i in range(count)]
@@ -141,19 +149,16 @@ def test_a_sequence_gives_the_same_state_token_by_token_and_in_chunks() -> None:
 
 
 @pytest.mark.parametrize("broken", ["reads_zeros", "drops_writes"])
-def test_the_comparison_catches_a_broken_state_carry(broken: str, monkeypatch) -> None:
+def test_the_comparison_catches_a_broken_state_carry(broken: str, decode_tile: None, monkeypatch) -> None:
     arch = ARCHS["one_group"]
     batch = _batch([1, 1, 40, 1], [9, 4, 30, 12], [3, 4, 5, 6], [3, 10, 11, 6])
     mixer, states = _mixer(arch, seed=6), _states(arch, 8)
     assert max(_max_diffs(mixer, states, batch, seed=9)) < ATOL
-    if broken == "reads_zeros":
-        original = Mamba2Mixer._gather
+    if broken == "reads_zeros":  # every chunk starts from zeros, as if fresh
+        def read_blocks(self, reads, device):
+            return torch.zeros(len(reads), dtype=torch.long), torch.ones(len(reads), dtype=torch.bool)
 
-        def gather(self, reads, device):
-            conv, ssm = original(self, reads, device)
-            return conv.zero_(), ssm.zero_()
-
-        monkeypatch.setattr(Mamba2Mixer, "_gather", gather)
-    else:
-        monkeypatch.setattr(Mamba2Mixer, "_scatter", lambda self, writes, conv, ssm: None)
+        monkeypatch.setattr(Mamba2Mixer, "_read_blocks", read_blocks)
+    else:  # new states land in a block nobody reads
+        monkeypatch.setattr(Mamba2Mixer, "_write_blocks", lambda self, writes, device: torch.full((len(writes),), 79))
     assert max(_max_diffs(mixer, states, batch, seed=9)) > 1e-2

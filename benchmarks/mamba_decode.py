@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Decode tokens/s of a Bamba-shaped random model at N running requests, through EngineCore:
+the per-request Mamba2 loop ("before", ``Mamba2Mixer.per_request = True``) against the batched
+path ("after"), same engine, same prompts, same run.
+
+Shape: Bamba-9B's proportions scaled to a 2-core CPU (hidden 4096 -> 1024; the MLP stays 3.5x
+hidden; Mamba heads keep head_dim 64, d_state 128, 1 group, d_conv 4, expand 2, so 128 -> 32
+heads; attention keeps 4 query heads per KV head and head_dim 128; 32 layers with 3 attention ->
+8 layers with 1; vocabulary 128k -> 32k). fp32, random weights built through transformers.
+
+Each round adds N requests with ``prompt_len``-token prompts, steps until every one has its first
+token (prefill is not timed), then times ``decode_steps`` steps in which all N requests decode one
+token each. Rounds alternate before/after (so load on the shared machine hits both alike); the
+best round of each is reported. Standalone: progress on stderr, and the last stdout line is one
+JSON object with ``mamba_decode_speedup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs import load_config  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.model.mamba2 import Mamba2Mixer  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+log = logging.getLogger("mamba_decode")
+
+BAMBA_9B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, attn_layer_indices=[9, 18, 27],
+                num_attention_heads=32, num_key_value_heads=8, mamba_n_heads=128, mamba_d_head=64,
+                mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, vocab_size=128256)  # fmt: skip
+BAMBA_SCALED = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, attn_layer_indices=[4],
+                    num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=32, mamba_d_head=64,
+                    mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                    vocab_size=32000, max_position_embeddings=4096, initializer_range=0.02,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def build_bamba(directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random Bamba checkpoint of ``BAMBA_SCALED`` (plus ``overrides``) to ``directory``."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    torch.manual_seed(seed)
+    model = BambaForCausalLM(BambaConfig(**{**BAMBA_SCALED, **overrides})).eval()
+    model.save_pretrained(directory)
+    log.info("random Bamba: %.1fM parameters in %s", sum(p.numel() for p in model.parameters()) / 1e6, directory)
+    return directory
+
+
+def _set_per_request(engine: EngineCore, per_request: bool) -> int:
+    mixers = [m for m in engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
+    for mixer in mixers:
+        mixer.per_request = per_request
+    return len(mixers)
+
+
+def _decode_round(
+    engine: EngineCore, prompts: list[list[int]], decode_steps: int, tag: str
+) -> tuple[float, int, dict[str, list[int]]]:
+    """Prefill ``prompts`` (untimed), then time ``decode_steps`` steps where every request
+    decodes. Returns (seconds, tokens decoded in them, each request's generated tokens)."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1 + decode_steps, ignore_eos=True))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while any(not t for t in tokens.values()):
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    decoded = 0
+    start = time.perf_counter()
+    for _ in range(decode_steps):
+        outputs = engine.step()
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        decoded += sum(len(out.new_token_ids) for out in outputs)
+    seconds = time.perf_counter() - start
+    while engine.has_work:  # nothing should be left; drain in case a request was preempted
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return seconds, decoded, tokens
+
+
+def measure_decode(
+    model_directory: str | Path | None = None,
+    num_requests: int = 32,
+    prompt_len: int = 64,
+    decode_steps: int = 16,
+    rounds: int = 2,
+    threads: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Decode tokens/s at ``num_requests`` running requests, per-request Mamba loop vs batched.
+
+    Builds the scaled Bamba checkpoint in a temporary directory unless ``model_directory`` is
+    given. Returns ``{"mamba_decode_speedup": after/before, "tokens_per_s": {"before", "after"},
+    ...}`` (best of ``rounds`` alternating rounds each).
+    """
+    if model_directory is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return measure_decode(build_bamba(Path(tmp) / "bamba", seed), num_requests, prompt_len,
+                                  decode_steps, rounds, threads, seed)  # fmt: skip
+    config = load_config(
+        "tiny",
+        [
+            f"model.source={model_directory}",
+            "kv_cache.block_size=16",
+            "kv_cache.num_blocks=null",
+            "kv_cache.memory_budget_mib=4096",
+            "kv_cache.prefix_caching=false",
+            "kv_cache.pinning.enabled=false",
+            f"scheduler.max_num_seqs={num_requests}",
+            f"scheduler.max_num_batched_tokens={max(2048, prompt_len)}",
+            f"scheduler.prefill_chunk_size={prompt_len}",
+        ],
+    )
+    engine = EngineCore(config, threads=threads)
+    vocab = engine.runner.arch.vocab_size
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+    rates: dict[str, list[float]] = {"before": [], "after": []}
+    generated: dict[str, dict[str, list[int]]] = {}
+    for r in range(rounds):
+        for name in ("before", "after"):
+            layers = _set_per_request(engine, name == "before")
+            seconds, decoded, tokens = _decode_round(engine, prompts, decode_steps, f"{name}{r}")
+            if decoded != num_requests * decode_steps:
+                raise RuntimeError(f"{name}: {decoded} tokens in {decode_steps} steps, not {num_requests} per step")
+            rates[name].append(decoded / seconds)
+            generated[name] = {rid.split("-")[1]: t for rid, t in tokens.items()}
+            log.info("round %d %s (%d Mamba layers): %.1f decode tok/s (%.2f s)", r, name, layers, rates[name][-1], seconds)
+    _set_per_request(engine, False)
+    engine.close()
+    same = sum(generated["before"][k] == generated["after"][k] for k in generated["after"])
+    before, after = max(rates["before"]), max(rates["after"])
+    return {
+        "mamba_decode_speedup": round(after / before, 3),
+        "tokens_per_s": {"before": round(before, 2), "after": round(after, 2)},
+        "rounds_tokens_per_s": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "decode_steps": decode_steps,
+        "threads": threads,
+        "same_greedy_tokens": f"{same}/{num_requests}",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", type=Path, help="keep the built checkpoint here (reused when present)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    directory = args.model_dir
+    if directory is not None and not (directory / "config.json").is_file():
+        build_bamba(directory, args.seed)
+    result = measure_decode(directory, args.num_requests, args.prompt_len, args.decode_steps, args.rounds, args.threads,
+                            args.seed)  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
