@@ -140,6 +140,7 @@ class ClusterAdmin:
                     self._forget_worker(worker_id, unhealthy[worker_id], handles[worker_id])
         workers = {stats["worker_id"]: _worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
+                "capacity_tokens", "capacity_recurrent_states",
                 "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "requests_finished",
                 "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
@@ -178,6 +179,10 @@ def _worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "held_for_transfer": stats["held_for_transfer"],
         "free_blocks": stats["free_blocks"],
         "num_blocks": stats["num_blocks"],
+        # KV memory in what it holds: attention tokens and full recurrent states (per pool below)
+        "capacity_tokens": stats["capacity"]["tokens"],
+        "capacity_recurrent_states": stats["capacity"]["recurrent_states"],
+        "kv_pools": stats["capacity"]["pools"],
         "pinned_blocks": stats["pinned_blocks"],
         "explicitly_pinned_blocks": stats["explicitly_pinned_blocks"],
         "hit_rate": stats["hit_rate"],

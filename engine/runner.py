@@ -46,6 +46,7 @@ class ModelRunner:
     ):
         """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
         slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's)."""
+        layout.check_invariants(arch)
         self.arch = arch
         self.layout = layout
         self.model = model

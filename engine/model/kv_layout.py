@@ -70,6 +70,7 @@ class KVLayout:
     layer_slot: tuple[int, ...]
     pools: tuple[PoolLayout, ...]
     block_size: int
+    dtype: str = "float32"  # of the attention KV (states are fp32)
 
     @property
     def num_pools(self) -> int:
@@ -121,6 +122,37 @@ class KVLayout:
             else:
                 states.append(usable // per_request)
         return {"tokens": tokens, "recurrent_states": min(states) if states else 0}
+
+    def check_invariants(self, arch: ModelArch) -> None:
+        """Raise AssertionError unless the layout invariants hold (they refine
+        KV_CACHE_REFERENCE.md §11 for several pools): every cache layer has one (pool, group,
+        slot) and no two layers of a group share a slot; a group's layers share one spec and the
+        page size and kind of its pool; attention layers sit only in attention pools and
+        recurrent layers only in state pools (so a state never shares memory with an attention
+        page); each pool's groups are counted and its unused slot pages are exactly its groups'
+        missing layers."""
+        taken: set[tuple[int, int]] = set()
+        members = [0] * len(self.groups)
+        for index, layer in enumerate(arch.layers):
+            g, p, s = self.layer_group[index], self.layer_pool[index], self.layer_slot[index]
+            if layer.kind in CACHELESS_KINDS:
+                assert (g, p, s) == (-1, -1, -1), f"layer {index}: no cache, but placed at {(g, p, s)}"
+                continue
+            kind, page = layer_page(arch, layer, self.block_size, self.dtype)
+            pool = self.pools[p]
+            assert self.groups[g].pool == p and 0 <= s < pool.num_slots, f"layer {index}: {(g, p, s)}"
+            assert pool.kind == kind, f"layer {index} ({layer.kind}) in a {pool.kind} pool"
+            assert pool.page_bytes == page, f"layer {index}: needs {page}-byte pages, pool {p} has {pool.page_bytes}"
+            assert (g, s) not in taken, f"layer {index}: group {g} slot {s} taken twice"
+            assert self.groups[g].spec == _spec(layer, self.block_size), f"layer {index}: spec of group {g}"
+            taken.add((g, s))
+            members[g] += 1
+        for p, pool in enumerate(self.pools):
+            groups = self.groups_in(p)
+            assert pool.num_groups == len(groups), f"pool {p}: {len(groups)} groups, says {pool.num_groups}"
+            assert pool.unused_slot_pages == sum(pool.num_slots - members[g] for g in groups), f"pool {p}"
+        keys = [(pool.kind, pool.page_bytes) for pool in self.pools]
+        assert len(set(keys)) == len(keys), f"two pools with one page kind and size: {keys}"
 
     def describe(self) -> str:
         """A stable text of the layout, for comparing two workers' layouts."""
@@ -211,7 +243,7 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
                 groups.append(KVCacheGroup(spec, tuple(f"layers.{i}" for i in members), pool=p))
         kind, page = pool_key
         pools.append(PoolLayout(kind, page, size, len(groups) - first_group, unused))
-    return KVLayout(groups, tuple(layer_group), tuple(layer_pool), tuple(layer_slot), tuple(pools), block_size)
+    return KVLayout(groups, tuple(layer_group), tuple(layer_pool), tuple(layer_slot), tuple(pools), block_size, dtype)
 
 
 def padded_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:

@@ -116,9 +116,12 @@ def test_pd_matches_single_engine_and_moves_only_needed_blocks(oracle, backend):
             for i, handle in enumerate(handles):
                 pairs = reads[f"r{i}".encode()]
                 assert decode.transfer.wait(tids[f"r{i}".encode()], 10) == "done"
-                source = prefill.rows([r for r, _ in pairs])
-                for slot, rows in zip(decode.runner.slots, source, strict=True):
-                    assert torch.equal(slot[[l for _, l in pairs]], rows), f"prompt {i}"
+                for pool in {p for p, _, _ in pairs}:  # (pool, remote, local): ids of that pool's slots
+                    chosen = [(r, l) for p, r, l in pairs if p == pool]
+                    source = prefill.rows([r for r, _ in chosen])
+                    for slot, rows, of in zip(decode.runner.slots, source, decode.layout.slot_pool, strict=True):
+                        if of == pool:
+                            assert torch.equal(slot[[l for _, l in chosen]], rows), f"prompt {i}"
 
             results = run_to_end(decode, {f"r{i}" for i in range(len(batch))})
             for i, prompt in enumerate(batch):
