@@ -84,49 +84,133 @@ class BlockPool:
             if short > self.retained.size + self.explicit.size:
                 raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
             self.demote(short)
-        blocks = self.free_queue.popleft_n(n)
-        removed: dict[int, list[bytes]] | None = {} if self.enable_events else None
-        for block in blocks:
-            if block.block_hash is not None:
-                self._uncache(block, removed)
+        queue = self.free_queue
+        cached = self.cached
+        removed: list[tuple[int, bytes]] | None = [] if self.enable_events else None
+        blocks = []
+        block = queue.head.next
+        for _ in range(n):  # unlink the first n blocks, uncache them, count the new reference
+            blocks.append(block)
+            nxt = block.next
+            block.prev = block.next = block.queue = None
             block.ref_cnt = 1
+            if block.block_hash is not None:
+                if removed is not None:
+                    removed.append((block.group, block.block_hash))
+                del cached[block.group][block.block_hash]
+                block.block_hash = None
+                block.group = -1
+            block = nxt  # type: ignore[assignment]
+        queue.head.next = block
+        block.prev = queue.head  # type: ignore[union-attr]
+        queue.size -= n
         if removed:
-            for group, hashes in removed.items():
-                self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes), self.index))
+            self._emit_removed(removed)
         return blocks
 
+    def _emit_removed(self, removed: list[tuple[int, bytes]]) -> None:
+        """One ``BlockRemoved`` per group for these (group, hash) entries, in order."""
+        by_group: dict[int, list[bytes]] = {}
+        for group, block_hash in removed:
+            by_group.setdefault(group, []).append(block_hash)
+        for group, hashes in by_group.items():
+            self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes), self.index))
+
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Claim blocks found by a prefix hit: unlink free/pinned ones, then count the reference."""
+        """Claim blocks found by a prefix hit: unlink free/pinned ones, then count the reference.
+        Null blocks are skipped (the null block is never counted: its ``ref_cnt`` stays 0)."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
-                block.queue.remove(block)  # type: ignore[union-attr]
+            if block.ref_cnt == 0:
+                queue = block.queue
+                if queue is None:  # the null block
+                    continue
+                prev, nxt = block.prev, block.next
+                prev.next = nxt  # type: ignore[union-attr]
+                nxt.prev = prev  # type: ignore[union-attr]
+                block.prev = block.next = block.queue = None
+                queue.size -= 1
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False) -> None:
-        """Drop one reference from each block; ``ordered`` lists blocks evict-first first.
+    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False, enforce: bool = True) -> None:
+        """Drop one reference from each block; ``ordered`` lists blocks evict-first first and holds
+        no null block (callers pass live table slots only).
 
         Released blocks go to their pinned tier if pinned; otherwise uncached ones (and every one
-        when ``evict_first``) to the head of the free queue, cached ones to its tail.
+        when ``evict_first``) to the head of the free queue, cached ones to its tail (linked there
+        in the same pass). ``enforce=False`` leaves the retained tier's budget to the caller.
         """
-        front: list[Block] = []
-        back: list[Block] = []
-        pinned = False
+        queue = self.free_queue
+        tail = queue.tail
+        last = tail.prev
+        size = queue.size
+        others: list[Block] = []
         for block in ordered:
-            if block.is_null:
+            n = block.ref_cnt - 1
+            block.ref_cnt = n
+            if n:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.pin:
-                    pinned = True
-                    (self.explicit if block.pin == PIN_EXPLICIT else self.retained).append(block)
-                elif evict_first or block.block_hash is None:
-                    front.append(block)
-                else:
-                    back.append(block)
+            if block.pin or block.block_hash is None or evict_first:
+                others.append(block)
+                continue
+            block.prev = last
+            block.queue = queue
+            last.next = block  # type: ignore[union-attr]
+            last = block
+            size += 1
+        last.next = tail  # type: ignore[union-attr]
+        tail.prev = last
+        queue.size = size
+        if others:
+            self._release_others(others, enforce)
+
+    def free_retaining(self, ordered: list[Block]) -> None:
+        """``free_blocks`` (budget left to the caller) of blocks a hit needs, first marking the
+        hashed ones for the retained tier (as ``pin(ordered, PIN_RETAINED)`` would), in one pass."""
+        tier = self.retained
+        tail = tier.tail
+        last = tail.prev
+        size = tier.size
+        newly: list[Block] | None = [] if self.enable_events else None
+        others: list[Block] = []
+        for block in ordered:
+            if not block.pin and block.block_hash is not None:
+                block.pin = PIN_RETAINED
+                if newly is not None:
+                    newly.append(block)
+            n = block.ref_cnt - 1
+            block.ref_cnt = n
+            if n:
+                continue
+            if block.pin != PIN_RETAINED:
+                others.append(block)
+                continue
+            block.prev = last
+            block.queue = tier
+            last.next = block  # type: ignore[union-attr]
+            last = block
+            size += 1
+        last.next = tail  # type: ignore[union-attr]
+        tail.prev = last
+        tier.size = size
+        if newly:
+            self._emit_pinned(newly, PIN_RETAINED)
+        if others:
+            self._release_others(others, False)
+
+    def _release_others(self, released: list[Block], enforce: bool) -> None:
+        """Released blocks that do not go to the free queue's tail: pinned ones to their tier,
+        the rest (uncached or evict-first) to the free queue's head, in order."""
+        front: list[Block] = []
+        pinned = False
+        for block in released:
+            if block.pin:
+                pinned = True
+                (self.explicit if block.pin == PIN_EXPLICIT else self.retained).append(block)
+            else:
+                front.append(block)
         self.free_queue.prepend_n(front)
-        self.free_queue.append_n(back)
-        if pinned:
-            self._enforce_retain_budget()
+        if pinned and enforce:
+            self.enforce_retain_budget()
 
     # -- prefix cache ----------------------------------------------------------------------------
     def cache_blocks(self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int) -> None:
@@ -209,20 +293,27 @@ class BlockPool:
 
         Free blocks move into the tier now; in-use blocks go there when released.
         """
-        newly: dict[int, list[bytes]] = {}
+        newly: list[Block] = []
+        tier = self.explicit if level == PIN_EXPLICIT else self.retained
         for block in blocks:
-            if block.is_null or block.block_hash is None or block.pin >= level:
+            if block.pin >= level or block.block_hash is None or block.is_null:
                 continue
             if block.ref_cnt == 0:
                 block.queue.remove(block)  # type: ignore[union-attr]
-                (self.explicit if level == PIN_EXPLICIT else self.retained).append(block)
+                tier.append(block)
             block.pin = level
-            newly.setdefault(block.group, []).append(block.block_hash)
-        if self.enable_events:
-            for group, hashes in newly.items():
-                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
+            newly.append(block)
         if newly:
-            self._enforce_retain_budget()
+            self._emit_pinned(newly, level)
+            self.enforce_retain_budget()
+
+    def _emit_pinned(self, blocks: list[Block], level: int) -> None:
+        if self.enable_events:
+            by_group: dict[int, list[bytes]] = {}
+            for block in blocks:
+                by_group.setdefault(block.group, []).append(block.block_hash)  # type: ignore[arg-type]
+            for group, hashes in by_group.items():
+                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
 
     def unpin(self, blocks: Iterable[Block], level: int) -> None:
         """Clear pins at ``level``; free ones move to the tail of the free queue (still cached)."""
@@ -252,7 +343,8 @@ class BlockPool:
         if block.block_hash is not None:
             gone.setdefault(block.group, []).append(block.block_hash)
 
-    def _enforce_retain_budget(self) -> None:
+    def enforce_retain_budget(self) -> None:
+        """Demote the oldest retained blocks beyond ``retain_budget`` to the free queue's tail."""
         if self.retain_budget is None:
             return
         over = self.retained.size - self.retain_budget

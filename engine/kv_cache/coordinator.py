@@ -16,6 +16,7 @@ Responsibilities, each over all groups (and pools) at once:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,16 +103,24 @@ def _per_pool(name: str, value: object, num_pools: int) -> list:
     return values
 
 
+_NEVER = 1 << 62  # a token count no request reaches
+
+
 class _Admitted:
     """Coordinator-side bookkeeping of one admitted request."""
 
-    __slots__ = ("request", "cached_upto", "shared_prefix", "removed_upto")
+    __slots__ = ("request", "cached_upto", "shared_prefix", "removed_upto", "capacity", "next_drop")
 
     def __init__(self, request: CacheRequest, shared_prefix: int):
         self.request = request
         self.cached_upto = 0  # tokens (aligned) whose full blocks are registered
         self.shared_prefix = shared_prefix  # where its chain diverged from cached chains
         self.removed_upto = 0  # last computed count passed to remove_skipped_blocks
+        # The decode fast path (``HybridCoordinator._allocate_running``): every group's table
+        # covers ``capacity`` tokens, and no group drops a block before ``next_drop`` computed
+        # tokens. Both are set by a slow-path running allocation (0 until then: slow path).
+        self.capacity = 0
+        self.next_drop = 0
 
 
 class _PrefixPin:
@@ -196,7 +205,8 @@ class HybridCoordinator:
         self._admitted: dict[str, _Admitted] = {}
         self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
         self._prefix_pins: dict[tuple[int, bytes], _PrefixPin] = {}
-        self._last_allocation: list[tuple[int, int]] = [(0, 0)] * num_pools
+        self._nothing_allocated: list[tuple[int, int]] = [(0, 0)] * num_pools
+        self._last_allocation = self._nothing_allocated
 
     # -- capacity ------------------------------------------------------------------------------------
     @property
@@ -347,6 +357,18 @@ class HybridCoordinator:
         need = total + num_new_tokens
         if self.max_model_len is not None and need > self.max_model_len:
             need = self.max_model_len
+        if (
+            need <= state.capacity
+            and total < state.next_drop
+            and reserved_blocks == 0
+            and (num_new_tokens == 1 or not self._windowed)
+        ):
+            # Fast path (most decode steps): no group drops a block or needs a new one.
+            state.removed_upto = total
+            self._last_allocation = self._nothing_allocated
+            if not delay_cache and need >= state.cached_upto + self.alignment:
+                self._cache(state, need)
+            return self._no_new_ids
         for manager in self._droppers:
             manager.remove_skipped_blocks(request_id, total)
         state.removed_upto = total
@@ -365,6 +387,8 @@ class HybridCoordinator:
                 manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
         if not delay_cache:
             self._cache(state, need)
+        state.capacity = min([len(m.tables[request_id]) * m.block_size for m in self.managers])
+        state.next_drop = min([m.next_skip_change(total) for m in self._droppers], default=_NEVER)
         return new_ids
 
     def _allocate_admission(
@@ -483,11 +507,10 @@ class HybridCoordinator:
         if self._retain_shared_prefix and state.shared_prefix:
             boundary = state.shared_prefix
             for manager in self.managers:
-                table = manager.tables[request_id]
-                keep = [table[i] for i in manager.blocks_needed_at(boundary) if i < len(table)]
-                manager.pool.pin(keep, PIN_RETAINED)
-        for manager in self.managers:
-            manager.free(request_id)
+                manager.free(request_id, manager.blocks_needed_at(boundary))
+        else:
+            for manager in self.managers:
+                manager.free(request_id)
 
     def new_step(self) -> None:
         for manager in self.managers:
@@ -638,8 +661,13 @@ class HybridCoordinator:
                     first_live = manager.skipped_blocks(upto)
                     if any(b is not null for b in table[:first_live]):
                         fail(f"group {g} {request_id!r}: live block before the window ({first_live})")
-                if isinstance(manager, MambaManager) and live > 2:
-                    fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
+                if isinstance(manager, MambaManager):
+                    if live > 2:
+                        fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
+                    if sorted(i for i, b in enumerate(table) if b is not null) != manager.live.get(request_id, []):
+                        fail(f"group {g} {request_id!r}: live state indices disagree with the table")
+                elif live != len(table) - sum(1 for _ in itertools.takewhile(lambda b: b is null, table)):
+                    fail(f"group {g} {request_id!r}: a null slot after a live block (nulls must be a prefix)")
         unshared_hashless = [
             key for key, n in refs.items() if n > 1 and self.pools[key[0]].blocks[key[1]].block_hash is None
         ]
@@ -680,8 +708,8 @@ class HybridCoordinator:
             if block.block_id != bid or block.pool != p:
                 fail(f"pool {p}: slot {bid} holds {block!r}")
             if block.is_null:
-                if block.queue is not None or block.block_hash is not None or block is not null:
-                    fail(f"pool {p}: null block queued or hashed")
+                if block.queue is not None or block.block_hash is not None or block is not null or block.ref_cnt:
+                    fail(f"pool {p}: null block queued, hashed or counted (ref_cnt {block.ref_cnt})")
                 continue
             n = refs.get((p, bid), 0)
             if block.ref_cnt != n:

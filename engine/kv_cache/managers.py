@@ -61,6 +61,11 @@ class SingleTypeManager:
     def skipped_blocks(self, num_tokens: int) -> int:
         return self.spec.skipped_tokens(num_tokens) // self.block_size
 
+    def next_skip_change(self, num_tokens: int) -> int:
+        """A computed count > ``num_tokens`` at or before which ``skipped_blocks`` first grows
+        (so ``remove_skipped_blocks`` drops nothing new before it)."""
+        raise NotImplementedError
+
     def num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, hit_blocks: list[Block], total_computed: int, force_external: bool
     ) -> int:
@@ -158,13 +163,43 @@ class SingleTypeManager:
     def release_dropped(self, request_id: str, dropped: list[Block], end_index: int) -> None:
         self.pool.free_blocks(dropped)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's table, tail first; a no-op for unknown requests."""
+    def free(self, request_id: str, retain: range | None = None) -> None:
+        """Release the request's table, tail first; a no-op for unknown requests.
+
+        ``retain``: table indices whose hashed blocks go to the retained tier (a hit at the
+        request's shared-prefix boundary needs them) instead of the free queue.
+        """
         table = self.tables.pop(request_id, None)
         self.num_cached.pop(request_id, None)
-        if table:
-            table.reverse()
-            self.pool.free_blocks(table)
+        if not table:
+            return
+        pool = self.pool
+        first = self.first_live(table)
+        if not retain:
+            live = table[first:] if first else table
+            live.reverse()
+            pool.free_blocks(live)
+            return
+        lo = max(retain.start, first)
+        hi = max(min(retain.stop, len(table)), lo)
+        tail, mid, head = table[hi:], table[lo:hi], table[first:lo]
+        tail.reverse()
+        mid.reverse()
+        head.reverse()
+        pool.free_blocks(tail, enforce=False)
+        pool.free_retaining(mid)
+        pool.free_blocks(head, enforce=False)
+        pool.enforce_retain_budget()
+
+    def first_live(self, table: list[Block]) -> int:
+        """Index of the first live slot. Outside Mamba groups null slots only form a prefix of
+        the table (window drops null from the front; ``check_invariants`` checks it)."""
+        if not table[0].is_null:
+            return 0
+        i = len(table)
+        while not table[i - 1].is_null:
+            i -= 1
+        return i
 
     def blocks_needed_at(self, length: int) -> range:
         """Table indices a hit at ``length`` tokens needs (for explicit prefix pins)."""
@@ -261,6 +296,10 @@ class SlidingWindowManager(SingleTypeManager):
         end = length // self.block_size
         return range(max(0, end - self.need), end)
 
+    def next_skip_change(self, num_tokens: int) -> int:
+        # skipped_blocks(n) = (n - window + 1) // bs reaches k + 1 at n = (k + 1) * bs + window - 1
+        return (self.skipped_blocks(num_tokens) + 1) * self.block_size + self.spec.window - 1
+
     # -- retention -----------------------------------------------------------------------------------
     def add_boundary(self, request_id: str, num_tokens: int) -> None:
         """Remember a token count at which this request's window is worth pinning when dropped."""
@@ -307,9 +346,9 @@ class SlidingWindowManager(SingleTypeManager):
         else:
             self.pool.free_blocks(dropped, evict_first=True)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, retain: range | None = None) -> None:
         self.boundaries.pop(request_id, None)
-        super().free(request_id)
+        super().free(request_id, retain)
 
 
 class ChunkedLocalManager(SingleTypeManager):
@@ -343,6 +382,10 @@ class ChunkedLocalManager(SingleTypeManager):
 
     def blocks_needed_at(self, length: int) -> range:
         return range(self._chunk_start_block(length), length // self.block_size)
+
+    def next_skip_change(self, num_tokens: int) -> int:
+        chunk = self.spec.chunk_size
+        return (num_tokens // chunk + 1) * chunk  # skipped tokens only change on chunk boundaries
 
 
 class MambaManager(SingleTypeManager):
@@ -387,9 +430,16 @@ class MambaManager(SingleTypeManager):
             self.pool.free_blocks(dropped)
         return dropped
 
-    def free(self, request_id: str) -> None:
-        self.live.pop(request_id, None)
-        super().free(request_id)
+    def free(self, request_id: str, retain: range | None = None) -> None:
+        """Release the live state blocks (newest first); ``retain`` as for other groups."""
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        live = self.live.pop(request_id, [])
+        if not table:
+            return
+        if retain:
+            self.pool.pin([table[i] for i in retain if i < len(table)], PIN_RETAINED)
+        self.pool.free_blocks([table[i] for i in reversed(live)])
 
     def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
         bs = self.block_size
@@ -408,6 +458,10 @@ class MambaManager(SingleTypeManager):
     def blocks_needed_at(self, length: int) -> range:
         end = length // self.block_size
         return range(end - 1, end) if end else range(0)
+
+    def next_skip_change(self, num_tokens: int) -> int:
+        # skipped_blocks(n) = (n - 1) // bs reaches k + 1 at n = (k + 1) * bs + 1
+        return (self.skipped_blocks(num_tokens) + 1) * self.block_size + 1
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         return 1 if -(-num_tokens // self.block_size) > len(self.tables[request_id]) else 0
