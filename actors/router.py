@@ -248,8 +248,9 @@ class Router:
             handle = self.handles.get(str(action.worker))
             if handle is None:
                 continue
-            if isinstance(action, PinOn):
-                handle.pin.remote(action)
+            if isinstance(action, PinOn):  # with the holder to copy from, when there is one
+                source = self.handles.get(str(action.source)) if action.source is not None else None
+                handle.pin.remote(action, source)
             elif isinstance(action, Unpin):
                 handle.unpin.remote(action.block_hashes, action.num_tokens)
             elif isinstance(action, RequestSnapshot):

@@ -29,7 +29,6 @@ from engine.disagg import (
     TransferStats,
     check_handle,
     handle_usable,
-    plan_read,
     token_digest,
 )
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
@@ -39,6 +38,7 @@ from engine.model.arch import ModelArch
 from engine.model.kv_budget import split_budget
 from engine.model.kv_layout import KVLayout, build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
+from engine.remote_prefill import Expected, RemotePrefillMixin
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
@@ -104,7 +104,7 @@ def engine_pool_blocks(config: ClusterConfig, layout: KVLayout) -> tuple[int, ..
     return split.num_blocks
 
 
-class EngineCore:
+class EngineCore(RemotePrefillMixin):
     """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
     the transfer object of one worker.
 
@@ -169,6 +169,7 @@ class EngineCore:
         self.layout_key = "|".join([arch.architecture, dtype, layout.describe()])
         self.held = HeldBlocks(config.transfer.release_timeout_s)
         self.loads = PendingLoads()
+        self.expected: dict[str, Expected] = {}  # announced remote prefills (engine.remote_prefill)
         self.transfer_stats = TransferStats()
         self.consecutive_failed_steps = 0
         self.failed_steps = 0
@@ -204,41 +205,43 @@ class EngineCore:
         """Queue a request. ``prefill_only``: compute its prompt's KV for a decode worker (the
         result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of computing it.
         Raises ValueError naming the argument for a bad id, token ids or sampling parameters."""
-        check_request_id(request_id)
-        prompt_token_ids = check_token_ids(prompt_token_ids, self.info.arch.vocab_size, "prompt_token_ids")
-        if not prompt_token_ids:
-            raise InvalidRequestError(problem("prompt_token_ids", "must not be empty", prompt_token_ids))
-        sampling = SamplingParams.coerce(sampling)
         if prefill_only and kv_handle is not None:
             raise ValueError("prefill_only and kv_handle: a request is either prefilled here or pulled, not both")
         if (prefill_only or kv_handle is not None) and self.transfer is None:
             raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot do P/D transfers")
-        prompt = list(prompt_token_ids)
         if prefill_only:
-            if len(prompt) < 2:
-                raise ValueError(
-                    f"prompt_token_ids: a prefill-only request needs >= 2 tokens (got {len(prompt)}); run it colocated"
-                )
-            request = Request(
-                request_id, prompt[:-1], sampling, self.coordinator.hash_block_size, self.eos_token_id, prefill_only=True
-            )
+            request = self._checked_request(request_id, prompt_token_ids, sampling, prefill_only=True)
             self.scheduler.add_request(request)
             return request
+        request = self._checked_request(request_id, prompt_token_ids, sampling, remote_prefill=kv_handle is not None)
         if kv_handle is not None:
-            check_handle(kv_handle, self.layout_key, prompt)
-        request = Request(
-            request_id,
-            prompt,
-            sampling,
-            self.coordinator.hash_block_size,
-            eos_token_id=self.eos_token_id,
-            remote_prefill=kv_handle is not None,
-        )
+            check_handle(kv_handle, self.layout_key, request.token_ids)
         if kv_handle is None:
             self.scheduler.add_request(request)
         else:
             self._start_load(request, kv_handle)
         return request
+
+    def _checked_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kwargs: Any
+    ) -> Request:
+        """A new Request after the argument checks (ValueError naming the argument); a
+        ``prefill_only`` one covers all but the prompt's last token."""
+        check_request_id(request_id)
+        if request_id in self.expected:
+            raise ValueError(f"request_id: {request_id!r} is already in this engine")
+        prompt = check_token_ids(prompt_token_ids, self.info.arch.vocab_size, "prompt_token_ids")
+        if not prompt:
+            raise InvalidRequestError(problem("prompt_token_ids", "must not be empty", prompt_token_ids))
+        sampling = SamplingParams.coerce(sampling)
+        if kwargs.get("prefill_only"):
+            if len(prompt) < 2:
+                raise ValueError(
+                    f"prompt_token_ids: a prefill-only request needs >= 2 tokens (got {len(prompt)}); run it colocated"
+                )
+            prompt = prompt[:-1]
+        return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
+                       **kwargs)  # fmt: skip
 
     def _start_load(self, request: Request, handle: KVHandle) -> None:
         assert self.transfer is not None
@@ -260,21 +263,10 @@ class EngineCore:
             request.remote_prefill = False
             self.scheduler.add_request(request)
             return
-        tables = self.scheduler.add_transferred_request(request, handle.num_tokens)
-        pairs = None
-        if tables is not None:
-            fresh = [set(group) for group in self.coordinator.unhashed_block_ids(request_id)]
-            try:
-                pairs = plan_read(handle, tables, fresh, [group.pool for group in self.layout.groups])
-            except ValueError as e:
-                log.warning("%s: cannot read %s from %s (%s); recomputing", self.name, request_id, handle.agent.name, e)
-                self.scheduler.finish_kv_load(request_id, ok=False)
-        if pairs is None:  # nothing to read: still tell the owner so it frees at once
-            self._notify_only(handle)
+        if self.scheduler.add_transferred_request(request, handle.num_tokens) is None:
+            self._notify_only(handle)  # nothing to read: still tell the owner so it frees at once
             return
-        tid = self.transfer.start_read(handle.agent, pairs, notify=handle.notify_key)
-        self.loads.reads[tid] = request_id
-        self.transfer_stats.reads += 1
+        self._read_into(request_id, handle)
 
     def _notify_only(self, handle: KVHandle) -> None:
         """Tell the owner it may free the handle's blocks, reading nothing."""
@@ -286,6 +278,8 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
         self.runner.sampler.forget(request_id)
+        if self.forget_expected(request_id):  # announced, no read started: its blocks free now
+            return True
         if request_id in self.scheduler.waiting_for_kv:  # a read into its blocks is in flight
             self.loads.aborted.add(request_id)
             return True
@@ -346,9 +340,11 @@ class EngineCore:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
 
-    def _export(self, request_id: str) -> KVHandle:
-        """The handle of a prefilled request; its blocks stay held until the reader is done."""
+    def _export(self, request_id: str, num_tokens: int | None = None) -> KVHandle:
+        """The handle of a prefilled request (of its first ``num_tokens`` tokens: all by default);
+        its blocks stay held until the reader is done."""
         request = self.scheduler.held[request_id]
+        num_tokens = request.num_tokens if num_tokens is None else num_tokens
         null = self.coordinator.null_block_id
         tables = tuple(
             tuple(NULL_BLOCK if b == null else b for b in group) for group in self.coordinator.block_ids(request_id)
@@ -356,8 +352,8 @@ class EngineCore:
         expires_at = self.held.hold(request_id)
         return KVHandle(
             request_id,
-            request.num_tokens,
-            token_digest(request.token_ids),
+            num_tokens,
+            token_digest(request.token_ids[:num_tokens]),
             tables,
             self.agent_info,
             self.layout_key,
@@ -368,7 +364,7 @@ class EngineCore:
         transfer = self.transfer
         assert transfer is not None
         results: list[RequestOutput] = []
-        if self.kv_role != "decode":
+        if self.kv_role != "decode" or self.held:  # a decode engine holds only exported prefixes
             notified, expired = self.held.due(transfer.owner_notifications())
             for request_id in notified:
                 self.scheduler.release_held(request_id)
@@ -471,6 +467,32 @@ class EngineCore:
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
         return self.coordinator.unpin_prefix(block_hashes, num_tokens)
 
+    def export_prefix(self, request_id: str, token_ids: list[int]) -> KVHandle | None:
+        """Hold the cached prefix ``token_ids`` for a peer to copy (a pin re-established by
+        transfer): a handle like a prefill's, whose blocks stay held until the reader's
+        notification or ``transfer.release_timeout_s``. The reader loads it as the decode side
+        of P/D does (``add_request(token_ids + [t], ..., kv_handle=handle)``). None when this
+        cache no longer serves the whole prefix, or the hold does not fit (the reader computes)."""
+        if self.transfer is None:
+            raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot export a prefix")
+        check_request_id(request_id)
+        prefix = check_token_ids(token_ids, self.info.arch.vocab_size, "token_ids")
+        if not prefix or request_id in self.scheduler.held or request_id in self.scheduler.requests:
+            return None
+        # One token past the prefix, so the lookup may return all of it (a hit stops before a
+        # request's last token); that token is never computed.
+        request = Request(request_id, [*prefix, 0], SamplingParams(max_tokens=1), self.coordinator.hash_block_size)
+        hit = self.coordinator.get_computed_blocks(request)
+        if hit.num_tokens < len(prefix):
+            return None
+        if self.coordinator.allocate_slots(request, 1, hit, delay_cache=True) is None:
+            return None
+        request.num_computed_tokens = hit.num_tokens
+        self.coordinator.remove_skipped_blocks(request_id, hit.num_tokens)
+        request.status = RequestStatus.FINISHED_REMOTE_DECODE
+        self.scheduler.held[request_id] = request
+        return self._export(request_id, len(prefix))
+
     @property
     def event_seq(self) -> int:
         """Sequence number of the last KV event emitted."""
@@ -488,6 +510,7 @@ class EngineCore:
             "waiting": len(scheduler.waiting),
             "waiting_for_kv": len(scheduler.waiting_for_kv),
             "held_for_transfer": len(scheduler.held),
+            "expecting_handles": len(self.expected),
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
             "num_blocks": self.info.num_blocks - 1,
             "free_blocks": pool.num_free_blocks,
