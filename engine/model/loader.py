@@ -17,12 +17,9 @@ from safetensors.torch import load_file
 from engine.model.arch import ModelArch, arch_from_hf_config
 from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
-from engine.model.granite_hybrid import GraniteHybridLM
-from engine.model.nemotron_h import NemotronHLM
 from engine.model.qwen3_next import Qwen3NextLM
 
-MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM,
-                 "granite_hybrid": GraniteHybridLM, "nemotron_h": NemotronHLM}
+MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM}
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +59,9 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     model = model.to_empty(device=device).to(dtype)
     expected = model.state_dict()
     weights = {k.removeprefix("language_model."): v for k, v in weights.items()}
+    ignored = getattr(type(model), "IGNORED_WEIGHT_PREFIXES", ())  # e.g. Qwen3-Next's unused "mtp." head
+    if ignored:
+        weights = {k: v for k, v in weights.items() if not k.startswith(ignored)}
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
@@ -84,7 +84,7 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     # Rotary buffers are not in checkpoints; recompute them on the target device.
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
-        if attn is not None and attn.rotary is not None:
+        if attn is not None:
             attn.rotary.inv_freq = torch.tensor(attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device)
     return model.eval()
 

@@ -89,6 +89,9 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextLM(nn.Module):
     """Same interface as ``CausalLM``: ``forward(batch)`` -> hidden states, ``logits(rows)``."""
 
+    # checkpoint tensors the loader drops: the multi-token-prediction head (not used to decode)
+    IGNORED_WEIGHT_PREFIXES = ("mtp.",)
+
     def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
         super().__init__()
         self.arch = arch
