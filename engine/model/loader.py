@@ -17,9 +17,12 @@ from safetensors.torch import load_file
 from engine.model.arch import ModelArch, arch_from_hf_config
 from engine.model.bamba import BambaLM
 from engine.model.decoder import CausalLM
+from engine.model.granite_hybrid import GraniteHybridLM
+from engine.model.nemotron_h import NemotronHLM
 from engine.model.qwen3_next import Qwen3NextLM
 
-MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM}
+MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM,
+                 "granite_hybrid": GraniteHybridLM, "nemotron_h": NemotronHLM}
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     # Rotary buffers are not in checkpoints; recompute them on the target device.
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
-        if attn is not None:
+        if attn is not None and attn.rotary is not None:
             attn.rotary.inv_freq = torch.tensor(attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device)
     return model.eval()
 
