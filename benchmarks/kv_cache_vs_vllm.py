@@ -32,12 +32,16 @@ Trace (identical to drive.py; ``random.Random(0)``)
     groups, window 32), block size 16, 2048 blocks shared by all groups.
 
 Configurations
-    kvfleet runs with retention OFF for the speedup and hit-rate comparison, and the hybrid kind
-    again with the pinned retention tier ON (``RETENTION`` below) for ``pinned_hit_rate``.
+    kvfleet runs every configuration twice: with retention OFF (``speedup``, ``hit_rate``) and with
+    the pinned retention tier ON (``RETENTION`` below: ``speedup_retention``, ``pinned_hit_rate``).
+    Both are interleaved with the vLLM runs of that configuration and compared with the same vLLM
+    numbers.
 
 Output
     Progress goes to stderr (logging). The last stdout line is one JSON object with ``speedup``,
-    ``min_speedup``, ``hit_rate``, ``pinned_hit_rate`` and, as extras, ``kvfleet_us``,
+    ``min_speedup`` (retention off), ``speedup_retention``, ``coordinator_min_speedup``
+    (``{"retention_off": r, "retention_on": r}``: the smallest per-call speedup over every
+    configuration), ``hit_rate``, ``pinned_hit_rate`` and, as extras, ``kvfleet_us``,
     ``kvfleet_retention_us``, ``vllm_us``, ``hits_vs_vllm`` and ``config``.
 
     python benchmarks/kv_cache_vs_vllm.py                 # full run, several minutes
@@ -447,25 +451,36 @@ def summarize_vllm(runs: list[dict], hits: list[int] | None) -> ConfigResult:
 def compare_config(
     kind: str, concurrency: int, args: argparse.Namespace, prefixes: list[list[int]], trace: Trace,
     anchor: VllmAnchor | None,
-) -> tuple[ConfigResult, ConfigResult | None]:
-    """kvfleet (retention off) and vLLM runs of one configuration, interleaved run by run and in
-    alternating order (vLLM first in even runs), so that both sides see the same machine state."""
+) -> tuple[ConfigResult, ConfigResult, ConfigResult | None]:
+    """kvfleet (retention off, then on) and vLLM runs of one configuration, interleaved run by run
+    and in alternating order (vLLM first in even runs, last in odd ones), so that every side sees
+    the same machine state."""
     ours: list[RunResult] = []
+    retained: list[RunResult] = []
     theirs: list[dict] = []
     their_hits: list[int] | None = None
+    retention = retention_options(args)
     for r in range(args.runs):
-        sides = ["vllm", "kvfleet"] if r % 2 == 0 else ["kvfleet", "vllm"]
+        sides = ["vllm", "off", "on"] if r % 2 == 0 else ["on", "off", "vllm"]
         for side in sides:
-            if side == "kvfleet":
+            if side == "off":
                 ours.append(
                     run_kvfleet_once(kind, concurrency, NO_RETENTION, prefixes, trace, args.check_invariants, r)
+                )
+            elif side == "on":
+                retained.append(
+                    run_kvfleet_once(kind, concurrency, retention, prefixes, trace, args.check_invariants, r)
                 )
             elif anchor is not None:
                 run, hits = anchor.run_once(kind, concurrency, r)
                 theirs.append(run)
                 their_hits = their_hits if their_hits is not None else hits
     label = f"{kind} C={concurrency}"
-    return summarize_kvfleet(label, ours), (summarize_vllm(theirs, their_hits) if theirs else None)
+    return (
+        summarize_kvfleet(label, ours),
+        summarize_kvfleet(f"{label} retention on", retained),
+        summarize_vllm(theirs, their_hits) if theirs else None,
+    )
 
 
 # -- report -----------------------------------------------------------------------------------------------
@@ -503,21 +518,27 @@ def build_report(
     trace: Trace,
 ) -> dict:
     speedup: dict[str, dict[str, float | None]] = {}
+    speedup_retention: dict[str, dict[str, float | None]] = {}
     hit_rate: dict[str, dict[str, float | None]] = {}
     hits_vs_vllm: dict[str, dict[str, int] | None] = {}
     for key in keys:
         ours = kvfleet[key]
         theirs = vllm[key] if vllm else None
         speedup[key] = {c: ratio(theirs.mean_us[c] if theirs else None, ours.mean_us[c]) for c in CALLS}
+        speedup_retention[key] = {
+            c: ratio(theirs.mean_us[c] if theirs else None, retained[key].mean_us[c]) for c in CALLS
+        }
         hit_rate[key] = {
             "kvfleet": round(ours.token_hit_rate, 4),
             "vllm": round(theirs.token_hit_rate, 4) if theirs else None,
         }
         hits_vs_vllm[key] = compare_hits(ours.hits, theirs.hits) if theirs else None
     ratios = [r for per_call in speedup.values() for r in per_call.values() if r is not None]
+    ratios_on = [r for per_call in speedup_retention.values() for r in per_call.values() if r is not None]
     return {
         "speedup": speedup,
         "min_speedup": min(ratios) if ratios else None,
+        "speedup_retention": speedup_retention,
         "hit_rate": hit_rate,
         "pinned_hit_rate": {key: round(res.token_hit_rate, 4) for key, res in retained.items()},
         "kvfleet_us": {key: rounded(res.mean_us) for key, res in kvfleet.items()},
@@ -538,6 +559,10 @@ def build_report(
             "max_possible_token_hit_rate": round(max_token_hit_rate(trace), 4),
             "retention": asdict(retention_options(args)),
             "statistic": "median over runs of the per-call mean",
+        },
+        "coordinator_min_speedup": {
+            "retention_off": min(ratios) if ratios else None,
+            "retention_on": min(ratios_on) if ratios_on else None,
         },
     }
 
@@ -595,24 +620,15 @@ def main(argv: list[str] | None = None) -> None:
         anchor.prepare()
 
     kvfleet: dict[str, ConfigResult] = {}
+    retained: dict[str, ConfigResult] = {}
     vllm: dict[str, ConfigResult] = {}
     for key in keys:
         kind, c = parse_key(key)
-        ours, theirs = compare_config(kind, c, args, prefixes, trace, anchor)
+        ours, ours_retained, theirs = compare_config(kind, c, args, prefixes, trace, anchor)
         kvfleet[key] = ours
+        retained[key] = ours_retained
         if theirs is not None:
             vllm[key] = theirs
-
-    retention = retention_options(args)
-    retained: dict[str, ConfigResult] = {}
-    for key in keys:
-        kind, c = parse_key(key)
-        if kind == "hybrid":
-            results = [
-                run_kvfleet_once(kind, c, retention, prefixes, trace, args.check_invariants, r)
-                for r in range(args.runs)
-            ]
-            retained[key] = summarize_kvfleet(f"{key} retention on", results)
 
     report = build_report(keys, kvfleet, retained, vllm or None, args, trace)
     print(json.dumps(report), flush=True)
