@@ -94,6 +94,19 @@ def sized_config(config: ClusterConfig, workload: Workload, groups: list[Any]) -
     return config.model_copy(update={"kv_cache": kv})
 
 
+def kv_groups(config: ClusterConfig) -> list[Any]:
+    """The KV-cache groups the config's workers will have (read from the model's config.json)."""
+    from engine.core import resolve_model_directory
+    from engine.model.arch import arch_from_hf_config
+    from engine.model.kv_layout import build_kv_layout
+    from engine.model.loader import read_hf_config
+
+    hf_config = read_hf_config(resolve_model_directory(config))
+    arch = arch_from_hf_config(hf_config, config.model.sliding_window_override)
+    dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+    return list(build_kv_layout(arch, config.kv_cache.block_size, dtype).groups)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -149,16 +162,7 @@ def run_policy(config: ClusterConfig, policy: str, workload: Workload, *, probe:
 
 def run_bench(config: ClusterConfig, workload: Workload, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """Every policy in turn on the same config and workload; the per-policy numbers + ratios."""
-    from engine.core import resolve_model_directory
-    from engine.model.arch import arch_from_hf_config
-    from engine.model.kv_layout import build_kv_layout
-    from engine.model.loader import read_hf_config
-
-    hf_config = read_hf_config(resolve_model_directory(config))
-    arch = arch_from_hf_config(hf_config, config.model.sliding_window_override)
-    dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
-    layout = build_kv_layout(arch, config.kv_cache.block_size, dtype)
-    config = sized_config(config, workload, list(layout.groups))
+    config = sized_config(config, workload, kv_groups(config))
     runs = {policy: run_policy(config, policy, workload) for policy in policies}
     return {"runs": runs, **summary(runs)}
 
