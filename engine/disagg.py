@@ -182,6 +182,8 @@ class TransferStats:
     seconds: float = 0.0
     released_by_notification: int = 0
     released_by_timeout: int = 0
+    warm_ups: int = 0  # connections opened to a peer before its first read
+    cold_reads: int = 0  # reads that opened the connection to their peer themselves
 
 
 @dataclass

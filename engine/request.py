@@ -42,19 +42,22 @@ class Request(CacheRequest):
     step; it returns to 0 on preemption (recompute). ``num_external_tokens`` is set while the
     prompt's KV is being transferred in. A ``prefill_only`` request (prefill side of P/D) computes
     its tokens' KV, samples nothing and finishes with its blocks still held for a reader.
+    ``scheduled_at`` / ``kv_loaded_at`` (this process's monotonic clock) time its hops.
     """
 
     __slots__ = (
-        "prompt_len",
-        "sampling",
-        "status",
         "arrival_time",
         "eos_token_id",
-        "num_preemptions",
+        "kv_loaded_at",
         "num_cached_tokens",
         "num_external_tokens",
-        "stop_reason",
+        "num_preemptions",
         "prefill_only",
+        "prompt_len",
+        "sampling",
+        "scheduled_at",
+        "status",
+        "stop_reason",
     )
 
     def __init__(
@@ -81,6 +84,8 @@ class Request(CacheRequest):
         self.num_external_tokens = 0
         self.stop_reason: int | str | None = None
         self.prefill_only = prefill_only
+        self.scheduled_at: float | None = None  # first admission (computing, or blocks for a transfer)
+        self.kv_loaded_at: float | None = None  # its transferred KV arrived (remote prefill)
 
     @property
     def output_token_ids(self) -> list[int]:

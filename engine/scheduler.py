@@ -13,6 +13,7 @@ is preempted (its blocks freed, recomputed later, usually from its own cached pr
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,12 @@ class Scheduler:
 
     # -- intake -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self.check_new(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_new(self, request: Request) -> None:
+        """Raise ValueError unless ``request`` may enter: a new id, room to generate."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in this engine")
         if request.request_id in self.held:
@@ -101,8 +108,6 @@ class Scheduler:
                 f"prompt: {request.num_tokens} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if unknown or finished."""
@@ -166,6 +171,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
+                request.scheduled_at = time.monotonic()
                 request.num_cached_tokens = hit.num_tokens
                 self.hit_tokens += hit.num_tokens
                 self.queried_tokens += request.num_tokens
@@ -288,16 +294,25 @@ class Scheduler:
         local hit covers it, or the blocks do not fit now): the request then waits to be computed
         locally from its reconciled hit, like any other request.
         """
-        coord = self.coordinator
-        hit = coord.get_computed_blocks(request)
-        num_external = max(0, min(num_external_tokens, request.num_tokens - 1) - hit.num_tokens)
-        self.add_request(request)
-        if num_external == 0 or coord.allocate_slots(request, 0, hit, num_external, delay_cache=True) is None:
+        tables = self.reserve_transferred(request, num_external_tokens)
+        if tables is None:
             # A Mamba group has no state at an attention-only hit: drop the remote-prefill view so
             # the local lookup reconciles every group.
             request.remote_prefill = False
+            self.add_request(request)
+        return tables
+
+    def reserve_transferred(self, request: Request, num_external_tokens: int) -> list[list[int]] | None:
+        """``add_transferred_request`` without the fallback: None (and the request is not queued,
+        nothing changed) when nothing is to be read or the blocks do not fit now."""
+        self.check_new(request)
+        coord = self.coordinator
+        hit = coord.get_computed_blocks(request)
+        num_external = max(0, min(num_external_tokens, request.num_tokens - 1) - hit.num_tokens)
+        if num_external == 0 or coord.allocate_slots(request, 0, hit, num_external, delay_cache=True) is None:
             return None
-        self.waiting.remove(request)
+        self.requests[request.request_id] = request
+        request.scheduled_at = time.monotonic()
         request.num_cached_tokens = hit.num_tokens + num_external
         request.num_computed_tokens = hit.num_tokens
         request.num_external_tokens = num_external
@@ -314,6 +329,7 @@ class Scheduler:
             return
         request.remote_prefill = False  # any later recompute (preemption) uses the local view
         if ok:
+            request.kv_loaded_at = time.monotonic()
             request.num_computed_tokens += request.num_external_tokens
             self.coordinator.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.RUNNING
