@@ -5,9 +5,20 @@ while the engine computes. Every engine access happens on the engine thread: act
 enqueue a command and await its result. Tokens stream back per request through a Ray streaming
 generator (``generate``); a prefill-only request resolves to its ``KVHandle`` (``prefill``).
 
-After each step the thread reports the engine's KV events and load to the router actor. Before
-it hands out a finished request's last output it waits until the router has applied every
-report so far, so a request routed after another finished sees that request's cached blocks.
+After each step the thread reports the engine's KV events and load to the router actor; it
+never waits for the router. A finished request's last output (the final chunk, or a prefill's
+result) carries the ref of the report that holds its blocks (``router_ack``): the driver awaits
+it before it calls the request finished, so a request routed after another finished sees that
+request's cached blocks, and the engine loop never blocks on the router.
+
+P/D on the decode side: ``generate(..., expect_handle=True, peer=...)`` is called as soon as the
+request is routed, while the prefill worker computes it: the engine reserves the prompt's blocks
+and warms the connection to ``peer``; ``deliver`` brings the handle and the read starts at once.
+A handle that overtakes its ``generate`` waits here up to ``EARLY_HANDLE_WAIT_S``; one whose
+request ended is answered with a notification only (its owner frees at once).
+
+Hops: each request's timings on this worker's monotonic clock travel as durations (``hops`` of
+the first tokens' chunk or of the prefill result); the driver assembles the breakdown.
 
 Health: a request whose step fails ends alone with ``finish_reason="error"`` and its reason (the
 engine isolates it); an engine that cannot go on stops its thread, and from then on every call
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -34,6 +46,7 @@ from typing import Any, Literal
 
 import ray
 
+from actors.hops import prefill_hops, token_hops
 from actors.router_link import RouterLink
 from actors.worker_types import (  # noqa: F401  (re-exported: drivers import them from here)
     PrefillResult,
@@ -55,6 +68,7 @@ IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this often
 MAX_TOMBSTONES = 10_000
 LEASE_SWEEP_INTERVAL_S = 1.0  # how often the engine thread looks for requests whose lease ran out
+EARLY_HANDLE_WAIT_S = 5.0  # a handle that arrived before its request waits this long for it
 
 
 class EngineWorker(RouterLink):
@@ -82,6 +96,7 @@ class EngineWorker(RouterLink):
         self._commands = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
+        self._early_handles: dict[str, tuple[Any, float]] = {}  # handles that overtook their request
         self._router: Any = None
         self._last_report: Any = None
         self._last_load: WorkerLoad | None = None
@@ -111,6 +126,7 @@ class EngineWorker(RouterLink):
             str(engine.model_directory),
             _node_ip(),
             os.getpid(),
+            engine.agent_info if engine.transfer is not None else None,
         )
 
     async def set_router(self, router: Any) -> None:
@@ -156,22 +172,31 @@ class EngineWorker(RouterLink):
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, kv_handle: Any = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_handle: Any = None,
+        expect_handle: bool = False,
+        peer: Any = None,
     ) -> AsyncIterator[TokenChunk]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
-        yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``."""
+        yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
+        ``expect_handle``: a prefill worker (transfer agent ``peer``) is computing the prompt's
+        KV now; reserve its blocks and wait for the handle (``deliver``)."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         tracked = _Tracked(loop, chunks, len(prompt_token_ids))
-        await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle)
+        await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle, False,
+                         expect_handle, peer)  # fmt: skip
         finished = False
         try:
             while not finished:
                 chunk = await chunks.get()
                 while not chunks.empty() and not chunk.finished:  # coalesce what piled up
                     more = chunks.get_nowait()
-                    chunk = TokenChunk(chunk.token_ids + more.token_ids, more.finished, more.finish_reason,
-                                       more.num_cached_tokens)  # fmt: skip
+                    chunk = dataclasses.replace(more, token_ids=chunk.token_ids + more.token_ids,
+                                                hops=chunk.hops or more.hops)  # fmt: skip
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -189,6 +214,15 @@ class EngineWorker(RouterLink):
         except asyncio.CancelledError:
             self._submit(self._abort, request_id)
             raise
+
+    async def deliver(self, request_id: str, kv_handle: Any) -> None:
+        """The handle of a request announced with ``expect_handle``: start reading its KV."""
+        await self._call(self._deliver, request_id, kv_handle, time.monotonic())
+
+    async def warm_peers(self, agents: list[Any]) -> int:
+        """Open the transfer connection to each of these prefill workers' agents now (so their
+        first reads pay no setup); returns how many were new."""
+        return int(await self._call(lambda: sum(self.engine.warm_peer(agent) for agent in agents)))
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request here and free its blocks; its stream ends with ``finish_reason="abort"``."""
@@ -274,19 +308,52 @@ class EngineWorker(RouterLink):
         tracked: _Tracked,
         kv_handle: Any = None,
         prefill_only: bool = False,
+        expect_handle: bool = False,
+        peer: Any = None,
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
         if self._tombstones.pop(request_id, 0) is None:  # its abort overtook it: end it at once
             self._tracked[request_id] = tracked
             self._answer(request_id, TokenChunk([], True, "abort"))
+            early = self._early_handles.pop(request_id, None)
+            if early is not None:
+                self.engine.discard_handle(early[0])
             return
-        self.engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only, kv_handle=kv_handle)
+        engine = self.engine
+        if expect_handle:
+            tracked.request = engine.expect_remote_prefill(request_id, prompt_token_ids, sampling, peer)
+            if engine.is_reserved(request_id):
+                tracked.reserved_at = time.monotonic()
+        else:
+            tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
+                                                 kv_handle=kv_handle)  # fmt: skip
         self._tracked[request_id] = tracked
         self._leases[request_id] = time.monotonic()
+        early = self._early_handles.pop(request_id, None)
+        if early is not None:
+            self._deliver(request_id, *early)
+
+    def _deliver(self, request_id: str, kv_handle: Any, received: float) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            if request_id in self._tombstones:  # aborted before it arrived: nobody reads it
+                self.engine.discard_handle(kv_handle)
+            else:  # its generate call has not run yet (or the request ended here already)
+                self._early_handles[request_id] = (kv_handle, received)
+            return
+        tracked.handle_at, tracked.handle_taken_at = received, time.monotonic()
+        failed = self.engine.provide_handle(request_id, kv_handle)
+        if failed is not None:
+            self._dispatch([failed])
 
     def _expire_leases(self, now: float) -> None:
-        """Abort the requests no driver renewed within ``workers.request_lease_s``."""
+        """Abort the requests no driver renewed within ``workers.request_lease_s``; let the
+        owners of handles no request here claimed free their blocks."""
+        for request_id, (handle, received) in list(self._early_handles.items()):
+            if now - received > EARLY_HANDLE_WAIT_S:
+                del self._early_handles[request_id]
+                self.engine.discard_handle(handle)
         lease_s = self.config.workers.request_lease_s
         for request_id, renewed in list(self._leases.items()):
             if now - renewed > lease_s:
@@ -313,8 +380,10 @@ class EngineWorker(RouterLink):
             self._abort(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        ack = None
         if any(out.finished for out in outputs):
-            self._report(force=True, wait=True)  # the router sees these blocks before the driver does
+            self._report(force=True)  # sent, not awaited: the driver awaits ``ack`` instead
+            ack = self._last_report
         now = time.monotonic()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
@@ -322,18 +391,24 @@ class EngineWorker(RouterLink):
                 continue
             if out.num_cached_tokens >= 0:
                 tracked.cached_tokens = out.num_cached_tokens
+            hops = None
             if out.new_token_ids:
                 if tracked.first_token is None:
                     tracked.first_token = now
+                    hops = token_hops(tracked, now)
                 tracked.output_tokens += len(out.new_token_ids)
             if out.finish_reason == REMOTE_DECODE:
-                self._answer(out.request_id, PrefillResult(out.kv_handle, tracked.cached_tokens, REMOTE_DECODE))
+                result = PrefillResult(out.kv_handle, tracked.cached_tokens, REMOTE_DECODE,
+                                       hops=prefill_hops(tracked, now), router_ack=ack)  # fmt: skip
+                self._answer(out.request_id, result)
             elif out.finished:
-                self._finished(out, tracked, now)
+                self._finished(out, tracked, now, hops, ack)
             elif tracked.sink is not None:
-                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens))
+                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens, hops=hops))
 
-    def _finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
+    def _finished(
+        self, out: RequestOutput, tracked: _Tracked, now: float, hops: dict[str, float] | None = None, ack: Any = None
+    ) -> None:
         if self.metrics is not None and out.finish_reason not in ("abort", "error"):
             self.metrics.record_request_finished(
                 (tracked.first_token or now) - tracked.arrival,
@@ -345,7 +420,8 @@ class EngineWorker(RouterLink):
             del self._tracked[out.request_id]
             self._finish_pin(tracked.pin)
             return
-        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error)
+        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error,
+                           hops=hops, router_ack=ack)  # fmt: skip
         self._answer(out.request_id, chunk)
 
     def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:

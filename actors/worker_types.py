@@ -1,4 +1,7 @@
-"""Plain data the worker actors exchange with drivers and with their own engine thread."""
+"""Plain data the worker actors exchange with drivers and with their own engine thread.
+
+Timings that cross processes are durations measured on one process's monotonic clock each
+(``hops``), never timestamps: the driver combines durations, it never subtracts two clocks."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class WorkerInfo:
     model_directory: str
     node_ip: str
     pid: int
+    agent: Any = None  # the transfer AgentInfo (P/D workers): decode workers warm a connection to it
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class TokenChunk:
     num_cached_tokens: int = -1
     error: str | None = None  # why it finished with "error"
     worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
+    hops: dict[str, float] | None = None  # on the first tokens' chunk: this worker's hop durations (s)
+    router_ack: Any = None  # on the last chunk: the ref of the router report carrying its blocks
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class PrefillResult:
     finish_reason: str
     error: str | None = None
     worker_failed: bool = False
+    hops: dict[str, float] = field(default_factory=dict)  # prefill_queue, prefill (s, this worker's clock)
+    router_ack: Any = None  # the ref of the router report carrying the prefilled blocks
 
 
 @dataclass
@@ -71,3 +79,7 @@ class _Tracked:
     output_tokens: int = 0
     cached_tokens: int = 0
     pin: PinOn | None = None
+    request: Any = None  # the engine's Request (its scheduled_at / kv_loaded_at time the hops)
+    reserved_at: float | None = None  # announced remote prefill: its blocks were reserved then
+    handle_at: float | None = None  # ... its handle reached this worker (the actor call) then
+    handle_taken_at: float | None = None  # ... and the engine thread took it then

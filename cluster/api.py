@@ -23,24 +23,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from actors.hops import pd_breakdown, whole_breakdown
 from cluster.admin import ClusterAdmin
 from cluster.supervision import ClusterSupervision, await_ref, describe_failure
 from configs import ClusterConfig, load_config
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
-from engine.validation import InvalidRequestError, check_prompt, check_request_id, check_token_ids, problem, prompt_batch
+from engine.validation import (
+    InvalidRequestError,
+    check_prompt,
+    check_request_id,
+    check_token_ids,
+    problem,
+    prompt_batch,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Prompt = str | Sequence[int]
+ROUTER_ACK_TIMEOUT_S = 30.0  # how long a finished request waits for the router to apply its blocks
 DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GGUF (minutes)
 
 
 @dataclass(frozen=True)
 class ClusterCompletion(Completion):
     """A finished request with where it ran: the router's predicted prefix hit and the hit the
-    worker that prefilled it actually found (``cached_tokens``), and driver-side timings."""
+    worker that prefilled it actually found (``cached_tokens``), driver-side timings and the
+    TTFT's breakdown per hop (``hops``, see ``actors.hops``)."""
 
     request_id: str = ""
     prompt_token_ids: tuple[int, ...] = ()
@@ -51,6 +61,7 @@ class ClusterCompletion(Completion):
     cached_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    hops: dict[str, float] = field(default_factory=dict)  # TTFT per hop, s (actors.hops)
 
     @property
     def disaggregated(self) -> bool:
@@ -98,9 +109,10 @@ class _Request:
         """The id the workers know this attempt by (a retry must not meet its first try's state)."""
         return self.request_id if not self.attempt else f"{self.request_id}#retry{self.attempt}"
 
-    def on(self, worker_id: str, handle: Any) -> None:
-        """The current attempt now waits on this worker."""
-        self.workers, self.worker_ids = [handle], [worker_id]
+    def on(self, worker_id: str, handle: Any, *more: tuple[str, Any]) -> None:
+        """The current attempt now waits on this worker (and on ``more`` (id, handle) pairs)."""
+        self.workers = [handle, *(h for _, h in more)]
+        self.worker_ids = [worker_id, *(w for w, _ in more)]
 
     def cut_loose(self, worker_id: str) -> None:
         """The worker this attempt waits on is lost: stop waiting (``_collect`` decides what next)."""
@@ -202,6 +214,7 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                 for wid, info in infos.items()
             ])  # fmt: skip
             ray.get([w.set_router.remote(self.router) for w in self.workers.values()], timeout=120)
+            self._warm_connections(infos)
             self._start_loop()
             self._started = True
             self._start_supervision()
@@ -216,6 +229,17 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             config.workers.num_prefill, config.workers.num_decode, config.router.policy, config.model.source,
         )  # fmt: skip
         return self
+
+    def _warm_connections(self, infos: dict[str, Any]) -> None:
+        """Have every decode worker open its transfer connection to every prefill worker now, so
+        no request's first read pays the setup (a worker that joins later is warmed when a
+        decode worker first hears of it with a request)."""
+        import ray
+
+        agents = [info.agent for info in infos.values() if info.role == "prefill" and info.agent is not None]
+        decoders = [self.workers[w] for w, info in infos.items() if info.role == "decode" and info.agent is not None]
+        if agents and decoders:
+            ray.get([d.warm_peers.remote(agents) for d in decoders], timeout=120)
 
     def _adopt(self, infos: dict[str, Any], model_directory: str) -> None:
         """Take the started workers' reports: check they share one KV layout, load the tokenizer."""
@@ -508,7 +532,9 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             if request.lost_worker is None or (current is not None and current.cancelling()):
                 raise
             why = self.lost.get(request.lost_worker, "lost")
-            raise _WorkerLost(request.lost_worker, request.streamed, why, request.workers[0]) from None
+            ids = request.worker_ids
+            handle = request.workers[ids.index(request.lost_worker)] if request.lost_worker in ids else None
+            raise _WorkerLost(request.lost_worker, request.streamed, why, handle) from None
         finally:
             request.task = None
 
@@ -516,11 +542,11 @@ class Cluster(ClusterSupervision, ClusterAdmin):
         from ray.exceptions import RayActorError, RayTaskError
 
         from actors.worker import WorkerUnavailableError
-
         from engine.kv_cache.hashing import block_hashes
         from engine.tokenizer import IncrementalDetokenizer
 
         rid, ids = request.engine_id, request.token_ids
+        started = time.monotonic()
         hashes = block_hashes(ids, self._hash_block_size)
         try:
             decision = await asyncio.wait_for(await_ref(self.router.route.remote(rid, hashes, len(ids))),
@@ -529,39 +555,41 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
             decision = self.fallback_decision(rid, len(ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
-        kv_handle = None
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
         if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
             prefill_id = decode_id
-        if prefill_id != decode_id and not request.aborted:
-            prefiller = self._worker(prefill_id)
-            request.on(prefill_id, prefiller)
-            try:
-                result = await prefiller.prefill.remote(rid, ids)
-            except (RayActorError, RayTaskError) as exc:
-                raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
-            cached = result.num_cached_tokens
-            kv_handle = result.kv_handle
-            if kv_handle is None:
-                if result.worker_failed:
-                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped", prefiller)
-                request.aborted = request.aborted or result.finish_reason == "abort"
-                if not request.aborted:
-                    raise RequestFailedError(
-                        f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}"
-                        + (f": {result.error}" if result.error else "")
-                    )
         detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
                                        request.sampling.include_stop_str_in_output)  # fmt: skip
         reason = "abort"
         error: str | None = None
         first_token: float | None = None
+        first_hops: dict[str, float] | None = None
+        acks: list[Any] = []
+        stream: Any = None
+        prefill: Any = None  # the prefill worker's result (P/D)
+        prefill_call_s = 0.0
+        sent = time.monotonic()
         if not request.aborted:
             decoder = self._worker(decode_id)
+            if prefill_id != decode_id:
+                prefiller = self._worker(prefill_id)
+                request.on(decode_id, decoder, (prefill_id, prefiller))
+                # the decode worker hears of the request now: it reserves the prompt's blocks and
+                # warms its connection to the prefill worker while the prefill runs
+                peer = getattr(self.infos.get(prefill_id), "agent", None)
+                stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, None,
+                                                                                  True, peer)  # fmt: skip
+                sent = time.monotonic()
+                prefill = await self._prefill(request, prefiller, prefill_id, decoder)
+                prefill_call_s = time.monotonic() - sent
+                cached = prefill.num_cached_tokens
+                acks.append(prefill.router_ack)
             request.on(decode_id, decoder)
+        if not request.aborted:
             stopped = False
             try:
-                stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, kv_handle)
+                if stream is None:
+                    stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling)
                 async for ref in stream:
                     chunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
@@ -569,6 +597,8 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                     if chunk.worker_failed:
                         why = chunk.error or "its engine stopped"
                         raise _WorkerLost(decode_id, first_token is not None, why, decoder)
+                    if chunk.hops:
+                        first_hops = chunk.hops
                     if chunk.token_ids and not stopped:
                         first_token = first_token or time.monotonic()
                         request.streamed = True
@@ -581,15 +611,28 @@ class Cluster(ClusterSupervision, ClusterAdmin):
                     if chunk.finished:
                         reason = "stop" if stopped else (chunk.finish_reason or "stop")
                         error = chunk.error
+                        acks.append(chunk.router_ack)
                         break
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(decode_id, decoder, first_token is not None, exc, WorkerUnavailableError) from exc
         tail = detok.flush()  # a held-back tail that turned out not to start a stop string
         if tail and on_delta is not None:
             on_delta(Delta(tail, 0))
+        await _await_acks(acks)  # the router holds this request's blocks before it counts as finished
         now = time.monotonic()
         if reason == "error":
             raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")
+        hops: dict[str, float] = {}
+        if first_token is not None and first_hops is not None:
+            retry_s = started - request.submitted if request.attempt else 0.0
+            route_s = sent - (started if request.attempt else request.submitted)
+            if prefill is not None and "since_handle" in first_hops:
+                hops = pd_breakdown(route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops,
+                                    first_hops, retry_s)  # fmt: skip
+            elif "since_arrival" in first_hops:
+                hops = whole_breakdown(route_s, first_token - sent, first_hops, retry_s)
+            log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
+                      " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
         return ClusterCompletion(
             request.prompt,
             detok.text,
@@ -604,13 +647,56 @@ class Cluster(ClusterSupervision, ClusterAdmin):
             cached_tokens=max(cached, 0),
             ttft_s=(first_token or now) - request.submitted,
             latency_s=now - request.submitted,
+            hops=hops,
         )
+
+    async def _prefill(self, request: _Request, prefiller: Any, prefill_id: str, decoder: Any) -> Any:
+        """The prefill worker's result for ``request``; sends its handle to the decode worker told
+        of the request (which, whenever no handle comes, is aborted here so it frees its blocks)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from actors.worker import WorkerUnavailableError
+
+        rid = request.engine_id
+        handed = False
+        try:
+            try:
+                result = await prefiller.prefill.remote(rid, request.token_ids)
+            except (RayActorError, RayTaskError) as exc:
+                raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
+            if result.kv_handle is None:
+                if result.worker_failed:
+                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped", prefiller)
+                request.aborted = request.aborted or result.finish_reason == "abort"
+                if not request.aborted:
+                    raise RequestFailedError(
+                        f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}"
+                        + (f": {result.error}" if result.error else "")
+                    )
+                return result
+            decoder.deliver.remote(rid, result.kv_handle)
+            handed = True
+            return result
+        finally:
+            if not handed:
+                decoder.abort.remote(rid)
 
     def _worker(self, worker_id: str) -> Any:
         handle = self.workers.get(worker_id)
         if handle is None:  # removed after the router chose it
             raise _WorkerLost(worker_id, False, self.lost.get(worker_id, "removed from the router"))
         return handle
+
+
+async def _await_acks(acks: list[Any]) -> None:
+    """Wait (bounded) until the router applied the workers' reports named by ``acks``."""
+    refs = [ack for ack in acks if ack is not None]
+    if not refs:
+        return
+    try:
+        await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), ROUTER_ACK_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("router did not apply a worker's report within %.0f s; going on", ROUTER_ACK_TIMEOUT_S)
 
 
 class RequestFailedError(RuntimeError):
