@@ -63,6 +63,21 @@ def delta_rule_step(
     return torch.einsum("bhkv,bhk->bhv", state, q), state
 
 
+def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower triangular ``A`` [..., c, c]: ``A`` is nilpotent, so the
+    inverse is ``sum_{k<c} (-A)^k = (I - A)(I + A^2)(I + A^4)...``, a few batched matmuls (a
+    batched triangular solve runs one small LAPACK call per matrix, many times slower on CPU)."""
+    c = strict.shape[-1]
+    power = -strict
+    inverse = torch.eye(c, dtype=strict.dtype, device=strict.device) + power
+    covered = 2  # inverse holds the powers 0 .. covered - 1
+    while covered < c:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        covered *= 2
+    return inverse
+
+
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +99,9 @@ def delta_rule_chunked(
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [.., t, j]
     kk = k @ k.transpose(-1, -2)
-    system = beta[..., None] * kk * pair  # lower triangle used; its diagonal is taken as 1
+    strict = (beta[..., None] * kk * pair).tril(-1)  # A
     rhs = torch.cat([beta[..., None] * v, beta[..., None] * cum.exp()[..., None] * k], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    solved = unit_lower_inverse(strict) @ rhs
     d_free, d_state = solved.split([v.shape[-1], dk], dim=-1)  # d = d_free - d_state @ S_0
     scores = (q @ k.transpose(-1, -2)) * pair  # [.., t, j], zero above the diagonal
     q_decayed = q * cum.exp()[..., None]

@@ -146,3 +146,13 @@ def test_multi_token_prediction_weights_are_ignored(checkpoint: Path, tmp_path: 
     weights["model.layers.0.linear_attn.stray"] = torch.zeros(1)
     with pytest.raises(CheckpointError, match="stray"):
         build_model(arch, layout.layer_group, weights, torch.float32, torch.device("cpu"), str(directory))
+
+
+def test_unit_lower_inverse_solves_the_system() -> None:
+    from engine.model.gated_deltanet import unit_lower_inverse
+
+    torch.manual_seed(1)
+    for c in (1, 5, 64):
+        strict = (torch.rand(3, c, c, dtype=torch.float64) - 0.5).tril(-1)
+        identity = torch.eye(c, dtype=torch.float64)
+        torch.testing.assert_close(unit_lower_inverse(strict) @ (identity + strict), identity.expand(3, c, c))
