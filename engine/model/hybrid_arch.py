@@ -132,12 +132,10 @@ def nemotron_h_arch(config: dict[str, Any], architecture: str) -> ModelArch:
     types = _nemotron_types(config)
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    head_dim = int(config.get("head_dim") or config.get("attention_head_dim") or hidden // heads)
     eps = float(config.get("layer_norm_epsilon", 1e-5))
     if str(config.get("mamba_hidden_act", "silu")) != "silu":
         raise UnsupportedModelError(f"mamba_hidden_act: {config['mamba_hidden_act']!r} is not supported (silu)")
-    if int(config.get("num_nextn_predict_layers") or 0) > 0:
-        raise UnsupportedModelError("num_nextn_predict_layers: multi-token prediction layers are not supported (0)")
     n_heads, d_head = int(config.get("mamba_num_heads", 128)), int(config.get("mamba_head_dim", 64))
     mamba = MambaArch(
         num_heads=n_heads,

@@ -164,7 +164,9 @@ class NemotronHBackbone(nn.Module):
 class NemotronHLM(nn.Module):
     """NemotronHForCausalLM. Same interface as ``CausalLM``: ``forward(batch)`` -> hidden states,
     ``logits(rows)`` -> fp32 logits. ``model`` is the backbone (the runner binds caches through
-    ``model.layers``)."""
+    ``model.layers``). Multi-token-prediction weights (``mtp.*``) are not used, as in HF."""
+
+    IGNORED_WEIGHT_PREFIXES = ("mtp.",)
 
     def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
         super().__init__()

@@ -3,7 +3,7 @@ random checkpoints (fp32, atol 1e-4 against one full HF forward over the final s
 
 Checkpoints (engine/model/hybrid_tiny.py, HF-constant parameters randomised, multipliers != 1):
 ``tiny-granite-h`` (Mamba2 + NoPE attention, 4-expert MoE + shared MLP), a dense rotary variant
-(``num_local_experts=0``, ``position_embedding_type: rope``) and ``tiny-nemotron-h`` (``M*-EM*``:
+(``num_local_experts=0``, ``position_embedding_type: rope``, attention biases, tied embeddings) and ``tiny-nemotron-h`` (``M*-EM*``:
 Mamba2, NoPE attention, relu2 MLP, grouped sigmoid-routed MoE with latent projections). Cases:
 tests/model/test_logits_vs_hf.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
 and resume; bf16 closeness) plus long prompts whose prefill chunks cross the Mamba2 scan's
@@ -30,7 +30,7 @@ _BUILD = {
     "tiny-granite-h": ("tiny-granite-h", {}),
     "tiny-granite-h-dense-rope": (
         "tiny-granite-h",
-        dict(num_local_experts=0, position_embedding_type="rope", attention_bias=True,
+        dict(num_local_experts=0, position_embedding_type="rope", attention_bias=True, tie_word_embeddings=True,
              layer_types=["attention", "mamba", "mamba", "attention"]),
     ),
     "tiny-nemotron-h": ("tiny-nemotron-h", {}),
