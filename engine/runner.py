@@ -12,10 +12,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.model.arch import ModelArch
 from engine.kv_cache.spec import MambaSpec
-from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index, build_state_index
+from engine.model.arch import ModelArch
 from engine.model.bamba import BambaLM
+from engine.model.batch import (
+    ChunkSpec,
+    ForwardBatch,
+    build_group_index,
+    build_state_index,
+)
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
 from engine.model.recurrent import RecurrentMixer, cache_users

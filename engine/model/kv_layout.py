@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from math import gcd
 from typing import Literal
 
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from engine.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from engine.model.arch import CACHELESS_KINDS, RECURRENT_KINDS, LayerArch, ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -233,7 +239,7 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
         mine = {k: v for k, v in buckets.items() if k[0] == pool_key}
         size = _group_size([len(layers) for layers in mine.values()])
         first_group, unused = len(groups), 0
-        for (_, _, _), layers in mine.items():
+        for layers in mine.values():
             spec = _spec(arch.layers[layers[0]], block_size)
             for start in range(0, len(layers), size):
                 members = layers[start : start + size]

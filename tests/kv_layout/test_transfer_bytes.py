@@ -59,14 +59,14 @@ def test_read_copies_exactly_the_named_rows_of_the_named_pools(pair) -> None:
 
 
 def test_pairs_mean_pool_zero_and_bad_triples_are_caller_errors(pair) -> None:
-    owner, reader, info, src, dst = pair
+    _, reader, info, src, dst = pair
     tid = reader.start_read(info, [(3, 2)])
     assert reader.wait(tid) == "done"
     assert all(torch.equal(dst[s][2], src[s][3]) for s in range(3))
     for bad in ([(1, 9, 0)], [(1, 0, 7)], [(2, 0, 0)], [(0, 1, 3), (0, 2, 3)]):  # rows out of pool 1, pool 2, twice
         with pytest.raises(ValueError):
             reader.start_read(info, bad)
-    pool, remote, local = as_pool_pairs([(0, 1, 3), (1, 1, 3)], OWNER_ROWS, READER_ROWS)  # same id, two pools: fine
+    pool, _, local = as_pool_pairs([(0, 1, 3), (1, 1, 3)], OWNER_ROWS, READER_ROWS)  # same id, two pools: fine
     assert pool.tolist() == [0, 1] and local.tolist() == [3, 3]
 
 
