@@ -139,29 +139,40 @@ class BlockPool:
         when ``evict_first``) to the head of the free queue, cached ones to its tail (linked there
         in the same pass). ``enforce=False`` leaves the retained tier's budget to the caller.
         """
-        queue = self.free_queue
-        tail = queue.tail
-        last = tail.prev
-        size = queue.size
-        others: list[Block] = []
-        for block in ordered:
-            n = block.ref_cnt - 1
-            block.ref_cnt = n
-            if n:
-                continue
-            if block.pin or block.block_hash is None or evict_first:
-                others.append(block)
-                continue
-            block.prev = last
-            block.queue = queue
-            last.next = block  # type: ignore[union-attr]
-            last = block
-            size += 1
-        last.next = tail  # type: ignore[union-attr]
-        tail.prev = last
-        queue.size = size
-        if others:
-            self._release_others(others, enforce)
+        front: list[Block] = []
+        pinned: list[Block] = []
+        if evict_first:
+            for block in ordered:
+                block.ref_cnt -= 1
+                if not block.ref_cnt:
+                    (pinned if block.pin else front).append(block)
+        else:
+            queue = self.free_queue
+            tail = queue.tail
+            last = tail.prev
+            size = queue.size
+            for block in ordered:
+                n = block.ref_cnt - 1
+                block.ref_cnt = n
+                if n:
+                    continue
+                if block.pin:
+                    pinned.append(block)
+                elif block.block_hash is None:
+                    front.append(block)
+                else:
+                    block.prev = last
+                    block.queue = queue
+                    last.next = block  # type: ignore[union-attr]
+                    last = block
+                    size += 1
+            last.next = tail  # type: ignore[union-attr]
+            tail.prev = last
+            queue.size = size
+        if front:
+            self.free_queue.prepend_n(front)
+        if pinned:
+            self._to_tiers(pinned, enforce)
 
     def free_retaining(self, ordered: list[Block]) -> None:
         """``free_blocks`` (budget left to the caller) of blocks a hit needs, first marking the
@@ -171,45 +182,44 @@ class BlockPool:
         last = tail.prev
         size = tier.size
         newly: list[Block] | None = [] if self.enable_events else None
-        others: list[Block] = []
+        front: list[Block] = []
+        explicit: list[Block] = []
         for block in ordered:
-            if not block.pin and block.block_hash is not None:
-                block.pin = PIN_RETAINED
+            pin = block.pin
+            if not pin and block.block_hash is not None:
+                block.pin = pin = PIN_RETAINED
                 if newly is not None:
                     newly.append(block)
             n = block.ref_cnt - 1
             block.ref_cnt = n
             if n:
                 continue
-            if block.pin != PIN_RETAINED:
-                others.append(block)
-                continue
-            block.prev = last
-            block.queue = tier
-            last.next = block  # type: ignore[union-attr]
-            last = block
-            size += 1
+            if pin == PIN_RETAINED:
+                block.prev = last
+                block.queue = tier
+                last.next = block  # type: ignore[union-attr]
+                last = block
+                size += 1
+            elif pin:
+                explicit.append(block)
+            else:
+                front.append(block)
         last.next = tail  # type: ignore[union-attr]
         tail.prev = last
         tier.size = size
         if newly:
             self._emit_pinned(newly, PIN_RETAINED)
-        if others:
-            self._release_others(others, False)
+        if front:
+            self.free_queue.prepend_n(front)
+        if explicit:
+            self._to_tiers(explicit, False)
 
-    def _release_others(self, released: list[Block], enforce: bool) -> None:
-        """Released blocks that do not go to the free queue's tail: pinned ones to their tier,
-        the rest (uncached or evict-first) to the free queue's head, in order."""
-        front: list[Block] = []
-        pinned = False
-        for block in released:
-            if block.pin:
-                pinned = True
-                (self.explicit if block.pin == PIN_EXPLICIT else self.retained).append(block)
-            else:
-                front.append(block)
-        self.free_queue.prepend_n(front)
-        if pinned and enforce:
+    def _to_tiers(self, blocks: list[Block], enforce: bool) -> None:
+        """Released pinned blocks to their tier, in order."""
+        explicit, retained = self.explicit, self.retained
+        for block in blocks:
+            (explicit if block.pin == PIN_EXPLICIT else retained).append(block)
+        if enforce:
             self.enforce_retain_budget()
 
     # -- prefix cache ----------------------------------------------------------------------------

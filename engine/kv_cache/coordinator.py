@@ -20,6 +20,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, Block, BlockPool
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
@@ -53,8 +54,7 @@ class RetentionOptions:
     min_drop_blocks: int = 1
 
 
-@dataclass(frozen=True)
-class CacheHit:
+class CacheHit(NamedTuple):
     """A prefix hit: per group, the blocks to claim (null where not needed), and its length.
 
     ``shared_prefix_tokens`` is the deepest aligned boundary any group had cache for before
@@ -177,6 +177,7 @@ class HybridCoordinator:
             for p, (size, budget) in enumerate(zip(sizes, budgets))
         ]
         self.pool = self.pools[0]  # the only pool of a single-pool coordinator
+        self._single_pool = num_pools == 1
         self.managers: list[SingleTypeManager] = []
         for index, group in enumerate(groups):
             spec = group.spec
@@ -331,6 +332,9 @@ class HybridCoordinator:
 
     def _fits(self, predicted: list[int], reserved_blocks: int | Sequence[int]) -> list[int] | None:
         """Each pool's free count before the allocation, or None if some pool is short."""
+        if self._single_pool and isinstance(reserved_blocks, int):
+            free_now = self.pool.num_free_blocks
+            return None if predicted[0] > free_now - reserved_blocks else [free_now]
         free = [pool.num_free_blocks for pool in self.pools]
         if isinstance(reserved_blocks, int):
             for p, n in enumerate(predicted):
@@ -344,6 +348,9 @@ class HybridCoordinator:
         return free
 
     def _record_allocation(self, predicted: list[int], free_before: list[int]) -> None:
+        if self._single_pool:
+            self._last_allocation = [(predicted[0], free_before[0] - self.pool.num_free_blocks)]
+            return
         self._last_allocation = [(n, free_before[p] - self.pools[p].num_free_blocks) for p, n in enumerate(predicted)]
 
     def _allocate_running(
@@ -504,13 +511,22 @@ class HybridCoordinator:
         state = self._admitted.pop(request_id, None)
         if state is None:
             return
+        managers = self.managers
         if self._retain_shared_prefix and state.shared_prefix:
             boundary = state.shared_prefix
-            for manager in self.managers:
+            for manager in managers:
                 manager.free(request_id, manager.blocks_needed_at(boundary))
-        else:
-            for manager in self.managers:
+        elif len(managers) == 1 or not self._single_pool:
+            for manager in managers:
                 manager.free(request_id)
+        else:
+            # One pool: release every group's live blocks (each group's tail first) in one pass.
+            # Across groups only the order of uncached blocks at the free queue's head differs
+            # from group-by-group frees, which no hit can observe.
+            blocks: list[Block] = []
+            for manager in managers:
+                blocks += manager.pop_live(request_id)
+            self.pool.free_blocks(blocks)
 
     def new_step(self) -> None:
         for manager in self.managers:

@@ -11,9 +11,14 @@ Table index j covers tokens ``[j * block_size, (j + 1) * block_size)``.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from engine.kv_cache.block_pool import PIN_RETAINED, Block, BlockPool
 from engine.kv_cache.hashing import coarse_view
 from engine.kv_cache.spec import ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+
+
+_REF_CNT = attrgetter("ref_cnt")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -169,17 +174,17 @@ class SingleTypeManager:
         ``retain``: table indices whose hashed blocks go to the retained tier (a hit at the
         request's shared-prefix boundary needs them) instead of the free queue.
         """
+        if not retain:
+            blocks = self.pop_live(request_id)
+            if blocks:
+                self.pool.free_blocks(blocks)
+            return
         table = self.tables.pop(request_id, None)
         self.num_cached.pop(request_id, None)
         if not table:
             return
         pool = self.pool
-        first = self.first_live(table)
-        if not retain:
-            live = table[first:] if first else table
-            live.reverse()
-            pool.free_blocks(live)
-            return
+        first = self.first_live(table) if table[0].is_null else 0
         lo = max(retain.start, first)
         hi = max(min(retain.stop, len(table)), lo)
         tail, mid, head = table[hi:], table[lo:hi], table[first:lo]
@@ -190,6 +195,18 @@ class SingleTypeManager:
         pool.free_retaining(mid)
         pool.free_blocks(head, enforce=False)
         pool.enforce_retain_budget()
+
+    def pop_live(self, request_id: str) -> list[Block]:
+        """Forget the request here and return its live blocks, last first (the order ``free``
+        releases them in); empty for unknown requests. The caller releases them."""
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return []
+        if table[0].is_null:
+            table = table[self.first_live(table) :]
+        table.reverse()
+        return table
 
     def first_live(self, table: list[Block]) -> int:
         """Index of the first live slot. Outside Mamba groups null slots only form a prefix of
@@ -212,14 +229,21 @@ class SingleTypeManager:
 class FullAttentionManager(SingleTypeManager):
     """Full attention: a hit needs every block of the prefix; hits are downward closed."""
 
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, hit_blocks: list[Block], total_computed: int, force_external: bool
+    ) -> int:
+        table = self.tables.get(request_id)
+        if table is not None:
+            return max(cdiv(num_tokens, self.block_size) - len(table), 0)
+        # Nothing is skipped and a full-attention hit holds no null block: every free hit block
+        # (ref 0) leaves the free queue when claimed.
+        evictable = list(map(_REF_CNT, hit_blocks)).count(0) if hit_blocks else 0
+        return max(cdiv(num_tokens, self.block_size) - len(hit_blocks), 0) + evictable
+
     def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
-        cached = self.cached
-        blocks: list[Block] = []
-        for block_hash in hashes[: max_length // self.block_size]:
-            block = cached.get(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = list(map(self.cached.get, hashes[: max_length // self.block_size]))
+        if None in blocks:  # the hit ends at the first miss
+            del blocks[blocks.index(None) :]
         length = len(blocks) * self.block_size
         if alignment != self.block_size:
             length -= length % alignment
@@ -350,6 +374,10 @@ class SlidingWindowManager(SingleTypeManager):
         self.boundaries.pop(request_id, None)
         super().free(request_id, retain)
 
+    def pop_live(self, request_id: str) -> list[Block]:
+        self.boundaries.pop(request_id, None)
+        return super().pop_live(request_id)
+
 
 class ChunkedLocalManager(SingleTypeManager):
     """Chunked local attention: a hit at L needs the blocks of L's chunk before L; whole earlier
@@ -429,6 +457,12 @@ class MambaManager(SingleTypeManager):
             self.live[request_id] = [i for i in live if i >= k]
             self.pool.free_blocks(dropped)
         return dropped
+
+    def pop_live(self, request_id: str) -> list[Block]:
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        live = self.live.pop(request_id, ())
+        return [table[i] for i in reversed(live)] if table else []
 
     def free(self, request_id: str, retain: range | None = None) -> None:
         """Release the live state blocks (newest first); ``retain`` as for other groups."""
