@@ -171,3 +171,23 @@ def test_unsupported_options_name_the_field(checkpoints) -> None:
         arch_from_hf_config({**granite, "layer_types": ["mamba", "conv", "mamba", "attention"]})
     legacy = {**granite, "layer_types": ["mamba", "attention", "mamba", "attention"]}  # released configs' names
     assert [layer.kind for layer in arch_from_hf_config(legacy).layers] == ["mamba", "full_attention"] * 2
+
+
+def test_nemotron_multi_token_prediction_weights_are_ignored(checkpoints, tmp_path: Path) -> None:
+    """Checkpoints with an MTP head (``mtp.*``) load; HF does not use those weights either."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.loader import build_model, load_hf_directory
+
+    directory = tmp_path / "with-mtp"
+    shutil.copytree(checkpoints["tiny-nemotron-h"], directory)
+    weights = load_file(str(directory / "model.safetensors"))
+    save_file({**weights, "mtp.layers.0.norm.weight": torch.ones(64)}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    arch, loaded = load_hf_directory(directory)
+    layout = build_kv_layout(arch, block_size=4, dtype="float32")
+    model = build_model(arch, layout.layer_group, loaded, torch.float32, torch.device("cpu"), str(directory))
+    assert torch.equal(model.model.norm_f.weight, weights["backbone.norm_f.weight"])
