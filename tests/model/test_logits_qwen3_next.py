@@ -17,9 +17,14 @@ import torch
 from engine.model.arch import UnsupportedModelError, arch_from_hf_config
 from engine.model.gated_deltanet import SUB_CHUNK, delta_rule_chunked, delta_rule_step
 from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
-from tests.model.test_logits_vs_hf import _check_against_hf, _drive, _engine, device  # noqa: F401 (fixture)
+from tests.model.test_logits_vs_hf import DEVICES, _check_against_hf, _drive, _engine
 
 NAME = "tiny-qwen3-next"
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
