@@ -31,10 +31,6 @@ from engine.transfer import AgentInfo
 
 log = logging.getLogger(__name__)
 
-WARM_UP_NOTIFY = b"kvfleet-warm-up"
-"""The notification a warm-up read sends (an owner ignores ids it does not hold)."""
-
-
 @dataclass
 class Expected:
     """An announced remote-prefill request waiting for its handle (``reserved``: blocks held)."""
@@ -168,14 +164,14 @@ class RemotePrefillMixin:
     # -- peers ---------------------------------------------------------------------------------
     def warm_peer(self, peer: AgentInfo) -> bool:
         """Open the connection to a prefill worker's transfer agent now (its descriptors and the
-        transport's endpoint), so the first real read from it pays no setup: a notification-only
-        read of one scratch row. False if the peer is known already (or unusable: the real read
+        transport's endpoint and every memory region's keys), so the first real read from it
+        pays no setup (``KVTransfer.warm_up``). False if the peer is known already (or unusable: the real read
         then fails or recomputes as before)."""
         transfer = self.transfer
         if transfer is None or peer.name in transfer.peers or peer.name == transfer.agent_info.name:
             return False
         started = time.perf_counter()
-        tid = transfer.start_read(peer, [], notify=WARM_UP_NOTIFY)
+        tid = transfer.warm_up(peer)
         self.loads.notify_only.add(tid)
         self.transfer_stats.warm_ups += 1
         log.debug("%s: warmed the connection to %s in %.1f ms", self.name, peer.name,

@@ -355,6 +355,12 @@ class KVTransfer(ABC):
             logger.warning("%s: read %d from %s failed: %s", self.name, tid, name, rec.error)
         return tid
 
+    def warm_up(self, peer: AgentInfo) -> int:
+        """Make ``peer`` ready so its first real read pays no connection setup; returns a
+        transfer id to poll and release. Here: add the peer and send a notification-only read
+        (backends whose connections cost more per region override this)."""
+        return self.start_read(peer, [], notify=b"kvfleet-warm-up")
+
     def _failed_at_start(self, tid: int, rec: ReadRecord, reason: str) -> int:
         rec.status, rec.error = FAILED, reason
         self._reads[tid] = rec

@@ -174,6 +174,7 @@ class NixlTransfer(KVTransfer):
         self._remote_dlists: dict[str, Any] = {}
         self._tensors: list[torch.Tensor] = []
         self._scratch_index = -1
+        self._warming: set[str] = set()  # peers whose next read is a warm-up (``warm_up``)
         self._zombies: list[Any] = []  # handles whose release failed; retried later
 
     # -- memory ------------------------------------------------------------------------------
@@ -194,18 +195,20 @@ class NixlTransfer(KVTransfer):
         on_gpu = tensors[0].device.type == "cuda"
         mem_type = "VRAM" if on_gpu else "DRAM"
         device_id = (tensors[0].device.index or 0) if on_gpu else 0
-        # One extra row (the last descriptor) is a scratch target for notification-only reads.
-        scratch = torch.zeros((1, page_bytes[0]), dtype=torch.uint8, device=tensors[0].device)
+        # Scratch rows after the block descriptors, one per slot at that slot's page size: the
+        # target of notification-only reads (row 0) and of warm-up reads (every row).
+        scratch = torch.zeros((1, sum(page_bytes)), dtype=torch.uint8, device=tensors[0].device)
         self._reg_descs = self._agent.register_memory([*tensors, scratch])
         base_addrs = tuple(int(t.data_ptr()) for t in tensors)
+        scratch_addrs = scratch.data_ptr() + np.concatenate(([0], np.cumsum(page_bytes)))[:-1]
         descs = np.concatenate(
             [
                 _block_descs(base_addrs, page_bytes, rows, device_id),
-                _block_descs([scratch.data_ptr()], page_bytes[:1], [1], device_id),
+                _block_descs([int(a) for a in scratch_addrs], page_bytes, [1] * len(page_bytes), device_id),
             ]
         )
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
-        self._scratch_index = len(descs) - 1
+        self._scratch_index = len(descs) - len(page_bytes)
         self._tensors = [*tensors, scratch]  # registered memory stays alive while the agent uses it
         return AgentInfo(
             backend=self.backend,
@@ -264,10 +267,18 @@ class NixlTransfer(KVTransfer):
         notify: bytes,
         t0: float,
     ) -> None:
-        if local_ids.size == 0 and not notify:
+        if peer.name in self._warming:
+            # Warm-up: block 0 of every peer slot into our scratch rows. The first transfer that
+            # touches a registered region pays the connection and that region's key setup
+            # (measured: ~35-45 ms per first read of 8 slots), so touch them all now.
+            slots = np.arange(peer.num_slots)
+            rows = np.asarray([peer.rows_of(s) for s in slots])
+            local_idx = (self._scratch_index + slots).astype(np.int32)
+            remote_idx = np.concatenate(([0], np.cumsum(rows)))[:-1].astype(np.int32)
+        elif local_ids.size == 0 and not notify:
             rec.status = DONE
             return
-        if local_ids.size == 0:
+        elif local_ids.size == 0:
             # Notification only. ``send_notif`` to a peer not yet connected is dropped unless the
             # reader keeps progressing (seen: "AM send failed ... Request canceled"), so read
             # the peer's block 0 of slot 0 into our scratch row: its completion = delivery.
@@ -281,6 +292,16 @@ class NixlTransfer(KVTransfer):
         rec.handle = handle
         rec.setup_s = time.perf_counter() - t0
         self._set_state(rec, self._agent.transfer(handle))
+
+    def warm_up(self, peer: AgentInfo) -> int:
+        """Open the connection to ``peer`` now: add it and read its block 0 (its null block, never
+        data) of every slot into this worker's scratch rows, so the first real read pays no
+        setup. Returns the read's transfer id (poll and release it like any read)."""
+        self._warming.add(peer.name)
+        try:
+            return self.start_read(peer, [])
+        finally:
+            self._warming.discard(peer.name)
 
     def _progress(self, rec: ReadRecord) -> None:
         self._set_state(rec, self._agent.check_xfer_state(rec.handle))
