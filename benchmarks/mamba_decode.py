@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +60,47 @@ def build_bamba(directory: Path, seed: int = 0, **overrides: Any) -> Path:
     return directory
 
 
-def _set_per_request(engine: EngineCore, per_request: bool) -> int:
-    mixers = [m for m in engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
-    for mixer in mixers:
-        mixer.per_request = per_request
-    return len(mixers)
+@dataclass
+class _Round:
+    """One timed decode window: wall and CPU seconds, seconds inside the Mamba mixers, tokens."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    mixer_s: float = 0.0
+    tokens: int = 0
+
+
+class _MixerClock:
+    """Wall time spent inside the model's Mamba2 mixers (forward hooks), and their path switch."""
+
+    def __init__(self, engine: EngineCore):
+        self.mixers = [m for m in engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
+        self.seconds = 0.0
+        self._entered = 0.0
+        self._hooks = [h for m in self.mixers for h in (m.register_forward_pre_hook(self._enter),
+                                                         m.register_forward_hook(self._leave))]  # fmt: skip
+
+    def _enter(self, *_: Any) -> None:
+        self._entered = time.perf_counter()
+
+    def _leave(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._entered
+
+    def use_per_request(self, per_request: bool) -> None:
+        for mixer in self.mixers:
+            mixer.per_request = per_request
+
+    def close(self) -> None:
+        self.use_per_request(False)
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _decode_round(
-    engine: EngineCore, prompts: list[list[int]], decode_steps: int, tag: str
-) -> tuple[float, int, dict[str, list[int]]]:
+    engine: EngineCore, clock: _MixerClock, prompts: list[list[int]], decode_steps: int, tag: str
+) -> tuple[_Round, dict[str, list[int]]]:
     """Prefill ``prompts`` (untimed), then time ``decode_steps`` steps where every request
-    decodes. Returns (seconds, tokens decoded in them, each request's generated tokens)."""
+    decodes. Returns the timings and each request's generated tokens."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, SamplingParams(max_tokens=1 + decode_steps, ignore_eos=True))
@@ -78,18 +108,20 @@ def _decode_round(
     while any(not t for t in tokens.values()):
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
-    decoded = 0
-    start = time.perf_counter()
+    timed = _Round()
+    clock.seconds = 0.0
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(decode_steps):
         outputs = engine.step()
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
-        decoded += sum(len(out.new_token_ids) for out in outputs)
-    seconds = time.perf_counter() - start
+        timed.tokens += sum(len(out.new_token_ids) for out in outputs)
+    timed.wall_s, timed.cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+    timed.mixer_s = clock.seconds
     while engine.has_work:  # nothing should be left; drain in case a request was preempted
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
-    return seconds, decoded, tokens
+    return timed, tokens
 
 
 def measure_decode(
@@ -98,14 +130,16 @@ def measure_decode(
     prompt_len: int = 64,
     decode_steps: int = 16,
     rounds: int = 2,
-    threads: int = 2,
+    threads: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Decode tokens/s at ``num_requests`` running requests, per-request Mamba loop vs batched.
 
     Builds the scaled Bamba checkpoint in a temporary directory unless ``model_directory`` is
-    given. Returns ``{"mamba_decode_speedup": after/before, "tokens_per_s": {"before", "after"},
-    ...}`` (best of ``rounds`` alternating rounds each).
+    given. Returns ``{"mamba_decode_speedup": after/before decode tokens per wall second,
+    "tokens_per_s": {"before", "after"}, ...}`` (best of ``rounds`` alternating rounds each), plus
+    the same per CPU second (``threads=1``: what a dedicated core would give on a shared
+    machine) and the speedup of the time spent inside the Mamba mixers alone.
     """
     if model_directory is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +151,7 @@ def measure_decode(
             f"model.source={model_directory}",
             "kv_cache.block_size=16",
             "kv_cache.num_blocks=null",
-            "kv_cache.memory_budget_mib=4096",
+            "kv_cache.memory_budget_mib=1024",
             "kv_cache.prefix_caching=false",
             "kv_cache.pinning.enabled=false",
             f"scheduler.max_num_seqs={num_requests}",
@@ -126,28 +160,40 @@ def measure_decode(
         ],
     )
     engine = EngineCore(config, threads=threads)
+    clock = _MixerClock(engine)
     vocab = engine.runner.arch.vocab_size
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
-    rates: dict[str, list[float]] = {"before": [], "after": []}
+    rounds_by_path: dict[str, list[_Round]] = {"before": [], "after": []}
     generated: dict[str, dict[str, list[int]]] = {}
     for r in range(rounds):
         for name in ("before", "after"):
-            layers = _set_per_request(engine, name == "before")
-            seconds, decoded, tokens = _decode_round(engine, prompts, decode_steps, f"{name}{r}")
-            if decoded != num_requests * decode_steps:
-                raise RuntimeError(f"{name}: {decoded} tokens in {decode_steps} steps, not {num_requests} per step")
-            rates[name].append(decoded / seconds)
+            clock.use_per_request(name == "before")
+            timed, tokens = _decode_round(engine, clock, prompts, decode_steps, f"{name}{r}")
+            if timed.tokens != num_requests * decode_steps:
+                raise RuntimeError(f"{name}: {timed.tokens} tokens in {decode_steps} steps, not {num_requests} per step")
+            rounds_by_path[name].append(timed)
             generated[name] = {rid.split("-")[1]: t for rid, t in tokens.items()}
-            log.info("round %d %s (%d Mamba layers): %.1f decode tok/s (%.2f s)", r, name, layers, rates[name][-1], seconds)
-    _set_per_request(engine, False)
+            log.info(
+                "round %d %s: %.1f decode tok/s (%.2f s wall, %.2f s CPU, %.2f s in %d Mamba mixers)",
+                r, name, timed.tokens / timed.wall_s, timed.wall_s, timed.cpu_s, timed.mixer_s, len(clock.mixers),
+            )  # fmt: skip
+    clock.close()
     engine.close()
     same = sum(generated["before"][k] == generated["after"][k] for k in generated["after"])
-    before, after = max(rates["before"]), max(rates["after"])
+
+    def best(name: str, field: str) -> float:
+        return min(getattr(t, field) / t.tokens for t in rounds_by_path[name])  # seconds per token
+
+    before, after = 1 / best("before", "wall_s"), 1 / best("after", "wall_s")
     return {
         "mamba_decode_speedup": round(after / before, 3),
         "tokens_per_s": {"before": round(before, 2), "after": round(after, 2)},
-        "rounds_tokens_per_s": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
+        "mamba_decode_speedup_cpu_time": round(best("before", "cpu_s") / best("after", "cpu_s"), 3),
+        "tokens_per_cpu_s": {k: round(1 / best(k, "cpu_s"), 2) for k in ("before", "after")},
+        "mixer_speedup": round(best("before", "mixer_s") / best("after", "mixer_s"), 3),
+        "mixer_share_of_step_before": round(best("before", "mixer_s") / best("before", "wall_s"), 3),
+        "rounds_tokens_per_s": {k: [round(t.tokens / t.wall_s, 2) for t in v] for k, v in rounds_by_path.items()},
         "num_requests": num_requests,
         "prompt_len": prompt_len,
         "decode_steps": decode_steps,
@@ -162,7 +208,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, help="keep the built checkpoint here (reused when present)")
     args = ap.parse_args()

@@ -132,6 +132,7 @@ class Mamba2Mixer(RecurrentMixer):
         self.norm = GatedRMSNorm(arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps)
         self.conv_state: torch.Tensor | None = None  # [num_blocks, conv_dim, d_conv] fp32 view
         self.ssm_state: torch.Tensor | None = None  # [num_blocks, H, P, N] fp32 view
+        self._tile_buffer: torch.Tensor | None = None  # decode's gather buffer, reused (see _tile_view)
 
     @property
     def state_floats(self) -> int:
@@ -185,6 +186,16 @@ class Mamba2Mixer(RecurrentMixer):
         self.conv_state.index_copy_(0, target, conv)
         self.ssm_state.index_copy_(0, target, ssm)
 
+    def _tile_view(self, count: int, heads: int, device: torch.device) -> torch.Tensor:
+        """``[count, heads, P, N]`` in a buffer kept between steps: a fresh allocation this size
+        per tile costs page faults that dwarf the update itself on CPU."""
+        m = self.arch
+        size = count * heads * m.head_dim * m.d_state
+        buffer = self._tile_buffer
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            buffer = self._tile_buffer = torch.empty(size, dtype=torch.float32, device=device)
+        return buffer[:size].view(count, heads, m.head_dim, m.d_state)
+
     def _step_dt(self, dt: torch.Tensor) -> torch.Tensor:
         step = F.softplus(dt.float() + self.dt_bias.float())
         return step.clamp(self.arch.time_step_min, self.arch.time_step_max)
@@ -227,11 +238,12 @@ class Mamba2Mixer(RecurrentMixer):
         tile = max(1, DECODE_TILE_BYTES // (count * m.head_dim * m.d_state * 4))
         for lo in range(0, m.num_heads, tile):
             heads = slice(lo, lo + tile)
-            h = self.ssm_state[:, heads].index_select(0, source)  # [B, tile, P, N]
+            h = self._tile_view(count, min(tile, m.num_heads - lo), device)  # [B, tile, P, N]
+            torch.index_select(self.ssm_state[:, heads], 0, source, out=h)
             if fresh is not None:
                 h.masked_fill_(fresh[:, None, None, None], 0.0)
             h.mul_(rate[:, heads, None, None]).addcmul_(drive[:, heads, :, None], b[:, heads, None, :])
-            y[:, heads] = torch.matmul(h, c[:, heads, :, None])[..., 0]
+            y[:, heads] = torch.linalg.vecdot(h, c[:, heads, None, :])  # C h (faster than a batched matvec)
             self.ssm_state[:, heads].index_copy_(0, target, h)
         self.conv_state.index_copy_(0, target, window)
         y += x * self.D.float()[:, None]
