@@ -1,6 +1,7 @@
-"""The P/D path over NIXL on tiny Granite-4.0-H (Mamba2 states + NoPE attention KV, MoE MLPs):
-1 prefill + 1 decode worker give the single engine's greedy tokens, and a request sharing a
-prefix is routed with the hit its worker then really has."""
+"""The P/D path over NIXL on tiny Granite-4.0-H (Mamba2 states + NoPE attention KV, MoE MLPs) and
+on tiny Nemotron-H (the same groups, plus MLP-only and MoE layers that keep no cache): 1 prefill +
+1 decode worker give the single engine's greedy tokens, and a request sharing a prefix is routed
+with the hit its worker then really has."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from tests.integration.conftest import GREEDY, cluster_config, oracle_tokens, ra
 pytest.importorskip("nixl")
 
 
-def test_nixl_pd_on_granite_h_matches_a_single_engine(ray_session):
+@pytest.mark.parametrize("source", ["tiny-granite-h", "tiny-nemotron-h"])
+def test_nixl_pd_matches_a_single_engine(ray_session, source: str):
     from cluster.api import Cluster
 
     # no work guard: placement must not depend on which requests ran before
-    config = cluster_config("tiny-granite-h", 1, 1, "transfer.backend=nixl", "router.work_imbalance_ratio=0")
+    config = cluster_config(
+        "tiny-granite-h", 1, 1, f"model.source={source}", "transfer.backend=nixl", "router.work_imbalance_ratio=0"
+    )
     prompts = random_prompts(61, [3, 70, 120, 200])
     base = random_prompts(62, [130])[0]
     follow_up = base[:100] + random_prompts(63, [80])[0]
