@@ -55,6 +55,14 @@ class NemotronRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
         self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """Stay in fp32 whatever dtype the model is cast to (as HF keeps ``gate.weight`` and
+        ``e_score_correction_bias``): near-equal expert scores must not be reordered by rounding."""
+        super()._apply(fn, recurse)
+        self.weight.data = self.weight.data.float()
+        self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: the ``top_k`` routing weights (fp32) and expert ids."""
         moe = self.moe
