@@ -242,6 +242,9 @@ class AutoPinConfig(_Frozen):
     replicas: PositiveInt = 1
     #: seconds between two revisions of the automatic pins
     interval_s: PositiveFloat = 5.0
+    #: with dedicated prefill and decode workers, also pin the hot prefixes in the decode
+    #: workers' caches (within ``budget_fraction`` of their pools): P/D serves repeats from there
+    on_decode_workers: bool = False
 
 
 class RouterConfig(_Frozen):

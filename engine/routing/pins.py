@@ -27,6 +27,7 @@ from engine.routing.types import (
     PinCapacityError,
     PinInfo,
     PinOn,
+    Role,
     Unpin,
     WorkerId,
 )
@@ -54,6 +55,7 @@ class Pin:
     expires_at: float | None
     auto: bool
     needed: list[GroupHash]
+    role: Role = "prefill"  # the pool its holders come from (decode: automatic pins in P/D only)
     holders: dict[WorkerId, _Holder] = field(default_factory=dict)
     failed: dict[WorkerId, float] = field(default_factory=dict)
     short_since: float | None = None
@@ -131,6 +133,7 @@ class PinTable:
         token_ids: Sequence[int] | None = None,
         auto: bool = False,
         pin_id: int | None = None,
+        role: Role = "prefill",
     ) -> Pin:
         """Register a pin (no holders yet; ``fill`` places them). Raises ``PinCapacityError`` when
         ``replicas`` copies would exceed the capacity, ValueError for an empty prefix or a taken
@@ -167,6 +170,7 @@ class PinTable:
             now + ttl_s if ttl_s is not None else None,
             auto,
             needed,
+            role,
             short_since=now,
         )
         self._next_id = max(self._next_id, pin.pin_id) + 1
@@ -210,7 +214,8 @@ class PinTable:
         found = by_key.keys() & block_hashes
         if not found:
             return None
-        return max((by_key[key][0] for key in found), key=lambda pin: pin.length)
+        # the deepest; at one depth an explicit pin before automatic ones (those never steer)
+        return max((pin for key in found for pin in by_key[key]), key=lambda pin: (pin.length, not pin.auto))
 
     # -- holders ----------------------------------------------------------------------------------------
     def fill(self, pin: Pin, now: float, choose: Chooser) -> list[Action]:

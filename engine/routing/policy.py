@@ -82,6 +82,7 @@ from engine.routing.types import (
     Decision,
     PinInfo,
     RequestSnapshot,
+    Role,
     RouteRequest,
     WorkerId,
     WorkerLoad,
@@ -109,7 +110,8 @@ class RoutingPolicy(Router):
         self.pins = PinTable(self.index, cfg.pin_capacity_blocks)
         auto = cfg.auto_pin
         self.hot = HotPrefixes(self.rules.hash_block_size, self.rules.alignment) if auto.enabled else None
-        self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id
+        self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id (prefill-capable workers)
+        self._auto_decode_pins: dict[bytes, int] = {}  # the same on decode workers (P/D, on_decode_workers)
         self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
         self._queued: dict[WorkerId, float] = {}
@@ -272,9 +274,10 @@ class RoutingPolicy(Router):
 
     def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:
         """Remove a pin everywhere (its capacity is released)."""
-        key = next((k for k, p in self._auto_pins.items() if p == pin_id), None)
-        if key is not None:
-            del self._auto_pins[key]
+        for pinned in (self._auto_pins, self._auto_decode_pins):
+            key = next((k for k, p in pinned.items() if p == pin_id), None)
+            if key is not None:
+                del pinned[key]
         return self.pins.remove(pin_id)
 
     def pin_result(
@@ -312,7 +315,7 @@ class RoutingPolicy(Router):
         can_build = pin.token_ids is not None or bool(pin.active())
         best: tuple[int, int, float, float] | None = None
         choice: WorkerId | None = None
-        for worker in self._candidates("prefill"):
+        for worker in self._candidates(pin.role):
             if worker in exclude:
                 continue
             resident = hits.get(worker, 0) >= pin.length
@@ -341,14 +344,28 @@ class RoutingPolicy(Router):
     def _auto_pin(self, now: float) -> list[Action]:
         """Pin the hottest shared prefixes (>= ``auto_pin_min_requests`` recent requests) within
         the budget (``auto_pin_budget_blocks``, else ``auto_pin_budget_fraction`` of the
-        prefill-capable workers' pools); unpin automatic pins that fell out of that set."""
+        prefill-capable workers' pools); unpin automatic pins that fell out of that set. With
+        dedicated decode workers and ``auto_pin.on_decode_workers``, the same on the decode
+        workers' caches (their own budget: that fraction of their pools)."""
         hot = self.hot
         assert hot is not None
         hot.decay(now)
-        pinned = self._auto_pins
-        budget = self.config.auto_pin.budget_blocks or int(
-            self.config.auto_pin.budget_fraction * sum(self.num_blocks.get(w) or 0 for w in self._candidates("prefill"))
-        )
+        cfg = self.config.auto_pin
+        actions = self._revise_auto(self._auto_pins, "prefill", now)
+        if self._disaggregated and cfg.on_decode_workers:
+            actions.extend(self._revise_auto(self._auto_decode_pins, "decode", now))
+        elif self._auto_decode_pins:
+            for key in list(self._auto_decode_pins):
+                actions.extend(self.pins.remove(self._auto_decode_pins.pop(key)))
+        return actions
+
+    def _revise_auto(self, pinned: dict[bytes, int], role: Role, now: float) -> list[Action]:
+        """One revision of the automatic pins held by ``role``'s workers (``pinned``: key -> id)."""
+        hot = self.hot
+        assert hot is not None
+        cfg = self.config.auto_pin
+        holders = self._candidates(role)
+        budget = cfg.budget_blocks or int(cfg.budget_fraction * sum(self.num_blocks.get(w) or 0 for w in holders))
 
         def rank(key: bytes) -> float:
             count = hot.counts[key].count
@@ -356,10 +373,10 @@ class RoutingPolicy(Router):
 
         chosen: list[bytes] = []
         used = 0
-        replicas = min(self.config.auto_pin.replicas, max(1, len(self._candidates("prefill"))))
+        replicas = min(cfg.replicas, max(1, len(holders)))
         for key in sorted(hot.counts, key=rank, reverse=True):
             prefix = hot.counts[key]
-            if prefix.count < self.config.auto_pin.min_requests and key not in pinned:
+            if prefix.count < cfg.min_requests and key not in pinned:
                 break
             cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
             if used + cost <= budget:
@@ -373,9 +390,7 @@ class RoutingPolicy(Router):
             if key in pinned:
                 continue
             prefix = hot.counts[key]
-            pin = self.pins.create(
-                prefix.block_hashes, prefix.length, replicas, now, auto=True
-            )
+            pin = self.pins.create(prefix.block_hashes, prefix.length, replicas, now, auto=True, role=role)
             pinned[key] = pin.pin_id
             actions.extend(self.pins.fill(pin, now, self._choose_holder))
         return actions
