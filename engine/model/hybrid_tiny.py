@@ -16,62 +16,62 @@ from typing import Any
 
 from engine.model.qwen3_gpt_oss_tiny import randomise_constant_parameters
 
-_COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.1,
-)
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.1,
+}
 
-_GRANITE: dict[str, Any] = dict(
-    num_hidden_layers=4,
-    layer_types=["mamba", "attention", "mamba", "attention"],
-    intermediate_size=32,  # per expert
-    shared_intermediate_size=96,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    mamba_n_heads=8,
-    mamba_n_groups=2,
-    mamba_d_state=16,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=16,
-    mamba_proj_bias=True,
-    time_step_limit=(0.01, 3.0),
-    position_embedding_type="nope",  # as Granite-4.0-H ships
-    embedding_multiplier=2.0,
-    residual_multiplier=0.6,
-    attention_multiplier=0.3,
-    logits_scaling=1.5,
-)
+_GRANITE: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "intermediate_size": 32,  # per expert
+    "shared_intermediate_size": 96,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "mamba_n_heads": 8,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 16,
+    "mamba_proj_bias": True,
+    "time_step_limit": (0.01, 3.0),
+    "position_embedding_type": "nope",  # as Granite-4.0-H ships
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.6,
+    "attention_multiplier": 0.3,
+    "logits_scaling": 1.5,
+}
 
-_NEMOTRON: dict[str, Any] = dict(
-    hybrid_override_pattern="M*-EM*",
-    head_dim=16,
-    intermediate_size=96,
-    mlp_bias=True,
-    use_bias=True,
-    mamba_num_heads=8,
-    mamba_head_dim=16,
-    ssm_state_size=16,
-    n_groups=2,
-    conv_kernel=4,
-    chunk_size=16,
-    time_step_min=0.05,  # Nemotron-H clamps the step from below here
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    moe_intermediate_size=32,
-    moe_shared_expert_intermediate_size=48,
-    moe_latent_size=48,
-    routed_scaling_factor=1.7,
-)
+_NEMOTRON: dict[str, Any] = {
+    "hybrid_override_pattern": "M*-EM*",
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "mlp_bias": True,
+    "use_bias": True,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+    "conv_kernel": 4,
+    "chunk_size": 16,
+    "time_step_min": 0.05,  # Nemotron-H clamps the step from below here
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+    "moe_latent_size": 48,
+    "routed_scaling_factor": 1.7,
+}
 
 # name -> (config class, model class, config fields over _COMMON)
 HYBRID_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -81,24 +81,26 @@ HYBRID_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bench-granite-h": (
         "GraniteMoeHybridConfig",
         "GraniteMoeHybridForCausalLM",
-        {**_GRANITE, **dict(
-            vocab_size=32000, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
-            max_position_embeddings=4096, initializer_range=0.05, num_hidden_layers=8,
-            layer_types=["mamba", "mamba", "mamba", "attention"] * 2, intermediate_size=256,
-            shared_intermediate_size=1024, num_local_experts=8, mamba_n_heads=16, mamba_n_groups=1,
-            mamba_d_state=64, mamba_chunk_size=64,
-        )},
+        {
+            **_GRANITE,
+            "vocab_size": 32000, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "max_position_embeddings": 4096, "initializer_range": 0.05, "num_hidden_layers": 8,
+            "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2, "intermediate_size": 256,
+            "shared_intermediate_size": 1024, "num_local_experts": 8, "mamba_n_heads": 16, "mamba_n_groups": 1,
+            "mamba_d_state": 64, "mamba_chunk_size": 64,
+        },
     ),
     "bench-nemotron-h": (
         "NemotronHConfig",
         "NemotronHForCausalLM",
-        {**_NEMOTRON, **dict(
-            vocab_size=32000, hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-            max_position_embeddings=4096, initializer_range=0.05, hybrid_override_pattern="M-M*M-ME",
-            intermediate_size=1536, mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=4,
-            chunk_size=64, moe_intermediate_size=256, moe_shared_expert_intermediate_size=512,
-            moe_latent_size=None,
-        )},
+        {
+            **_NEMOTRON,
+            "vocab_size": 32000, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 64, "max_position_embeddings": 4096, "initializer_range": 0.05,
+            "hybrid_override_pattern": "M-M*M-ME", "intermediate_size": 1536, "mamba_num_heads": 16,
+            "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 4, "chunk_size": 64,
+            "moe_intermediate_size": 256, "moe_shared_expert_intermediate_size": 512, "moe_latent_size": None,
+        },
     ),
 }
 

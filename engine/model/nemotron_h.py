@@ -25,7 +25,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
-def _act(name: str):  # noqa: ANN202 (a tensor -> tensor function)
+def _act(name: str):
     return relu2 if name == "relu2" else activation(name)
 
 
@@ -55,7 +55,7 @@ class NemotronRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
         self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+    def _apply(self, fn, recurse: bool = True):
         """Stay in fp32 whatever dtype the model is cast to (as HF keeps ``gate.weight`` and
         ``e_score_correction_bias``): near-equal expert scores must not be reordered by rounding."""
         super()._apply(fn, recurse)

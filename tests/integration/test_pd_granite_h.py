@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import GREEDY, cluster_config, oracle_tokens, random_prompts, wait_for
+from tests.integration.conftest import (
+    GREEDY,
+    cluster_config,
+    oracle_tokens,
+    random_prompts,
+    wait_for,
+)
 
 pytest.importorskip("nixl")
 

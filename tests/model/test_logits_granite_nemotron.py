@@ -30,8 +30,8 @@ _BUILD = {
     "tiny-granite-h": ("tiny-granite-h", {}),
     "tiny-granite-h-dense-rope": (
         "tiny-granite-h",
-        dict(num_local_experts=0, position_embedding_type="rope", attention_bias=True, tie_word_embeddings=True,
-             layer_types=["attention", "mamba", "mamba", "attention"]),
+        {"num_local_experts": 0, "position_embedding_type": "rope", "attention_bias": True,
+         "tie_word_embeddings": True, "layer_types": ["attention", "mamba", "mamba", "attention"]},
     ),
     "tiny-nemotron-h": ("tiny-nemotron-h", {}),
 }
