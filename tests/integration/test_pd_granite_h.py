@@ -18,14 +18,12 @@ from tests.integration.conftest import (
 pytest.importorskip("nixl")
 
 
-@pytest.mark.parametrize("source", ["tiny-granite-h", "tiny-nemotron-h"])
-def test_nixl_pd_matches_a_single_engine(ray_session, source: str):
+@pytest.mark.parametrize("preset", ["tiny-granite-h", "tiny-nemotron-h"])
+def test_nixl_pd_matches_a_single_engine(ray_session, preset: str):
     from cluster.api import Cluster
 
     # no work guard: placement must not depend on which requests ran before
-    config = cluster_config(
-        "tiny-granite-h", 1, 1, f"model.source={source}", "transfer.backend=nixl", "router.work_imbalance_ratio=0"
-    )
+    config = cluster_config(preset, 1, 1, "transfer.backend=nixl", "router.work_imbalance_ratio=0")
     prompts = random_prompts(61, [3, 70, 120, 200])
     base = random_prompts(62, [130])[0]
     follow_up = base[:100] + random_prompts(63, [80])[0]
