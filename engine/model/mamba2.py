@@ -11,9 +11,10 @@ over requests:
 - decode (one-token chunks): gather conv windows and SSM states by block id, one conv step and
   one recurrence ``h = exp(dt*A) h + dt * B x; y = C h + D x`` for all of them, scatter the new
   states into the write blocks (the SSM state a tile of heads at a time, so it stays in cache);
-- prefill (longer chunks): padded to the longest into ``[R, T, ...]``; padded steps get ``dt = 0``
-  (identity for the SSM) and each chunk's new conv window is gathered at its own length, so the
-  padding changes no state.
+- prefill (longer chunks): tokens packed back to back, one causal conv over all chunks (each
+  preceded by its previous window) and the sub-chunked SSD scan over all chunks at once
+  (``engine.model.ssd``); padding inside a sub-chunk gets ``dt = 0``, an identity step, so it
+  changes no state.
 
 Every block is read before it is written, so a chunk whose read and write block coincide is
 fine; two chunks never share a write block (the coordinator's guarantee). ``forward_per_request`` in
@@ -22,16 +23,15 @@ fine; two chunks never share a write block (the coordinator's guarantee). ``forw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
-from engine.model.mamba2_reference import SUB_CHUNK, forward_per_request
+from engine.model.mamba2_reference import forward_per_request
 from engine.model.recurrent import RecurrentMixer
+from engine.model.ssd import causal_conv_packed, pack_chunks, ssd_scan_packed
 
 
 class GatedRMSNorm(nn.Module):
@@ -52,59 +52,11 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.view(shape).to(dtype)
 
 
-def ssd_scan_batched(
-    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selective scan of R sequences at once, heads split into G groups of E sharing B and C.
-
-    x: [R, T, G, E, P]; dt: [R, T, G, E] (0 on padded steps); a: [G, E] (negative);
-    b, c: [R, T, G, N]; h: [R, G, E, P, N] (the states before the chunks).
-    Returns y: [R, T, G, E, P] (without the D skip) and the final states [R, G, E, P, N].
-    """
-    ys = []
-    for lo in range(0, x.shape[1], SUB_CHUNK):
-        xs, dts = x[:, lo : lo + SUB_CHUNK], dt[:, lo : lo + SUB_CHUNK]
-        bs, cs = b[:, lo : lo + SUB_CHUNK], c[:, lo : lo + SUB_CHUNK]
-        n = xs.shape[1]
-        s = torch.cumsum(dts * a, dim=1)  # [R, n, G, E] log-decay from the sub-chunk start
-        seg = s[:, :, None] - s[:, None, :]  # [R, t, s, G, E]
-        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-        decay = torch.exp(seg.masked_fill(future[None, :, :, None, None], float("-inf")))
-        scores = torch.einsum("rtgn,rsgn->rtsg", cs, bs)[..., None] * decay * dts[:, None]
-        y = torch.einsum("rtsge,rsgep->rtgep", scores, xs)
-        y = y + torch.einsum("rtgn,rgepn->rtgep", cs, h) * torch.exp(s)[..., None]
-        last = s[:, -1]  # [R, G, E]
-        weights = torch.exp(last[:, None] - s) * dts  # [R, n, G, E]
-        h = torch.exp(last)[..., None, None] * h + torch.einsum("rsge,rsgn,rsgep->rgepn", weights, bs, xs)
-        ys.append(y)
-    return torch.cat(ys, dim=1), h
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    """Padded layout of the step's multi-token chunks: chunk ``r``'s token ``t`` is flat row
-    ``rows[r, t]`` where ``valid[r, t]`` (padding repeats the chunk's first row)."""
-
-    rows: torch.Tensor  # [R, T] long
-    valid: torch.Tensor  # [R, T] bool
-    lengths: torch.Tensor  # [R] long
-
-
 #: SSM-state bytes a decode step gathers per tile of heads (all decoding chunks at once): small
 #: enough to stay in cache from the gather through the update to the scatter
 DECODE_TILE_BYTES = 1 << 21
 
 _Update = tuple[list[int], torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
-
-
-def _prefill_layout(batch: ForwardBatch, device: torch.device) -> _Prefill:
-    chunks = [batch.chunks[i] for i in batch.prefill_chunks]
-    offsets = torch.tensor([c.offset for c in chunks], dtype=torch.long)
-    lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    steps = torch.arange(int(lengths.max()))
-    valid = steps[None, :] < lengths[:, None]
-    rows = torch.where(valid, offsets[:, None] + steps[None, :], offsets[:, None])
-    return _Prefill(rows.to(device), valid.to(device), lengths.to(device))
 
 
 class Mamba2Mixer(RecurrentMixer):
@@ -252,23 +204,23 @@ class Mamba2Mixer(RecurrentMixer):
     def _prefill(
         self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex
     ) -> _Update:
-        """The causal conv and SSD scan of every multi-token chunk, padded into ``[R, T, ...]``;
-        fills their rows of ``out`` and returns their new states."""
+        """The causal conv and SSD scan of every multi-token chunk at once (tokens packed, longest
+        chunk first; see ``engine.model.ssd``); fills their rows of ``out`` and returns their new
+        states."""
         m = self.arch
-        order = batch.prefill_chunks
-        layout = _prefill_layout(batch, xbc.device)
-        num, width = layout.rows.shape
+        order = sorted(batch.prefill_chunks, key=lambda i: -batch.chunks[i].num_tokens)
+        packed = pack_chunks([batch.chunks[i].num_tokens for i in order], m.d_conv, xbc.device)
+        rows = torch.cat([torch.arange(batch.chunks[i].num_tokens) + batch.chunks[i].offset for i in order])
+        rows = rows.to(xbc.device)
         conv_prev, h0 = self._gather([index.state_read[i] for i in order], xbc.device)
-        inputs = xbc.float()[layout.rows] * layout.valid[..., None]  # [R, T, conv_dim]
-        window = torch.cat([conv_prev, inputs.transpose(1, 2)], dim=2)  # [R, conv_dim, k + T]
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        conv = F.conv1d(window, self.conv1d.weight.float(), bias, groups=m.conv_dim)[:, :, -width:]
-        tail = layout.lengths[:, None] + torch.arange(m.d_conv, device=xbc.device)[None, :]  # [R, k]
-        new_conv = window.gather(2, tail[:, None, :].expand(num, m.conv_dim, m.d_conv))
-        x, b, c = self._split_conv(F.silu(conv).transpose(1, 2))  # x [R, T, G, E, P]; b, c [R, T, G, N]
-        step = self._step_dt(dt[layout.rows]).view(x.shape[:4]) * layout.valid[:, :, None, None]
-        a = -torch.exp(self.A_log.float()).view(x.shape[2:4])
-        y, h = ssd_scan_batched(x, step, a, b, c, h0.view(num, *x.shape[2:], m.d_state))
-        y = y + x * self.D.float().view(x.shape[2:4])[..., None]
-        out.index_copy_(0, layout.rows[layout.valid], y[layout.valid].reshape(-1, m.intermediate_size))
-        return [index.state_write[i] for i in order], new_conv, h.reshape(num, m.num_heads, m.head_dim, m.d_state)
+        conv, new_conv = causal_conv_packed(
+            xbc.index_select(0, rows).float(), conv_prev, self.conv1d.weight.float(), bias, packed
+        )
+        x, b, c = self._split_conv(F.silu(conv))  # x [n, G, E, P]; b, c [n, G, N]
+        step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])
+        a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
+        y, h = ssd_scan_packed(x, step, a, b, c, h0.view(len(order), *x.shape[1:], m.d_state), packed)
+        y = y + x * self.D.float().view(x.shape[1:3])[..., None]
+        out.index_copy_(0, rows, y.reshape(-1, m.intermediate_size))
+        return [index.state_write[i] for i in order], new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)
