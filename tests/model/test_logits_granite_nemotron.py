@@ -7,7 +7,7 @@ Checkpoints (engine/model/hybrid_tiny.py, HF-constant parameters randomised, mul
 Mamba2, NoPE attention, relu2 MLP, grouped sigmoid-routed MoE with latent projections). Cases:
 tests/model/test_logits_vs_hf.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
 and resume; bf16 closeness) plus long prompts whose prefill chunks cross the Mamba2 scan's
-sub-chunk boundaries (64 tokens) and end mid-sub-chunk.
+sub-chunk boundaries (engine/model/ssd.py, 64 tokens) and end mid-sub-chunk.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine.model.arch import UnsupportedModelError, arch_from_hf_config
 from engine.model.hybrid_tiny import build_hybrid_checkpoint
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import read_hf_config
-from engine.model.mamba2 import SUB_CHUNK
+from engine.model.ssd import SUB_CHUNK
 
 NAMES = ["tiny-granite-h", "tiny-granite-h-dense-rope", "tiny-nemotron-h"]
 _BUILD = {
