@@ -58,6 +58,8 @@ class BlockPool:
         self.explicit = BlockQueue("explicit")
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
+        # The queue an unreferenced block is linked in: the one of its pin level.
+        self.tiers: tuple[BlockQueue, BlockQueue, BlockQueue] = (self.free_queue, self.retained, self.explicit)
         self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
 
     # -- capacity ------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class BlockPool:
         for _ in range(n):  # unlink the first n blocks, uncache them, count the new reference
             blocks.append(block)
             nxt = block.next
-            block.prev = block.next = block.queue = None
+            block.prev = block.next = None
             block.ref_cnt = 1
             if block.block_hash is not None:
                 if removed is not None:
@@ -119,19 +121,20 @@ class BlockPool:
     def touch(self, blocks: Iterable[Block]) -> None:
         """Claim blocks found by a prefix hit: unlink free/pinned ones, then count the reference.
         Null blocks are skipped (the null block is never counted: its ``ref_cnt`` stays 0)."""
+        tiers = self.tiers
         for block in blocks:
             if block.ref_cnt == 0:
-                queue = block.queue
-                if queue is None:  # the null block
+                prev = block.prev
+                if prev is None:  # the null block
                     continue
-                prev, nxt = block.prev, block.next
-                prev.next = nxt  # type: ignore[union-attr]
+                nxt = block.next
+                prev.next = nxt
                 nxt.prev = prev  # type: ignore[union-attr]
-                block.prev = block.next = block.queue = None
-                queue.size -= 1
+                block.prev = block.next = None
+                tiers[block.pin].size -= 1
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False, enforce: bool = True) -> None:
+    def free_blocks(self, ordered: list[Block], evict_first: bool = False, enforce: bool = True) -> None:
         """Drop one reference from each block; ``ordered`` lists blocks evict-first first and holds
         no null block (callers pass live table slots only).
 
@@ -150,11 +153,12 @@ class BlockPool:
             queue = self.free_queue
             tail = queue.tail
             last = tail.prev
-            size = queue.size
+            held = 0  # blocks still referenced (the rest are released: linked here or listed)
             for block in ordered:
                 n = block.ref_cnt - 1
                 block.ref_cnt = n
                 if n:
+                    held += 1
                     continue
                 if block.pin:
                     pinned.append(block)
@@ -162,13 +166,11 @@ class BlockPool:
                     front.append(block)
                 else:
                     block.prev = last
-                    block.queue = queue
                     last.next = block  # type: ignore[union-attr]
                     last = block
-                    size += 1
             last.next = tail  # type: ignore[union-attr]
             tail.prev = last
-            queue.size = size
+            queue.size += len(ordered) - held - len(front) - len(pinned)  # type: ignore[arg-type]
         if front:
             self.free_queue.prepend_n(front)
         if pinned:
@@ -180,7 +182,7 @@ class BlockPool:
         tier = self.retained
         tail = tier.tail
         last = tail.prev
-        size = tier.size
+        held = 0
         newly: list[Block] | None = [] if self.enable_events else None
         front: list[Block] = []
         explicit: list[Block] = []
@@ -193,20 +195,19 @@ class BlockPool:
             n = block.ref_cnt - 1
             block.ref_cnt = n
             if n:
+                held += 1
                 continue
             if pin == PIN_RETAINED:
                 block.prev = last
-                block.queue = tier
                 last.next = block  # type: ignore[union-attr]
                 last = block
-                size += 1
             elif pin:
                 explicit.append(block)
             else:
                 front.append(block)
         last.next = tail  # type: ignore[union-attr]
         tail.prev = last
-        tier.size = size
+        tier.size += len(ordered) - held - len(front) - len(explicit)
         if newly:
             self._emit_pinned(newly, PIN_RETAINED)
         if front:
@@ -309,7 +310,7 @@ class BlockPool:
             if block.pin >= level or block.block_hash is None or block.is_null:
                 continue
             if block.ref_cnt == 0:
-                block.queue.remove(block)  # type: ignore[union-attr]
+                self.tiers[block.pin].remove(block)
                 tier.append(block)
             block.pin = level
             newly.append(block)
@@ -346,10 +347,10 @@ class BlockPool:
         return done
 
     def _clear_pin(self, block: Block, gone: dict[int, list[bytes]]) -> None:
-        block.pin = PIN_NONE
         if block.ref_cnt == 0:
-            block.queue.remove(block)  # type: ignore[union-attr]
+            self.tiers[block.pin].remove(block)
             self.free_queue.append(block)
+        block.pin = PIN_NONE
         if block.block_hash is not None:
             gone.setdefault(block.group, []).append(block.block_hash)
 

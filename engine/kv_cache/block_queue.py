@@ -1,8 +1,9 @@
 """Blocks and the intrusive doubly linked queue that holds free (or pinned) blocks.
 
-The queue owns the ``prev``/``next``/``queue`` fields of the blocks linked in it; every operation
-but traversal is O(1) per block, including removal of an arbitrary block (a prefix hit claiming
-a free cached block).
+The queue owns the ``prev``/``next`` fields of the blocks linked in it (both None exactly while a
+block is linked nowhere); every operation but traversal is O(1) per block, including removal of an
+arbitrary block (a prefix hit claiming a free cached block). Which queue a linked block is in is
+the pool's business (``BlockPool``: the queue of its pin level).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Block:
     cache; ``pin`` asks the pool to keep it in a pinned tier instead of the free queue once
     ``ref_cnt`` drops to 0."""
 
-    __slots__ = ("block_id", "pool", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next", "queue")
+    __slots__ = ("block_id", "pool", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next")
 
     def __init__(self, block_id: int, pool: int = 0):
         self.block_id = block_id
@@ -33,7 +34,6 @@ class Block:
         self.is_null = False
         self.prev: Block | None = None
         self.next: Block | None = None
-        self.queue: BlockQueue | None = None
 
     def __repr__(self) -> str:
         tag = "null" if self.is_null else f"ref={self.ref_cnt}"
@@ -45,8 +45,8 @@ class Block:
 class BlockQueue:
     """Doubly linked list of blocks with sentinels; head = next to hand out (or demote).
 
-    Invariant: ``size`` equals the traversal length, and a block has ``queue is self`` exactly
-    when it is linked here.
+    Invariant: ``size`` equals the traversal length; the blocks linked here have ``prev``/``next``
+    set (sentinels at the ends).
     """
 
     __slots__ = ("name", "head", "tail", "size")
@@ -75,7 +75,7 @@ class BlockQueue:
         for _ in range(n):
             out.append(block)
             nxt = block.next
-            block.prev = block.next = block.queue = None
+            block.prev = block.next = None
             block = nxt
         self.head.next = block
         block.prev = self.head
@@ -83,22 +83,21 @@ class BlockQueue:
         return out
 
     def remove(self, block: Block) -> None:
-        if block.queue is not self:
-            raise ValueError(f"{block!r} is not in the {self.name} queue")
+        if block.prev is None:
+            raise ValueError(f"{block!r} is not in the {self.name} queue (linked nowhere)")
         self._unlink(block)
 
     def _unlink(self, block: Block) -> None:
         prev, nxt = block.prev, block.next
         prev.next = nxt  # type: ignore[union-attr]
         nxt.prev = prev  # type: ignore[union-attr]
-        block.prev = block.next = block.queue = None
+        block.prev = block.next = None
         self.size -= 1
 
     def append(self, block: Block) -> None:
         last = self.tail.prev
         block.prev = last
         block.next = self.tail
-        block.queue = self
         last.next = block  # type: ignore[union-attr]
         self.tail.prev = block
         self.size += 1
@@ -110,7 +109,6 @@ class BlockQueue:
         last = self.tail.prev
         for block in blocks:
             block.prev = last
-            block.queue = self
             last.next = block  # type: ignore[union-attr]
             last = block
         last.next = self.tail
@@ -125,7 +123,6 @@ class BlockQueue:
         prev = self.head
         for block in blocks:
             block.prev = prev
-            block.queue = self
             prev.next = block
             prev = block
         prev.next = first

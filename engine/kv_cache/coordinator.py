@@ -707,7 +707,7 @@ class HybridCoordinator:
             expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
             for block in queue:
                 count += 1
-                if block.queue is not queue or block.prev is not prev:
+                if block.prev is not prev:
                     fail(f"pool {p}: {name} queue links broken at block {block.block_id}")
                 if block.block_id in queued:
                     fail(f"pool {p}: block {block.block_id} queued twice")
@@ -724,7 +724,7 @@ class HybridCoordinator:
             if block.block_id != bid or block.pool != p:
                 fail(f"pool {p}: slot {bid} holds {block!r}")
             if block.is_null:
-                if block.queue is not None or block.block_hash is not None or block is not null or block.ref_cnt:
+                if block.prev is not None or block.block_hash is not None or block is not null or block.ref_cnt:
                     fail(f"pool {p}: null block queued, hashed or counted (ref_cnt {block.ref_cnt})")
                 continue
             n = refs.get((p, bid), 0)
@@ -735,8 +735,8 @@ class HybridCoordinator:
             in_queue = bid in queued
             if in_queue != (block.ref_cnt == 0):
                 fail(f"pool {p}: block {bid} ref_cnt {block.ref_cnt} but queued={in_queue}")
-            if block.queue is None and in_queue or block.queue is not None and not in_queue:
-                fail(f"pool {p}: block {bid} queue pointer disagrees with the queues")
+            if (block.prev is None) == in_queue or (block.next is None) == in_queue:
+                fail(f"pool {p}: block {bid} links disagree with the queues (prev/next None iff unlinked)")
             if block.block_hash is not None:
                 if self.group_pool[block.group] != p:
                     fail(f"pool {p}: block {bid} cached for group {block.group}, which draws from another pool")
