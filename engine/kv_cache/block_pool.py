@@ -187,28 +187,35 @@ class BlockPool:
         front: list[Block] = []
         explicit: list[Block] = []
         for block in ordered:
-            pin = block.pin
-            if not pin and block.block_hash is not None:
-                block.pin = pin = PIN_RETAINED
-                if newly is not None:
-                    newly.append(block)
             n = block.ref_cnt - 1
             block.ref_cnt = n
             if n:
+                if not block.pin and block.block_hash is not None:
+                    block.pin = PIN_RETAINED  # goes to the tier when its last holder releases it
+                    if newly is not None:
+                        newly.append(block)
                 held += 1
                 continue
-            if pin == PIN_RETAINED:
-                block.prev = last
-                last.next = block  # type: ignore[union-attr]
-                last = block
-            elif pin:
+            if block.pin == PIN_RETAINED:
+                pass
+            elif block.pin:
                 explicit.append(block)
-            else:
+                continue
+            elif block.block_hash is None:
                 front.append(block)
+                continue
+            else:
+                block.pin = PIN_RETAINED
+                if newly is not None:
+                    newly.append(block)
+            block.prev = last
+            last.next = block  # type: ignore[union-attr]
+            last = block
         last.next = tail  # type: ignore[union-attr]
         tail.prev = last
         tier.size += len(ordered) - held - len(front) - len(explicit)
         if newly:
+            newly.reverse()  # table order, as pin() announces them
             self._emit_pinned(newly, PIN_RETAINED)
         if front:
             self.free_queue.prepend_n(front)

@@ -174,27 +174,28 @@ class SingleTypeManager:
         ``retain``: table indices whose hashed blocks go to the retained tier (a hit at the
         request's shared-prefix boundary needs them) instead of the free queue.
         """
-        table = self.tables.get(request_id) if retain else None
-        if table:
-            first = self.first_live(table) if table[0].is_null else 0
-            lo = max(retain.start, first)  # type: ignore[union-attr]
-            hi = min(retain.stop, len(table))  # type: ignore[union-attr]
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return
+        first = self.first_live(table) if table[0].is_null else 0
+        pool = self.pool
+        if retain:
+            lo = max(retain.start, first)
+            hi = min(retain.stop, len(table))
             if lo < hi:  # some live blocks a hit at the boundary needs
-                del self.tables[request_id]
-                self.num_cached.pop(request_id, None)
                 tail, mid, head = table[hi:], table[lo:hi], table[first:lo]
                 tail.reverse()
                 mid.reverse()
                 head.reverse()
-                pool = self.pool
                 pool.free_blocks(tail, enforce=False)
                 pool.free_retaining(mid)
                 pool.free_blocks(head, enforce=False)
                 pool.enforce_retain_budget()
                 return
-        blocks = self.pop_live(request_id)
-        if blocks:
-            self.pool.free_blocks(blocks)
+        live = table[first:] if first else table
+        live.reverse()
+        pool.free_blocks(live)
 
     def pop_live(self, request_id: str) -> list[Block]:
         """Forget the request here and return its live blocks, last first (the order ``free``
