@@ -17,11 +17,14 @@ over requests:
   changes no state.
 
 Every block is read before it is written, so a chunk whose read and write block coincide is
-fine; two chunks never share a write block (the coordinator's guarantee). ``forward_per_request`` in
-``engine.model.mamba2_reference`` is the loop this replaces (set ``per_request`` to use it).
+fine; two chunks never share a write block (the coordinator's guarantee).
+``forward_per_request`` in ``engine.model.mamba2_reference`` is the loop this replaces (set
+``per_request`` to use it).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +55,10 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.view(shape).to(dtype)
 
 
-#: SSM-state bytes a decode step gathers per tile of heads (all decoding chunks at once): small
-#: enough to stay in cache from the gather through the update to the scatter
-DECODE_TILE_BYTES = 1 << 21
+#: On CPU, SSM-state bytes a decode step gathers per tile of heads (all decoding chunks at once):
+#: about one core's L2, so a tile stays in cache from the gather through the update to the scatter
+#: (other devices update all heads in one tile)
+DECODE_TILE_BYTES = 1 << 20
 
 _Update = tuple[list[int], torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
 
@@ -84,7 +88,7 @@ class Mamba2Mixer(RecurrentMixer):
         self.norm = GatedRMSNorm(arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps)
         self.conv_state: torch.Tensor | None = None  # [num_blocks, conv_dim, d_conv] fp32 view
         self.ssm_state: torch.Tensor | None = None  # [num_blocks, H, P, N] fp32 view
-        self._tile_buffer: torch.Tensor | None = None  # decode's gather buffer, reused (see _tile_view)
+        self._tile_buffer: torch.Tensor | None = None  # CPU decode's gather buffer (see _gather_tile)
 
     @property
     def state_floats(self) -> int:
@@ -138,15 +142,19 @@ class Mamba2Mixer(RecurrentMixer):
         self.conv_state.index_copy_(0, target, conv)
         self.ssm_state.index_copy_(0, target, ssm)
 
-    def _tile_view(self, count: int, heads: int, device: torch.device) -> torch.Tensor:
-        """``[count, heads, P, N]`` in a buffer kept between steps: a fresh allocation this size
-        per tile costs page faults that dwarf the update itself on CPU."""
-        m = self.arch
-        size = count * heads * m.head_dim * m.d_state
-        buffer = self._tile_buffer
-        if buffer is None or buffer.numel() < size or buffer.device != device:
-            buffer = self._tile_buffer = torch.empty(size, dtype=torch.float32, device=device)
-        return buffer[:size].view(count, heads, m.head_dim, m.d_state)
+    def _gather_tile(self, source: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The SSM states of ``heads`` in blocks ``source``, ``[B, heads, P, N]``. On CPU into a
+        buffer kept between steps: a fresh allocation this size per tile costs page faults that
+        dwarf the update itself (GPU allocators cache, so there it is a plain gather)."""
+        assert self.ssm_state is not None, "Mamba state not bound"
+        states = self.ssm_state[:, heads]
+        if states.device.type != "cpu":
+            return states.index_select(0, source)
+        shape = (source.numel(), *states.shape[1:])
+        size = math.prod(shape)
+        if self._tile_buffer is None or self._tile_buffer.numel() < size:
+            self._tile_buffer = torch.empty(size, dtype=torch.float32)
+        return torch.index_select(states, 0, source, out=self._tile_buffer[:size].view(shape))
 
     def _step_dt(self, dt: torch.Tensor) -> torch.Tensor:
         step = F.softplus(dt.float() + self.dt_bias.float())
@@ -187,11 +195,12 @@ class Mamba2Mixer(RecurrentMixer):
         rate = torch.exp(step * -torch.exp(self.A_log.float()))
         drive = step[..., None] * x  # [B, H, P]
         y = torch.empty_like(x)
-        tile = max(1, DECODE_TILE_BYTES // (count * m.head_dim * m.d_state * 4))
+        tile = m.num_heads
+        if device.type == "cpu":
+            tile = max(1, DECODE_TILE_BYTES // (count * m.head_dim * m.d_state * 4))
         for lo in range(0, m.num_heads, tile):
             heads = slice(lo, lo + tile)
-            h = self._tile_view(count, min(tile, m.num_heads - lo), device)  # [B, tile, P, N]
-            torch.index_select(self.ssm_state[:, heads], 0, source, out=h)
+            h = self._gather_tile(source, heads)  # [B, tile, P, N]
             if fresh is not None:
                 h.masked_fill_(fresh[:, None, None, None], 0.0)
             h.mul_(rate[:, heads, None, None]).addcmul_(drive[:, heads, :, None], b[:, heads, None, :])
