@@ -69,7 +69,9 @@ def forward_per_request(mixer: Mamba2Mixer, hidden: torch.Tensor, batch: Forward
         bias = None if mixer.conv1d.bias is None else mixer.conv1d.bias.float()
         conv = F.conv1d(window[None], weight.float(), bias, groups=arch.conv_dim)[0, :, -chunk.num_tokens :]
         conv = F.silu(conv).T  # [n, conv_dim]
-        x, b, c = conv.split([arch.intermediate_size, arch.n_groups * arch.d_state, arch.n_groups * arch.d_state], dim=-1)
+        x, b, c = conv.split(
+            [arch.intermediate_size, arch.n_groups * arch.d_state, arch.n_groups * arch.d_state], dim=-1
+        )
         n = chunk.num_tokens
         heads_per_group = arch.num_heads // arch.n_groups
         x = x.reshape(n, arch.num_heads, arch.head_dim)
