@@ -24,12 +24,25 @@ Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face
    same memory budget: with kvfleet's groups and pools, and with the unified layout's groups
    (block size = vLLM's inflated block, one pool). Prefill runs in chunks of
    ``--chunk-tokens`` rounded down to the layout's block (align mode caches a state only at a
-   chunk end on a block boundary), then ``--decode-tokens`` decode steps, then free.
+   chunk end on a block boundary), then ``--decode-tokens`` decode steps, then free. Two chunk
+   policies, the same for both layouts: ``boundary`` (the headline) also ends the first chunk
+   where the attention groups alone would hit, so the state there is cached for the next
+   request of that prefix (kvfleet's scheduler does not do this yet); ``plain`` does not.
+   kvfleet's budget split in these runs is the workload-adapted one: ``state_cache_fraction``
+   ``--hit-state-fraction`` (0.5) with ``expected_prefix_tokens`` = the shared length; the
+   config defaults (0.05, none), which hold 2 cached Bamba states at 8 GiB, are reported as
+   ``kvfleet_defaults``.
 3. ``mamba_decode_speedup``: ``measure_decode`` of benchmarks/mamba_decode.py (Bamba-shaped
    random model, 32 running requests, per-request vs batched Mamba path).
 4. ``coordinator_min_speedup``: read from ``--coordinator-json`` (the last line of
    benchmarks/kv_cache_vs_vllm.py) or, with ``--run-coordinator``, by running it
    (``--coordinator-args``).
+
+Measured 2026-11-24 (2-core shared VM; see benchmarks/README.md): capacity_over_ideal 0.950 /
+0.948 / 0.948, capacity_vs_padded 63.3 / 62.7 / 63.1, capacity_vs_vllm_unified 0.961 / 0.953 /
+0.950 (Bamba-9B / Granite-4.0-H-Small / Nemotron-H-8B), hit_rate_vs_vllm_unified 1.433 (one
+point of eight lower: shared 2176), mamba_decode_speedup 1.522, coordinator_min_speedup
+{retention_off 1.522, retention_on 1.331}.
 
 The last stdout line is one JSON object with ``capacity_over_ideal``, ``capacity_vs_padded``,
 ``capacity_vs_vllm_unified`` (per model), ``hit_rate_vs_vllm_unified`` (kvfleet's total hit
