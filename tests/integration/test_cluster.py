@@ -168,7 +168,9 @@ def test_stats_report_every_worker(cluster):
     for worker in stats["workers"].values():
         assert set(worker) >= {"running", "queued", "free_blocks", "num_blocks", "hit_rate", "pinned_blocks"}
         assert 0.0 <= worker["hit_rate"] <= 1.0
+        assert worker["capacity_tokens"] > 0 and worker["kv_pools"][0]["kind"] == "attention"
     totals = stats["totals"]
+    assert totals["capacity_tokens"] == sum(w["capacity_tokens"] for w in stats["workers"].values())
     assert totals["num_blocks"] == sum(w["num_blocks"] for w in stats["workers"].values())
     assert stats["router"]["routed"] > 0
 
