@@ -35,8 +35,8 @@ from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch import ModelArch
-from engine.model.kv_budget import split_budget
-from engine.model.kv_layout import KVLayout, build_kv_layout
+from engine.model.kv_budget import blocks_per_pool
+from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
 from engine.remote_prefill import Expected, RemotePrefillMixin
 from engine.request import Request, RequestStatus
@@ -92,18 +92,6 @@ class EngineInfo:
     pool_blocks: tuple[int, ...] = ()  # blocks per pool (null included); num_blocks is pool 0's
 
 
-def engine_pool_blocks(config: ClusterConfig, layout: KVLayout) -> tuple[int, ...]:
-    """Blocks per pool: ``kv_cache.num_blocks`` for every pool, or the memory budget's split."""
-    cache = config.kv_cache
-    if cache.num_blocks:
-        return (cache.num_blocks,) * layout.num_pools
-    budget = int(cache.memory_budget_mib * 2**20)  # type: ignore[operator]
-    split = split_budget(
-        layout, budget, config.scheduler.max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens
-    )
-    return split.num_blocks
-
-
 class EngineCore(RemotePrefillMixin):
     """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
     the transfer object of one worker.
@@ -136,7 +124,7 @@ class EngineCore(RemotePrefillMixin):
         layout = build_kv_layout(arch, cache.block_size, dtype)
         model = build_model(arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory))
         del weights
-        num_blocks = engine_pool_blocks(config, layout)
+        num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         pinning = cache.pinning
         self.coordinator = HybridCoordinator(

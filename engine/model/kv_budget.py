@@ -30,8 +30,12 @@ as before pools existed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.model.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    from configs.schema import KVCacheConfig
 
 #: blocks a running request holds per recurrent group in align mode: its state, and the one being
 #: written at a block boundary
@@ -103,3 +107,13 @@ def split_budget(
         counts[attention] = max(2, (rest - cached_bytes) // pools[attention].block_bytes)
         attention_bytes = counts[attention] * pools[attention].block_bytes
     return BudgetSplit(tuple(counts), budget_bytes, reserved_bytes, cached_bytes, attention_bytes, cached)
+
+
+def blocks_per_pool(layout: KVLayout, cache: KVCacheConfig, max_num_seqs: int) -> tuple[int, ...]:
+    """Blocks per pool for a worker: ``kv_cache.num_blocks`` for every pool, or the split of
+    ``kv_cache.memory_budget_mib`` (``split_budget`` with the config's fraction and prefix length)."""
+    if cache.num_blocks:
+        return (cache.num_blocks,) * layout.num_pools
+    assert cache.memory_budget_mib is not None  # the schema requires one of the two
+    budget = int(cache.memory_budget_mib * 2**20)
+    return split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens).num_blocks
