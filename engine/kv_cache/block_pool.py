@@ -122,17 +122,24 @@ class BlockPool:
         """Claim blocks found by a prefix hit: unlink free/pinned ones, then count the reference.
         Null blocks are skipped (the null block is never counted: its ``ref_cnt`` stays 0)."""
         tiers = self.tiers
+        from_free = 0
         for block in blocks:
-            if block.ref_cnt == 0:
-                prev = block.prev
-                if prev is None:  # the null block
-                    continue
-                nxt = block.next
-                prev.next = nxt
-                nxt.prev = prev  # type: ignore[union-attr]
-                block.prev = block.next = None
+            if block.ref_cnt:
+                block.ref_cnt += 1
+                continue
+            prev = block.prev
+            if prev is None:  # the null block
+                continue
+            nxt = block.next
+            prev.next = nxt
+            nxt.prev = prev  # type: ignore[union-attr]
+            block.prev = block.next = None
+            block.ref_cnt = 1
+            if block.pin:
                 tiers[block.pin].size -= 1
-            block.ref_cnt += 1
+            else:
+                from_free += 1
+        self.free_queue.size -= from_free
 
     def free_blocks(self, ordered: list[Block], evict_first: bool = False, enforce: bool = True) -> None:
         """Drop one reference from each block; ``ordered`` lists blocks evict-first first and holds
@@ -155,14 +162,14 @@ class BlockPool:
             last = tail.prev
             held = 0  # blocks still referenced (the rest are released: linked here or listed)
             for block in ordered:
-                n = block.ref_cnt - 1
-                block.ref_cnt = n
-                if n:
+                if block.ref_cnt != 1:  # still held by another table
+                    block.ref_cnt -= 1
                     held += 1
                     continue
+                block.ref_cnt = 0
                 if block.pin:
                     pinned.append(block)
-                elif block.block_hash is None:
+                elif not block.block_hash:  # uncached (a hash is a non-empty digest)
                     front.append(block)
                 else:
                     block.prev = last
@@ -187,15 +194,15 @@ class BlockPool:
         front: list[Block] = []
         explicit: list[Block] = []
         for block in ordered:
-            n = block.ref_cnt - 1
-            block.ref_cnt = n
-            if n:
+            if block.ref_cnt != 1:  # still held by another table
+                block.ref_cnt -= 1
                 if not block.pin and block.block_hash is not None:
                     block.pin = PIN_RETAINED  # goes to the tier when its last holder releases it
                     if newly is not None:
                         newly.append(block)
                 held += 1
                 continue
+            block.ref_cnt = 0
             if block.pin == PIN_RETAINED:
                 pass
             elif block.pin:
@@ -241,11 +248,9 @@ class BlockPool:
         """
         table = self.cached[group]
         stored: list[bytes] | None = [] if self.enable_events else None
-        for i in range(start, end):
-            block = blocks[i]
-            if block.is_null or block.block_hash is not None:
+        for block, block_hash in zip(blocks[start:end], hashes[start:end]):
+            if block.block_hash is not None or block.is_null:
                 continue
-            block_hash = hashes[i]
             old = table.get(block_hash)
             if old is not None:
                 if old.ref_cnt or old.pin:
