@@ -20,6 +20,12 @@ What bounds the speedup on a CPU: at these proportions one request's Mamba state
 layer (2 x hidden x d_state fp32), so a decode step must read and write 32 MiB per Mamba layer at
 32 requests, in both paths; batching removes the per-request Python and dispatch work, not that
 traffic, and the MLP, attention, in/out projections and LM head cost the same before and after.
+
+Last measured (2026-11-24, 2 shared cores, load average 8-22 from other agents' jobs, threads=1,
+32 requests, 64-token prompts, 16 decode steps, 3 rounds): before 82.9, after 124.4 decode tok/s
+(``mamba_decode_speedup`` 1.50); per CPU second 122.2 -> 150.0 (1.23); time inside the Mamba
+mixers 1.81x lower; the mixers were 55% of a "before" step, so even free mixers would give at
+most about 2.2x here. Greedy tokens identical before and after (32/32).
 """
 
 from __future__ import annotations
