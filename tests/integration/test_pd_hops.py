@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -183,7 +183,7 @@ class _Frozen:
     def __init__(self, pid: int):
         self.pid = pid
 
-    def __enter__(self) -> _Frozen:
+    def __enter__(self) -> Self:
         os.kill(self.pid, signal.SIGSTOP)
         return self
 
@@ -335,3 +335,14 @@ def test_hops_of_a_sampling_stop_at_the_first_token(ray_session):
     with Cluster(config) as cluster:
         result = cluster.generate([prompt], one)[0]
         assert len(result.token_ids) == 1 and set(PD_HOPS) <= set(result.hops)
+
+
+def test_pd_overhead_measurement_reports_the_ratio_and_every_hop(ray_session):
+    from cluster.pd_overhead import OverheadWorkload, measure_pd_overhead
+
+    config = cluster_config("tiny", 1, 1)
+    out = measure_pd_overhead(config, OverheadWorkload(num_requests=4, prompt_tokens=90, warmup=1))
+    assert out["requests"] == out["split"] == 4
+    assert out["pd_ttft_overhead_ratio"] == pytest.approx(out["pd_ttft_p50_s"] / out["single_ttft_p50_s"], rel=0.01)
+    assert set(PD_HOPS) <= set(out["hops"]) and all(out["hops"][h]["n"] == 4 for h in PD_HOPS)
+    assert {"route", "queue", "prefill", "first_token"} <= set(out["single_hops"])
