@@ -11,13 +11,16 @@ of the causal conv plus ``S`` for every value head, fp32.
 
 A chunk of ``n`` tokens starting at ``start`` reads the state after ``start`` tokens (zeros for a
 fresh request) and writes the state after ``start + n``. Decode chunks (one token each) run as one
-batched recurrent step. Prefill chunks are padded to a common length and run together in the
-chunked (WY) form: within a sub-chunk of ``SUB_CHUNK`` tokens the deltas solve one unit lower
-triangular system, and the state is carried between sub-chunks. Padding tokens have zero key,
-value and beta and zero log-decay, so they leave the state unchanged.
+batched recurrent step. Prefill chunks are packed back to back and run together in the chunked
+(WY) form: within a sub-chunk of ``SUB_CHUNK`` tokens the deltas solve one unit lower triangular
+system (for all sub-chunks at once), and the state is carried between sub-chunks. A chunk's last
+sub-chunk is padded with tokens of zero key, value, beta and log-decay, which leave its state
+unchanged.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -78,41 +81,65 @@ def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def delta_rule_chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+def pack_sub_chunks(lengths: list[int], device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Lay sequences of ``lengths`` (longest first) out as sub-chunks of ``SUB_CHUNK`` tokens in
+    scan order: all sequences' first sub-chunks, then the second sub-chunks of those that have
+    one, and so on, so step ``i`` of the scan reads one contiguous slice. Returns ``active[i]``
+    (how many sequences have a sub-chunk ``i``) and, for the sequences' tokens back to back, each
+    token's flat position in the packed ``[sum(active) * SUB_CHUNK]`` layout."""
+    if any(a < b for a, b in pairwise(lengths)):
+        raise ValueError(f"lengths must be sorted longest first, got {lengths}")
+    counts = [-(-n // SUB_CHUNK) for n in lengths]
+    active = [sum(1 for c in counts if c > i) for i in range(max(counts, default=0))]
+    starts = torch.tensor([0, *active], device=device).cumsum(0)[:-1]  # first slot of each step
+    n = torch.tensor(lengths, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), n)
+    first = torch.cumsum(n, 0) - n
+    t = torch.arange(int(n.sum()), device=device) - first[seq]
+    return active, (starts[t // SUB_CHUNK] + seq) * SUB_CHUNK + t % SUB_CHUNK
+
+
+def delta_rule_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    active: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole sequences. q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; g, beta: [B, H, L] with ``L`` a
-    multiple of ``SUB_CHUNK``; state: [B, H, Dk, Dv]. Returns [B, H, L, Dv] and the final state.
+    """Sequences packed as sub-chunks in scan order (see ``pack_sub_chunks``). q, k:
+    [S, H, C, Dk]; v: [S, H, C, Dv]; g, beta: [S, H, C] (zeros past a sequence's end); state:
+    [B, H, Dk, Dv], one per sequence, longest first. Returns [S, H, C, Dv] and the final states.
 
     Within a sub-chunk with cumulative log-decay ``c`` (``c_t = g_1 + ... + g_t``), the deltas
     ``d_t = beta_t (v_t - exp(c_t) S_0^T k_t - sum_{j<t} exp(c_t - c_j) (k_t . k_j) d_j)`` solve
     ``(I + A) d = beta v - beta exp(c) K S_0`` with ``A[t, j] = beta_t exp(c_t - c_j) k_t . k_j``
     (strictly lower); then ``o_t = exp(c_t) S_0^T q_t + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) d_j``
-    and ``S_C = exp(c_C) S_0 + sum_j exp(c_C - c_j) k_j d_j^T``.
+    and ``S_C = exp(c_C) S_0 + sum_j exp(c_C - c_j) k_j d_j^T``. Everything but the carry of
+    ``S_0`` from one sub-chunk to the next is computed for all sub-chunks at once.
     """
-    b, h, length, dk = k.shape
-    c = SUB_CHUNK
-    n = length // c
-    q, k, v = (x.reshape(b, h, n, c, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
-    cum = g.cumsum(-1)  # [b, h, n, c]
+    c, dk = q.shape[-2], q.shape[-1]
+    cum = g.cumsum(-1)  # [S, H, C]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [.., t, j]
-    kk = k @ k.transpose(-1, -2)
-    strict = (beta[..., None] * kk * pair).tril(-1)  # A
+    strict = (beta[..., None] * (k @ k.transpose(-1, -2)) * pair).tril(-1)  # A
     rhs = torch.cat([beta[..., None] * v, beta[..., None] * cum.exp()[..., None] * k], dim=-1)
-    solved = unit_lower_inverse(strict) @ rhs
-    d_free, d_state = solved.split([v.shape[-1], dk], dim=-1)  # d = d_free - d_state @ S_0
-    scores = (q @ k.transpose(-1, -2)) * pair  # [.., t, j], zero above the diagonal
+    d_free, d_state = (unit_lower_inverse(strict) @ rhs).split([v.shape[-1], dk], dim=-1)  # d = d_free - d_state S_0
+    scores = (q @ k.transpose(-1, -2)) * pair  # zero above the diagonal
     q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [b, h, n, 1, 1]
+    k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
     out = torch.empty_like(v)
-    for i in range(n):
-        d = d_free[:, :, i] - d_state[:, :, i] @ state
-        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ d
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ d
-    return out.reshape(b, h, length, -1), state
+    state = state.clone()
+    lo = 0
+    for n in active:
+        sl, s0 = slice(lo, lo + n), state[:n]
+        d = d_free[sl] - d_state[sl] @ s0
+        out[sl] = q_decayed[sl] @ s0 + scores[sl] @ d
+        state[:n] = s0 * chunk_decay[sl] + k_to_end[sl] @ d
+        lo += n
+    return out, state
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -174,13 +201,30 @@ class GatedDeltaNet(RecurrentMixer):
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [T, Hv]
         beta = b.float().sigmoid()
         core = torch.empty(hidden.shape[0], a.num_v_heads, a.head_v_dim, dtype=torch.float32, device=hidden.device)
-        for chunks in (batch.decode_chunks, batch.prefill_chunks):
-            if chunks:
-                self._run_chunks(chunks, batch, index, mixed, g, beta, core)
+        if batch.decode_chunks:
+            self._decode(batch.decode_chunks, batch, index, mixed, g, beta, core)
+        if batch.prefill_chunks:
+            self._prefill(batch.prefill_chunks, batch, index, mixed, g, beta, core)
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
-    def _run_chunks(
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [N, conv_dim] -> L2-normalised, scaled q and k [N, Hv, Dk] (key heads
+        repeated for their value heads) and v [N, Hv, Dv]."""
+        a, n = self.arch, conv.shape[0]
+        q, k, v = conv.split([a.key_dim, a.key_dim, a.value_dim], dim=-1)
+        per_group = a.num_v_heads // a.num_k_heads
+        q = _l2norm(q.reshape(n, a.num_k_heads, a.head_k_dim)).repeat_interleave(per_group, dim=1)
+        k = _l2norm(k.reshape(n, a.num_k_heads, a.head_k_dim)).repeat_interleave(per_group, dim=1)
+        return q * a.head_k_dim**-0.5, k, v.reshape(n, a.num_v_heads, a.head_v_dim)
+
+    def _write_states(self, chunk_ids: list[int], index: GroupIndex, conv: torch.Tensor, state: torch.Tensor) -> None:
+        assert self.conv_state is not None and self.recurrent_state is not None
+        writes = torch.tensor([index.state_write[i] for i in chunk_ids], dtype=torch.long, device=conv.device)
+        self.conv_state.index_copy_(0, writes, conv)
+        self.recurrent_state.index_copy_(0, writes, state)
+
+    def _decode(
         self,
         chunk_ids: list[int],
         batch: ForwardBatch,
@@ -190,46 +234,55 @@ class GatedDeltaNet(RecurrentMixer):
         beta: torch.Tensor,
         core: torch.Tensor,
     ) -> None:
-        """Run the given chunks together (padded to their longest), writing their outputs into
-        ``core`` and their final states into their write blocks."""
-        a, device = self.arch, mixed.device
-        chunks = [batch.chunks[i] for i in chunk_ids]
-        lengths = torch.tensor([c.num_tokens for c in chunks], device=device)
-        width = max(c.num_tokens for c in chunks)
-        steps = torch.arange(width, device=device)
-        valid = steps[None, :] < lengths[:, None]  # [B, L]
-        rows = torch.tensor([c.offset for c in chunks], device=device)[:, None] + steps[None, :]
-        rows = torch.where(valid, rows, 0)
+        """One token per chunk: one batched conv step and one batched delta-rule step."""
+        device = mixed.device
+        rows = torch.tensor([batch.chunks[i].offset for i in chunk_ids], device=device)
         conv_prev, state = self._read_states([index.state_read[i] for i in chunk_ids], device)
+        window = torch.cat([conv_prev, mixed.float()[rows][:, :, None]], dim=2)  # [B, conv_dim, k]
+        conv = F.silu((window * self.conv1d.weight.float()[:, 0, :]).sum(-1))  # [B, conv_dim]
+        q, k, v = self._heads(conv)
+        core[rows], state = delta_rule_step(q, k, v, g[rows], beta[rows], state)
+        self._write_states(chunk_ids, index, window[:, :, 1:], state)
 
-        # Causal depthwise conv over [previous inputs | this chunk's inputs], batched.
-        x = mixed.float()[rows].masked_fill(~valid[..., None], 0.0).transpose(1, 2)  # [B, conv_dim, L]
-        window = torch.cat([conv_prev, x], dim=2)  # [B, conv_dim, k - 1 + L]
-        conv = F.silu(F.conv1d(window, self.conv1d.weight.float(), groups=a.conv_dim)).transpose(1, 2)  # [B, L, C]
-        keep = a.conv_kernel - 1  # the last k - 1 real inputs: window columns [n, n + k - 1)
-        tail = lengths[:, None] + torch.arange(keep, device=device)[None, :]
-        new_conv = window.gather(2, tail[:, None, :].expand(-1, a.conv_dim, -1))
+    def _prefill(
+        self,
+        chunk_ids: list[int],
+        batch: ForwardBatch,
+        index: GroupIndex,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        core: torch.Tensor,
+    ) -> None:
+        """Chunks packed back to back (longest first; no padding beyond one sub-chunk each): one
+        causal conv over all of them, each preceded by its previous window, then the packed
+        chunked delta rule."""
+        a, device, keep = self.arch, mixed.device, self.arch.conv_kernel - 1
+        chunk_ids = sorted(chunk_ids, key=lambda i: -batch.chunks[i].num_tokens)
+        chunks = [batch.chunks[i] for i in chunk_ids]
+        conv_prev, state = self._read_states([index.state_read[i] for i in chunk_ids], device)
+        rows = torch.cat([torch.arange(c.offset, c.offset + c.num_tokens, device=device) for c in chunks])
+        x = mixed.float()
+        pieces = [t for j, c in enumerate(chunks) for t in (conv_prev[j], x[c.offset : c.offset + c.num_tokens].T)]
+        stream = torch.cat(pieces, dim=1)  # [conv_dim, sum(k - 1 + n)]
+        conv = F.conv1d(stream[None], self.conv1d.weight.float(), groups=a.conv_dim)[0]  # [conv_dim, len - k + 1]
+        lengths = torch.tensor([c.num_tokens for c in chunks], device=device)
+        segment = torch.cumsum(lengths + keep, 0) - (lengths + keep)  # where each chunk's window starts
+        seq = torch.repeat_interleave(torch.arange(len(chunks), device=device), lengths)
+        token = segment[seq] + torch.arange(rows.numel(), device=device) - (torch.cumsum(lengths, 0) - lengths)[seq]
+        q, k, v = self._heads(F.silu(conv[:, token].T))  # [N, Hv, D]
+        tails = segment[:, None] + lengths[:, None] + torch.arange(keep, device=device)[None, :]
+        new_conv = stream[:, tails].permute(1, 0, 2)  # [B, conv_dim, k - 1]: the last k - 1 inputs
 
-        q, k, v = conv.split([a.key_dim, a.key_dim, a.value_dim], dim=-1)
-        per_group = a.num_v_heads // a.num_k_heads
-        bsz = len(chunks)
-        q = _l2norm(q.reshape(bsz, width, a.num_k_heads, a.head_k_dim)).repeat_interleave(per_group, dim=2)
-        k = _l2norm(k.reshape(bsz, width, a.num_k_heads, a.head_k_dim)).repeat_interleave(per_group, dim=2)
-        q = q * a.head_k_dim**-0.5
-        v = v.reshape(bsz, width, a.num_v_heads, a.head_v_dim)
-        gs = g[rows].masked_fill(~valid[..., None], 0.0)  # [B, L, Hv]
-        betas = beta[rows].masked_fill(~valid[..., None], 0.0)
-        if width == 1:
-            out, state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], gs[:, 0], betas[:, 0], state)
-            out = out[:, None]  # [B, 1, Hv, Dv]
-        else:
-            pad = -width % SUB_CHUNK
-            q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))  # [B, H, L', D]
-            gs, betas = (F.pad(t.transpose(1, 2), (0, pad)) for t in (gs, betas))  # [B, H, L']
-            out, state = delta_rule_chunked(q, k, v, gs, betas, state)
-            out = out[:, :, :width].transpose(1, 2)  # [B, L, Hv, Dv]
-        core[rows[valid]] = out[valid]
-        writes = torch.tensor([index.state_write[i] for i in chunk_ids], dtype=torch.long, device=device)
-        assert self.conv_state is not None and self.recurrent_state is not None
-        self.conv_state.index_copy_(0, writes, new_conv)
-        self.recurrent_state.index_copy_(0, writes, state)
+        active, dest = pack_sub_chunks([c.num_tokens for c in chunks], device)
+        slots = sum(active) * SUB_CHUNK
+
+        def packed(t: torch.Tensor) -> torch.Tensor:  # [N, H, ...] -> [S, H, C, ...] in scan order
+            out = t.new_zeros(slots, *t.shape[1:]).index_copy_(0, dest, t)
+            return out.view(-1, SUB_CHUNK, *t.shape[1:]).transpose(1, 2)
+
+        out, state = delta_rule_packed(
+            packed(q), packed(k), packed(v), packed(g[rows]), packed(beta[rows]), state, active
+        )
+        core[rows] = out.transpose(1, 2).reshape(slots, a.num_v_heads, a.head_v_dim)[dest]
+        self._write_states(chunk_ids, index, new_conv, state)

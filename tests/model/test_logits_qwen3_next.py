@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from engine.model.arch import UnsupportedModelError, arch_from_hf_config
-from engine.model.gated_deltanet import SUB_CHUNK, delta_rule_chunked, delta_rule_step
+from engine.model.gated_deltanet import (
+    SUB_CHUNK,
+    delta_rule_packed,
+    delta_rule_step,
+    pack_sub_chunks,
+)
 from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
 from tests.model.test_logits_vs_hf import DEVICES, _check_against_hf, _drive, _engine
 
@@ -78,22 +83,42 @@ def test_preempted_and_resumed_request(checkpoint: Path, device: str) -> None:
     _check_against_hf(checkpoint, requests, logits)
 
 
-def test_chunked_delta_rule_equals_the_token_recurrence() -> None:
+def test_packed_chunked_delta_rule_equals_the_token_recurrence() -> None:
     torch.manual_seed(0)
-    b, h, length, dk, dv = 2, 3, 2 * SUB_CHUNK, 8, 5
-    q = torch.nn.functional.normalize(torch.randn(b, h, length, dk, dtype=torch.float64), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(b, h, length, dk, dtype=torch.float64), dim=-1)
-    v = torch.randn(b, h, length, dv, dtype=torch.float64)
-    g = -torch.rand(b, h, length, dtype=torch.float64)
-    beta = torch.rand(b, h, length, dtype=torch.float64)
-    state0 = torch.randn(b, h, dk, dv, dtype=torch.float64)
-    out, state = delta_rule_chunked(q, k, v, g, beta, state0)
-    ref_state, ref = state0, []
-    for t in range(length):
-        o, ref_state = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], ref_state)
-        ref.append(o)
-    torch.testing.assert_close(out, torch.stack(ref, dim=2), rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(state, ref_state, rtol=1e-9, atol=1e-9)
+    h, dk, dv = 3, 8, 5
+    lengths = [2 * SUB_CHUNK + 22, SUB_CHUNK, 5]  # longest first, one ends exactly on a sub-chunk
+    f64 = {"dtype": torch.float64}
+    seqs = [
+        (
+            torch.nn.functional.normalize(torch.randn(n, h, dk, **f64), dim=-1),
+            torch.nn.functional.normalize(torch.randn(n, h, dk, **f64), dim=-1),
+            torch.randn(n, h, dv, **f64),
+            -torch.rand(n, h, **f64),
+            torch.rand(n, h, **f64),
+        )
+        for n in lengths
+    ]
+    state0 = torch.randn(len(lengths), h, dk, dv, **f64)
+    active, dest = pack_sub_chunks(lengths, torch.device("cpu"))
+    assert active == [3, 1, 1]  # sub-chunks per sequence: 3, 1, 1
+    slots = sum(active) * SUB_CHUNK
+
+    def packed(i: int) -> torch.Tensor:
+        flat = torch.cat([s[i] for s in seqs])
+        out = flat.new_zeros(slots, *flat.shape[1:]).index_copy_(0, dest, flat)
+        return out.view(-1, SUB_CHUNK, *flat.shape[1:]).transpose(1, 2)
+
+    out, state = delta_rule_packed(*(packed(i) for i in range(5)), state0, active)
+    out = out.transpose(1, 2).reshape(slots, h, dv)[dest]
+    lo = 0
+    for j, (q, k, v, g, beta) in enumerate(seqs):
+        ref_state = state0[j : j + 1]
+        for t in range(lengths[j]):
+            o, ref_state = delta_rule_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1],
+                                           ref_state)  # fmt: skip
+            torch.testing.assert_close(out[lo + t], o[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(state[j], ref_state[0], rtol=1e-9, atol=1e-9)
+        lo += lengths[j]
 
 
 def test_unsupported_options_name_the_field(checkpoint: Path) -> None:
