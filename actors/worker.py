@@ -262,7 +262,8 @@ class EngineWorker(RouterLink):
                 if engine.has_compute_work:
                     wait = 0.0
                 else:
-                    wait = TRANSFER_WAIT_S if engine.has_work else IDLE_WAIT_S
+                    busy = engine.has_work and not engine.only_awaiting_handles  # a handle comes as a call
+                    wait = TRANSFER_WAIT_S if busy else IDLE_WAIT_S
                 self._run_commands(wait)
                 if engine.has_work:
                     outputs = engine.step()

@@ -1,8 +1,8 @@
 """What prefill/decode disaggregation costs a request's first token at low load.
 
 ``measure_pd_overhead`` runs the same prompts, one at a time, on a 1 prefill + 1 decode cluster
-(every prompt long enough to be split) and on a single worker that does both, one after the
-other in one call (same machine, same prompts, fresh caches), and reports
+(every prompt split) and on a single worker that does both, both up at once, each prompt on
+one then the other (same machine, same prompts, fresh caches), and reports
 ``pd_ttft_overhead_ratio`` = TTFT p50 of the P/D cluster over the single worker's, with the P/D
 requests' breakdown per hop (``summarise_hops``: p50 / p90 / mean of each hop of
 ``ClusterCompletion.hops``; see ``actors.hops`` for what each hop covers).
@@ -65,24 +65,46 @@ def _shape(config: ClusterConfig, num_prefill: int, num_decode: int) -> ClusterC
     return config.model_copy(update={"workers": workers, "router": router})
 
 
-def _run(config: ClusterConfig, workload: OverheadWorkload) -> list[Any]:
-    """The workload's prompts one at a time on a fresh cluster of ``config`` (after warm-up)."""
+def _measure(pd_config: ClusterConfig, single_config: ClusterConfig, workload: OverheadWorkload) -> tuple[list[Any], list[Any]]:
+    """Both clusters up at once; the prompts one at a time, each on both in turn (which goes
+    first alternates), so drifting machine load hits both alike."""
     from cluster.api import Cluster
 
     sampling = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
-    with Cluster(config) as cluster:
-        vocab = cluster.vocab_size
+    with Cluster(pd_config) as pd_cluster, Cluster(single_config) as single_cluster:
+        clusters = (pd_cluster, single_cluster)
+        vocab = pd_cluster.vocab_size
         for prompt in workload.prompts(vocab, workload.warmup, salt=1):  # first-step costs out of the numbers
-            cluster.generate([prompt], sampling)
-        return [cluster.generate([p], sampling)[0] for p in workload.prompts(vocab, workload.num_requests)]
+            for cluster in clusters:
+                cluster.generate([prompt], sampling)
+        out: tuple[list[Any], list[Any]] = ([], [])
+        for i, prompt in enumerate(workload.prompts(vocab, workload.num_requests)):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                out[k].append(clusters[k].generate([prompt], sampling)[0])
+        return out
 
 
 def measure_pd_overhead(config: ClusterConfig, workload: OverheadWorkload | None = None) -> dict[str, Any]:
-    """TTFT p50 of 1P+1D over one worker doing both, same prompts, one request in flight; with
-    the P/D requests' hops summarised (``hops``) and the single worker's (``single_hops``)."""
+    """TTFT p50 of 1P+1D over one worker doing both, same prompts, one request in flight at a
+    time, both clusters up in the same run; with the P/D requests' hops summarised (``hops``)
+    and the single worker's (``single_hops``). Starts an embedded Ray for both unless one is up."""
+    import ray
+
+    from cluster.placement import embedded_init_kwargs, loopback_environment
+
     workload = workload or OverheadWorkload()
-    pd = _run(_shape(config, 1, 1), workload)
-    single = _run(_shape(config, 0, 1), workload)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        loopback_environment()
+        if config.ray.address:
+            ray.init(address=config.ray.address, namespace=config.ray.namespace)
+        else:
+            ray.init(**embedded_init_kwargs(_shape(config, 1, 2)))  # room for both clusters' workers
+    try:
+        pd, single = _measure(_shape(config, 1, 1), _shape(config, 0, 1), workload)
+    finally:
+        if owns_ray:
+            ray.shutdown()
     split = [r for r in pd if r.disaggregated]
     if len(split) < len(pd):
         log.warning("%d of %d requests were not split on the P/D cluster", len(pd) - len(split), len(pd))
@@ -99,9 +121,18 @@ def measure_pd_overhead(config: ClusterConfig, workload: OverheadWorkload | None
         "single_ttft_p50_s": round(single_p50, 4),
         "single_ttft_p90_s": round(percentile([r.ttft_s for r in single], 0.9), 4),
         "pd_ttft_overhead_ratio": round(pd_p50 / single_p50, 4) if single_p50 else None,
+        # one decode step of each: the decode worker computes the prompt's last token itself
+        # (engine.disagg's N - 1 convention), so P/D's first_token hop is about one of these
+        "pd_itl_p50_s": round(percentile([_itl(r) for r in pd], 0.5), 4),
+        "single_itl_p50_s": round(percentile([_itl(r) for r in single], 0.5), 4),
         "hops": summarise_hops(split),
         "single_hops": summarise_hops(single),
     }
+
+
+def _itl(completion: Any) -> float:
+    """Mean seconds per output token after the first."""
+    return (completion.latency_s - completion.ttft_s) / max(1, len(completion.token_ids) - 1)
 
 
 def main(argv: list[str] | None = None) -> int:

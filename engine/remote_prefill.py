@@ -161,6 +161,15 @@ class RemotePrefillMixin:
             self.scheduler.abort(request_id)
         return True
 
+    @property
+    def only_awaiting_handles(self) -> bool:
+        """Nothing to poll: every request here waits for a handle, with no read in flight, no
+        blocks held for a reader and nothing to compute (the worker may sleep until a call)."""
+        scheduler = self.scheduler
+        if scheduler.running or scheduler.waiting or self.loads or len(getattr(self, "held", ())):
+            return False
+        return all(request_id in self.expected for request_id in scheduler.waiting_for_kv)
+
     # -- peers ---------------------------------------------------------------------------------
     def warm_peer(self, peer: AgentInfo) -> bool:
         """Open the connection to a prefill worker's transfer agent now (its descriptors and the
