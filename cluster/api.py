@@ -2,10 +2,14 @@
 router, and serves ``generate`` / ``stream`` / ``pin_prefix`` / ``unpin`` / ``stats`` / ``abort``.
 
 One request (see ARCHITECTURE.md): the driver tokenizes and hashes the prompt once, asks the
-router actor where it runs; when the router splits it, the prefill worker computes the prompt's
-KV and returns a handle, and the decode worker pulls that KV and decodes; otherwise the decode
-(or aggregated) worker runs it whole. Tokens stream back from the decode worker; the driver
-detokenizes and applies stop strings (aborting the request on the worker when one matches).
+router actor where it runs; when the router splits it, the driver tells the decode worker at
+once (it reserves the prompt's blocks and warms its connection to the prefill worker while the
+prefill runs), the prefill worker computes the prompt's KV and returns a handle, the driver
+relays it and the decode worker pulls that KV and decodes; otherwise the decode (or aggregated)
+worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
+applies stop strings (aborting the request on the worker when one matches). A request counts as
+finished once the router applied the reports holding its blocks (the workers send them without
+waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop.
 
     with Cluster("tiny") as cluster:
         print(cluster.generate(["Hello"], SamplingParams(max_tokens=8))[0].text)
