@@ -221,7 +221,12 @@ class Mamba2Mixer(RecurrentMixer):
         packed = pack_chunks([batch.chunks[i].num_tokens for i in order], m.d_conv, xbc.device)
         rows = torch.cat([torch.arange(batch.chunks[i].num_tokens) + batch.chunks[i].offset for i in order])
         rows = rows.to(xbc.device)
-        conv_prev, h0 = self._gather([index.state_read[i] for i in order], xbc.device)
+        reads = [index.state_read[i] for i in order]
+        if max(reads) < 0:  # all fresh: zero windows, and the scan starts from a zero state
+            conv_prev, h0 = torch.zeros(len(order), m.conv_dim, m.d_conv, device=xbc.device), None
+        else:
+            conv_prev, ssm = self._gather(reads, xbc.device)
+            h0 = ssm.view(len(order), m.n_groups, m.num_heads // m.n_groups, m.head_dim, m.d_state)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         conv, new_conv = causal_conv_packed(
             xbc.index_select(0, rows).float(), conv_prev, self.conv1d.weight.float(), bias, packed
@@ -229,7 +234,7 @@ class Mamba2Mixer(RecurrentMixer):
         x, b, c = self._split_conv(F.silu(conv))  # x [n, G, E, P]; b, c [n, G, N]
         step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])
         a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
-        y, h = ssd_scan_packed(x, step, a, b, c, h0.view(len(order), *x.shape[1:], m.d_state), packed)
-        y = y + x * self.D.float().view(x.shape[1:3])[..., None]
+        y, h = ssd_scan_packed(x, step, a, b, c, h0, packed)
+        y += x * self.D.float().view(x.shape[1:3])[..., None]
         out.index_copy_(0, rows, y.reshape(-1, m.intermediate_size))
         return [index.state_write[i] for i in order], new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)

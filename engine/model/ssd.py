@@ -21,11 +21,14 @@ SUB_CHUNK = 64
 @dataclass(frozen=True)
 class Piece:
     """Sub-chunk ``k`` of the ``active`` longest chunks: ``index[j, t]`` is the packed token of
-    chunk ``j``'s ``t``-th token in it where ``valid[j, t]`` (elsewhere a token of the same chunk)."""
+    chunk ``j``'s ``t``-th token in it where ``valid[j, t]`` (elsewhere a token of the same chunk);
+    ``target`` is ``index`` with the padding sent to the spare output row ``num_tokens``."""
 
     active: int
-    index: torch.Tensor  # [active, width] long
+    width: int
+    index: torch.Tensor  # [active * width] long
     valid: torch.Tensor  # [active, width] bool
+    target: torch.Tensor  # [active * width] long
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
         steps = lo + torch.arange(min(SUB_CHUNK, lengths[0] - lo))
         valid = steps[None, :] < sizes[:active, None]
         index = torch.where(valid, starts[:active, None] + steps[None, :], starts[:active, None])
-        pieces.append(Piece(active, index.to(device), valid.to(device)))
+        target = torch.where(valid, index, sum(lengths))
+        pieces.append(Piece(active, len(steps), *(t.to(device) for t in (index.view(-1), valid, target.view(-1)))))
     return PackedChunks(
         lengths=list(lengths),
         starts=starts.tolist(),
@@ -86,11 +90,11 @@ def causal_conv_packed(
     """
     count, channels, k = windows.shape
     extended = inputs.new_empty(channels, packed.conv_width)
-    extended[:, packed.conv_windows] = windows.permute(1, 0, 2).reshape(channels, count * k)
-    extended[:, packed.conv_tokens] = inputs.T
+    extended.index_copy_(1, packed.conv_windows, windows.permute(1, 0, 2).reshape(channels, count * k))
+    extended.index_copy_(1, packed.conv_tokens, inputs.T)
     conv = F.conv1d(extended[None], weight, bias, groups=channels)[0]  # output j ends at column j + k - 1
-    new_windows = extended[:, packed.conv_tails].view(channels, count, k).permute(1, 0, 2)
-    return conv[:, packed.conv_tokens - (k - 1)].T, new_windows
+    new_windows = extended.index_select(1, packed.conv_tails).view(channels, count, k).permute(1, 0, 2)
+    return conv.index_select(1, packed.conv_tokens - (k - 1)).T, new_windows
 
 
 def ssd_scan_packed(
@@ -99,30 +103,45 @@ def ssd_scan_packed(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
-    h: torch.Tensor,
+    h: torch.Tensor | None,
     packed: PackedChunks,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selective scan of the packed chunks, heads split into G groups of E sharing B and C.
 
     x: [num_tokens, G, E, P]; dt: [num_tokens, G, E]; a: [G, E] (negative); b, c: [num_tokens,
-    G, N]; h: [R, G, E, P, N], the states before the chunks (updated in place to the states
-    after them). Returns y: [num_tokens, G, E, P] (without the D skip) and ``h``.
+    G, N]; h: [R, G, E, P, N], the states before the chunks (updated in place), or None when
+    they are all zero. Returns y: [num_tokens, G, E, P] (without the D skip) and the states after
+    the chunks.
     """
-    y = torch.empty_like(x)
+    groups, heads, head_dim = x.shape[1:]
+    y = x.new_empty(x.shape[0] + 1, *x.shape[1:])  # the last row takes the padding's outputs
     for piece in packed.pieces:
-        index, act = piece.index, piece.active
-        xs, bs, cs = x[index], b[index], c[index]  # [A, w, G, E, P], [A, w, G, N]
-        dts = dt[index] * piece.valid[:, :, None, None]  # [A, w, G, E]; padding: identity steps
-        hs = h[:act]
-        s = torch.cumsum(dts * a, dim=1)  # log-decay from the piece's start
-        seg = s[:, :, None] - s[:, None, :]  # [A, t, s, G, E]
-        future = torch.ones(s.shape[1], s.shape[1], dtype=torch.bool, device=x.device).triu(1)
-        decay = torch.exp(seg.masked_fill(future[None, :, :, None, None], float("-inf")))
-        scores = torch.einsum("atgn,asgn->atsg", cs, bs)[..., None] * decay * dts[:, None]
-        ys = torch.einsum("atsge,asgep->atgep", scores, xs)
-        ys = ys + torch.einsum("atgn,agepn->atgep", cs, hs) * torch.exp(s)[..., None]
-        last = s[:, -1]  # [A, G, E]
-        weights = torch.exp(last[:, None] - s) * dts
-        h[:act] = torch.exp(last)[..., None, None] * hs + torch.einsum("asge,asgn,asgep->agepn", weights, bs, xs)
-        y[index[piece.valid]] = ys[piece.valid]
-    return y, h
+        act, width = piece.active, piece.width
+        xs, bs, cs = (t.index_select(0, piece.index).view(act, width, *t.shape[1:]) for t in (x, b, c))
+        dts = dt.index_select(0, piece.index).view(act, width, groups, heads) * piece.valid[:, :, None, None]
+        # per (chunk, group, head) along the piece: [A, G, E, w]
+        log_decay = torch.cumsum(dts * a, dim=1).permute(0, 2, 3, 1)  # from the piece's start
+        steps = dts.permute(0, 2, 3, 1)
+        b_t, c_t = bs.transpose(1, 2), cs.transpose(1, 2)  # [A, G, w, N]
+        # within the piece: y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s
+        scores = log_decay[..., :, None] - log_decay[..., None, :]  # [A, G, E, t, s]
+        future = torch.ones(width, width, dtype=torch.bool, device=x.device).triu(1)
+        scores.masked_fill_(future, float("-inf")).exp_()
+        scores.mul_(torch.matmul(c_t, b_t.transpose(-1, -2))[:, :, None]).mul_(steps[..., None, :])
+        ys = torch.matmul(scores, xs.permute(0, 2, 3, 1, 4))  # [A, G, E, t, P]
+        if h is not None:  # from the carried state: y_t += exp(L_t) C_t . h
+            carried = torch.matmul(c_t, h[:act].view(act, groups, heads * head_dim, -1).transpose(-1, -2))
+            carried = carried.view(act, groups, width, heads, head_dim).transpose(2, 3)
+            ys += carried * log_decay.exp()[..., None]
+        # state after the piece: exp(L_end) h + sum_s exp(L_end - L_s) dt_s x_s B_s^T
+        last = log_decay[..., -1]  # [A, G, E]
+        weights = torch.exp(last[..., None] - log_decay) * steps  # [A, G, E, s]
+        driven = (xs.permute(0, 2, 3, 4, 1) * weights[..., None, :]).reshape(act, groups, heads * head_dim, width)
+        update = torch.matmul(driven, b_t).view(act, groups, heads, head_dim, -1)
+        if h is None:  # the first piece covers every chunk
+            h = update
+        else:
+            h[:act] = torch.exp(last)[..., None, None] * h[:act] + update
+        y.index_copy_(0, piece.target, ys.permute(0, 3, 1, 2, 4).reshape(act * width, groups, heads, head_dim))
+    assert h is not None
+    return y[:-1], h
