@@ -86,7 +86,8 @@ def causal_conv_packed(
     """Depthwise causal conv of every chunk from its previous window.
 
     inputs: [num_tokens, C] (packed); windows: [R, C, k]; weight: [C, 1, k]. Returns the conv
-    output [num_tokens, C] (before the activation) and each chunk's new window [R, C, k].
+    output [num_tokens, C] (contiguous, before the activation) and each chunk's new window
+    [R, C, k].
     """
     count, channels, k = windows.shape
     extended = inputs.new_empty(channels, packed.conv_width)
@@ -94,7 +95,7 @@ def causal_conv_packed(
     extended.index_copy_(1, packed.conv_tokens, inputs.T)
     conv = F.conv1d(extended[None], weight, bias, groups=channels)[0]  # output j ends at column j + k - 1
     new_windows = extended.index_select(1, packed.conv_tails).view(channels, count, k).permute(1, 0, 2)
-    return conv.index_select(1, packed.conv_tokens - (k - 1)).T, new_windows
+    return conv.index_select(1, packed.conv_tokens - (k - 1)).T.contiguous(), new_windows
 
 
 def ssd_scan_packed(
