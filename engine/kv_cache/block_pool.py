@@ -96,12 +96,11 @@ class BlockPool:
             nxt = block.next
             block.prev = block.next = None
             block.ref_cnt = 1
-            if block.block_hash is not None:
+            if block.block_hash:  # evict it from the prefix cache (``group`` means nothing once unhashed)
                 if removed is not None:
                     removed.append((block.group, block.block_hash))
                 del cached[block.group][block.block_hash]
                 block.block_hash = None
-                block.group = -1
             block = nxt  # type: ignore[assignment]
         queue.head.next = block
         block.prev = queue.head  # type: ignore[union-attr]
@@ -249,10 +248,10 @@ class BlockPool:
         table = self.cached[group]
         stored: list[bytes] | None = [] if self.enable_events else None
         for block, block_hash in zip(blocks[start:end], hashes[start:end]):
-            if block.block_hash is not None or block.is_null:
+            if block.block_hash or block.is_null:
                 continue
-            old = table.get(block_hash)
-            if old is not None:
+            if block_hash in table:
+                old = table[block_hash]
                 if old.ref_cnt or old.pin:
                     continue
                 old.block_hash = None

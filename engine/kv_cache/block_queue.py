@@ -19,7 +19,7 @@ class Block:
     """One physical page of one pool. ``block_id`` is its index in that pool and ``pool`` the pool's
     index (neither ever changes: a block never moves between pools). ``ref_cnt`` counts block-table
     slots holding it; ``block_hash`` and ``group`` are set while it is registered in the prefix
-    cache; ``pin`` asks the pool to keep it in a pinned tier instead of the free queue once
+    cache (``group`` means nothing while ``block_hash`` is None); ``pin`` asks the pool to keep it in a pinned tier instead of the free queue once
     ``ref_cnt`` drops to 0."""
 
     __slots__ = ("block_id", "pool", "ref_cnt", "block_hash", "group", "pin", "is_null", "prev", "next")

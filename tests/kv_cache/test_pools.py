@@ -269,3 +269,24 @@ def test_random_runs_catch_admission_that_counts_blocks_over_all_pools(monkeypat
             driver = RandomDriver(sim, random.Random(rng.randrange(1 << 30)))
             for _ in range(500):
                 driver.step()
+
+
+def test_check_invariants_catches_broken_table_and_queue_shapes() -> None:
+    """The invariants the faster paths rely on: nulls only as a prefix outside Mamba groups (free
+    walks the live suffix), the null block never counted, prev/next None iff unlinked."""
+    coord = three_pools((40, 24, 8))
+    assert prefill(coord, "a", [1] * 9) is not None
+    table = coord.managers[0].tables["a"]
+    table.append(coord.pools[0].null_block)
+    with pytest.raises(KVCacheInvariantError, match="null slot after a live block"):
+        coord.check_invariants()
+    table.pop()
+    coord.check_invariants()
+    coord.pools[1].null_block.ref_cnt = 1
+    with pytest.raises(KVCacheInvariantError, match="null block"):
+        coord.check_invariants()
+    coord.pools[1].null_block.ref_cnt = 0
+    held = coord.managers[0].tables["a"][0]
+    held.prev = coord.pools[0].free_queue.head  # a stale link on a block in use
+    with pytest.raises(KVCacheInvariantError, match="links disagree"):
+        coord.check_invariants()

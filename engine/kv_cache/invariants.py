@@ -1,0 +1,162 @@
+"""Structural invariants of a ``HybridCoordinator`` and its block pools, checked by tests and
+fuzzers after every operation (reference §11, per pool).
+
+Per group and request: a table holds only its group's pool's blocks (a block never moves between
+pools), each live block once; outside Mamba groups null slots form a prefix of the table; a
+Mamba table's live slots are exactly its recorded live states (at most 2); a sliding-window table
+has no live block before the window of its last ``remove_skipped_blocks``. Per pool: ref counts
+equal table references; a block is linked in exactly one queue (the one of its pin level) iff
+unreferenced, and its ``prev``/``next`` are None iff it is linked nowhere; the null block is never
+queued, hashed or counted; free + pinned + in use == num_blocks - 1; hash maps hold only blocks
+of groups drawing from the pool, under their own hash; the retained tier is within its budget;
+the last allocation took exactly the predicted number of blocks from every pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, BlockPool
+from engine.kv_cache.managers import MambaManager, SlidingWindowManager
+
+if TYPE_CHECKING:
+    from engine.kv_cache.coordinator import HybridCoordinator
+
+
+class KVCacheInvariantError(AssertionError):
+    """An internal invariant of the KV cache does not hold (a bug, never bad user input)."""
+
+
+def check_coordinator(coord: HybridCoordinator) -> None:
+    """Raise KVCacheInvariantError if any structural invariant of ``coord`` is broken."""
+
+    def fail(message: str) -> None:
+        raise KVCacheInvariantError(message)
+
+    refs: Counter[tuple[int, int]] = Counter()  # (pool, block id) -> table references
+    owner_group: dict[tuple[int, int], int] = {}
+    position: dict[tuple[int, int], int] = {}
+    admitted = set(coord._admitted)
+    for g, manager in enumerate(coord.managers):
+        p = coord.group_pool[g]
+        pool = coord.pools[p]
+        if manager.pool is not pool:
+            fail(f"group {g} draws from pool {manager.pool.index}, its KVCacheGroup.pool is {p}")
+        null = pool.null_block
+        if set(manager.tables) != admitted or set(manager.num_cached) != admitted:
+            fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(admitted)}")
+        for request_id, table in manager.tables.items():
+            request = coord._admitted[request_id].request
+            view = manager.view(request.block_hashes)
+            seen: set[int] = set()
+            live = 0
+            for i, block in enumerate(table):
+                if block is null:
+                    continue
+                bid = block.block_id
+                if block.pool != p or not 0 <= bid < pool.num_blocks or pool.blocks[bid] is not block:
+                    fail(f"group {g} {request_id!r} index {i}: {block!r} is not a block of pool {p}")
+                if block.is_null:
+                    fail(f"group {g} {request_id!r} index {i}: another pool's null block")
+                live += 1
+                if bid in seen:
+                    fail(f"block {bid} twice in {request_id!r} group {g}")
+                seen.add(bid)
+                key = (p, bid)
+                refs[key] += 1
+                if owner_group.setdefault(key, g) != g:
+                    fail(f"block {bid} of pool {p} in groups {owner_group[key]} and {g}")
+                first = position.setdefault(key, i)
+                if first != i:
+                    fail(f"block {bid} at indices {first} and {i} in group {g}")
+                if block.block_hash is not None:
+                    if block.group != g:
+                        fail(f"block {bid} cached for group {block.group} but held by group {g}")
+                    if i < len(view) and view[i] != block.block_hash and i < manager.num_cached[request_id]:
+                        fail(f"block {bid} at index {i} of {request_id!r} carries another prefix's hash")
+            if isinstance(manager, SlidingWindowManager):
+                upto = coord._admitted[request_id].removed_upto
+                first_live = manager.skipped_blocks(upto)
+                if any(b is not null for b in table[:first_live]):
+                    fail(f"group {g} {request_id!r}: live block before the window ({first_live})")
+            if isinstance(manager, MambaManager):
+                if live > 2:
+                    fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
+                if sorted(i for i, b in enumerate(table) if b is not null) != manager.live.get(request_id, []):
+                    fail(f"group {g} {request_id!r}: live state indices disagree with the table")
+            elif live != len(table) - sum(1 for _ in itertools.takewhile(lambda b: b is null, table)):
+                fail(f"group {g} {request_id!r}: a null slot after a live block (nulls must be a prefix)")
+    unshared_hashless = [
+        key for key, n in refs.items() if n > 1 and coord.pools[key[0]].blocks[key[1]].block_hash is None
+    ]
+    if unshared_hashless:
+        fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
+    for pool in coord.pools:
+        _check_pool(coord, pool, refs, fail)
+    for p, (predicted, taken) in enumerate(coord._last_allocation):
+        if predicted != taken:
+            fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
+
+def _check_pool(
+    coord: HybridCoordinator, pool: BlockPool, refs: Counter[tuple[int, int]], fail: Callable[[str], None]
+) -> None:
+    """Queues, ref counts, conservation and hash maps of one pool."""
+    p = pool.index
+    null = pool.null_block
+    queues = {"free": pool.free_queue, "retained": pool.retained, "explicit": pool.explicit}
+    queued: set[int] = set()
+    for name, queue in queues.items():
+        count = 0
+        prev = queue.head
+        expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
+        for block in queue:
+            count += 1
+            if block.prev is not prev:
+                fail(f"pool {p}: {name} queue links broken at block {block.block_id}")
+            if block.block_id in queued:
+                fail(f"pool {p}: block {block.block_id} queued twice")
+            if block.pool != p:
+                fail(f"pool {p}: {block!r} of another pool in its {name} queue")
+            queued.add(block.block_id)
+            if block.pin != expected_pin:
+                fail(f"pool {p}: block {block.block_id} with pin {block.pin} in the {name} queue")
+            prev = block
+        if count != queue.size:
+            fail(f"pool {p}: {name} queue size {queue.size} but {count} linked")
+    in_use = 0
+    for bid, block in enumerate(pool.blocks):
+        if block.block_id != bid or block.pool != p:
+            fail(f"pool {p}: slot {bid} holds {block!r}")
+        if block.is_null:
+            if block.prev is not None or block.block_hash is not None or block is not null or block.ref_cnt:
+                fail(f"pool {p}: null block queued, hashed or counted (ref_cnt {block.ref_cnt})")
+            continue
+        n = refs.get((p, bid), 0)
+        if block.ref_cnt != n:
+            fail(f"pool {p}: block {bid} ref_cnt {block.ref_cnt} but {n} table references")
+        if block.ref_cnt > 0:
+            in_use += 1
+        in_queue = bid in queued
+        if in_queue != (block.ref_cnt == 0):
+            fail(f"pool {p}: block {bid} ref_cnt {block.ref_cnt} but queued={in_queue}")
+        if (block.prev is None) == in_queue or (block.next is None) == in_queue:
+            fail(f"pool {p}: block {bid} links disagree with the queues (prev/next None iff unlinked)")
+        if block.block_hash is not None:
+            if coord.group_pool[block.group] != p:
+                fail(f"pool {p}: block {bid} cached for group {block.group}, which draws from another pool")
+            if pool.cached[block.group].get(block.block_hash) is not block:
+                fail(f"pool {p}: block {bid} carries a hash that does not map to it")
+    if len(queued) + in_use != pool.num_blocks - 1:
+        fail(f"pool {p}: conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
+    for g, table in enumerate(pool.cached):
+        if table and coord.group_pool[g] != p:
+            fail(f"pool {p}: hash map of group {g}, which draws from pool {coord.group_pool[g]}, is not empty")
+        for block_hash, block in table.items():
+            if block.block_hash != block_hash or block.group != g or block.is_null or block.pool != p:
+                fail(f"pool {p}: hash map entry of group {g} points at {block!r}")
+    if pool.retain_budget is not None and pool.retained.size > pool.retain_budget:
+        fail(f"pool {p}: retained tier holds {pool.retained.size} > budget {pool.retain_budget}")
+
