@@ -9,11 +9,12 @@ heads; attention keeps 4 query heads per KV head and head_dim 128; 32 layers wit
 8 layers with 1; vocabulary 128k -> 32k). fp32, random weights built through transformers.
 
 Each round adds N requests with ``prompt_len``-token prompts, steps until every one has its first
-token (prefill is not timed), then times ``decode_steps`` steps in which all N requests decode one
-token each. Rounds alternate before/after (so load on the shared machine hits both alike); the
-best round of each is reported, by wall time (``mamba_decode_speedup``) and by CPU time (with one
-thread, what a dedicated core would give when other processes share the machine), with the time
-spent inside the Mamba mixers (forward hooks) to show where the step goes. Standalone: progress on
+token (prefill is not timed), then runs ``2 * decode_steps`` steps in which all N requests decode
+one token each, switching between the per-request path and the batched one every step, so load
+from other processes on a shared machine and the growing sequences hit both alike. Reported: the
+median step of each path by wall time (``mamba_decode_speedup``, tokens/s) and by CPU time (with
+one thread, what a dedicated core would give when other processes share the machine), and the
+time inside the Mamba mixers (forward hooks) to show where a step goes. Standalone: progress on
 stderr, and the last stdout line is one JSON object with ``mamba_decode_speedup``.
 
 What bounds the speedup on a CPU: at these proportions one request's Mamba state is 1 MiB per
@@ -21,11 +22,7 @@ layer (2 x hidden x d_state fp32), so a decode step must read and write 32 MiB p
 32 requests, in both paths; batching removes the per-request Python and dispatch work, not that
 traffic, and the MLP, attention, in/out projections and LM head cost the same before and after.
 
-Last measured (2026-11-24, 2 shared cores, load average 8-22 from other agents' jobs, threads=1,
-32 requests, 64-token prompts, 16 decode steps, 3 rounds): before 82.9, after 124.4 decode tok/s
-(``mamba_decode_speedup`` 1.50); per CPU second 122.2 -> 150.0 (1.23); time inside the Mamba
-mixers 1.81x lower; the mixers were 55% of a "before" step, so even free mixers would give at
-most about 2.2x here. Greedy tokens identical before and after (32/32).
+Last measured: see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -34,10 +31,11 @@ import argparse
 import json
 import logging
 import random
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,13 +72,17 @@ def build_bamba(directory: Path, seed: int = 0, **overrides: Any) -> Path:
 
 
 @dataclass
-class _Round:
-    """One timed decode window: wall and CPU seconds, seconds inside the Mamba mixers, tokens."""
+class _Steps:
+    """One path's timed decode steps: wall and CPU seconds and seconds inside the Mamba mixers,
+    one entry per step (each step decodes one token for every running request)."""
 
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-    mixer_s: float = 0.0
-    tokens: int = 0
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    mixer_s: list[float] = field(default_factory=list)
+
+    def per_step(self, name: str) -> float:
+        """Median seconds per step of ``name`` ("wall_s", "cpu_s" or "mixer_s")."""
+        return statistics.median(getattr(self, name))
 
 
 class _MixerClock:
@@ -111,30 +113,31 @@ class _MixerClock:
 
 def _decode_round(
     engine: EngineCore, clock: _MixerClock, prompts: list[list[int]], decode_steps: int, tag: str
-) -> tuple[_Round, dict[str, list[int]]]:
-    """Prefill ``prompts`` (untimed), then time ``decode_steps`` steps where every request
-    decodes. Returns the timings and each request's generated tokens."""
+) -> dict[str, _Steps]:
+    """Prefill ``prompts`` (untimed), then ``2 * decode_steps`` steps in which every request
+    decodes one token, alternating the per-request path ("before") and the batched one ("after")
+    step by step, so both see the same load and nearly the same sequence lengths."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=1 + decode_steps, ignore_eos=True))
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    while any(not t for t in tokens.values()):
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    timed = _Round()
-    clock.seconds = 0.0
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(decode_steps):
-        outputs = engine.step()
-        for out in outputs:
-            tokens[out.request_id].extend(out.new_token_ids)
-        timed.tokens += sum(len(out.new_token_ids) for out in outputs)
-    timed.wall_s, timed.cpu_s = time.perf_counter() - wall, time.process_time() - cpu
-    timed.mixer_s = clock.seconds
-    while engine.has_work:  # nothing should be left; drain in case a request was preempted
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    return timed, tokens
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1 + 2 * decode_steps, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    steps = {"before": _Steps(), "after": _Steps()}
+    for i in range(2 * decode_steps):
+        name = "before" if i % 2 == 0 else "after"
+        clock.use_per_request(name == "before")
+        clock.seconds = 0.0
+        wall, cpu = time.perf_counter(), time.process_time()
+        decoded = sum(len(out.new_token_ids) for out in engine.step())
+        steps[name].wall_s.append(time.perf_counter() - wall)
+        steps[name].cpu_s.append(time.process_time() - cpu)
+        steps[name].mixer_s.append(clock.seconds)
+        if decoded != len(ids):
+            raise RuntimeError(f"step {i} decoded {decoded} tokens, expected one per request ({len(ids)})")
+    while engine.has_work:  # nothing should be left
+        engine.step()
+    return steps
 
 
 def measure_decode(
@@ -149,10 +152,10 @@ def measure_decode(
     """Decode tokens/s at ``num_requests`` running requests, per-request Mamba loop vs batched.
 
     Builds the scaled Bamba checkpoint in a temporary directory unless ``model_directory`` is
-    given. Returns ``{"mamba_decode_speedup": after/before decode tokens per wall second,
-    "tokens_per_s": {"before", "after"}, ...}`` (best of ``rounds`` alternating rounds each), plus
-    the same per CPU second (``threads=1``: what a dedicated core would give on a shared
-    machine) and the speedup of the time spent inside the Mamba mixers alone.
+    given. Returns ``{"mamba_decode_speedup": before/after median wall seconds per decode step,
+    "tokens_per_s": {"before", "after"}, ...}`` over ``rounds`` rounds of ``decode_steps`` steps
+    per path (alternating step by step), the same by CPU time (``threads=1``: what a dedicated
+    core would give on a shared machine), and the speedup inside the Mamba mixers alone.
     """
     if model_directory is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -177,42 +180,30 @@ def measure_decode(
     vocab = engine.runner.arch.vocab_size
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
-    rounds_by_path: dict[str, list[_Round]] = {"before": [], "after": []}
-    generated: dict[str, dict[str, list[int]]] = {}
+    steps = {"before": _Steps(), "after": _Steps()}
     for r in range(rounds):
-        for name in ("before", "after"):
-            clock.use_per_request(name == "before")
-            timed, tokens = _decode_round(engine, clock, prompts, decode_steps, f"{name}{r}")
-            if timed.tokens != num_requests * decode_steps:
-                expected = num_requests * decode_steps
-                raise RuntimeError(f"{name}: {timed.tokens} tokens in {decode_steps} steps, expected {expected}")
-            rounds_by_path[name].append(timed)
-            generated[name] = {rid.split("-")[1]: t for rid, t in tokens.items()}
+        for name, timed in _decode_round(engine, clock, prompts, decode_steps, f"round{r}").items():
+            for attribute in ("wall_s", "cpu_s", "mixer_s"):
+                getattr(steps[name], attribute).extend(getattr(timed, attribute))
             log.info(
-                "round %d %s: %.1f decode tok/s (%.2f s wall, %.2f s CPU, %.2f s in %d Mamba mixers)",
-                r, name, timed.tokens / timed.wall_s, timed.wall_s, timed.cpu_s, timed.mixer_s, len(clock.mixers),
+                "round %d %s: median step %.3f s wall, %.3f s CPU, %.3f s in %d Mamba mixers",
+                r, name, timed.per_step("wall_s"), timed.per_step("cpu_s"), timed.per_step("mixer_s"),
+                len(clock.mixers),
             )  # fmt: skip
     clock.close()
     engine.close()
-    same = sum(generated["before"][k] == generated["after"][k] for k in generated["after"])
-
-    def best(name: str, field: str) -> float:
-        return min(getattr(t, field) / t.tokens for t in rounds_by_path[name])  # seconds per token
-
-    before, after = 1 / best("before", "wall_s"), 1 / best("after", "wall_s")
+    before, after = steps["before"], steps["after"]
     return {
-        "mamba_decode_speedup": round(after / before, 3),
-        "tokens_per_s": {"before": round(before, 2), "after": round(after, 2)},
-        "mamba_decode_speedup_cpu_time": round(best("before", "cpu_s") / best("after", "cpu_s"), 3),
-        "tokens_per_cpu_s": {k: round(1 / best(k, "cpu_s"), 2) for k in ("before", "after")},
-        "mixer_speedup": round(best("before", "mixer_s") / best("after", "mixer_s"), 3),
-        "mixer_share_of_step_before": round(best("before", "mixer_s") / best("before", "wall_s"), 3),
-        "rounds_tokens_per_s": {k: [round(t.tokens / t.wall_s, 2) for t in v] for k, v in rounds_by_path.items()},
+        "mamba_decode_speedup": round(before.per_step("wall_s") / after.per_step("wall_s"), 3),
+        "tokens_per_s": {k: round(num_requests / v.per_step("wall_s"), 2) for k, v in steps.items()},
+        "mamba_decode_speedup_cpu_time": round(before.per_step("cpu_s") / after.per_step("cpu_s"), 3),
+        "tokens_per_cpu_s": {k: round(num_requests / v.per_step("cpu_s"), 2) for k, v in steps.items()},
+        "mixer_speedup": round(before.per_step("mixer_s") / after.per_step("mixer_s"), 3),
+        "mixer_share_of_step_before": round(before.per_step("mixer_s") / before.per_step("wall_s"), 3),
         "num_requests": num_requests,
         "prompt_len": prompt_len,
-        "decode_steps": decode_steps,
+        "decode_steps_per_path": decode_steps * rounds,
         "threads": threads,
-        "same_greedy_tokens": f"{same}/{num_requests}",
     }
 
 

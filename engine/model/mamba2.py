@@ -219,8 +219,9 @@ class Mamba2Mixer(RecurrentMixer):
         m = self.arch
         order = sorted(batch.prefill_chunks, key=lambda i: -batch.chunks[i].num_tokens)
         packed = pack_chunks([batch.chunks[i].num_tokens for i in order], m.d_conv, xbc.device)
-        rows = torch.cat([torch.arange(batch.chunks[i].num_tokens) + batch.chunks[i].offset for i in order])
-        rows = rows.to(xbc.device)
+        rows = torch.tensor([batch.chunks[i].offset for i in order]) - torch.tensor(packed.starts)
+        rows = torch.repeat_interleave(rows, torch.tensor(packed.lengths)) + torch.arange(sum(packed.lengths))
+        rows = rows.to(xbc.device)  # flat batch row of each packed token
         reads = [index.state_read[i] for i in order]
         if max(reads) < 0:  # all fresh: zero windows, and the scan starts from a zero state
             conv_prev, h0 = torch.zeros(len(order), m.conv_dim, m.d_conv, device=xbc.device), None

@@ -58,7 +58,8 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
     starts = torch.cumsum(sizes, 0) - sizes
     segment = starts + d_conv * torch.arange(count)  # first conv column of each chunk
     window = torch.arange(d_conv)
-    conv_tokens = torch.cat([segment[j] + d_conv + torch.arange(n) for j, n in enumerate(lengths)])
+    chunk_of_token = torch.repeat_interleave(torch.arange(count), sizes)
+    conv_tokens = torch.arange(int(sizes.sum())) + d_conv * (chunk_of_token + 1)
     conv_windows = (segment[:, None] + window[None, :]).reshape(-1)
     conv_tails = (segment[:, None] + sizes[:, None] + window[None, :]).reshape(-1)
     pieces = []
