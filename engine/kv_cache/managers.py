@@ -188,9 +188,11 @@ class SingleTypeManager:
                 tail.reverse()
                 mid.reverse()
                 head.reverse()
-                pool.free_blocks(tail, enforce=False)
+                if tail:
+                    pool.free_blocks(tail, enforce=False)
                 pool.free_retaining(mid)
-                pool.free_blocks(head, enforce=False)
+                if head:
+                    pool.free_blocks(head, enforce=False)
                 pool.enforce_retain_budget()
                 return
         live = table[first:] if first else table
