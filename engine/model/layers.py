@@ -162,19 +162,28 @@ def _attend(
     softcap: float | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, Tq, D]; k/v: [B, KVH, S, D]; mask: bool, broadcastable to [B, H, Tq, S];
-    sinks: [H] extra softmax logits whose probability is dropped (no value row)."""
+    """q: [B, H, Tq, D]; k/v: [B, KVH, S, D]; mask: bool [B or 1, 1, Tq or 1, S];
+    sinks: [H] extra softmax logits whose probability is dropped (no value row).
+
+    Without softcap or sinks this is SDPA. Otherwise each KV head's ``G = H / KVH`` query heads
+    are folded into the query rows (``[B, KVH, G * Tq, D]``) so K and V are never repeated, and the
+    sink joins the softmax denominator without concatenating a column."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    b, h, tq, d = q.shape
+    kvh = k.shape[1]
+    groups = h // kvh
+    folded = q.reshape(b, kvh, groups * tq, d)
+    scores = torch.matmul(folded, k.transpose(-1, -2)) * scale  # [B, KVH, G * Tq, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf")).float()
+    scores = scores.view(b, kvh, groups, tq, -1).masked_fill(~mask[:, :, None], float("-inf")).float()
     if sinks is None:
-        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
-    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(q.dtype), v)
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # softmax over [scores, sink] without the sink column = softmax(scores) * sigmoid(lse - sink)
+        sink = sinks.float().view(1, kvh, groups, 1, 1)
+        keep = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - sink)
+        probs = torch.softmax(scores, dim=-1).mul_(keep)
+    out = torch.matmul(probs.to(q.dtype).view(b, kvh, groups * tq, -1), v)  # [B, KVH, G * Tq, D]
+    return out.view(b, h, tq, d)
