@@ -179,6 +179,10 @@ class RemotePrefillMixin:
         transfer = self.transfer
         if transfer is None or peer.name in transfer.peers or peer.name == transfer.agent_info.name:
             return False
+        attempted: set[str] = self.__dict__.setdefault("_warm_attempted", set())
+        if peer.name in attempted:  # tried before and it did not stay a peer (e.g. a dead agent)
+            return False
+        attempted.add(peer.name)
         started = time.perf_counter()
         tid = transfer.warm_up(peer)
         self.loads.notify_only.add(tid)
