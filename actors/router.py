@@ -159,6 +159,10 @@ class Router:
             "route %s: %s -> %s/%s, hit %d of %d (best %d)", request_id, decision.reason, decision.prefill_worker,
             decision.decode_worker, decision.predicted_hit, num_tokens, decision.best_hit,
         )  # fmt: skip
+        if decision.predicted_hit > 0:  # keep the predicted hit there until the request arrives
+            handle = self.handles.get(str(decision.prefill_worker))
+            if handle is not None:
+                handle.expect.remote(block_hashes, decision.predicted_hit)
         split = decision.prefill_worker != decision.decode_worker
         self.disaggregated += split
         self.prompt_tokens += num_tokens

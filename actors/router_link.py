@@ -86,6 +86,11 @@ class RouterLink:
     def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
         self._submit(self._unpin, block_hashes, num_tokens)
 
+    def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
+        those blocks the last to be evicted until it arrives (``EngineCore.refresh_prefix``)."""
+        self._submit(self.engine.refresh_prefix, block_hashes, num_tokens)
+
     def snapshot(self) -> None:
         """Send the router a full snapshot of the prefix cache (it lost events)."""
         self._submit(self._snapshot)
@@ -98,6 +103,8 @@ class RouterLink:
         router = self._router
         if router is None:
             return
+        if self.engine.on_scheduled is None:  # also report what each scheduling evicted, at once
+            self.engine.on_scheduled = self._report_scheduled
         events = self.engine.take_events()
         load = self._load()
         now = time.monotonic()
@@ -112,6 +119,11 @@ class RouterLink:
                 self._last_report.future().result(timeout=ROUTER_SYNC_TIMEOUT_S)
             except Exception as exc:  # the router is gone or slow: serve on, it resyncs later
                 log.warning("%s: router report not acknowledged (%s)", self.worker_id, exc)
+
+    def _report_scheduled(self) -> None:
+        """Right after a step's scheduling: send its cache events (blocks it stored and evicted)
+        before the forward runs, so routing during a long step sees the cache as it is."""
+        self._report()
 
     def _update_gauges(self) -> None:
         assert self.metrics is not None

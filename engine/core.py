@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -160,6 +161,9 @@ class EngineCore(RemotePrefillMixin):
         self.expected: dict[str, Expected] = {}  # announced remote prefills (engine.remote_prefill)
         self.transfer_stats = TransferStats()
         self.consecutive_failed_steps = 0
+        #: called right after each step's scheduling, before the forward (the owner reports the
+        #: cache events of that scheduling: the blocks it evicted are gone already)
+        self.on_scheduled: Callable[[], None] | None = None
         self.failed_steps = 0
         self.failed_requests = 0
         self.info = EngineInfo(arch, num_blocks[0], cache.block_size, max_model_len, num_blocks)
@@ -287,6 +291,8 @@ class EngineCore(RemotePrefillMixin):
         scheduler = self.scheduler
         if scheduler.running or scheduler.waiting:
             output = scheduler.schedule()
+            if self.on_scheduled is not None:
+                self.on_scheduled()
             try:
                 sampled = self.runner.execute(output)
             except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
@@ -454,6 +460,21 @@ class EngineCore(RemotePrefillMixin):
 
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
         return self.coordinator.unpin_prefix(block_hashes, num_tokens)
+
+    def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
+        free queue evicts them last, a prefix's tail before its head), so the hit the router
+        predicted for a request routed here survives the allocations of the requests ahead of
+        it; returns the tokens that hit covers now (0: nothing to refresh)."""
+        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens)
+        if hit.num_tokens <= 0:
+            return 0
+        for g, manager in enumerate(self.coordinator.managers):
+            blocks = [block for block in hit.blocks[g] if not block.is_null]
+            if blocks:
+                manager.pool.touch(blocks)
+                manager.pool.free_blocks(blocks[::-1])
+        return hit.num_tokens
 
     def export_prefix(self, request_id: str, token_ids: list[int]) -> KVHandle | None:
         """Hold the cached prefix ``token_ids`` for a peer to copy (a pin re-established by
