@@ -117,7 +117,7 @@ class RouterLink:
         if wait and self._last_report is not None:
             try:
                 self._last_report.future().result(timeout=ROUTER_SYNC_TIMEOUT_S)
-            except Exception as exc:  # the router is gone or slow: serve on, it resyncs later
+            except Exception as exc:  # noqa: BLE001 - the router is gone or slow: serve on, it resyncs later
                 log.warning("%s: router report not acknowledged (%s)", self.worker_id, exc)
 
     def _report_scheduled(self) -> None:
@@ -155,7 +155,7 @@ class RouterLink:
             copy_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
             try:
                 ref = source.export_prefix.remote(copy_id, list(action.token_ids))
-            except Exception as exc:  # the holder's handle is unusable: compute here
+            except Exception as exc:  # noqa: BLE001 - the holder's handle is unusable: compute here
                 log.warning("%s: cannot ask %s for pin %d (%s); computing it", self.worker_id, action.source,
                             action.pin_id, exc)  # fmt: skip
             else:
@@ -167,7 +167,7 @@ class RouterLink:
         """The holder answered: load its handle like a prefill's KV, or compute without one."""
         try:
             handle = exported.result()
-        except Exception as exc:  # the holder died or failed: compute here
+        except Exception as exc:  # noqa: BLE001 - the holder died or failed: compute here
             log.warning("%s: %s could not export pin %d (%s); computing it", self.worker_id, action.source,
                         action.pin_id, exc)  # fmt: skip
             handle = None

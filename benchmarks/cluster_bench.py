@@ -79,10 +79,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import POLICIES, Workload  # noqa: E402
-from cluster.bench_suite import SUMMARY_KEYS, Suite, run_suite  # noqa: E402
-from cluster.hybrid_workload import HybridWorkload  # noqa: E402
-from configs import load_config  # noqa: E402
+from cluster.bench import POLICIES, Workload
+from cluster.bench_suite import SUMMARY_KEYS, Suite, run_suite
+from cluster.hybrid_workload import HybridWorkload
+from configs import load_config
 
 log = logging.getLogger("cluster_bench")
 
@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_auto_pin_compare:
         suite = replace(suite, auto_pin_compare=False)
     result = run_suite(main_cfg, second, suite)
-    for name, run in result["shared_prefix"]["runs"].items():
+    for run in result["shared_prefix"]["runs"].values():
         print(json.dumps({"workload": "shared_prefix", "model": main_cfg.model.source, **run}))
     for model, hybrid in result["hybrid"].items():
-        for name, run in hybrid["runs"].items():
+        for run in hybrid["runs"].values():
             print(json.dumps({"workload": "hybrid", "model": model, **run}))
     for key in ("shared_prefix",):
         print(json.dumps({"section": key, **{k: v for k, v in result[key].items() if k != "runs"}}))

@@ -13,7 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench import POLICIES, Workload, kv_groups, run_policy, sized_config, summary
+from cluster.bench import (
+    POLICIES,
+    Workload,
+    kv_groups,
+    run_policy,
+    sized_config,
+    summary,
+)
 from cluster.hybrid_workload import HybridWorkload
 from configs import ClusterConfig
 
