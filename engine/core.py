@@ -512,7 +512,10 @@ class EngineCore(RemotePrefillMixin):
         return self.coordinator.snapshot()
 
     def stats(self) -> dict[str, Any]:
-        """Queue lengths, block counts, hit counters and transfer counters (plain data)."""
+        """Queue lengths, block counts, hit counters and transfer counters (plain data).
+
+        ``num_blocks`` / ``free_blocks`` / ``pinned_blocks`` describe pool 0 (the attention pool
+        of a hybrid layout, the only pool otherwise); ``capacity.pools`` has every pool."""
         scheduler, pool = self.scheduler, self.coordinator.pool
         return {
             "running": len(scheduler.running),
