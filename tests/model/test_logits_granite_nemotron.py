@@ -5,25 +5,24 @@ Checkpoints (engine/model/hybrid_tiny.py, HF-constant parameters randomised, mul
 ``tiny-granite-h`` (Mamba2 + NoPE attention, 4-expert MoE + shared MLP), a dense rotary variant
 (``num_local_experts=0``, ``position_embedding_type: rope``, attention biases, tied embeddings) and ``tiny-nemotron-h`` (``M*-EM*``:
 Mamba2, NoPE attention, relu2 MLP, grouped sigmoid-routed MoE with latent projections). Cases:
-tests/model/test_logits_vs_hf.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
+tests/model/logits_harness.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
 and resume; bf16 closeness) plus long prompts whose prefill chunks cross the Mamba2 scan's
 sub-chunk boundaries (engine/model/ssd.py, 64 tokens) and end mid-sub-chunk.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-import tests.model.test_logits_vs_hf as base
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
 from engine.model.arch import UnsupportedModelError, arch_from_hf_config
 from engine.model.hybrid_tiny import build_hybrid_checkpoint
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import read_hf_config
 from engine.model.ssd import SUB_CHUNK
+from tests.model import logits_harness as harness
 
 NAMES = ["tiny-granite-h", "tiny-granite-h-dense-rope", "tiny-nemotron-h"]
 _BUILD = {
@@ -37,11 +36,6 @@ _BUILD = {
 }
 
 
-@pytest.fixture(params=base.DEVICES)
-def device(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("granite_nemotron")
@@ -50,12 +44,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_single_prompt(name: str, checkpoints, device: str) -> None:
-    base.test_single_prompt(name, checkpoints, device)
+    harness.check_single_prompt(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_with_chunked_prefill(name: str, checkpoints, device: str) -> None:
-    base.test_batch_of_different_lengths_with_chunked_prefill(name, checkpoints, device)
+    harness.check_chunked_batch(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -63,23 +57,19 @@ def test_chunks_crossing_the_scan_sub_chunks(name: str, checkpoints, device: str
     """Prefill chunks of 100 tokens: each crosses a 64-token scan sub-chunk boundary and the next
     chunk resumes the carried state mid-sub-chunk; two prompts share steps with a decode."""
     assert SUB_CHUNK == 64
-    engine = base._engine(
-        checkpoints[name], "scheduler.prefill_chunk_size=100", "scheduler.max_num_batched_tokens=160", device=device
-    )
-    rng = random.Random(6)
-    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (230, 71, 9)]
-    requests, logits = base._drive(engine, prompts, max_tokens=6)
-    base._check_against_hf(checkpoints[name], requests, logits)
+    prompts = harness.random_prompts(6, (230, 71, 9))
+    overrides = ("scheduler.prefill_chunk_size=100", "scheduler.max_num_batched_tokens=160")
+    harness.run_and_check(checkpoints[name], device, prompts, 6, *overrides)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefix_hit(name: str, checkpoints, device: str) -> None:
-    base.test_second_request_hits_the_first_ones_prefix(name, checkpoints, device)
+    harness.check_prefix_hit(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_preempt_and_resume(name: str, checkpoints, device: str) -> None:
-    base.test_preempted_and_resumed_request(name, checkpoints, device)
+    harness.check_preempt_and_resume(checkpoints[name], device)
 
 
 NEAR_TIE = 0.02  # fp32 router logits this close at the top-k boundary may swap in bf16
@@ -91,12 +81,10 @@ def test_bfloat16_close_to_fp32(name: str, checkpoints, device: str) -> None:
     a near-tie at the top-k boundary in some layer (bf16 rounding may then pick the other expert;
     tiny-granite-h has one such token here). At most one position in eight is excused."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    engine = base._engine(checkpoints[name], "model.dtype=bfloat16", device=device)
-    rng = random.Random(5)
-    requests, logits = base._drive(engine, [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 26)], max_tokens=6)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
+    engine = harness.make_engine(checkpoints[name], "model.dtype=bfloat16", device=device)
+    requests, logits = harness.drive(engine, harness.random_prompts(5, (9, 26)), max_tokens=6)
+    hf = harness.hf_model(checkpoints[name])
     router_logits: list[torch.Tensor] = []
     for module in hf.modules():
         if type(module).__name__ == "GraniteMoeHybridTopKRouter":
@@ -114,7 +102,7 @@ def test_bfloat16_close_to_fp32(name: str, checkpoints, device: str) -> None:
             position = request.prompt_len - 1 + k
             diff = (row.float() - reference[position]).abs().max().item()
             checked += 1
-            if diff >= base.BF16_ATOL:
+            if diff >= harness.BF16_ATOL:
                 assert near_tie[position], f"{rid} output {k}: max |diff| {diff:.3f} without a router near-tie"
                 excused += 1
     assert excused * 8 <= checked

@@ -1,6 +1,6 @@
 """Qwen3, Qwen3-MoE and gpt-oss logits equal Hugging Face transformers' on tiny random checkpoints (fp32).
 
-The cases are tests/model/test_logits_vs_hf.py's (single prompt; a batch with chunked prefill
+The cases are tests/model/logits_harness.py's (single prompt; a batch with chunked prefill
 crossing gpt-oss's 16-token sliding window; a prefix hit; preempt and resume; bf16 closeness),
 run on checkpoints whose HF-constant parameters (norms, biases, sinks, router bias) are random.
 Each drives the real scheduler, coordinator and runner and compares every sampled position with
@@ -15,19 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import tests.model.test_logits_vs_hf as base
 from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from engine.model.arch import arch_from_hf_config
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import read_hf_config
 from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
+from tests.model import logits_harness as harness
 
 NAMES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-gpt-oss"]
-
-
-@pytest.fixture(params=base.DEVICES)
-def device(request) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +33,27 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_single_prompt(name: str, checkpoints, device: str) -> None:
-    base.test_single_prompt(name, checkpoints, device)
+    harness.check_single_prompt(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_with_chunked_prefill_crossing_sliding_windows(name: str, checkpoints, device: str) -> None:
-    base.test_batch_of_different_lengths_with_chunked_prefill(name, checkpoints, device)
+    harness.check_chunked_batch(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefix_hit(name: str, checkpoints, device: str) -> None:
-    base.test_second_request_hits_the_first_ones_prefix(name, checkpoints, device)
+    harness.check_prefix_hit(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_preempt_and_resume(name: str, checkpoints, device: str) -> None:
-    base.test_preempted_and_resumed_request(name, checkpoints, device)
+    harness.check_preempt_and_resume(checkpoints[name], device)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_close_to_fp32(name: str, checkpoints, device: str) -> None:
-    base.test_bfloat16_stays_close_to_fp32_reference(name, checkpoints, device)
+    harness.check_bfloat16_close(checkpoints[name], device)
 
 
 def test_checkpoints_really_exercise_the_constants(checkpoints) -> None:

@@ -2,13 +2,12 @@
 
 The tiny random checkpoint has HF's constant-initialised parameters randomised. Each case drives
 the real scheduler, coordinator and runner and compares every sampled position's logits with one
-full HF forward over the final sequence (atol 1e-4), like tests/model/test_logits_vs_hf.py.
+full HF forward over the final sequence (atol 1e-4), with tests/model/logits_harness.py's cases.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,10 @@ from engine.model.gated_deltanet import (
     pack_sub_chunks,
 )
 from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
-from tests.model.test_logits_vs_hf import DEVICES, _check_against_hf, _drive, _engine
+from tests.model import logits_harness as harness
+from tests.model.logits_harness import drive, make_engine, random_prompts
 
 NAME = "tiny-qwen3-next"
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -37,50 +32,28 @@ def checkpoint(tmp_path_factory) -> Path:
     return build_qwen3_next_checkpoint(NAME, tmp_path_factory.mktemp("qwen3next") / NAME, seed=3)
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-
-
 def test_single_prompt(checkpoint: Path, device: str) -> None:
-    engine = _engine(checkpoint, device=device)
-    requests, logits = _drive(engine, _prompts(1, (21,)), max_tokens=12)
-    _check_against_hf(checkpoint, requests, logits)
+    harness.check_single_prompt(checkpoint, device)
 
 
 def test_batch_with_chunked_prefill_crossing_the_recurrent_chunk(checkpoint: Path, device: str) -> None:
     # Prefill chunks of 24 tokens: the 70- and 150-token prompts cross the 64-token recurrent
     # sub-chunk in several chunks, decode steps of the short ones run batched beside them.
-    engine = _engine(
-        checkpoint, "scheduler.prefill_chunk_size=24", "scheduler.max_num_batched_tokens=56", device=device
-    )
-    requests, logits = _drive(engine, _prompts(2, (5, 70, 150, 33)), max_tokens=10)
-    _check_against_hf(checkpoint, requests, logits)
+    harness.check_chunked_batch(checkpoint, device, (5, 70, 150, 33), chunk=24, budget=56)
 
 
 def test_long_single_chunk_prefill(checkpoint: Path, device: str) -> None:
     # One prefill chunk of 140 tokens: three recurrent sub-chunks inside one forward, batched with
     # a second, shorter prefill (padding must leave its state unchanged).
-    engine = _engine(checkpoint, "scheduler.prefill_chunk_size=256", device=device)
-    requests, logits = _drive(engine, _prompts(6, (140, 9)), max_tokens=6)
-    _check_against_hf(checkpoint, requests, logits)
+    harness.run_and_check(checkpoint, device, random_prompts(6, (140, 9)), 6, "scheduler.prefill_chunk_size=256")
 
 
 def test_second_request_hits_the_first_ones_prefix(checkpoint: Path, device: str) -> None:
-    engine = _engine(checkpoint, device=device)
-    shared = _prompts(3, (36,))[0]
-    _drive(engine, [shared + [7, 8, 9]], max_tokens=4)
-    engine.scheduler.requests.clear()
-    requests, logits = _drive(engine, [shared + [10, 11]], max_tokens=8)
-    assert requests["r0"].num_cached_tokens >= 32  # a real prefix hit: the state came from a block
-    _check_against_hf(checkpoint, requests, logits)
+    harness.check_prefix_hit(checkpoint, device)
 
 
 def test_preempted_and_resumed_request(checkpoint: Path, device: str) -> None:
-    engine = _engine(checkpoint, device=device)
-    requests, logits = _drive(engine, _prompts(4, (17, 29)), max_tokens=10, preempt_after=4)
-    assert sum(r.num_preemptions for r in requests.values()) == 1
-    _check_against_hf(checkpoint, requests, logits)
+    harness.check_preempt_and_resume(checkpoint, device)
 
 
 def test_packed_chunked_delta_rule_equals_the_token_recurrence() -> None:
@@ -141,12 +114,10 @@ def test_bfloat16_error_is_no_worse_than_hugging_faces_own(checkpoint: Path, dev
     """bf16 cannot meet a fixed bound on this model: HF's own bf16 forward is up to ~1.6 off its
     fp32 logits (routing flips, strong decays). kvfleet's bf16 logits must stay within twice HF's
     own bf16 error (plus 0.05) of the fp32 reference, position by position."""
-    from transformers import AutoModelForCausalLM
-
-    engine = _engine(checkpoint, "model.dtype=bfloat16", device=device)
-    requests, logits = _drive(engine, _prompts(5, (9, 80)), max_tokens=6)
-    fp32 = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    bf16 = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    engine = make_engine(checkpoint, "model.dtype=bfloat16", device=device)
+    requests, logits = drive(engine, random_prompts(5, (9, 80)), max_tokens=6)
+    fp32 = harness.hf_model(checkpoint)
+    bf16 = harness.hf_model(checkpoint, torch.bfloat16)
     for rid, request in requests.items():
         tokens = torch.tensor([request.token_ids])
         with torch.no_grad():
