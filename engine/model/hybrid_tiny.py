@@ -14,19 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.model.qwen3_gpt_oss_tiny import randomise_constant_parameters
-
-_COMMON: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "initializer_range": 0.1,
-}
+from engine.model.random_checkpoint import (
+    TINY_BASE,
+    unknown_model,
+    write_random_checkpoint,
+)
 
 _GRANITE: dict[str, Any] = {
     "num_hidden_layers": 4,
@@ -73,7 +65,7 @@ _NEMOTRON: dict[str, Any] = {
     "routed_scaling_factor": 1.7,
 }
 
-# name -> (config class, model class, config fields over _COMMON)
+# name -> (config class, model class, config fields over TINY_BASE)
 HYBRID_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-granite-h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", _GRANITE),
     "tiny-nemotron-h": ("NemotronHConfig", "NemotronHForCausalLM", _NEMOTRON),
@@ -105,23 +97,19 @@ HYBRID_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+def _randomise_score_correction(model: Any) -> None:
+    """Nemotron-H's MoE score-correction bias is a buffer HF initialises to zeros."""
+    import torch
+
+    for buffer_name, buffer in model.named_buffers():
+        if buffer_name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn_like(buffer) * 0.2)
+
+
 def build_hybrid_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Create (or overwrite) the random checkpoint ``name`` in ``directory``."""
-    import torch
-    import transformers
-
     if name not in HYBRID_MODELS:
-        raise ValueError(f"model: unknown random model {name!r} (known: {', '.join(sorted(HYBRID_MODELS))})")
+        raise unknown_model("random", name, HYBRID_MODELS)
     config_cls, model_cls, extra = HYBRID_MODELS[name]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    randomise_constant_parameters(model)
-    with torch.no_grad():
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.2)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+    fields = {**TINY_BASE, **extra, **overrides}
+    return write_random_checkpoint(config_cls, model_cls, fields, directory, seed, finish=_randomise_score_correction)

@@ -11,18 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.1,
+from engine.model.random_checkpoint import (
+    TINY_BASE,
+    unknown_model,
+    write_random_checkpoint,
 )
+
+_COMMON: dict[str, Any] = {**TINY_BASE, "head_dim": 16}
 
 # name -> (config class, model class, config fields over _COMMON)
 RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -65,34 +60,9 @@ RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def randomise_constant_parameters(model: Any, scale: float = 0.2) -> int:
-    """Give every parameter whose entries are all equal (HF's ones/zeros inits) random values
-    around that constant; returns how many parameters changed."""
-    import torch
-
-    changed = 0
-    with torch.no_grad():
-        for param in model.parameters():
-            flat = param.reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                param.add_(torch.randn_like(param) * scale)
-                changed += 1
-    return changed
-
-
 def build_random_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Create (or overwrite) the random checkpoint ``name`` in ``directory``."""
-    import torch
-    import transformers
-
     if name not in RANDOM_MODELS:
-        raise ValueError(f"model: unknown random model {name!r} (known: {', '.join(sorted(RANDOM_MODELS))})")
+        raise unknown_model("random", name, RANDOM_MODELS)
     config_cls, model_cls, extra = RANDOM_MODELS[name]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    randomise_constant_parameters(model)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return write_random_checkpoint(config_cls, model_cls, {**_COMMON, **extra, **overrides}, directory, seed)

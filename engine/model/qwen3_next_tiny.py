@@ -11,18 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine.model.random_checkpoint import (
+    TINY_BASE,
+    unknown_model,
+    write_random_checkpoint,
+)
+
 _BASE: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
+    **TINY_BASE,
     "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 16,
     "max_position_embeddings": 1024,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "initializer_range": 0.1,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 16,
@@ -66,29 +65,9 @@ QWEN3_NEXT_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def _randomise_constants(model: Any, scale: float) -> None:
-    """Add noise to every parameter whose entries are all equal (HF's constant inits)."""
-    import torch
-
-    with torch.no_grad():
-        for param in model.parameters():
-            flat = param.reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                param.add_(torch.randn_like(param) * scale)
-
-
 def build_qwen3_next_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Create (or overwrite) the random Qwen3-Next checkpoint ``name`` in ``directory``."""
-    import torch
-    import transformers
-
     if name not in QWEN3_NEXT_MODELS:
-        raise ValueError(f"model: unknown Qwen3-Next model {name!r} (known: {', '.join(sorted(QWEN3_NEXT_MODELS))})")
-    config = transformers.Qwen3NextConfig(**{**_BASE, **QWEN3_NEXT_MODELS[name], **overrides})
-    torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    _randomise_constants(model, scale=0.2)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+        raise unknown_model("Qwen3-Next", name, QWEN3_NEXT_MODELS)
+    fields = {**_BASE, **QWEN3_NEXT_MODELS[name], **overrides}
+    return write_random_checkpoint("Qwen3NextConfig", "Qwen3NextForCausalLM", fields, directory, seed)

@@ -10,18 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.1,
+from engine.model.random_checkpoint import (
+    TINY_BASE,
+    unknown_model,
+    write_random_checkpoint,
 )
+
+COMMON: dict[str, Any] = {**TINY_BASE, "intermediate_size": 128}
 
 TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
@@ -58,24 +53,19 @@ TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 def build_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Create (or overwrite) a tiny random checkpoint of ``name`` in ``directory``."""
-    import torch
-    import transformers
-
     from engine.model.hybrid_tiny import HYBRID_MODELS, build_hybrid_checkpoint
 
     if name in HYBRID_MODELS:  # Granite-4.0-H / Nemotron-H, with HF's constant parameters randomised
         return build_hybrid_checkpoint(name, directory, seed, **overrides)
-    from engine.model.qwen3_next_tiny import QWEN3_NEXT_MODELS, build_qwen3_next_checkpoint
+    from engine.model.qwen3_next_tiny import (
+        QWEN3_NEXT_MODELS,
+        build_qwen3_next_checkpoint,
+    )
 
     if name in QWEN3_NEXT_MODELS:  # with HF's constant parameters randomised
         return build_qwen3_next_checkpoint(name, directory, seed, **overrides)
     if name not in TINY:
-        raise ValueError(f"model: unknown tiny model {name!r} (known: {', '.join(sorted(TINY))})")
+        raise unknown_model("tiny", name, TINY)
     config_cls, model_cls, extra = TINY[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+    fields = {**COMMON, **extra, **overrides}
+    return write_random_checkpoint(config_cls, model_cls, fields, directory, seed, randomise_constants=False)
