@@ -281,6 +281,16 @@ def _eos(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _checked_layer_types(layer_types: list[str], num_layers: int, allowed: tuple[str, ...]) -> list[str]:
+    """``layer_types`` if it has one entry per layer, each one of ``allowed``; else the error naming it."""
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    for kind in layer_types:
+        if kind not in allowed:
+            raise UnsupportedModelError(f"layer_types: {kind!r} is not supported here ({', '.join(allowed)})")
+    return layer_types
+
+
 def _shared_fields(config: dict[str, Any], heads: int, head_dim: int, eps: float, max_positions: int) -> dict[str, Any]:
     """Fields every architecture reads the same way from its HF config."""
     return dict(

@@ -17,6 +17,7 @@ from engine.model.arch import (
     MoEArch,
     RopeArch,
     UnsupportedModelError,
+    _checked_layer_types,
     _rope,
     _shared_fields,
 )
@@ -26,12 +27,8 @@ def _layers(
     config: dict[str, Any], num_layers: int, default_types: list[str], window: int | None, rope: RopeArch
 ) -> tuple[LayerArch, ...]:
     """One LayerArch per ``layer_types`` entry (or ``default_types``); sliding layers get ``window``."""
-    layer_types = list(config.get("layer_types") or default_types)
-    if len(layer_types) != num_layers:
-        raise UnsupportedModelError(f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}")
-    for kind in layer_types:
-        if kind not in ("full_attention", "sliding_attention"):
-            raise UnsupportedModelError(f"layer_types: {kind!r} is not supported here (full_attention, sliding_attention)")
+    allowed = ("full_attention", "sliding_attention")
+    layer_types = _checked_layer_types(list(config.get("layer_types") or default_types), num_layers, allowed)
     if "sliding_attention" in layer_types and not window:
         raise UnsupportedModelError(f"sliding_window: {window!r}, but layer_types has sliding_attention layers")
     return tuple(

@@ -18,6 +18,7 @@ from engine.model.arch import (
     MoEArch,
     RopeArch,
     UnsupportedModelError,
+    _checked_layer_types,
     _rope,
     _shared_fields,
 )
@@ -32,13 +33,7 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> list[str]:
         if interval < 1:
             raise UnsupportedModelError(f"full_attention_interval: {interval} must be >= 1")
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    layer_types = list(layer_types)
-    if len(layer_types) != num_layers:
-        raise UnsupportedModelError(f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}")
-    for kind in layer_types:
-        if kind not in LAYER_KINDS:
-            raise UnsupportedModelError(f"layer_types: {kind!r} is not supported here ({', '.join(LAYER_KINDS)})")
-    return layer_types
+    return _checked_layer_types(list(layer_types), num_layers, LAYER_KINDS)
 
 
 def _gated_deltanet(config: dict[str, Any]) -> GatedDeltaNetArch:
