@@ -22,7 +22,12 @@ class FeedForward(GatedMLP):
             self.down_proj = nn.Linear(intermediate, hidden, bias=True)
 
 
-class BambaLayer(nn.Module):
+class MambaOrAttentionMixer(nn.Module):
+    """The token-mixing half of a Mamba2/attention hybrid layer (Bamba, Granite-4.0-H): behind
+    ``input_layernorm``, a Mamba2 mixer (``mamba``: state blocks) when the layer's kind is
+    ``mamba``, else attention (``self_attn``: paged KV), under Hugging Face's parameter names.
+    Subclasses add the MLP half and the residuals."""
+
     def __init__(self, arch: ModelArch, layer: int, group: int):
         super().__init__()
         self.is_mamba = arch.layers[layer].kind == "mamba"
@@ -31,20 +36,26 @@ class BambaLayer(nn.Module):
             self.mamba = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
         else:
             self.self_attn = Attention(arch, layer, group)
-        self.feed_forward = FeedForward(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def mix(self, x: torch.Tensor, batch: ForwardBatch, ropes: dict) -> torch.Tensor:
+        """The mixer's output for ``input_layernorm(x)``; ``ropes``: the step's rotary memo."""
+        h = self.input_layernorm(x)
+        if self.is_mamba:
+            return self.mamba(h, batch)
+        return self.self_attn(h, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
+
+
+class BambaLayer(MambaOrAttentionMixer):
+    """One Bamba layer: the mixer, then ``feed_forward`` behind ``pre_ff_layernorm``, each with a residual."""
+
+    def __init__(self, arch: ModelArch, layer: int, group: int):
+        super().__init__(arch, layer, group)
+        self.feed_forward = FeedForward(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
         self.pre_ff_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: dict) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.is_mamba:
-            h = self.mamba(h, batch)
-        else:
-            attn = self.self_attn
-            if attn.rope_key not in ropes:
-                ropes[attn.rope_key] = attn.rotary.cos_sin(batch.positions, x.dtype)
-            h = attn(h, batch, ropes[attn.rope_key])
-        x = x + h
+        x = x + self.mix(x, batch, ropes)
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 

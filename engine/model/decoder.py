@@ -42,6 +42,17 @@ class Attention(nn.Module):
         self.rows_per_block = 0
         self.block_size = 0
 
+    def step_rope(
+        self, batch: ForwardBatch, dtype: torch.dtype, ropes: dict
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's rotary cos/sin for the step's positions (None for NoPE), computed once per
+        rotary type: ``ropes`` (rope_key -> cos/sin) is the step's memo shared by all layers."""
+        if self.rotary is None:
+            return None
+        if self.rope_key not in ropes:
+            ropes[self.rope_key] = self.rotary.cos_sin(batch.positions, dtype)
+        return ropes[self.rope_key]
+
     def bind_cache(self, slot: torch.Tensor, block_size: int) -> None:
         """Take ``slot`` (``[num_blocks, page_bytes]`` uint8) as this layer's paged KV: each page
         holds K rows then V rows of ``[kv_heads, head_dim]`` in the model dtype."""
@@ -136,10 +147,7 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         ropes: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}  # one cos/sin per layer type
         for layer in self.model.layers:
-            attn = layer.self_attn
-            if attn.rope_key not in ropes:
-                ropes[attn.rope_key] = attn.rotary.cos_sin(batch.positions, x.dtype)
-            x = layer(x, batch, ropes[attn.rope_key])
+            x = layer(x, batch, layer.self_attn.step_rope(batch, x.dtype, ropes))
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,36 +20,24 @@ import torch
 from torch import nn
 
 from engine.model.arch import ModelArch
+from engine.model.bamba import MambaOrAttentionMixer
 from engine.model.batch import ForwardBatch
-from engine.model.decoder import Attention
 from engine.model.layers import RMSNorm
-from engine.model.mamba2 import Mamba2Mixer
 from engine.model.moe import FusedGatedMLP, SparseMoE
 
 
-class GraniteHybridLayer(nn.Module):
+class GraniteHybridLayer(MambaOrAttentionMixer):
     """One decoder layer: a Mamba2 mixer or an attention layer, then the shared MLP (+ MoE)."""
 
     def __init__(self, arch: ModelArch, layer: int, group: int):
-        super().__init__()
-        self.is_mamba = arch.layers[layer].kind == "mamba"
-        if self.is_mamba:
-            assert arch.mamba is not None
-            self.mamba = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
-        else:
-            self.self_attn = Attention(arch, layer, group)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        super().__init__(arch, layer, group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.shared_mlp = FusedGatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
         self.block_sparse_moe = SparseMoE(arch.moe, arch.hidden_size) if arch.moe is not None else None
         self.residual_multiplier = arch.residual_multiplier
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        h = self.mamba(h, batch) if self.is_mamba else self.self_attn(h, batch, rope)
-        x = x + h * self.residual_multiplier
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: dict) -> torch.Tensor:
+        x = x + self.mix(x, batch, ropes) * self.residual_multiplier
         h = self.post_attention_layernorm(x)
         mlp = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
@@ -70,7 +58,7 @@ class GraniteHybridModel(nn.Module):
 class GraniteHybridLM(nn.Module):
     """GraniteMoeHybridForCausalLM. Same interface as ``CausalLM``: ``forward(batch)`` -> hidden
     states of the step's tokens, ``logits(rows)`` -> fp32 logits of the rows to sample.
-    Invariant: every attention layer shares one rotary type (or none), computed once per step."""
+    Invariant: each rotary type (or none) is computed once per step, shared by its layers."""
 
     def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
         super().__init__()
@@ -82,14 +70,9 @@ class GraniteHybridLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids) * self.arch.embed_scale
-        rope = None
+        ropes: dict = {}
         for layer in self.model.layers:
-            rotary = None if layer.is_mamba else layer.self_attn.rotary
-            if rotary is not None:
-                rope = rotary.cos_sin(batch.positions, x.dtype)
-                break
-        for layer in self.model.layers:
-            x = layer(x, batch, rope)
+            x = layer(x, batch, ropes)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -68,10 +68,7 @@ class Qwen3NextLayer(nn.Module):
         if self.is_linear:
             h = self.linear_attn(h, batch)
         else:
-            attn = self.self_attn
-            if attn.rope_key not in ropes:
-                ropes[attn.rope_key] = attn.rotary.cos_sin(batch.positions, x.dtype)
-            h = attn(h, batch, ropes[attn.rope_key])
+            h = self.self_attn(h, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
