@@ -9,7 +9,7 @@ from torch import nn
 from engine.model.arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.decoder import Attention
-from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm, lm_head
 from engine.model.mamba2 import Mamba2Mixer
 
 
@@ -74,9 +74,7 @@ class BambaLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = BambaModel(arch, layer_group)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, self.model.embed_tokens, arch.tie_word_embeddings)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

@@ -22,7 +22,7 @@ from torch import nn
 from engine.model.arch import ModelArch
 from engine.model.bamba import MambaOrAttentionMixer
 from engine.model.batch import ForwardBatch
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, lm_head
 from engine.model.moe import FusedGatedMLP, SparseMoE
 
 
@@ -64,9 +64,7 @@ class GraniteHybridLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = GraniteHybridModel(arch, layer_group)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, self.model.embed_tokens, arch.tie_word_embeddings)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids) * self.arch.embed_scale

@@ -76,6 +76,14 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _ACTIVATIONS[name]
 
 
+def lm_head(hidden_size: int, vocab_size: int, embedding: nn.Embedding, tied: bool) -> nn.Linear:
+    """The output projection (no bias); with ``tied`` it shares ``embedding``'s weight."""
+    head = nn.Linear(hidden_size, vocab_size, bias=False)
+    if tied:
+        head.weight = embedding.weight
+    return head
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()

@@ -16,7 +16,7 @@ from torch import nn
 from engine.model.arch import ModelArch, MoEArch
 from engine.model.batch import ForwardBatch
 from engine.model.decoder import Attention
-from engine.model.layers import RMSNorm, activation
+from engine.model.layers import RMSNorm, activation, lm_head
 from engine.model.mamba2 import Mamba2Mixer
 
 
@@ -180,9 +180,7 @@ class NemotronHLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.backbone = NemotronHBackbone(arch, layer_group)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, self.backbone.embeddings, arch.tie_word_embeddings)
 
     @property
     def model(self) -> NemotronHBackbone:

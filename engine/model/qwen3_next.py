@@ -11,7 +11,7 @@ from engine.model.arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.decoder import Attention
 from engine.model.gated_deltanet import GatedDeltaNet
-from engine.model.layers import GatedMLP, RMSNorm, paged_attention
+from engine.model.layers import GatedMLP, RMSNorm, lm_head, paged_attention
 from engine.model.moe import SparseMoE
 
 
@@ -93,9 +93,7 @@ class Qwen3NextLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = Qwen3NextModel(arch, layer_group)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, self.model.embed_tokens, arch.tie_word_embeddings)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
