@@ -43,10 +43,13 @@ class Request(CacheRequest):
     prompt's KV is being transferred in. A ``prefill_only`` request (prefill side of P/D) computes
     its tokens' KV, samples nothing and finishes with its blocks still held for a reader.
     ``scheduled_at`` / ``kv_loaded_at`` (this process's monotonic clock) time its hops.
+    ``chunk_stop`` (hybrid models, set at each admission) is a block boundary a prefill chunk must
+    end at so that a recurrent state is cached there (``scheduler.recurrent_checkpoint``), else 0.
     """
 
     __slots__ = (
         "arrival_time",
+        "chunk_stop",
         "eos_token_id",
         "kv_loaded_at",
         "num_cached_tokens",
@@ -82,6 +85,7 @@ class Request(CacheRequest):
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # hit + external tokens at first admission
         self.num_external_tokens = 0
+        self.chunk_stop = 0
         self.stop_reason: int | str | None = None
         self.prefill_only = prefill_only
         self.scheduled_at: float | None = None  # first admission (computing, or blocks for a transfer)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from configs.schema import SchedulerConfig
-from engine.kv_cache.coordinator import HybridCoordinator
+from engine.kv_cache.coordinator import CacheHit, HybridCoordinator
+from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import MambaSpec
 from engine.request import Request, RequestStatus
 
@@ -65,6 +66,51 @@ class RequestOutput:
     kv_handle: Any = None
     num_cached_tokens: int = -1  # the request's local prefix hit (+ transferred tokens) at admission
     error: str | None = None  # why a request finished with "error"
+
+
+def recurrent_checkpoint(coordinator: HybridCoordinator, request: CacheRequest, hit: CacheHit) -> int:
+    """Where a hybrid request's prefill must end a chunk so a recurrent state gets cached: the
+    attention-only hit when it lies beyond ``hit`` (the hit every group serves), else 0.
+
+    Align mode caches a recurrent state only at a chunk end on a block boundary. A request that
+    shares a cached prefix but diverges inside one of that prefix's chunks hits its attention
+    groups up to the divergence block and its recurrent groups only at the earlier chunk end, so
+    ``hit`` stops there. Ending a chunk at the attention-only hit caches the state at that
+    boundary, and the next request of the same prefix hits all of it (issue 13).
+
+    Example (block 16, chunk 64): request 1 = P + U1 cached states at 64 and 128; request 2 =
+    P[:112] + U2 hits 64 (attention could serve 112); its chunk [64, 128) ends at 112 instead,
+    so request 3 = P[:112] + U3 hits 112, not 64.
+    """
+    if hit.partial or hit.shared_prefix_tokens <= hit.num_tokens:
+        return 0  # no group had cache beyond the hit (or the recurrent groups were left out)
+    attention = coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1, skip_mamba=True)
+    return attention.num_tokens if attention.num_tokens > hit.num_tokens else 0
+
+
+def aligned_chunk(start: int, num_new: int, num_tokens: int, align: int, stop: int = 0) -> int:
+    """Tokens of a prefill chunk of at most ``num_new`` tokens from ``start`` in align mode
+    (``align``: the coordinator's alignment), possibly 0 (wait for more budget).
+
+    Chunks end on block boundaries up to the last one before the sequence end, so every chunk's
+    final state is a cacheable checkpoint, and never cross ``stop`` (``recurrent_checkpoint``).
+    This holds for 1-token chunks too: a budget remainder of 1 used to start a prefill with
+    [0, 1) (or continue one with [64, 65)), leaving a state between boundaries in a block that the
+    next chunk moved past (see MambaManager.cache_blocks); such a request now waits a step.
+    """
+    end = start + num_new
+    last_boundary = num_tokens - num_tokens % align
+    if start < last_boundary < end:
+        end = last_boundary
+    elif end < num_tokens:
+        aligned = end - end % align
+        if aligned > start:
+            end = aligned
+        elif start % align == 0:
+            return 0  # not enough budget left to reach the next boundary this step
+    if start < stop < end:
+        end = stop
+    return end - start
 
 
 class Scheduler:
@@ -166,6 +212,8 @@ class Scheduler:
         ):
             request = self.waiting[0]
             hit = coord.get_computed_blocks(request)
+            if self.mamba_align:
+                request.chunk_stop = recurrent_checkpoint(coord, request, hit)
             num_new = self._chunk_size(request, hit.num_tokens, budget)
             if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
                 break
@@ -186,23 +234,7 @@ class Scheduler:
         num_new = min(request.num_tokens - start, budget, self.config.prefill_chunk_size)
         if num_new <= 0 or not self.mamba_align:
             return max(num_new, 0)
-        # Mamba "align": prefill chunks end on block boundaries (up to the last one before the
-        # sequence end) so every chunk's final state is a cacheable checkpoint. This holds for
-        # 1-token chunks too: a budget remainder of 1 used to start a prefill with [0, 1) (or
-        # continue one with [64, 65)), leaving a state between boundaries in a block that the
-        # next chunk moved past (see MambaManager.cache_blocks); such a request now waits a step.
-        align = self.mamba_align
-        end = start + num_new
-        last_boundary = request.num_tokens - request.num_tokens % align
-        if start < last_boundary < end:
-            end = last_boundary
-        elif end < request.num_tokens:
-            aligned = end - end % align
-            if aligned > start:
-                end = aligned
-            elif start % align == 0:
-                return 0  # not enough budget left to reach the next boundary this step
-        return end - start
+        return aligned_chunk(start, num_new, request.num_tokens, self.mamba_align, request.chunk_stop)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
