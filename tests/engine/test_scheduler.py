@@ -11,7 +11,7 @@ from configs.schema import SchedulerConfig
 from engine.kv_cache import FullAttentionSpec, HybridCoordinator, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, aligned_chunk
 
 VOCAB = 50
 
@@ -134,3 +134,54 @@ def test_failed_transfer_recomputes_locally() -> None:
     assert coord.num_free_blocks == 63
     out = scheduler.schedule()
     assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 16)]
+
+
+def _run_alone(scheduler: Scheduler, request: Request) -> list[tuple[int, int]]:
+    """Run ``request`` to its end alone; its chunks as (start, tokens)."""
+    scheduler.add_request(request)
+    chunks = []
+    while scheduler.has_work:
+        out = scheduler.schedule()
+        chunks += [(c.start, c.num_tokens) for c in out.chunks]
+        sampled = {c.request.request_id: fake_next_token(c.request.token_ids) for c in out.chunks if c.sample}
+        scheduler.update(out, sampled)
+    return chunks
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_a_chunk_ends_where_the_attention_groups_alone_would_hit(kind: str) -> None:
+    """Request 2 shares 24 tokens (inside request 1's chunk [16, 32)) and hits 16 with a Mamba
+    group: its chunk ends at 24, so request 3 of that prefix hits 24. Attention-only models hit
+    24 at once and chunk as before."""
+    coord = HybridCoordinator([KVCacheGroup(s) for s in SPECS[kind]], 400)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, prefill_chunk_size=16)
+    scheduler = Scheduler(config, coord, max_model_len=512)
+    rng = random.Random(13)
+    prefix = [rng.randrange(VOCAB) for _ in range(40)]
+    prompts = [prefix + [1, 2, 3], prefix[:24] + [4, 5, 6, 7, 8], prefix[:24] + [9, 10, 11]]
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3), coord.hash_block_size) for i, p in enumerate(prompts)]
+    chunks = [_run_alone(scheduler, r) for r in requests]
+    assert [r.output_token_ids for r in requests] == list(expected_outputs(prompts, [3, 3, 3]).values())
+    coord.check_invariants()
+    if kind == "mamba":
+        assert [r.num_cached_tokens for r in requests] == [0, 16, 24]
+        assert chunks[1][0] == (16, 8)  # ends at the attention-only hit, not at 32
+    else:
+        assert [r.num_cached_tokens for r in requests] == [0, 24, 24]
+        assert chunks[1][0] == (24, 5)
+
+
+@pytest.mark.parametrize(
+    ("start", "num_new", "stop", "tokens"),
+    [
+        (16, 16, 24, 8),  # the stop cuts the chunk
+        (16, 4, 24, 4),  # a budget short of the stop wins
+        (16, 6, 24, 4),  # ... and still ends on a block boundary
+        (16, 16, 16, 16),  # a stop at the start (already reached) does nothing
+        (16, 16, 32, 16),  # a stop at the chunk end does nothing
+        (16, 16, 0, 16),  # no stop
+        (16, 3, 24, 0),  # no boundary reachable this step: wait
+    ],
+)
+def test_aligned_chunk_never_crosses_the_stop_nor_exceeds_the_budget(start, num_new, stop, tokens) -> None:
+    assert aligned_chunk(start, num_new, num_tokens=60, align=4, stop=stop) == tokens
