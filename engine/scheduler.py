@@ -212,8 +212,7 @@ class Scheduler:
         ):
             request = self.waiting[0]
             hit = coord.get_computed_blocks(request)
-            if self.mamba_align:
-                request.chunk_stop = recurrent_checkpoint(coord, request, hit)
+            request.chunk_stop = self.chunk_stop(request, hit)
             num_new = self._chunk_size(request, hit.num_tokens, budget)
             if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
                 break
@@ -229,6 +228,11 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return out
+
+    def chunk_stop(self, request: Request, hit: CacheHit) -> int:
+        """The block boundary where a prefill chunk of ``request``, admitted with ``hit``, must end
+        (0: none): ``recurrent_checkpoint`` for hybrid models; attention-only models have none."""
+        return recurrent_checkpoint(self.coordinator, request, hit) if self.mamba_align else 0
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
         num_new = min(request.num_tokens - start, budget, self.config.prefill_chunk_size)
