@@ -20,18 +20,25 @@ Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face
    reserved; ``capacity_over_ideal`` is kvfleet's over the ideal.
 2. Token hit rate: a shared-prefix workload (``--prefixes`` prefixes, each reused ``--reuse``
    times, a unique suffix per request) whose shared length is swept over multiples of 16 that
-   are not multiples of vLLM's block, run through kvfleet's ``HybridCoordinator`` twice at the
-   same memory budget: with kvfleet's groups and pools, and with the unified layout's groups
-   (block size = vLLM's inflated block, one pool). Prefill runs in chunks of
-   ``--chunk-tokens`` rounded down to the layout's block (align mode caches a state only at a
-   chunk end on a block boundary), then ``--decode-tokens`` decode steps, then free. Two chunk
-   policies, the same for both layouts: ``boundary`` (the headline) also ends the first chunk
-   where the attention groups alone would hit, so the state there is cached for the next
-   request of that prefix (kvfleet's scheduler does not do this yet); ``plain`` does not.
+   are not multiples of vLLM's block, run one request at a time through kvfleet's real
+   ``Scheduler`` and ``HybridCoordinator`` twice at the same memory budget: with kvfleet's groups
+   and pools, and with the unified layout's groups (block size = vLLM's inflated block, one
+   pool). Both run the same prefill chunk, ``--chunk-tokens`` rounded down to a multiple of
+   vLLM's block (at least one block: align mode caches a state only at a chunk end on a block
+   boundary, and the scheduler cannot end a chunk short of one), then ``--decode-tokens``
+   tokens, then free. Two chunk policies, the same for both layouts: ``boundary`` (the headline)
+   is the scheduler as it is (``Scheduler.chunk_stop``): when the attention groups alone would
+   hit further than the full hit, a chunk ends at that attention hit, so the recurrent state
+   there is cached for the next request of the prefix (vLLM 0.33's shared-prefix junction stop
+   does the same at its block); ``plain`` (``PlainScheduler``) does not.
+   Why the same chunk: a prefix's second request resumes from the first request's last chunk
+   end below the shared length, so with shorter chunks than the unified layout's kvfleet can
+   resume lower: with ``--kvfleet-chunk-tokens 512`` (kvfleet's default chunk) against vLLM's
+   1072, shared 2176 resumes at 2048 vs 2144, and the 32 tokens each later request gains over
+   vLLM (2176 vs 2144) do not make up for it with 4 requests per prefix (0.673 vs 0.677).
    kvfleet's budget split in these runs is the workload-adapted one: ``state_cache_fraction``
    ``--hit-state-fraction`` (0.5) with ``expected_prefix_tokens`` = the shared length; the
-   config defaults (0.05, none), which hold 2 cached Bamba states at 8 GiB, are reported as
-   ``kvfleet_defaults``.
+   config defaults are reported as ``kvfleet_defaults``.
 3. ``mamba_decode_speedup``: ``measure_decode`` of benchmarks/mamba_decode.py (Bamba-shaped
    random model, 32 running requests, per-request vs batched Mamba path).
 4. ``coordinator_min_speedup``: read from ``--coordinator-json`` (the last line of
@@ -65,7 +72,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kv_cache import CacheRequest, HybridCoordinator, KVCacheGroup
+from configs.schema import KVCacheConfig, SchedulerConfig
+from engine.kv_cache import HybridCoordinator, KVCacheGroup
+from engine.kv_cache.coordinator import CacheHit
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
 from engine.model.arch import (
     CACHELESS_KINDS,
@@ -81,12 +90,16 @@ from engine.model.kv_layout import (
     mamba_page_bytes,
     padded_page_bytes,
 )
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 
 log = logging.getLogger("hybrid_capacity")
 GIB = 2**30
 BLOCK = 16
 DTYPE = "bfloat16"
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = KVCacheConfig()  # the config defaults (kvfleet_defaults in the hit sweep)
 
 #: published shapes (config.json of each checkpoint); only what the KV layout depends on matters
 MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -210,44 +223,38 @@ def unified_coordinator(arch: ModelArch, block: int, page: int, budget: int) -> 
     return HybridCoordinator(groups, budget // (page * g))
 
 
+class PlainScheduler(Scheduler):
+    """The scheduler without its recurrent-checkpoint stop (what it did before issue 13's rule)."""
+
+    def chunk_stop(self, request: Request, hit: CacheHit) -> int:
+        return 0
+
+
 def drive(
     coord: HybridCoordinator, prompts: list[list[int]], chunk: int, decode: int, boundary: bool
 ) -> tuple[int, int]:
-    """Run requests one at a time (admission with its hit, chunked prefill, decode, free);
-    returns (hit tokens, prompt tokens). ``boundary``: when the attention groups alone would
-    hit further than the full hit (no recurrent state cached there), end the first prefill chunk
-    at that attention hit, so the state there is cached for the next request of the prefix."""
+    """Run requests one at a time through kvfleet's real ``Scheduler`` over ``coord`` (admission
+    with its hit, prefill chunks of ``chunk`` tokens cut by its align-mode rule, ``decode`` tokens,
+    free); returns (hit tokens, prompt tokens). ``boundary``: the scheduler as it is, which ends a
+    chunk where the attention groups alone would hit further than the full hit
+    (``Scheduler.chunk_stop``), so the recurrent state there is cached for the next request of the
+    prefix; otherwise ``PlainScheduler``."""
+    config = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, prefill_chunk_size=chunk)
+    scheduler = (Scheduler if boundary else PlainScheduler)(config, coord, max_model_len=1 << 30)
+    sampling = SamplingParams(max_tokens=max(1, decode), ignore_eos=True)
     hits = total = 0
     for i, prompt in enumerate(prompts):
-        req = CacheRequest(f"r{i}", list(prompt), coord.hash_block_size)
-        coord.new_step()
-        hit = coord.get_computed_blocks(req)
-        hits += hit.num_tokens
+        request = Request(f"r{i}", prompt, sampling, coord.hash_block_size)
+        scheduler.add_request(request)
+        step = 0
+        while scheduler.has_work:
+            out = scheduler.schedule()
+            if not out.chunks:
+                raise RuntimeError(f"request {i} not scheduled at {request.num_computed_tokens} tokens: raise the budget")
+            step += 1
+            scheduler.update(out, {request.request_id: (i * 7 + step) % 30000})
+        hits += request.num_cached_tokens
         total += len(prompt)
-        done, first = hit.num_tokens, True
-        stop = 0
-        if boundary:
-            stop = coord.find_longest_cache_hit(req.block_hashes, len(prompt) - 1, skip_mamba=True).num_tokens
-        while done < len(prompt):
-            n = min(chunk - done % chunk if done % chunk else chunk, len(prompt) - done)
-            if done < stop < done + n:
-                n = stop - done
-            coord.new_step()
-            ids = coord.allocate_slots(req, n, hit if first else None)
-            if ids is None:
-                raise RuntimeError(f"allocation failed for request {i} at {done} tokens: raise the budget")
-            first = False
-            done += n
-            req.num_computed_tokens = done
-            coord.remove_skipped_blocks(req.request_id, done)
-        for step in range(decode):
-            req.append_token_ids([(i * 7 + step + 1) % 30000])
-            coord.new_step()
-            if coord.allocate_slots(req, 1) is None:
-                raise RuntimeError(f"decode allocation failed for request {i}")
-            req.num_computed_tokens += 1
-            coord.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
-        coord.free(req.request_id)
     coord.check_invariants()
     return hits, total
 
@@ -274,8 +281,12 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
     page_v = max(vllm["kvfleet_state"]["page_bytes"], cap["state_bytes"])
     budget = int(args.hit_budget_gib * GIB)
     out: dict[str, Any] = {"budget_gib": args.hit_budget_gib, "vllm_block_size": block_v,
-                           "max_num_seqs": args.hit_max_num_seqs, "state_cache_fraction": args.hit_state_fraction}
-    chunk_ours, chunk_theirs = max(BLOCK, args.chunk_tokens // BLOCK * BLOCK), max(block_v, args.chunk_tokens // block_v * block_v)
+                           "max_num_seqs": args.hit_max_num_seqs, "state_cache_fraction": args.hit_state_fraction,
+                           "kvfleet_defaults": {"state_cache_fraction": DEFAULTS.state_cache_fraction,
+                                                "expected_prefix_tokens": DEFAULTS.expected_prefix_tokens}}
+    chunk_theirs = max(block_v, args.chunk_tokens // block_v * block_v)
+    chunk_ours = chunk_theirs if args.kvfleet_chunk_tokens is None else max(BLOCK, args.kvfleet_chunk_tokens // BLOCK * BLOCK)
+    out["chunk_tokens"] = {"kvfleet": chunk_ours, "vllm_unified": chunk_theirs}
     for policy in ("boundary", "plain"):
         rows = []
         for shared in splits(block_v, args.splits):
@@ -285,7 +296,8 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
             for name, coord, chunk in (
                 ("kvfleet", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, args.hit_state_fraction,
                                                 shared), chunk_ours),
-                ("kvfleet_defaults", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, 0.05, None), chunk_ours),
+                ("kvfleet_defaults", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, DEFAULTS.state_cache_fraction,
+                                                         DEFAULTS.expected_prefix_tokens), chunk_ours),
                 ("vllm_unified", unified_coordinator(arch, block_v, page_v, budget), chunk_theirs),
             ):  # fmt: skip
                 hit[name], total = drive(coord, prompts, chunk, args.decode_tokens, policy == "boundary")
@@ -354,7 +366,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--reuse", type=int, default=4, help="requests per prefix")
     ap.add_argument("--unique-tokens", type=int, default=200)
-    ap.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (scheduler.prefill_chunk_size)")
+    ap.add_argument("--chunk-tokens", type=int, default=512,
+                    help="prefill chunk (scheduler.prefill_chunk_size) of both layouts, rounded down to a multiple "
+                         "of vLLM's block (at least one block)")
+    ap.add_argument("--kvfleet-chunk-tokens", type=int, default=None,
+                    help="kvfleet's own prefill chunk instead (rounded down to 16): e.g. 512, its default")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-decode", action="store_true", help="mamba_decode_speedup: null")
