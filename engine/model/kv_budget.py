@@ -10,7 +10,8 @@ The config states memory; this module splits it between the pools:
    requests whose states cannot be allocated.
 2. **Cached states, bounded.** What remains is shared between cached recurrent states (one per
    recurrent group for each cached prefix, so a prefix hit can resume the recurrence) and
-   attention pages. Cached states get at most ``state_cache_fraction`` of it. With
+   attention pages. Cached states get at most ``state_cache_fraction`` of it, but at least
+   ``MIN_CACHED_STATES`` while that takes at most half of it (a fraction of 0 keeps none). With
    ``expected_prefix_tokens`` set, they get only as many as the attention pool has prefixes of
    that length (one state per cached prefix; more could never be hit), and the rest goes back
    to attention.
@@ -40,6 +41,12 @@ if TYPE_CHECKING:
 #: blocks a running request holds per recurrent group in align mode: its state, and the one being
 #: written at a block boundary
 STATES_PER_RUNNING_REQUEST = 2
+
+#: cached states a hybrid split keeps at least (when ``state_cache_fraction`` > 0 and half of what
+#: the running states leave can hold them): every request caches a state at each prefill chunk end,
+#: so fewer are churned out before the next request of a prefix arrives (Bamba-9B at 8 GiB: the
+#: 2 states of 5% gave 0 hits in benchmarks/hybrid_capacity.py's sweep)
+MIN_CACHED_STATES = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ def split_budget(
         pool = pools[attention]
         token_bytes = pool.block_bytes * len(layout.groups_in(attention)) / layout.block_size
         cached = int(state_cache_fraction * rest) // state_bytes
+        if state_cache_fraction > 0:
+            cached = max(cached, min(MIN_CACHED_STATES, rest // 2 // state_bytes))
         if expected_prefix_tokens:
             prefixes = rest / (token_bytes * expected_prefix_tokens + state_bytes)
             cached = min(cached, int(prefixes) + 1)

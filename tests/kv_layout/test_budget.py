@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.kv_budget import STATES_PER_RUNNING_REQUEST, split_budget
+from engine.model.kv_budget import MIN_CACHED_STATES, STATES_PER_RUNNING_REQUEST, split_budget
 from engine.model.kv_layout import build_kv_layout
 from tests.kv_layout.shapes import bamba_9b, with_layers
 
@@ -33,6 +33,17 @@ def test_expected_prefix_length_caps_cached_states_at_one_per_prefix() -> None:
     assert tight.cached_states < loose.cached_states and tight.num_blocks[0] > loose.num_blocks[0]
     prefixes = layout.capacity(tight.num_blocks)["tokens"] / 32768
     assert prefixes <= tight.cached_states <= prefixes + 2
+
+
+def test_a_small_budget_still_caches_a_few_states_but_at_most_half_the_rest() -> None:
+    layout = build_kv_layout(bamba_9b(), 16, "bfloat16")
+    state = layout.pools[1].block_bytes  # one Mamba group: a cached state is one block
+    split = split_budget(layout, 8 * GIB, max_num_seqs=4)
+    assert int(0.05 * (8 * GIB - split.reserved_bytes)) // state == 2  # what the fraction alone gives
+    assert split.cached_states == MIN_CACHED_STATES
+    assert split_budget(layout, 8 * GIB, 4, state_cache_fraction=0.0).cached_states == 0
+    tight = split_budget(layout, 2 * GIB, max_num_seqs=4)
+    assert 0 < tight.cached_states == (2 * GIB - tight.reserved_bytes) // 2 // state < MIN_CACHED_STATES
 
 
 def test_a_budget_below_the_running_states_is_refused_by_name() -> None:
