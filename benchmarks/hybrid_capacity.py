@@ -47,9 +47,13 @@ Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face
 
 Measured 2026-11-24 (2-core shared VM; see benchmarks/README.md): capacity_over_ideal 0.950 /
 0.948 / 0.948, capacity_vs_padded 63.3 / 62.7 / 63.1, capacity_vs_vllm_unified 0.961 / 0.953 /
-0.950 (Bamba-9B / Granite-4.0-H-Small / Nemotron-H-8B), hit_rate_vs_vllm_unified 1.433 (one
-point of eight lower: shared 2176), mamba_decode_speedup 1.522, coordinator_min_speedup
-{retention_off 1.522, retention_on 1.331}.
+0.950 (Bamba-9B / Granite-4.0-H-Small / Nemotron-H-8B), mamba_decode_speedup 1.522,
+coordinator_min_speedup {retention_off 1.522, retention_on 1.331}. Hit sweep re-measured
+2026-11-25 through the real scheduler, both layouts at 1072-token chunks: hit_rate_vs_vllm_unified
+1.328, kvfleet higher at all eight splits (``plain``: 1.000, equal at every split: without the
+chunk stop both cache states only at multiples of 1072); ``kvfleet_defaults`` 0.593 overall, as the
+workload-adapted split (0.0 before ``MIN_CACHED_STATES``). With ``--kvfleet-chunk-tokens 512``:
+1.433, lower at 2176 (0.673 vs 0.677).
 
 The last stdout line is one JSON object with ``capacity_over_ideal``, ``capacity_vs_padded``,
 ``capacity_vs_vllm_unified`` (per model), ``hit_rate_vs_vllm_unified`` (kvfleet's total hit
@@ -361,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hit-max-num-seqs", type=int, default=4)
     ap.add_argument("--hit-state-fraction", type=float, default=0.5,
                     help="kvfleet's kv_cache.state_cache_fraction in the hit-rate runs (expected_prefix_tokens is "
-                         "the swept shared length); the defaults (0.05, none) are reported as kvfleet_defaults")
+                         "the swept shared length); the config defaults are reported as kvfleet_defaults")
     ap.add_argument("--splits", type=int, default=8, help="shared lengths in the sweep")
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--reuse", type=int, default=4, help="requests per prefix")
