@@ -31,7 +31,6 @@ from engine.kv_cache.managers import (
     MambaManager,
     SingleTypeManager,
     SlidingWindowManager,
-    cdiv,
 )
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
@@ -194,6 +193,14 @@ class HybridCoordinator:
             self.managers.append(manager)
         # Full attention first: its cheap, downward-closed scan gives the tightest first bound.
         self._order = sorted(range(len(groups)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager))
+        # (group, manager, full attention?, stable hits?) in ``_order``, for find_longest_cache_hit
+        self._order_rules = [
+            (g, self.managers[g], isinstance(self.managers[g], FullAttentionManager), self.managers[g].stable_hits)
+            for g in self._order
+        ]
+        self._order_without_mamba = [rule for rule in self._order_rules if not isinstance(rule[1], MambaManager)]
+        self._full_groups = [g for g in self._order if isinstance(self.managers[g], FullAttentionManager)]
+        self._hash_factors = [m.hash_factor for m in self.managers]
         self._windowed = [m for m in self.managers if isinstance(m, SlidingWindowManager) and m.retain]
         self._droppers = [m for m in self.managers if not isinstance(m, FullAttentionManager)]
         self._mamba_flags = [isinstance(m, MambaManager) for m in self.managers]
@@ -259,40 +266,49 @@ class HybridCoordinator:
 
     # -- hits -----------------------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int, skip_mamba: bool = False) -> CacheHit:
-        """Longest aligned prefix (<= max_length) that every group can serve. Pure lookup."""
+        """Longest aligned prefix (<= max_length) that every group can serve. Pure lookup.
+
+        A fixed point over the groups: each pass asks every group, in ``_order``, for its longest
+        hit at most the running candidate, until no group lowers it. A full-attention group is
+        asked once (its hits are downward closed), and a group whose last answer equals the
+        candidate it is asked again with is not asked again (``SingleTypeManager.stable_hits``:
+        it would give the same blocks).
+        """
         managers = self.managers
-        empty: tuple[list[Block], ...] = tuple([] for _ in managers)
+        partial = skip_mamba and self._has_mamba
         if not self.enable_caching or max_length <= 0:
-            return CacheHit(empty, 0, 0, skip_mamba and self._has_mamba)
+            return CacheHit(tuple([] for _ in managers), 0, 0, partial)
         alignment = self.alignment
         length = max_length - max_length % alignment
-        order = [g for g in self._order if not (skip_mamba and isinstance(managers[g], MambaManager))]
-        views = [m.view(block_hashes) for m in managers]
-        found: list[list[Block]] = [[] for _ in managers]
+        order = self._order_without_mamba if skip_mamba else self._order_rules
+        factors = self._hash_factors
+        found: list[list[Block]] = [[] for _ in managers] if partial else [None] * len(managers)  # type: ignore[list-item]
         lengths = [-1] * len(managers)
-        shared = 0
-        first_pass = True
-        while True:
-            current = length
-            for g in order:
-                manager = managers[g]
-                if lengths[g] >= 0 and isinstance(manager, FullAttentionManager):
-                    current = min(current, lengths[g])  # downward closed: no need to ask again
-                    continue
-                blocks, current = manager.find_longest_cache_hit(views[g], current, alignment)
-                found[g] = blocks
-                lengths[g] = current
-                if first_pass and current > shared:
-                    shared = current
-            first_pass = False
-            if current >= length:
-                break
+        current = length
+        for g, manager, _full, _stable in order:  # first pass: every group
+            hashes = block_hashes if factors[g] == 1 else manager.view(block_hashes)
+            found[g], current = manager.find_longest_cache_hit(hashes, current, alignment)
+            lengths[g] = current
+        # The first answer bounds every later one: the deepest boundary any group had cache for.
+        shared = lengths[order[0][0]] if order else 0
+        while current < length:  # later passes: only groups whose hit is longer than the candidate
             length = current
-        for g in order:
-            manager = managers[g]
-            if isinstance(manager, FullAttentionManager):
-                del found[g][cdiv(length, manager.block_size) :]
-        return CacheHit(tuple(found), length, shared, skip_mamba and self._has_mamba)
+            for g, manager, full, stable in order:
+                last = lengths[g]
+                if full:
+                    current = min(current, last)
+                    continue
+                if stable and last == current:
+                    continue  # asked again, it would answer the same blocks
+                hashes = block_hashes if factors[g] == 1 else manager.view(block_hashes)
+                found[g], current = manager.find_longest_cache_hit(hashes, current, alignment)
+                lengths[g] = current
+        for g in self._full_groups:
+            blocks = found[g]
+            keep = -(-length // managers[g].block_size)
+            if len(blocks) > keep:
+                del blocks[keep:]
+        return CacheHit(tuple(found), length, shared, partial)
 
     def get_computed_blocks(self, request: CacheRequest) -> CacheHit:
         """The local hit for a request not yet admitted (at most N - 1 tokens: the last token is

@@ -34,6 +34,11 @@ class SingleTypeManager:
     """
 
     spec: KVCacheSpec
+    # A hit of length L found under any bound >= L is found again, with the same blocks, under the
+    # bound L (so the coordinator's fixed point need not ask again); pure lookups make it so for
+    # sliding-window and Mamba groups, not for chunked local attention (its trim may drop the
+    # unchecked null prefix below the chunk start).
+    stable_hits = False
 
     def __init__(self, spec: KVCacheSpec, group: int, pool: BlockPool, hash_block_size: int):
         self.spec = spec
@@ -270,6 +275,7 @@ class SlidingWindowManager(SingleTypeManager):
     """
 
     spec: SlidingWindowSpec
+    stable_hits = True
 
     def __init__(
         self,
@@ -306,7 +312,7 @@ class SlidingWindowManager(SingleTypeManager):
                 if run >= need:
                     end = i + run
                     out = [null] * i
-                    out.extend(cached[h] for h in hashes[i:end])
+                    out += map(cached.__getitem__, hashes[i:end])
                     return out, end * bs
             i -= 1
         # No full window: a run touching block 0 is a hit (there is no earlier context).
@@ -428,6 +434,7 @@ class MambaManager(SingleTypeManager):
     """
 
     spec: MambaSpec
+    stable_hits = True
 
     def __init__(self, spec: MambaSpec, group: int, pool: BlockPool, hash_block_size: int):
         super().__init__(spec, group, pool, hash_block_size)
