@@ -96,7 +96,7 @@ class BlockPool:
             nxt = block.next
             block.prev = block.next = None
             block.ref_cnt = 1
-            if block.block_hash:  # evict it from the prefix cache (``group`` means nothing once unhashed)
+            if block.block_hash is not None:  # evict it from the prefix cache (``group`` means nothing once unhashed)
                 if removed is not None:
                     removed.append((block.group, block.block_hash))
                 del cached[block.group][block.block_hash]
@@ -168,7 +168,7 @@ class BlockPool:
                 block.ref_cnt = 0
                 if block.pin:
                     pinned.append(block)
-                elif not block.block_hash:  # uncached (a hash is a non-empty digest)
+                elif block.block_hash is None:  # uncached (``is None``: the digest itself stays unread)
                     front.append(block)
                 else:
                     block.prev = last
