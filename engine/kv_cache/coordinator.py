@@ -206,6 +206,9 @@ class HybridCoordinator:
         self._mamba_flags = [isinstance(m, MambaManager) for m in self.managers]
         self._has_mamba = any(self._mamba_flags)
         self._retain_shared_prefix = retention.enabled and enable_caching
+        # Retaining frees release all groups together (``_free_retaining_together``) when the
+        # order of pool calls cannot matter between groups: one pool, no Mamba, no tier cap.
+        self._free_together = self._single_pool and not self._has_mamba and self.pool.retain_budget is None
         self._no_hit: tuple[list[Block], ...] = tuple([] for _ in groups)
         self._no_new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
         self._admitted: dict[str, _Admitted] = {}
@@ -528,6 +531,9 @@ class HybridCoordinator:
         managers = self.managers
         if self._retain_shared_prefix and state.shared_prefix:
             boundary = state.shared_prefix
+            if self._free_together:
+                self._free_retaining_together(request_id, boundary)
+                return
             for manager in managers:
                 manager.free(request_id, manager.blocks_needed_at(boundary))
         elif len(managers) == 1 or not self._single_pool:
@@ -541,6 +547,31 @@ class HybridCoordinator:
             for manager in managers:
                 blocks += manager.pop_live(request_id)
             self.pool.free_blocks(blocks)
+
+    def _free_retaining_together(self, request_id: str, boundary: int) -> None:
+        """``free`` with retention in one pool with no Mamba group and no retained-tier cap: what
+        the groups' ``free(request_id, blocks_needed_at(boundary))`` calls would do, in as few
+        pool calls as there are runs of released-to-free / retained blocks (group order, each
+        group's tail first). Cached blocks reach the same queue positions, pinned ones their tiers
+        in the same order, events come in the same order (no cap: no demotion in between); only
+        uncached blocks at the free queue's head may come in another order, which no hit sees."""
+        pool = self.pool
+        run: list[Block] = []  # blocks for ``free_blocks``, in release order
+        for manager in self.managers:
+            item = manager.pop_release(request_id, boundary)
+            if item is None:
+                continue
+            ordered, start, stop = item
+            if start == stop:
+                run += ordered
+                continue
+            run += ordered[:start]
+            if run:
+                pool.free_blocks(run, enforce=False)
+            pool.free_retaining(ordered[start:stop])
+            run = ordered[stop:]
+        if run:
+            pool.free_blocks(run, enforce=False)
 
     def new_step(self) -> None:
         for manager in self.managers:

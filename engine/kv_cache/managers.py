@@ -216,6 +216,27 @@ class SingleTypeManager:
         table.reverse()
         return table
 
+    def pop_release(self, request_id: str, boundary: int) -> tuple[list[Block], int, int] | None:
+        """Forget the request here (as ``free`` does) and return its live blocks in release order
+        (last slot first) with the positions ``[start, stop)`` in that list of the blocks a hit at
+        ``boundary`` tokens needs (``start == stop``: none). None for unknown requests; the
+        caller releases the blocks (``HybridCoordinator.free``)."""
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return None
+        n = len(table)
+        first = self.first_live(table) if table[0].is_null else 0
+        if first:
+            table = table[first:]
+        table.reverse()
+        window = self.blocks_needed_at(boundary)
+        lo = max(window.start, first)
+        hi = min(window.stop, n)
+        if lo < hi:
+            return table, n - hi, n - lo
+        return table, 0, 0
+
     def first_live(self, table: list[Block]) -> int:
         """Index of the first live slot. Outside Mamba groups null slots only form a prefix of
         the table (window drops null from the front; ``check_invariants`` checks it)."""
@@ -263,6 +284,20 @@ class FullAttentionManager(SingleTypeManager):
 
     def blocks_needed_at(self, length: int) -> range:
         return range(length // self.block_size)
+
+    def pop_release(self, request_id: str, boundary: int) -> tuple[list[Block], int, int] | None:
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return None
+        if table[0].is_null:  # never for full attention (nothing is skipped); kept general
+            self.tables[request_id] = table
+            self.num_cached[request_id] = 0
+            return super().pop_release(request_id, boundary)
+        n = len(table)
+        table.reverse()
+        needed = min(boundary // self.block_size, n)  # a hit needs every block before it
+        return table, n - needed, n
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -386,6 +421,27 @@ class SlidingWindowManager(SingleTypeManager):
     def pop_live(self, request_id: str) -> list[Block]:
         self.boundaries.pop(request_id, None)
         return super().pop_live(request_id)
+
+    def pop_release(self, request_id: str, boundary: int) -> tuple[list[Block], int, int] | None:
+        self.boundaries.pop(request_id, None)
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return None
+        n = len(table)
+        first = 0
+        if table[0].is_null:  # nulls form a prefix: the live blocks are the last ones
+            first = n
+            while not table[first - 1].is_null:
+                first -= 1
+            table = table[first:]
+        table.reverse()
+        end = boundary // self.block_size
+        lo = max(end - self.need, first)
+        hi = min(end, n)
+        if lo < hi:  # some of the boundary's window is still live
+            return table, n - hi, n - lo
+        return table, 0, 0
 
 
 class ChunkedLocalManager(SingleTypeManager):
