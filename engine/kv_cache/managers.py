@@ -429,13 +429,14 @@ class SlidingWindowManager(SingleTypeManager):
         if not table:
             return None
         n = len(table)
-        first = 0
         if table[0].is_null:  # nulls form a prefix: the live blocks are the last ones
             first = n
             while not table[first - 1].is_null:
                 first -= 1
-            table = table[first:]
-        table.reverse()
+            table = table[: first - 1 : -1]  # the live blocks, last first
+        else:
+            first = 0
+            table.reverse()
         end = boundary // self.block_size
         lo = max(end - self.need, first)
         hi = min(end, n)
