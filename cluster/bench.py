@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from configs import ClusterConfig
+from engine.kv_cache.spec import alignment_tokens
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,28 @@ def kv_groups(config: ClusterConfig) -> list[Any]:
     return list(build_kv_layout(arch, config.kv_cache.block_size, dtype).groups)
 
 
+def hit_rate_bound(prompts: list[list[int]], alignment: int) -> float:
+    """The token hit rate no router can beat on ``prompts`` in this order: every request finds,
+    in an unbounded cache, the longest prefix it shares with any earlier request (whole
+    ``alignment``-token steps, at most its length - 1, as the engine looks up). The gap between a
+    policy's hit rate and this bound is what cache capacity and placement cost it."""
+    hit = total = 0
+    seen: list[list[int]] = []
+    for prompt in prompts:
+        best = 0
+        for earlier in seen:
+            same = 0
+            for a, b in zip(prompt, earlier):
+                if a != b:
+                    break
+                same += 1
+            best = max(best, min(same, len(prompt) - 1))
+        hit += best - best % alignment
+        total += len(prompt)
+        seen.append(prompt)
+    return hit / total if total else 0.0
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -151,6 +174,7 @@ def run_policy(config: ClusterConfig, policy: str, workload: Any) -> dict[str, A
     out = outcome(results, elapsed)
     out.update(
         policy=policy,
+        hit_rate_bound=round(hit_rate_bound(prompts, alignment_tokens(kv_groups(cfg))), 4),
         num_blocks_per_worker=cfg.kv_cache.num_blocks,
         worker_hit_rates={w: round(s["hit_rate"], 4) for w, s in stats["workers"].items()},
         route_reasons=stats.get("router", {}).get("reasons", {}),
@@ -225,6 +249,9 @@ def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out["ttft_p50_s"] = {p: r["ttft_p50_s"] for p, r in runs.items()}
     out["ttft_p90_s"] = {p: r["ttft_p90_s"] for p, r in runs.items()}
     out["hit_rate"] = {p: r["hit_rate"] for p, r in runs.items()}
+    bounds = {r["hit_rate_bound"] for r in runs.values() if "hit_rate_bound" in r}
+    if len(bounds) == 1:
+        out["hit_rate_bound"] = bounds.pop()
     out["mispredicted_share"] = {p: r["mispredicted_share"] for p, r in runs.items()}
     ours = runs.get("kvfleet")
     if ours is None:
