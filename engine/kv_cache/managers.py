@@ -438,10 +438,11 @@ class SlidingWindowManager(SingleTypeManager):
             first = 0
             table.reverse()
         end = boundary // self.block_size
-        lo = max(end - self.need, first)
-        hi = min(end, n)
-        if lo < hi:  # some of the boundary's window is still live
-            return table, n - hi, n - lo
+        if end > first:  # the boundary's window may still be live (mostly it left long ago)
+            lo = max(end - self.need, first)
+            hi = min(end, n)
+            if lo < hi:
+                return table, n - hi, n - lo
         return table, 0, 0
 
 
