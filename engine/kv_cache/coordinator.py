@@ -565,9 +565,11 @@ class HybridCoordinator:
             if start == stop:
                 run += ordered
                 continue
-            run += ordered[:start]
             if run:
+                run += ordered[:start]
                 pool.free_blocks(run, enforce=False)
+            elif start:
+                pool.free_blocks(ordered[:start], enforce=False)
             pool.free_retaining(ordered[start:stop])
             run = ordered[stop:]
         if run:

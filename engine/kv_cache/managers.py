@@ -296,8 +296,8 @@ class FullAttentionManager(SingleTypeManager):
             return super().pop_release(request_id, boundary)
         n = len(table)
         table.reverse()
-        needed = min(boundary // self.block_size, n)  # a hit needs every block before it
-        return table, n - needed, n
+        needed = boundary // self.block_size  # a hit needs every block before it
+        return table, (n - needed if needed < n else 0), n
 
 
 class SlidingWindowManager(SingleTypeManager):
