@@ -1,7 +1,10 @@
 """The issue-16 cluster benchmark in one run: every routing policy (kvfleet, prefix_tree,
 round_robin) on the shared-prefix workload and on the hybrid-pressure workload (on the main
 model and on a second, Mamba hybrid preset), pins re-established by copy vs by computing, and
-the P/D TTFT overhead where ``cluster.pd_overhead`` provides it.
+the P/D TTFT overhead where ``cluster.pd_overhead`` provides it. Beside each hybrid workload's
+runs, ``route_ceiling``: the same prompts replayed one at a time through the workers' real
+coordinators under each placement and a perfect-knowledge oracle (``cluster.route_ceiling``),
+i.e. how much hit rate placement alone can win there.
 
 The result's ``summary`` holds exactly the issue's keys; everything else is the evidence.
 """
@@ -99,12 +102,16 @@ def pd_overhead(config: ClusterConfig) -> dict[str, Any]:
 def run_suite(main: ClusterConfig, hybrid_second: ClusterConfig | None, suite: Suite) -> dict[str, Any]:
     """The whole benchmark; ``summary`` carries the issue's keys (None where not measured)."""
     from cluster.repin_bench import measure_repin
+    from cluster.route_ceiling import route_ceiling
 
     out: dict[str, Any] = {}
     out["shared_prefix"] = run_workload(main, suite.shared, suite.policies)
     out["hybrid"] = {main.model.source: run_workload(main, suite.hybrid, suite.policies)}
+    out["hybrid"][main.model.source]["route_ceiling"] = route_ceiling(main, suite.hybrid)
     if hybrid_second is not None:
-        out["hybrid"][hybrid_second.model.source] = run_workload(hybrid_second, suite.hybrid_small, suite.policies)
+        second = run_workload(hybrid_second, suite.hybrid_small, suite.policies)
+        second["route_ceiling"] = route_ceiling(hybrid_second, suite.hybrid_small)
+        out["hybrid"][hybrid_second.model.source] = second
     if suite.auto_pin_compare:
         out["auto_pin_decode"] = compare_decode_auto_pins(main, suite.hybrid)
     if suite.repin_tokens > 0:

@@ -1,0 +1,188 @@
+"""How much token hit rate placement alone can win on a workload (issue 16's evidence).
+
+The cluster benchmark compares routers on a real cluster, where concurrency, timing and CPU
+contention move every number. This replays the same prompts with none of that: one request at
+a time, through ``num_workers`` real ``HybridCoordinator``s built like the workers' (the
+config's KV groups, pool size and retention tier), each request prefilled in
+``scheduler.prefill_chunk_size`` chunks cut as the scheduler cuts them (align mode for Mamba
+groups, ending a chunk at the attention-only hit: ``engine.scheduler.recurrent_checkpoint``;
+windows dropped after each chunk), decoded for ``max_tokens`` steps, then freed. Placement by:
+
+* ``prefix_tree``: the approximate tree the benchmark runs (``PrefixTreeRouter``), fed with its
+  own routing history only, and with each worker's requests served so far (less the fewest) as
+  its running count: the tree balances new prefixes by running requests, which on a live
+  cluster tracks what each worker was given (idle loads would tie every time and pile new
+  prefixes on one worker at random, a handicap the live tree does not have);
+* ``kvfleet``: kvfleet's policy (``RoutingPolicy``), fed with the coordinators' KV events;
+* ``exact_oracle``: the worker whose coordinator holds the longest hit for this prompt at this
+  moment (perfect knowledge; ties to the worker that served the fewest requests);
+* ``round_robin``.
+
+Every worker is idle when a request arrives (kvfleet balances new prefixes by the work it
+assigned lately, its own average), so only cache knowledge and that balancing steer.
+``exact_oracle`` over ``prefix_tree`` is what exact hit knowledge can win here; ``bound`` is
+``cluster.bench.hit_rate_bound`` (unbounded cache). Measured for the hybrid workloads in
+benchmarks/cluster_bench.py's docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cluster.bench import hit_rate_bound, kv_groups, sized_config
+from configs import ClusterConfig
+from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
+from engine.kv_cache.spec import MambaSpec, alignment_tokens
+from engine.routing.baselines import PrefixTreeRouter, RoundRobinRouter
+from engine.routing.policy import RoutingPolicy
+from engine.routing.router import Router
+from engine.routing.types import RouteRequest, WorkerLoad
+from engine.scheduler import aligned_chunk, recurrent_checkpoint
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("prefix_tree", "kvfleet", "exact_oracle", "round_robin")
+#: the routers' clock advances this much per request (their work averages decay in seconds)
+SECONDS_PER_REQUEST = 1.0
+
+
+class _Workers:
+    """``count`` coordinators built like the config's workers, and how many requests each served."""
+
+    def __init__(self, config: ClusterConfig, groups: list[Any], count: int):
+        cache = config.kv_cache
+        pinning = cache.pinning
+        retention = RetentionOptions(
+            pinning.enabled, pinning.budget_blocks, pinning.pin_sliding_window, pinning.min_drop_blocks
+        )
+        self.coords = [
+            HybridCoordinator(
+                groups, cache.num_blocks, enable_caching=cache.prefix_caching, retention=retention, enable_events=True
+            )
+            for _ in range(count)
+        ]
+        self.num_blocks = cache.num_blocks
+        self.mamba_align = self.coords[0].alignment if any(isinstance(g.spec, MambaSpec) for g in groups) else 0
+        self.served = [0] * count
+        self.chunk = config.scheduler.prefill_chunk_size
+
+    def hit(self, k: int, prompt: list[int]) -> int:
+        coord = self.coords[k]
+        req = CacheRequest("peek", prompt, coord.hash_block_size)
+        return coord.find_longest_cache_hit(req.block_hashes, len(prompt) - 1).num_tokens
+
+    def run(self, k: int, prompt: list[int], request_id: str, max_tokens: int) -> int:
+        """Admit, prefill, decode and free ``prompt`` on worker ``k``; its hit in tokens."""
+        coord = self.coords[k]
+        req = CacheRequest(request_id, prompt, coord.hash_block_size)
+        coord.new_step()
+        hit = coord.get_computed_blocks(req)
+        stop = recurrent_checkpoint(coord, req, hit) if self.mamba_align else 0
+        done, first = hit.num_tokens, True
+        while done < len(prompt):
+            step = min(self.chunk, len(prompt) - done)
+            if self.mamba_align:  # the scheduler's align-mode chunk, stopping at the checkpoint
+                step = aligned_chunk(done, step, len(prompt), self.mamba_align, stop)
+            coord.new_step()
+            if coord.allocate_slots(req, step, hit if first else None) is None:
+                raise RuntimeError(f"{request_id}: {step} tokens do not fit in {self.num_blocks} blocks")
+            first = False
+            done += step
+            req.num_computed_tokens = done
+            coord.remove_skipped_blocks(request_id, done)
+        for i in range(max_tokens):
+            req.append_token_ids([(len(prompt) * 7 + i + 1) % 30000])
+            coord.new_step()
+            if coord.allocate_slots(req, 1) is None:
+                raise RuntimeError(f"{request_id}: decode step {i} does not fit")
+            req.num_computed_tokens += 1
+            coord.remove_skipped_blocks(request_id, req.num_computed_tokens)
+        coord.free(request_id)
+        self.served[k] += 1
+        return hit.num_tokens
+
+
+def _router_placement(
+    router: Router, workers: _Workers, feed_events: bool, served_as_running: bool
+) -> Callable[[list[int], str], int]:
+    names = [f"w{k}" for k in range(len(workers.coords))]
+    for k, name in enumerate(names):
+        router.add_worker(name, "both", workers.num_blocks)
+    block = workers.coords[0].hash_block_size
+
+    clock = [0.0]
+
+    def place(prompt: list[int], request_id: str) -> int:
+        req = CacheRequest(request_id, prompt, block)
+        decision = router.route(RouteRequest(request_id, req.block_hashes, len(prompt)), clock[0])
+        return names.index(decision.prefill_worker)
+
+    def settle() -> None:
+        clock[0] += SECONDS_PER_REQUEST
+        for k, name in enumerate(names):
+            if feed_events:
+                router.apply_events(name, workers.coords[k].take_events(), clock[0])
+            running = workers.served[k] - min(workers.served) if served_as_running else 0
+            router.update_load(name, WorkerLoad(running_requests=running))
+
+    place.settle = settle  # type: ignore[attr-defined]
+    return place
+
+
+def replay(config: ClusterConfig, workload: Any, placement: str, num_workers: int) -> dict[str, Any]:
+    """One placement over the workload's prompts; token hit rate and requests per worker."""
+    groups = kv_groups(config)
+    sized = sized_config(config, workload, groups)
+    workers = _Workers(sized, groups, num_workers)
+    prompts = workload.prompts(_vocab(config))
+    settle: Callable[[], None] = lambda: None  # noqa: E731
+    if placement == "exact_oracle":
+
+        def place(prompt: list[int], request_id: str) -> int:
+            hits = [workers.hit(k, prompt) for k in range(num_workers)]
+            return max(range(num_workers), key=lambda k: (hits[k], -workers.served[k], -k))
+    elif placement in ("prefix_tree", "round_robin", "kvfleet"):
+        if placement == "kvfleet":
+            router: Router = RoutingPolicy(groups, sized.router.model_copy(update={"pins": []}))
+        elif placement == "prefix_tree":
+            router = PrefixTreeRouter(groups)
+        else:
+            router = RoundRobinRouter(groups)
+        place = _router_placement(
+            router, workers, feed_events=placement == "kvfleet", served_as_running=placement == "prefix_tree"
+        )
+        settle = place.settle  # type: ignore[attr-defined]
+    else:
+        raise ValueError(f"placement: one of {PLACEMENTS} (got {placement!r})")
+    hit = total = 0
+    for i, prompt in enumerate(prompts):
+        k = place(prompt, f"r{i}")
+        hit += workers.run(k, prompt, f"r{i}", workload.max_tokens)
+        total += len(prompt)
+        settle()
+    return {"hit_rate": round(hit / total, 4) if total else 0.0, "requests_per_worker": workers.served}
+
+
+def route_ceiling(config: ClusterConfig, workload: Any, num_workers: int | None = None) -> dict[str, Any]:
+    """Every placement on the workload (``num_workers``: the config's prefill workers); the
+    hit rates, the unbounded bound and ``oracle_over_prefix_tree``."""
+    count = num_workers or config.workers.num_prefill or config.workers.num_decode
+    out: dict[str, Any] = {"num_workers": count}
+    for placement in PLACEMENTS:
+        out[placement] = replay(config, workload, placement, count)
+        log.info("route ceiling %s: %s", placement, out[placement])
+    prompts = workload.prompts(_vocab(config))
+    out["bound"] = round(hit_rate_bound(prompts, alignment_tokens(kv_groups(config))), 4)
+    tree = out["prefix_tree"]["hit_rate"]
+    out["oracle_over_prefix_tree"] = round(out["exact_oracle"]["hit_rate"] / tree, 4) if tree else None
+    out["kvfleet_over_prefix_tree"] = round(out["kvfleet"]["hit_rate"] / tree, 4) if tree else None
+    return out
+
+
+def _vocab(config: ClusterConfig) -> int:
+    from engine.core import resolve_model_directory
+    from engine.model.loader import read_hf_config
+
+    return int(read_hf_config(resolve_model_directory(config))["vocab_size"])
