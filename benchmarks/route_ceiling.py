@@ -39,9 +39,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.hybrid_workload import HybridWorkload  # noqa: E402
-from cluster.route_ceiling import replay  # noqa: E402
-from configs import load_config  # noqa: E402
+from cluster.hybrid_workload import HybridWorkload
+from cluster.route_ceiling import replay
+from configs import load_config
 
 log = logging.getLogger("route_ceiling")
 

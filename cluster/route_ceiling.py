@@ -137,7 +137,7 @@ def replay(config: ClusterConfig, workload: Any, placement: str, num_workers: in
     sized = sized_config(config, workload, groups)
     workers = _Workers(sized, groups, num_workers)
     prompts = workload.prompts(_vocab(config))
-    settle: Callable[[], None] = lambda: None  # noqa: E731
+    settle: Callable[[], None] = lambda: None
     if placement == "exact_oracle":
 
         def place(prompt: list[int], request_id: str) -> int:
