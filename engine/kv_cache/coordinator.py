@@ -5,11 +5,12 @@ pays for another's page size); every pool has its own block ids 0..n-1 and its o
 
 Responsibilities, each over all groups (and pools) at once:
 - the longest common prefix hit, by a fixed point over groups aligned to the LCM of their block
-  sizes (a group whose rule fails lowers the candidate; non-full groups are re-queried until no
-  group lowers it);
+  sizes (a group whose rule fails lowers the candidate; non-full groups whose last hit is longer
+  than the candidate are asked again until no group lowers it);
 - two-phase allocation: every group claims its local hit blocks before any group takes blocks
   for external (transferred) tokens, so a claimed hit can never be handed out again;
-- caching, window maintenance, freeing (per group, tail first);
+- caching, window maintenance, freeing (per group, tail first; with one pool, every group's
+  blocks in as few pool calls as the queue order allows);
 - retention: sliding-window anchors at useful boundaries and explicit prefix pins;
 - ``check_invariants()`` for tests.
 """
