@@ -1,0 +1,76 @@
+"""The values a ``HybridCoordinator`` takes and hands out, and its per-pool argument checks.
+
+``RetentionOptions`` configures the pinned retention tier, ``CacheHit`` is a prefix hit (per group,
+the blocks to claim) and ``PoolStats`` one pool's capacity. ``_check_pools`` and ``_per_pool``
+validate the per-pool forms of the coordinator's arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.kv_cache.block_pool import Block
+
+
+@dataclass(frozen=True)
+class RetentionOptions:
+    """The pinned retention tier: on/off, the retained-tier cap, sliding-window anchors.
+
+    ``budget_blocks`` caps each pool's retained tier: an int (or None: no cap) applies to every
+    pool alike, a tuple gives one cap per pool.
+    """
+
+    enabled: bool = False
+    budget_blocks: int | tuple[int | None, ...] | None = None
+    pin_sliding_window: bool = True
+    min_drop_blocks: int = 1
+
+
+class CacheHit(NamedTuple):
+    """A prefix hit: per group, the blocks to claim (null where not needed), and its length.
+
+    ``shared_prefix_tokens`` is the deepest aligned boundary any group had cache for before
+    reconciliation (where the request's chain diverges from cached chains). ``partial`` is set
+    when Mamba groups were left out (remote prefill: their state is transferred).
+    """
+
+    blocks: tuple[list[Block], ...]
+    num_tokens: int
+    shared_prefix_tokens: int = 0
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Capacity of one block pool: usable blocks (null excluded), free ones (pinned included, as an
+    allocation may demote them), pinned ones, explicitly pinned ones, and usage in [0, 1]."""
+
+    pool: int
+    groups: tuple[int, ...]
+    num_blocks: int
+    free_blocks: int
+    pinned_blocks: int
+    explicitly_pinned_blocks: int
+    usage: float
+
+
+def _check_pools(group_pool: list[int]) -> int:
+    """Number of pools the groups name; every index 0..P-1 must be used by some group."""
+    if any(p < 0 for p in group_pool):
+        raise ValueError(f"KVCacheGroup.pool: must be >= 0 (got {group_pool})")
+    num_pools = max(group_pool) + 1
+    unused = sorted(set(range(num_pools)) - set(group_pool))
+    if unused:
+        raise ValueError(f"KVCacheGroup.pool: pools {unused} are used by no group (groups use {group_pool})")
+    return num_pools
+
+
+def _per_pool(name: str, value: object, num_pools: int) -> list:
+    """An int/None applies to every pool; a sequence must give one value per pool."""
+    if value is None or isinstance(value, int):
+        return [value] * num_pools
+    values = list(value)  # type: ignore[call-overload]
+    if len(values) != num_pools:
+        raise ValueError(f"{name}: {len(values)} values for {num_pools} pools")
+    return values
