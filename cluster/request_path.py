@@ -1,0 +1,344 @@
+"""One request's path through the cluster, for ``cluster.api.Cluster`` (split out of it, not used
+alone): route it, tell the decode worker at once when it is split, relay the prefill worker's
+KV handle, stream and detokenize the decode worker's tokens, wait for the router to hold the
+request's blocks, and route it again when a worker is lost before it streamed a token. See
+cluster/api.py's docstring for the whole picture; ``ClusterCompletion.hops`` is built here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.hops import pd_breakdown, whole_breakdown
+from cluster.supervision import await_ref, describe_failure
+from engine.llm import Completion
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ROUTER_ACK_TIMEOUT_S = 30.0  # how long a finished request waits for the router to apply its blocks
+
+
+@dataclass(frozen=True)
+class ClusterCompletion(Completion):
+    """A finished request with where it ran: the router's predicted prefix hit and the hit the
+    worker that prefilled it actually found (``cached_tokens``), driver-side timings and the
+    TTFT's breakdown per hop (``hops``, see ``actors.hops``)."""
+
+    request_id: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    route_reason: str = ""
+    predicted_hit: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    hops: dict[str, float] = field(default_factory=dict)  # TTFT per hop, s (actors.hops)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_worker != self.decode_worker
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text a request gained (``num_tokens`` new output tokens), as streamed to a client."""
+
+    text: str
+    num_tokens: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    submitted: float = field(default_factory=time.monotonic)
+    workers: list[Any] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)  # where the current attempt waits
+    aborted: bool = False
+    attempt: int = 0
+    streamed: bool = False  # the current attempt delivered output tokens
+    task: asyncio.Task[Any] | None = None  # the current attempt
+    lost_worker: str | None = None  # the worker the current attempt was cut loose from
+
+    @property
+    def engine_id(self) -> str:
+        """The id the workers know this attempt by (a retry must not meet its first try's state)."""
+        return self.request_id if not self.attempt else f"{self.request_id}#retry{self.attempt}"
+
+    def on(self, worker_id: str, handle: Any, *more: tuple[str, Any]) -> None:
+        """The current attempt now waits on this worker (and on ``more`` (id, handle) pairs)."""
+        self.workers = [handle, *(h for _, h in more)]
+        self.worker_ids = [worker_id, *(w for w, _ in more)]
+
+    def cut_loose(self, worker_id: str) -> None:
+        """The worker this attempt waits on is lost: stop waiting (``_collect`` decides what next)."""
+        if self.task is not None and not self.task.done() and self.lost_worker is None:
+            self.lost_worker = worker_id
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+
+
+class ClusterRequests:
+    """Runs requests for ``Cluster`` (state: the cluster's ``_active``, workers, router and
+    infos). Invariant: ``_collect`` always takes its request out of ``_active`` and reports it to
+    the router once, however the attempt ends."""
+
+    config: Any
+    router: Any
+    workers: dict[str, Any]
+    infos: dict[str, Any]
+    lost: dict[str, str]
+    tokenizer: Any
+    _active: dict[str, Any]
+    _hash_block_size: int
+
+    async def _collect(self, request: _Request, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
+        """Route, (prefill,) decode and detokenize one request; always leaves ``_active``.
+
+        A worker that dies is removed from the router; the request is routed again if it had
+        streamed no token yet (otherwise it fails with a RuntimeError naming the worker)."""
+        rid = request.request_id
+        self._active[rid] = request
+        ok, ttft_s, num_out = False, 0.0, 0
+        try:
+            for _ in range(max(1, len(self.infos))):
+                try:
+                    result = await self._attempt_supervised(request, on_delta)
+                except _WorkerLost as lost:
+                    if lost.handle is not None:  # never its replacement, if one holds the id by now
+                        self._forget_worker(lost.worker_id, lost.why, lost.handle)
+                    for handle in self.workers.values():  # e.g. the prefill worker's held blocks
+                        handle.abort.remote(request.engine_id)
+                    request.attempt += 1
+                    if lost.streamed or not self.workers:
+                        raise RuntimeError(
+                            f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
+                            + (" after streaming output; not retried" if lost.streamed else "")
+                        ) from lost.__cause__
+                    log.warning("%s failed before %s produced a token (%s); routing it again",
+                                lost.worker_id, rid, lost.why)  # fmt: skip
+                    continue
+                ok, ttft_s, num_out = True, result.ttft_s, len(result.token_ids)
+                return result
+            raise RuntimeError(f"request {rid}: every worker it was routed to died")
+        finally:
+            self._active.pop(rid, None)
+            if self.router is not None:
+                self.router.finished.remote(ttft_s, num_out, ok)
+
+    async def _attempt_supervised(
+        self, request: _Request, on_delta: Callable[[Delta], None] | None
+    ) -> ClusterCompletion:
+        """``_attempt`` as a task the health loop can cut loose from a lost worker (then this
+        raises ``_WorkerLost``); cancelling the caller still cancels the attempt."""
+        request.lost_worker, request.streamed, request.worker_ids = None, False, []
+        task = asyncio.ensure_future(self._attempt(request, on_delta))
+        request.task = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if request.lost_worker is None or (current is not None and current.cancelling()):
+                raise
+            why = self.lost.get(request.lost_worker, "lost")
+            ids = request.worker_ids
+            handle = request.workers[ids.index(request.lost_worker)] if request.lost_worker in ids else None
+            raise _WorkerLost(request.lost_worker, request.streamed, why, handle) from None
+        finally:
+            request.task = None
+
+    async def _attempt(self, request: _Request, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from actors.worker import WorkerUnavailableError
+        from engine.kv_cache.hashing import block_hashes
+        from engine.tokenizer import IncrementalDetokenizer
+
+        rid, ids = request.engine_id, request.token_ids
+        started = time.monotonic()
+        hashes = block_hashes(ids, self._hash_block_size)
+        try:
+            decision = await asyncio.wait_for(await_ref(self.router.route.remote(rid, hashes, len(ids))),
+                                              self.config.workers.health_check_timeout_s)  # fmt: skip
+        except (RayActorError, RayTaskError, TimeoutError) as exc:  # restarting, or no workers registered yet
+            log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
+            decision = self.fallback_decision(rid, len(ids))
+        prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
+        cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
+        if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
+            prefill_id = decode_id
+        detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
+                                       request.sampling.include_stop_str_in_output)  # fmt: skip
+        reason = "abort"
+        error: str | None = None
+        first_token: float | None = None
+        first_hops: dict[str, float] | None = None
+        acks: list[Any] = []
+        stream: Any = None
+        prefill: Any = None  # the prefill worker's result (P/D)
+        prefill_call_s = 0.0
+        sent = time.monotonic()
+        if not request.aborted:
+            decoder = self._worker(decode_id)
+            if prefill_id != decode_id:
+                prefiller = self._worker(prefill_id)
+                request.on(decode_id, decoder, (prefill_id, prefiller))
+                # the decode worker hears of the request now: it reserves the prompt's blocks and
+                # warms its connection to the prefill worker while the prefill runs
+                peer = getattr(self.infos.get(prefill_id), "agent", None)
+                stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, None,
+                                                                                  True, peer)  # fmt: skip
+                sent = time.monotonic()
+                prefill = await self._prefill(request, prefiller, prefill_id, decoder)
+                prefill_call_s = time.monotonic() - sent
+                cached = prefill.num_cached_tokens
+                acks.append(prefill.router_ack)
+            request.on(decode_id, decoder)
+        if not request.aborted:
+            stopped = False
+            try:
+                if stream is None:
+                    stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling)
+                async for ref in stream:
+                    chunk = await ref
+                    if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
+                        cached = chunk.num_cached_tokens
+                    if chunk.worker_failed:
+                        why = chunk.error or "its engine stopped"
+                        raise _WorkerLost(decode_id, first_token is not None, why, decoder)
+                    if chunk.hops:
+                        first_hops = chunk.hops
+                    if chunk.token_ids and not stopped:
+                        first_token = first_token or time.monotonic()
+                        request.streamed = True
+                        delta = detok.add(chunk.token_ids)
+                        if on_delta is not None:
+                            on_delta(Delta(delta, len(chunk.token_ids)))
+                        if detok.stopped and not chunk.finished:
+                            stopped = True
+                            await decoder.abort.remote(rid)
+                    if chunk.finished:
+                        reason = "stop" if stopped else (chunk.finish_reason or "stop")
+                        error = chunk.error
+                        acks.append(chunk.router_ack)
+                        break
+            except (RayActorError, RayTaskError) as exc:
+                raise _lost_or_raise(decode_id, decoder, first_token is not None, exc, WorkerUnavailableError) from exc
+        tail = detok.flush()  # a held-back tail that turned out not to start a stop string
+        if tail and on_delta is not None:
+            on_delta(Delta(tail, 0))
+        await _await_acks(acks)  # the router holds this request's blocks before it counts as finished
+        now = time.monotonic()
+        if reason == "error":
+            raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")
+        hops: dict[str, float] = {}
+        if first_token is not None and first_hops is not None:
+            retry_s = started - request.submitted if request.attempt else 0.0
+            route_s = sent - (started if request.attempt else request.submitted)
+            if prefill is not None and "since_handle" in first_hops:
+                hops = pd_breakdown(route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops,
+                                    first_hops, retry_s)  # fmt: skip
+            elif "since_arrival" in first_hops:
+                hops = whole_breakdown(route_s, first_token - sent, first_hops, retry_s)
+            log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
+                      " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
+        return ClusterCompletion(
+            request.prompt,
+            detok.text,
+            list(detok.token_ids),
+            reason,
+            request_id=request.request_id,
+            prompt_token_ids=tuple(ids),
+            prefill_worker=prefill_id,
+            decode_worker=decode_id,
+            route_reason=decision.reason,
+            predicted_hit=decision.predicted_hit,
+            cached_tokens=max(cached, 0),
+            ttft_s=(first_token or now) - request.submitted,
+            latency_s=now - request.submitted,
+            hops=hops,
+        )
+
+    async def _prefill(self, request: _Request, prefiller: Any, prefill_id: str, decoder: Any) -> Any:
+        """The prefill worker's result for ``request``; sends its handle to the decode worker told
+        of the request (which, whenever no handle comes, is aborted here so it frees its blocks)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from actors.worker import WorkerUnavailableError
+
+        rid = request.engine_id
+        handed = False
+        try:
+            try:
+                result = await prefiller.prefill.remote(rid, request.token_ids)
+            except (RayActorError, RayTaskError) as exc:
+                raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
+            if result.kv_handle is None:
+                if result.worker_failed:
+                    raise _WorkerLost(prefill_id, False, result.error or "its engine stopped", prefiller)
+                request.aborted = request.aborted or result.finish_reason == "abort"
+                if not request.aborted:
+                    raise RequestFailedError(
+                        f"{prefill_id}: prefill of {rid} ended with {result.finish_reason!r}"
+                        + (f": {result.error}" if result.error else "")
+                    )
+                return result
+            decoder.deliver.remote(rid, result.kv_handle)
+            handed = True
+            return result
+        finally:
+            if not handed:
+                decoder.abort.remote(rid)
+
+    def _worker(self, worker_id: str) -> Any:
+        handle = self.workers.get(worker_id)
+        if handle is None:  # removed after the router chose it
+            raise _WorkerLost(worker_id, False, self.lost.get(worker_id, "removed from the router"))
+        return handle
+
+
+async def _await_acks(acks: list[Any]) -> None:
+    """Wait (bounded) until the router applied the workers' reports named by ``acks``."""
+    refs = [ack for ack in acks if ack is not None]
+    if not refs:
+        return
+    try:
+        await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), ROUTER_ACK_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("router did not apply a worker's report within %.0f s; going on", ROUTER_ACK_TIMEOUT_S)
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed on its worker (the worker itself serves on); the message says why."""
+
+
+class _WorkerLost(Exception):
+    """A worker died, stopped or hung during a request (``streamed``: it had already sent
+    tokens, so the request cannot run again elsewhere without repeating them)."""
+
+    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died", handle: Any = None):
+        super().__init__(worker_id)
+        self.worker_id = worker_id
+        self.streamed = streamed
+        self.why = why
+        self.handle = handle  # the actor that failed (None: it had already left this driver)
+
+
+def _lost_or_raise(
+    worker_id: str, handle: Any, streamed: bool, exc: Exception, unavailable: type[Exception]
+) -> Exception:
+    """A Ray error of a worker call as ``_WorkerLost`` when the worker is gone or unhealthy;
+    any other task error stays what it is."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), unavailable):
+        return _WorkerLost(worker_id, streamed, describe_failure(exc), handle)
+    return exc
