@@ -2,9 +2,12 @@
 
 - ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
   the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment).
+- ``hit_rules``: those rules over any per-group hash sets (``HitRules``), and ``WorkerSnapshot``.
+- ``worker_masks``: the bitmask walks the index answers every worker with at once.
 - ``router``: ``Router``, the interface every policy offers.
 - ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
-- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
+- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins;
+  its argmin and guards in ``policy_choice``, its pin upkeep in ``policy_pins``.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
 - ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
 - ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).

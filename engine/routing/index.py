@@ -33,7 +33,6 @@ snapshot. A stale worker keeps predicting from its last known state.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
@@ -41,7 +40,6 @@ from itertools import accumulate, repeat
 from operator import and_
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED
-from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,
@@ -50,124 +48,23 @@ from engine.kv_cache.events import (
     BlockUnpinned,
     KVEvent,
 )
-from engine.kv_cache.managers import (
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeManager,
-)
 from engine.kv_cache.spec import KVCacheGroup
+from engine.routing.hit_rules import (
+    PREFIX,
+    GroupHash,
+    HitRules,
+    WorkerSnapshot,
+    snapshot_coordinator,
+)
+from engine.routing.worker_masks import RangeAnd, contiguous_depths, sliding_and
 
 WorkerId = Hashable
-GroupHash = tuple[int, bytes]
 
 FEW_WORKERS = 3  # resolve up to this many workers one by one (reference fixed point)
-PREFIX = 0  # a group's hit at L needs every block before L
-GENERIC = -1  # needed ranges of no simpler shape: answered range by range
 
 #: events buffered for a stale worker before the index gives up on replaying them (then it asks
 #: for another snapshot once the current one is applied).
 MAX_BUFFERED_EVENTS = 200_000
-
-
-@dataclass(frozen=True)
-class WorkerSnapshot:
-    """A worker's prefix-cache state: per group, every cached hash and its pin level, as of the
-    pool's event sequence number ``seq`` (events with seq <= ``seq`` are already reflected)."""
-
-    seq: int
-    groups: tuple[dict[bytes, int], ...]
-
-
-def snapshot_coordinator(coord: HybridCoordinator) -> WorkerSnapshot:
-    """The snapshot a worker returns when the router asks for a resync (runs on the worker)."""
-    seq, groups = coord.snapshot()
-    return WorkerSnapshot(seq, groups)
-
-
-class HitRules:
-    """The coordinator's hit rules over arbitrary per-group hash sets.
-
-    Holds a 2-block shadow ``HybridCoordinator`` with the router's groups: its managers give the
-    per-type rules (``blocks_needed_at``, views at each group's granularity) and, for the slow path,
-    its ``find_longest_cache_hit`` runs unchanged after each manager's ``cached`` map is pointed at
-    the worker's hash set (the manager code only reads ``cached.get(h)`` / ``cached[h]``).
-    """
-
-    def __init__(self, groups: Sequence[KVCacheGroup]):
-        self.groups = list(groups)
-        self._shadow = HybridCoordinator(self.groups, num_blocks=2)
-        self.managers: list[SingleTypeManager] = self._shadow.managers
-        self.alignment = self._shadow.alignment
-        self.hash_block_size = self._shadow.hash_block_size
-        self.full_groups = [g for g, m in enumerate(self.managers) if isinstance(m, FullAttentionManager)]
-        self.mamba_groups = {g for g, m in enumerate(self.managers) if isinstance(m, MambaManager)}
-        self.block_sizes = [m.block_size for m in self.managers]
-        self.full_set = set(self.full_groups)
-        self.order = self.full_groups + [g for g in range(len(self.managers)) if g not in self.full_set]
-        # Per group, the needed block range at each aligned length k * alignment, and its shape.
-        self._ranges: list[list[tuple[int, int]]] = [[(0, 0)] for _ in self.managers]
-        self.shapes: list[int] = [PREFIX for _ in self.managers]
-
-    def ensure(self, steps: int) -> None:
-        """Know ``blocks_needed_at(k * alignment)`` for k <= steps in every group, classified as
-        PREFIX (blocks 0..end: full attention), a window of ``w >= 1`` blocks ending at the hit
-        (fewer near the start: sliding window, Mamba with w = 1) or GENERIC (anything else)."""
-        if len(self._ranges[0]) > steps:
-            return
-        for g, manager in enumerate(self.managers):
-            ranges = self._ranges[g]
-            shape = self.shapes[g]
-            for k in range(len(ranges), steps + 1):
-                needed = manager.blocks_needed_at(k * self.alignment)
-                start, stop = needed.start, needed.stop
-                ranges.append((start, stop))
-                if shape == GENERIC:
-                    continue
-                if stop != k * self.alignment // manager.block_size:
-                    shape = GENERIC  # not a range ending at the hit
-                elif shape == PREFIX:
-                    if start == 0:
-                        continue
-                    width = stop - start
-                    if all(a == max(0, b - width) for a, b in ranges):
-                        shape = width
-                    else:
-                        shape = GENERIC
-                elif start != max(0, stop - shape):
-                    shape = GENERIC
-            self.shapes[g] = shape
-
-    def needed_ranges(self, g: int, steps: int) -> list[tuple[int, int]]:
-        self.ensure(steps)
-        return self._ranges[g][: steps + 1]
-
-    def views(self, hashes: Sequence[bytes]) -> list[list[bytes]]:
-        """The request's hashes at each group's granularity."""
-        hashes = hashes if isinstance(hashes, list) else list(hashes)
-        return [m.view(hashes) for m in self.managers]
-
-    def longest_hit(
-        self, tables: Sequence[Mapping[bytes, object]], hashes: Sequence[bytes], max_length: int, skip_mamba: bool
-    ) -> int:
-        """The coordinator's own fixed point, evaluated on these per-group hash sets."""
-        for manager, table in zip(self.managers, tables):
-            manager.cached = table  # type: ignore[assignment]
-        hashes = hashes if isinstance(hashes, list) else list(hashes)
-        return self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba).num_tokens
-
-    def needed(self, hashes: Sequence[bytes], length: int, skip_mamba: bool = False) -> list[GroupHash]:
-        """(group, hash) of every block a hit at ``length`` needs (what ``pin_prefix`` pins)."""
-        views = self.views(hashes)
-        out: list[GroupHash] = []
-        for g, manager in enumerate(self.managers):
-            if skip_mamba and g in self.mamba_groups:
-                continue
-            view = views[g]
-            out.extend((g, view[i]) for i in manager.blocks_needed_at(length))
-        return out
-
-    def aligned(self, num_tokens: int) -> int:
-        return num_tokens - num_tokens % self.alignment
 
 
 class _Worker:
@@ -335,7 +232,7 @@ class PrefixIndex:
         g0 = checks.pop(0)
         per0 = align // rules.block_sizes[g0]
         limit = min(steps * per0, len(views[g0]))
-        stops = _walk(views[g0], limit - limit % per0, self._owners[g0], alive)
+        stops = contiguous_depths(views[g0], limit - limit % per0, self._owners[g0], alive)
         failing = 0
         deepest = 0
         for nblocks, workers in reversed(stops):
@@ -429,11 +326,11 @@ class PrefixIndex:
             head = min(steps, width // per)  # steps whose window reaches back to block 0
             ends = list(accumulate(present[: head * per], and_, initial=alive))[::per]
             if steps > head:
-                windows = _sliding_and(present, width)  # windows[s]: AND of present[s : s + width]
+                windows = sliding_and(present, width)  # windows[s]: AND of present[s : s + width]
                 ends.extend([alive & w for w in windows[(head + 1) * per - width :: per]])
             return ends
         ranges = rules.needed_ranges(g, steps)
-        table = _RangeAnd(present)
+        table = RangeAnd(present)
         return [alive & table.all_of(a, b) for a, b in ranges]
 
     # -- events -------------------------------------------------------------------------------------
@@ -557,71 +454,4 @@ class PrefixIndex:
             table.clear()
 
 
-def _walk(view: Sequence[bytes], limit: int, owners: Mapping[bytes, int], alive: int) -> list[tuple[int, int]]:
-    """Contiguous-prefix depths of a downward-closed (full-attention) group: ``(n, mask)`` pairs,
-    ascending in n, where ``mask`` holds the workers whose cached run of ``view`` is exactly ``n``
-    blocks (n >= 1, capped at ``limit``).
-
-    ``held[i]`` (the workers holding blocks 0..i-1) is a running AND computed in C; it only ever
-    loses workers, so each change point is found by bisection."""
-    held = list(accumulate(map(owners.get, view[:limit], repeat(0)), and_, initial=alive))
-    stops: list[tuple[int, int]] = []
-    end = len(held)
-    i = 1
-    current = alive
-    while current:
-        j = bisect_left(held, True, i, end, key=current.__ne__)  # first index no longer == current
-        if j == end:
-            stops.append((end - 1, current))
-            break
-        if j > 1:
-            stops.append((j - 1, current & ~held[j]))
-        current = held[j]
-        i = j + 1
-    return stops
-
-
-def _sliding_and(values: list[int], width: int) -> list[int]:
-    """``out[s]`` = AND of ``values[s : s + width]`` for every full window: per chunk of ``width``
-    values a forward and a backward running AND (van Herk / Gil-Werman), then one pass."""
-    if width == 1:
-        return values
-    forward: list[int] = []
-    backward: list[int] = []
-    for c in range(0, len(values), width):
-        chunk = values[c : c + width]
-        forward.extend(accumulate(chunk, and_))
-        tail = list(accumulate(reversed(chunk), and_))
-        tail.reverse()
-        backward.extend(tail)
-    return [a & b for a, b in zip(backward, forward[width - 1 :])]
-
-
-class _RangeAnd:
-    """AND of worker bitmasks over any index range of ``present`` (prefix ANDs for ranges from 0,
-    a sparse table built level by level on demand for the others)."""
-
-    __slots__ = ("_levels", "_prefix", "present")
-
-    def __init__(self, present: list[int]):
-        self.present = present
-        self._prefix: list[int] | None = None
-        self._levels = [present]
-
-    def all_of(self, start: int, stop: int) -> int:
-        if stop <= start:
-            return -1  # nothing needed: every worker
-        if stop - start == 1:
-            return self.present[start]
-        if start == 0:
-            if self._prefix is None:
-                self._prefix = list(accumulate(self.present, and_, initial=-1))
-            return self._prefix[stop]
-        k = (stop - start).bit_length() - 1
-        levels = self._levels
-        while len(levels) <= k:
-            prev = levels[-1]
-            half = 1 << (len(levels) - 1)
-            levels.append([a & b for a, b in zip(prev, prev[half:])])
-        level = levels[k]
-        return level[start] & level[stop - (1 << k)]
+__all__ = ["EventOutcome", "GroupHash", "HitRules", "Pending", "PrefixIndex", "WorkerSnapshot", "snapshot_coordinator"]

@@ -1,0 +1,126 @@
+"""The worker coordinator's hit rules over arbitrary per-group hash sets (``HitRules``), and the
+snapshot a worker sends when the router resyncs its index (``WorkerSnapshot``).
+
+Split out of ``engine.routing.index`` (which uses both); see that module's docstring for how the
+index predicts every worker's hit at once with these rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from engine.kv_cache.coordinator import HybridCoordinator
+from engine.kv_cache.managers import (
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeManager,
+)
+from engine.kv_cache.spec import KVCacheGroup
+
+WorkerId = Hashable
+GroupHash = tuple[int, bytes]
+
+PREFIX = 0  # a group's hit at L needs every block before L
+GENERIC = -1  # needed ranges of no simpler shape: answered range by range
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """A worker's prefix-cache state: per group, every cached hash and its pin level, as of the
+    pool's event sequence number ``seq`` (events with seq <= ``seq`` are already reflected)."""
+
+    seq: int
+    groups: tuple[dict[bytes, int], ...]
+
+
+def snapshot_coordinator(coord: HybridCoordinator) -> WorkerSnapshot:
+    """The snapshot a worker returns when the router asks for a resync (runs on the worker)."""
+    seq, groups = coord.snapshot()
+    return WorkerSnapshot(seq, groups)
+
+
+class HitRules:
+    """The coordinator's hit rules over arbitrary per-group hash sets.
+
+    Holds a 2-block shadow ``HybridCoordinator`` with the router's groups: its managers give the
+    per-type rules (``blocks_needed_at``, views at each group's granularity) and, for the slow path,
+    its ``find_longest_cache_hit`` runs unchanged after each manager's ``cached`` map is pointed at
+    the worker's hash set (the manager code only reads ``cached.get(h)`` / ``cached[h]``).
+    """
+
+    def __init__(self, groups: Sequence[KVCacheGroup]):
+        self.groups = list(groups)
+        self._shadow = HybridCoordinator(self.groups, num_blocks=2)
+        self.managers: list[SingleTypeManager] = self._shadow.managers
+        self.alignment = self._shadow.alignment
+        self.hash_block_size = self._shadow.hash_block_size
+        self.full_groups = [g for g, m in enumerate(self.managers) if isinstance(m, FullAttentionManager)]
+        self.mamba_groups = {g for g, m in enumerate(self.managers) if isinstance(m, MambaManager)}
+        self.block_sizes = [m.block_size for m in self.managers]
+        self.full_set = set(self.full_groups)
+        self.order = self.full_groups + [g for g in range(len(self.managers)) if g not in self.full_set]
+        # Per group, the needed block range at each aligned length k * alignment, and its shape.
+        self._ranges: list[list[tuple[int, int]]] = [[(0, 0)] for _ in self.managers]
+        self.shapes: list[int] = [PREFIX for _ in self.managers]
+
+    def ensure(self, steps: int) -> None:
+        """Know ``blocks_needed_at(k * alignment)`` for k <= steps in every group, classified as
+        PREFIX (blocks 0..end: full attention), a window of ``w >= 1`` blocks ending at the hit
+        (fewer near the start: sliding window, Mamba with w = 1) or GENERIC (anything else)."""
+        if len(self._ranges[0]) > steps:
+            return
+        for g, manager in enumerate(self.managers):
+            ranges = self._ranges[g]
+            shape = self.shapes[g]
+            for k in range(len(ranges), steps + 1):
+                needed = manager.blocks_needed_at(k * self.alignment)
+                start, stop = needed.start, needed.stop
+                ranges.append((start, stop))
+                if shape == GENERIC:
+                    continue
+                if stop != k * self.alignment // manager.block_size:
+                    shape = GENERIC  # not a range ending at the hit
+                elif shape == PREFIX:
+                    if start == 0:
+                        continue
+                    width = stop - start
+                    if all(a == max(0, b - width) for a, b in ranges):
+                        shape = width
+                    else:
+                        shape = GENERIC
+                elif start != max(0, stop - shape):
+                    shape = GENERIC
+            self.shapes[g] = shape
+
+    def needed_ranges(self, g: int, steps: int) -> list[tuple[int, int]]:
+        self.ensure(steps)
+        return self._ranges[g][: steps + 1]
+
+    def views(self, hashes: Sequence[bytes]) -> list[list[bytes]]:
+        """The request's hashes at each group's granularity."""
+        hashes = hashes if isinstance(hashes, list) else list(hashes)
+        return [m.view(hashes) for m in self.managers]
+
+    def longest_hit(
+        self, tables: Sequence[Mapping[bytes, object]], hashes: Sequence[bytes], max_length: int, skip_mamba: bool
+    ) -> int:
+        """The coordinator's own fixed point, evaluated on these per-group hash sets."""
+        for manager, table in zip(self.managers, tables):
+            manager.cached = table  # type: ignore[assignment]
+        hashes = hashes if isinstance(hashes, list) else list(hashes)
+        return self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba).num_tokens
+
+    def needed(self, hashes: Sequence[bytes], length: int, skip_mamba: bool = False) -> list[GroupHash]:
+        """(group, hash) of every block a hit at ``length`` needs (what ``pin_prefix`` pins)."""
+        views = self.views(hashes)
+        out: list[GroupHash] = []
+        for g, manager in enumerate(self.managers):
+            if skip_mamba and g in self.mamba_groups:
+                continue
+            view = views[g]
+            out.extend((g, view[i]) for i in manager.blocks_needed_at(length))
+        return out
+
+    def aligned(self, num_tokens: int) -> int:
+        return num_tokens - num_tokens % self.alignment
