@@ -180,7 +180,17 @@ class SlidingWindowManager(SingleTypeManager):
 
     def pop_live(self, request_id: str) -> list[Block]:
         self.boundaries.pop(request_id, None)
-        return super().pop_live(request_id)
+        table = self.tables.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if not table:
+            return []
+        if table[0].is_null:  # nulls form a prefix: the live blocks are the last ones
+            first = len(table)
+            while not table[first - 1].is_null:
+                first -= 1
+            return table[: first - 1 : -1]
+        table.reverse()
+        return table
 
     def pop_release(self, request_id: str, boundary: int) -> tuple[list[Block], int, int] | None:
         self.boundaries.pop(request_id, None)
