@@ -45,10 +45,11 @@ Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face
    benchmarks/kv_cache_vs_vllm.py) or, with ``--run-coordinator``, by running it
    (``--coordinator-args``).
 
-Measured 2026-11-24 (2-core shared VM; see benchmarks/README.md): capacity_over_ideal 0.950 /
-0.948 / 0.948, capacity_vs_padded 63.3 / 62.7 / 63.1, capacity_vs_vllm_unified 0.961 / 0.953 /
-0.950 (Bamba-9B / Granite-4.0-H-Small / Nemotron-H-8B), mamba_decode_speedup 1.522,
-coordinator_min_speedup {retention_off 1.522, retention_on 1.331}. Hit sweep re-measured
+Measured 2026-11-25 (2-core shared VM, ``--run-coordinator --coordinator-args "--clock cpu --runs
+3"``; see benchmarks/README.md): capacity_over_ideal 0.950 / 0.948 / 0.948, capacity_vs_padded
+63.3 / 62.7 / 63.1, capacity_vs_vllm_unified 0.961 / 0.953 / 0.950 (Bamba-9B /
+Granite-4.0-H-Small / Nemotron-H-8B), mamba_decode_speedup 1.188 (mixers 55% of the step, 1.42x
+faster), coordinator_min_speedup {retention_off 2.232, retention_on 1.911}. Hit sweep measured
 2026-11-25 through the real scheduler, both layouts at 1072-token chunks: hit_rate_vs_vllm_unified
 1.328, kvfleet higher at all eight splits (``plain``: 1.000, equal at every split: without the
 chunk stop both cache states only at multiples of 1072); ``kvfleet_defaults`` 0.593 overall, as the
