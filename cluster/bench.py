@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +115,11 @@ def kv_groups(config: ClusterConfig) -> list[Any]:
     return list(build_kv_layout(arch, config.kv_cache.block_size, dtype).groups)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return len(os.path.commonprefix([list(a), list(b)]))
+
+
 def hit_rate_bound(prompts: list[list[int]], alignment: int) -> float:
     """The token hit rate no router can beat on ``prompts`` in this order: every request finds,
     in an unbounded cache, the longest prefix it shares with any earlier request (whole
@@ -121,14 +128,7 @@ def hit_rate_bound(prompts: list[list[int]], alignment: int) -> float:
     hit = total = 0
     seen: list[list[int]] = []
     for prompt in prompts:
-        best = 0
-        for earlier in seen:
-            same = 0
-            for a, b in zip(prompt, earlier):
-                if a != b:
-                    break
-                same += 1
-            best = max(best, min(same, len(prompt) - 1))
+        best = min(max((common_prefix_length(prompt, e) for e in seen), default=0), len(prompt) - 1)
         hit += best - best % alignment
         total += len(prompt)
         seen.append(prompt)

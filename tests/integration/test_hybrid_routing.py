@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.bench import common_prefix_length
 from cluster.hybrid_workload import HybridWorkload
 from engine.sampling_params import SamplingParams
 from tests.integration.conftest import cluster_config
@@ -33,14 +34,7 @@ WORKLOAD = HybridWorkload(
 def _believed(prompt: tuple[int, ...], earlier: list[tuple[int, ...]], alignment: int) -> int:
     """What a router that remembers where it sent prompts believes is cached: the longest
     common prefix with an earlier prompt on that worker, aligned, below the prompt's last token."""
-    best = 0
-    for other in earlier:
-        n = 0
-        for a, b in zip(prompt, other):
-            if a != b:
-                break
-            n += 1
-        best = max(best, n)
+    best = max((common_prefix_length(prompt, other) for other in earlier), default=0)
     best = min(best, len(prompt) - 2)
     return max(0, best - best % alignment)
 
