@@ -7,6 +7,7 @@ log. Invariants (checked by ``HybridCoordinator.check_invariants``): a non-null 
 exactly one queue iff its ref count is 0; free + pinned + in-use == num_blocks - 1; every map
 entry points at a block carrying that hash and group. Only the maps of groups in this pool are
 ever filled. Events go to the worker's ``EventLog`` (shared by its pools: one sequence).
+Pinning, unpinning and demotion live in ``pin_tiers.PinnedTiers`` (a mixin of ``BlockPool``).
 """
 
 from __future__ import annotations
@@ -14,18 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED, Block, BlockQueue
-from engine.kv_cache.events import (
-    AllBlocksCleared,
-    BlockPinned,
-    BlockRemoved,
-    BlockStored,
-    BlockUnpinned,
-    EventLog,
-    KVEvent,
-)
+from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
+from engine.kv_cache.pin_tiers import PinnedTiers
 
 
-class BlockPool:
+class BlockPool(PinnedTiers):
     """Blocks, ref counts, free/pinned queues, per-group prefix-cache maps and KV events of one pool.
 
     ``index`` is the pool's number (stamped on its blocks and events). ``retain_budget`` caps this
@@ -309,85 +303,12 @@ class BlockPool:
                 block.group = -1
             table.clear()
 
-    # -- pinning -------------------------------------------------------------------------------
-    def pin(self, blocks: Iterable[Block], level: int) -> None:
-        """Mark cached blocks for the pinned tier at ``level`` (never lowers an existing pin).
-
-        Free blocks move into the tier now; in-use blocks go there when released.
-        """
-        newly: list[Block] = []
-        tier = self.explicit if level == PIN_EXPLICIT else self.retained
-        for block in blocks:
-            if block.pin >= level or block.block_hash is None or block.is_null:
-                continue
-            if block.ref_cnt == 0:
-                self.tiers[block.pin].remove(block)
-                tier.append(block)
-            block.pin = level
-            newly.append(block)
-        if newly:
-            self._emit_pinned(newly, level)
-            self.enforce_retain_budget()
-
-    def _emit_pinned(self, blocks: list[Block], level: int) -> None:
-        if self.enable_events:
-            by_group: dict[int, list[bytes]] = {}
-            for block in blocks:
-                by_group.setdefault(block.group, []).append(block.block_hash)  # type: ignore[arg-type]
-            for group, hashes in by_group.items():
-                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
-
-    def unpin(self, blocks: Iterable[Block], level: int) -> None:
-        """Clear pins at ``level``; free ones move to the tail of the free queue (still cached)."""
-        gone: dict[int, list[bytes]] = {}
-        for block in blocks:
-            if block.pin != level or block.is_null:
-                continue
-            self._clear_pin(block, gone)
-        self._emit_unpinned(gone)
-
-    def demote(self, n: int) -> int:
-        """Move up to ``n`` of the oldest pinned free blocks (retained first) to the free queue."""
-        gone: dict[int, list[bytes]] = {}
-        done = 0
-        for queue in (self.retained, self.explicit):
-            while done < n and queue.size:
-                self._clear_pin(queue.head.next, gone)  # type: ignore[arg-type]
-                done += 1
-        self._emit_unpinned(gone)
-        return done
-
-    def _clear_pin(self, block: Block, gone: dict[int, list[bytes]]) -> None:
-        if block.ref_cnt == 0:
-            self.tiers[block.pin].remove(block)
-            self.free_queue.append(block)
-        block.pin = PIN_NONE
-        if block.block_hash is not None:
-            gone.setdefault(block.group, []).append(block.block_hash)
-
-    def enforce_retain_budget(self) -> None:
-        """Demote the oldest retained blocks beyond ``retain_budget`` to the free queue's tail."""
-        if self.retain_budget is None:
-            return
-        over = self.retained.size - self.retain_budget
-        if over <= 0:
-            return
-        gone: dict[int, list[bytes]] = {}
-        for _ in range(over):
-            self._clear_pin(self.retained.head.next, gone)  # type: ignore[arg-type]
-        self._emit_unpinned(gone)
-
     # -- events --------------------------------------------------------------------------------
     def _next_seq(self) -> int:
         return self.log.next_seq()
 
     def _emit(self, event: KVEvent) -> None:
         self.log.emit(event)
-
-    def _emit_unpinned(self, gone: dict[int, list[bytes]]) -> None:
-        if self.enable_events:
-            for group, hashes in gone.items():
-                self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes), self.index))
 
     def take_events(self) -> list[KVEvent]:
         """Drain the events published since the last call (in sequence order; with a shared log,
