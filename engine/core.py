@@ -6,15 +6,18 @@ schedules, runs the model and returns the tokens each request gained, with finis
 P/D (see ``engine.disagg``): ``add_request(prefill_only=True)`` on the prefill engine finishes
 with ``finish_reason="remote_decode"`` and a ``KVHandle``; ``add_request(kv_handle=...)`` on the
 decode engine pulls that KV, then decodes.
+
+Mixins beside it: ``engine.pd_transfers`` (the KV-handle side: reads, exports, releases),
+``engine.remote_prefill`` (announced remote prefills, peer warm-up) and
+``engine.worker_queries`` (what a worker reports and asks: load, pins, snapshot, stats).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,30 +25,22 @@ import torch
 
 from configs.schema import ClusterConfig
 from configs.models import SourceKind
-from engine.disagg import (
-    NULL_BLOCK,
-    HeldBlocks,
-    KVHandle,
-    PendingLoads,
-    TransferStats,
-    check_handle,
-    handle_usable,
-    token_digest,
-)
+from engine.disagg import HeldBlocks, KVHandle, PendingLoads, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
-from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch import ModelArch
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import CheckpointError, build_model, load_hf_directory
+from engine.pd_transfers import PDTransferMixin
 from engine.remote_prefill import Expected, RemotePrefillMixin
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from engine.transfer import DONE, FAILED, AgentInfo, KVTransfer, transfer_from_config
+from engine.transfer import AgentInfo, KVTransfer, transfer_from_config
 from engine.validation import InvalidRequestError, check_request_id, check_token_ids, problem
+from engine.worker_queries import WorkerQueriesMixin
 
 KVRole = Literal["prefill", "decode", "both"]
 #: batches in a row whose forward raised before an engine counts as broken (``EngineBroken``)
@@ -93,7 +88,7 @@ class EngineInfo:
     pool_blocks: tuple[int, ...] = ()  # blocks per pool (null included); num_blocks is pool 0's
 
 
-class EngineCore(RemotePrefillMixin):
+class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
     """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
     the transfer object of one worker.
 
@@ -235,38 +230,6 @@ class EngineCore(RemotePrefillMixin):
         return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
                        **kwargs)  # fmt: skip
 
-    def _start_load(self, request: Request, handle: KVHandle) -> None:
-        assert self.transfer is not None
-        request_id = request.request_id
-        cfg = self.config.transfer
-        if not handle_usable(handle, cfg.read_timeout_s, cfg.release_timeout_s):
-            # Its owner frees (or already freed) the blocks before a read could end: reading
-            # them could copy another request's KV. Compute the prompt here instead.
-            self.transfer_stats.expired_handles += 1
-            late = time.time() - (handle.expires_at - cfg.release_timeout_s)
-            self._notify_only(handle)  # the owner may free at once
-            if cfg.on_failure == "fail":
-                raise ValueError(
-                    f"kv_handle.expires_at: handle of {request_id!r} arrived {late:.1f} s after its export; "
-                    f"its owner frees the blocks {cfg.release_timeout_s:g} s after it (transfer.on_failure=fail)"
-                )
-            log.warning("%s: handle of %s arrived %.1f s after its export, too late to read; recomputing",
-                        self.name, request_id, late)  # fmt: skip
-            request.remote_prefill = False
-            self.scheduler.add_request(request)
-            return
-        if self.scheduler.add_transferred_request(request, handle.num_tokens) is None:
-            self._notify_only(handle)  # nothing to read: still tell the owner so it frees at once
-            return
-        self._read_into(request_id, handle)
-
-    def _notify_only(self, handle: KVHandle) -> None:
-        """Tell the owner it may free the handle's blocks, reading nothing."""
-        assert self.transfer is not None
-        tid = self.transfer.start_read(handle.agent, [], notify=handle.notify_key)
-        self.loads.notify_only.add(tid)
-        self.transfer_stats.notify_only += 1
-
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
         self.runner.sampler.forget(request_id)
@@ -334,80 +297,6 @@ class EngineCore(RemotePrefillMixin):
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
 
-    def _export(self, request_id: str, num_tokens: int | None = None) -> KVHandle:
-        """The handle of a prefilled request (of its first ``num_tokens`` tokens: all by default);
-        its blocks stay held until the reader is done."""
-        request = self.scheduler.held[request_id]
-        num_tokens = request.num_tokens if num_tokens is None else num_tokens
-        null = self.coordinator.null_block_id
-        tables = tuple(
-            tuple(NULL_BLOCK if b == null else b for b in group) for group in self.coordinator.block_ids(request_id)
-        )
-        expires_at = self.held.hold(request_id)
-        return KVHandle(
-            request_id,
-            num_tokens,
-            token_digest(request.token_ids[:num_tokens]),
-            tables,
-            self.agent_info,
-            self.layout_key,
-            expires_at,
-        )
-
-    def _progress_transfers(self) -> list[RequestOutput]:
-        transfer = self.transfer
-        assert transfer is not None
-        results: list[RequestOutput] = []
-        if self.kv_role != "decode" or self.held:  # a decode engine holds only exported prefixes
-            notified, expired = self.held.due(transfer.owner_notifications())
-            for request_id in notified:
-                self.scheduler.release_held(request_id)
-            for request_id in expired:
-                log.warning("%s: no reader for %s within %.1f s; freeing its blocks", self.name, request_id,
-                            self.held.release_timeout_s)  # fmt: skip
-                self.scheduler.release_held(request_id)
-            self.transfer_stats.released_by_notification += len(notified)
-            self.transfer_stats.released_by_timeout += len(expired)
-        loads = self.loads
-        if loads.notify_only:
-            for tid, status in transfer.poll(list(loads.notify_only)).items():
-                if status in (DONE, FAILED):
-                    loads.notify_only.discard(tid)
-                    transfer.release(tid)
-        if loads.reads:
-            for tid, status in transfer.poll(list(loads.reads)).items():
-                if status not in (DONE, FAILED):
-                    continue
-                request_id = loads.reads.pop(tid)
-                record = transfer.read_record(tid)
-                transfer.release(tid)
-                result = self._load_ended(request_id, status == DONE, record)
-                if result is not None:
-                    results.append(result)
-        return results
-
-    def _load_ended(self, request_id: str, ok: bool, record: Any) -> RequestOutput | None:
-        stats = self.transfer_stats
-        if request_id in self.loads.aborted:
-            self.loads.aborted.discard(request_id)
-            self.scheduler.abort(request_id)
-            return None
-        if ok:
-            stats.blocks += record.num_blocks
-            stats.bytes += record.nbytes
-            stats.seconds += time.monotonic() - record.started
-            self.scheduler.finish_kv_load(request_id, ok=True)
-            return None
-        stats.failures += 1
-        if self.config.transfer.on_failure == "fail":
-            log.error("%s: KV read for %s failed (%s); failing the request", self.name, request_id, record.error)
-            self.scheduler.abort(request_id)
-            return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value,
-                                 error=f"KV read from the prefill worker failed ({record.error})")  # fmt: skip
-        log.warning("%s: KV read for %s failed (%s); recomputing locally", self.name, request_id, record.error)
-        self.scheduler.finish_kv_load(request_id, ok=False)
-        return None
-
     # -- state -------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
@@ -422,132 +311,6 @@ class EngineCore(RemotePrefillMixin):
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / pinned / ...) since the last call, for the router."""
         return self.coordinator.take_events()
-
-    # -- what a worker actor reports and asks (it never reaches into the scheduler or the cache) ---
-    def load(self) -> tuple[float, int, float]:
-        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use)."""
-        scheduler = self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
-        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
-        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage))
-
-    def cache_gauges(self) -> dict[str, float]:
-        """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
-        scheduler, coordinator = self.scheduler, self.coordinator
-        pool = coordinator.pools[coordinator.tightest_pool]
-        queried = scheduler.queried_tokens
-        return {
-            "free_blocks": pool.num_free_blocks,
-            "pinned_free_blocks": pool.num_pinned_free_blocks,
-            "hit_rate": scheduler.hit_tokens / queried if queried else 0.0,
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting) + len(scheduler.waiting_for_kv),
-        }
-
-    @property
-    def kv_groups(self) -> list[KVCacheGroup]:
-        """The KV-cache groups of this engine (the router predicts hits with the same ones)."""
-        return list(self.coordinator.groups)
-
-    def cached_prefix_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
-        return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
-
-    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Pin the cached prefix; returns the tokens pinned."""
-        return self.coordinator.pin_prefix(block_hashes, num_tokens)
-
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
-        return self.coordinator.unpin_prefix(block_hashes, num_tokens)
-
-    def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
-        free queue evicts them last, a prefix's tail before its head), so the hit the router
-        predicted for a request routed here survives the allocations of the requests ahead of
-        it; returns the tokens that hit covers now (0: nothing to refresh)."""
-        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens)
-        if hit.num_tokens <= 0:
-            return 0
-        for g, manager in enumerate(self.coordinator.managers):
-            blocks = [block for block in hit.blocks[g] if not block.is_null]
-            if blocks:
-                manager.pool.touch(blocks)
-                manager.pool.free_blocks(blocks[::-1])
-        return hit.num_tokens
-
-    def export_prefix(self, request_id: str, token_ids: list[int]) -> KVHandle | None:
-        """Hold the cached prefix ``token_ids`` for a peer to copy (a pin re-established by
-        transfer): a handle like a prefill's, whose blocks stay held until the reader's
-        notification or ``transfer.release_timeout_s``. The reader loads it as the decode side
-        of P/D does (``add_request(token_ids + [t], ..., kv_handle=handle)``). None when this
-        cache no longer serves the whole prefix, or the hold does not fit (the reader computes)."""
-        if self.transfer is None:
-            raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot export a prefix")
-        check_request_id(request_id)
-        prefix = check_token_ids(token_ids, self.info.arch.vocab_size, "token_ids")
-        if not prefix or request_id in self.scheduler.held or request_id in self.scheduler.requests:
-            return None
-        # One token past the prefix, so the lookup may return all of it (a hit stops before a
-        # request's last token); that token is never computed.
-        request = Request(request_id, [*prefix, 0], SamplingParams(max_tokens=1), self.coordinator.hash_block_size)
-        hit = self.coordinator.get_computed_blocks(request)
-        if hit.num_tokens < len(prefix):
-            return None
-        if self.coordinator.allocate_slots(request, 1, hit, delay_cache=True) is None:
-            return None
-        request.num_computed_tokens = hit.num_tokens
-        self.coordinator.remove_skipped_blocks(request_id, hit.num_tokens)
-        request.status = RequestStatus.FINISHED_REMOTE_DECODE
-        self.scheduler.held[request_id] = request
-        return self._export(request_id, len(prefix))
-
-    @property
-    def event_seq(self) -> int:
-        """Sequence number of the last KV event emitted."""
-        return self.coordinator.event_seq
-
-    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
-        """(event seq, per group every cached hash and its pin level): a router resync."""
-        return self.coordinator.snapshot()
-
-    def stats(self) -> dict[str, Any]:
-        """Queue lengths, block counts, hit counters and transfer counters (plain data).
-
-        ``num_blocks`` / ``free_blocks`` / ``pinned_blocks`` describe pool 0 (the attention pool
-        of a hybrid layout, the only pool otherwise); ``capacity.pools`` has every pool."""
-        scheduler, pool = self.scheduler, self.coordinator.pool
-        return {
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "waiting_for_kv": len(scheduler.waiting_for_kv),
-            "held_for_transfer": len(scheduler.held),
-            "expecting_handles": len(self.expected),
-            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
-            "num_blocks": self.info.num_blocks - 1,
-            "free_blocks": pool.num_free_blocks,
-            "capacity": self.capacity(),
-            "pinned_blocks": pool.num_pinned_free_blocks,  # explicit pins + retained window/state anchors
-            "explicitly_pinned_blocks": pool.explicit.size,
-            "hit_tokens": scheduler.hit_tokens,
-            "queried_tokens": scheduler.queried_tokens,
-            "num_preemptions": scheduler.num_preemptions,
-            "failed_steps": self.failed_steps,
-            "failed_requests": self.failed_requests,
-            "transfer": asdict(self.transfer_stats),
-        }
-
-    def capacity(self) -> dict[str, Any]:
-        """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``
-        (requests' full recurrent states), and per pool its kind, page size and blocks."""
-        coordinator, layout = self.coordinator, self.layout
-        pools = [
-            {"kind": pool.kind, "page_bytes": pool.page_bytes, "slots": pool.num_slots,
-             "num_blocks": coordinator.num_blocks_in(p), "free_blocks": coordinator.num_free_blocks_in(p)}
-            for p, pool in enumerate(layout.pools)
-        ]  # fmt: skip
-        return {**layout.capacity(self.info.pool_blocks), "bytes": layout.pool_bytes(self.info.pool_blocks),
-                "pools": pools}  # fmt: skip
 
     def close(self) -> None:
         """Release the transfer registration (pending reads are cancelled). Idempotent."""
