@@ -23,15 +23,21 @@ from typing import Any, Literal
 
 import torch
 
-from configs.schema import ClusterConfig
 from configs.models import SourceKind
-from engine.disagg import HeldBlocks, KVHandle, PendingLoads, TransferStats, check_handle
+from configs.schema import ClusterConfig
+from engine.disagg import (
+    HeldBlocks,
+    KVHandle,
+    PendingLoads,
+    TransferStats,
+    check_handle,
+)
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.model.arch import ModelArch
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
-from engine.model.loader import CheckpointError, build_model, load_hf_directory
+from engine.model.loader import build_model, load_hf_directory
 from engine.pd_transfers import PDTransferMixin
 from engine.remote_prefill import Expected, RemotePrefillMixin
 from engine.request import Request, RequestStatus
@@ -39,7 +45,12 @@ from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.transfer import AgentInfo, KVTransfer, transfer_from_config
-from engine.validation import InvalidRequestError, check_request_id, check_token_ids, problem
+from engine.validation import (
+    InvalidRequestError,
+    check_request_id,
+    check_token_ids,
+    problem,
+)
 from engine.worker_queries import WorkerQueriesMixin
 
 KVRole = Literal["prefill", "decode", "both"]
