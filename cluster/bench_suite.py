@@ -12,7 +12,6 @@ The result's ``summary`` holds exactly the issue's keys; everything else is the 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +19,9 @@ from cluster.bench import (
     POLICIES,
     Workload,
     kv_groups,
+    run_bench,
     run_policy,
     sized_config,
-    summary,
 )
 from cluster.hybrid_workload import HybridWorkload
 from configs import ClusterConfig
@@ -53,17 +52,6 @@ class Suite:
     repin_tokens: int = 512
     repin_trials: int = 4
     auto_pin_compare: bool = True
-
-
-def run_workload(config: ClusterConfig, workload: Any, policies: tuple[str, ...]) -> dict[str, Any]:
-    """Every policy in turn on ``config`` sized for ``workload``; per-policy numbers + ratios."""
-    sized = sized_config(config, workload, kv_groups(config))
-    runs = {}
-    for policy in policies:
-        start = time.monotonic()
-        runs[policy] = run_policy(sized, policy, workload)
-        log.info("%s done in %.0f s: %s", policy, time.monotonic() - start, runs[policy])
-    return {"runs": runs, **summary(runs)}
 
 
 def compare_decode_auto_pins(config: ClusterConfig, workload: Any) -> dict[str, Any]:
@@ -105,11 +93,11 @@ def run_suite(main: ClusterConfig, hybrid_second: ClusterConfig | None, suite: S
     from cluster.route_ceiling import route_ceiling
 
     out: dict[str, Any] = {}
-    out["shared_prefix"] = run_workload(main, suite.shared, suite.policies)
-    out["hybrid"] = {main.model.source: run_workload(main, suite.hybrid, suite.policies)}
+    out["shared_prefix"] = run_bench(main, suite.shared, suite.policies)
+    out["hybrid"] = {main.model.source: run_bench(main, suite.hybrid, suite.policies)}
     out["hybrid"][main.model.source]["route_ceiling"] = route_ceiling(main, suite.hybrid)
     if hybrid_second is not None:
-        second = run_workload(hybrid_second, suite.hybrid_small, suite.policies)
+        second = run_bench(hybrid_second, suite.hybrid_small, suite.policies)
         second["route_ceiling"] = route_ceiling(hybrid_second, suite.hybrid_small)
         out["hybrid"][hybrid_second.model.source] = second
     if suite.auto_pin_compare:

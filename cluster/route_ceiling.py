@@ -28,10 +28,9 @@ benchmarks/cluster_bench.py's docstring.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from cluster.bench import hit_rate_bound, kv_groups, sized_config
+from cluster.bench import hit_rate_bound, kv_groups, sized_config, vocab_size
 from configs import ClusterConfig
 from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
 from engine.kv_cache.spec import MambaSpec, alignment_tokens
@@ -104,64 +103,74 @@ class _Workers:
         return hit.num_tokens
 
 
-def _router_placement(
-    router: Router, workers: _Workers, feed_events: bool, served_as_running: bool
-) -> Callable[[list[int], str], int]:
-    names = [f"w{k}" for k in range(len(workers.coords))]
-    for k, name in enumerate(names):
-        router.add_worker(name, "both", workers.num_blocks)
-    block = workers.coords[0].hash_block_size
+class _RouterPlacement:
+    """A router driving ``workers``: it routes each prompt, then (``settle``) its clock advances
+    and it hears the workers' KV events (kvfleet) and their loads before the next one."""
 
-    clock = [0.0]
+    def __init__(self, router: Router, workers: _Workers, feed_events: bool, served_as_running: bool):
+        self.router, self.workers = router, workers
+        self.feed_events, self.served_as_running = feed_events, served_as_running
+        self.names = [f"w{k}" for k in range(len(workers.coords))]
+        for name in self.names:
+            router.add_worker(name, "both", workers.num_blocks)
+        self.block = workers.coords[0].hash_block_size
+        self.clock = 0.0
 
-    def place(prompt: list[int], request_id: str) -> int:
-        req = CacheRequest(request_id, prompt, block)
-        decision = router.route(RouteRequest(request_id, req.block_hashes, len(prompt)), clock[0])
-        return names.index(decision.prefill_worker)
+    def place(self, prompt: list[int], request_id: str) -> int:
+        hashes = CacheRequest(request_id, prompt, self.block).block_hashes
+        decision = self.router.route(RouteRequest(request_id, hashes, len(prompt)), self.clock)
+        return self.names.index(decision.prefill_worker)
 
-    def settle() -> None:
-        clock[0] += SECONDS_PER_REQUEST
-        for k, name in enumerate(names):
-            if feed_events:
-                router.apply_events(name, workers.coords[k].take_events(), clock[0])
-            running = workers.served[k] - min(workers.served) if served_as_running else 0
-            router.update_load(name, WorkerLoad(running_requests=running))
+    def settle(self) -> None:
+        self.clock += SECONDS_PER_REQUEST
+        served = self.workers.served
+        for k, name in enumerate(self.names):
+            if self.feed_events:
+                self.router.apply_events(name, self.workers.coords[k].take_events(), self.clock)
+            running = served[k] - min(served) if self.served_as_running else 0
+            self.router.update_load(name, WorkerLoad(running_requests=running))
 
-    place.settle = settle  # type: ignore[attr-defined]
-    return place
+
+class _OraclePlacement:
+    """Perfect knowledge: the worker whose coordinator holds the longest hit right now (ties to
+    the one that served the fewest requests)."""
+
+    def __init__(self, workers: _Workers):
+        self.workers = workers
+
+    def place(self, prompt: list[int], request_id: str) -> int:
+        workers = self.workers
+        hits = [workers.hit(k, prompt) for k in range(len(workers.coords))]
+        return max(range(len(hits)), key=lambda k: (hits[k], -workers.served[k], -k))
+
+    def settle(self) -> None:
+        pass
 
 
 def replay(config: ClusterConfig, workload: Any, placement: str, num_workers: int) -> dict[str, Any]:
     """One placement over the workload's prompts; token hit rate and requests per worker."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement: one of {PLACEMENTS} (got {placement!r})")
     groups = kv_groups(config)
     sized = sized_config(config, workload, groups)
     workers = _Workers(sized, groups, num_workers)
-    prompts = workload.prompts(_vocab(config))
-    settle: Callable[[], None] = lambda: None
+    chooser: _RouterPlacement | _OraclePlacement
     if placement == "exact_oracle":
-
-        def place(prompt: list[int], request_id: str) -> int:
-            hits = [workers.hit(k, prompt) for k in range(num_workers)]
-            return max(range(num_workers), key=lambda k: (hits[k], -workers.served[k], -k))
-    elif placement in ("prefix_tree", "round_robin", "kvfleet"):
+        chooser = _OraclePlacement(workers)
+    else:
         if placement == "kvfleet":
             router: Router = RoutingPolicy(groups, sized.router.model_copy(update={"pins": []}))
         elif placement == "prefix_tree":
             router = PrefixTreeRouter(groups)
         else:
             router = RoundRobinRouter(groups)
-        place = _router_placement(
-            router, workers, feed_events=placement == "kvfleet", served_as_running=placement == "prefix_tree"
-        )
-        settle = place.settle  # type: ignore[attr-defined]
-    else:
-        raise ValueError(f"placement: one of {PLACEMENTS} (got {placement!r})")
+        chooser = _RouterPlacement(router, workers, placement == "kvfleet", placement == "prefix_tree")
     hit = total = 0
-    for i, prompt in enumerate(prompts):
-        k = place(prompt, f"r{i}")
+    for i, prompt in enumerate(workload.prompts(vocab_size(config))):
+        k = chooser.place(prompt, f"r{i}")
         hit += workers.run(k, prompt, f"r{i}", workload.max_tokens)
         total += len(prompt)
-        settle()
+        chooser.settle()
     return {"hit_rate": round(hit / total, 4) if total else 0.0, "requests_per_worker": workers.served}
 
 
@@ -173,16 +182,9 @@ def route_ceiling(config: ClusterConfig, workload: Any, num_workers: int | None 
     for placement in PLACEMENTS:
         out[placement] = replay(config, workload, placement, count)
         log.info("route ceiling %s: %s", placement, out[placement])
-    prompts = workload.prompts(_vocab(config))
+    prompts = workload.prompts(vocab_size(config))
     out["bound"] = round(hit_rate_bound(prompts, alignment_tokens(kv_groups(config))), 4)
     tree = out["prefix_tree"]["hit_rate"]
     out["oracle_over_prefix_tree"] = round(out["exact_oracle"]["hit_rate"] / tree, 4) if tree else None
     out["kvfleet_over_prefix_tree"] = round(out["kvfleet"]["hit_rate"] / tree, 4) if tree else None
     return out
-
-
-def _vocab(config: ClusterConfig) -> int:
-    from engine.core import resolve_model_directory
-    from engine.model.loader import read_hf_config
-
-    return int(read_hf_config(resolve_model_directory(config))["vocab_size"])

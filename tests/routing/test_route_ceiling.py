@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.bench import hit_rate_bound, kv_groups
+from cluster.bench import hit_rate_bound, kv_groups, vocab_size
 from cluster.hybrid_workload import HybridWorkload
 from cluster.route_ceiling import PLACEMENTS, replay, route_ceiling
 from configs import load_config
@@ -35,7 +35,7 @@ def test_with_room_for_every_prefix_kvfleet_hits_as_the_oracle_does(preset):
     chunk by chunk never caches the blocks a chunk skips, so not every shared length can hit)."""
     config = load_config(preset, ["workers.num_prefill=2", "workers.num_decode=1"])
     roomy = replace(WORKLOAD, cache_fraction=4.0, flood_share=0.0)
-    bound = hit_rate_bound(roomy.prompts(load_vocab(config)), alignment_tokens(kv_groups(config)))
+    bound = hit_rate_bound(roomy.prompts(vocab_size(config)), alignment_tokens(kv_groups(config)))
     oracle = replay(config, roomy, "exact_oracle", 2)["hit_rate"]
     assert 0.3 < oracle <= bound
     assert replay(config, roomy, "kvfleet", 2)["hit_rate"] == pytest.approx(oracle)
@@ -45,9 +45,3 @@ def test_an_unknown_placement_is_refused_by_name():
     config = load_config("tiny", ["workers.num_prefill=2", "workers.num_decode=1"])
     with pytest.raises(ValueError, match="placement: .*'nearest'"):
         replay(config, WORKLOAD, "nearest", 2)
-
-
-def load_vocab(config) -> int:
-    from cluster.route_ceiling import _vocab
-
-    return _vocab(config)
