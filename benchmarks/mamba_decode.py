@@ -21,6 +21,8 @@ What bounds the speedup on a CPU: at these proportions one request's Mamba state
 layer (2 x hidden x d_state fp32), so a decode step must read and write 32 MiB per Mamba layer at
 32 requests, in both paths; batching removes the per-request Python and dispatch work, not that
 traffic, and the MLP, attention, in/out projections and LM head cost the same before and after.
+``speedup_bound_zero_cost_mixers`` reports the step speedup a mixer taking no time at all would
+give (Amdahl: the "before" step over its time outside the mixers), the ceiling of any Mamba path.
 
 Last measured: see benchmarks/README.md.
 """
@@ -200,6 +202,10 @@ def measure_decode(
         "tokens_per_cpu_s": {k: round(num_requests / v.per_step("cpu_s"), 2) for k, v in steps.items()},
         "mixer_speedup": round(before.per_step("mixer_s") / after.per_step("mixer_s"), 3),
         "mixer_share_of_step_before": round(before.per_step("mixer_s") / before.per_step("wall_s"), 3),
+        # the step speedup if the batched mixers took no time at all: the most any Mamba path can give
+        "speedup_bound_zero_cost_mixers": round(
+            before.per_step("wall_s") / (before.per_step("wall_s") - before.per_step("mixer_s")), 3
+        ),
         "num_requests": num_requests,
         "prompt_len": prompt_len,
         "decode_steps_per_path": decode_steps * rounds,
