@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+import engine.routing.hit_prediction as prediction_module
 import engine.routing.index as index_module
 from engine.kv_cache.hashing import block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -31,7 +32,7 @@ from tests.routing.helpers import (
 def test_prediction_equals_coordinator_hit(name: str, seed: int, few: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``few``: workers below the full-attention depth are resolved one by one (the coordinator's
     fixed point on a shadow) up to this many, in bulk beyond; both paths must be exact."""
-    monkeypatch.setattr(index_module, "FEW_WORKERS", few)
+    monkeypatch.setattr(prediction_module, "FEW_WORKERS", few)
     bulk_calls = []
     real_bulk = index_module.PrefixIndex._resolve
     monkeypatch.setattr(
