@@ -10,7 +10,8 @@
 - ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins;
   its argmin and guards in ``policy_choice``, its pin upkeep in ``policy_pins``.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
-- ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode).
+- ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode);
+  their holders' life cycle in ``pin_holders``, the hot-prefix counting of auto mode in ``hot_prefixes``.
 - ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).
 - ``types``: requests, loads, decisions and the actions the caller executes.
 - ``outcomes``: route decisions counted per reason as hit / miss / below the best worker's hit.
