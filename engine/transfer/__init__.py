@@ -2,7 +2,8 @@
 ``transfer.backend``: ``nixl`` (UCX; DRAM or VRAM) and ``local`` (memfd shared memory, one host).
 
 Backends are imported lazily, so hosts without NIXL can use ``local``. See ``base.py`` for the
-contract and ``nixl.py`` for measured NIXL behaviour (progress thread, failures).
+contract, ``records.py`` for the plain data (``AgentInfo``, ``ReadRecord``, statuses) and
+``nixl.py`` for measured NIXL behaviour (progress thread, failures).
 """
 
 from __future__ import annotations
