@@ -2,7 +2,7 @@
 """Long-running random-operation fuzzer for the hybrid KV-cache coordinator.
 
 What it does
-    Drives ``HybridCoordinator`` through the simulated scheduler of ``tests/kv_cache/sim.py``
+    Drives ``HybridCoordinator`` through the simulated scheduler of ``tests/kv_cache/sim/``
     (the same one the hypothesis state machine uses) with plain ``random``: arrivals (shared
     prefixes, salts, remote-prefill requests), admissions with local hits, external tokens and
     asynchronous loads, prefill chunks (block-aligned for Mamba), decode, preemption, load

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the hybrid KV-cache coordinator (reference §11 invariants, §15 step 5).
 
-``CoordinatorMachine`` is a hypothesis state machine over the simulated scheduler of ``sim.py``:
+``CoordinatorMachine`` is a hypothesis state machine over the simulated scheduler of ``sim/``:
 each rule is one scheduler-level operation (arrival, first admission with hit / external tokens /
 asynchronous load, prefill chunk or decode with preemption, load completion or failure, abort,
 window maintenance, explicit pin / unpin, prefix-cache reset, step end) or a whole vLLM-style
