@@ -8,5 +8,12 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``kv_replay``: kvfleet's replay of drive.py's scheduling loop (``TraceRunner``) and its medians.
 - ``vllm_anchor``: vLLM's KVCacheManager through the anchor's drive.py (``VllmAnchor``).
 
+``benchmarks/routing_sim.py``:
+
+- ``routing_trace``: the workers' KV groups, the shared prefixes and one scenario's trace.
+- ``routing_workers``: a simulated worker (``SimWorker``) and the jobs it serves (``Job``).
+- ``routing_simulation``: the discrete-event simulation of one policy over one trace (``Simulation``).
+- ``routing_results``: per-request records and one run's metrics (``Record``, ``Result``).
+
 The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
 """
