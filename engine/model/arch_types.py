@@ -167,6 +167,12 @@ class GatedDeltaNetArch:
 
 @dataclass(frozen=True)
 class LayerArch:
+    """One decoder layer's mixer: its kind and what that kind needs (window, rope, MoE MLP).
+
+    Invariant: ``window`` is set only on sliding-attention layers; ``rope`` only on attention
+    layers (and may be None there: NoPE).
+    """
+
     kind: LayerKind
     window: int | None = None  # sliding window in tokens (query sees keys in (q - window, q])
     rope: RopeArch | None = None  # None on an attention layer: no position embedding (NoPE)
