@@ -60,6 +60,11 @@ The last stdout line is one JSON object with ``capacity_over_ideal``, ``capacity
 ``capacity_vs_vllm_unified`` (per model), ``hit_rate_vs_vllm_unified`` (kvfleet's total hit
 tokens over the unified layout's, over the whole sweep of the first model), ``mamba_decode_speedup``,
 ``coordinator_min_speedup`` and the details. Progress goes to stderr.
+
+Code: this script is the entry point (arguments, the decode and coordinator numbers, the report);
+the model shapes and vLLM's block are in ``benchmarks/support/hybrid_models.py``, the capacity per
+layout in ``benchmarks/support/hybrid_layouts.py`` and the hit sweep in
+``benchmarks/support/hybrid_hits.py``. Every moved name is still importable from here.
 """
 
 from __future__ import annotations
@@ -67,269 +72,43 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.schema import KVCacheConfig, SchedulerConfig
-from engine.kv_cache import HybridCoordinator, KVCacheGroup
-from engine.kv_cache.coordinator import CacheHit
-from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
-from engine.model.arch import (
-    CACHELESS_KINDS,
-    RECURRENT_KINDS,
-    ModelArch,
-    arch_from_hf_config,
+from benchmarks.support.hybrid_hits import (
+    DEFAULTS,
+    PlainScheduler,
+    drive,
+    hit_sweep,
+    kvfleet_coordinator,
+    splits,
+    unified_coordinator,
+    workload,
 )
-from engine.model.kv_budget import STATES_PER_RUNNING_REQUEST, split_budget
-from engine.model.kv_layout import (
-    KVLayout,
-    attention_page_bytes,
-    build_kv_layout,
-    mamba_page_bytes,
-    padded_page_bytes,
+from benchmarks.support.hybrid_layouts import capacity, one_pool_tokens, vllm_group_size
+from benchmarks.support.hybrid_models import (
+    BLOCK,
+    DTYPE,
+    GIB,
+    MODELS,
+    ask_vllm,
+    count,
+    model_arch,
+    vllm_shape,
 )
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 log = logging.getLogger("hybrid_capacity")
-GIB = 2**30
-BLOCK = 16
-DTYPE = "bfloat16"
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = KVCacheConfig()  # the config defaults (kvfleet_defaults in the hit sweep)
 
-#: published shapes (config.json of each checkpoint); only what the KV layout depends on matters
-MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "bamba-9b": ("BambaConfig", "BambaForCausalLM", dict(  # noqa: C408
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27], mamba_n_heads=128,
-        mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2)),
-    "granite-4.0-h-small": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(  # noqa: C408
-        vocab_size=100352, hidden_size=4096, intermediate_size=768, shared_intermediate_size=1536,
-        num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, num_local_experts=72,
-        num_experts_per_tok=10, mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
-        mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
-        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)])),
-    "nemotron-h-8b": ("NemotronHConfig", "NemotronHForCausalLM", dict(  # noqa: C408
-        vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
-        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
-        n_groups=8, ssm_state_size=128, conv_kernel=4, expand=2)),
-}  # fmt: skip
-
-
-def model_arch(name: str) -> ModelArch:
-    import transformers
-
-    config_class, architecture, shape = MODELS[name]
-    config = getattr(transformers, config_class)(**shape)
-    return arch_from_hf_config({**config.to_dict(), "architectures": [architecture]})
-
-
-def count(arch: ModelArch, kinds: tuple[str, ...]) -> int:
-    return sum(layer.kind in kinds for layer in arch.layers)
-
-
-def vllm_shape(name: str, arch: ModelArch) -> dict[str, Any]:
-    m = arch.mamba
-    assert m is not None
-    return {"name": name, "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
-            "intermediate_size": m.intermediate_size, "n_groups": m.n_groups, "num_heads": m.num_heads,
-            "mamba_head_dim": m.head_dim, "d_state": m.d_state, "d_conv": m.d_conv}  # fmt: skip
-
-
-def ask_vllm(shapes: list[dict[str, Any]]) -> dict[str, Any]:
-    """vLLM's attention block size per model, from its own code in the anchor venv."""
-    venv = Path(os.environ.get("VLLM_ANCHOR_VENV", Path.home() / ".cache" / "kvfleet-anchors" / "vllm-venv"))
-    python = venv / "bin" / "python"
-    if not python.exists():
-        anchor = ROOT.parent / "shared" / "bench" / "vllm_kv_anchor" / "install.sh"
-        raise SystemExit(f"vLLM anchor venv missing at {venv}: run bash {anchor}")
-    out = subprocess.run(
-        [str(python), str(ROOT / "benchmarks" / "vllm_hybrid_block.py")],
-        input=json.dumps(shapes), capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def vllm_group_size(bucket_sizes: list[int]) -> int:
-    """vLLM 0.33's ``_get_kv_cache_groups_uniform_page_size`` rule."""
-    smallest, largest = min(bucket_sizes), max(bucket_sizes)
-    return largest if largest < smallest * 1.5 else smallest
-
-
-def one_pool_tokens(budget: int, page: int, group_size: int, attn_groups: int, rec_groups: int,
-                    block_tokens: int, max_num_seqs: int) -> int:  # fmt: skip
-    """Attention tokens of a one-pool layout once the running requests' states are reserved."""
-    blocks = budget // (page * group_size)
-    reserved = max_num_seqs * rec_groups * STATES_PER_RUNNING_REQUEST + 1
-    return max(0, blocks - reserved) // attn_groups * block_tokens
-
-
-def capacity(arch: ModelArch, vllm: dict[str, Any], budget: int, max_num_seqs: int) -> dict[str, Any]:
-    n_attn = count(arch, ("full_attention", "sliding_attention"))
-    n_rec = count(arch, RECURRENT_KINDS)
-    token_bytes = attention_page_bytes(arch, 1, DTYPE) * n_attn
-    state = mamba_page_bytes(arch)
-    running = max_num_seqs * n_rec * STATES_PER_RUNNING_REQUEST * state
-    ideal = (budget - running) / token_bytes
-
-    layout = build_kv_layout(arch, BLOCK, DTYPE)
-    split = split_budget(layout, budget, max_num_seqs)
-    ours = layout.capacity(split.num_blocks)["tokens"]
-
-    g_old = min(n_attn, n_rec)  # the old rule: cut every bucket by the smallest bucket's size
-    padded = one_pool_tokens(budget, padded_page_bytes(arch, BLOCK, DTYPE), g_old, -(-n_attn // g_old),
-                             -(-n_rec // g_old), BLOCK, max_num_seqs)  # fmt: skip
-    g_v = vllm_group_size([n_attn, n_rec])
-    block_v = vllm["kvfleet_state"]["block_size"]
-    page_v = max(vllm["kvfleet_state"]["page_bytes"], state)
-    unified = one_pool_tokens(budget, page_v, g_v, -(-n_attn // g_v), -(-n_rec // g_v), block_v, max_num_seqs)
-    return {
-        "layers": {"attention": n_attn, "recurrent": n_rec, "cacheless": count(arch, CACHELESS_KINDS)},
-        "state_bytes": state,
-        "attention_bytes_per_token": token_bytes,
-        "ideal_tokens": int(ideal),
-        "tokens": {"kvfleet": ours, "padded": padded, "vllm_unified": unified},
-        "tokens_per_gib": {"ideal": ideal / (budget / GIB), "kvfleet": ours / (budget / GIB),
-                           "padded": padded / (budget / GIB), "vllm_unified": unified / (budget / GIB)},
-        "over_ideal": {"kvfleet": ours / ideal, "padded": padded / ideal, "vllm_unified": unified / ideal},
-        "kvfleet_pools": [{"kind": p.kind, "page_bytes": p.page_bytes, "slots": p.num_slots, "blocks": n}
-                          for p, n in zip(layout.pools, split.num_blocks, strict=True)],
-        "kvfleet_cached_states": split.cached_states,
-        "vllm_block_size": {"kvfleet_state": block_v, "vllm_state": vllm["vllm_state"]["block_size"]},
-        "vllm_group_size": g_v,
-        "padded_page_bytes": padded_page_bytes(arch, BLOCK, DTYPE),
-    }  # fmt: skip
-
-
-# -- hit rate ---------------------------------------------------------------------------------------
-def kvfleet_coordinator(
-    layout: KVLayout, budget: int, max_num_seqs: int, fraction: float, prefix_tokens: int | None
-) -> HybridCoordinator:
-    split = split_budget(layout, budget, max_num_seqs, fraction, prefix_tokens)
-    return HybridCoordinator(layout.groups, split.num_blocks)
-
-
-def unified_coordinator(arch: ModelArch, block: int, page: int, budget: int) -> HybridCoordinator:
-    n_attn = count(arch, ("full_attention", "sliding_attention"))
-    n_rec = count(arch, RECURRENT_KINDS)
-    g = vllm_group_size([n_attn, n_rec])
-    groups = [KVCacheGroup(FullAttentionSpec(block)) for _ in range(-(-n_attn // g))]
-    groups += [KVCacheGroup(MambaSpec(block)) for _ in range(-(-n_rec // g))]
-    return HybridCoordinator(groups, budget // (page * g))
-
-
-class PlainScheduler(Scheduler):
-    """The scheduler without its recurrent-checkpoint stop (what it did before issue 13's rule)."""
-
-    def chunk_stop(self, request: Request, hit: CacheHit) -> int:
-        return 0
-
-
-def drive(
-    coord: HybridCoordinator, prompts: list[list[int]], chunk: int, decode: int, boundary: bool
-) -> tuple[int, int]:
-    """Run requests one at a time through kvfleet's real ``Scheduler`` over ``coord`` (admission
-    with its hit, prefill chunks of ``chunk`` tokens cut by its align-mode rule, ``decode`` tokens,
-    free); returns (hit tokens, prompt tokens). ``boundary``: the scheduler as it is, which ends a
-    chunk where the attention groups alone would hit further than the full hit
-    (``Scheduler.chunk_stop``), so the recurrent state there is cached for the next request of the
-    prefix; otherwise ``PlainScheduler``."""
-    config = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, prefill_chunk_size=chunk)
-    scheduler = (Scheduler if boundary else PlainScheduler)(config, coord, max_model_len=1 << 30)
-    sampling = SamplingParams(max_tokens=max(1, decode), ignore_eos=True)
-    hits = total = 0
-    for i, prompt in enumerate(prompts):
-        request = Request(f"r{i}", prompt, sampling, coord.hash_block_size)
-        scheduler.add_request(request)
-        step = 0
-        while scheduler.has_work:
-            out = scheduler.schedule()
-            if not out.chunks:
-                raise RuntimeError(f"request {i} not scheduled at {request.num_computed_tokens} tokens: raise the budget")
-            step += 1
-            scheduler.update(out, {request.request_id: (i * 7 + step) % 30000})
-        hits += request.num_cached_tokens
-        total += len(prompt)
-    coord.check_invariants()
-    return hits, total
-
-
-def workload(shared: int, unique: int, prefixes: int, reuse: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    heads = [[rng.randrange(30000) for _ in range(shared)] for _ in range(prefixes)]
-    order = [p for _ in range(reuse) for p in range(prefixes)]
-    return [heads[p] + [30000 + i] + [rng.randrange(30000) for _ in range(unique - 1)] for i, p in enumerate(order)]
-
-
-def splits(vllm_block: int, count_: int) -> list[int]:
-    """Shared lengths: multiples of 16 not multiples of vLLM's block, spread over 0.25..2.75 blocks."""
-    out = []
-    for k in range(count_):
-        s = int(vllm_block * (0.25 + 2.5 * k / max(1, count_ - 1))) // BLOCK * BLOCK
-        out.append(s + BLOCK if s % vllm_block == 0 else s)
-    return sorted(set(out))
-
-
-def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    layout = build_kv_layout(arch, BLOCK, DTYPE)
-    block_v = cap["vllm_block_size"]["kvfleet_state"]
-    page_v = max(vllm["kvfleet_state"]["page_bytes"], cap["state_bytes"])
-    budget = int(args.hit_budget_gib * GIB)
-    out: dict[str, Any] = {"budget_gib": args.hit_budget_gib, "vllm_block_size": block_v,
-                           "max_num_seqs": args.hit_max_num_seqs, "state_cache_fraction": args.hit_state_fraction,
-                           "kvfleet_defaults": {"state_cache_fraction": DEFAULTS.state_cache_fraction,
-                                                "expected_prefix_tokens": DEFAULTS.expected_prefix_tokens}}
-    chunk_theirs = max(block_v, args.chunk_tokens // block_v * block_v)
-    chunk_ours = chunk_theirs if args.kvfleet_chunk_tokens is None else max(BLOCK, args.kvfleet_chunk_tokens // BLOCK * BLOCK)
-    out["chunk_tokens"] = {"kvfleet": chunk_ours, "vllm_unified": chunk_theirs}
-    for policy in ("boundary", "plain"):
-        rows = []
-        for shared in splits(block_v, args.splits):
-            prompts = workload(shared, args.unique_tokens, args.prefixes, args.reuse, args.seed + shared)
-            t0 = time.perf_counter()
-            hit, total = {}, 0
-            for name, coord, chunk in (
-                ("kvfleet", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, args.hit_state_fraction,
-                                                shared), chunk_ours),
-                ("kvfleet_defaults", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, DEFAULTS.state_cache_fraction,
-                                                         DEFAULTS.expected_prefix_tokens), chunk_ours),
-                ("vllm_unified", unified_coordinator(arch, block_v, page_v, budget), chunk_theirs),
-            ):  # fmt: skip
-                hit[name], total = drive(coord, prompts, chunk, args.decode_tokens, policy == "boundary")
-            best = shared * args.prefixes * (args.reuse - 1)
-            rows.append({"shared_tokens": shared, "inside_vllm_block": shared % block_v != 0,
-                         "hit_rate": {**{k: v / total for k, v in hit.items()}, "best": best / total},
-                         "hit_tokens": hit,
-                         "ratio": hit["kvfleet"] / hit["vllm_unified"] if hit["vllm_unified"] else None})  # fmt: skip
-            log.info("%s: shared %5d: kvfleet %.3f (defaults %.3f) vs unified %.3f (best %.3f) [%.1f s]", policy,
-                     shared, *(hit[k] / total for k in ("kvfleet", "kvfleet_defaults", "vllm_unified")), best / total,
-                     time.perf_counter() - t0)  # fmt: skip
-        ours_total = sum(r["hit_tokens"]["kvfleet"] for r in rows)
-        theirs_total = sum(r["hit_tokens"]["vllm_unified"] for r in rows)
-        out[policy] = {
-            "sweep": rows,
-            "ratio": ours_total / theirs_total if theirs_total else None,
-            "kvfleet_never_lower": all(r["hit_tokens"]["kvfleet"] >= r["hit_tokens"]["vllm_unified"] for r in rows),
-            "kvfleet_higher_inside_block": all(
-                r["hit_tokens"]["kvfleet"] > r["hit_tokens"]["vllm_unified"] for r in rows if r["inside_vllm_block"]
-            ),
-            "kvfleet_higher_below_first_block": all(
-                r["hit_tokens"]["kvfleet"] > r["hit_tokens"]["vllm_unified"] for r in rows if r["shared_tokens"] < block_v
-            ),
-            "points_lower": [r["shared_tokens"] for r in rows
-                             if r["hit_tokens"]["kvfleet"] < r["hit_tokens"]["vllm_unified"]],
-        }  # fmt: skip
-    return out
+__all__ = [  # the moved names, re-exported, and this script's own
+    "BLOCK", "DEFAULTS", "DTYPE", "GIB", "MODELS", "PlainScheduler", "ask_vllm", "capacity", "coordinator_speedup",
+    "count", "drive", "hit_sweep", "kvfleet_coordinator", "main", "mamba_decode", "model_arch", "one_pool_tokens",
+    "parse_args", "splits", "unified_coordinator", "vllm_group_size", "vllm_shape", "workload",
+]  # fmt: skip
 
 
 # -- the other two numbers ----------------------------------------------------------------------------

@@ -15,5 +15,11 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``routing_simulation``: the discrete-event simulation of one policy over one trace (``Simulation``).
 - ``routing_results``: per-request records and one run's metrics (``Record``, ``Result``).
 
+``benchmarks/hybrid_capacity.py``:
+
+- ``hybrid_models``: the models' published shapes, their ``ModelArch`` and vLLM's block for them.
+- ``hybrid_layouts``: cacheable prefix tokens per layout (ideal, padded, vLLM unified, kvfleet).
+- ``hybrid_hits``: the shared-prefix hit sweep through the real scheduler, both layouts.
+
 The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
 """
