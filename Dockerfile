@@ -1,7 +1,7 @@
 # The kvfleet image: Python, torch, Ray and this repo installed, so that KubeRay's `ray start`,
 # the RayJob entrypoint `python -m cluster.job` and the RayService app `serving.app:build_app`
 # all run from it. k8s/ names it registry.example.invalid/kvfleet:0.1.0 (a placeholder; see
-# k8s/README.md "Building the image"). tests/unit/test_dockerfile.py checks this file statically.
+# k8s/README.md "Building the image"). tests/unit/test_dockerfile_*.py check this file statically.
 #
 # CPU (the default): python:3.11-slim and torch's CPU wheel.
 #   docker build -t registry.example.invalid/kvfleet:0.1.0 .
