@@ -21,5 +21,14 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``hybrid_layouts``: cacheable prefix tokens per layout (ideal, padded, vLLM unified, kvfleet).
 - ``hybrid_hits``: the shared-prefix hit sweep through the real scheduler, both layouts.
 
+``benchmarks/serve_bench.py``:
+
+- ``serve_workload``: the shared-prefix request mix in text, its prompts and the sized pools.
+- ``serve_server``: ``kvfleet serve`` as a subprocess on a free loopback port (``Server``).
+- ``serve_http``: the HTTP client: GETs, ``/v1/stats`` and one streamed completion timed.
+- ``serve_loadgen``: guidellm, found, its version checked against the pin, and one run of it.
+- ``serve_results``: one guidellm report summarized (TTFT, latency, hit rate, losses).
+- ``serve_runs``: one policy at one rate, and HTTP TTFT against the driver API's (``Bench``).
+
 The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
 """
