@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.hybrid_workload import HybridWorkload
-from cluster.route_ceiling import replay
+from cluster.route_ceiling import Replay
 from configs import load_config
 
 log = logging.getLogger("route_ceiling")
@@ -76,7 +76,8 @@ def grid(preset: str, workers: int) -> tuple[list[dict[str, Any]], dict[str, dic
     for values in itertools.product(*GRID.values()):
         point = dict(zip(GRID, values))
         workload = replace(base, **point)
-        hits = {p: replay(config, workload, p, workers)["hit_rate"] for p in PLACEMENTS}
+        prepared = Replay(config, workload)
+        hits = {p: prepared.run(p, workers)["hit_rate"] for p in PLACEMENTS}
         rows.append({**point, **hits})
         log.info("%s %s: %s", preset, point, hits)
     usable = [r for r in rows if r["prefix_tree"] > 0]

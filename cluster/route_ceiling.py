@@ -147,43 +147,56 @@ class _OraclePlacement:
         pass
 
 
+class Replay:
+    """One workload made ready to replay: its KV groups, the config sized to it and its prompts,
+    computed once however many placements replay it."""
+
+    def __init__(self, config: ClusterConfig, workload: Any):
+        self.groups = kv_groups(config)
+        self.sized = sized_config(config, workload, self.groups)
+        self.prompts = workload.prompts(vocab_size(config))
+        self.max_tokens = workload.max_tokens
+
+    def run(self, placement: str, num_workers: int) -> dict[str, Any]:
+        """One placement over the prompts; token hit rate and requests per worker."""
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement: one of {PLACEMENTS} (got {placement!r})")
+        workers = _Workers(self.sized, self.groups, num_workers)
+        chooser: _RouterPlacement | _OraclePlacement
+        if placement == "exact_oracle":
+            chooser = _OraclePlacement(workers)
+        else:
+            if placement == "kvfleet":
+                router: Router = RoutingPolicy(self.groups, self.sized.router.model_copy(update={"pins": []}))
+            elif placement == "prefix_tree":
+                router = PrefixTreeRouter(self.groups)
+            else:
+                router = RoundRobinRouter(self.groups)
+            chooser = _RouterPlacement(router, workers, placement == "kvfleet", placement == "prefix_tree")
+        hit = total = 0
+        for i, prompt in enumerate(self.prompts):
+            k = chooser.place(prompt, f"r{i}")
+            hit += workers.run(k, prompt, f"r{i}", self.max_tokens)
+            total += len(prompt)
+            chooser.settle()
+        return {"hit_rate": round(hit / total, 4) if total else 0.0, "requests_per_worker": workers.served}
+
+
 def replay(config: ClusterConfig, workload: Any, placement: str, num_workers: int) -> dict[str, Any]:
     """One placement over the workload's prompts; token hit rate and requests per worker."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement: one of {PLACEMENTS} (got {placement!r})")
-    groups = kv_groups(config)
-    sized = sized_config(config, workload, groups)
-    workers = _Workers(sized, groups, num_workers)
-    chooser: _RouterPlacement | _OraclePlacement
-    if placement == "exact_oracle":
-        chooser = _OraclePlacement(workers)
-    else:
-        if placement == "kvfleet":
-            router: Router = RoutingPolicy(groups, sized.router.model_copy(update={"pins": []}))
-        elif placement == "prefix_tree":
-            router = PrefixTreeRouter(groups)
-        else:
-            router = RoundRobinRouter(groups)
-        chooser = _RouterPlacement(router, workers, placement == "kvfleet", placement == "prefix_tree")
-    hit = total = 0
-    for i, prompt in enumerate(workload.prompts(vocab_size(config))):
-        k = chooser.place(prompt, f"r{i}")
-        hit += workers.run(k, prompt, f"r{i}", workload.max_tokens)
-        total += len(prompt)
-        chooser.settle()
-    return {"hit_rate": round(hit / total, 4) if total else 0.0, "requests_per_worker": workers.served}
+    return Replay(config, workload).run(placement, num_workers)
 
 
 def route_ceiling(config: ClusterConfig, workload: Any, num_workers: int | None = None) -> dict[str, Any]:
     """Every placement on the workload (``num_workers``: the config's prefill workers); the
     hit rates, the unbounded bound and ``oracle_over_prefix_tree``."""
     count = num_workers or config.workers.num_prefill or config.workers.num_decode
+    prepared = Replay(config, workload)
     out: dict[str, Any] = {"num_workers": count}
     for placement in PLACEMENTS:
-        out[placement] = replay(config, workload, placement, count)
+        out[placement] = prepared.run(placement, count)
         log.info("route ceiling %s: %s", placement, out[placement])
-    prompts = workload.prompts(vocab_size(config))
-    out["bound"] = round(hit_rate_bound(prompts, alignment_tokens(kv_groups(config))), 4)
+    out["bound"] = round(hit_rate_bound(prepared.prompts, alignment_tokens(prepared.groups)), 4)
     tree = out["prefix_tree"]["hit_rate"]
     out["oracle_over_prefix_tree"] = round(out["exact_oracle"]["hit_rate"] / tree, 4) if tree else None
     out["kvfleet_over_prefix_tree"] = round(out["kvfleet"]["hit_rate"] / tree, 4) if tree else None
