@@ -172,30 +172,30 @@ class SingleTypeManager:
         ``retain``: table indices whose hashed blocks go to the retained tier (a hit at the
         request's shared-prefix boundary needs them) instead of the free queue.
         """
-        table = self.tables.pop(request_id, None)
+        if retain:
+            item = self._pop_split(request_id, retain)
+            if item is None:
+                return
+            ordered, start, stop = item
+            pool = self.pool
+            if start == stop:
+                pool.free_blocks(ordered)
+                return
+            if start:
+                pool.free_blocks(ordered[:start], enforce=False)
+            pool.free_retaining(ordered[start:stop])
+            if stop < len(ordered):
+                pool.free_blocks(ordered[stop:], enforce=False)
+            pool.enforce_retain_budget()
+            return
+        table = self.tables.pop(request_id, None)  # pop_live inlined: the hot path without retention
         self.num_cached.pop(request_id, None)
         if not table:
             return
-        first = self.first_live(table) if table[0].is_null else 0
-        pool = self.pool
-        if retain:
-            lo = max(retain.start, first)
-            hi = min(retain.stop, len(table))
-            if lo < hi:  # some live blocks a hit at the boundary needs
-                tail, mid, head = table[hi:], table[lo:hi], table[first:lo]
-                tail.reverse()
-                mid.reverse()
-                head.reverse()
-                if tail:
-                    pool.free_blocks(tail, enforce=False)
-                pool.free_retaining(mid)
-                if head:
-                    pool.free_blocks(head, enforce=False)
-                pool.enforce_retain_budget()
-                return
-        live = table[first:] if first else table
-        live.reverse()
-        pool.free_blocks(live)
+        if table[0].is_null:
+            table = table[self.first_live(table) :]
+        table.reverse()
+        self.pool.free_blocks(table)
 
     def pop_live(self, request_id: str) -> list[Block]:
         """Forget the request here and return its live blocks, last first (the order ``free``
@@ -214,6 +214,10 @@ class SingleTypeManager:
         (last slot first) with the positions ``[start, stop)`` in that list of the blocks a hit at
         ``boundary`` tokens needs (``start == stop``: none). None for unknown requests; the
         caller releases the blocks (``HybridCoordinator.free``)."""
+        return self._pop_split(request_id, self.blocks_needed_at(boundary))
+
+    def _pop_split(self, request_id: str, window: range) -> tuple[list[Block], int, int] | None:
+        """``pop_release`` for the table indices ``window`` (what ``free`` with ``retain`` releases)."""
         table = self.tables.pop(request_id, None)
         self.num_cached.pop(request_id, None)
         if not table:
@@ -223,7 +227,6 @@ class SingleTypeManager:
         if first:
             table = table[first:]
         table.reverse()
-        window = self.blocks_needed_at(boundary)
         lo = max(window.start, first)
         hi = min(window.stop, n)
         if lo < hi:
