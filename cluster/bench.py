@@ -111,7 +111,7 @@ def kv_groups(config: ClusterConfig) -> list[Any]:
 
     hf_config = read_hf_config(resolve_model_directory(config))
     arch = arch_from_hf_config(hf_config, config.model.sliding_window_override)
-    dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+    dtype = config.model.resolved_dtype
     return list(build_kv_layout(arch, config.kv_cache.block_size, dtype).groups)
 
 

@@ -41,7 +41,8 @@ class ModelConfig(_Frozen):
     """
 
     source: str = "gemma-3-270m"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are far slower than fp32 on CPUs)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     max_model_len: PositiveInt | None = None
     sliding_window_override: PositiveInt | None = None
@@ -58,6 +59,13 @@ class ModelConfig(_Frozen):
     def source_kind(self) -> SourceKind:
         return classify_source(self.source)
 
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype weights, activations and KV pages use: ``auto`` resolved for the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
 
 class PinningConfig(_Frozen):
     """The pinned retention tier of every worker's block pool (off by default)."""
@@ -69,11 +77,16 @@ class PinningConfig(_Frozen):
 
 
 class KVCacheConfig(_Frozen):
-    """Paged KV-cache sizing and the prefix cache; exactly one of num_blocks / memory_budget_mib."""
+    """Paged KV-cache sizing and the prefix cache; exactly one of num_blocks / memory_budget_mib /
+    gpu_memory_utilization sizes the pools."""
 
     block_size: PositiveInt = 16
     num_blocks: PositiveInt | None = None
     memory_budget_mib: PositiveFloat | None = 512.0
+    # CUDA only: the share of the GPU's memory this worker may hold (weights, activations and KV
+    # together); the KV budget is what is left of it once the weights are loaded
+    # (engine/model/gpu_memory.py). Needs memory_budget_mib=null.
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     # hybrid models: how memory_budget_mib is split between pools (engine/model/kv_budget.py):
     # running requests' recurrent states first, cached states at most this share of the rest
     state_cache_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
@@ -92,8 +105,17 @@ class KVCacheConfig(_Frozen):
                 f"set either num_blocks or memory_budget_mib, not both (memory_budget_mib={self.memory_budget_mib})",
                 self.num_blocks,
             )
-        if self.num_blocks is None and self.memory_budget_mib is None:
-            raise cross_field_error("num_blocks", "set num_blocks or memory_budget_mib", None)
+        if self.gpu_memory_utilization is not None:
+            for name in ("num_blocks", "memory_budget_mib"):
+                if getattr(self, name) is not None:
+                    raise cross_field_error(
+                        "gpu_memory_utilization",
+                        f"set either {name} or gpu_memory_utilization, not both ({name}={getattr(self, name)};"
+                        f" set kv_cache.{name}=null)",
+                        self.gpu_memory_utilization,
+                    )
+        elif self.num_blocks is None and self.memory_budget_mib is None:
+            raise cross_field_error("num_blocks", "set num_blocks, memory_budget_mib or gpu_memory_utilization", None)
         if (
             self.pinning.budget_blocks is not None
             and self.num_blocks is not None
@@ -380,6 +402,13 @@ class ClusterConfig(_Frozen):
                 "router.auto_pin.replicas",
                 f"must be <= the number of workers ({self.workers.num_workers})",
                 self.router.auto_pin.replicas,
+            )
+        if self.kv_cache.gpu_memory_utilization is not None and self.model.device != "cuda":
+            raise cross_field_error(
+                "kv_cache.gpu_memory_utilization",
+                f"needs model.device=cuda (got {self.model.device!r}); size a CPU worker's cache with"
+                " kv_cache.memory_budget_mib",
+                self.kv_cache.gpu_memory_utilization,
             )
         pinning = self.kv_cache.pinning
         if not pinning.enabled:

@@ -35,6 +35,7 @@ from engine.disagg import (
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.model.arch import ModelArch
+from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import build_model, load_hf_directory
@@ -125,13 +126,18 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             raise ValueError(f"kv_role: expected one of {sorted(_TRANSFER_ROLE)} or None, got {kv_role!r}")
         directory = Path(model_directory) if model_directory else resolve_model_directory(config)
         arch, weights = load_hf_directory(directory, config.model.sliding_window_override)
-        dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
+        dtype = config.model.resolved_dtype
         device = torch.device(config.model.device)
         cache = config.kv_cache
         layout = build_kv_layout(arch, cache.block_size, dtype)
         model = build_model(arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory))
         del weights
-        num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs)
+        gpu_budget = None
+        if cache.gpu_memory_utilization is not None:
+            reserve = activation_reserve_bytes(arch, config.scheduler.max_num_batched_tokens,
+                                               config.scheduler.max_num_seqs, TORCH_DTYPES[dtype].itemsize)  # fmt: skip
+            gpu_budget = gpu_kv_budget_bytes(device, cache.gpu_memory_utilization, reserve)
+        num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs, gpu_budget)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         pinning = cache.pinning
         self.coordinator = HybridCoordinator(

@@ -78,7 +78,9 @@ class PDTransferMixin:
 
     def _export(self, request_id: str, num_tokens: int | None = None) -> KVHandle:
         """The handle of a prefilled request (of its first ``num_tokens`` tokens: all by default);
-        its blocks stay held until the reader is done."""
+        its blocks stay held until the reader is done. Returns only once the forward that wrote
+        those blocks has finished on the device (a reader's copy is not ordered after it)."""
+        self.runner.wait_kv_written()
         request = self.scheduler.held[request_id]
         num_tokens = request.num_tokens if num_tokens is None else num_tokens
         null = self.coordinator.null_block_id

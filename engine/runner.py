@@ -79,6 +79,8 @@ class ModelRunner:
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # set after each forward on CUDA: the KV and state writes queued so far are done once it is
+        self._kv_written: torch.cuda.Event | None = None
 
     def execute(self, output: SchedulerOutput) -> SampledTokens:
         """Run the scheduled chunks; return the sampled token of every chunk that samples (and
@@ -99,12 +101,24 @@ class ModelRunner:
             return SampledTokens(), {}
         batch = self.build_batch(output)
         hidden = self.model(batch)
+        if self.device.type == "cuda":
+            self._kv_written = torch.cuda.Event()
+            self._kv_written.record()
         if not sampling:
             return SampledTokens(), {}
         logits = self.model.logits(hidden[batch.sample_indices])
         ids = [c.request.request_id for c in sampling]
         sampled = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
         return sampled, dict(zip(ids, logits, strict=True))
+
+    def wait_kv_written(self) -> None:
+        """Block until every KV page and recurrent state the last forward wrote is in memory.
+
+        On CUDA a step that samples nothing (a prefill-only step) returns while its writes are
+        still queued on the stream; a reader that copies the pages by DMA (NIXL, CUDA IPC) is not
+        ordered after them. Call this before a handle naming those pages leaves the engine."""
+        if self._kv_written is not None:
+            self._kv_written.synchronize()
 
     def _scratch_for(self, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V gather buffers large enough for this step's biggest read, grown and then reused."""

@@ -118,11 +118,20 @@ def split_budget(
     return BudgetSplit(tuple(counts), budget_bytes, reserved_bytes, cached_bytes, attention_bytes, cached)
 
 
-def blocks_per_pool(layout: KVLayout, cache: KVCacheConfig, max_num_seqs: int) -> tuple[int, ...]:
-    """Blocks per pool for a worker: ``kv_cache.num_blocks`` for every pool, or the split of
-    ``kv_cache.memory_budget_mib`` (``split_budget`` with the config's fraction and prefix length)."""
+def blocks_per_pool(
+    layout: KVLayout, cache: KVCacheConfig, max_num_seqs: int, gpu_budget_bytes: int | None = None
+) -> tuple[int, ...]:
+    """Blocks per pool for a worker: ``kv_cache.num_blocks`` for every pool, or the split
+    (``split_budget`` with the config's fraction and prefix length) of ``kv_cache.memory_budget_mib``
+    or, with ``kv_cache.gpu_memory_utilization``, of ``gpu_budget_bytes`` (what the GPU has free,
+    engine/model/gpu_memory.py)."""
     if cache.num_blocks:
         return (cache.num_blocks,) * layout.num_pools
-    assert cache.memory_budget_mib is not None  # the schema requires one of the two
-    budget = int(cache.memory_budget_mib * 2**20)
+    if cache.gpu_memory_utilization is not None:
+        if gpu_budget_bytes is None:
+            raise ValueError("kv_cache.gpu_memory_utilization: the GPU's free memory was not measured")
+        budget = gpu_budget_bytes
+    else:
+        assert cache.memory_budget_mib is not None  # the schema requires one of the three
+        budget = int(cache.memory_budget_mib * 2**20)
     return split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens).num_blocks

@@ -110,6 +110,13 @@ def _error(preset: str, overrides: list[str]) -> str:
             "kv_cache.num_blocks: set either num_blocks or memory_budget_mib, not both",
         ),
         (
+            "kv_cache.gpu_memory_utilization=0.9",
+            "kv_cache.gpu_memory_utilization: set either num_blocks or gpu_memory_utilization, not both",
+        ),
+        ("kv_cache.gpu_memory_utilization=1.5", "kv_cache.gpu_memory_utilization: must be <= 1.0 (got 1.5)"),
+        ("kv_cache.gpu_memory_utilization=nan", "kv_cache.gpu_memory_utilization: must be <= 1.0 (got 'nan')"),
+        ("kv_cache.gpu_memory_utilization=0", "kv_cache.gpu_memory_utilization: must be > 0.0 (got 0)"),
+        (
             "scheduler.prefill_chunk_size=4096",
             "scheduler.prefill_chunk_size: must be <= scheduler.max_num_batched_tokens (256) (got 4096)",
         ),
@@ -197,3 +204,17 @@ def test_the_api_key_comes_from_the_environment_first(monkeypatch: pytest.Monkey
     assert resolve_api_key(serve) == "from-config"
     monkeypatch.setenv(serve.api_key_env, "from-env")
     assert resolve_api_key(serve) == "from-env"
+
+
+def test_gpu_memory_utilization_needs_a_cuda_device() -> None:
+    message = _error("tiny", ["kv_cache.num_blocks=null", "kv_cache.gpu_memory_utilization=0.9"])
+    assert "kv_cache.gpu_memory_utilization: needs model.device=cuda (got 'cpu')" in message
+    config = load_config("tiny", ["kv_cache.num_blocks=null", "kv_cache.gpu_memory_utilization=0.9", "model.device=cuda"])
+    assert config.kv_cache.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize(("device", "dtype", "resolved"), [("cpu", "auto", "float32"), ("cuda", "auto", "bfloat16"),
+                                                           ("cuda", "float32", "float32"), ("cpu", "bfloat16", "bfloat16")])
+def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_the_cpu(device: str, dtype: str, resolved: str) -> None:
+    config = load_config("tiny", [f"model.device={device}", f"model.dtype={dtype}"])
+    assert config.model.resolved_dtype == resolved
