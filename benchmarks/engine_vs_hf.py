@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.support.hf_generate import generate_batch, workload  # noqa: E402
 from configs import load_config  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.model.hybrid_tiny import build_hybrid_checkpoint  # noqa: E402
@@ -79,15 +80,6 @@ def gemma_directory() -> Path:
     return resolve_model_directory(load_config("local"))
 
 
-def workload(num_requests: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(num_requests):
-        prompt_len = rng.randint(64, 1024)
-        out.append(([rng.randrange(3, vocab) for _ in range(prompt_len)], rng.randint(16, 256)))
-    return out
-
-
 def run_kvfleet(directory: Path, requests: list[tuple[list[int], int]], threads: int) -> tuple[float, int]:
     config = load_config(
         "local",
@@ -124,22 +116,7 @@ def run_hf(directory: Path, requests: list[tuple[list[int], int]], threads: int,
     useful = 0
     for lo in range(0, len(requests), batch):
         group = requests[lo : lo + batch]
-        width = max(len(p) for p, _ in group)
-        ids = torch.full((len(group), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, (prompt, _) in enumerate(group):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        longest = max(m for _, m in group)
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad,
-            )
+        generate_batch(model, group, pad)
         useful += sum(m for _, m in group)
         log.info("hf: batch %d/%d done, %.1f s", lo // batch + 1, -(-len(requests) // batch), time.perf_counter() - start)
     return time.perf_counter() - start, useful

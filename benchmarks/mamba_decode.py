@@ -150,6 +150,8 @@ def measure_decode(
     rounds: int = 2,
     threads: int = 1,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Decode tokens/s at ``num_requests`` running requests, per-request Mamba loop vs batched.
 
@@ -158,15 +160,20 @@ def measure_decode(
     "tokens_per_s": {"before", "after"}, ...}`` over ``rounds`` rounds of ``decode_steps`` steps
     per path (alternating step by step), the same by CPU time (``threads=1``: what a dedicated
     core would give on a shared machine), and the speedup inside the Mamba mixers alone.
+    On ``device="cuda"`` the step times are still wall times of whole steps (each ends in the
+    sampler's copy of the tokens to the host, so the GPU work is inside them); the mixer times
+    and the CPU-time fields only count launch work there.
     """
     if model_directory is None:
         with tempfile.TemporaryDirectory() as tmp:
             return measure_decode(build_bamba(Path(tmp) / "bamba", seed), num_requests, prompt_len,
-                                  decode_steps, rounds, threads, seed)  # fmt: skip
+                                  decode_steps, rounds, threads, seed, device, dtype)  # fmt: skip
     config = load_config(
         "tiny",
         [
             f"model.source={model_directory}",
+            f"model.device={device}",
+            f"model.dtype={dtype}",
             "kv_cache.block_size=16",
             "kv_cache.num_blocks=null",
             "kv_cache.memory_budget_mib=1024",
@@ -210,6 +217,8 @@ def measure_decode(
         "prompt_len": prompt_len,
         "decode_steps_per_path": decode_steps * rounds,
         "threads": threads,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": dtype,
     }
 
 
@@ -222,13 +231,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, help="keep the built checkpoint here (reused when present)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     directory = args.model_dir
     if directory is not None and not (directory / "config.json").is_file():
         build_bamba(directory, args.seed)
     result = measure_decode(directory, args.num_requests, args.prompt_len, args.decode_steps, args.rounds, args.threads,
-                            args.seed)  # fmt: skip
+                            args.seed, args.device, args.dtype)  # fmt: skip
     print(json.dumps(result))
 
 

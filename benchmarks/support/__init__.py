@@ -30,5 +30,9 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``serve_results``: one guidellm report summarized (TTFT, latency, hit rate, losses).
 - ``serve_runs``: one policy at one rate, and HTTP TTFT against the driver API's (``Bench``).
 
+``benchmarks/engine_vs_hf.py`` and ``benchmarks/engine_gpu.py``:
+
+- ``hf_generate``: the issue-4 request mix and Hugging Face ``generate`` over it in left-padded batches.
+
 The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
 """

@@ -1,0 +1,508 @@
+#!/usr/bin/env python3
+"""Issue 17: kvfleet's EngineCore on one GPU against Hugging Face ``generate``, and its decode step
+against the memory-bandwidth bound, same device, same dtype (bfloat16 on CUDA), one run.
+
+Models (random weights through engine.model.random_checkpoint, initialised on the device, saved in
+the run's dtype to a temporary directory): ``gemma`` — Gemma-3-270M's published shape (268.1M
+parameters; engine.model.gguf_named_models' expected config: vocab 262144, hidden
+640, 18 layers, 4 query / 1 KV heads of 256, sliding window 512, 5 local : 1 global, rope theta
+1e4 local / 1e6 global, tied embeddings; MLP 2048, query_pre_attn_scalar 256); ``bamba`` —
+Bamba-9B's proportions (benchmarks/mamba_decode.py's ``BAMBA_SCALED``) at hidden 1536, 10 layers
+with attention at layers 3 and 7 (12 query / 3 KV heads of 128), 48 Mamba2 heads of 64, d_state
+128, MLP 5376, vocabulary 32000 (475.0M parameters). On a CPU in bfloat16 both give the same
+greedy tokens in kvfleet and in HF.
+
+(1) Throughput on the issue-4 mix (benchmarks/support/hf_generate.py: ``--num-requests`` (64)
+    requests, prompts uniform in [64, 1024] tokens, outputs uniform in [16, 256], seeded). kvfleet
+    receives every request at once (64 running, 8192 tokens per step, 1024-token prefill chunks,
+    KV budget large enough that nothing is preempted: ``preemptions`` says); HF ``generate`` runs
+    them greedily in left-padded batches of 16, each row kept going to its batch's longest
+    max_tokens, and is credited only each request's own max_tokens. Output tokens/s = useful
+    output tokens / wall seconds; ``throughput_ratio_vs_hf`` = kvfleet / HF.
+(2) Time to first token, all requests arriving at t=0. kvfleet: per request, from the first
+    ``add_request`` to the end of the ``step()`` that returned its first token (p50 and mean).
+    HF: per request, its batch's start in the throughput run plus that batch's prefill time,
+    measured separately afterwards as a 1-new-token ``generate`` of the same batch (device
+    synchronised before and after); ``batch_prefill_mean`` is that 1-token time alone.
+(3) Decode step time at batch 1, 8, 64 (kvfleet, gemma): B requests of a 512-token prompt are
+    prefilled (untimed), 3 decode steps run untimed, then 32 ``step()`` calls, each decoding one
+    token for all B, are timed with perf_counter between device synchronisations; ms/step. The
+    bound: bytes a step must read (every weight once in the model dtype, tied embeddings once,
+    plus each request's K and V for every attention layer over min(context, window) tokens,
+    averaged over the timed steps) over the device's copy bandwidth, measured in the same run
+    (best of 20 copies of a 1 GiB tensor, bytes read + written / time, CUDA events).
+    ``decode_step_over_bound`` = measured step / bound (1.0 would be a step that only streams
+    its bytes at copy speed).
+
+Both systems are warmed up first (kvfleet: 16 short requests through the same engine; HF: one
+short batch), so CUDA initialisation and kernel selection are not timed. ``--max-seconds`` (180)
+bounds the run: a phase that would start, or a loop that goes on, past it is skipped and named
+in ``errors``; every phase that fails is recorded there and the others still run. Progress on
+stderr (logging); the last stdout line is one JSON object::
+
+  {"throughput_ratio_vs_hf": {"gemma": r, "bamba": r}, "decode_step_over_bound": {"1": r, "8": r,
+   "64": r}, "device": "<GPU name>", "tokens_per_s": ..., "ttft_s": ..., "decode_step_ms": ...,
+   "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., ...}
+
+On the GPU machine: ``python benchmarks/engine_gpu.py`` (``--device cuda``, bfloat16; expected
+about two minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1 and 2, about
+25 s): ``python benchmarks/engine_gpu.py --device cpu --dtype float32 --quick``. The CPU numbers
+mean nothing (the shapes are tiny and the machine shared); last measured on a GPU: not yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.mamba_decode import BAMBA_SCALED  # noqa: E402
+from benchmarks.support.hf_generate import generate_batch, workload  # noqa: E402
+from configs import load_config  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.model.gguf_named_models import NAMED_MODELS  # noqa: E402
+from engine.model.random_checkpoint import write_random_checkpoint  # noqa: E402
+from engine.runner import TORCH_DTYPES  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+log = logging.getLogger("engine_gpu")
+
+_GEMMA_PUBLISHED = {k: v for k, v in NAMED_MODELS["gemma-3-270m"].expected_config.items() if k != "architectures"}
+# name -> (config class, model class, fields): the full shapes and the --quick ones
+MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gemma": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_GEMMA_PUBLISHED, "intermediate_size": 2048, "query_pre_attn_scalar": 256, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
+    "bamba": ("BambaConfig", "BambaForCausalLM", {
+        **BAMBA_SCALED, "hidden_size": 1536, "intermediate_size": 5376, "num_hidden_layers": 10,
+        "attn_layer_indices": [3, 7], "num_attention_heads": 12, "num_key_value_heads": 3, "mamba_n_heads": 48}),
+}  # fmt: skip
+QUICK_MODELS: dict[str, dict[str, Any]] = {
+    "gemma": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "head_dim": 32, "sliding_window": 32, "query_pre_attn_scalar": 32, "max_position_embeddings": 4096,
+              "layer_types": ["sliding_attention", "full_attention"]},
+    "bamba": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "attn_layer_indices": [1], "num_attention_heads": 4, "num_key_value_heads": 1, "mamba_n_heads": 4,
+              "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16},
+}  # fmt: skip
+DECODE_MODEL = "gemma"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything a run's size depends on (the full run's, or ``--quick``'s)."""
+
+    num_requests: int = 64
+    prompt_lens: tuple[int, int] = (64, 1024)
+    output_lens: tuple[int, int] = (16, 256)
+    hf_batch: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    prefill_chunk_size: int = 1024
+    kv_budget_mib: int = 8192
+    warmup_requests: int = 16
+    warmup_prompt_len: int = 64
+    warmup_tokens: int = 8
+    decode_batches: tuple[int, ...] = (1, 8, 64)
+    decode_prompt_len: int = 512
+    decode_warmup_steps: int = 3
+    decode_steps: int = 32
+    copy_mib: int = 1024
+    copy_reps: int = 20
+
+
+QUICK = Sizes(num_requests=8, prompt_lens=(16, 64), output_lens=(4, 16), hf_batch=4, kv_budget_mib=64,
+              warmup_requests=2, warmup_prompt_len=16, warmup_tokens=2, decode_batches=(1, 2), decode_prompt_len=48,
+              decode_warmup_steps=1, decode_steps=4, copy_mib=64, copy_reps=5)  # fmt: skip
+
+
+class OutOfTime(RuntimeError):
+    """``--max-seconds`` passed: the phase in progress is given up."""
+
+
+@dataclass
+class Run:
+    """One benchmark run: its arguments and sizes, the device, the deadline and the result so far."""
+
+    args: argparse.Namespace
+    sizes: Sizes
+    device: torch.device
+    end: float
+    result: dict[str, Any]
+
+    def check(self, what: str) -> None:
+        if time.perf_counter() > self.end:
+            raise OutOfTime(f"{what}: --max-seconds reached")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def release_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def attempt(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Run one phase unless ``--max-seconds`` has passed; a failure (or ``OutOfTime``) is
+        logged and named in ``result["errors"]``, and the run goes on without that phase."""
+        try:
+            self.check(phase)
+            return fn()
+        except OutOfTime as exc:
+            log.warning("%s skipped: %s", phase, exc)
+            self.result["errors"][phase] = f"OutOfTime: {exc}"
+        except Exception as exc:  # noqa: BLE001 - one phase failing must not lose the others' numbers
+            log.exception("%s failed", phase)
+            self.result["errors"][phase] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+def build_checkpoint(run: Run, name: str, directory: Path) -> Path:
+    """Write the random checkpoint ``name`` in the run's dtype, initialised on the device (on the
+    CPU if that fails) and saved from the CPU."""
+    config_cls, model_cls, shape = MODELS[name]
+    shape = {**shape, **(QUICK_MODELS[name] if run.args.quick else {})}
+    dtype = TORCH_DTYPES[run.args.dtype]
+    start = time.perf_counter()
+    for build_device in dict.fromkeys([run.device, torch.device("cpu")]):
+        try:
+            with torch.device(build_device):
+                write_random_checkpoint(config_cls, model_cls, shape, directory, run.args.seed,
+                                        finish=lambda model: model.to(device="cpu", dtype=dtype))  # fmt: skip
+            break
+        except Exception as exc:  # noqa: BLE001 - e.g. a device-side init failure: build on the CPU
+            if build_device.type == "cpu":
+                raise
+            log.warning("%s: building on %s failed (%s); building on the CPU", name, build_device, exc)
+        finally:
+            run.release_memory()
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    log.info("%s: random checkpoint, %.0f MiB %s, in %.1f s", name, size / 2**20, run.args.dtype,
+             time.perf_counter() - start)  # fmt: skip
+    return directory
+
+
+# -- kvfleet ----------------------------------------------------------------------------------------------
+def make_engine(run: Run, directory: Path) -> EngineCore:
+    sizes = run.sizes
+    config = load_config(
+        "local",
+        [
+            f"model.source={directory}",
+            f"model.device={run.device.type}",
+            f"model.dtype={run.args.dtype}",
+            "kv_cache.num_blocks=null",
+            f"kv_cache.memory_budget_mib={sizes.kv_budget_mib}",
+            "kv_cache.pinning.enabled=false",
+            f"scheduler.max_num_seqs={max(sizes.max_num_seqs, *sizes.decode_batches)}",
+            f"scheduler.max_num_batched_tokens={sizes.max_num_batched_tokens}",
+            f"scheduler.prefill_chunk_size={sizes.prefill_chunk_size}",
+        ],
+    )
+    return EngineCore(config, threads=run.args.threads if run.device.type == "cpu" else None)
+
+
+def run_kvfleet(run: Run, engine: EngineCore, requests: list[tuple[list[int], int]], tag: str) -> dict[str, Any]:
+    """All ``requests`` added at once, stepped to the end: wall seconds, output tokens, and each
+    request's seconds to its first token (from the first add to the end of that step)."""
+    run.sync()
+    start = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    first: dict[str, float] = {}
+    produced = steps = 0
+    errors = []
+    while engine.has_work:
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        steps += 1
+        for out in outputs:
+            if out.new_token_ids:
+                produced += len(out.new_token_ids)
+                first.setdefault(out.request_id, now)
+            if out.error:
+                errors.append(f"{out.request_id}: {out.error}")
+        if steps % 100 == 0:
+            log.info("kvfleet %s: step %d, %d tokens, %.1f s", tag, steps, produced, now)
+        run.check(f"kvfleet {tag}")
+    run.sync()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"kvfleet {tag}: {len(errors)} requests failed, first: {errors[0]}")
+    return {"wall_s": wall, "tokens": produced, "steps": steps, "ttft_s": list(first.values())}
+
+
+def warmup_kvfleet(run: Run, engine: EngineCore, vocab: int) -> None:
+    """Short requests of other tokens than the measured ones (no prefix hits carry over)."""
+    sizes = run.sizes
+    rng = random.Random(run.args.seed + 1)
+    prompts = [([rng.randrange(3, vocab) for _ in range(sizes.warmup_prompt_len)], sizes.warmup_tokens)
+               for _ in range(sizes.warmup_requests)]  # fmt: skip
+    run_kvfleet(run, engine, prompts, "warmup")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter once (tied tensors counted once), in their stored dtype."""
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        seen[param.data_ptr()] = max(seen.get(param.data_ptr(), 0), param.numel() * param.element_size())
+    return sum(seen.values())
+
+
+def kv_bytes_read(engine: EngineCore, context: int) -> int:
+    """Bytes of K and V one decode step reads for a request attending ``context`` tokens."""
+    arch = engine.runner.arch
+    per_token = 2 * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
+    total = 0
+    for layer in arch.layers:
+        if layer.kind in ("full_attention", "sliding_attention"):
+            total += per_token * (min(context, layer.window) if layer.window else context)
+    return total
+
+
+def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> dict[str, float]:
+    """Milliseconds per decode step with ``batch`` requests decoding, and the KV bytes each step read."""
+    sizes = run.sizes
+    rng = random.Random(run.args.seed + 100 + batch)
+    ids = [f"decode{batch}-{i}" for i in range(batch)]
+    # room for the steps while later requests still prefill; every request is aborted after timing
+    max_tokens = sizes.decode_warmup_steps + sizes.decode_steps + 64
+    for rid in ids:
+        prompt = [rng.randrange(3, vocab) for _ in range(sizes.decode_prompt_len)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+        run.check(f"decode batch {batch} prefill")
+    for _ in range(sizes.decode_warmup_steps):
+        engine.step()
+    lengths = [engine.scheduler.requests[rid].num_tokens for rid in ids]
+    run.sync()
+    start = time.perf_counter()
+    for k in range(sizes.decode_steps):
+        decoded = sum(len(out.new_token_ids) for out in engine.step())
+        if decoded != batch:
+            raise RuntimeError(f"decode batch {batch}: step {k} decoded {decoded} tokens, expected {batch}")
+    run.sync()
+    step_s = (time.perf_counter() - start) / sizes.decode_steps
+    kv = sum(kv_bytes_read(engine, n + k) for n in lengths for k in range(sizes.decode_steps)) / sizes.decode_steps
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths)}
+
+
+def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: int) -> None:
+    """``decode_step_time`` at ``batch`` and its bound, into the result."""
+    result = run.result
+    timed = decode_step_time(run, engine, batch, vocab)
+    key = str(batch)
+    result["decode_step_ms"][key] = round(timed["step_ms"], 4)
+    result["decode_kv_bytes_per_step"][key] = round(timed["kv_bytes"])
+    bandwidth = result.get("copy_bandwidth_gb_s")
+    if bandwidth:
+        bound_ms = (result["weight_bytes"][name] + timed["kv_bytes"]) / (bandwidth * 1e9) * 1e3
+        result["decode_bound_ms"][key] = round(bound_ms, 5)
+        result["decode_step_over_bound"][key] = round(timed["step_ms"] / bound_ms, 3)
+    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms", batch, timed["step_ms"],
+             timed["context_start"], result["decode_bound_ms"].get(key))  # fmt: skip
+
+
+def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list[int], int]], vocab: int) -> dict:
+    """Warm-up and throughput run of one engine, then (for ``DECODE_MODEL``) its decode steps."""
+    engine = make_engine(run, directory)
+    try:
+        run.result["weight_bytes"][name] = weight_bytes(engine.runner.model)
+        warmup_kvfleet(run, engine, vocab)
+        timed = run_kvfleet(run, engine, requests, "r")
+        run.result["preemptions"][name] = engine.scheduler.num_preemptions
+        log.info("%s kvfleet: %d tokens in %.2f s (%d steps, %.1f tok/s)", name, timed["tokens"], timed["wall_s"],
+                 timed["steps"], timed["tokens"] / timed["wall_s"])  # fmt: skip
+        if name == DECODE_MODEL and run.args.decode:
+            for batch in run.sizes.decode_batches:
+                run.attempt(f"decode batch {batch}", lambda b=batch: record_decode(run, engine, name, b, vocab))
+        return timed
+    finally:
+        engine.close()
+        del engine
+        run.release_memory()
+
+
+def copy_bandwidth(run: Run) -> float:
+    """Bytes per second of a device-to-device copy (read + written), best of ``copy_reps``."""
+    mib, device = run.sizes.copy_mib, run.device
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(run.sizes.copy_reps):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - start
+        best = min(best, seconds)
+    del src, dst
+    run.release_memory()
+    return 2 * mib * 2**20 / best
+
+
+# -- Hugging Face -----------------------------------------------------------------------------------------
+def hf_side(run: Run, directory: Path, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Warm up, then ``generate`` in left-padded batches (wall, useful tokens, each batch's start),
+    then each batch's 1-new-token time."""
+    from transformers import AutoModelForCausalLM
+
+    sizes = run.sizes
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[run.args.dtype]).to(run.device).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    batches = [requests[lo : lo + sizes.hf_batch] for lo in range(0, len(requests), sizes.hf_batch)]
+    generate_batch(model, [(p[: sizes.warmup_prompt_len], 1) for p, _ in batches[0]], pad, sizes.warmup_tokens)
+    run.sync()
+    starts = []
+    useful = 0
+    start = time.perf_counter()
+    for b, group in enumerate(batches):
+        run.check("hf generate")
+        starts.append(time.perf_counter() - start)
+        generate_batch(model, group, pad)
+        run.sync()
+        useful += sum(m for _, m in group)
+        log.info("hf: batch %d/%d done, %.1f s", b + 1, len(batches), time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    prefill = []
+    for group in batches:
+        run.check("hf first token")
+        run.sync()
+        begin = time.perf_counter()
+        generate_batch(model, group, pad, new_tokens=1)
+        run.sync()
+        prefill.append(time.perf_counter() - begin)
+    ttft = [starts[b] + prefill[b] for b, group in enumerate(batches) for _ in group]
+    del model
+    run.release_memory()
+    return {"wall_s": wall, "tokens": useful, "ttft_s": ttft, "batch_prefill_s": prefill}
+
+
+# -- one model -------------------------------------------------------------------------------------------
+def ttft_summary(values: list[float]) -> dict[str, float]:
+    return {"p50": round(statistics.median(values), 4), "mean": round(statistics.fmean(values), 4)}
+
+
+def bench_model(run: Run, name: str, directory: Path) -> None:
+    """Both systems on one model's checkpoint; fills the result's per-model fields."""
+    result = run.result
+    vocab = (QUICK_MODELS[name] if run.args.quick else MODELS[name][2])["vocab_size"]
+    requests = workload(run.sizes.num_requests, vocab, run.args.seed, run.sizes.prompt_lens, run.sizes.output_lens)
+    kvfleet = run.attempt(f"{name} kvfleet", lambda: kvfleet_side(run, name, directory, requests, vocab))
+    hf = run.attempt(f"{name} hf", lambda: hf_side(run, directory, requests))
+    rates = {}
+    for system, timed in (("kvfleet", kvfleet), ("hf", hf)):
+        if timed is None:
+            continue
+        rates[system] = timed["tokens"] / timed["wall_s"]
+        result["tokens_per_s"].setdefault(name, {})[system] = round(rates[system], 2)
+        result["wall_s"].setdefault(name, {})[system] = round(timed["wall_s"], 3)
+        result["output_tokens"].setdefault(name, {})[system] = timed["tokens"]
+        result["ttft_s"].setdefault(name, {})[system] = ttft_summary(timed["ttft_s"])
+    if hf is not None:
+        result["ttft_s"][name]["hf"]["batch_prefill_mean"] = round(statistics.fmean(hf["batch_prefill_s"]), 4)
+    if len(rates) == 2:
+        result["throughput_ratio_vs_hf"][name] = round(rates["kvfleet"] / rates["hf"], 3)
+        log.info("%s: kvfleet %.1f tok/s, hf %.1f tok/s, ratio %.3f", name, rates["kvfleet"], rates["hf"],
+                 result["throughput_ratio_vs_hf"][name])  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gemma,bamba", help="comma-separated: gemma, bamba")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: bfloat16 on cuda, else float32")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few requests (a CPU smoke run)")
+    ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--hf-batch", type=int)
+    ap.add_argument("--decode-batches", help="comma-separated batch sizes (default 1,8,64)")
+    ap.add_argument("--decode-prompt-len", type=int)
+    ap.add_argument("--decode-steps", type=int)
+    ap.add_argument("--kv-budget-mib", type=int)
+    ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode-step measurement")
+    ap.add_argument("--max-seconds", type=float, default=180.0, help="skip phases that would run past this")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU only)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {sorted(unknown)} (known: {', '.join(MODELS)})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu)")
+    return args
+
+
+def sizes_from(args: argparse.Namespace) -> Sizes:
+    """``--quick``'s or the full sizes, with the sizes given on the command line."""
+    given = {f.name: getattr(args, f.name) for f in fields(Sizes) if getattr(args, f.name, None) is not None}
+    if args.decode_batches:
+        given["decode_batches"] = tuple(int(b) for b in args.decode_batches.split(","))
+    return replace(QUICK if args.quick else Sizes(), **given)
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    import transformers
+
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    sizes = sizes_from(args)
+    torch.manual_seed(args.seed)
+    result: dict[str, Any] = {
+        "throughput_ratio_vs_hf": {},
+        "decode_step_over_bound": {},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "tokens_per_s": {}, "wall_s": {}, "output_tokens": {}, "ttft_s": {}, "preemptions": {},
+        "decode_step_ms": {}, "decode_bound_ms": {}, "decode_kv_bytes_per_step": {}, "weight_bytes": {},
+        "num_requests": sizes.num_requests, "hf_batch": sizes.hf_batch, "quick": args.quick,
+        "torch": torch.__version__, "transformers": transformers.__version__, "errors": {},
+    }  # fmt: skip
+    run = Run(args, sizes, device, start + args.max_seconds, result)
+    bandwidth = run.attempt("copy bandwidth", lambda: copy_bandwidth(run))
+    if bandwidth:
+        result["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+        log.info("device copy bandwidth: %.1f GB/s (read + written)", bandwidth / 1e9)
+    with tempfile.TemporaryDirectory(prefix="engine_gpu-") as tmp:
+        for name in args.models.split(","):
+            directory = run.attempt(f"{name} checkpoint", lambda n=name: build_checkpoint(run, n, Path(tmp) / n))
+            if directory is not None:
+                bench_model(run, name, directory)
+    result["total_s"] = round(time.perf_counter() - start, 1)
+    log.info("done in %.1f s", result["total_s"])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 17's checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
+#
+#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd triton bench mamba (default: all)
+#
+# Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
+# The GPU machine has torch, Triton and transformers but not pydantic or gguf: put their wheels in
+# .whl/ (see benchmarks/README.md) and they are installed into a temporary target first. Ray and
+# NIXL are not needed: the engine never imports ray, and P/D runs on the `local` backend (CUDA IPC).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+site="${TMPDIR:-/tmp}/kvfleet-site"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        || { echo "gpu_suite: installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false KVFLEET_CACHE="${TMPDIR:-/tmp}/kvfleet-cache"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env tests pd triton bench mamba)
+pytest_args=(-q -p no:cacheprovider -o addopts="" --timeout 300)
+
+run_stage() {  # name, limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    local started=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL_LINES:-15}" "$out/$name.log"
+    echo "== $name: rc=$rc in $((SECONDS - started)) s"
+}
+
+for stage in "${stages[@]}"; do
+    case "$stage" in
+    env)
+        run_stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+            python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__,
+            torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    tests)  # the logits tests on CUDA (fp32 atol 1e-4 with TF32 off; bf16 closeness), the GPU budget
+        run_stage tests 420 python3 -m pytest "${pytest_args[@]}" tests/model -k "cuda" tests/kv_layout/test_gpu_budget.py ;;
+    pd)  # P/D on the GPU: the local backend over CUDA IPC, the export race, the engine P/D tests
+        KVFLEET_TEST_DEVICE=cuda run_stage pd 420 python3 -m pytest "${pytest_args[@]}" tests/engine/test_export_race.py \
+            tests/transfer/test_local_cuda.py tests/engine/test_pd.py tests/engine/test_pd_race.py ;;
+    triton)  # the paged attention kernels against the torch path, compiled for the GPU
+        run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py ;;
+    bench)
+        run_stage bench 420 python3 benchmarks/engine_gpu.py --device cuda ;;
+    mamba)  # issue 13's decode measurement (per-request vs batched Mamba path) on the GPU
+        run_stage mamba 240 python3 benchmarks/mamba_decode.py --device cuda --dtype bfloat16 --num-requests 32 ;;
+    *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;
+    esac
+done
