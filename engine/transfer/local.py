@@ -1,6 +1,6 @@
 """Local transport for hosts without NIXL: two processes on one Linux host, or one process.
 
-Memory
+Memory (CPU)
     ``allocate_slots`` backs every slot tensor with a ``memfd`` (anonymous shared memory, sized
     with ``posix_fallocate`` so an out-of-memory host fails at allocation, not with SIGBUS on a
     later write) and maps it into a torch tensor. A reader maps the owner's memfds read-only
@@ -11,7 +11,13 @@ Memory
     not capped by a container's small ``/dev/shm``, and there is no resource tracker to unlink
     segments under a live reader. Requirements: Linux, same user and same PID namespace (both
     hold for Ray workers on one node). Slot tensors must come from ``allocate_slots``; register()
-    refuses others. CPU only.
+    refuses others.
+
+Memory (CUDA, ``device="cuda"``; ``local_cuda.py``)
+    Plain CUDA tensors, shared with readers in other processes through torch's CUDA IPC (the
+    AgentInfo carries the handles, ``mem_type="VRAM"``); a reader in the owner's process uses
+    the owner's tensors. Rows are copied with torch on the reader's device, in runs of
+    consecutive block ids as on CPU. Both sides of a read must be on the same kind of memory.
 
 Notifications
     The owner listens on an abstract ``AF_UNIX`` ``SOCK_SEQPACKET`` socket (a random
@@ -21,8 +27,13 @@ Notifications
     send is retried in ``poll`` until the deadline. Datagram sockets were rejected: Linux queues
     only ``net.unix.max_dgram_qlen`` (10 here) undrained datagrams per receiver.
 
-Reads are synchronous copies (``start_read`` returns an id that is already done); the owner's
-memory stays mapped in the reader even if the owner dies, so a read never faults.
+Reads on CPU are synchronous copies (``start_read`` returns an id that is already done); the
+owner's memory stays mapped in the reader even if the owner dies, so a read never faults. Reads
+on CUDA are queued on the reader's current stream: one stays pending (and its notification
+unsent) until an event recorded after its copies has completed, and a read released or failed
+while copying waits for that event, so its copy never lands in blocks given back. An owner in
+another process must have synchronized the writes of the blocks it exports before the handle
+leaves it; an owner that dies during a CUDA read is not guarded against.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -68,8 +80,17 @@ def copy_runs(remote_ids: np.ndarray, local_ids: np.ndarray) -> list[tuple[int, 
     return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
 
 
+@dataclass(slots=True)
+class _PendingCopy:
+    """A CUDA read still copying: ``notify`` goes to the owner once ``event`` has completed."""
+
+    event: Any  # torch.cuda.Event recorded after the read's copies
+    notify: bytes
+
+
 class LocalTransfer(KVTransfer):
-    """Same-host KV transfer through memfd shared memory; see the module docstring."""
+    """Same-host KV transfer through memfd shared memory (CPU slots) or CUDA IPC (CUDA slots);
+    see the module docstring."""
 
     backend = "local"
 
@@ -77,10 +98,11 @@ class LocalTransfer(KVTransfer):
         super().__init__(f"{name or 'kvfleet'}-{os.getpid()}-{uuid.uuid4().hex[:8]}", read_timeout_s)
         self.role = role
         self._memfds: dict[int, tuple[int, int]] = {}  # data_ptr -> (fd, nbytes) of our slots
-        self._local: list[np.ndarray] = []
+        self._cuda_slots: set[int] = set()  # data_ptr of our CUDA slots
+        self._local: list[Any] = []  # our slots: numpy views of the memfds, or the CUDA tensors
         self._listener: socket.socket | None = None
         self._conns: list[socket.socket] = []
-        self._peer_slots: dict[str, list[np.ndarray]] = {}
+        self._peer_slots: dict[str, list[Any]] = {}  # numpy views of a peer's memfds, or its CUDA tensors
         self._peer_socks: dict[str, socket.socket] = {}
 
     # -- memory ------------------------------------------------------------------------------
@@ -89,9 +111,16 @@ class LocalTransfer(KVTransfer):
     ) -> list[torch.Tensor]:
         import torch
 
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"local transfer backend: CPU memory only (got device {device!r}); use nixl on GPUs")
         rows = [num_blocks] * len(page_bytes) if isinstance(num_blocks, int) else list(num_blocks)
+        kind = torch.device(device).type
+        if kind == "cuda":
+            from engine.transfer import local_cuda
+
+            cuda_slots = local_cuda.allocate(rows, page_bytes, device)
+            self._cuda_slots.update(t.data_ptr() for t in cuda_slots)
+            return cuda_slots
+        if kind != "cpu":
+            raise ValueError(f"local transfer backend: CPU or CUDA memory only (got device {device!r})")
         slots = []
         for s, (n, page) in enumerate(zip(rows, page_bytes, strict=True)):
             nbytes = n * page
@@ -111,16 +140,28 @@ class LocalTransfer(KVTransfer):
         return slots
 
     def _register(self, tensors: list[torch.Tensor], rows: tuple[int, ...], page_bytes: tuple[int, ...]) -> AgentInfo:
-        paths = []
+        on_gpu = tensors[0].device.type == "cuda"
+        paths: list[str] = []
+        cuda_ipc: tuple = ()
         for s, t in enumerate(tensors):
-            fd, nbytes = self._memfds.get(t.data_ptr(), (-1, 0))
-            if fd < 0 or nbytes != t.numel() * t.element_size():
+            if on_gpu:
+                ours = t.data_ptr() in self._cuda_slots
+            else:
+                fd, nbytes = self._memfds.get(t.data_ptr(), (-1, 0))
+                ours = fd >= 0 and nbytes == t.numel() * t.element_size()
+                paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+            if not ours:
                 raise TransferError(
                     f"slot tensor {s}: the local backend shares memory it allocated itself; "
                     "create the slot tensors with allocate_slots()"
                 )
-            paths.append(f"/proc/{os.getpid()}/fd/{fd}")
-        self._local = [t.numpy() for t in tensors]  # uint8 [num_blocks, page] views of our memfds
+        if on_gpu:
+            from engine.transfer import local_cuda
+
+            cuda_ipc = local_cuda.share(self.name, list(tensors))
+            self._local = list(tensors)
+        else:
+            self._local = [t.numpy() for t in tensors]  # uint8 [num_blocks, page] views of our memfds
         address = f"\0kvfleet-notify-{os.getpid()}-{uuid.uuid4().hex}".encode()  # < 108 bytes
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(address)
@@ -134,24 +175,41 @@ class LocalTransfer(KVTransfer):
             page_bytes=page_bytes,
             host=_host_id(),
             pid=os.getpid(),
+            mem_type="VRAM" if on_gpu else "DRAM",
+            device_id=(tensors[0].device.index or 0) if on_gpu else 0,
             shm_paths=tuple(paths),
             notify_addr=address,
+            cuda_ipc=cuda_ipc,
         )
 
     # -- peers -------------------------------------------------------------------------------
     def _add_peer(self, info: AgentInfo) -> None:
         if info.host != _host_id():
             raise TransferError(f"peer {info.name!r} is on host {info.host!r}; the local backend needs one host")
-        if len(info.shm_paths) != info.num_slots:
+        on_gpu = info.mem_type == "VRAM"
+        if on_gpu != (self.agent_info.mem_type == "VRAM"):
+            raise TransferError(
+                f"peer {info.name!r} has its slots in {info.mem_type}, this worker in {self.agent_info.mem_type}: "
+                "the local backend copies between slots of the same kind (both on CPU or both on CUDA)"
+            )
+        if not on_gpu and len(info.shm_paths) != info.num_slots:
             raise TransferError(f"peer {info.name!r}: AgentInfo lacks shared-memory paths")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.connect(info.notify_addr)  # first: a live listener proves the /proc paths are the owner's
+            sock.connect(info.notify_addr)  # first: a live listener proves the paths / IPC handles are the owner's
             sock.setblocking(False)
-            slots = [
-                self._map(path, info.rows_of(s), page)
-                for s, (path, page) in enumerate(zip(info.shm_paths, info.page_bytes, strict=True))
-            ]
+            if on_gpu:
+                from engine.transfer import local_cuda
+
+                slots = local_cuda.open_peer(info)
+            else:
+                slots = [
+                    self._map(path, info.rows_of(s), page)
+                    for s, (path, page) in enumerate(zip(info.shm_paths, info.page_bytes, strict=True))
+                ]
+        except TransferError:
+            sock.close()
+            raise
         except OSError as e:
             sock.close()
             raise TransferError(f"peer {info.name!r} unreachable: {e}") from e
@@ -194,6 +252,14 @@ class LocalTransfer(KVTransfer):
             rec.status, rec.error = FAILED, f"owner {peer.name} gone (notification socket closed)"
             return
         local = self.agent_info
+        if local.mem_type == "VRAM":
+            from engine.transfer import local_cuda
+
+            pools = [local.pool_of(s) for s in range(local.num_slots)]
+            event = local_cuda.copy_rows(self._peer_slots[peer.name], self._local, pools, runs)
+            rec.handle = _PendingCopy(event, notify)
+            self._progress(rec)
+            return
         for s, (src, dst) in enumerate(zip(self._peer_slots[peer.name], self._local)):
             for r0, l0, n in runs.get(local.pool_of(s), ()):
                 dst[l0 : l0 + n] = src[r0 : r0 + n]
@@ -201,6 +267,10 @@ class LocalTransfer(KVTransfer):
         self._notify(rec)
 
     def _progress(self, rec: ReadRecord) -> None:
+        if isinstance(rec.handle, _PendingCopy):
+            if not rec.handle.event.query():
+                return  # still copying: neither done nor notified
+            rec.handle = rec.handle.notify
         self._notify(rec)
 
     def _owner_alive(self, name: str) -> bool:
@@ -233,6 +303,11 @@ class LocalTransfer(KVTransfer):
         rec.status = DONE
 
     def _cancel(self, rec: ReadRecord) -> None:
+        if isinstance(rec.handle, _PendingCopy):
+            try:
+                rec.handle.event.synchronize()  # a queued copy must not land after its blocks are given back
+            except RuntimeError as e:  # a CUDA error: it is sticky, the engine's next kernel raises it too
+                logger.error("%s: waiting for the copy of a cancelled read from %s failed: %s", self.name, rec.peer, e)
         rec.handle = None
 
     def owner_notifications(self) -> list[bytes]:
@@ -271,4 +346,9 @@ class LocalTransfer(KVTransfer):
         for fd, _ in self._memfds.values():
             os.close(fd)  # our tensors keep their mappings; new peers can no longer map them
         self._memfds.clear()
+        if self._cuda_slots:
+            from engine.transfer import local_cuda
+
+            local_cuda.unshare(self.name)  # same-process readers find us no more (the socket is closed too)
+            self._cuda_slots.clear()
         self._local = []

@@ -35,7 +35,9 @@ class AgentInfo:
     ``page_bytes[s]`` is the row size of slot tensor ``s``, ``slot_pool[s]`` its pool (empty:
     every slot in pool 0) and ``slot_blocks[s]`` its row count (empty: ``num_blocks`` each);
     ``num_blocks`` is pool 0's row count. NIXL fills ``metadata`` (the agent blob), ``base_addrs``, ``mem_type`` and ``device_id``;
-    the local backend fills ``shm_paths`` and ``notify_addr``.
+    the local backend fills ``notify_addr``, ``mem_type``, ``device_id`` and, for CPU slots,
+    ``shm_paths``; for CUDA slots ``cuda_ipc``: per slot, the plain part of torch's CUDA IPC
+    reduction (see ``local_cuda.share``).
 
     Invariant: frozen and compared by value (``KVTransfer.add_peer`` takes an equal info for the
     peer it already has).
@@ -55,6 +57,7 @@ class AgentInfo:
     notify_addr: bytes = b""
     slot_pool: tuple[int, ...] = ()
     slot_blocks: tuple[int, ...] = ()
+    cuda_ipc: tuple[tuple[int | bytes | str, ...], ...] = ()
 
     @property
     def num_slots(self) -> int:

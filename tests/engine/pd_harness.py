@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from configs import load_config
 from engine.sampling_params import SamplingParams
+from tests.support import load_preset
 
 SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # a budget that leaves remainders: 64-token chunks plus a few decodes rarely fill it exactly
@@ -109,10 +109,10 @@ def run_engine_stress(
     ``overrides``). Engines are closed on return."""
     from engine.core import EngineCore
 
-    config = load_config(preset, [f"transfer.backend={backend}", *overrides])
+    config = load_preset(preset, [f"transfer.backend={backend}", *overrides])
     prompts = shared_prefix_prompts(seed, requests)
     if oracle is None:
-        oracle = alone_tokens(load_config(preset), prompts, sampling)
+        oracle = alone_tokens(load_preset(preset), prompts, sampling)
     rng = random.Random(seed * 7919 + 17)
     result = EngineStressResult(f"{preset}/{backend}/{num_prefill}P{num_decode}D")
     start = time.monotonic()

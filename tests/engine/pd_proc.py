@@ -1,4 +1,5 @@
-"""A prefill EngineCore in its own OS process (multiprocessing spawn), driven over a pipe.
+"""A prefill EngineCore in its own OS process (multiprocessing spawn: the only start method
+that works once this process has initialized CUDA), driven over a pipe.
 
 Between commands the process keeps stepping its engine, so it sees the decode side's read
 notifications and releases held blocks on its own, as a prefill worker does.
@@ -37,8 +38,8 @@ def _serve(conn: Connection, config: ClusterConfig) -> None:
                 pending[request_id] = None
             elif cmd == "free_blocks":
                 conn.send((engine.coordinator.num_free_blocks, len(engine.held)))
-            elif cmd == "rows":  # raw bytes of blocks, for byte-for-byte comparison
-                conn.send([slot[list(args[0])].clone() for slot in engine.runner.slots])
+            elif cmd == "rows":  # raw bytes of blocks, for byte-for-byte comparison (on the CPU)
+                conn.send([slot[list(args[0])].cpu() for slot in engine.runner.slots])
             elif cmd == "stop":
                 engine.close()
                 conn.send("stopped")

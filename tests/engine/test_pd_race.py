@@ -13,7 +13,8 @@ a single engine has it too (the batched oracle of tests/integration did).
 A second way to silent wrong tokens, found on the way: a handle that reached the decode engine
 after its owner's release timeout was read anyway, out of blocks another prefill had reused.
 
-``KVFLEET_PD_STRESS=long`` runs the stress with more seeds and requests.
+``KVFLEET_PD_STRESS=long`` runs the stress with more seeds and requests; every engine runs on
+``KVFLEET_TEST_DEVICE`` (``tests/support.py``; unset: the presets' cpu).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import time
 
 import pytest
 
-from configs import load_config
 from engine.core import EngineCore
 from engine.disagg import expiry_margin, handle_usable
 from engine.kv_cache.coordinator import HybridCoordinator
@@ -39,6 +39,7 @@ from tests.engine.pd_harness import (
     shared_prefix_prompts,
 )
 from tests.oracle import MIN_MARGIN, greedy_references
+from tests.support import load_preset
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -99,7 +100,7 @@ def test_mamba_state_of_an_unaligned_chunk_end_is_never_cached_as_its_block_boun
 
 
 def test_prefill_chunks_end_on_mamba_boundaries_even_with_a_one_token_budget_remainder():
-    engine = EngineCore(load_config("tiny-hybrid", ["scheduler.max_num_batched_tokens=65"]))
+    engine = EngineCore(load_preset("tiny-hybrid", ["scheduler.max_num_batched_tokens=65"]))
     log = chunk_log(engine)
     run(engine, [("b", tokens(2, 64), ONE), ("a", tokens(3, 70), ONE)])
     align = engine.coordinator.alignment
@@ -127,9 +128,9 @@ def poisoning_prompts() -> tuple[list[int], list[int], list[int]]:
 
 
 def test_hit_on_a_state_after_a_budget_cut_chunk_gives_the_single_engine_tokens():
-    cfg = load_config("tiny-hybrid", ["scheduler.max_num_batched_tokens=65"])
+    cfg = load_preset("tiny-hybrid", ["scheduler.max_num_batched_tokens=65"])
     b, a, c = poisoning_prompts()
-    expected = alone_tokens(load_config("tiny-hybrid"), [c], GREEDY)[tuple(c)]
+    expected = alone_tokens(load_preset("tiny-hybrid"), [c], GREEDY)[tuple(c)]
     engine = EngineCore(cfg)
     run(engine, [("b", b, ONE), ("a", a, ONE)])
     assert run(engine, [("c", c, GREEDY)])["c"] == expected
@@ -139,9 +140,9 @@ def test_hit_on_a_state_after_a_budget_cut_chunk_gives_the_single_engine_tokens(
 def test_pd_request_hitting_a_prefill_state_after_a_budget_cut_chunk(backend):
     if backend == "nixl":
         pytest.importorskip("nixl")
-    cfg = load_config("tiny-hybrid", [f"transfer.backend={backend}", "scheduler.max_num_batched_tokens=65"])
+    cfg = load_preset("tiny-hybrid", [f"transfer.backend={backend}", "scheduler.max_num_batched_tokens=65"])
     b, a, c = poisoning_prompts()
-    expected = alone_tokens(load_config("tiny-hybrid"), [c], GREEDY)[tuple(c)]
+    expected = alone_tokens(load_preset("tiny-hybrid"), [c], GREEDY)[tuple(c)]
     prefill = EngineCore(cfg, name="prefill", kv_role="prefill")
     decode = EngineCore(cfg, name="decode", kv_role="decode")
     try:
@@ -156,7 +157,7 @@ def test_pd_request_hitting_a_prefill_state_after_a_budget_cut_chunk(backend):
 
 # -- a handle read after its owner's release timeout --------------------------------------------------
 def expiring(backend: str, on_failure: str = "recompute") -> tuple[EngineCore, EngineCore]:
-    cfg = load_config(
+    cfg = load_preset(
         "tiny-hybrid",
         [f"transfer.backend={backend}", "transfer.read_timeout_s=0.3", "transfer.release_timeout_s=1.5",
          f"transfer.on_failure={on_failure}"],
@@ -172,7 +173,7 @@ def test_a_handle_that_reaches_the_decoder_after_its_owner_freed_the_blocks_is_r
     if backend == "nixl":
         pytest.importorskip("nixl")
     x, y = tokens(11, 70), tokens(12, 70)
-    expected = alone_tokens(load_config("tiny-hybrid"), [x], GREEDY)[tuple(x)]
+    expected = alone_tokens(load_preset("tiny-hybrid"), [x], GREEDY)[tuple(x)]
     prefill, decode = expiring(backend)
     try:
         handle = run_prefill(prefill, [("x", x)])["x"]
@@ -240,7 +241,7 @@ def oracles():
     def get(preset: str) -> dict:
         if preset not in cache:
             prompts = [p for seed in SEEDS for p in shared_prefix_prompts(seed, REQUESTS)]
-            cache[preset] = alone_tokens(load_config(preset), prompts)
+            cache[preset] = alone_tokens(load_preset(preset), prompts)
         return cache[preset]
 
     return get
@@ -267,7 +268,7 @@ def test_the_serve_tests_64_streams_replayed_at_engine_level_give_the_oracle_tok
     (every oracle margin > MIN_MARGIN). That test once failed in CI with the right tokens and the
     wrong text (see test_llm's detokenizer tests); replays like this one gave 0 wrong tokens in
     14,400 requests."""
-    config = load_config("tiny")
+    config = load_preset("tiny")
     prompts = duplicate_wave_prompts(1)
     references = greedy_references(config, prompts, GREEDY.max_tokens)
     assert min(r.min_margin for r in references) > MIN_MARGIN

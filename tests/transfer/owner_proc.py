@@ -27,12 +27,14 @@ def source_slots(num_blocks: int, page_bytes: Sequence[int], seed: int) -> list[
     return [torch.randint(0, 256, (num_blocks, page), generator=g, dtype=torch.uint8) for page in page_bytes]
 
 
-def run_owner(conn: Connection, backend: str, num_blocks: int, page_bytes: Sequence[int], seed: int) -> None:
+def run_owner(
+    conn: Connection, backend: str, num_blocks: int, page_bytes: Sequence[int], seed: int, device: str = "cpu"
+) -> None:
     from engine.transfer import make_transfer
 
     torch.set_num_threads(1)
     xfer = make_transfer(backend, "owner", role="owner", read_timeout_s=5.0)
-    slots = xfer.allocate_slots(num_blocks, page_bytes)
+    slots = xfer.allocate_slots(num_blocks, page_bytes, device)
     for dst, src in zip(slots, source_slots(num_blocks, page_bytes, seed)):
         dst.copy_(src)
     conn.send(xfer.register(slots))
@@ -85,10 +87,14 @@ class Owner:
 
 
 @contextlib.contextmanager
-def owner_process(backend: str, num_blocks: int, page_bytes: Sequence[int], seed: int) -> Iterator[Owner]:
+def owner_process(
+    backend: str, num_blocks: int, page_bytes: Sequence[int], seed: int, device: str = "cpu"
+) -> Iterator[Owner]:
+    """An owner process whose slots are on ``device`` (spawned: CUDA cannot be used after fork)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_owner, args=(child, backend, num_blocks, list(page_bytes), seed), daemon=True)
+    args = (child, backend, num_blocks, list(page_bytes), seed, device)
+    proc = ctx.Process(target=run_owner, args=args, daemon=True)
     proc.start()
     owner = Owner(proc, parent)
     try:
