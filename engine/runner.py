@@ -24,6 +24,7 @@ from engine.model.batch import (
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
 from engine.model.recurrent import RecurrentMixer, cache_users
+from engine.model.triton_attention import enabled as triton_attention_enabled
 from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self.layout = layout
         self.model = model
         self.device = device
+        self.paged_attention = triton_attention_enabled(device)  # attention kernels read KV in place
         self.dtype = TORCH_DTYPES[dtype]
         counts = [num_blocks] * layout.num_pools if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != layout.num_pools:
@@ -161,6 +163,7 @@ class ModelRunner:
                 prefill,
                 decode,
                 self.device,
+                paged=self.paged_attention,
             )
             for g in range(len(self.layout.groups))
         ]

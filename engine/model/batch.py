@@ -6,9 +6,13 @@ coordinator. Attention layers of one group share that group's index tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from engine.model.triton_attention import PagedMeta, build_paged_meta
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class GroupIndex:
 
     ``write_*``: where each new token's KV goes. For each prefill chunk, ``read_*`` covers key
     positions ``[lo, start + n)``; decode chunks (one token) are padded into ``[B, S]`` tensors with
-    ``decode_valid`` marking real keys.
+    ``decode_valid`` marking real keys. With ``paged`` (the Triton path) the kernels read KV in
+    place through its block tables, and ``prefill_reads``/``decode_*`` stay empty.
     """
 
     write_block: torch.Tensor
@@ -37,6 +42,16 @@ class GroupIndex:
     decode_valid: torch.Tensor | None = None
     state_read: list[int] = field(default_factory=list)  # Mamba: block holding the state at start (-1: none)
     state_write: list[int] = field(default_factory=list)  # Mamba: block receiving the state at the end
+    paged: PagedMeta | None = None  # Triton path: tiles and block tables (engine/model/triton_attention.py)
+    # device tensors derived from the fields above, built by the group's first layer that needs
+    # them and shared by the others (one host-to-device copy per step per group, not per layer)
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    def shared(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step for this group; later layers get the same value."""
+        if key not in self.derived:
+            self.derived[key] = build()
+        return self.derived[key]
 
 
 @dataclass
@@ -61,8 +76,10 @@ def build_group_index(
     prefill_chunks: list[int],
     decode_chunks: list[int],
     device: torch.device,
+    paged: bool = False,
 ) -> GroupIndex:
-    """Index tensors for one group; ``tables[i]`` is chunk i's block table in this group."""
+    """Index tensors for one group; ``tables[i]`` is chunk i's block table in this group. With
+    ``paged`` only the writes and the Triton path's ``PagedMeta`` are built."""
     table_tensors = [torch.tensor(table, dtype=torch.long) for table in tables]
     writes = [
         torch.arange(chunk.start, chunk.start + chunk.num_tokens) for chunk in chunks
@@ -70,6 +87,9 @@ def build_group_index(
     write_block = torch.cat([t[pos // block_size] for t, pos in zip(table_tensors, writes, strict=True)])
     write_offset = torch.cat([pos % block_size for pos in writes])
     index = GroupIndex(write_block.to(device), write_offset.to(device))
+    if paged:
+        index.paged = build_paged_meta(chunks, tables, block_size, window, device)
+        return index
     for c in prefill_chunks:
         chunk, table = chunks[c], table_tensors[c]
         end = chunk.start + chunk.num_tokens

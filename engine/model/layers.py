@@ -13,26 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import triton_attention
 from engine.model.arch import RopeArch
 from engine.model.batch import ForwardBatch, GroupIndex
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights)."""
+    """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights).
+
+    One fused ``F.rms_norm`` per call (a norm is 9 small ops written out: on a GPU each is a
+    kernel launch, and the norms were a third of a decode step's launches). Gemma's ``1 + weight``
+    is kept between calls and rebuilt when the weight changes (its ``_version``)."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
         self.eps = eps
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self._gemma_scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        dtype, shape = x.dtype, (x.shape[-1],)
         if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+            return F.rms_norm(x.float(), shape, self._scale(), self.eps).to(dtype)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
+
+    def _scale(self) -> torch.Tensor:
+        version = self.weight._version
+        if self._gemma_scale is None or self._gemma_scale[0] != version or self._gemma_scale[1].device != self.weight.device:
+            with torch.no_grad():
+                self._gemma_scale = (version, 1.0 + self.weight.float())
+        return self._gemma_scale[1]
 
 
 class Rotary(nn.Module):
@@ -46,19 +57,23 @@ class Rotary(nn.Module):
         self.attention_factor = rope.attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for ``positions``, ``[T, rotary_dim]``: the sin's first half is
+        negated here, once per step, so ``apply`` needs no negation per layer."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, rotary_dim]."""
+        """``x``: [T, heads, head_dim]; ``cos``/``sin``: ``cos_sin``'s [T, rotary_dim]. The
+        rotate-half convention ``x * cos + cat(-x2, x1) * sin`` as ``x * cos + cat(x2, x1) * sin'``
+        with ``sin' = cat(-sin, sin)`` (the same products, bit for bit)."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        swapped = rot.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # cat(x2, x1)
+        out = rot * cos[:, None, :] + swapped * sin[:, None, :]
         return torch.cat((out, rest), dim=-1) if rest.numel() else out
 
 
@@ -119,11 +134,17 @@ def paged_attention(
     page starts at row ``rows_per_block * b`` and holds ``block_size`` key rows then
     ``block_size`` value rows, so reads and writes are single ``index_select`` / ``index_copy_``
     calls. Prefill chunks attend one by one with a causal (and window) mask; decode tokens are
-    batched into one padded call.
+    batched into one padded call. With ``index.paged`` (the Triton path) one fused store and one
+    attention launch read the cache in place instead.
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
     key_rows = index.write_block * stride + index.write_offset
+    if index.paged is not None:
+        triton_attention.store_kv(flat, k, v, key_rows, bs)
+        return triton_attention.paged_attention_triton(
+            q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
+        )
     flat.index_copy_(0, key_rows, k)
     flat.index_copy_(0, key_rows + bs, v)
     out = torch.empty_like(q)

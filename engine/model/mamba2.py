@@ -60,7 +60,52 @@ class GatedRMSNorm(nn.Module):
 #: (other devices update all heads in one tile)
 DECODE_TILE_BYTES = 1 << 20
 
-_Update = tuple[list[int], torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
+_Update = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
+
+
+def read_blocks(reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks (those
+    starting from zeros; None when there are none)."""
+    source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
+    fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
+    return source, fresh
+
+
+def write_blocks(writes: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids receiving the chunks' new states."""
+    return torch.tensor(writes, dtype=torch.long, device=device)
+
+
+def decode_index(batch: ForwardBatch, index: GroupIndex, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The decode chunks' flat rows, state blocks to read, fresh mask (or None) and blocks to
+    write, as device tensors: built by the group's first Mamba layer of the step, shared after."""
+
+    def build() -> tuple[torch.Tensor | None, ...]:
+        order = batch.decode_chunks
+        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
+        source, fresh = read_blocks([index.state_read[i] for i in order], device)
+        target = write_blocks([index.state_write[i] for i in order], device)
+        return rows, source, fresh, target
+
+    return index.shared("mamba2_decode", build)
+
+
+def prefill_index(batch: ForwardBatch, index: GroupIndex, d_conv: int, device: torch.device) -> tuple:
+    """The prefill chunks (longest first), their packing, the flat row of each packed token, the
+    state blocks to read (None when every chunk is fresh) with the fresh mask, and the blocks to
+    write; built once per step per group like ``decode_index``."""
+
+    def build() -> tuple:
+        order = sorted(batch.prefill_chunks, key=lambda i: -batch.chunks[i].num_tokens)
+        packed = pack_chunks([batch.chunks[i].num_tokens for i in order], d_conv, device)
+        rows = torch.tensor([batch.chunks[i].offset for i in order]) - torch.tensor(packed.starts)
+        rows = torch.repeat_interleave(rows, torch.tensor(packed.lengths)) + torch.arange(sum(packed.lengths))
+        reads = [index.state_read[i] for i in order]
+        source, fresh = (None, None) if max(reads) < 0 else read_blocks(reads, device)
+        target = write_blocks([index.state_write[i] for i in order], device)
+        return order, packed, rows.to(device), source, fresh, target
+
+    return index.shared(f"mamba2_prefill_{d_conv}", build)
 
 
 class Mamba2Mixer(RecurrentMixer):
@@ -116,29 +161,17 @@ class Mamba2Mixer(RecurrentMixer):
             self._scatter(*update)
         return self.out_proj(self.norm(out, gate).to(hidden.dtype))
 
-    def _read_blocks(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks
-        (those starting from zeros; None when there are none)."""
-        source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
-        fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
-        return source, fresh
-
-    def _write_blocks(self, writes: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(writes, dtype=torch.long, device=device)
-
-    def _gather(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the conv windows and SSM states in blocks ``reads`` (zeros where -1)."""
+    def _gather(self, source: torch.Tensor, fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv windows and SSM states in blocks ``source`` (zeros where ``fresh``)."""
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        source, fresh = self._read_blocks(reads, device)
         conv, ssm = self.conv_state.index_select(0, source), self.ssm_state.index_select(0, source)
         if fresh is not None:
             conv.masked_fill_(fresh[:, None, None], 0.0)
             ssm.masked_fill_(fresh[:, None, None, None], 0.0)
         return conv, ssm
 
-    def _scatter(self, writes: list[int], conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    def _scatter(self, target: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        target = self._write_blocks(writes, conv.device)
         self.conv_state.index_copy_(0, target, conv)
         self.ssm_state.index_copy_(0, target, ssm)
 
@@ -176,11 +209,9 @@ class Mamba2Mixer(RecurrentMixer):
         ``out`` and writes their new states. The SSM states are updated a tile of heads at a time
         (all chunks together), so the gathered tile stays in cache through its update."""
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
-        m, order, device = self.arch, batch.decode_chunks, xbc.device
-        count, heads_per_group = len(order), m.num_heads // m.n_groups
-        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
-        source, fresh = self._read_blocks([index.state_read[i] for i in order], device)
-        target = self._write_blocks([index.state_write[i] for i in order], device)
+        m, device = self.arch, xbc.device
+        count, heads_per_group = len(batch.decode_chunks), m.num_heads // m.n_groups
+        rows, source, fresh, target = decode_index(batch, index, device)
         conv_prev = self.conv_state.index_select(0, source)
         if fresh is not None:
             conv_prev.masked_fill_(fresh[:, None, None], 0.0)
@@ -217,16 +248,11 @@ class Mamba2Mixer(RecurrentMixer):
         chunk first; see ``engine.model.ssd``); fills their rows of ``out`` and returns their new
         states."""
         m = self.arch
-        order = sorted(batch.prefill_chunks, key=lambda i: -batch.chunks[i].num_tokens)
-        packed = pack_chunks([batch.chunks[i].num_tokens for i in order], m.d_conv, xbc.device)
-        rows = torch.tensor([batch.chunks[i].offset for i in order]) - torch.tensor(packed.starts)
-        rows = torch.repeat_interleave(rows, torch.tensor(packed.lengths)) + torch.arange(sum(packed.lengths))
-        rows = rows.to(xbc.device)  # flat batch row of each packed token
-        reads = [index.state_read[i] for i in order]
-        if max(reads) < 0:  # all fresh: zero windows, and the scan starts from a zero state
+        order, packed, rows, source, fresh, target = prefill_index(batch, index, m.d_conv, xbc.device)
+        if source is None:  # all fresh: zero windows, and the scan starts from a zero state
             conv_prev, h0 = torch.zeros(len(order), m.conv_dim, m.d_conv, device=xbc.device), None
         else:
-            conv_prev, ssm = self._gather(reads, xbc.device)
+            conv_prev, ssm = self._gather(source, fresh)
             h0 = ssm.view(len(order), m.n_groups, m.num_heads // m.n_groups, m.head_dim, m.d_state)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         conv, new_conv = causal_conv_packed(
@@ -238,4 +264,4 @@ class Mamba2Mixer(RecurrentMixer):
         y, h = ssd_scan_packed(x, step, a, b, c, h0, packed)
         y += x * self.D.float().view(x.shape[1:3])[..., None]
         out.index_copy_(0, rows, y.reshape(-1, m.intermediate_size))
-        return [index.state_write[i] for i in order], new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)
+        return target, new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)
