@@ -48,12 +48,16 @@ On the GPU machine: ``python benchmarks/engine_gpu.py`` (``--device cuda``, bflo
 about two minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1 and 2, about
 25 s): ``python benchmarks/engine_gpu.py --device cpu --dtype float32 --quick``. The CPU numbers
 mean nothing (the shapes are tiny and the machine shared); last measured on a GPU: not yet.
+
+Code: this script is the entry point (the kvfleet and Hugging Face sides, one model, arguments,
+main, the report); the models, sizes, run state and checkpoints are in
+``benchmarks/support/gpu_bench_setup.py`` and the decode step against its bound in
+``benchmarks/support/gpu_bench_decode.py``. Every moved name is still importable from here.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import random
@@ -61,8 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,132 +73,36 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.mamba_decode import BAMBA_SCALED  # noqa: E402
+from benchmarks.support.gpu_bench_decode import (  # noqa: E402
+    copy_bandwidth,
+    decode_step_time,
+    kv_bytes_read,
+    record_decode,
+    weight_bytes,
+)
+from benchmarks.support.gpu_bench_setup import (  # noqa: E402
+    DECODE_MODEL,
+    MODELS,
+    QUICK,
+    QUICK_MODELS,
+    OutOfTime,
+    Run,
+    Sizes,
+    build_checkpoint,
+)
 from benchmarks.support.hf_generate import generate_batch, workload  # noqa: E402
 from configs import load_config  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.model.gguf_named_models import NAMED_MODELS  # noqa: E402
-from engine.model.random_checkpoint import write_random_checkpoint  # noqa: E402
 from engine.runner import TORCH_DTYPES  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 log = logging.getLogger("engine_gpu")
 
-_GEMMA_PUBLISHED = {k: v for k, v in NAMED_MODELS["gemma-3-270m"].expected_config.items() if k != "architectures"}
-# name -> (config class, model class, fields): the full shapes and the --quick ones
-MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "gemma": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        **_GEMMA_PUBLISHED, "intermediate_size": 2048, "query_pre_attn_scalar": 256, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
-    "bamba": ("BambaConfig", "BambaForCausalLM", {
-        **BAMBA_SCALED, "hidden_size": 1536, "intermediate_size": 5376, "num_hidden_layers": 10,
-        "attn_layer_indices": [3, 7], "num_attention_heads": 12, "num_key_value_heads": 3, "mamba_n_heads": 48}),
-}  # fmt: skip
-QUICK_MODELS: dict[str, dict[str, Any]] = {
-    "gemma": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "head_dim": 32, "sliding_window": 32, "query_pre_attn_scalar": 32, "max_position_embeddings": 4096,
-              "layer_types": ["sliding_attention", "full_attention"]},
-    "bamba": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "attn_layer_indices": [1], "num_attention_heads": 4, "num_key_value_heads": 1, "mamba_n_heads": 4,
-              "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16},
-}  # fmt: skip
-DECODE_MODEL = "gemma"
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Everything a run's size depends on (the full run's, or ``--quick``'s)."""
-
-    num_requests: int = 64
-    prompt_lens: tuple[int, int] = (64, 1024)
-    output_lens: tuple[int, int] = (16, 256)
-    hf_batch: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    prefill_chunk_size: int = 1024
-    kv_budget_mib: int = 8192
-    warmup_requests: int = 16
-    warmup_prompt_len: int = 64
-    warmup_tokens: int = 8
-    decode_batches: tuple[int, ...] = (1, 8, 64)
-    decode_prompt_len: int = 512
-    decode_warmup_steps: int = 3
-    decode_steps: int = 32
-    copy_mib: int = 1024
-    copy_reps: int = 20
-
-
-QUICK = Sizes(num_requests=8, prompt_lens=(16, 64), output_lens=(4, 16), hf_batch=4, kv_budget_mib=64,
-              warmup_requests=2, warmup_prompt_len=16, warmup_tokens=2, decode_batches=(1, 2), decode_prompt_len=48,
-              decode_warmup_steps=1, decode_steps=4, copy_mib=64, copy_reps=5)  # fmt: skip
-
-
-class OutOfTime(RuntimeError):
-    """``--max-seconds`` passed: the phase in progress is given up."""
-
-
-@dataclass
-class Run:
-    """One benchmark run: its arguments and sizes, the device, the deadline and the result so far."""
-
-    args: argparse.Namespace
-    sizes: Sizes
-    device: torch.device
-    end: float
-    result: dict[str, Any]
-
-    def check(self, what: str) -> None:
-        if time.perf_counter() > self.end:
-            raise OutOfTime(f"{what}: --max-seconds reached")
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def release_memory(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def attempt(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """Run one phase unless ``--max-seconds`` has passed; a failure (or ``OutOfTime``) is
-        logged and named in ``result["errors"]``, and the run goes on without that phase."""
-        try:
-            self.check(phase)
-            return fn()
-        except OutOfTime as exc:
-            log.warning("%s skipped: %s", phase, exc)
-            self.result["errors"][phase] = f"OutOfTime: {exc}"
-        except Exception as exc:  # noqa: BLE001 - one phase failing must not lose the others' numbers
-            log.exception("%s failed", phase)
-            self.result["errors"][phase] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return None
-
-
-# -- checkpoints ---------------------------------------------------------------------------------------
-def build_checkpoint(run: Run, name: str, directory: Path) -> Path:
-    """Write the random checkpoint ``name`` in the run's dtype, initialised on the device (on the
-    CPU if that fails) and saved from the CPU."""
-    config_cls, model_cls, shape = MODELS[name]
-    shape = {**shape, **(QUICK_MODELS[name] if run.args.quick else {})}
-    dtype = TORCH_DTYPES[run.args.dtype]
-    start = time.perf_counter()
-    for build_device in dict.fromkeys([run.device, torch.device("cpu")]):
-        try:
-            with torch.device(build_device):
-                write_random_checkpoint(config_cls, model_cls, shape, directory, run.args.seed,
-                                        finish=lambda model: model.to(device="cpu", dtype=dtype))  # fmt: skip
-            break
-        except Exception as exc:  # noqa: BLE001 - e.g. a device-side init failure: build on the CPU
-            if build_device.type == "cpu":
-                raise
-            log.warning("%s: building on %s failed (%s); building on the CPU", name, build_device, exc)
-        finally:
-            run.release_memory()
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    log.info("%s: random checkpoint, %.0f MiB %s, in %.1f s", name, size / 2**20, run.args.dtype,
-             time.perf_counter() - start)  # fmt: skip
-    return directory
+__all__ = [  # the moved names, re-exported, and this script's own
+    "DECODE_MODEL", "MODELS", "OutOfTime", "QUICK", "QUICK_MODELS", "Run", "Sizes", "bench_model", "build_checkpoint",
+    "copy_bandwidth", "decode_step_time", "hf_side", "kv_bytes_read", "kvfleet_side", "main", "make_engine",
+    "parse_args", "record_decode", "run_kvfleet", "sizes_from", "ttft_summary", "warmup_kvfleet", "weight_bytes",
+]  # fmt: skip
 
 
 # -- kvfleet ----------------------------------------------------------------------------------------------
@@ -257,73 +164,6 @@ def warmup_kvfleet(run: Run, engine: EngineCore, vocab: int) -> None:
     run_kvfleet(run, engine, prompts, "warmup")
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter once (tied tensors counted once), in their stored dtype."""
-    seen: dict[int, int] = {}
-    for param in model.parameters():
-        seen[param.data_ptr()] = max(seen.get(param.data_ptr(), 0), param.numel() * param.element_size())
-    return sum(seen.values())
-
-
-def kv_bytes_read(engine: EngineCore, context: int) -> int:
-    """Bytes of K and V one decode step reads for a request attending ``context`` tokens."""
-    arch = engine.runner.arch
-    per_token = 2 * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
-    total = 0
-    for layer in arch.layers:
-        if layer.kind in ("full_attention", "sliding_attention"):
-            total += per_token * (min(context, layer.window) if layer.window else context)
-    return total
-
-
-def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> dict[str, float]:
-    """Milliseconds per decode step with ``batch`` requests decoding, and the KV bytes each step read."""
-    sizes = run.sizes
-    rng = random.Random(run.args.seed + 100 + batch)
-    ids = [f"decode{batch}-{i}" for i in range(batch)]
-    # room for the steps while later requests still prefill; every request is aborted after timing
-    max_tokens = sizes.decode_warmup_steps + sizes.decode_steps + 64
-    for rid in ids:
-        prompt = [rng.randrange(3, vocab) for _ in range(sizes.decode_prompt_len)]
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
-        run.check(f"decode batch {batch} prefill")
-    for _ in range(sizes.decode_warmup_steps):
-        engine.step()
-    lengths = [engine.scheduler.requests[rid].num_tokens for rid in ids]
-    run.sync()
-    start = time.perf_counter()
-    for k in range(sizes.decode_steps):
-        decoded = sum(len(out.new_token_ids) for out in engine.step())
-        if decoded != batch:
-            raise RuntimeError(f"decode batch {batch}: step {k} decoded {decoded} tokens, expected {batch}")
-    run.sync()
-    step_s = (time.perf_counter() - start) / sizes.decode_steps
-    kv = sum(kv_bytes_read(engine, n + k) for n in lengths for k in range(sizes.decode_steps)) / sizes.decode_steps
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_work:
-        engine.step()
-    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths)}
-
-
-def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: int) -> None:
-    """``decode_step_time`` at ``batch`` and its bound, into the result."""
-    result = run.result
-    timed = decode_step_time(run, engine, batch, vocab)
-    key = str(batch)
-    result["decode_step_ms"][key] = round(timed["step_ms"], 4)
-    result["decode_kv_bytes_per_step"][key] = round(timed["kv_bytes"])
-    bandwidth = result.get("copy_bandwidth_gb_s")
-    if bandwidth:
-        bound_ms = (result["weight_bytes"][name] + timed["kv_bytes"]) / (bandwidth * 1e9) * 1e3
-        result["decode_bound_ms"][key] = round(bound_ms, 5)
-        result["decode_step_over_bound"][key] = round(timed["step_ms"] / bound_ms, 3)
-    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms", batch, timed["step_ms"],
-             timed["context_start"], result["decode_bound_ms"].get(key))  # fmt: skip
-
 
 def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list[int], int]], vocab: int) -> dict:
     """Warm-up and throughput run of one engine, then (for ``DECODE_MODEL``) its decode steps."""
@@ -344,30 +184,6 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
         del engine
         run.release_memory()
 
-
-def copy_bandwidth(run: Run) -> float:
-    """Bytes per second of a device-to-device copy (read + written), best of ``copy_reps``."""
-    mib, device = run.sizes.copy_mib, run.device
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).random_(0, 256)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(run.sizes.copy_reps):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3
-        else:
-            start = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - start
-        best = min(best, seconds)
-    del src, dst
-    run.release_memory()
-    return 2 * mib * 2**20 / best
 
 
 # -- Hugging Face -----------------------------------------------------------------------------------------

@@ -34,5 +34,10 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 
 - ``hf_generate``: the issue-4 request mix and Hugging Face ``generate`` over it in left-padded batches.
 
+``benchmarks/engine_gpu.py``:
+
+- ``gpu_bench_setup``: the models' shapes, the run's sizes, one run's state (``Run``) and its checkpoints.
+- ``gpu_bench_decode``: the decode step's time and the bytes it must read, against the copy bandwidth.
+
 The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
 """

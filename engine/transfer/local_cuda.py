@@ -187,7 +187,12 @@ def copy_rows(
             if key not in indices:
                 remote = np.concatenate([np.arange(r0, r0 + n) for r0, _, n in pool_runs])
                 local = np.concatenate([np.arange(l0, l0 + n) for _, l0, n in pool_runs])
-                indices[key] = torch.from_numpy(remote).to(src.device), torch.from_numpy(local).to(device)
+                # pinned + non_blocking: a pageable upload would wait for everything queued on
+                # the stream first, stalling this (reader's) host thread behind its own kernels
+                indices[key] = (
+                    torch.from_numpy(remote).pin_memory().to(src.device, non_blocking=True),
+                    torch.from_numpy(local).pin_memory().to(device, non_blocking=True),
+                )
             remote_idx, local_idx = indices[key]
             rows = src.index_select(0, remote_idx)
             dst.index_copy_(0, local_idx, rows.to(device, non_blocking=True))

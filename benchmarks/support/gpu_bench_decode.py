@@ -1,0 +1,115 @@
+"""The decode-step side of ``benchmarks/engine_gpu.py``: a step's time against the memory-bandwidth
+bound.
+
+Owns the bytes a decode step must read (every weight once, ``weight_bytes``; each request's K and V
+for every attention layer, ``kv_bytes_read``), the timed decode steps of ``B`` requests
+(``decode_step_time``), their entry in the result with the bound (``record_decode``), and the
+device's copy bandwidth the bound is taken at (``copy_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from benchmarks.support.gpu_bench_setup import Run
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("engine_gpu")  # the script's logger: progress reads as it did
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter once (tied tensors counted once), in their stored dtype."""
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        seen[param.data_ptr()] = max(seen.get(param.data_ptr(), 0), param.numel() * param.element_size())
+    return sum(seen.values())
+
+
+def kv_bytes_read(engine: EngineCore, context: int) -> int:
+    """Bytes of K and V one decode step reads for a request attending ``context`` tokens."""
+    arch = engine.runner.arch
+    per_token = 2 * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
+    total = 0
+    for layer in arch.layers:
+        if layer.kind in ("full_attention", "sliding_attention"):
+            total += per_token * (min(context, layer.window) if layer.window else context)
+    return total
+
+
+def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> dict[str, float]:
+    """Milliseconds per decode step with ``batch`` requests decoding, and the KV bytes each step read."""
+    sizes = run.sizes
+    rng = random.Random(run.args.seed + 100 + batch)
+    ids = [f"decode{batch}-{i}" for i in range(batch)]
+    # room for the steps while later requests still prefill; every request is aborted after timing
+    max_tokens = sizes.decode_warmup_steps + sizes.decode_steps + 64
+    for rid in ids:
+        prompt = [rng.randrange(3, vocab) for _ in range(sizes.decode_prompt_len)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+        run.check(f"decode batch {batch} prefill")
+    for _ in range(sizes.decode_warmup_steps):
+        engine.step()
+    lengths = [engine.scheduler.requests[rid].num_tokens for rid in ids]
+    run.sync()
+    start = time.perf_counter()
+    for k in range(sizes.decode_steps):
+        decoded = sum(len(out.new_token_ids) for out in engine.step())
+        if decoded != batch:
+            raise RuntimeError(f"decode batch {batch}: step {k} decoded {decoded} tokens, expected {batch}")
+    run.sync()
+    step_s = (time.perf_counter() - start) / sizes.decode_steps
+    kv = sum(kv_bytes_read(engine, n + k) for n in lengths for k in range(sizes.decode_steps)) / sizes.decode_steps
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths)}
+
+
+def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: int) -> None:
+    """``decode_step_time`` at ``batch`` and its bound, into the result."""
+    result = run.result
+    timed = decode_step_time(run, engine, batch, vocab)
+    key = str(batch)
+    result["decode_step_ms"][key] = round(timed["step_ms"], 4)
+    result["decode_kv_bytes_per_step"][key] = round(timed["kv_bytes"])
+    bandwidth = result.get("copy_bandwidth_gb_s")
+    if bandwidth:
+        bound_ms = (result["weight_bytes"][name] + timed["kv_bytes"]) / (bandwidth * 1e9) * 1e3
+        result["decode_bound_ms"][key] = round(bound_ms, 5)
+        result["decode_step_over_bound"][key] = round(timed["step_ms"] / bound_ms, 3)
+    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms", batch, timed["step_ms"],
+             timed["context_start"], result["decode_bound_ms"].get(key))  # fmt: skip
+
+
+def copy_bandwidth(run: Run) -> float:
+    """Bytes per second of a device-to-device copy (read + written), best of ``copy_reps``."""
+    mib, device = run.sizes.copy_mib, run.device
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(run.sizes.copy_reps):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - start
+        best = min(best, seconds)
+    del src, dst
+    run.release_memory()
+    return 2 * mib * 2**20 / best
