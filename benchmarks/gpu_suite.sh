@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd triton bench mamba (default: all)
 #
 # Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
+# STAGE_LIMIT (seconds) caps every stage's time limit; XDIST=N runs the test stages on N workers;
+# BENCH_ARGS are passed to engine_gpu.py. Test stages may run side by side (separate invocations
+# after one that installed the wheels); run the benchmarks alone.
 # The GPU machine has torch, Triton and transformers but not pydantic or gguf: put their wheels in
 # .whl/ (see benchmarks/README.md) and they are installed into a temporary target first. Ray and
 # NIXL are not needed: the engine never imports ray, and P/D runs on the `local` backend (CUDA IPC).
@@ -12,9 +15,11 @@ cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 site="${TMPDIR:-/tmp}/kvfleet-site"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -d "$site/pydantic" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
         || { echo "gpu_suite: installing .whl/ failed" >&2; exit 1; }
+fi
+if [ -d "$site" ]; then
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,10 +28,12 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false KVFLEET_
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests pd triton bench mamba)
 pytest_args=(-q -p no:cacheprovider -o addopts="" --timeout 300)
+[ "${XDIST:-0}" -gt 0 ] && pytest_args+=(-n "$XDIST")
 
 run_stage() {  # name, limit in seconds, command...
     local name=$1 limit=$2
     shift 2
+    [ -n "${STAGE_LIMIT:-}" ] && [ "$STAGE_LIMIT" -lt "$limit" ] && limit=$STAGE_LIMIT
     local started=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
@@ -48,7 +55,7 @@ for stage in "${stages[@]}"; do
     triton)  # the paged attention kernels against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py ;;
     bench)
-        run_stage bench 420 python3 benchmarks/engine_gpu.py --device cuda ;;
+        run_stage bench 420 python3 benchmarks/engine_gpu.py --device cuda ${BENCH_ARGS:-} ;;
     mamba)  # issue 13's decode measurement (per-request vs batched Mamba path) on the GPU
         run_stage mamba 240 python3 benchmarks/mamba_decode.py --device cuda --dtype bfloat16 --num-requests 32 ;;
     *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;
