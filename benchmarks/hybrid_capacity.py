@@ -40,7 +40,9 @@ Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face
    ``--hit-state-fraction`` (0.5) with ``expected_prefix_tokens`` = the shared length; the
    config defaults are reported as ``kvfleet_defaults``.
 3. ``mamba_decode_speedup``: ``measure_decode`` of benchmarks/mamba_decode.py (Bamba-shaped
-   random model, 32 running requests, per-request vs batched Mamba path).
+   random model, 32 running requests, per-request vs batched Mamba path), on this CPU, or read
+   from ``--mamba-decode-json`` (the last line of a ``mamba_decode.py --device cuda`` run on a
+   GPU machine, where the workers decode; ``details.mamba_decode.device`` names it).
 4. ``coordinator_min_speedup``: read from ``--coordinator-json`` (the last line of
    benchmarks/kv_cache_vs_vllm.py) or, with ``--run-coordinator``, by running it
    (``--coordinator-args``).
@@ -113,6 +115,8 @@ __all__ = [  # the moved names, re-exported, and this script's own
 
 # -- the other two numbers ----------------------------------------------------------------------------
 def mamba_decode(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.mamba_decode_json:  # e.g. a GPU run: where production workers decode
+        return json.loads(Path(args.mamba_decode_json).read_text().strip().splitlines()[-1])
     if args.skip_decode:
         return None
     try:
@@ -158,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-decode", action="store_true", help="mamba_decode_speedup: null")
+    ap.add_argument("--mamba-decode-json",
+                    help="a file whose last line is benchmarks/mamba_decode.py's JSON (e.g. its --device cuda run "
+                         "on a GPU machine) instead of measuring it here on the CPU")
     ap.add_argument("--coordinator-json", help="a file whose last line is kv_cache_vs_vllm.py's JSON")
     ap.add_argument("--run-coordinator", action="store_true", help="run kv_cache_vs_vllm.py for the speedups")
     ap.add_argument("--coordinator-args", default="--runs 1 --num-requests 1000")
