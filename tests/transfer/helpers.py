@@ -32,3 +32,12 @@ def fill(slots: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     for t in slots:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
     return [t.clone() for t in slots]
+
+
+def assert_plain(value) -> None:
+    """``value`` is plain data (nested tuples of str, int and bytes): what an AgentInfo may hold."""
+    if isinstance(value, tuple):
+        for v in value:
+            assert_plain(v)
+    else:
+        assert type(value) in (str, int, bytes), type(value)

@@ -15,6 +15,7 @@ import torch
 from engine.transfer import AgentInfo, TransferError, make_transfer
 from engine.transfer.base import as_pairs
 from engine.transfer.local import copy_runs
+from tests.transfer.helpers import assert_plain
 
 BACKENDS = ["nixl", "local"]
 
@@ -33,14 +34,6 @@ def pair(request):
     yield owner, reader, info, src, dst
     reader.close()
     owner.close()
-
-
-def assert_plain(value) -> None:
-    if isinstance(value, tuple):
-        for v in value:
-            assert_plain(v)
-    else:
-        assert type(value) in (str, int, bytes), type(value)
 
 
 def test_agent_info_and_ids_are_plain_data(pair) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.transfer import AgentInfo, TransferError, make_transfer
-from tests.transfer.helpers import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, expected_after, scattered_pairs
+from tests.transfer.helpers import LOCAL_BLOCKS, PAGES, REMOTE_BLOCKS, assert_plain, expected_after, scattered_pairs
 from tests.transfer.owner_proc import owner_process, source_slots
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -39,14 +39,6 @@ def drain(owner, expect: int, timeout_s: float = 5.0) -> list[bytes]:
         got += owner.owner_notifications()
         time.sleep(0.001)
     return got
-
-
-def assert_plain(value) -> None:
-    if isinstance(value, tuple):
-        for v in value:
-            assert_plain(v)
-    else:
-        assert type(value) in (str, int, bytes), type(value)
 
 
 # -- any host --------------------------------------------------------------------------------
