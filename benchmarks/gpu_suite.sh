@@ -52,8 +52,9 @@ for stage in "${stages[@]}"; do
     pd)  # P/D on the GPU: the local backend over CUDA IPC, the export race, the engine P/D tests
         KVFLEET_TEST_DEVICE=cuda run_stage pd 420 python3 -m pytest "${pytest_args[@]}" tests/engine/test_export_race.py \
             tests/transfer/test_local_cuda.py tests/engine/test_pd.py tests/engine/test_pd_race.py ;;
-    triton)  # the paged attention kernels against the torch path, compiled for the GPU
-        run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py ;;
+    triton)  # the paged attention and Mamba2 decode kernels against the torch path, compiled for the GPU
+        run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
+            tests/model/test_triton_mamba.py ;;
     bench)
         run_stage bench 420 python3 benchmarks/engine_gpu.py --device cuda ${BENCH_ARGS:-} ;;
     mamba)  # issue 13's decode measurement (per-request vs batched Mamba path) on the GPU

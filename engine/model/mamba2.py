@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import triton_mamba
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.mamba2_reference import forward_per_request
@@ -221,8 +222,14 @@ class Mamba2Mixer(RecurrentMixer):
             conv = conv + self.conv1d.bias.float()
         x, b, c = self._split_conv(F.silu(conv))  # x [B, G, E, P]; b, c [B, G, N]
         x = x.reshape(count, m.num_heads, m.head_dim)
-        b, c = (t.repeat_interleave(heads_per_group, dim=1) for t in (b, c))  # [B, H, N]
         step = self._step_dt(dt.index_select(0, rows))  # [B, H]
+        if triton_mamba.enabled(device):  # one kernel: read, update and write the states, y into out
+            triton_mamba.ssm_decode_update(
+                self.ssm_state, source, fresh, target, x, step, b, c, self.A_log, self.D, out, rows
+            )
+            self.conv_state.index_copy_(0, target, window)
+            return
+        b, c = (t.repeat_interleave(heads_per_group, dim=1) for t in (b, c))  # [B, H, N]
         rate = torch.exp(step * -torch.exp(self.A_log.float()))
         drive = step[..., None] * x  # [B, H, P]
         y = torch.empty_like(x)

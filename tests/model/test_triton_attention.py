@@ -32,35 +32,7 @@ from engine.model import triton_attention as ta  # noqa: E402
 from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index  # noqa: E402
 from engine.model.layers import paged_attention  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
-
-
-def _patch_interpreter() -> None:
-    """Two fixes to triton 3.6's interpreter (CPU runs only; compiled kernels are unaffected):
-    ``range()`` over loaded scalars calls ``int()`` on a 1-element array, an error since numpy
-    2.4 (triton-lang/triton#9171, fixed upstream by #9172); ``tl.dot`` on bfloat16 multiplies
-    the uint16 storage (#11584): the operands are converted to fp32 first, which is what the
-    GPU's bf16 x bf16 -> fp32 products give."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kvfleet_patched", False):
-        return
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == interpreter.tl.bfloat16:
-            f32 = interpreter.tl.float32
-            a = interpreter.TensorHandle(interpreter._convert_float(a.data, a.dtype, f32, None).view("float32"), f32)
-            b = interpreter.TensorHandle(interpreter._convert_float(b.data, b.dtype, f32, None).view("float32"), f32)
-        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter._kvfleet_patched = True
+from tests.model.triton_interpreter import patch_interpreter as _patch_interpreter  # noqa: E402
 
 
 if DEVICE == "cpu":
