@@ -164,7 +164,6 @@ def warmup_kvfleet(run: Run, engine: EngineCore, vocab: int) -> None:
     run_kvfleet(run, engine, prompts, "warmup")
 
 
-
 def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list[int], int]], vocab: int) -> dict:
     """Warm-up and throughput run of one engine, then (for ``DECODE_MODEL``) its decode steps."""
     engine = make_engine(run, directory)
@@ -177,13 +176,12 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
                  timed["steps"], timed["tokens"] / timed["wall_s"])  # fmt: skip
         if name == DECODE_MODEL and run.args.decode:
             for batch in run.sizes.decode_batches:
-                run.attempt(f"decode batch {batch}", lambda b=batch: record_decode(run, engine, name, b, vocab))
+                run.attempt(f"decode batch {batch}", lambda b=batch, e=engine: record_decode(run, e, name, b, vocab))
         return timed
     finally:
         engine.close()
         del engine
         run.release_memory()
-
 
 
 # -- Hugging Face -----------------------------------------------------------------------------------------
