@@ -49,3 +49,26 @@ def test_activation_reserve_grows_with_the_batch_and_the_vocabulary() -> None:
     small = gpu_memory.activation_reserve_bytes(arch, 512, 8, 2)
     assert gpu_memory.activation_reserve_bytes(arch, 4096, 8, 2) > small
     assert gpu_memory.activation_reserve_bytes(arch, 512, 64, 2) - small == 2 * 56 * arch.vocab_size * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sizes the cache from the GPU's free memory)")
+def test_a_cuda_engine_sizes_its_cache_from_the_gpu() -> None:
+    """A real engine on the GPU: its pools fit in what ``gpu_memory_utilization`` allows beyond
+    the memory already in use, and it generates."""
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    free, total = torch.cuda.mem_get_info()
+    share = (total - free + 512 * 2**20) / total  # what is in use now plus 512 MiB: a small cache
+    config = load_config("tiny-hybrid", ["model.device=cuda", "kv_cache.num_blocks=null",
+                                         f"kv_cache.gpu_memory_utilization={share:.6f}"])  # fmt: skip
+    engine = EngineCore(config)
+    allowed = int(share * total) - (total - free)  # upper bound: before the weights were loaded
+    kv_bytes = engine.capacity()["bytes"]
+    assert 0 < kv_bytes <= allowed
+    engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens = []
+    while engine.has_work:
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert len(tokens) == 4
