@@ -23,14 +23,14 @@ class RMSNorm(nn.Module):
 
     One fused ``F.rms_norm`` per call (a norm is 9 small ops written out: on a GPU each is a
     kernel launch, and the norms were a third of a decode step's launches). Gemma's ``1 + weight``
-    is kept between calls and rebuilt when the weight changes (its ``_version``)."""
+    is kept between calls and rebuilt when the weight changes (its storage or ``_version``)."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
         self.eps = eps
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
-        self._gemma_scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + weight)
+        self._gemma_scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight storage+version, 1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, shape = x.dtype, (x.shape[-1],)
@@ -39,10 +39,11 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
 
     def _scale(self) -> torch.Tensor:
-        version = self.weight._version
-        if self._gemma_scale is None or self._gemma_scale[0] != version or self._gemma_scale[1].device != self.weight.device:
+        """``1 + weight`` in fp32, rebuilt when the weight is written or replaced."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._gemma_scale is None or self._gemma_scale[0] != key:
             with torch.no_grad():
-                self._gemma_scale = (version, 1.0 + self.weight.float())
+                self._gemma_scale = (key, 1.0 + self.weight.float())
         return self._gemma_scale[1]
 
 
