@@ -50,22 +50,28 @@ def _import_triton() -> Any:
     return triton
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether the runner on ``device`` uses this path: ``KVFLEET_ATTENTION=triton`` forces it
-    (on the CPU only under ``TRITON_INTERPRET=1``), ``=torch`` forces the torch path, unset means
-    CUDA with triton available."""
-    choice = os.environ.get("KVFLEET_ATTENTION", "").strip().lower()
+def kernel_choice(variable: str, device: torch.device, when_unset: bool) -> bool:
+    """The rule every Triton kernel of the engine follows: ``<variable>=triton`` forces the kernel
+    (on the CPU only under ``TRITON_INTERPRET=1``), ``=torch`` forces the torch path, another
+    value is an error naming the variable, and unset gives ``when_unset``."""
+    choice = os.environ.get(variable, "").strip().lower()
     if choice == "torch":
         return False
     if choice == "triton":
         if not available():
-            raise RuntimeError("KVFLEET_ATTENTION=triton: triton is not importable")
+            raise RuntimeError(f"{variable}=triton: triton is not importable")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(f"KVFLEET_ATTENTION=triton on {device.type} needs TRITON_INTERPRET=1")
+            raise RuntimeError(f"{variable}=triton on {device.type} needs TRITON_INTERPRET=1")
         return True
     if choice:
-        raise ValueError(f"KVFLEET_ATTENTION: {choice!r} is not one of triton, torch")
-    return device.type == "cuda" and available()
+        raise ValueError(f"{variable}: {choice!r} is not one of triton, torch")
+    return when_unset
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the runner on ``device`` uses this path (``kernel_choice`` of
+    ``KVFLEET_ATTENTION``): unset means CUDA with triton available."""
+    return kernel_choice("KVFLEET_ATTENTION", device, device.type == "cuda" and available())
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine.model.triton_attention import available
+from engine.model.triton_attention import available, kernel_choice
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,10 @@ tl: Any = None  # triton.language, bound by _kernels()
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether ``Mamba2Mixer._decode`` on ``device`` runs the kernel: ``KVFLEET_MAMBA_KERNEL=triton``
-    forces it (on the CPU only under ``TRITON_INTERPRET=1``), ``=torch`` forces the torch path;
-    unset means the torch path everywhere until the kernel has run compiled (module docstring)."""
-    choice = os.environ.get(ENV, "").strip().lower()
-    if choice == "triton":
-        if not available():
-            raise RuntimeError(f"{ENV}=triton: triton is not importable")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(f"{ENV}=triton on {device.type} needs TRITON_INTERPRET=1")
-        return True
-    if choice and choice != "torch":
-        raise ValueError(f"{ENV}: {choice!r} is not one of triton, torch")
-    return False
+    """Whether ``Mamba2Mixer._decode`` on ``device`` runs the kernel (``kernel_choice`` of
+    ``KVFLEET_MAMBA_KERNEL``); unset means the torch path everywhere until the kernel has run
+    compiled (module docstring)."""
+    return kernel_choice(ENV, device, False)
 
 
 def ssm_decode_update(
