@@ -5,23 +5,18 @@ block ids, block 0 left as the null block) and mixed step (prefill chunks from n
 plus decode tokens): once through the torch path (``_gather`` + ``_attend``) and once through
 ``store_kv`` + ``paged_attention_triton``; the outputs and the written caches must agree. On a
 CUDA machine the kernels run compiled; elsewhere under Triton's interpreter (``TRITON_INTERPRET``
-is set here before the kernels are first jitted). The end-to-end cases drive tiny Gemma-3
+is set by tests/conftest.py before any module is collected). The end-to-end cases drive tiny Gemma-3
 (sliding window, softcap) and gpt-oss (sinks) engines with ``KVFLEET_ATTENTION=triton`` against
 Hugging Face's logits.
 """
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="the Triton attention path needs triton")
 
@@ -32,11 +27,9 @@ from engine.model import triton_attention as ta  # noqa: E402
 from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index  # noqa: E402
 from engine.model.layers import paged_attention  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import patch_interpreter as _patch_interpreter  # noqa: E402
+from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
-
-if DEVICE == "cpu":
-    _patch_interpreter()
+DEVICE = kernel_test_device()
 
 
 @dataclass

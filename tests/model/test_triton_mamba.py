@@ -13,15 +13,10 @@ a tiny Bamba engine on the kernel against Hugging Face's logits.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="the Triton Mamba2 kernel needs triton")
 
@@ -30,10 +25,9 @@ from engine.model.arch import MambaArch  # noqa: E402
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex  # noqa: E402
 from engine.model.mamba2 import Mamba2Mixer  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import patch_interpreter  # noqa: E402
+from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
-if DEVICE == "cpu":
-    patch_interpreter()
+DEVICE = kernel_test_device()
 
 ATOL = 1e-5
 NUM_BLOCKS = 24
