@@ -43,8 +43,9 @@ class GroupIndex:
     state_read: list[int] = field(default_factory=list)  # Mamba: block holding the state at start (-1: none)
     state_write: list[int] = field(default_factory=list)  # Mamba: block receiving the state at the end
     paged: PagedMeta | None = None  # Triton path: tiles and block tables (engine/model/triton_attention.py)
-    # device tensors derived from the fields above, built by the group's first layer that needs
-    # them and shared by the others (one host-to-device copy per step per group, not per layer)
+    # values derived from the fields above (device tensors, the Mamba kernel choice), built by the
+    # group's first layer that needs them and shared by the others: one host-to-device copy (or
+    # environment read) per step per group, not per layer
     derived: dict[str, Any] = field(default_factory=dict)
 
     def shared(self, key: str, build: Callable[[], Any]) -> Any:

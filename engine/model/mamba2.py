@@ -223,7 +223,8 @@ class Mamba2Mixer(RecurrentMixer):
         x, b, c = self._split_conv(F.silu(conv))  # x [B, G, E, P]; b, c [B, G, N]
         x = x.reshape(count, m.num_heads, m.head_dim)
         step = self._step_dt(dt.index_select(0, rows))  # [B, H]
-        if triton_mamba.enabled(device):  # one kernel: read, update and write the states, y into out
+        # the kernel choice is read once per step per group, like the index tensors
+        if index.shared("mamba2_kernel", lambda: triton_mamba.enabled(device)):  # one kernel: states and y
             triton_mamba.ssm_decode_update(
                 self.ssm_state, source, fresh, target, x, step, b, c, self.A_log, self.D, out, rows
             )

@@ -138,7 +138,7 @@ def store_kv(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: tor
     if tokens == 0:
         return
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
-    h_pad, d_pad = _pow2(kv_heads), _pow2(head_dim)
+    h_pad, d_pad = next_pow2(kv_heads), next_pow2(head_dim)
     block_t = max(1, min(16, 4096 // (h_pad * d_pad)))  # tokens per program
     _, store = _kernels()
     store[(-(-tokens // block_t),)](
@@ -188,7 +188,7 @@ def _launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, 
     ``BLOCK_N`` at a time. On an H200 (bf16, GQA 4, head_dim 128) 4 warps beat 8 by 1.5x on
     decode and 1.1x on prefill, and ``BLOCK_N`` 64 beat 32 and 128 on mixed steps; head_dim 256
     wants 8 warps (1.2x)."""
-    g_pad, d_pad = _pow2(groups), max(16, _pow2(head_dim))
+    g_pad, d_pad = next_pow2(groups), max(16, next_pow2(head_dim))
     max_rows = 128 if d_pad <= 128 and dtype != torch.float32 else 64
     tokens = max(1, min(TILE_TOKENS, max_rows // g_pad))
     return dict(
@@ -198,7 +198,8 @@ def _launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, 
     )  # fmt: skip
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): Triton block shapes must be powers of two."""
     return 1 << max(0, n - 1).bit_length()
 
 

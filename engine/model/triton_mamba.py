@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine.model.triton_attention import available, kernel_choice
+from engine.model.triton_attention import available, kernel_choice, next_pow2
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def ssm_decode_update(
         raise ValueError(f"ssm_decode_update: state {tuple(ssm_state.shape)} {ssm_state.dtype}, want {want}")
     if ssm_state.stride(3) != 1 or ssm_state.stride(2) != d_state or ssm_state.stride(1) != head_dim * d_state:
         raise ValueError("ssm_decode_update: each block's [H, P, N] state must be contiguous")
-    n_pad = _pow2(d_state)
-    block_p = min(_pow2(head_dim), max(1, TILE_ELEMENTS // n_pad))
+    n_pad = next_pow2(d_state)
+    block_p = min(next_pow2(head_dim), max(1, TILE_ELEMENTS // n_pad))
     kernel = _kernels()
     kernel[(count, heads, -(-head_dim // block_p))](
         ssm_state, source, target, fresh if fresh is not None else source, x, step, b, c, a_log, d, out, rows,
@@ -90,10 +90,6 @@ def ssm_decode_update(
         HEADS_PER_GROUP=heads // n_groups, HEAD_DIM=head_dim, D_STATE=d_state, BLOCK_P=block_p, N_P=n_pad,
         HAS_FRESH=fresh is not None, num_warps=4,
     )  # fmt: skip
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.cache
