@@ -48,6 +48,10 @@ class ModelConfig(_Frozen):
     sliding_window_override: PositiveInt | None = None
     seed: int = 0
     weights_cache_dir: str | None = None
+    # decode-only steps run from static, bucket-padded buffers (engine/model/decode_step.py),
+    # captured as CUDA graphs on CUDA (models with sparse MoE layers stay eager there); false:
+    # every step is built and run eagerly, unpadded
+    cuda_graphs: bool = True
 
     @field_validator("source")
     @classmethod

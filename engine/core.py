@@ -158,7 +158,11 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])  # type: ignore[arg-type]
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
-            self.runner = ModelRunner(arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate)
+            self.runner = ModelRunner(
+                arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate,
+                max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
+                cuda_graphs=config.model.cuda_graphs,
+            )  # fmt: skip
             self._agent_info = (
                 self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None
             )
@@ -249,7 +253,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
-        self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
         if self.forget_expected(request_id):  # announced, no read started: its blocks free now
             return True
         if request_id in self.scheduler.waiting_for_kv:  # a read into its blocks is in flight
@@ -283,7 +287,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
                 results.append(self._fail_request(request_id, why))
             for result in scheduler.update(output, sampled.tokens):
                 if result.finished:
-                    self.runner.sampler.forget(result.request_id)
+                    self.runner.forget(result.request_id)
                 if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
                     result = replace(result, kv_handle=self._export(result.request_id))
                 results.append(result)
@@ -310,7 +314,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
     def _fail_request(self, request_id: str, why: str) -> RequestOutput:
         """End one request with ``finish_reason="error"``, freeing its blocks."""
         self.failed_requests += 1
-        self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
 

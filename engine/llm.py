@@ -60,7 +60,7 @@ class LLM:
                 d.add(out.new_token_ids)
                 if d.stopped and not out.finished:
                     self.engine.scheduler.finish(out.request_id, RequestStatus.FINISHED_STOPPED)
-                    self.engine.runner.sampler.forget(out.request_id)
+                    self.engine.runner.forget(out.request_id)
                     reasons[out.request_id] = "stop"
                 elif out.finished:
                     d.flush()

@@ -21,6 +21,7 @@ from engine.model.batch import (
     build_group_index,
     build_state_index,
 )
+from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
 from engine.model.recurrent import RecurrentMixer, cache_users
@@ -29,6 +30,29 @@ from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NO_LOGITS = torch.empty(0)
+
+
+def decode_groups(layout: KVLayout) -> DecodeGroups:
+    """The layout's groups as a decode step feeds them: attention (with windows) and recurrent."""
+    attention = [g for g, group in enumerate(layout.groups) if not isinstance(group.spec, MambaSpec)]
+    return DecodeGroups(
+        attention=tuple(attention),
+        windows=tuple(getattr(layout.groups[g].spec, "window", None) for g in attention),
+        recurrent=tuple(g for g, group in enumerate(layout.groups) if isinstance(group.spec, MambaSpec)),
+        num_groups=len(layout.groups),
+    )
+
+
+def graphs_supported(arch: ModelArch, device: torch.device, paged_attention: bool) -> bool:
+    """Whether a decode step of ``arch`` can be captured as a CUDA graph on ``device``: CUDA, the
+    Triton attention path where the model has attention (the torch path's gathers change shape
+    with the context), and no sparse MoE layer (its expert dispatch reads counts on the host)."""
+    if device.type != "cuda":
+        return False
+    has_attention = any(layer.kind in ("full_attention", "sliding_attention") for layer in arch.layers)
+    has_moe = arch.moe is not None or any(layer.moe for layer in arch.layers)
+    return (paged_attention or not has_attention) and not has_moe
 
 
 class ModelRunner:
@@ -49,9 +73,17 @@ class ModelRunner:
         device: torch.device,
         dtype: str,
         allocate_slots: Callable[[list[int], list[int], str], list[torch.Tensor]] | None = None,
+        *,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        cuda_graphs: bool = False,
     ):
         """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
-        slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's)."""
+        slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's).
+        ``max_num_seqs`` and ``max_model_len`` (both or neither) size the static decode step
+        (``engine.model.decode_step``; without them every step runs eagerly); ``cuda_graphs``
+        runs it as captured CUDA graphs, where the device and the model allow it
+        (``graphs_supported``)."""
         layout.check_invariants(arch)
         self.arch = arch
         self.layout = layout
@@ -83,6 +115,24 @@ class ModelRunner:
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # set after each forward on CUDA: the KV and state writes queued so far are done once it is
         self._kv_written: torch.cuda.Event | None = None
+        self.decode: DecodeStep | None = None
+        if max_num_seqs is not None and max_model_len is not None:
+            self.decode = DecodeStep(
+                decode_groups(layout), layout.block_size, max_num_seqs, max_model_len, device, self.paged_attention,
+                self._forward,
+            )  # fmt: skip
+            if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
+                self.decode.capture()
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the runner keeps for a request that left (its sampler state, its decode slot)."""
+        self.sampler.forget(request_id)
+        if self.decode is not None:
+            self.decode.release(request_id)
 
     def execute(self, output: SchedulerOutput) -> SampledTokens:
         """Run the scheduled chunks; return the sampled token of every chunk that samples (and
@@ -94,24 +144,32 @@ class ModelRunner:
         sampled, logits = self._run(output)
         if sampled.failures:
             raise RuntimeError(f"sampling failed: {sampled.failures}")
-        return sampled.tokens, {rid: row.cpu() for rid, row in logits.items()}
+        ids = [c.request.request_id for c in output.chunks if c.sample]
+        return sampled.tokens, dict(zip(ids, logits.cpu(), strict=True))
 
     @torch.inference_mode()
-    def _run(self, output: SchedulerOutput) -> tuple[SampledTokens, dict[str, torch.Tensor]]:
-        sampling = [c for c in output.chunks if c.sample]
-        if not output.chunks:
-            return SampledTokens(), {}
-        batch = self.build_batch(output)
-        hidden = self.model(batch)
+    def _run(self, output: SchedulerOutput) -> tuple[SampledTokens, torch.Tensor]:
+        """Sampled tokens and the logits of the sampled rows (in chunk order)."""
+        chunks = output.chunks
+        if not chunks:
+            return SampledTokens(), _NO_LOGITS
+        if self.decode is not None and self.decode.accepts(chunks):
+            sampling = chunks  # a decode-only step samples every chunk
+            hidden = self.decode.run(chunks)
+        else:
+            sampling = [c for c in chunks if c.sample]
+            batch = self.build_batch(output)
+            hidden = self.model(batch)
+            if sampling:
+                hidden = hidden[batch.sample_indices]
         if self.device.type == "cuda":
             self._kv_written = torch.cuda.Event()
             self._kv_written.record()
         if not sampling:
-            return SampledTokens(), {}
-        logits = self.model.logits(hidden[batch.sample_indices])
+            return SampledTokens(), _NO_LOGITS
+        logits = self.model.logits(hidden)
         ids = [c.request.request_id for c in sampling]
-        sampled = self.sampler.sample(logits, ids, [c.request.sampling for c in sampling])
-        return sampled, dict(zip(ids, logits, strict=True))
+        return self.sampler.sample(logits, ids, [c.request.sampling for c in sampling]), logits
 
     def wait_kv_written(self) -> None:
         """Block until every KV page and recurrent state the last forward wrote is in memory.
@@ -137,10 +195,12 @@ class ModelRunner:
         return self._scratch  # type: ignore[return-value]
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
+        """The eager step's inputs (prefill and mixed steps; every step without a decode step)."""
         chunks: list[ChunkSpec] = []
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        tables = [chunk.block_ids for chunk in output.chunks]
         offset = 0
         for chunk in output.chunks:
             tokens = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
@@ -153,11 +213,11 @@ class ModelRunner:
         decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
         groups = [
-            build_state_index(chunks, [chunk.block_ids[g] for chunk in output.chunks], self.layout.block_size)
+            build_state_index(chunks, [table[g] for table in tables], self.layout.block_size)
             if self.is_mamba[g]
             else build_group_index(
                 chunks,
-                [chunk.block_ids[g] for chunk in output.chunks],
+                [table[g] for table in tables],
                 self.layout.block_size,
                 self.windows[g],
                 prefill,

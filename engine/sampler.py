@@ -38,14 +38,17 @@ class Sampler:
         """One token per row; a row with non-finite logits, or one torch cannot sample from,
         fails its request alone (a NaN logit would otherwise be a silent argmax of 0)."""
         best, greedy_ids = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN
-        greedy, finite = greedy_ids.tolist(), torch.isfinite(best).tolist()
+        # one device-to-host read per step: each row's argmax, or -1 where the row is not finite
+        greedy = torch.where(torch.isfinite(best), greedy_ids, -1).tolist()
         out = SampledTokens()
+        tokens = out.tokens
         for row, (request_id, sp) in enumerate(zip(request_ids, params, strict=True)):
-            if not finite[row]:
+            token = greedy[row]
+            if token < 0:
                 out.failures[request_id] = "the model produced non-finite logits for this request"
                 continue
             if sp.greedy:
-                out.tokens[request_id] = greedy[row]
+                tokens[request_id] = token
                 continue
             try:
                 probs = self._probs(logits[row], sp)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from configs.schema import SchedulerConfig
+from engine.kv_cache.block_queue import Block
 from engine.kv_cache.coordinator import CacheHit, HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import MambaSpec
@@ -31,15 +32,23 @@ log = logging.getLogger(__name__)
 class ScheduledChunk:
     """``num_tokens`` tokens of ``request`` starting at position ``start`` run this step.
 
-    ``block_ids`` is the request's block table per group; ``sample`` says whether this chunk
-    reaches the end of the known tokens, so the last position's logits are sampled.
+    ``tables`` is the request's block table per group, the coordinator's live lists
+    (``HybridCoordinator.live_tables``): valid for the step that scheduled the chunk, never
+    copied, so scheduling a decode token does no per-block work; ``block_ids`` copies them out as
+    ids. ``sample`` says whether this chunk reaches the end of the known tokens, so the last
+    position's logits are sampled.
     """
 
     request: Request
     start: int
     num_tokens: int
-    block_ids: list[list[int]]
+    tables: list[list[Block]]
     sample: bool
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        """The block table per group as block ids (a copy)."""
+        return [[block.block_id for block in table] for table in self.tables]
 
 
 @dataclass
@@ -247,7 +256,7 @@ class Scheduler:
             request,
             start,
             num_new,
-            self.coordinator.block_ids(request.request_id),
+            self.coordinator.live_tables(request.request_id),
             sample=start + num_new == request.num_tokens and not request.prefill_only,
         )
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from engine.kv_cache.block_queue import Block
 from engine.kv_cache.coordinator_types import PoolStats
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.invariants import check_coordinator
 from engine.kv_cache.request import CacheRequest
 
 _BLOCK_ID = attrgetter("block_id")
+_NO_BLOCKS: list[Block] = []
 
 
 class CoordinatorViews:
@@ -81,6 +83,14 @@ class CoordinatorViews:
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table per group (null slots carry the null block's id)."""
         return [[*map(_BLOCK_ID, m.tables.get(request_id, ()))] for m in self.managers]
+
+    def live_tables(self, request_id: str) -> list[list[Block]]:
+        """The request's block table per group as the managers' own lists of ``Block`` (read-only
+        to the caller): no copy, so a decode step costs no per-block work. A list changes in place
+        as the request grows (new blocks appended, sliding-window blocks that left the window
+        replaced by the null block) and is replaced by a new list when the request is freed and
+        admitted again (preemption)."""
+        return [m.tables.get(request_id, _NO_BLOCKS) for m in self.managers]
 
     def unhashed_block_ids(self, request_id: str) -> list[list[int]]:
         """Per group, the request's real blocks that carry no hash yet (new or to be transferred)."""

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.model.arch import GatedDeltaNetArch
 from engine.model.batch import ForwardBatch, GroupIndex
+from engine.model import recurrent
 from engine.model.recurrent import RecurrentMixer
 
 SUB_CHUNK = 64
@@ -235,14 +236,19 @@ class GatedDeltaNet(RecurrentMixer):
         core: torch.Tensor,
     ) -> None:
         """One token per chunk: one batched conv step and one batched delta-rule step."""
-        device = mixed.device
-        rows = torch.tensor([batch.chunks[i].offset for i in chunk_ids], device=device)
-        conv_prev, state = self._read_states([index.state_read[i] for i in chunk_ids], device)
+        assert self.conv_state is not None and self.recurrent_state is not None, "Gated DeltaNet state not bound"
+        rows, source, fresh, target = recurrent.decode_index(batch, index, mixed.device)
+        conv_prev = self.conv_state.index_select(0, source)
+        state = self.recurrent_state.index_select(0, source)
+        if fresh is not None:
+            conv_prev.masked_fill_(fresh[:, None, None], 0.0)
+            state.masked_fill_(fresh[:, None, None, None], 0.0)
         window = torch.cat([conv_prev, mixed.float()[rows][:, :, None]], dim=2)  # [B, conv_dim, k]
         conv = F.silu((window * self.conv1d.weight.float()[:, 0, :]).sum(-1))  # [B, conv_dim]
         q, k, v = self._heads(conv)
         core[rows], state = delta_rule_step(q, k, v, g[rows], beta[rows], state)
-        self._write_states(chunk_ids, index, window[:, :, 1:], state)
+        self.conv_state.index_copy_(0, target, window[:, :, 1:])
+        self.recurrent_state.index_copy_(0, target, state)
 
     def _prefill(
         self,

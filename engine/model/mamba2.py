@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import triton_mamba
+from engine.model import recurrent, triton_mamba
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.mamba2_reference import forward_per_request
@@ -64,33 +64,6 @@ DECODE_TILE_BYTES = 1 << 20
 _Update = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # write blocks, conv windows, SSM states
 
 
-def read_blocks(reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks (those
-    starting from zeros; None when there are none)."""
-    source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
-    fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
-    return source, fresh
-
-
-def write_blocks(writes: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids receiving the chunks' new states."""
-    return torch.tensor(writes, dtype=torch.long, device=device)
-
-
-def decode_index(batch: ForwardBatch, index: GroupIndex, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The decode chunks' flat rows, state blocks to read, fresh mask (or None) and blocks to
-    write, as device tensors: built by the group's first Mamba layer of the step, shared after."""
-
-    def build() -> tuple[torch.Tensor | None, ...]:
-        order = batch.decode_chunks
-        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
-        source, fresh = read_blocks([index.state_read[i] for i in order], device)
-        target = write_blocks([index.state_write[i] for i in order], device)
-        return rows, source, fresh, target
-
-    return index.shared("mamba2_decode", build)
-
-
 def prefill_index(batch: ForwardBatch, index: GroupIndex, d_conv: int, device: torch.device) -> tuple:
     """The prefill chunks (longest first), their packing, the flat row of each packed token, the
     state blocks to read (None when every chunk is fresh) with the fresh mask, and the blocks to
@@ -102,8 +75,8 @@ def prefill_index(batch: ForwardBatch, index: GroupIndex, d_conv: int, device: t
         rows = torch.tensor([batch.chunks[i].offset for i in order]) - torch.tensor(packed.starts)
         rows = torch.repeat_interleave(rows, torch.tensor(packed.lengths)) + torch.arange(sum(packed.lengths))
         reads = [index.state_read[i] for i in order]
-        source, fresh = (None, None) if max(reads) < 0 else read_blocks(reads, device)
-        target = write_blocks([index.state_write[i] for i in order], device)
+        source, fresh = (None, None) if max(reads) < 0 else recurrent.read_blocks(reads, device)
+        target = recurrent.write_blocks([index.state_write[i] for i in order], device)
         return order, packed, rows.to(device), source, fresh, target
 
     return index.shared(f"mamba2_prefill_{d_conv}", build)
@@ -212,7 +185,7 @@ class Mamba2Mixer(RecurrentMixer):
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
         m, device = self.arch, xbc.device
         count, heads_per_group = len(batch.decode_chunks), m.num_heads // m.n_groups
-        rows, source, fresh, target = decode_index(batch, index, device)
+        rows, source, fresh, target = recurrent.decode_index(batch, index, device)
         conv_prev = self.conv_state.index_select(0, source)
         if fresh is not None:
             conv_prev.masked_fill_(fresh[:, None, None], 0.0)

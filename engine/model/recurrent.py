@@ -13,6 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.batch import ForwardBatch, GroupIndex
+
+#: the ``GroupIndex.derived`` key of a recurrent group's decode index (``decode_index``); a static
+#: decode batch (``engine.model.decode_step``) sets it once to its fixed device buffers
+DECODE_INDEX = "recurrent_decode"
+
 
 class RecurrentMixer(nn.Module):
     """A layer whose cache is one fixed-size state per request, not per-token KV.
@@ -39,3 +45,31 @@ def cache_users(layer: nn.Module) -> list[nn.Module]:
     from engine.model.decoder import Attention
 
     return [m for m in layer.modules() if isinstance(m, (Attention, RecurrentMixer))]
+
+
+def read_blocks(reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks (those
+    starting from zeros; None when there are none)."""
+    source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
+    fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
+    return source, fresh
+
+
+def write_blocks(writes: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids receiving the chunks' new states."""
+    return torch.tensor(writes, dtype=torch.long, device=device)
+
+
+def decode_index(batch: ForwardBatch, index: GroupIndex, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The decode chunks' flat rows, state blocks to read, fresh mask (or None) and blocks to
+    write, as device tensors: built by the group's first recurrent layer of the step and shared by
+    the others (every recurrent kind reads the same four)."""
+
+    def build() -> tuple[torch.Tensor | None, ...]:
+        order = batch.decode_chunks
+        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
+        source, fresh = read_blocks([index.state_read[i] for i in order], device)
+        target = write_blocks([index.state_write[i] for i in order], device)
+        return rows, source, fresh, target
+
+    return index.shared(DECODE_INDEX, build)

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from engine.model import mamba2
+from engine.model import mamba2, recurrent
 from engine.model.arch import MambaArch
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
 from engine.model.mamba2 import Mamba2Mixer
@@ -160,7 +160,7 @@ def test_the_comparison_catches_a_broken_state_carry(broken: str, decode_tile: N
         def read_blocks(reads, device):
             return torch.zeros(len(reads), dtype=torch.long), torch.ones(len(reads), dtype=torch.bool)
 
-        monkeypatch.setattr(mamba2, "read_blocks", read_blocks)
+        monkeypatch.setattr(recurrent, "read_blocks", read_blocks)
     else:  # new states land in a block nobody reads
-        monkeypatch.setattr(mamba2, "write_blocks", lambda writes, device: torch.full((len(writes),), 79))
+        monkeypatch.setattr(recurrent, "write_blocks", lambda writes, device: torch.full((len(writes),), 79))
     assert max(_max_diffs(mixer, states, batch, seed=9)) > 1e-2
