@@ -106,7 +106,9 @@ __all__ = [  # the moved names, re-exported, and this script's own
 
 
 # -- kvfleet ----------------------------------------------------------------------------------------------
-def make_engine(run: Run, directory: Path) -> EngineCore:
+def make_engine(run: Run, directory: Path, graphs: bool = True) -> EngineCore:
+    """The benchmark's engine; ``graphs``: ``model.cuda_graphs`` (static, padded decode steps,
+    captured on CUDA) or eager steps."""
     sizes = run.sizes
     config = load_config(
         "local",
@@ -120,6 +122,7 @@ def make_engine(run: Run, directory: Path) -> EngineCore:
             f"scheduler.max_num_seqs={max(sizes.max_num_seqs, *sizes.decode_batches)}",
             f"scheduler.max_num_batched_tokens={sizes.max_num_batched_tokens}",
             f"scheduler.prefill_chunk_size={sizes.prefill_chunk_size}",
+            f"model.cuda_graphs={str(graphs).lower()}",
         ],
     )
     return EngineCore(config, threads=run.args.threads if run.device.type == "cpu" else None)
@@ -169,6 +172,11 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
     engine = make_engine(run, directory)
     try:
         run.result["weight_bytes"][name] = weight_bytes(engine.runner.model)
+        decode = engine.runner.decode
+        if decode is not None and decode.captured:
+            run.result["graph_capture"][name] = {"seconds": round(decode.capture_seconds, 3),
+                                                 "mib": round(decode.capture_bytes / 2**20, 1),
+                                                 "buckets": len(decode.buckets)}  # fmt: skip
         warmup_kvfleet(run, engine, vocab)
         timed = run_kvfleet(run, engine, requests, "r")
         run.result["preemptions"][name] = engine.scheduler.num_preemptions
@@ -178,6 +186,19 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
             for batch in run.sizes.decode_batches:
                 run.attempt(f"decode batch {batch}", lambda b=batch, e=engine: record_decode(run, e, name, b, vocab))
         return timed
+    finally:
+        engine.close()
+        del engine
+        run.release_memory()
+
+
+def eager_decode_side(run: Run, name: str, directory: Path, vocab: int) -> None:
+    """The decode steps again with ``model.cuda_graphs=false`` (every step built and run eagerly)."""
+    engine = make_engine(run, directory, graphs=False)
+    try:
+        warmup_kvfleet(run, engine, vocab)
+        for batch in run.sizes.decode_batches:
+            run.attempt(f"eager decode batch {batch}", lambda b=batch, e=engine: record_decode(run, e, name, b, vocab))
     finally:
         engine.close()
         del engine
@@ -232,6 +253,8 @@ def bench_model(run: Run, name: str, directory: Path) -> None:
     vocab = (QUICK_MODELS[name] if run.args.quick else MODELS[name][2])["vocab_size"]
     requests = workload(run.sizes.num_requests, vocab, run.args.seed, run.sizes.prompt_lens, run.sizes.output_lens)
     kvfleet = run.attempt(f"{name} kvfleet", lambda: kvfleet_side(run, name, directory, requests, vocab))
+    if name == DECODE_MODEL and run.args.decode and run.args.eager_decode and run.device.type == "cuda":
+        run.attempt(f"{name} eager decode", lambda: eager_decode_side(run, name, directory, vocab))
     hf = run.attempt(f"{name} hf", lambda: hf_side(run, directory, requests))
     rates = {}
     for system, timed in (("kvfleet", kvfleet), ("hf", hf)):
@@ -239,6 +262,8 @@ def bench_model(run: Run, name: str, directory: Path) -> None:
             continue
         rates[system] = timed["tokens"] / timed["wall_s"]
         result["tokens_per_s"].setdefault(name, {})[system] = round(rates[system], 2)
+        if system == "kvfleet":
+            result["output_tokens_per_s"][name] = round(rates[system], 2)
         result["wall_s"].setdefault(name, {})[system] = round(timed["wall_s"], 3)
         result["output_tokens"].setdefault(name, {})[system] = timed["tokens"]
         result["ttft_s"].setdefault(name, {})[system] = ttft_summary(timed["ttft_s"])
@@ -263,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int)
     ap.add_argument("--kv-budget-mib", type=int)
     ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode-step measurement")
+    ap.add_argument("--no-eager-decode", dest="eager_decode", action="store_false",
+                    help="CUDA: skip the decode steps with model.cuda_graphs=false")
     ap.add_argument("--max-seconds", type=float, default=180.0, help="skip phases that would run past this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -300,6 +327,9 @@ def main() -> None:
         "dtype": args.dtype,
         "tokens_per_s": {}, "wall_s": {}, "output_tokens": {}, "ttft_s": {}, "preemptions": {},
         "decode_step_ms": {}, "decode_bound_ms": {}, "decode_kv_bytes_per_step": {}, "weight_bytes": {},
+        "host_step_ms": {}, "host_phases_ms": {}, "kernels_per_step": {}, "kernel_ms_per_step": {},
+        "output_tokens_per_s": {}, "graph_capture": {}, "decode_step_ms_eager": {}, "host_phases_ms_eager": {},
+        "kernels_per_step_eager": {},
         "num_requests": sizes.num_requests, "hf_batch": sizes.hf_batch, "quick": args.quick,
         "torch": torch.__version__, "transformers": transformers.__version__, "errors": {},
     }  # fmt: skip

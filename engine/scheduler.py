@@ -28,7 +28,7 @@ from engine.request import Request, RequestStatus
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """``num_tokens`` tokens of ``request`` starting at position ``start`` run this step.
 
@@ -63,7 +63,7 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """Tokens a request gained in one step, and whether (and why) it finished. A prefill-only
     request finishes with ``finish_reason="remote_decode"`` and (from EngineCore) a ``kv_handle``."""
@@ -195,7 +195,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            # a decoding request computes its one new token (every chunking rule gives 1 here)
+            num_new = 1 if len(request.token_ids) - start == 1 else self._chunk_size(request, start, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -251,13 +253,14 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        request.num_computed_tokens = start + num_new
+        end = start + num_new
+        request.num_computed_tokens = end
         return ScheduledChunk(
             request,
             start,
             num_new,
             self.coordinator.live_tables(request.request_id),
-            sample=start + num_new == request.num_tokens and not request.prefill_only,
+            end == len(request.token_ids) and not request.prefill_only,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -284,23 +287,17 @@ class Scheduler:
                         RequestOutput(request.request_id, [], True, request.status.value, None, request.num_cached_tokens)
                     )
                 continue
-            token = sampled[request.request_id]
-            request.append_token_ids([token])
+            request_id = request.request_id
+            token = sampled[request_id]
+            request.append_token_ids((token,))
             status = request.check_stop_token(token)
-            if status is None and request.num_tokens >= self.max_model_len:
+            if status is None and len(request.token_ids) >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.finish(request.request_id, status)
-            results.append(
-                RequestOutput(
-                    request.request_id,
-                    [token],
-                    status is not None,
-                    status and status.value,
-                    None,
-                    request.num_cached_tokens,
-                )
-            )
+            if status is None:
+                results.append(RequestOutput(request_id, [token], False, None, None, request.num_cached_tokens))
+                continue
+            self.finish(request_id, status)
+            results.append(RequestOutput(request_id, [token], True, status.value, None, request.num_cached_tokens))
         return results
 
     def _hold_prefilled(self, request: Request) -> None:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from benchmarks.support.gpu_bench_setup import Run
+from benchmarks.support.step_phases import StepPhases
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 
@@ -66,12 +67,43 @@ def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> di
             raise RuntimeError(f"decode batch {batch}: step {k} decoded {decoded} tokens, expected {batch}")
     run.sync()
     step_s = (time.perf_counter() - start) / sizes.decode_steps
+    phases = StepPhases(engine)  # the same steps again, each phase timed (a few us of wrappers each)
+    for _ in range(sizes.decode_steps):
+        phases.step()
+    run.sync()
+    kernels = kernel_profile(run, engine, sizes.profile_steps) if run.device.type == "cuda" else {}
+    steps = 2 * sizes.decode_steps + (sizes.profile_steps if kernels else 0)
     kv = sum(kv_bytes_read(engine, n + k) for n in lengths for k in range(sizes.decode_steps)) / sizes.decode_steps
     for rid in ids:
         engine.abort(rid)
     while engine.has_work:
         engine.step()
-    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths)}
+    if steps + sizes.decode_warmup_steps > max_tokens:
+        raise RuntimeError("decode_step_time: requests finished while timed")
+    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths), "phases": phases.summary(),
+            **kernels}  # fmt: skip
+
+
+def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, float]:
+    """CUDA kernels per decode step and their summed milliseconds (torch.profiler, ``steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        run.sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and _is_kernel(e.name)]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms_per_step": sum(e.device_time for e in kernels) / steps / 1e3,
+    }
+
+
+def _is_kernel(name: str) -> bool:
+    """Device events that are kernels (not memcpy / memset records)."""
+    lowered = name.lower()
+    return not (lowered.startswith("memcpy") or lowered.startswith("memset") or "cudamemcpy" in lowered)
 
 
 def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: int) -> None:
@@ -79,15 +111,29 @@ def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: in
     result = run.result
     timed = decode_step_time(run, engine, batch, vocab)
     key = str(batch)
+    graphs = engine.config.model.cuda_graphs
+    if not graphs and run.device.type == "cuda":  # the eager comparison: its own keys
+        result["decode_step_ms_eager"][key] = round(timed["step_ms"], 4)
+        result["host_phases_ms_eager"][key] = timed["phases"]
+        if "kernels_per_step" in timed:
+            result["kernels_per_step_eager"][key] = round(timed["kernels_per_step"], 1)
+        log.info("decode batch %d (eager): %.3f ms/step, host phases %s", batch, timed["step_ms"], timed["phases"])
+        return
     result["decode_step_ms"][key] = round(timed["step_ms"], 4)
+    result["host_phases_ms"][key] = timed["phases"]
+    result["host_step_ms"][key] = timed["phases"]["host"]
+    if "kernels_per_step" in timed:
+        result["kernels_per_step"][key] = round(timed["kernels_per_step"], 1)
+        result["kernel_ms_per_step"][key] = round(timed["kernel_ms_per_step"], 4)
     result["decode_kv_bytes_per_step"][key] = round(timed["kv_bytes"])
     bandwidth = result.get("copy_bandwidth_gb_s")
     if bandwidth:
         bound_ms = (result["weight_bytes"][name] + timed["kv_bytes"]) / (bandwidth * 1e9) * 1e3
         result["decode_bound_ms"][key] = round(bound_ms, 5)
         result["decode_step_over_bound"][key] = round(timed["step_ms"] / bound_ms, 3)
-    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms", batch, timed["step_ms"],
-             timed["context_start"], result["decode_bound_ms"].get(key))  # fmt: skip
+    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms, host phases %s, kernels %s",
+             batch, timed["step_ms"], timed["context_start"], result["decode_bound_ms"].get(key), timed["phases"],
+             timed.get("kernels_per_step"))  # fmt: skip
 
 
 def copy_bandwidth(run: Run) -> float:

@@ -68,13 +68,14 @@ class Sizes:
     decode_prompt_len: int = 512
     decode_warmup_steps: int = 3
     decode_steps: int = 32
+    profile_steps: int = 5
     copy_mib: int = 1024
     copy_reps: int = 20
 
 
 QUICK = Sizes(num_requests=8, prompt_lens=(16, 64), output_lens=(4, 16), hf_batch=4, kv_budget_mib=64,
-              warmup_requests=2, warmup_prompt_len=16, warmup_tokens=2, decode_batches=(1, 2), decode_prompt_len=48,
-              decode_warmup_steps=1, decode_steps=4, copy_mib=64, copy_reps=5)  # fmt: skip
+              warmup_requests=2, warmup_prompt_len=16, warmup_tokens=2, decode_batches=(1, 8, 64), decode_prompt_len=48,
+              decode_warmup_steps=3, decode_steps=32, copy_mib=64, copy_reps=5)  # fmt: skip
 
 
 class OutOfTime(RuntimeError):

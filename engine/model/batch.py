@@ -43,6 +43,12 @@ class GroupIndex:
     state_read: list[int] = field(default_factory=list)  # Mamba: block holding the state at start (-1: none)
     state_write: list[int] = field(default_factory=list)  # Mamba: block receiving the state at the end
     paged: PagedMeta | None = None  # Triton path: tiles and block tables (engine/model/triton_attention.py)
+    # a static decode batch on the torch path (engine/model/decode_step.py): each row's slot in
+    # ``slot_tables`` ([slots, width] block ids) and the group's window; the attention layer
+    # derives its key gathers from them (``slot_table_reads``), as the Triton kernel reads them
+    slots: torch.Tensor | None = None
+    slot_tables: torch.Tensor | None = None
+    window: int | None = None
     # values derived from the fields above (device tensors, the Mamba kernel choice), built by the
     # group's first layer that needs them and shared by the others: one host-to-device copy (or
     # environment read) per step per group, not per layer
@@ -126,3 +132,29 @@ def build_state_index(chunks: list[ChunkSpec], tables: list[list[int]], block_si
         index.state_read.append(table[(chunk.start - 1) // block_size] if chunk.start else -1)
         index.state_write.append(table[(chunk.start + chunk.num_tokens - 1) // block_size])
     return index
+
+
+SLOT_READS = "slot_reads"  # GroupIndex.derived key of ``slot_table_reads``' result
+
+
+def slot_table_reads(
+    index: GroupIndex, positions: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode rows' padded key gathers (blocks, offsets, valid: ``[B, S]``, the shape of
+    ``decode_block`` / ``decode_offset`` / ``decode_valid``) from ``index.slot_tables``: array
+    operations over all rows, built once per step per group and shared by its layers."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert index.slots is not None and index.slot_tables is not None
+        ends = positions + 1
+        window = index.window
+        longest = int(ends.max())
+        lows = (ends - window).clamp(min=0) if window else torch.zeros_like(ends)
+        width = min(longest, window) if window else longest
+        keys = lows[:, None] + torch.arange(width, device=positions.device)[None, :]
+        valid = keys < ends[:, None]
+        keys = torch.where(valid, keys, lows[:, None])
+        blocks = index.slot_tables.index_select(0, index.slots).gather(1, keys // block_size)
+        return blocks, keys % block_size, valid
+
+    return index.shared(SLOT_READS, build)

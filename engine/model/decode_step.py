@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache.block_queue import Block
-from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
+from engine.model.batch import SLOT_READS, ChunkSpec, ForwardBatch, GroupIndex
 from engine.model.recurrent import DECODE_INDEX
 from engine.model.triton_attention import PagedMeta
 from engine.scheduler import ScheduledChunk
@@ -163,8 +163,8 @@ class DecodeStep:
             graph[0].replay()
             return graph[1][:count]
         batch = self._batch(size)
-        if not self.paged:
-            self._torch_reads(batch, size)
+        for index in batch.groups:  # the torch path's gathers follow this step's positions
+            index.derived.pop(SLOT_READS, None)
         return self.forward(batch)[:count]
 
     def release(self, request_id: str) -> None:
@@ -292,9 +292,11 @@ class DecodeStep:
         for a, g in enumerate(self.groups.attention):
             lo = self._writes + a * rows
             index = GroupIndex(staging[lo : lo + size], offsets)
+            window = self.groups.windows[a]
             if self.paged:
-                window = self.groups.windows[a]
                 index.paged = PagedMeta(tiles, tiles, self.tables[a], size, 1, window)
+            else:
+                index.slots, index.slot_tables, index.window = tiles[:, 0], self.tables[a], window
             indices[g] = index
         for r, g in enumerate(self.groups.recurrent):
             read = self._states + 2 * r * rows
@@ -313,26 +315,6 @@ class DecodeStep:
         )
         self._batches[size] = batch
         return batch
-
-    def _torch_reads(self, batch: ForwardBatch, size: int) -> None:
-        """The torch attention path's padded key gathers for this step, from the device tables
-        (array operations over all rows; no loop over requests)."""
-        staging, rows = self._device_staging, self.max_bucket
-        positions = staging[self._positions : self._positions + size]
-        slots = staging[self._tiles : self._tiles + 5 * rows].view(rows, 5)[:size, 0]
-        ends = positions + 1
-        longest = int(self._staging[self._positions : self._positions + size].max()) + 1
-        for a, g in enumerate(self.groups.attention):
-            window = self.groups.windows[a]
-            lows = (ends - window).clamp(min=0) if window else torch.zeros_like(ends)
-            width = min(longest, window) if window else longest
-            keys = lows[:, None] + torch.arange(width, device=self.device)[None, :]
-            valid = keys < ends[:, None]
-            keys = torch.where(valid, keys, lows[:, None])
-            index = batch.groups[g]
-            index.decode_block = self.tables[a].index_select(0, slots).gather(1, keys // self.block_size)
-            index.decode_offset = keys % self.block_size
-            index.decode_valid = valid
 
     # -- CUDA graphs ---------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.model import triton_attention
 from engine.model.arch import RopeArch
-from engine.model.batch import ForwardBatch, GroupIndex
+from engine.model.batch import ForwardBatch, GroupIndex, slot_table_reads
 
 
 class RMSNorm(nn.Module):
@@ -161,12 +161,16 @@ def paged_attention(
         ].transpose(0, 1)
     if batch.decode_chunks:
         query_rows = torch.tensor([batch.chunks[c].offset for c in batch.decode_chunks], device=q.device)
-        rows = (index.decode_block * stride + index.decode_offset).reshape(-1)  # type: ignore[operator]
-        shape = (*index.decode_block.shape, kv_heads, head_dim)  # type: ignore[union-attr]
+        if index.slot_tables is not None:  # a static decode batch: gathers from its slot tables
+            blocks, offsets, valid = slot_table_reads(index, batch.positions, bs)
+        else:
+            blocks, offsets, valid = index.decode_block, index.decode_offset, index.decode_valid
+        rows = (blocks * stride + offsets).reshape(-1)  # type: ignore[operator]
+        shape = (*blocks.shape, kv_heads, head_dim)  # type: ignore[union-attr]
         kbuf, vbuf = batch.scratch or (None, None)
         keys = _gather(flat, rows, kbuf).view(shape).permute(0, 2, 1, 3)
         values = _gather(flat, rows + bs, vbuf).view(shape).permute(0, 2, 1, 3)
-        mask = index.decode_valid[:, None, None, :]  # type: ignore[index]
+        mask = valid[:, None, None, :]  # type: ignore[index]
         out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap, sinks)[:, :, 0, :]
     return out
 
