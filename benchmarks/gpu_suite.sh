@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17's checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
 #
-#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd triton bench mamba (default: all)
+#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode triton bench mamba (default: all)
 #
 # Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
 # STAGE_LIMIT (seconds) caps every stage's time limit; XDIST=N runs the test stages on N workers;
@@ -26,7 +26,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false KVFLEET_CACHE="${TMPDIR:-/tmp}/kvfleet-cache"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests pd triton bench mamba)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests pd decode triton bench mamba)
 pytest_args=(-q -p no:cacheprovider -o addopts="" --timeout 300)
 [ "${XDIST:-0}" -gt 0 ] && pytest_args+=(-n "$XDIST")
 
@@ -52,6 +52,8 @@ for stage in "${stages[@]}"; do
     pd)  # P/D on the GPU: the local backend over CUDA IPC, the export race, the engine P/D tests
         KVFLEET_TEST_DEVICE=cuda run_stage pd 420 python3 -m pytest "${pytest_args[@]}" tests/engine/test_export_race.py \
             tests/transfer/test_local_cuda.py tests/engine/test_pd.py tests/engine/test_pd_race.py ;;
+    decode)  # the static, padded decode step captured as CUDA graphs against the eager step, every preset
+        KVFLEET_TEST_DEVICE=cuda run_stage decode 300 python3 -m pytest "${pytest_args[@]}" tests/engine/test_decode_step.py ;;
     triton)  # the paged attention and Mamba2 decode kernels against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
             tests/model/test_triton_mamba.py ;;

@@ -160,8 +160,9 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(
                 arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate,
-                max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
-                cuda_graphs=config.model.cuda_graphs,
+                # model.cuda_graphs=false: no static decode step, every step eager and unpadded
+                max_num_seqs=config.scheduler.max_num_seqs if config.model.cuda_graphs else None,
+                max_model_len=max_model_len, cuda_graphs=config.model.cuda_graphs,
             )  # fmt: skip
             self._agent_info = (
                 self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None

@@ -8,6 +8,7 @@ state pool, and the transfer layer registers the raw slots (with the pool of eac
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +29,8 @@ from engine.model.recurrent import RecurrentMixer, cache_users
 from engine.model.triton_attention import enabled as triton_attention_enabled
 from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_LOGITS = torch.empty(0)
@@ -122,7 +125,11 @@ class ModelRunner:
                 self._forward,
             )  # fmt: skip
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
-                self.decode.capture()
+                try:
+                    self.decode.capture()
+                except RuntimeError as exc:  # the worker still serves: its decode steps run uncaptured
+                    log.error("decode graph capture failed, decode steps run eagerly from the static buffers: %s", exc)
+                    self.decode.drop_graphs()
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:

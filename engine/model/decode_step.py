@@ -341,6 +341,13 @@ class DecodeStep:
         log.info("captured %d decode graphs (batch 1..%d) in %.2f s, %.1f MiB", len(self._graphs), self.max_bucket,
                  self.capture_seconds, self.capture_bytes / 2**20)  # fmt: skip
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (after a failed capture): steps then run the forward eagerly."""
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     @property
     def captured(self) -> bool:
         return bool(self._graphs)

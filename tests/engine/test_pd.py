@@ -37,8 +37,10 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=PRESETS)
 def oracle(request):
-    """(preset, a single engine that runs whole requests, its group specs)."""
-    engine = EngineCore(config(request.param))
+    """(preset, a single engine that runs whole requests, its group specs). It runs every step
+    eagerly (``model.cuda_graphs=false``), so the P/D decode engines' static, padded decode steps
+    are checked against the eager path."""
+    engine = EngineCore(config(request.param, "local", "model.cuda_graphs=false"))
     yield request.param, engine, [group.spec for group in engine.coordinator.groups]
 
 
