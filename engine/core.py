@@ -160,8 +160,9 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(
                 arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate,
-                # model.cuda_graphs=false: no static decode step, every step eager and unpadded
-                max_num_seqs=config.scheduler.max_num_seqs if config.model.cuda_graphs else None,
+                # model.cuda_graphs=false: no static decode step, every step eager and unpadded; a
+                # prefill worker never decodes, so it has none either
+                max_num_seqs=config.scheduler.max_num_seqs if config.model.cuda_graphs and kv_role != "prefill" else None,
                 max_model_len=max_model_len, cuda_graphs=config.model.cuda_graphs,
             )  # fmt: skip
             self._agent_info = (
@@ -335,6 +336,8 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
         return self.coordinator.take_events()
 
     def close(self) -> None:
-        """Release the transfer registration (pending reads are cancelled). Idempotent."""
+        """Release the decode graphs and the transfer registration (pending reads are cancelled).
+        Idempotent."""
+        self.runner.close()
         if self.transfer is not None:
             self.transfer.close()

@@ -122,7 +122,7 @@ class ModelRunner:
         if max_num_seqs is not None and max_model_len is not None:
             self.decode = DecodeStep(
                 decode_groups(layout), layout.block_size, max_num_seqs, max_model_len, device, self.paged_attention,
-                self._forward,
+                model,
             )  # fmt: skip
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
                 try:
@@ -131,9 +131,11 @@ class ModelRunner:
                     log.error("decode graph capture failed, decode steps run eagerly from the static buffers: %s", exc)
                     self.decode.drop_graphs()
 
-    @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+    def close(self) -> None:
+        """Release the decode step's graphs now (their memory pool and the buffers they read),
+        rather than whenever the garbage collector reaches them. Idempotent."""
+        if self.decode is not None:
+            self.decode.drop_graphs()
 
     def forget(self, request_id: str) -> None:
         """Drop what the runner keeps for a request that left (its sampler state, its decode slot)."""

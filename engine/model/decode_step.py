@@ -90,8 +90,9 @@ class DecodeStep:
         paged: bool,
         forward: Callable[[ForwardBatch], torch.Tensor],
     ):
-        """``forward``: the model's forward (ForwardBatch -> hidden states); ``paged``: attention
-        reads KV through the Triton kernels' block tables (else the torch path's gathers)."""
+        """``forward``: the model (ForwardBatch -> hidden states; called under inference mode);
+        ``paged``: attention reads KV through the Triton kernels' block tables (else the torch
+        path's gathers)."""
         self.groups = groups
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -317,12 +318,14 @@ class DecodeStep:
         return batch
 
     # -- CUDA graphs ---------------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket's forward (largest first, one memory pool), from all-padded
         inputs: only null blocks are written. Records ``capture_seconds`` and ``capture_bytes``."""
         if self.device.type != "cuda":
             raise RuntimeError("DecodeStep.capture needs a CUDA device")
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: the difference is the graphs'
         started, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         self._prepare([], self.max_bucket)
@@ -342,7 +345,10 @@ class DecodeStep:
                  self.capture_seconds, self.capture_bytes / 2**20)  # fmt: skip
 
     def drop_graphs(self) -> None:
-        """Forget every captured graph (after a failed capture): steps then run the forward eagerly."""
+        """Forget every captured graph (after a failed capture, or at close): steps then run the
+        forward eagerly."""
+        if not self._graphs:
+            return
         self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
