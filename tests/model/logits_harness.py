@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 
 ATOL = 1e-4  # fp32, on CPU and on CUDA (TF32 disabled below)
 BF16_ATOL = 0.1  # bf16 weights and activations vs HF in fp32: logits here are O(1-5)
+BF16_VS_HF = 1.25  # ... or at most this times HF's own bf16 distance from its fp32 logits
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -136,13 +137,21 @@ def check_preempt_and_resume(directory: Path, device: str) -> None:
 
 
 def check_bfloat16_close(directory: Path, device: str) -> None:
-    """bf16 logits within ``BF16_ATOL`` of HF's fp32 ones."""
+    """bf16 logits as close to HF's fp32 ones as bf16 allows: within ``BF16_ATOL``, or within
+    ``BF16_VS_HF`` times the distance of HF's own bf16 forward at that position (some checkpoints'
+    bf16 rounding alone moves a logit further: tiny-gpt-oss's HF bf16 forward is 0.199 from its
+    fp32 one on an H200)."""
     engine = make_engine(directory, "model.dtype=bfloat16", device=device)
     requests, logits = drive(engine, random_prompts(5, (9, 26)), max_tokens=6)
-    hf = hf_model(directory)
+    hf, hf_bf16 = hf_model(directory), hf_model(directory, torch.bfloat16)
     for rid, request in requests.items():
         with torch.no_grad():
-            reference = hf(torch.tensor([request.token_ids])).logits[0]
+            ids = torch.tensor([request.token_ids])
+            reference, rounded = hf(ids).logits[0], hf_bf16(ids).logits[0].float()
         for k, row in enumerate(logits[rid]):
-            diff = (row.float() - reference[request.prompt_len - 1 + k]).abs().max().item()
-            assert diff < BF16_ATOL, f"{rid} output {k}: max |diff| {diff:.3f}"
+            position = request.prompt_len - 1 + k
+            diff = (row.float() - reference[position]).abs().max().item()
+            hf_diff = (rounded[position] - reference[position]).abs().max().item()
+            assert diff < max(BF16_ATOL, BF16_VS_HF * hf_diff), (
+                f"{rid} output {k}: max |diff| {diff:.3f} (HF's bf16 forward: {hf_diff:.3f})"
+            )
