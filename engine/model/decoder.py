@@ -113,8 +113,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), batch, rope)
         if self.gemma:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = self.post_attention_layernorm(h, residual=x)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import triton_attention
+from engine.model import triton_attention, triton_norm
 from engine.model.arch import RopeArch
 from engine.model.batch import ForwardBatch, GroupIndex, slot_table_reads
 
@@ -21,9 +21,11 @@ from engine.model.batch import ForwardBatch, GroupIndex, slot_table_reads
 class RMSNorm(nn.Module):
     """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights).
 
-    One fused ``F.rms_norm`` per call (a norm is 9 small ops written out: on a GPU each is a
-    kernel launch, and the norms were a third of a decode step's launches). Gemma's ``1 + weight``
-    is kept between calls and rebuilt when the weight changes (its storage or ``_version``)."""
+    ``forward(x, residual)`` returns ``residual + norm(x)`` when a residual is given (the
+    decoder's post-norm adds). Where ``triton_norm.enabled`` (CUDA) the norm, its casts and the
+    add are one Triton kernel; elsewhere one fused ``F.rms_norm`` between two casts (a norm is 9
+    small ops written out). Gemma's ``1 + weight`` is kept between calls and rebuilt when the
+    weight changes (its storage or ``_version``)."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -31,12 +33,19 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self._gemma_scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight storage+version, 1 + w)
+        self._kernel: bool | None = None  # triton_norm.enabled for the weight's device, read at first use
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self._kernel is None:
+            self._kernel = triton_norm.enabled(self.weight.device)
+        if self._kernel:
+            return triton_norm.rms_norm(x, self._scale() if self.gemma else self.weight, self.eps, self.gemma, residual)
         dtype, shape = x.dtype, (x.shape[-1],)
         if self.gemma:
-            return F.rms_norm(x.float(), shape, self._scale(), self.eps).to(dtype)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
+            out = F.rms_norm(x.float(), shape, self._scale(), self.eps).to(dtype)
+        else:
+            out = self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
+        return out if residual is None else residual + out
 
     def _scale(self) -> torch.Tensor:
         """``1 + weight`` in fp32, rebuilt when the weight is written or replaced."""

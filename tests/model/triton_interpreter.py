@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 
@@ -21,7 +22,9 @@ def kernel_test_device() -> str:
 
 
 def patch_interpreter() -> None:
-    """Two fixes to triton 3.6's interpreter (CPU runs only; compiled kernels are unaffected):
+    """Three fixes to triton 3.6's interpreter (CPU runs only; compiled kernels are unaffected):
+    a cast from fp32 to bfloat16 truncates where the GPU rounds to nearest even (it is done with
+    torch's conversion here);
     ``range()`` over loaded scalars calls ``int()`` on a 1-element array, an error since numpy
     2.4 (triton-lang/triton#9171, fixed upstream by #9172); ``tl.dot`` on bfloat16 multiplies
     the uint16 storage (#11584): the operands are converted to fp32 first, which is what the
@@ -44,6 +47,15 @@ def patch_interpreter() -> None:
             b = interpreter.TensorHandle(interpreter._convert_float(b.data, b.dtype, f32, None).view("float32"), f32)
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    convert_float = interpreter._convert_float
+
+    def patched_convert(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == interpreter.tl.float32 and output_dtype == interpreter.tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert_float(values, input_dtype, output_dtype, rounding_mode)
+
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._convert_float = patched_convert
     interpreter._kvfleet_patched = True

@@ -1,0 +1,71 @@
+"""The Triton RMS norm (engine/model/triton_norm.py) equals ``RMSNorm``'s torch path, and a tiny
+Gemma-3 engine on it still gives Hugging Face's logits.
+
+Both styles (Gemma's fp32 ``1 + weight`` scale, Llama's weight applied after the cast), with and
+without the fused residual add, fp32 (within 1e-5) and bfloat16 (within one rounding of the
+output: the kernel's ``rsqrt`` may differ from torch's in the last fp32 bit), widths that are
+not powers of two, a 3-d input (the q/k norms' ``[tokens, heads, head_dim]``). On a CUDA machine
+the kernel runs compiled; elsewhere under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton RMS norm needs triton")
+
+from engine.model.layers import RMSNorm  # noqa: E402
+from tests.model import logits_harness as harness  # noqa: E402
+from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+
+DEVICE = kernel_test_device()
+
+
+def norm_pair(dim: int, gemma: bool, dtype: torch.dtype, seed: int) -> tuple[RMSNorm, RMSNorm]:
+    """The same norm twice: one on the torch path, one on the kernel."""
+    torch.manual_seed(seed)
+    torch_path = RMSNorm(dim, 1e-6, gemma).to(DEVICE, dtype)
+    with torch.no_grad():
+        torch_path.weight.normal_(0.0, 0.5)
+    kernel = RMSNorm(dim, 1e-6, gemma).to(DEVICE, dtype)
+    kernel.load_state_dict(torch_path.state_dict())
+    torch_path._kernel, kernel._kernel = False, True
+    return torch_path, kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(5, 640), (3, 4, 48), (1, 64)])
+def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual: bool, shape: tuple) -> None:
+    torch_path, kernel = norm_pair(shape[-1], gemma, dtype, seed=len(shape) * 7 + shape[-1])
+    x = (torch.randn(shape, device=DEVICE) * 3.0).to(dtype)
+    skip = torch.randn(shape, device=DEVICE).to(dtype) if residual else None
+    with torch.no_grad():
+        want, got = torch_path(x, skip), kernel(x, skip)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 1e-5
+    else:  # one bf16 rounding of the output's magnitude
+        tolerance = want.float().abs() * 2**-7 + 1e-6
+        assert bool(((got.float() - want.float()).abs() <= tolerance).all())
+
+
+def test_a_wrong_scale_would_be_caught() -> None:
+    """The comparison sees a kernel fed Gemma's raw weight instead of ``1 + weight`` (it can fail)."""
+    from engine.model import triton_norm
+
+    torch_path, kernel = norm_pair(640, True, torch.float32, seed=1)
+    x = torch.randn(4, 640, device=DEVICE)
+    with torch.no_grad():
+        broken = triton_norm.rms_norm(x, kernel.weight.float(), 1e-6, gemma=True)
+        assert (broken - torch_path(x)).abs().max().item() > 1e-2
+
+
+def test_gemma3_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFLEET_NORM", "triton")
+    from engine.model.tiny import build_tiny_checkpoint
+
+    directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
+    harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
