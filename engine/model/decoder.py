@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model import triton_rope
 from engine.model.arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.layers import GatedMLP, RMSNorm, Rotary, lm_head, paged_attention
@@ -41,6 +42,7 @@ class Attention(nn.Module):
         self.cache: torch.Tensor | None = None  # set by the runner: rows [n, kv_heads, head_dim]
         self.rows_per_block = 0
         self.block_size = 0
+        self._fused_rope: bool | None = None  # triton_rope.enabled for the weights' device, at first use
 
     def step_rope(
         self, batch: ForwardBatch, dtype: torch.dtype, ropes: dict
@@ -70,12 +72,20 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
+        if self._fused_rope is None:
+            self._fused_rope = triton_rope.enabled(self.q_proj.weight.device)
+        if self.rotary is not None and self._fused_rope:  # q/k norms and rotary: one launch
             assert rope is not None, "rotary layer called without cos/sin"
-            cos, sin = rope
-            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            norms = (self.q_norm.weight_for_kernel(), self.k_norm.weight_for_kernel()) if self.qk_norm else None
+            q, k = triton_rope.norm_rope(q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps,
+                                         self.arch.family == "gemma3")  # fmt: skip
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary is not None:
+                assert rope is not None, "rotary layer called without cos/sin"
+                cos, sin = rope
+                q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
             q,

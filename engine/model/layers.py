@@ -39,13 +39,18 @@ class RMSNorm(nn.Module):
         if self._kernel is None:
             self._kernel = triton_norm.enabled(self.weight.device)
         if self._kernel:
-            return triton_norm.rms_norm(x, self._scale() if self.gemma else self.weight, self.eps, self.gemma, residual)
+            return triton_norm.rms_norm(x, self.weight_for_kernel(), self.eps, self.gemma, residual)
         dtype, shape = x.dtype, (x.shape[-1],)
         if self.gemma:
             out = F.rms_norm(x.float(), shape, self._scale(), self.eps).to(dtype)
         else:
             out = self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
         return out if residual is None else residual + out
+
+    def weight_for_kernel(self) -> torch.Tensor:
+        """What the Triton kernels take as this norm's weight: Gemma's fp32 ``1 + weight``, else
+        the weight itself."""
+        return self._scale() if self.gemma else self.weight
 
     def _scale(self) -> torch.Tensor:
         """``1 + weight`` in fp32, rebuilt when the weight is written or replaced."""

@@ -1,0 +1,85 @@
+"""The fused q/k norm + rotary kernel (engine/model/triton_rope.py) equals the torch path
+(``RMSNorm`` then ``Rotary.apply``), and tiny Gemma-3 and Qwen3 engines on it give Hugging Face's
+logits.
+
+Cases: Gemma's ``1 + weight`` norms, Llama/Qwen's weight-after-rounding norms, no q/k norm, a
+partial rotary (``rotary_dim`` < head_dim), GQA head counts, fp32 (within 1e-5) and bfloat16
+(within two roundings of the output: the torch path rounds after each product, the kernel once).
+On a CUDA machine the kernel runs compiled; elsewhere under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton rope kernel needs triton")
+
+from engine.model import triton_rope  # noqa: E402
+from engine.model.arch_types import RopeArch  # noqa: E402
+from engine.model.layers import RMSNorm, Rotary  # noqa: E402
+from tests.model import logits_harness as harness  # noqa: E402
+from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+
+DEVICE = kernel_test_device()
+
+
+def torch_path(q, k, cos, sin, rotary: Rotary, norms):
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    return rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["gemma", "llama", "none"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 0), (48, 16)])
+def test_kernel_equals_norm_then_rotary(dtype: torch.dtype, norm: str, head_dim: int, rotary_dim: int) -> None:
+    torch.manual_seed(head_dim + rotary_dim + len(norm))
+    tokens, heads, kv_heads = 5, 4, 2
+    rotary = Rotary(RopeArch(theta=10000.0, rotary_dim=rotary_dim), head_dim).to(DEVICE)
+    positions = torch.tensor([0, 3, 17, 200, 4095], device=DEVICE)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    norms = None
+    if norm != "none":
+        norms = tuple(RMSNorm(head_dim, 1e-6, gemma=norm == "gemma").to(DEVICE, dtype) for _ in range(2))
+        for n in norms:
+            with torch.no_grad():
+                n.weight.normal_(0.0, 0.5)
+            n._kernel = False
+    q = (torch.randn(tokens, heads, head_dim, device=DEVICE) * 2).to(dtype)
+    k = (torch.randn(tokens, kv_heads, head_dim, device=DEVICE) * 2).to(dtype)
+    want_q, want_k = torch_path(q, k, cos, sin, rotary, norms)
+    weights = None if norms is None else tuple(n.weight_for_kernel() for n in norms)
+    got_q, got_k = triton_rope.norm_rope(q, k, cos, sin, rotary.rotary_dim, weights, 1e-6, norm == "gemma")
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if dtype == torch.float32:
+            assert (got - want).abs().max().item() < 1e-5
+        else:
+            tolerance = want.float().abs() * 2**-6 + 0.02
+            assert bool(((got.float() - want.float()).abs() <= tolerance).all())
+
+
+def test_a_missing_rotation_would_be_caught() -> None:
+    """The comparison sees a kernel given cos = 1, sin = 0 (no rotation): it can fail."""
+    rotary = Rotary(RopeArch(theta=10000.0), 64).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.tensor([5, 9], device=DEVICE), torch.float32)
+    q, k = torch.randn(2, 2, 64, device=DEVICE), torch.randn(2, 1, 64, device=DEVICE)
+    got_q, _ = triton_rope.norm_rope(q, k, torch.ones_like(cos), torch.zeros_like(sin), 64, None, 1e-6, False)
+    want_q, _ = torch_path(q, k, cos, sin, rotary, None)
+    assert (got_q - want_q).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+def test_engine_on_the_fused_kernels_matches_hugging_face(name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFLEET_ROPE", "triton")
+    monkeypatch.setenv("KVFLEET_NORM", "triton")
+    if name == "tiny-gemma3":
+        from engine.model.tiny import build_tiny_checkpoint
+
+        directory = build_tiny_checkpoint(name, tmp_path / name, seed=0)
+    else:
+        from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
+
+        directory = build_random_checkpoint(name, tmp_path / name, seed=3)
+    harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
