@@ -9,12 +9,13 @@ names follow the Hugging Face checkpoints, so ``load_state_dict`` maps weights b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.model import triton_rope
 from engine.model.arch import ModelArch
 from engine.model.batch import ForwardBatch
-from engine.model.layers import GatedMLP, RMSNorm, Rotary, lm_head, paged_attention
+from engine.model.layers import GatedMLP, RMSNorm, Rotary, fuse_linears, lm_head, paged_attention
 from engine.model.moe import SparseMoE
 
 
@@ -43,6 +44,13 @@ class Attention(nn.Module):
         self.rows_per_block = 0
         self.block_size = 0
         self._fused_rope: bool | None = None  # triton_rope.enabled for the weights' device, at first use
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q, k, v weight and bias
+        self._qkv_sizes = (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim,
+                           arch.num_kv_heads * arch.head_dim)  # fmt: skip
+
+    def fuse_projections(self) -> None:
+        """Concatenate the q, k and v projections once, after the checkpoint is loaded."""
+        self._qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def step_rope(
         self, batch: ForwardBatch, dtype: torch.dtype, ropes: dict
@@ -69,9 +77,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``rope``: this layer type's cos/sin for the step's positions (None for a NoPE layer)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self._qkv is not None:  # one matmul for q, k and v (fuse_projections)
+            q, k, v = F.linear(x, *self._qkv).split(self._qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self._fused_rope is None:
             self._fused_rope = triton_rope.enabled(self.q_proj.weight.device)
         if self.rotary is not None and self._fused_rope:  # q/k norms and rotary: one launch

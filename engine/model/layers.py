@@ -7,7 +7,7 @@ coordinator or the cache layout beyond its own typed page view.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,27 @@ def lm_head(hidden_size: int, vocab_size: int, embedding: nn.Embedding, tied: bo
     return head
 
 
+def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``linears``' output rows back to back, so one matmul computes
+    them all; each linear's parameters become views of it, so checkpoint names, ``state_dict`` and
+    ``load_state_dict`` still address them (and a load writes through to the fused tensor)."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        has_bias = all(linear.bias is not None for linear in linears)
+        bias = torch.cat([linear.bias for linear in linears]) if has_bias else None  # type: ignore[misc]
+        start = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+    return weight, bias
+
+
 class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one matmul."""
+
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
         activation(act)
@@ -122,9 +142,17 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _ACTIVATIONS[act]
+        self._gate_up: torch.Tensor | None = None  # fused gate + up weight (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """Concatenate the gate and up weights once, after the checkpoint is loaded."""
+        self._gate_up, _ = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def paged_attention(

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from engine.model.arch import ModelArch, arch_from_hf_config
 from engine.model.bamba import BambaLM
-from engine.model.decoder import CausalLM
+from engine.model.decoder import Attention, CausalLM
+from engine.model.layers import GatedMLP
 from engine.model.granite_hybrid import GraniteHybridLM
 from engine.model.nemotron_h import NemotronHLM
 from engine.model.qwen3_next import Qwen3NextLM
@@ -84,6 +85,9 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     model.load_state_dict(weights, strict=False)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # q/k/v and gate/up as one matmul each (weights concatenated once)
+        if isinstance(module, (Attention, GatedMLP)):
+            module.fuse_projections()
     # Rotary buffers are not in checkpoints; recompute them on the target device.
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
