@@ -2,8 +2,9 @@
 Gemma-3 engine on it still gives Hugging Face's logits.
 
 Both styles (Gemma's fp32 ``1 + weight`` scale, Llama's weight applied after the cast), with and
-without the fused residual add, fp32 (within 1e-5) and bfloat16 (within one rounding of the
-output: the kernel's ``rsqrt`` may differ from torch's in the last fp32 bit), widths that are
+without the fused residual add, fp32 (within 1e-5) and bfloat16 (within two units in the last
+place of the output: the kernel's ``rsqrt`` may differ from torch's in the last fp32 bits, which
+flips a rounding now and then), widths that are
 not powers of two, a 3-d input (the q/k norms' ``[tokens, heads, head_dim]``). On a CUDA machine
 the kernel runs compiled; elsewhere under Triton's interpreter.
 """
@@ -20,6 +21,12 @@ from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
 DEVICE = kernel_test_device()
+
+
+def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers at each value's magnitude (8 significant bits)."""
+    magnitude = values.float().abs().clamp(min=2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(magnitude)) - 7)
 
 
 def norm_pair(dim: int, gemma: bool, dtype: torch.dtype, seed: int) -> tuple[RMSNorm, RMSNorm]:
@@ -47,9 +54,8 @@ def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual:
     assert got.shape == want.shape and got.dtype == want.dtype
     if dtype == torch.float32:
         assert (got - want).abs().max().item() < 1e-5
-    else:  # one bf16 rounding of the output's magnitude
-        tolerance = want.float().abs() * 2**-7 + 1e-6
-        assert bool(((got.float() - want.float()).abs() <= tolerance).all())
+    else:  # two bf16 units in the last place of the output (seen on an H200: one)
+        assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
 
 
 def test_a_wrong_scale_would_be_caught() -> None:
