@@ -156,13 +156,14 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
         self.transfer: KVTransfer | None = None
         if kv_role is not None:
             self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])  # type: ignore[arg-type]
+        decodes = config.model.cuda_graphs and kv_role != "prefill"
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(
                 arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate,
                 # model.cuda_graphs=false: no static decode step, every step eager and unpadded; a
                 # prefill worker never decodes, so it has none either
-                max_num_seqs=config.scheduler.max_num_seqs if config.model.cuda_graphs and kv_role != "prefill" else None,
+                max_num_seqs=config.scheduler.max_num_seqs if decodes else None,
                 max_model_len=max_model_len, cuda_graphs=config.model.cuda_graphs,
             )  # fmt: skip
             self._agent_info = (

@@ -14,7 +14,6 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-
 log = logging.getLogger(__name__)
 
 

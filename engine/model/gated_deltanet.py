@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import recurrent
 from engine.model.arch import GatedDeltaNetArch
 from engine.model.batch import ForwardBatch, GroupIndex
-from engine.model import recurrent
 from engine.model.recurrent import RecurrentMixer
 
 SUB_CHUNK = 64

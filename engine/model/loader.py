@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from engine.model.arch import ModelArch, arch_from_hf_config
 from engine.model.bamba import BambaLM
 from engine.model.decoder import Attention, CausalLM
-from engine.model.layers import GatedMLP
 from engine.model.granite_hybrid import GraniteHybridLM
+from engine.model.layers import GatedMLP
 from engine.model.nemotron_h import NemotronHLM
 from engine.model.qwen3_next import Qwen3NextLM
 

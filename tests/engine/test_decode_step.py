@@ -30,7 +30,8 @@ def engine(preset: str, graphs: bool, *overrides: str) -> EngineCore:
 
 def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))], rng.randrange(4, 40)) for _ in range(count)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))] for _ in range(count)]
+    return [(prompt, rng.randrange(4, 40)) for prompt in prompts]
 
 
 def run(core: EngineCore, requests: list[tuple[list[int], int]]) -> dict[str, list[int]]:
@@ -109,7 +110,8 @@ def test_padded_rows_write_only_null_blocks() -> None:
     vocab = core.info.arch.vocab_size
     for i, (prompt, _) in enumerate(workload(3, 3, vocab)):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-    while len(core.scheduler.running) < 3 or any(r.num_tokens - r.num_computed_tokens != 1 for r in core.scheduler.running):
+    running = core.scheduler.running
+    while len(running) < 3 or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
         core.step()
     before = [slot.clone() for slot in core.runner.slots]
     owned = [set() for _ in core.runner.slots]
