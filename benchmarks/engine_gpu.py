@@ -42,12 +42,25 @@ stderr (logging); the last stdout line is one JSON object::
 
   {"throughput_ratio_vs_hf": {"gemma": r, "bamba": r}, "decode_step_over_bound": {"1": r, "8": r,
    "64": r}, "device": "<GPU name>", "tokens_per_s": ..., "ttft_s": ..., "decode_step_ms": ...,
-   "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., ...}
+   "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., "host_step_ms": {"1": ms, ...},
+   "host_phases_ms": {...}, "kernels_per_step": {...}, "kernel_ms_per_step": {...},
+   "output_tokens_per_s": {"gemma": n, "bamba": n}, "graph_capture": {...},
+   "decode_step_ms_eager": {...}, ...}
+
+(4) Host work and kernels of the decode steps of (3) (``benchmarks/support/step_phases.py``): each
+    timed step is run again with its phases timed (schedule, batch build, forward or graph
+    launch, logits, sample, update); ``host_step_ms`` is the median over steps of wall time minus
+    forward and logits. On CUDA, 5 more steps under torch.profiler give the kernels per step and
+    their summed device time, and (``--no-eager-decode`` skips it) a second engine with
+    ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
 
 On the GPU machine: ``python benchmarks/engine_gpu.py`` (``--device cuda``, bfloat16; expected
-about two minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1 and 2, about
-25 s): ``python benchmarks/engine_gpu.py --device cpu --dtype float32 --quick``. The CPU numbers
-mean nothing (the shapes are tiny and the machine shared); last measured on a GPU: not yet.
+about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
+10 s): ``python benchmarks/engine_gpu.py --device cpu --dtype float32 --quick``. The CPU numbers
+mean nothing (the shapes are tiny and the machine shared), except the host phases of
+``--device cpu --quick`` (decode batches 1, 8 and 64): ``host_step_ms`` is the host work of a step
+around the model. Last measured on an H200: benchmarks/README.md and
+benchmarks/results/engine_gpu-h200-2026-11-27-*.json.
 
 Code: this script is the entry point (the kvfleet and Hugging Face sides, one model, arguments,
 main, the report); the models, sizes, run state and checkpoints are in
