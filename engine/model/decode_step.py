@@ -7,7 +7,7 @@ appended when the request gains a block). A step then gathers, in one pass over 
 the few numbers that change every step (input id, position, slot, each group's write block and
 each recurrent group's state blocks) into one host staging buffer (pinned on CUDA), pads them to
 the step's *bucket* (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), and uploads them with one
-non-blocking copy; table growth travels in the same copy as (flat index, block id) pairs that one
+non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth travels in the same copy as (flat index, block id) pairs that one
 ``index_copy_`` applies. The forward reads only fixed device buffers, so on CUDA each bucket's
 forward is captured once as a CUDA graph (all buckets in one memory pool) and replayed; on the
 CPU the same padded batch runs eagerly, so CI exercises the padding. Prefill and mixed steps stay
@@ -122,7 +122,8 @@ class DecodeStep:
         host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self._host = host
         self._staging = host.numpy()
-        self._device_staging = torch.zeros(size, dtype=torch.long, device=device)
+        # the buffer the forward reads; on the CPU the staging buffer itself (no copy to make)
+        self._device_staging = host if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
         tiles = self._staging[self._tiles : self._tiles + 5 * rows].reshape(rows, 5)
         tiles[:, 1] = np.arange(rows)  # query row
         tiles[:, 3] = 1  # one query token
@@ -248,14 +249,17 @@ class DecodeStep:
         offsets = staging[self._offsets : self._offsets + size]
         np.remainder(staging[self._positions : self._positions + size], bs, out=offsets)
         rows = self.max_bucket
+        padded = count < size
         for a, column in enumerate(writes):
             lo = self._writes + a * rows
             staging[lo : lo + count] = column
-            staging[lo + count : lo + size] = NULL_BLOCK
+            if padded:
+                staging[lo + count : lo + size] = NULL_BLOCK
         for r, column in enumerate(states):
             lo = self._states + r * rows
             staging[lo : lo + count] = column
-            staging[lo + count : lo + size] = NULL_BLOCK
+            if padded:
+                staging[lo + count : lo + size] = NULL_BLOCK
         self._upload(update_index, update_value)
 
     def _upload(self, index: list[int], value: list[int]) -> None:
@@ -268,15 +272,18 @@ class DecodeStep:
             head_value, value = value[:capacity], value[capacity:]
             staging[fixed : fixed + capacity] = head_index
             staging[fixed + capacity : fixed + 2 * capacity] = head_value
-            device[fixed : fixed + 2 * capacity].copy_(host[fixed : fixed + 2 * capacity])
+            if device is not host:
+                device[fixed : fixed + 2 * capacity].copy_(host[fixed : fixed + 2 * capacity])
             self._tables_flat.index_copy_(
                 0, device[fixed : fixed + capacity], device[fixed + capacity : fixed + 2 * capacity]
             )
         count = len(index)
-        staging[fixed : fixed + count] = index
-        staging[fixed + count : fixed + 2 * count] = value
         end = fixed + 2 * count
-        device[:end].copy_(host[:end], non_blocking=True)
+        if count:
+            staging[fixed : fixed + count] = index
+            staging[fixed + count : end] = value
+        if device is not host:
+            device[:end].copy_(host[:end], non_blocking=True)
         if count:
             self._tables_flat.index_copy_(0, device[fixed : fixed + count], device[fixed + count : end])
 
