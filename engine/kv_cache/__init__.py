@@ -2,9 +2,8 @@
 
 One ``HybridCoordinator`` per worker owns one ``BlockPool`` per page size and a manager per KV-cache group (full
 attention, sliding window, chunked local, Mamba). See ``coordinator.py`` for the behaviours it
-guarantees and ``check_invariants`` for what tests assert after every operation. The coordinator's
-read-only views, prefix pins and block release live in its mixins (``coordinator_views``,
-``prefix_pins``, ``coordinator_release``); a pool's pinned tiers in ``pin_tiers``.
+guarantees and ``check_invariants`` for what tests assert after every operation; a pool's pinned
+tiers are in ``pin_tiers``.
 """
 
 from engine.kv_cache.block_pool import Block, BlockPool

@@ -14,18 +14,20 @@ Responsibilities, each over all groups (and pools) at once:
 - retention: sliding-window anchors at useful boundaries and explicit prefix pins;
 - ``check_invariants()`` for tests.
 
-This module holds construction, hits, allocation and caching; the rest of ``HybridCoordinator``
-comes from its mixins: ``coordinator_views`` (capacity, block tables, events, invariants),
-``prefix_pins`` (explicit pins, prefix-cache reset) and ``coordinator_release`` (freeing).
+``HybridCoordinator`` lives whole here: construction, hits, allocation and caching, then its
+read-only views (capacity, block tables, the event feed, invariants), explicit prefix pins (a
+prefix pin keeps, in every group, the blocks a hit at the prefix's end needs in the pool's
+explicit tier; pins of one prefix are counted) and block release (``free``,
+``remove_skipped_blocks``, ``discard_uncomputed``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from operator import attrgetter
 
-from engine.kv_cache.block_pool import Block, BlockPool
-from engine.kv_cache.coordinator_release import CoordinatorRelease
+from engine.kv_cache.block_pool import PIN_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
     CacheHit,
     PoolStats,  # noqa: F401 (re-exported)
@@ -33,8 +35,7 @@ from engine.kv_cache.coordinator_types import (
     _check_pools,
     _per_pool,
 )
-from engine.kv_cache.coordinator_views import _BLOCK_ID, CoordinatorViews
-from engine.kv_cache.events import EventLog
+from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
 from engine.kv_cache.invariants import KVCacheInvariantError, check_coordinator  # noqa: F401 (re-exported)
 from engine.kv_cache.managers import (
     MANAGER_FOR_SPEC,
@@ -43,12 +44,23 @@ from engine.kv_cache.managers import (
     SingleTypeManager,
     SlidingWindowManager,
 )
-from engine.kv_cache.prefix_pins import PrefixPins, _PrefixPin
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
 
 
 _NEVER = 1 << 62  # a token count no request reaches
+_BLOCK_ID = attrgetter("block_id")
+_NO_BLOCKS: list[Block] = []
+
+
+class _PrefixPin:
+    """Explicit pins of one prefix: how many are held, and every (group, hash) they pinned."""
+
+    __slots__ = ("count", "blocks")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.blocks: set[tuple[int, bytes]] = set()
 
 
 class _Admitted:
@@ -68,14 +80,18 @@ class _Admitted:
         self.next_drop = 0
 
 
-class HybridCoordinator(CoordinatorViews, PrefixPins, CoordinatorRelease):
+class HybridCoordinator:
     """Owns the block pools and one manager per group; the scheduler's single KV-cache interface.
 
     Invariants (``check_invariants``), per pool: ref counts equal table references; a block is in
     exactly one free/pinned queue of its pool iff unreferenced; free + pinned + in use ==
     num_blocks - 1; a non-null block lives in one group only, and that group draws from the
     block's pool (a block never moves between pools); the hash maps match the blocks; each
-    allocation took exactly the predicted number of blocks from every pool.
+    allocation took exactly the predicted number of blocks from every pool. Prefix pins: a block
+    is explicitly pinned in its pool while some record of ``_prefix_pins`` lists it, and
+    ``_explicit_pins[key]`` equals the number of records listing ``key`` (``reset_prefix_cache``
+    empties both). Release: a freed request leaves ``_admitted`` and holds no block in any group;
+    ``free`` of an unknown request is a no-op; each group releases its blocks tail first.
     """
 
     def __init__(
@@ -386,3 +402,252 @@ class HybridCoordinator(CoordinatorViews, PrefixPins, CoordinatorRelease):
     def new_step(self) -> None:
         for manager in self.managers:
             manager.new_step()
+
+    # -- views: capacity, block tables, the event feed, invariants (read-only) ---------------------------
+    # -- capacity ------------------------------------------------------------------------------------
+    @property
+    def num_pools(self) -> int:
+        return len(self.pools)
+
+    @property
+    def tightest_pool(self) -> int:
+        """The pool with the highest usage (the lowest index among equals)."""
+        pools = self.pools
+        if len(pools) == 1:
+            return 0
+        return max(range(len(pools)), key=lambda p: (pools[p].usage, -p))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free (incl. pinned, demotable) blocks of the tightest pool; with one pool, of the pool."""
+        return self.pools[self.tightest_pool].num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use in the tightest pool (the one that refuses admissions first)."""
+        return max(pool.usage for pool in self.pools)
+
+    def num_blocks_in(self, pool: int) -> int:
+        """Usable blocks of ``pool`` (its null block excluded)."""
+        return self.pools[pool].num_blocks - 1
+
+    def num_free_blocks_in(self, pool: int) -> int:
+        """Blocks of ``pool`` an allocation may take (free plus pinned ones, demoted on demand)."""
+        return self.pools[pool].num_free_blocks
+
+    def pool_usage(self, pool: int) -> float:
+        """Fraction of ``pool``'s usable blocks in use."""
+        return self.pools[pool].usage
+
+    def pool_stats(self) -> list[PoolStats]:
+        """Capacity of every pool, in pool order (what a worker reports per pool)."""
+        return [
+            PoolStats(
+                pool=p.index,
+                groups=tuple(g for g, q in enumerate(self.group_pool) if q == p.index),
+                num_blocks=p.num_blocks - 1,
+                free_blocks=p.num_free_blocks,
+                pinned_blocks=p.num_pinned_free_blocks,
+                explicitly_pinned_blocks=p.explicit.size,
+                usage=p.usage,
+            )
+            for p in self.pools
+        ]
+
+    # -- views for the runner and the transfer layer ------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table per group (null slots carry the null block's id)."""
+        return [[*map(_BLOCK_ID, m.tables.get(request_id, ()))] for m in self.managers]
+
+    def live_tables(self, request_id: str) -> list[list[Block]]:
+        """The request's block table per group as the managers' own lists of ``Block`` (read-only
+        to the caller): no copy, so a decode step costs no per-block work. A list changes in place
+        as the request grows (new blocks appended, sliding-window blocks that left the window
+        replaced by the null block) and is replaced by a new list when the request is freed and
+        admitted again (preemption)."""
+        return [m.tables.get(request_id, _NO_BLOCKS) for m in self.managers]
+
+    def unhashed_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's real blocks that carry no hash yet (new or to be transferred)."""
+        return [
+            [b.block_id for b in m.tables.get(request_id, ()) if not b.is_null and b.block_hash is None]
+            for m in self.managers
+        ]
+
+    @property
+    def requests(self) -> dict[str, CacheRequest]:
+        """Admitted requests by id."""
+        return {rid: state.request for rid, state in self._admitted.items()}
+
+    @property
+    def null_block_id(self) -> int:
+        """The null block's id: the same (0) in every pool."""
+        return self.pool.null_block.block_id
+
+    # -- events and maintenance ------------------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        """Drain the KV events of every pool since the last call (one sequence, in order)."""
+        return self.events.take()
+
+    # -- invariants ---------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise KVCacheInvariantError if any structural invariant of the cache is broken
+        (``engine.kv_cache.invariants`` lists them)."""
+        check_coordinator(self)
+
+    # -- read-only views for the router ---------------------------------------------------------------
+    @property
+    def event_seq(self) -> int:
+        """Sequence number of the last KV event this worker emitted (0 before the first)."""
+        return self.events.seq
+
+    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
+        """``(event_seq, per-group {hash: pin level})`` of the prefix cache over all pools: what a
+        router resyncs from after a gap in the event stream. The dicts are fresh copies."""
+        return self.events.seq, tuple({h: block.pin for h, block in m.cached.items()} for m in self.managers)
+
+    # -- explicit prefix pins ------------------------------------------------------------------------------
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
+        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached yet).
+
+        Pins of one prefix (same hashes and ``num_tokens``) are counted: the blocks stay pinned
+        until as many ``unpin_prefix`` calls with the same arguments as there were pins.
+        """
+        key = self._prefix_key(block_hashes, num_tokens)
+        record = self._prefix_pins.setdefault(key, _PrefixPin())
+        record.count += 1
+        hit = self.find_longest_cache_hit(block_hashes, num_tokens)
+        if hit.num_tokens == 0:
+            return 0
+        for g, manager in enumerate(self.managers):
+            needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
+            for block in needed:
+                block_key = (g, block.block_hash)
+                if block_key not in record.blocks:
+                    record.blocks.add(block_key)  # type: ignore[arg-type]
+                    self._explicit_pins[block_key] += 1  # type: ignore[index]
+            manager.pool.pin(needed, PIN_EXPLICIT)
+        return hit.num_tokens
+
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
+        """Undo one ``pin_prefix(block_hashes, num_tokens)``; the prefix's blocks are released
+        with its last pin, and blocks other prefixes' pins need stay pinned. False if not pinned."""
+        key = self._prefix_key(block_hashes, num_tokens)
+        record = self._prefix_pins.get(key)
+        if record is None:
+            return False
+        record.count -= 1
+        if record.count:
+            return True
+        del self._prefix_pins[key]
+        release: dict[int, list[Block]] = {}
+        for block_key in record.blocks:
+            count = self._explicit_pins[block_key] - 1
+            if count > 0:
+                self._explicit_pins[block_key] = count
+                continue
+            del self._explicit_pins[block_key]
+            block = self.managers[block_key[0]].cached.get(block_key[1])
+            if block is not None:
+                release.setdefault(block_key[0], []).append(block)
+        for g, blocks in release.items():
+            self.managers[g].pool.unpin(blocks, PIN_EXPLICIT)
+        return True
+
+    def _prefix_key(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, bytes]:
+        full = min(num_tokens // self.hash_block_size, len(block_hashes))
+        return num_tokens, block_hashes[full - 1] if full else b""
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash and pin in every pool; refused (False) while any pool has a
+        block in use. One ``AllBlocksCleared`` event covers all pools."""
+        if not all(pool.idle for pool in self.pools):
+            return False
+        for pool in self.pools:
+            pool.clear_prefix_cache()
+        self.events.emit(AllBlocksCleared(self.events.next_seq()))
+        self._explicit_pins.clear()
+        self._prefix_pins.clear()
+        return True
+
+    # -- release: finished requests, left-behind window blocks, failed computes ---------------------------
+    def discard_uncomputed(self, request_id: str, num_computed: int) -> None:
+        """Take out of the prefix cache every block of the request holding positions at or past
+        ``num_computed`` (their compute failed, so what ``allocate_slots`` registered for them
+        was never written); hits and pins before that point stay. Call before ``free``."""
+        state = self._admitted.get(request_id)
+        if state is None:
+            return
+        stale = []
+        for manager in self.managers:
+            table = manager.tables.get(request_id, [])
+            stale = [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.pin]
+            manager.pool.evict(stale)
+        state.cached_upto = min(state.cached_upto, num_computed)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        """Release blocks no group needs any more once ``num_computed`` tokens are computed."""
+        state = self._admitted.get(request_id)
+        if state is None:
+            return
+        for manager in self._droppers:
+            manager.remove_skipped_blocks(request_id, num_computed)
+        if num_computed > state.removed_upto:
+            state.removed_upto = num_computed
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request, group by group, tail first. Idempotent.
+
+        With retention on, the blocks a hit at the request's shared-prefix boundary needs (the
+        prefix other requests share) go to the retained tier rather than the free queue.
+        """
+        state = self._admitted.pop(request_id, None)
+        if state is None:
+            return
+        managers = self.managers
+        if self._retain_shared_prefix and state.shared_prefix:
+            boundary = state.shared_prefix
+            if self._free_together:
+                self._free_retaining_together(request_id, boundary)
+                return
+            for manager in managers:
+                manager.free(request_id, manager.blocks_needed_at(boundary))
+        elif len(managers) == 1 or not self._single_pool:
+            for manager in managers:
+                manager.free(request_id)
+        else:
+            # One pool: release every group's live blocks (each group's tail first) in one pass.
+            # Across groups only the order of uncached blocks at the free queue's head differs
+            # from group-by-group frees, which no hit can observe.
+            blocks: list[Block] = []
+            for manager in managers:
+                blocks += manager.pop_live(request_id)
+            self.pool.free_blocks(blocks)
+
+    def _free_retaining_together(self, request_id: str, boundary: int) -> None:
+        """``free`` with retention in one pool with no Mamba group and no retained-tier cap: what
+        the groups' ``free(request_id, blocks_needed_at(boundary))`` calls would do, in as few
+        pool calls as there are runs of released-to-free / retained blocks (group order, each
+        group's tail first). Cached blocks reach the same queue positions, pinned ones their tiers
+        in the same order, events come in the same order (no cap: no demotion in between); only
+        uncached blocks at the free queue's head may come in another order, which no hit sees."""
+        pool = self.pool
+        run: list[Block] = []  # blocks for ``free_blocks``, in release order
+        for manager in self.managers:
+            item = manager.pop_release(request_id, boundary)
+            if item is None:
+                continue
+            ordered, start, stop = item
+            if start == stop:
+                run += ordered
+                continue
+            if run:
+                run += ordered[:start]
+                pool.free_blocks(run, enforce=False)
+            elif start:
+                pool.free_blocks(ordered[:start], enforce=False)
+            pool.free_retaining(ordered[start:stop])
+            run = ordered[stop:]
+        if run:
+            pool.free_blocks(run, enforce=False)
