@@ -207,18 +207,24 @@ def next_pow2(n: int) -> int:
 def _kernels() -> tuple[Any, Any]:
     """Import triton and jit the kernel sources below in place (helpers are called by their
     global names, so the jitted objects replace them in this module's namespace)."""
-    global tl
+    namespace = globals()
+    jit_in_place(namespace, ("_tanh", "_attend_tile", "_paged_attention_kernel", "_store_kv_kernel"), "paged attention")
+    return namespace["_paged_attention_kernel"], namespace["_store_kv_kernel"]
+
+
+def jit_in_place(namespace: dict[str, Any], names: tuple[str, ...], what: str) -> None:
+    """Import triton, bind ``tl`` in ``namespace`` (a kernel module's globals) and replace each
+    named kernel source there by its jitted version: the engine's Triton modules import without
+    triton, and a kernel calls its helpers by their global names."""
     triton = _import_triton()
     if triton is None:
-        raise RuntimeError("triton attention: triton is not importable")
+        raise RuntimeError(f"triton {what}: triton is not importable")
     import triton.language as language
 
-    tl = language
-    namespace = globals()
-    for name in ("_tanh", "_attend_tile", "_paged_attention_kernel", "_store_kv_kernel"):
+    namespace["tl"] = language
+    for name in names:
         namespace[name] = triton.jit(namespace[name])
-    logger.debug("triton paged attention kernels jitted (interpreter: %s)", os.environ.get("TRITON_INTERPRET"))
-    return namespace["_paged_attention_kernel"], namespace["_store_kv_kernel"]
+    logger.debug("triton %s jitted (interpreter: %s)", what, os.environ.get("TRITON_INTERPRET"))
 
 
 # ---- kernel sources (jitted by _kernels) -----------------------------------------------------

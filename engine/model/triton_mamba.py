@@ -26,15 +26,11 @@ without triton and ``TRITON_INTERPRET`` is read at first use, not at import.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from typing import Any
 
 import torch
 
-from engine.model.triton_attention import available, kernel_choice, next_pow2
-
-logger = logging.getLogger(__name__)
+from engine.model.triton_attention import jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_MAMBA_KERNEL"
 TILE_ELEMENTS = 4096  # fp32 state values one program holds ([BLOCK_P, N_P]): 32 registers a thread at 4 warps
@@ -95,16 +91,8 @@ def ssm_decode_update(
 @functools.cache
 def _kernels() -> Any:
     """Import triton and jit the kernel source below in place (in this module's namespace)."""
-    global tl
-    if not available():
-        raise RuntimeError("triton mamba: triton is not importable")
-    import triton
-    import triton.language as language
-
-    tl = language
     namespace = globals()
-    namespace["_ssm_decode_kernel"] = triton.jit(namespace["_ssm_decode_kernel"])
-    logger.debug("triton mamba decode kernel jitted (interpreter: %s)", os.environ.get("TRITON_INTERPRET"))
+    jit_in_place(namespace, ("_ssm_decode_kernel",), "mamba decode")
     return namespace["_ssm_decode_kernel"]
 
 

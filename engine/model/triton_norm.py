@@ -20,15 +20,11 @@ means CUDA with triton available.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from typing import Any
 
 import torch
 
-from engine.model.triton_attention import _import_triton, kernel_choice, next_pow2
-
-logger = logging.getLogger(__name__)
+from engine.model.triton_attention import _import_triton, jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_NORM"
 tl: Any = None  # triton.language, bound by _kernels()
@@ -71,16 +67,8 @@ def rms_norm(
 @functools.cache
 def _kernels() -> Any:
     """Import triton and jit the kernel source below in place (in this module's namespace)."""
-    global tl
-    triton = _import_triton()
-    if triton is None:
-        raise RuntimeError("triton rms norm: triton is not importable")
-    import triton.language as language
-
-    tl = language
     namespace = globals()
-    namespace["_rms_norm_kernel"] = triton.jit(namespace["_rms_norm_kernel"])
-    logger.debug("triton rms norm kernel jitted (interpreter: %s)", os.environ.get("TRITON_INTERPRET"))
+    jit_in_place(namespace, ("_rms_norm_kernel",), "rms norm")
     return namespace["_rms_norm_kernel"]
 
 

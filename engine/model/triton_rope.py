@@ -19,15 +19,11 @@ Whether the runner uses it follows ``KVFLEET_ROPE`` (``triton_attention.kernel_c
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from typing import Any
 
 import torch
 
-from engine.model.triton_attention import _import_triton, kernel_choice, next_pow2
-
-logger = logging.getLogger(__name__)
+from engine.model.triton_attention import jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_ROPE"
 tl: Any = None  # triton.language, bound by _kernels()
@@ -76,16 +72,8 @@ def norm_rope(
 @functools.cache
 def _kernels() -> Any:
     """Import triton and jit the kernel source below in place (in this module's namespace)."""
-    global tl
-    triton = _import_triton()
-    if triton is None:
-        raise RuntimeError("triton rope: triton is not importable")
-    import triton.language as language
-
-    tl = language
     namespace = globals()
-    namespace["_norm_rope_kernel"] = triton.jit(namespace["_norm_rope_kernel"])
-    logger.debug("triton norm+rope kernel jitted (interpreter: %s)", os.environ.get("TRITON_INTERPRET"))
+    jit_in_place(namespace, ("_norm_rope_kernel",), "norm + rope")
     return namespace["_norm_rope_kernel"]
 
 
