@@ -1,8 +1,8 @@
 """Request placement over a cluster of hybrid-KV workers: pure policy, no I/O, no torch, no ray.
 
 - ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
-  the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment);
-  its prediction in ``hit_prediction``, its event and snapshot application in ``index_events``.
+  the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment),
+  and applies their events and snapshots.
 - ``hit_rules``: those rules over any per-group hash sets (``HitRules``), and ``WorkerSnapshot``.
 - ``worker_masks``: the bitmask walks the index answers every worker with at once.
 - ``router``: ``Router``, the interface every policy offers.

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-import engine.routing.hit_prediction as prediction_module
 import engine.routing.index as index_module
+import engine.routing.index as prediction_module
 from engine.kv_cache.hashing import block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from engine.routing import PrefixTreeRouter, RouteRequest, RoutingPolicy
