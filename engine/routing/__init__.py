@@ -7,8 +7,7 @@
 - ``worker_masks``: the bitmask walks the index answers every worker with at once.
 - ``router``: ``Router``, the interface every policy offers.
 - ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
-- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins;
-  its argmin and guards in ``policy_choice``, its pin upkeep in ``policy_pins``.
+- ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
 - ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode);
   their holders' life cycle in ``pin_holders``, the hot-prefix counting of auto mode in ``hot_prefixes``.

@@ -65,36 +65,39 @@ min/filter passes over the workers' load costs (the time averages are O(1), see 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from configs.schema import RouterConfig
+from configs.schema import PinConfig, RouterConfig
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
+from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
-from engine.routing.index import PrefixIndex, WorkerSnapshot
+from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
 from engine.routing.load import DecayedWork, SmoothedQueues
 from engine.routing.pins import HotPrefixes, Pin, PinTable
-from engine.routing.policy_choice import CostChoice
-from engine.routing.policy_pins import PinMaintenance
 from engine.routing.router import Router
 from engine.routing.types import (
     Action,
     Decision,
+    PinInfo,
     RequestSnapshot,
+    Role,
     RouteRequest,
     WorkerId,
     WorkerLoad,
 )
 
 
-class RoutingPolicy(PinMaintenance, CostChoice, Router):
-    """kvfleet's policy. See the module docstring for the cost and the rules; pin upkeep is
-    ``PinMaintenance``'s (engine/routing/policy_pins.py), the argmin with its guards
-    ``CostChoice``'s (engine/routing/policy_choice.py).
+class RoutingPolicy(Router):
+    """kvfleet's policy. See the module docstring for the cost and the rules; below ``route`` come
+    the argmin with its guards (``_pick``) and pin upkeep (placing, re-placing, revising pins).
 
     Owns the prefix index, the pin table, the load and work averages and the in-flight prefixes;
-    invariant: ``_load_cost``, ``_queued`` and the index track exactly the workers in ``roles``."""
+    invariants: ``_load_cost``, ``_queued`` and the index track exactly the workers in ``roles``; a
+    key is in ``_auto_pins`` / ``_auto_decode_pins`` exactly while its automatic pin exists in
+    ``pins``; choosing a worker changes nothing but the ``pending`` hits it resolves and the seeded
+    random state."""
 
     name = "kvfleet"
 
@@ -331,3 +334,371 @@ class RoutingPolicy(PinMaintenance, CostChoice, Router):
             self._queued[worker] = self.loads[worker].queued_tokens
             if self._smoothed is not None:
                 self._smoothed.set(worker, self._queued[worker])
+
+    # -- choosing one worker by cost ------------------------------------------------------------------
+    def _pick(
+        self,
+        workers: list[WorkerId],
+        hits: dict[WorkerId, int],
+        num_tokens: int,
+        pin: Pin | None,
+        w_uncached: float,
+        shared: dict[WorkerId, int] | None = None,
+        pending: Pending | None = None,
+        ahead: dict[WorkerId, int] | None = None,
+    ) -> tuple[WorkerId, str]:
+        """argmin cost over the workers the guards let through (pin holders first).
+
+        The guards (``_guard``): a worker whose queue is far above the pool's mean is left out; a
+        worker holding the prefix that has taken more than its share lately (``over``) keeps its
+        credit at the compute weight only (``w_spread``: ``self.weights.uncached_tokens``, without the churn
+        term), so the prefix spreads to another worker only where the holder's load costs more
+        than recomputing the prefix there. This is the one place that rule is applied.
+
+        Only workers with a prefix (a hit or a full-attention depth) are costed one by one; every
+        other worker costs its load alone, so the best of those is a C-level ``min``. ``pending``
+        workers (hit below their full-attention depth, not yet resolved) are first costed with
+        the best hit they could have (one aligned step below that depth); only those whose bound
+        could beat (or tie) the best cost are resolved exactly, so the result equals the fully
+        resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
+        (credited where they exceed what the index knows; the caller resolves ``pending`` first)."""
+        load_cost = self._load_cost
+        among = load_cost if len(workers) == len(load_cost) else set(workers)
+        ok, over = self._guard(num_tokens, workers)
+        credit = self._credit(hits, shared)
+        if ahead:
+            for worker, tokens in ahead.items():
+                if tokens > credit.get(worker, 0):
+                    credit[worker] = tokens
+        reason = "cost"
+        if pin is not None:
+            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok(w) and not over(w)]
+            if resident:
+                credit = {w: credit[w] for w in resident}
+                reason = "pin"
+        w_spread = min(w_uncached, self.weights.uncached_tokens)
+        spread: set[WorkerId] = set()  # holders over their share: credit at w_spread
+        best_cost = float("inf")
+        best: list[WorkerId] = []
+        deferred: list[WorkerId] = []
+        guarded = False
+        pending_mask = pending.workers if pending is not None else 0
+        for worker, value in credit.items():
+            if worker not in among:
+                continue
+            if not ok(worker):
+                guarded = True
+                continue
+            weight = w_uncached
+            if w_spread < w_uncached and value > 0 and over(worker):
+                spread.add(worker)
+                weight = w_spread
+            if pending_mask and self.index.bit(worker) & pending_mask:
+                deferred.append(worker)
+                continue
+            best_cost, best = _better(worker, load_cost[worker] - weight * value, best_cost, best)
+        if reason != "pin":  # workers without any prefix: their load cost alone (a C-level min)
+            rest = min(map(load_cost.__getitem__, workers))
+            if rest <= best_cost + 1e-9:
+                ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
+                if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one tie
+                    pick = ties[0] if len(ties) == 1 else self._least_worked(ties)
+                    allowed = [pick] if ok(pick) else [w for w in ties if ok(w)]
+                else:
+                    allowed = [w for w in ties if ok(w)]
+                if ties and not allowed:  # the least loaded are guarded (rare): every worker
+                    guarded = True
+                    allowed = [w for w in workers if w not in credit and ok(w)]
+                    rest = min(map(load_cost.__getitem__, allowed), default=rest)
+                    allowed = [w for w in allowed if load_cost[w] <= rest + 1e-9]
+                if allowed and rest <= best_cost + 1e-9:
+                    best = best + allowed if rest >= best_cost - 1e-9 else allowed
+                    best_cost = min(best_cost, rest)
+        if deferred:
+            weights = {w: w_spread if w in spread else w_uncached for w in deferred}
+            best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, weights, best_cost, best)
+        if not best:  # every candidate guarded (possible only for a subset of the workers)
+            return min(workers, key=lambda w: load_cost[w] - w_uncached * hits.get(w, 0)), "guard"
+        choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        if reason == "cost":
+            if (guarded or spread) and choice not in spread:
+                reason = "guard"
+            elif hits.get(choice, 0) > 0:
+                reason = "prefix"
+            elif ahead and ahead.get(choice, 0) > 0:
+                reason = "inflight"
+        return choice, reason
+
+    def _least_worked(self, ties: list[WorkerId]) -> WorkerId:
+        """Among equally loaded workers without the prefix, the one assigned the least work lately
+        (a new prefix goes where the others are not: idle workers look alike, and a worker that
+        already took most recent work holds most prefixes, so another one there evicts them);
+        equal work is broken at random (seeded)."""
+        now = self._now
+        work = {w: self._work.get(w, now) for w in ties}
+        least = min(work.values())
+        ties = [w for w in ties if work[w] <= least + 1e-6]
+        return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+
+    def _guard(
+        self, num_tokens: int, workers: list[WorkerId]
+    ) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:
+        """The guards, as (``ok``: may take the request, ``over``: a prefix holder over its share),
+        each against the mean of ``workers`` (the pool the request is placed in: with dedicated
+        prefill and decode workers, the other role's load says nothing about this pool's balance).
+
+        ``ok`` fails when a worker's queued tokens exceed ``imbalance_ratio`` times the mean plus
+        this request and ``imbalance_slack_tokens`` (at moderate load a burst should not copy a
+        prefix to a second worker). ``over`` holds when the worker's queue averaged over the last
+        seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio`` times the
+        mean average (plus this request), or when the work assigned to it lately (uncached tokens
+        plus ``request_work_tokens`` per request, half-life ``work_halflife_s``) exceeds
+        ``work_imbalance_ratio`` times the mean (plus this request's): busy time follows that work.
+        What ``over`` does is ``_pick``'s rule (the holder's credit at the compute weight)."""
+        queued = self._queued
+        whole = len(workers) == len(queued)
+        count = max(1, len(workers))
+        now = self._now
+        mean_queued = self._queued_sum / max(1, len(queued)) if whole else sum(map(queued.__getitem__, workers)) / count
+        limit = self.config.imbalance_ratio * mean_queued + num_tokens + self.config.imbalance_slack_tokens
+        smoothed = self._smoothed
+        slow = 0.0
+        if smoothed is not None:
+            mean = smoothed.mean(now) if whole else sum(smoothed.get(w, now) for w in workers) / count
+            slow = self.config.sustained_imbalance_ratio * mean + num_tokens
+        work = self._work if self.config.work_imbalance_ratio else None
+        cap = 0.0
+        if work is not None:
+            mean = work.mean(now) if whole else sum(work.get(w, now) for w in workers) / count
+            cap = self.config.work_imbalance_ratio * mean + num_tokens + self.config.request_work_tokens
+
+        def ok(worker: WorkerId) -> bool:
+            return queued[worker] <= limit
+
+        def over(worker: WorkerId) -> bool:
+            return (smoothed is not None and smoothed.get(worker, now) > slow) or (
+                work is not None and work.get(worker, now) > cap
+            )
+
+        return ok, over
+
+    def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
+        """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
+        its full-attention depth that a group cannot serve (running there anchors that depth)."""
+        credit: dict[WorkerId, float] = dict(hits)
+        if shared:
+            c = self.config.anchor_credit
+            for worker, depth in shared.items():
+                hit = hits.get(worker, 0)
+                credit[worker] = hit + c * (depth - hit)
+        return credit
+
+    def _resolve_deferred(
+        self,
+        deferred: list[WorkerId],
+        pending: Pending | None,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        weights: dict[WorkerId, float],
+        best_cost: float,
+        best: list[WorkerId],
+    ) -> tuple[float, list[WorkerId]]:
+        """Resolve the pending workers whose optimistic cost could still win, then cost them
+        (``weights``: each one's weight of an uncached token, see ``_pick``)."""
+        assert pending is not None and shared is not None
+        load_cost = self._load_cost
+        slack = (1.0 - self.config.anchor_credit) * self.rules.alignment
+        # the best a pending worker can have: a hit one aligned step below its depth
+        contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]
+        if not contenders:
+            return best_cost, best
+        mask = 0
+        for worker in contenders:
+            mask |= self.index.bit(worker)
+        self.index.resolve(pending, hits, mask)
+        c = self.config.anchor_credit
+        for worker in contenders:
+            hit = hits.get(worker, 0)
+            cost = load_cost[worker] - weights[worker] * (hit + c * (shared[worker] - hit))
+            best_cost, best = _better(worker, cost, best_cost, best)
+        return best_cost, best
+
+    # -- pins: placing, re-placing and revising ---------------------------------------------------------
+    def pin_configured(
+        self, pins: Sequence[PinConfig], tokenize: Callable[[str], list[int]] | None, now: float
+    ) -> None:
+        """Pin the prefixes of ``router.pins`` (text needs ``tokenize``)."""
+        for i, pin in enumerate(pins):
+            if pin.token_ids is not None:
+                tokens = list(pin.token_ids)
+            elif tokenize is None:
+                raise ValueError(f"router.pins.{i}.text: pinning text needs a tokenizer (pass tokenize=...)")
+            else:
+                tokens = tokenize(pin.text or "")
+            self.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
+
+
+    def pin(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[bytes] | None = None,
+        num_tokens: int | None = None,
+        replicas: int = 1,
+        ttl_s: float | None = None,
+        now: float = 0.0,
+        pin_id: int | None = None,
+    ) -> tuple[int, list[Action]]:
+        """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds
+        (under ``pin_id`` when restoring a pin a restarted router had).
+
+        Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
+        holders must already have it or copy it from another holder). Returns the pin id and the
+        actions placing it. Raises ``PinCapacityError`` beyond ``pin_capacity_blocks``.
+        """
+        if token_ids is not None:
+            hashes = hash_tokens(token_ids, self.rules.hash_block_size)
+            length = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        elif block_hashes is not None:
+            hashes = list(block_hashes)
+            length = num_tokens if num_tokens is not None else len(hashes) * self.rules.hash_block_size
+        else:
+            raise ValueError("pin: give token_ids or block_hashes")
+        if self.roles and replicas > len(self._candidates("prefill")):
+            raise ValueError(
+                f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
+            )
+        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id)
+        return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
+
+    def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:
+        """Remove a pin everywhere (its capacity is released)."""
+        for pinned in (self._auto_pins, self._auto_decode_pins):
+            key = next((k for k, p in pinned.items() if p == pin_id), None)
+            if key is not None:
+                del pinned[key]
+        return self.pins.remove(pin_id)
+
+    def pin_result(
+        self, worker: WorkerId, pin_id: int, pinned_tokens: int, now: float = 0.0, seq: int | None = None
+    ) -> list[Action]:
+        """A ``PinOn`` finished on ``worker``: ``pin_prefix`` returned ``pinned_tokens``; ``seq`` is
+        the worker's last KV event number at that moment (lets the router verify the pin)."""
+        actions = self.pins.on_result(worker, pin_id, pinned_tokens, now, seq)
+        pin = self.pins.pins.get(pin_id)
+        if pin is not None and pinned_tokens < pin.length:
+            actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        if worker in self.roles:
+            missing = self.pins.verify(worker, now)
+            if missing:
+                actions.extend(self.pins.on_lost(worker, missing, now))
+                actions.extend(self._fill_pins(now))
+        return actions
+
+    def pin_info(self) -> list[PinInfo]:
+        return [pin.info() for pin in self.pins.pins.values()]
+
+    def _fill_pins(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for pin in list(self.pins.pins.values()):
+            if len(pin.holders) < pin.replicas:
+                actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        return actions
+
+    def _choose_holder(self, pin: Pin, exclude: set[WorkerId]) -> WorkerId | None:
+        """Best new holder: a worker that already caches the prefix, then the one with the fewest
+        pinned blocks, then the least loaded; never beyond ``pin_worker_fraction`` of its pool
+        (for an explicit pin, counting explicit pins only: automatic ones give way, and the
+        worker's pinned tier demotes the oldest under pressure)."""
+        hits = self.index.predict(pin.block_hashes, pin.length)
+        can_build = pin.token_ids is not None or bool(pin.active())
+        best: tuple[int, int, float, float] | None = None
+        choice: WorkerId | None = None
+        for worker in self._candidates(pin.role):
+            if worker in exclude:
+                continue
+            resident = hits.get(worker, 0) >= pin.length
+            if not resident and not can_build:
+                continue
+            pinned = self.pins.worker_blocks.get(worker, 0)
+            if not pin.auto:  # the user's pins come first: automatic ones are best effort
+                pinned -= self.pins.auto_worker_blocks.get(worker, 0)
+            limit = self.num_blocks.get(worker)
+            if limit is not None and pinned + pin.blocks_per_replica > self.config.pin_worker_fraction * limit:
+                continue
+            key = (0 if resident else 1, pinned, self._load_cost.get(worker, 0.0), self.rng.random())
+            if best is None or key < best:
+                best, choice = key, worker
+        return choice
+
+    def tick(self, now: float) -> list[Action]:
+        """Time-driven work: pin TTLs, PENDING timeouts, retries, automatic pinning."""
+        actions = self.pins.expire(now)
+        if self.hot is not None and (self._last_auto is None or now - self._last_auto >= self.config.auto_pin.interval_s):
+            self._last_auto = now
+            actions.extend(self._auto_pin(now))
+        actions.extend(self._fill_pins(now))
+        return actions
+
+    def _auto_pin(self, now: float) -> list[Action]:
+        """Pin the hottest shared prefixes (>= ``auto_pin_min_requests`` recent requests) within
+        the budget (``auto_pin_budget_blocks``, else ``auto_pin_budget_fraction`` of the
+        prefill-capable workers' pools); unpin automatic pins that fell out of that set. With
+        dedicated decode workers and ``auto_pin.on_decode_workers``, the same on the decode
+        workers' caches (their own budget: that fraction of their pools)."""
+        hot = self.hot
+        assert hot is not None
+        hot.decay(now)
+        cfg = self.config.auto_pin
+        actions = self._revise_auto(self._auto_pins, "prefill", now)
+        if self._disaggregated and cfg.on_decode_workers:
+            actions.extend(self._revise_auto(self._auto_decode_pins, "decode", now))
+        elif self._auto_decode_pins:
+            for key in list(self._auto_decode_pins):
+                actions.extend(self.pins.remove(self._auto_decode_pins.pop(key)))
+        return actions
+
+    def _revise_auto(self, pinned: dict[bytes, int], role: Role, now: float) -> list[Action]:
+        """One revision of the automatic pins held by ``role``'s workers (``pinned``: key -> id)."""
+        hot = self.hot
+        assert hot is not None
+        cfg = self.config.auto_pin
+        holders = self._candidates(role)
+        budget = cfg.budget_blocks or int(cfg.budget_fraction * sum(self.num_blocks.get(w) or 0 for w in holders))
+
+        def rank(key: bytes) -> float:
+            count = hot.counts[key].count
+            return count * 1.5 if key in pinned else count  # hysteresis for current pins
+
+        chosen: list[bytes] = []
+        used = 0
+        replicas = min(cfg.replicas, max(1, len(holders)))
+        for key in sorted(hot.counts, key=rank, reverse=True):
+            prefix = hot.counts[key]
+            if prefix.count < cfg.min_requests and key not in pinned:
+                break
+            cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
+            if used + cost <= budget:
+                chosen.append(key)
+                used += cost
+        actions: list[Action] = []
+        keep = set(chosen)
+        for key in [k for k in pinned if k not in keep]:
+            actions.extend(self.pins.remove(pinned.pop(key)))
+        for key in chosen:
+            if key in pinned:
+                continue
+            prefix = hot.counts[key]
+            pin = self.pins.create(prefix.block_hashes, prefix.length, replicas, now, auto=True, role=role)
+            pinned[key] = pin.pin_id
+            actions.extend(self.pins.fill(pin, now, self._choose_holder))
+        return actions
+
+
+def _better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:
+    """Fold one (worker, cost) into the running argmin (ties kept for the random pick)."""
+    if cost < best_cost - 1e-9:
+        return cost, [worker]
+    if cost <= best_cost + 1e-9:
+        best.append(worker)
+    return best_cost, best
