@@ -36,14 +36,15 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 _NO_LOGITS = torch.empty(0)
 
 
-def decode_groups(layout: KVLayout) -> DecodeGroups:
-    """The layout's groups as a decode step feeds them: attention (with windows) and recurrent."""
-    attention = [g for g, group in enumerate(layout.groups) if not isinstance(group.spec, MambaSpec)]
+def decode_groups(windows: list[int | None], is_mamba: list[bool]) -> DecodeGroups:
+    """The groups as a decode step feeds them: attention (with windows) and recurrent, from the
+    runner's per-group ``windows`` and ``is_mamba``."""
+    attention = tuple(g for g, mamba in enumerate(is_mamba) if not mamba)
     return DecodeGroups(
-        attention=tuple(attention),
-        windows=tuple(getattr(layout.groups[g].spec, "window", None) for g in attention),
-        recurrent=tuple(g for g, group in enumerate(layout.groups) if isinstance(group.spec, MambaSpec)),
-        num_groups=len(layout.groups),
+        attention=attention,
+        windows=tuple(windows[g] for g in attention),
+        recurrent=tuple(g for g, mamba in enumerate(is_mamba) if mamba),
+        num_groups=len(is_mamba),
     )
 
 
@@ -121,8 +122,8 @@ class ModelRunner:
         self.decode: DecodeStep | None = None
         if max_num_seqs is not None and max_model_len is not None:
             self.decode = DecodeStep(
-                decode_groups(layout), layout.block_size, max_num_seqs, max_model_len, device, self.paged_attention,
-                model,
+                decode_groups(self.windows, self.is_mamba), layout.block_size, max_num_seqs, max_model_len, device,
+                self.paged_attention, model,
             )  # fmt: skip
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
                 try:

@@ -7,8 +7,8 @@ appended when the request gains a block). A step then gathers, in one pass over 
 the few numbers that change every step (input id, position, slot, each group's write block and
 each recurrent group's state blocks) into one host staging buffer (pinned on CUDA), pads them to
 the step's *bucket* (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), and uploads them with one
-non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth travels in the same copy as (flat index, block id) pairs that one
-``index_copy_`` applies. The forward reads only fixed device buffers, so on CUDA each bucket's
+non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth
+travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. The forward reads only fixed device buffers, so on CUDA each bucket's
 forward is captured once as a CUDA graph (all buckets in one memory pool) and replayed; on the
 CPU the same padded batch runs eagerly, so CI exercises the padding. Prefill and mixed steps stay
 eager (``ModelRunner.build_batch``).
@@ -165,8 +165,9 @@ class DecodeStep:
             graph[0].replay()
             return graph[1][:count]
         batch = self._batch(size)
-        for index in batch.groups:  # the torch path's gathers follow this step's positions
-            index.derived.pop(SLOT_READS, None)
+        if not self.paged:  # the torch path's gathers follow this step's positions
+            for index in batch.groups:
+                index.derived.pop(SLOT_READS, None)
         return self.forward(batch)[:count]
 
     def release(self, request_id: str) -> None:
@@ -235,13 +236,14 @@ class DecodeStep:
                 states[2 * r].append(table[(pos - 1) // bs].block_id)
                 states[2 * r + 1].append(table[block].block_id)
         count = len(chunks)
+        padded = count < size
         staging = self._staging
         staging[self._ids : self._ids + count] = ids
         staging[self._positions : self._positions + count] = positions
         tiles = self._tile_view
         tiles[:count, 0] = slots
         tiles[:count, 2] = positions
-        if count < size:  # padded rows: token 0 at position 0 in the pad slot, null blocks only
+        if padded:  # padded rows: token 0 at position 0 in the pad slot, null blocks only
             staging[self._ids + count : self._ids + size] = 0
             staging[self._positions + count : self._positions + size] = 0
             tiles[count:size, 0] = self.pad_slot
@@ -249,7 +251,6 @@ class DecodeStep:
         offsets = staging[self._offsets : self._offsets + size]
         np.remainder(staging[self._positions : self._positions + size], bs, out=offsets)
         rows = self.max_bucket
-        padded = count < size
         for a, column in enumerate(writes):
             lo = self._writes + a * rows
             staging[lo : lo + count] = column
