@@ -8,8 +8,8 @@ the few numbers that change every step (input id, position, slot, each group's w
 each recurrent group's state blocks) into one host staging buffer (pinned on CUDA), pads them to
 the step's *bucket* (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), and uploads them with one
 non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth
-travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. The forward reads only fixed device buffers, so on CUDA each bucket's
-forward is captured once as a CUDA graph (all buckets in one memory pool) and replayed; on the
+travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. The
+forward reads only fixed device buffers, so on CUDA each bucket's forward is captured once as a CUDA graph (all buckets in one memory pool) and replayed; on the
 CPU the same padded batch runs eagerly, so CI exercises the padding. Prefill and mixed steps stay
 eager (``ModelRunner.build_batch``).
 
