@@ -9,9 +9,10 @@ each recurrent group's state blocks) into one host staging buffer (pinned on CUD
 the step's *bucket* (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), and uploads them with one
 non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth
 travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. The
-forward reads only fixed device buffers, so on CUDA each bucket's forward is captured once as a CUDA graph (all buckets in one memory pool) and replayed; on the
-CPU the same padded batch runs eagerly, so CI exercises the padding. Prefill and mixed steps stay
-eager (``ModelRunner.build_batch``).
+forward reads only fixed device buffers, so on CUDA each bucket's forward is captured once as a
+CUDA graph (all buckets in one memory pool) and replayed; on the CPU the same padded batch runs
+eagerly, so CI exercises the padding. Prefill and mixed steps stay eager
+(``ModelRunner.build_batch``).
 
 Padded rows decode token 0 at position 0 through the *pad slot*, whose table holds only the null
 block: they write K/V and recurrent states only into the null block (id 0 of every pool, never
