@@ -23,13 +23,16 @@ Whole request on one worker: route, queue, prefill (first scheduled -> first tok
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.worker_types import TrackedRequest
 
 PD_CRITICAL = ("route", "prefill_queue", "prefill", "handle", "transfer", "first_token")
 WHOLE_CRITICAL = ("route", "queue", "prefill", "first_token")
 
 
-def prefill_hops(tracked: Any, now: float) -> dict[str, float]:
+def prefill_hops(tracked: TrackedRequest, now: float) -> dict[str, float]:
     """A prefill-only request's hops on its worker: ``prefill_queue`` (the call arrived -> first
     scheduled), ``prefill`` (-> done), ``since_arrival`` (their sum, for the driver's residual)."""
     scheduled = getattr(tracked.request, "scheduled_at", None) or tracked.arrival
@@ -40,7 +43,7 @@ def prefill_hops(tracked: Any, now: float) -> dict[str, float]:
     }
 
 
-def token_hops(tracked: Any, now: float) -> dict[str, float]:
+def token_hops(tracked: TrackedRequest, now: float) -> dict[str, float]:
     """A request's hops on its decode (or only) worker up to its first token (``now``).
 
     Whole here: ``queue`` (call arrived -> first scheduled), ``prefill`` (-> first token),
@@ -83,12 +86,8 @@ def pd_breakdown(
 ) -> dict[str, float]:
     """The hops of a P/D request from the driver's intervals (``prefill_call_s``: prefill sent ->
     its result; ``after_prefill_s``: result -> first token) and the workers' durations."""  # fmt: skip
-    call_legs = max(
-        0.0, prefill_call_s - prefill["since_arrival"]
-    )  # driver <-> prefill worker, both ways
-    relay_legs = max(
-        0.0, after_prefill_s - decode["since_handle"]
-    )  # handle to D, first token back
+    call_legs = max(0.0, prefill_call_s - prefill["since_arrival"])  # driver <-> prefill worker, both ways
+    relay_legs = max(0.0, after_prefill_s - decode["since_handle"])  # handle to D, first token back
     hops = {
         "route": route_s,
         "prefill_queue": prefill["prefill_queue"] + call_legs / 2,
@@ -105,9 +104,7 @@ def pd_breakdown(
     return hops
 
 
-def whole_breakdown(
-    route_s: float, call_s: float, worker: dict[str, float], retry_s: float = 0.0
-) -> dict[str, float]:
+def whole_breakdown(route_s: float, call_s: float, worker: dict[str, float], retry_s: float = 0.0) -> dict[str, float]:
     """The hops of a request run whole on one worker (``call_s``: generate sent -> first token)."""
     legs = max(0.0, call_s - worker["since_arrival"])
     hops = {

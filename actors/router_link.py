@@ -1,6 +1,7 @@
-"""A worker's side of the router protocol: KV events and load reported after each step, pins
-placed and removed on the router's word, full snapshots when the router asks. A mixin of
-``EngineWorker``: everything here runs on the engine thread (the actor methods only enqueue).
+"""A worker's side of the router protocol: KV events and load reported after each step (and right
+after each scheduling), pins placed and removed on the router's word, full snapshots when the
+router asks. ``EngineWorker`` owns one ``RouterLink``; every method here runs on the worker's
+engine thread (the actor methods only enqueue).
 
 A pin this worker does not hold yet is *copied* from a surviving holder when the router names
 one (``PinOn.source``) and both workers have a transfer backend (P/D workers): the holder
@@ -16,18 +17,39 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
-from actors.worker_types import _Tracked
+from actors.worker_types import TrackedRequest
 from engine.routing import PinOn, WorkerLoad, WorkerSnapshot
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import ray
+    from ray.actor import ActorHandle
+
+    from actors.metrics import WorkerMetrics
+    from engine.core import EngineCore
+    from engine.disagg import KVHandle
 
 log = logging.getLogger(__name__)
 
 LOAD_REPORT_INTERVAL_S = 0.05  # a changed load alone is reported at most this often
-ROUTER_SYNC_TIMEOUT_S = 30.0
 PIN_LOG_SIZE = 256  # the last pins placed here, with how and how fast (``pin_log``)
+
+PinMethod = Literal["cached", "copy", "compute"]
+
+
+class PinRecord(TypedDict):
+    """One pin placed here, as ``pin_log`` and ``EngineWorker.place_pin`` return it."""
+
+    pin_id: int
+    num_tokens: int
+    pinned: int  # tokens actually pinned
+    method: PinMethod
+    source: str | None  # the holder it was copied from (``copy``)
+    seconds: float  # from the router's word to the pin
 
 
 @dataclass
@@ -36,134 +58,121 @@ class _PinJob:
     (``cached``, ``copy`` from a holder, ``compute``), and who waits for its end."""
 
     started: float
-    method: str = "cached"
+    method: PinMethod = "cached"
     source: str | None = None
-    waiters: list[concurrent.futures.Future[dict[str, Any]]] = field(default_factory=list)
+    waiters: list[concurrent.futures.Future[PinRecord]] = field(default_factory=list)
 
 
 class RouterLink:
-    """Reports to the router and executes its pin actions (state lives in ``EngineWorker``:
-    ``engine``, ``_router``, ``_tracked``, the last report and load, ``metrics``)."""
+    """Owns this worker's connection to the router actor: the router handle, the last report
+    sent (its ref is the ack a finished request carries), the last load reported and when, the
+    pins being placed here and the log of placed ones.
 
-    engine: Any
-    worker_id: str
-    metrics: Any
-    _router: Any
-    _tracked: dict[str, _Tracked]
-    _last_report: Any
-    _last_load: WorkerLoad | None
-    _last_report_at: float
+    Runs a pin's prefix as a request of the worker's engine, registered through ``track`` in the
+    worker's request table; the worker calls ``finish_pin`` when that request ends.
+    ``run_on_engine_thread(fn, *args)`` enqueues ``fn`` on the engine thread (for callbacks
+    that arrive on other threads).
 
-    def _submit(self, fn: Any, *args: Any) -> Any:
-        raise NotImplementedError
+    Invariants: nothing is sent before ``connect``; a report carries every event the engine
+    produced since the previous one (events are taken only here), so the router sees them in
+    order; a pin in ``_pins_placing`` ends in ``finish_pin`` exactly once, which answers all its
+    waiters and tells the router.
+    """
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        raise NotImplementedError
-
-    # -- router actions ----------------------------------------------------------------------------
-    def pin(self, action: PinOn, source: Any = None) -> None:
-        """Make ``action``'s prefix resident (copying it from ``source``, the actor handle of the
-        holder ``action.source``, when given; else computing it), pin it, tell the router."""
-        self._submit(self._pin_on, action, source, None)
-
-    async def place_pin(self, action: PinOn, source: Any = None) -> dict[str, Any]:
-        """``pin`` that answers when the pin is placed: ``{"pinned", "seconds", "method"}``
-        (benchmarks and tests; the router itself never waits on a worker)."""
-        import asyncio
-
-        done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        self._submit(self._pin_on, action, source, done)
-        return await asyncio.wrap_future(done)
-
-    async def export_prefix(self, request_id: str, token_ids: list[int]) -> Any:
-        """Hold the cached prefix ``token_ids`` for a peer's copy; its ``KVHandle`` (or None)."""
-        return await self._call(self.engine.export_prefix, request_id, token_ids)
-
-    async def pin_log(self) -> list[dict[str, Any]]:
-        """The last pins placed here: pin id, tokens pinned, method, source, seconds."""
-        return list(self._pin_state()[1])
-
-    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        self._submit(self._unpin, block_hashes, num_tokens)
-
-    def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
-        those blocks the last to be evicted until it arrives (``EngineCore.refresh_prefix``)."""
-        self._submit(self.engine.refresh_prefix, block_hashes, num_tokens)
-
-    def snapshot(self) -> None:
-        """Send the router a full snapshot of the prefix cache (it lost events)."""
-        self._submit(self._snapshot)
+    def __init__(
+        self,
+        engine: EngineCore,
+        worker_id: str,
+        metrics: WorkerMetrics | None,
+        run_on_engine_thread: Callable[..., object],
+        track: Callable[[str, TrackedRequest], None],
+    ):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self._run_on_engine_thread = run_on_engine_thread
+        self._track = track
+        self._router: ActorHandle | None = None
+        self.last_report: ray.ObjectRef[None] | None = None  # the ref of the last report sent
+        self._last_load: WorkerLoad | None = None
+        self._last_report_at = 0.0
+        self._pins_placing: dict[int, _PinJob] = {}
+        self._pin_log: deque[PinRecord] = deque(maxlen=PIN_LOG_SIZE)
 
     # -- reports to the router ---------------------------------------------------------------------
-    def _load(self) -> WorkerLoad:
-        return WorkerLoad(*self.engine.load())
+    def connect(self, router: ActorHandle) -> None:
+        """Report to ``router`` (a Router actor handle) from now on, starting with the full load."""
+        self._router = router
+        self.report(force=True)
 
-    def _report(self, force: bool = False, wait: bool = False) -> None:
+    def report(self, force: bool = False) -> None:
+        """Send the router the engine's new KV events and its load: always when there are events
+        or ``force``, else when the load changed and ``LOAD_REPORT_INTERVAL_S`` has passed."""
         router = self._router
         if router is None:
             return
-        if self.engine.on_scheduled is None:  # also report what each scheduling evicted, at once
-            self.engine.on_scheduled = self._report_scheduled
         events = self.engine.take_events()
-        load = self._load()
+        load = WorkerLoad(*self.engine.load())
         now = time.monotonic()
         changed = load != self._last_load
         if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
-            self._last_report = router.report.remote(self.worker_id, events, load)
+            self.last_report = router.report.remote(self.worker_id, events, load)
             self._last_load, self._last_report_at = load, now
             if self.metrics is not None:
-                self._update_gauges()
-        if wait and self._last_report is not None:
-            try:
-                self._last_report.future().result(timeout=ROUTER_SYNC_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - the router is gone or slow: serve on, it resyncs later
-                log.warning("%s: router report not acknowledged (%s)", self.worker_id, exc)
+                self._update_gauges(self.metrics)
 
-    def _report_scheduled(self) -> None:
+    def report_scheduled(self) -> None:
         """Right after a step's scheduling: send its cache events (blocks it stored and evicted)
         before the forward runs, so routing during a long step sees the cache as it is."""
-        self._report()
+        self.report()
 
-    def _update_gauges(self) -> None:
-        assert self.metrics is not None
+    def send_snapshot(self) -> None:
+        """Send the router a full snapshot of the prefix cache (it lost events)."""
+        self.report(force=True)
+        if self._router is not None:
+            self._router.apply_snapshot.remote(self.worker_id, WorkerSnapshot(*self.engine.cache_snapshot()))
+
+    def _update_gauges(self, metrics: WorkerMetrics) -> None:
         gauges = self.engine.cache_gauges()
-        self.metrics.set_cache_stats(gauges["free_blocks"], gauges["pinned_free_blocks"], gauges["hit_rate"])
-        self.metrics.set_queue_stats(gauges["running"], gauges["waiting"])
+        metrics.set_cache_stats(int(gauges["free_blocks"]), int(gauges["pinned_free_blocks"]), gauges["hit_rate"])
+        metrics.set_queue_stats(int(gauges["running"]), int(gauges["waiting"]))
 
     # -- pins --------------------------------------------------------------------------------------
-    def _pin_state(self) -> tuple[dict[int, _PinJob], deque[dict[str, Any]]]:
-        """(pins being placed, the log of placed ones), created on first use."""
-        state = self.__dict__.get("_pins_placing")
-        if state is None:
-            state = self.__dict__["_pins_placing"] = ({}, deque(maxlen=PIN_LOG_SIZE))
-        return state
+    def pin_log(self) -> list[PinRecord]:
+        """The last pins placed here, oldest first."""
+        return list(self._pin_log)
 
-    def _pin_on(self, action: PinOn, source: Any, done: concurrent.futures.Future[dict[str, Any]] | None) -> None:
-        jobs, _ = self._pin_state()
-        job = jobs.get(action.pin_id)
+    def place_pin(
+        self, action: PinOn, source: ActorHandle | None, done: concurrent.futures.Future[PinRecord] | None
+    ) -> None:
+        """Make ``action``'s prefix resident (copied from ``source``, the holder's actor handle,
+        when given and both sides can transfer; else computed here) and pin it; ``done`` gets
+        the pin's record."""
+        job = self._pins_placing.get(action.pin_id)
         if job is None:  # (a second PinOn of a pin in progress here joins the first's record)
-            job = jobs[action.pin_id] = _PinJob(time.monotonic())
+            job = self._pins_placing[action.pin_id] = _PinJob(time.monotonic())
         if done is not None:
             job.waiters.append(done)
         have = self.engine.cached_prefix_tokens(action.block_hashes, action.num_tokens)
         if have >= action.num_tokens or not action.token_ids:
-            self._finish_pin(action)
+            self.finish_pin(action)
             return
         if source is not None and action.source is not None and self.engine.transfer is not None:
             job.method, job.source = "copy", str(action.source)
             copy_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
             try:
-                ref = source.export_prefix.remote(copy_id, list(action.token_ids))
+                ref: ray.ObjectRef[KVHandle | None] = source.export_prefix.remote(copy_id, list(action.token_ids))
             except Exception as exc:  # noqa: BLE001 - the holder's handle is unusable: compute here
                 log.warning("%s: cannot ask %s for pin %d (%s); computing it", self.worker_id, action.source,
                             action.pin_id, exc)  # fmt: skip
             else:
-                ref.future().add_done_callback(lambda f: self._submit(self._pin_copy, action, copy_id, f))
+                ref.future().add_done_callback(
+                    lambda exported: self._run_on_engine_thread(self._pin_copy, action, copy_id, exported)
+                )
                 return
         self._pin_compute(action)
 
-    def _pin_copy(self, action: PinOn, copy_id: str, exported: concurrent.futures.Future[Any]) -> None:
+    def _pin_copy(self, action: PinOn, copy_id: str, exported: concurrent.futures.Future[KVHandle | None]) -> None:
         """The holder answered: load its handle like a prefill's KV, or compute without one."""
         try:
             handle = exported.result()
@@ -183,48 +192,44 @@ class RouterLink:
                         action.source, exc)  # fmt: skip
             self._pin_compute(action)
             return
-        self._tracked[copy_id] = _Tracked(None, None, len(tokens), pin=action)
+        self._track(copy_id, TrackedRequest(None, None, len(tokens), pin=action))
 
     def _pin_compute(self, action: PinOn) -> None:
         # Compute the prefix here (+1 token: a request's hit search stops before its last token),
         # then pin it the moment the request finishes, before anything can evict it.
-        jobs, _ = self._pin_state()
-        job = jobs.get(action.pin_id)
+        job = self._pins_placing.get(action.pin_id)
         if job is not None:
             job.method = "compute"
         request_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
         assert action.token_ids is not None
         tokens = list(action.token_ids) + [0]
         self.engine.add_request(request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
-        self._tracked[request_id] = _Tracked(None, None, len(tokens), pin=action)
+        self._track(request_id, TrackedRequest(None, None, len(tokens), pin=action))
 
-    def _finish_pin(self, action: PinOn) -> None:
+    def finish_pin(self, action: PinOn) -> None:
+        """The prefix is resident (its request ended, or it was cached already): pin it, report,
+        tell the router the result and answer the pin's waiters."""
         pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens)
-        self._report(force=True)  # the pin's events reach the router before its result
+        self.report(force=True)  # the pin's events reach the router before its result
         if self._router is not None:
             self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
-        jobs, done_log = self._pin_state()
-        job = jobs.pop(action.pin_id, None) or _PinJob(time.monotonic())
-        record = {
-            "pin_id": action.pin_id,
-            "num_tokens": action.num_tokens,
-            "pinned": pinned,
-            "method": job.method,
-            "source": job.source,
-            "seconds": time.monotonic() - job.started,
-        }
-        done_log.append(record)
+        job = self._pins_placing.pop(action.pin_id, None) or _PinJob(time.monotonic())
+        record = PinRecord(
+            pin_id=action.pin_id,
+            num_tokens=action.num_tokens,
+            pinned=pinned,
+            method=job.method,
+            source=job.source,
+            seconds=time.monotonic() - job.started,
+        )
+        self._pin_log.append(record)
         for waiter in job.waiters:
             if not waiter.done():
                 waiter.set_result(record)
         log.info("%s: pinned %d/%d tokens of pin %d (%s, %.3f s)", self.worker_id, pinned, action.num_tokens,
                  action.pin_id, job.method, record["seconds"])  # fmt: skip
 
-    def _unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
+    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        """Release the pin on this prefix (the router's word) and report at once."""
         self.engine.unpin_prefix(block_hashes, num_tokens)
-        self._report(force=True)
-
-    def _snapshot(self) -> None:
-        self._report(force=True)
-        if self._router is not None:
-            self._router.apply_snapshot.remote(self.worker_id, WorkerSnapshot(*self.engine.cache_snapshot()))
+        self.report(force=True)

@@ -26,8 +26,8 @@ raises ``WorkerUnavailableError`` and every open stream ends with ``worker_faile
 drivers treat the worker like a dead actor. ``health`` also renews the lease of the requests a
 driver still waits on: a request whose lease runs out (its driver or client is gone) is aborted.
 
-A request's path on the engine thread (intake, handles, aborts, leases, replies) is the
-``WorkerRequests`` mixin (``actors.worker_requests``); the router protocol is ``RouterLink``.
+The router protocol (reports after each step and each scheduling, pins, snapshots) is the
+``RouterLink`` the worker owns (``actors.router_link``).
 
 No policy lives here: the router decides placement and pins; this only executes.
 """
@@ -45,42 +45,55 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 
-from actors.router_link import RouterLink
-from actors.worker_requests import (  # noqa: F401  (the constants: re-exported, they lived here)
-    EARLY_HANDLE_WAIT_S,
-    MAX_TOMBSTONES,
-    REMOTE_DECODE,
-    WorkerRequests,
-)
-from actors.worker_types import (  # noqa: F401  (re-exported: drivers import them from here)
+from actors.hops import prefill_hops, token_hops
+from actors.metrics import WorkerMetrics
+from actors.router_link import PinRecord, RouterLink
+from actors.worker_types import (
     PrefillResult,
     TokenChunk,
+    TrackedRequest,
     WorkerInfo,
     WorkerRole,
     WorkerUnavailableError,
-    _Tracked,
 )
 from configs.schema import ClusterConfig
-from engine.routing import WorkerLoad
+from engine.request import RequestStatus
+from engine.routing import PinOn
 from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestOutput
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from engine.core import EngineCore
+    from engine.disagg import KVHandle
+    from engine.transfer import AgentInfo
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 TRANSFER_WAIT_S = 0.002  # only transfers in flight / blocks held: poll this often
 LEASE_SWEEP_INTERVAL_S = 1.0  # how often the engine thread looks for requests whose lease ran out
+EARLY_HANDLE_WAIT_S = 5.0  # a handle that arrived before its request waits this long for it
+MAX_TOMBSTONES = 10_000  # ids aborted before they arrived, remembered (oldest forgotten first)
+REMOTE_DECODE = RequestStatus.FINISHED_REMOTE_DECODE.value  # a prefill-only request ended: its KV awaits a reader
 
 
-class EngineWorker(WorkerRequests, RouterLink):
-    """Owns one EngineCore and the thread that steps it; the body of both worker actors.
+class EngineWorker:
+    """Owns one EngineCore, the thread that steps it, the requests it runs for drivers and the
+    ``RouterLink`` that reports to the router; the body of both worker actors.
 
-    Invariants: only the engine thread touches ``self.engine``; every request in ``_tracked``
-    is in the engine (or just left it and is being answered); a request's stream receives
-    exactly one ``finished`` chunk.
+    Invariants: only the engine thread touches ``self.engine`` (actor methods enqueue commands);
+    a driver's request is in ``_tracked`` (with a lease in ``_leases``) from ``_add`` until
+    ``_answer`` delivers its one final result, so its stream receives exactly one ``finished``
+    chunk (a pin's request ends in ``RouterLink.finish_pin`` instead); an id in ``_tombstones``
+    was aborted before it arrived and ends at once when it does; a handle in ``_early_handles``
+    is delivered to its request or, after ``EARLY_HANDLE_WAIT_S``, discarded (its owner
+    notified).
     """
 
     role: WorkerRole = "decode"
@@ -95,16 +108,12 @@ class EngineWorker(WorkerRequests, RouterLink):
         resources = config.workers.prefill if self.role == "prefill" else config.workers.decode
         kv_role = self.role if disaggregated else None
         self.router_role: Literal["prefill", "decode", "both"] = self.role if disaggregated else "both"
-        self.engine = EngineCore(config, threads=resources.num_threads, name=worker_id, kv_role=kv_role)
+        self.engine: EngineCore = EngineCore(config, threads=resources.num_threads, name=worker_id, kv_role=kv_role)
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
-        self._early_handles: dict[str, tuple[Any, float]] = {}  # handles that overtook their request
-        self._router: Any = None
-        self._last_report: Any = None
-        self._last_load: WorkerLoad | None = None
-        self._last_report_at = 0.0
+        self._early_handles: dict[str, tuple[KVHandle, float]] = {}  # handles that overtook their request
         self._stopped = False
         self._error: str | None = None
         self._steps = 0
@@ -112,6 +121,10 @@ class EngineWorker(WorkerRequests, RouterLink):
         self._last_loop = time.monotonic()  # when the engine thread last came round its loop
         self._last_sweep = 0.0
         self.metrics = _worker_metrics(worker_id, self.role)
+        self.router_link = RouterLink(self.engine, worker_id, self.metrics, self._submit, self._tracked.__setitem__)
+        # Each scheduling's cache events (blocks stored and evicted) reach the router before the
+        # forward runs; nothing is sent until ``set_router`` connects the link.
+        self.engine.on_scheduled = self.router_link.report_scheduled
         self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True)
         self._thread.start()
 
@@ -133,15 +146,11 @@ class EngineWorker(WorkerRequests, RouterLink):
             engine.agent_info if engine.transfer is not None else None,
         )
 
-    async def set_router(self, router: Any) -> None:
+    async def set_router(self, router: ActorHandle) -> None:
         """Start reporting KV events and load to ``router`` (a Router actor handle)."""
-        await self._call(self._set_router, router)
+        await self._call(self.router_link.connect, router)
 
-    def _set_router(self, router: Any) -> None:
-        self._router = router
-        self._report(force=True)
-
-    async def health(self, renew: list[str] | None = None) -> dict[str, Any]:
+    async def health(self, renew: list[str] | None = None) -> dict[str, str | int]:
         """Liveness of the engine thread; raises ``WorkerUnavailableError`` if it stopped or has
         not come round its loop for ``workers.engine_stall_timeout_s``. ``renew``: ids of the
         requests the caller still waits on (their leases start again)."""
@@ -180,9 +189,9 @@ class EngineWorker(WorkerRequests, RouterLink):
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        kv_handle: Any = None,
+        kv_handle: KVHandle | None = None,
         expect_handle: bool = False,
-        peer: Any = None,
+        peer: AgentInfo | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
@@ -190,7 +199,7 @@ class EngineWorker(WorkerRequests, RouterLink):
         KV now; reserve its blocks and wait for the handle (``deliver``)."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        tracked = _Tracked(loop, chunks, len(prompt_token_ids))
+        tracked = TrackedRequest(loop, chunks, len(prompt_token_ids))
         await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle, False,
                          expect_handle, peer)  # fmt: skip
         finished = False
@@ -211,7 +220,7 @@ class EngineWorker(WorkerRequests, RouterLink):
         """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
-        tracked = _Tracked(loop, done, len(prompt_token_ids))
+        tracked = TrackedRequest(loop, done, len(prompt_token_ids))
         await self._call(self._add, request_id, prompt_token_ids, SamplingParams(max_tokens=1), tracked, None, True)
         try:
             return await done
@@ -219,11 +228,11 @@ class EngineWorker(WorkerRequests, RouterLink):
             self._submit(self._abort, request_id)
             raise
 
-    async def deliver(self, request_id: str, kv_handle: Any) -> None:
+    async def deliver(self, request_id: str, kv_handle: KVHandle) -> None:
         """The handle of a request announced with ``expect_handle``: start reading its KV."""
         await self._call(self._deliver, request_id, kv_handle, time.monotonic())
 
-    async def warm_peers(self, agents: list[Any]) -> int:
+    async def warm_peers(self, agents: list[AgentInfo]) -> int:
         """Open the transfer connection to each of these prefill workers' agents now (so their
         first reads pay no setup); returns how many were new."""
         return int(await self._call(lambda: sum(self.engine.warm_peer(agent) for agent in agents)))
@@ -240,6 +249,41 @@ class EngineWorker(WorkerRequests, RouterLink):
         stats["hit_rate"] = stats["hit_tokens"] / queried if queried else 0.0
         stats["metrics"] = self.metrics.snapshot() if self.metrics is not None else {}
         return stats
+
+    # -- router actions (the router calls these without waiting) ----------------------------------
+    def pin(self, action: PinOn, source: ActorHandle | None = None) -> None:
+        """Make ``action``'s prefix resident (copying it from ``source``, the actor handle of the
+        holder ``action.source``, when given; else computing it), pin it, tell the router."""
+        self._submit(self.router_link.place_pin, action, source, None)
+
+    async def place_pin(self, action: PinOn, source: ActorHandle | None = None) -> PinRecord:
+        """``pin`` that answers when the pin is placed: its ``PinRecord`` (``pinned``,
+        ``seconds``, ``method``, ...; benchmarks and tests: the router itself never waits on a
+        worker)."""
+        done: concurrent.futures.Future[PinRecord] = concurrent.futures.Future()
+        self._submit(self.router_link.place_pin, action, source, done)
+        return await asyncio.wrap_future(done)
+
+    async def export_prefix(self, request_id: str, token_ids: list[int]) -> KVHandle | None:
+        """Hold the cached prefix ``token_ids`` for a peer's copy; its ``KVHandle`` (or None)."""
+        handle: KVHandle | None = await self._call(self.engine.export_prefix, request_id, token_ids)
+        return handle
+
+    async def pin_log(self) -> list[PinRecord]:
+        """The last pins placed here: pin id, tokens pinned, method, source, seconds."""
+        return self.router_link.pin_log()
+
+    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        self._submit(self.router_link.unpin, block_hashes, num_tokens)
+
+    def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
+        those blocks the last to be evicted until it arrives (``EngineCore.refresh_prefix``)."""
+        self._submit(self.engine.refresh_prefix, block_hashes, num_tokens)
+
+    def snapshot(self) -> None:
+        """Send the router a full snapshot of the prefix cache (it lost events)."""
+        self._submit(self.router_link.send_snapshot)
 
     # -- engine thread -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
@@ -274,7 +318,7 @@ class EngineWorker(WorkerRequests, RouterLink):
                     self._steps += 1
                     if outputs:
                         self._dispatch(outputs)
-                self._report()
+                self.router_link.report()
         except BaseException as exc:  # a broken engine: fail every request, stay inspectable
             self._error = f"{type(exc).__name__}: {exc}"
             log.exception("%s: engine loop failed; the worker is unhealthy from now on", self.worker_id)
@@ -298,29 +342,184 @@ class EngineWorker(WorkerRequests, RouterLink):
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
-                except BaseException as exc:  # errors go back to the caller, the loop goes on
+                except BaseException as exc:  # noqa: BLE001 - errors go back to the caller, the loop goes on
                     future.set_exception(exc)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
 
+    # -- a request's path on the engine thread: intake, handles, aborts, leases, replies -----------
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        tracked: TrackedRequest,
+        kv_handle: KVHandle | None = None,
+        prefill_only: bool = False,
+        expect_handle: bool = False,
+        peer: AgentInfo | None = None,
+    ) -> None:
+        if request_id in self._tracked:
+            raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
+        if self._tombstones.pop(request_id, 0) is None:  # its abort overtook it: end it at once
+            self._tracked[request_id] = tracked
+            self._answer(request_id, TokenChunk([], True, "abort"))
+            early = self._early_handles.pop(request_id, None)
+            if early is not None:
+                self.engine.discard_handle(early[0])
+            return
+        engine = self.engine
+        if expect_handle:
+            tracked.request = engine.expect_remote_prefill(request_id, prompt_token_ids, sampling, peer)
+            if engine.is_reserved(request_id):
+                tracked.reserved_at = time.monotonic()
+        else:
+            tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
+                                                 kv_handle=kv_handle)  # fmt: skip
+        self._tracked[request_id] = tracked
+        self._leases[request_id] = time.monotonic()
+        early = self._early_handles.pop(request_id, None)
+        if early is not None:
+            self._deliver(request_id, *early)
+
+    def _deliver(self, request_id: str, kv_handle: KVHandle, received: float) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            if request_id in self._tombstones:  # aborted before it arrived: nobody reads it
+                self.engine.discard_handle(kv_handle)
+            else:  # its generate call has not run yet (or the request ended here already)
+                self._early_handles[request_id] = (kv_handle, received)
+            return
+        tracked.handle_at, tracked.handle_taken_at = received, time.monotonic()
+        failed = self.engine.provide_handle(request_id, kv_handle)
+        if failed is not None:
+            self._dispatch([failed])
+
+    def _expire_leases(self, now: float) -> None:
+        """Abort the requests no driver renewed within ``workers.request_lease_s``; let the
+        owners of handles no request here claimed free their blocks."""
+        for request_id, (handle, received) in list(self._early_handles.items()):
+            if now - received > EARLY_HANDLE_WAIT_S:
+                del self._early_handles[request_id]
+                self.engine.discard_handle(handle)
+        lease_s = self.config.workers.request_lease_s
+        for request_id, renewed in list(self._leases.items()):
+            if now - renewed > lease_s:
+                log.warning("%s: %s not renewed for %.0f s (its driver or client is gone); aborting it",
+                            self.worker_id, request_id, now - renewed)  # fmt: skip
+                self._leases.pop(request_id, None)
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        if request_id in self._tracked:
+            found = True
+            if self.metrics is not None:
+                self.metrics.record_request_aborted()
+            self._answer(request_id, TokenChunk([], True, "abort"))
+        elif not found:  # not here (yet): if it arrives later, it ends at once
+            self._tombstones[request_id] = None
+            if len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)
+        return found
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            self._abort(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        ack = None
+        if any(out.finished for out in outputs):
+            self.router_link.report(force=True)  # sent, not awaited: the driver awaits ``ack`` instead
+            ack = self.router_link.last_report
+        now = time.monotonic()
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if out.num_cached_tokens >= 0:
+                tracked.cached_tokens = out.num_cached_tokens
+            hops = None
+            if out.new_token_ids:
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                    hops = token_hops(tracked, now)
+                tracked.output_tokens += len(out.new_token_ids)
+            if out.finish_reason == REMOTE_DECODE:
+                result = PrefillResult(out.kv_handle, tracked.cached_tokens, REMOTE_DECODE,
+                                       hops=prefill_hops(tracked, now), router_ack=ack)  # fmt: skip
+                self._answer(out.request_id, result)
+            elif out.finished:
+                self._finished(out, tracked, now, hops, ack)
+            elif tracked.sink is not None:
+                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens, hops=hops))
+
+    def _finished(
+        self,
+        out: RequestOutput,
+        tracked: TrackedRequest,
+        now: float,
+        hops: dict[str, float] | None = None,
+        ack: ray.ObjectRef[None] | None = None,
+    ) -> None:
+        if self.metrics is not None and out.finish_reason not in ("abort", "error"):
+            self.metrics.record_request_finished(
+                (tracked.first_token or now) - tracked.arrival,
+                tracked.prompt_tokens,
+                tracked.output_tokens,
+                cached_tokens=max(0, min(tracked.cached_tokens, tracked.prompt_tokens)),
+            )
+        if tracked.pin is not None:
+            del self._tracked[out.request_id]
+            self.router_link.finish_pin(tracked.pin)
+            return
+        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error,
+                           hops=hops, router_ack=ack)  # fmt: skip
+        self._answer(out.request_id, chunk)
+
+    def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:
+        """Deliver a request's final result and forget it."""
+        tracked = self._tracked.pop(request_id, None)
+        self._leases.pop(request_id, None)
+        if tracked is None or tracked.sink is None:
+            return
+        if isinstance(tracked.sink, asyncio.Queue):
+            if isinstance(result, PrefillResult):
+                result = TokenChunk([], True, result.finish_reason, error=result.error,
+                                    worker_failed=result.worker_failed)  # fmt: skip
+            self._put(tracked, result)
+            return
+        if isinstance(result, TokenChunk):  # a prefill that ended without a handle
+            result = PrefillResult(None, tracked.cached_tokens, result.finish_reason or "abort", result.error,
+                                   result.worker_failed)  # fmt: skip
+        future = tracked.sink
+        assert tracked.loop is not None
+        tracked.loop.call_soon_threadsafe(_resolve, future, result)
+
+    @staticmethod
+    def _put(tracked: TrackedRequest, chunk: TokenChunk) -> None:
+        assert tracked.loop is not None and isinstance(tracked.sink, asyncio.Queue)
+        tracked.loop.call_soon_threadsafe(tracked.sink.put_nowait, chunk)
+
 
 def _node_ip() -> str:
     try:
         return ray.util.get_node_ip_address()
-    except Exception:  # outside Ray
+    except Exception:  # noqa: BLE001 - outside Ray
         return socket.gethostbyname(socket.gethostname())
 
 
-def _worker_metrics(worker_id: str, role: WorkerRole) -> Any:
-    try:
-        from actors.metrics import WorkerMetrics
-    except ImportError:
-        return None
+def _resolve(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _worker_metrics(worker_id: str, role: WorkerRole) -> WorkerMetrics | None:
     try:
         return WorkerMetrics(worker_id, role)
-    except Exception as exc:  # metrics must never stop a worker
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop a worker
         log.warning("%s: no metrics (%s)", worker_id, exc)
         return None
 

@@ -8,10 +8,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing import PinOn
+
+if TYPE_CHECKING:
+    import ray
+
+    from engine.disagg import KVHandle
+    from engine.request import Request
+    from engine.transfer import AgentInfo
 
 WorkerRole = Literal["prefill", "decode"]
 
@@ -36,7 +43,7 @@ class WorkerInfo:
     model_directory: str
     node_ip: str
     pid: int
-    agent: Any = None  # the transfer AgentInfo (P/D workers): decode workers warm a connection to it
+    agent: AgentInfo | None = None  # the transfer AgentInfo (P/D workers): decode workers warm a connection to it
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class TokenChunk:
     error: str | None = None  # why it finished with "error"
     worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
     hops: dict[str, float] | None = None  # on the first tokens' chunk: this worker's hop durations (s)
-    router_ack: Any = None  # on the last chunk: the ref of the router report carrying its blocks
+    router_ack: ray.ObjectRef[None] | None = None  # on the last chunk: the ref of the router report carrying its blocks
 
 
 @dataclass(frozen=True)
@@ -58,18 +65,20 @@ class PrefillResult:
     """A prefill-only request's outcome: the handle the decode worker pulls from (None if it was
     aborted or failed) and the prefill worker's prefix hit at admission."""
 
-    kv_handle: Any
+    kv_handle: KVHandle | None
     num_cached_tokens: int
     finish_reason: str
     error: str | None = None
     worker_failed: bool = False
     hops: dict[str, float] = field(default_factory=dict)  # prefill_queue, prefill (s, this worker's clock)
-    router_ack: Any = None  # the ref of the router report carrying the prefilled blocks
+    router_ack: ray.ObjectRef[None] | None = None  # the ref of the router report carrying the prefilled blocks
 
 
 @dataclass
-class _Tracked:
-    """Per-request bookkeeping of the engine thread (for streams, prefills, pins, metrics)."""
+class TrackedRequest:
+    """Per-request bookkeeping of a worker's engine thread (for streams, prefills, pins, metrics):
+    where its result goes (``sink`` on the actor's event loop ``loop``; both None for a pin's
+    request) and the times its hops are measured from."""
 
     loop: asyncio.AbstractEventLoop | None
     sink: asyncio.Queue[TokenChunk] | asyncio.Future[PrefillResult] | None
@@ -79,7 +88,7 @@ class _Tracked:
     output_tokens: int = 0
     cached_tokens: int = 0
     pin: PinOn | None = None
-    request: Any = None  # the engine's Request (its scheduled_at / kv_loaded_at time the hops)
+    request: Request | None = None  # the engine's Request (its scheduled_at / kv_loaded_at time the hops)
     reserved_at: float | None = None  # announced remote prefill: its blocks were reserved then
     handle_at: float | None = None  # ... its handle reached this worker (the actor call) then
     handle_taken_at: float | None = None  # ... and the engine thread took it then
