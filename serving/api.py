@@ -88,7 +88,7 @@ def build_api(cluster: Cluster) -> FastAPI:
     async def prometheus_metrics() -> Response:
         try:
             stats = await cluster.astats(STATS_TIMEOUT_S)
-        except Exception as exc:  # a worker that does not answer must not hide the request metrics
+        except Exception as exc:  # noqa: BLE001 - a worker that does not answer must not hide the request metrics
             log.warning("metrics: cluster stats unavailable (%s)", exc)
             stats = None
         return Response(metrics.exposition(stats), media_type=CONTENT_TYPE)

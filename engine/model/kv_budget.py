@@ -134,4 +134,5 @@ def blocks_per_pool(
     else:
         assert cache.memory_budget_mib is not None  # the schema requires one of the three
         budget = int(cache.memory_budget_mib * 2**20)
-    return split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens).num_blocks
+    split = split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens)
+    return split.num_blocks
