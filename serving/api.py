@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import MutableMapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -167,7 +168,7 @@ class AuthAndCount:
         path = scope.get("path", "")
         status = [500]
 
-        async def send_and_note(message: dict[str, Any]) -> None:
+        async def send_and_note(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)

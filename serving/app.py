@@ -125,7 +125,7 @@ def kvfleet_app(config: ClusterConfig) -> Application:
         graceful_shutdown_timeout_s=timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
     )
-    return ingress.bind(controller.bind(config))
+    return ingress.bind(controller.bind(config))  # type: ignore[attr-defined]  # ray's decorator hides .bind
 
 
 def build_app(args: Mapping[str, Any]) -> Application:

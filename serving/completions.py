@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +165,7 @@ class Generation:
         self.admission.release(count)
         self.metrics.in_flight.dec(count)
 
-    async def _run(self, prepared: Prepared) -> AsyncIterator[tuple[int, Delta | ClusterCompletion]]:
+    async def _run(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Delta | ClusterCompletion], None]:
         """Every prompt's deltas and completion as ``(index, item)``, in arrival order."""
         queue: asyncio.Queue[tuple[int, Delta | ClusterCompletion | BaseException | None]] = asyncio.Queue()
 

@@ -151,7 +151,8 @@ def open_peer(info: AgentInfo) -> list[torch.Tensor]:
         rows, page = info.rows_of(s), info.page_bytes[s]
         if int(tensor_offset) + rows * page > int(size_bytes):
             raise TransferError(
-                f"peer {info.name!r}: slot {s} ({rows} x {page} bytes) exceeds its shared storage ({int(size_bytes)} bytes)"
+                f"peer {info.name!r}: slot {s} ({rows} x {page} bytes) exceeds its shared storage "
+                f"({int(size_bytes)} bytes)"
             )
         try:
             t = rebuild_cuda_tensor(
