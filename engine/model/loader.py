@@ -94,7 +94,8 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
         if attn is not None and attn.rotary is not None:
             inv_freq = attn.rope_key.inv_freq(arch.head_dim)
             attn.rotary.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
-    return model.eval()
+    model.eval()
+    return model
 
 
 def load_hf_directory(
