@@ -121,7 +121,7 @@ def plan_read(
     triples: list[tuple[int, int, int]] = []
     if len(local_tables) != len(handle.block_ids):
         raise ValueError(f"kv_handle.block_ids: {len(handle.block_ids)} groups, this engine has {len(local_tables)}")
-    for g, (remote, local) in enumerate(zip(handle.block_ids, local_tables)):
+    for g, (remote, local) in enumerate(zip(handle.block_ids, local_tables, strict=True)):
         pool = group_pool[g] if group_pool is not None else 0
         for i, block in enumerate(local):
             if block not in fresh[g]:

@@ -51,7 +51,9 @@ class LLM:
         for _, ids in prepared:
             request_id = f"llm-{next(self._ids)}"
             self.engine.add_request(request_id, ids, sampling)
-            detok[request_id] = IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
+            detok[request_id] = IncrementalDetokenizer(
+                self.tokenizer, sampling.stop, sampling.include_stop_str_in_output
+            )
             order.append(request_id)
         reasons: dict[str, str] = {}
         while self.engine.has_work:

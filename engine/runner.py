@@ -105,7 +105,9 @@ class ModelRunner:
         if allocate_slots is not None:  # a transfer backend's memory (shared / registered)
             self.slots = allocate_slots(rows, pages, str(device))
         else:
-            self.slots = [torch.zeros(n, page, dtype=torch.uint8, device=device) for n, page in zip(rows, pages)]
+            self.slots = [
+                torch.zeros(n, page, dtype=torch.uint8, device=device) for n, page in zip(rows, pages, strict=True)
+            ]
         for index, layer in enumerate(model.model.layers):
             for user in cache_users(layer):
                 slot = self.slots[layout.slot_index(layout.layer_pool[index], layout.layer_slot[index])]

@@ -63,7 +63,7 @@ class Sampler:
                 continue
             try:
                 probs = self._probs(logits[row], sp)
-                token = torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item()
+                token = int(torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item())
             except RuntimeError as exc:  # e.g. probabilities torch refuses: this request only
                 log.warning("sampling %s failed: %s", request_id, exc)
                 first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

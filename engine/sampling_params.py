@@ -73,7 +73,7 @@ class SamplingParams(BaseModel):
     def _stop_strings(cls, stop: object) -> object:
         strings = (stop,) if isinstance(stop, str) else stop
         if not isinstance(strings, (list, tuple)):
-            raise ValueError(f"must be a string or a list of strings (got {short_repr(stop)})")
+            raise ValueError(f"must be a string or a list of strings (got {short_repr(stop)})")  # noqa: TRY004 - pydantic reports only ValueError as a field error
         if any(isinstance(s, str) and not s for s in strings):
             raise ValueError(f"stop strings must be non-empty (got {short_repr(stop)})")
         return tuple(strings)
@@ -82,7 +82,7 @@ class SamplingParams(BaseModel):
     @classmethod
     def _listed_ids(cls, ids: object) -> object:
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"must be a list of token ids (got {short_repr(ids)})")
+            raise ValueError(f"must be a list of token ids (got {short_repr(ids)})")  # noqa: TRY004 - pydantic reports only ValueError as a field error
         return tuple(ids)
 
     @property
@@ -116,7 +116,7 @@ class SamplingParams(BaseModel):
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return self._key() == other._key()  # type: ignore[attr-defined]
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())

@@ -284,7 +284,9 @@ class Scheduler:
                 if request.prefill_only and chunk.start + chunk.num_tokens == request.num_tokens:
                     self._hold_prefilled(request)
                     results.append(
-                        RequestOutput(request.request_id, [], True, request.status.value, None, request.num_cached_tokens)
+                        RequestOutput(
+                            request.request_id, [], True, request.status.value, None, request.num_cached_tokens
+                        )
                     )
                 continue
             request_id = request.request_id

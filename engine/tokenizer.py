@@ -47,17 +47,19 @@ class HFTokenizer:
         return list(self._tok.encode(text))
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        return self._tok.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]  # one id list: one string
 
     def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """``messages`` rendered by the checkpoint's own chat template and tokenized (the
         template writes the special tokens, BOS included); ValueError if it has none."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("messages: this model has no chat template; use /v1/completions")
+        from transformers import BatchEncoding
+
         ids = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in some versions
+        if isinstance(ids, BatchEncoding):  # some transformers versions return one
             ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return [int(t) for t in ids]  # type: ignore[arg-type]  # tokenize=True: a flat list of ids
 
 
 def _builtin_template(directory: Path) -> str | None:
@@ -79,19 +81,20 @@ def load_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
         return HFTokenizer(directory)
     if vocab_size == 256:
         return ByteTokenizer()
-    raise ValueError(f"{directory}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) for a {vocab_size}-token vocabulary")
+    files = ", ".join(TOKENIZER_FILES)
+    raise ValueError(f"{directory}: no tokenizer files ({files}) for a {vocab_size}-token vocabulary")
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas and watches for stop strings.
 
-    Two things are held back at the end of the decoded text: U+FFFD characters (an incomplete
-    UTF-8 sequence, or stray bytes, that later tokens may still complete) and a tail that could
-    be the start of a stop string (emitted by ``flush`` when the request ends without it);
-    everything before them is emitted, and nothing emitted is ever taken back. So the text is a function of the token ids alone, never of how they were grouped
-    into ``add`` calls: a stream's chunks depend on load (a worker coalesces chunks that pile
-    up), and holding back a whole chunk for its last byte lost the characters before it for
-    good whenever no later token completed that byte.
+    Two things are held back at the end of the decoded text: U+FFFD characters (an incomplete UTF-8
+    sequence, or stray bytes, that later tokens may still complete) and a tail that could be the
+    start of a stop string (emitted by ``flush`` when the request ends without it); everything
+    before them is emitted, and nothing emitted is ever taken back. So the text is a function of the
+    token ids alone, never of how they were grouped into ``add`` calls: a stream's chunks depend on
+    load (a worker coalesces chunks that pile up), and holding back a whole chunk for its last byte
+    lost the characters before it for good whenever no later token completed that byte.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):

@@ -82,7 +82,9 @@ def check_token_ids(ids: object, vocab_size: int | None, field: str = "prompt") 
         if isinstance(token, bool) or not isinstance(token, int):
             raise InvalidRequestError(f"{field}: token id {short_repr(token)} is not an integer ({where})")
         if vocab_size is not None and not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"{field}: token id {token} is outside the vocabulary [0, {vocab_size}) ({where})")
+            raise InvalidRequestError(
+                f"{field}: token id {token} is outside the vocabulary [0, {vocab_size}) ({where})"
+            )
         if token < 0:
             raise InvalidRequestError(f"{field}: token id {token} is negative ({where})")
     return token_ids

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import MutableMapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -88,7 +89,7 @@ def build_api(cluster: Cluster) -> FastAPI:
     async def prometheus_metrics() -> Response:
         try:
             stats = await cluster.astats(STATS_TIMEOUT_S)
-        except Exception as exc:  # a worker that does not answer must not hide the request metrics
+        except Exception as exc:  # noqa: BLE001 - a worker that does not answer must not hide the request metrics
             log.warning("metrics: cluster stats unavailable (%s)", exc)
             stats = None
         return Response(metrics.exposition(stats), media_type=CONTENT_TYPE)
@@ -167,7 +168,7 @@ class AuthAndCount:
         path = scope.get("path", "")
         status = [500]
 
-        async def send_and_note(message: dict[str, Any]) -> None:
+        async def send_and_note(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)

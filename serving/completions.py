@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +88,7 @@ class Generation:
             ids = self.cluster.tokenizer.chat_token_ids(messages, body.add_generation_prompt)
         except ValueError as exc:
             raise bad_request("messages", str(exc)) from None
-        except Exception as exc:  # the template refused the conversation (jinja's TemplateError)
+        except Exception as exc:  # noqa: BLE001 - the template refused the conversation (jinja's TemplateError)
             raise bad_request("messages", f"messages: the chat template refused them ({exc})") from None
         self._check_ids([ids], "messages")
         max_tokens = self._max_tokens([ids], body.requested_max_tokens, None)
@@ -165,7 +165,7 @@ class Generation:
         self.admission.release(count)
         self.metrics.in_flight.dec(count)
 
-    async def _run(self, prepared: Prepared) -> AsyncIterator[tuple[int, Delta | ClusterCompletion]]:
+    async def _run(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Delta | ClusterCompletion], None]:
         """Every prompt's deltas and completion as ``(index, item)``, in arrival order."""
         queue: asyncio.Queue[tuple[int, Delta | ClusterCompletion | BaseException | None]] = asyncio.Queue()
 
@@ -182,7 +182,7 @@ class Generation:
                     queue.put_nowait((index, item))
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 queue.put_nowait((index, exc))
             finally:
                 queue.put_nowait((index, None))

@@ -106,5 +106,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)

@@ -69,7 +69,7 @@ def stop_serving(owns_ray: bool) -> None:
         try:
             serve.delete(APP_NAME)
             serve.shutdown()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - shutdown is best effort; Ray is shut down next
             log.warning("serve shutdown: %s", exc)
     if owns_ray and ray.is_initialized():
         ray.shutdown()

@@ -165,13 +165,12 @@ class ChatCompletionRequest(_Sampling):
             raise _field_error("tool_choice", "tool calling is not supported", self.tool_choice)
         if self.response_format not in (None, {"type": "text"}):
             raise _field_error("response_format", "only {'type': 'text'} is supported", self.response_format)
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise _field_error(
-                    "max_completion_tokens",
-                    f"differs from max_tokens ({self.max_tokens}); send one of them",
-                    self.max_completion_tokens,
-                )
+        if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
+            raise _field_error(
+                "max_completion_tokens",
+                f"differs from max_tokens ({self.max_tokens}); send one of them",
+                self.max_completion_tokens,
+            )
         return self
 
     @property
@@ -256,10 +255,8 @@ def _neutral(body: BaseModel, name: str, neutral: Any, why: str) -> None:
 def _field_error(param: str, message: str, value: Any) -> Exception:
     from pydantic_core import PydanticCustomError
 
-    return PydanticCustomError(
-        "kvfleet_field", "{param}: {message}", {"kvfleet_field": param, "message": message, "value": value,
-                                                 "param": param}  # fmt: skip
-    )
+    context = {"kvfleet_field": param, "message": message, "value": value, "param": param}
+    return PydanticCustomError("kvfleet_field", "{param}: {message}", context)
 
 
 def _is_int(value: Any) -> bool:

@@ -8,7 +8,15 @@ tiers are in ``pin_tiers``.
 
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, KVCacheInvariantError, PoolStats, RetentionOptions
-from engine.kv_cache.events import AllBlocksCleared, EventLog, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned, KVEvent
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+    EventLog,
+    KVEvent,
+)
 from engine.kv_cache.hashing import block_hashes, extend_block_hashes, hash_block
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import (
@@ -30,8 +38,8 @@ __all__ = [
     "BlockUnpinned",
     "CacheHit",
     "CacheRequest",
-    "EventLog",
     "ChunkedLocalSpec",
+    "EventLog",
     "FullAttentionSpec",
     "HybridCoordinator",
     "KVCacheGroup",

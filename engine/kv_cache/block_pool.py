@@ -1,13 +1,14 @@
 """One block pool: the blocks of one page size, shared by the KV-cache groups drawing from it.
 
 A worker has one pool per page size (``KVCacheGroup.pool``); each pool numbers its blocks 0..n-1,
-block 0 being its own null block. Owns: all blocks of the pool, the free queue (head = reused first), two pinned tiers (retained anchors, then
-explicit pins; oldest first), one hash -> block map per group, the null block, and the KV event
-log. Invariants (checked by ``HybridCoordinator.check_invariants``): a non-null block is linked in
-exactly one queue iff its ref count is 0; free + pinned + in-use == num_blocks - 1; every map
-entry points at a block carrying that hash and group. Only the maps of groups in this pool are
-ever filled. Events go to the worker's ``EventLog`` (shared by its pools: one sequence).
-Pinning, unpinning and demotion live in ``pin_tiers.PinnedTiers`` (a mixin of ``BlockPool``).
+block 0 being its own null block. Owns: all blocks of the pool, the free queue (head = reused
+first), two pinned tiers (retained anchors, then explicit pins; oldest first), one hash -> block map
+per group, the null block, and the KV event log. Invariants (checked by
+``HybridCoordinator.check_invariants``): a non-null block is linked in exactly one queue iff its ref
+count is 0; free + pinned + in-use == num_blocks - 1; every map entry points at a block carrying
+that hash and group. Only the maps of groups in this pool are ever filled. Events go to the worker's
+``EventLog`` (shared by its pools: one sequence). Pinning, unpinning and demotion live in
+``pin_tiers.PinnedTiers`` (a mixin of ``BlockPool``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class BlockPool(PinnedTiers):
         cached = self.cached
         removed: list[tuple[int, bytes]] | None = [] if self.enable_events else None
         blocks = []
-        block = queue.head.next
+        block: Block = queue.head.next  # type: ignore[assignment]  # n <= free size: a real block
         for _ in range(n):  # unlink the first n blocks, uncache them, count the new reference
             blocks.append(block)
             nxt = block.next
@@ -95,9 +96,9 @@ class BlockPool(PinnedTiers):
                     removed.append((block.group, block.block_hash))
                 del cached[block.group][block.block_hash]
                 block.block_hash = None
-            block = nxt  # type: ignore[assignment]
+            block = nxt  # type: ignore[assignment]  # linked, so the next block is set (the tail sentinel at worst)
         queue.head.next = block
-        block.prev = queue.head  # type: ignore[union-attr]
+        block.prev = queue.head
         queue.size -= n
         if removed:
             self._emit_removed(removed)
@@ -125,7 +126,7 @@ class BlockPool(PinnedTiers):
                 continue
             nxt = block.next
             prev.next = nxt
-            nxt.prev = prev  # type: ignore[union-attr]
+            nxt.prev = prev  # type: ignore[union-attr]  # linked, so both neighbours are set
             block.prev = block.next = None
             block.ref_cnt = 1
             if block.pin:
@@ -152,7 +153,7 @@ class BlockPool(PinnedTiers):
         else:
             queue = self.free_queue
             tail = queue.tail
-            last = tail.prev
+            last: Block = tail.prev  # type: ignore[assignment]  # the head sentinel at worst
             held = 0  # blocks still referenced (the rest are released: linked here or listed)
             for block in ordered:
                 if block.ref_cnt != 1:  # still held by another table
@@ -166,11 +167,11 @@ class BlockPool(PinnedTiers):
                     front.append(block)
                 else:
                     block.prev = last
-                    last.next = block  # type: ignore[union-attr]
+                    last.next = block
                     last = block
-            last.next = tail  # type: ignore[union-attr]
+            last.next = tail
             tail.prev = last
-            queue.size += len(ordered) - held - len(front) - len(pinned)  # type: ignore[arg-type]
+            queue.size += len(ordered) - held - len(front) - len(pinned)
         if front:
             self.free_queue.prepend_n(front)
         if pinned:
@@ -181,7 +182,7 @@ class BlockPool(PinnedTiers):
         hashed ones for the retained tier (as ``pin(ordered, PIN_RETAINED)`` would), in one pass."""
         tier = self.retained
         tail = tier.tail
-        last = tail.prev
+        last: Block = tail.prev  # type: ignore[assignment]  # the head sentinel at worst
         held = 0
         newly: list[Block] | None = [] if self.enable_events else None
         front: list[Block] = []
@@ -209,9 +210,9 @@ class BlockPool(PinnedTiers):
                 if newly is not None:
                     newly.append(block)
             block.prev = last
-            last.next = block  # type: ignore[union-attr]
+            last.next = block
             last = block
-        last.next = tail  # type: ignore[union-attr]
+        last.next = tail
         tail.prev = last
         tier.size += len(ordered) - held - len(front) - len(explicit)
         if newly:
@@ -241,7 +242,7 @@ class BlockPool(PinnedTiers):
         """
         table = self.cached[group]
         stored: list[bytes] | None = [] if self.enable_events else None
-        for block, block_hash in zip(blocks[start:end], hashes[start:end]):
+        for block, block_hash in zip(blocks[start:end], hashes[start:end], strict=False):
             if block.block_hash or block.is_null:
                 continue
             if block_hash in table:
@@ -260,10 +261,10 @@ class BlockPool(PinnedTiers):
         if stored:
             self._emit(BlockStored(self._next_seq(), group, tuple(stored), self.index))
 
-    def _uncache(self, block: Block, removed: dict[int, list[bytes]] | None) -> None:
-        del self.cached[block.group][block.block_hash]  # type: ignore[arg-type]
+    def _uncache(self, block: Block, block_hash: bytes, removed: dict[int, list[bytes]] | None) -> None:
+        del self.cached[block.group][block_hash]
         if removed is not None:
-            removed.setdefault(block.group, []).append(block.block_hash)  # type: ignore[arg-type]
+            removed.setdefault(block.group, []).append(block_hash)
         block.block_hash = None
         block.group = -1
 
@@ -271,8 +272,9 @@ class BlockPool(PinnedTiers):
         """Drop the cache entries of these blocks (e.g. a failed transfer wrote them)."""
         removed: dict[int, list[bytes]] | None = {} if self.enable_events else None
         for block in blocks:
-            if block.block_hash is not None and not block.is_null:
-                self._uncache(block, removed)
+            block_hash = block.block_hash
+            if block_hash is not None and not block.is_null:
+                self._uncache(block, block_hash, removed)
         if removed:
             for group, hashes in removed.items():
                 self._emit(BlockRemoved(self._next_seq(), group, tuple(hashes), self.index))

@@ -30,7 +30,7 @@ from operator import attrgetter
 from engine.kv_cache.block_pool import PIN_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
     CacheHit,
-    PoolStats,  # noqa: F401 (re-exported)
+    PoolStats,
     RetentionOptions,
     _check_pools,
     _per_pool,
@@ -47,7 +47,6 @@ from engine.kv_cache.managers import (
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
 
-
 _NEVER = 1 << 62  # a token count no request reaches
 _BLOCK_ID = attrgetter("block_id")
 _NO_BLOCKS: list[Block] = []
@@ -56,7 +55,7 @@ _NO_BLOCKS: list[Block] = []
 class _PrefixPin:
     """Explicit pins of one prefix: how many are held, and every (group, hash) they pinned."""
 
-    __slots__ = ("count", "blocks")
+    __slots__ = ("blocks", "count")
 
     def __init__(self) -> None:
         self.count = 0
@@ -66,7 +65,7 @@ class _PrefixPin:
 class _Admitted:
     """Coordinator-side bookkeeping of one admitted request."""
 
-    __slots__ = ("request", "cached_upto", "shared_prefix", "removed_upto", "capacity", "next_drop")
+    __slots__ = ("cached_upto", "capacity", "next_drop", "removed_upto", "request", "shared_prefix")
 
     def __init__(self, request: CacheRequest, shared_prefix: int):
         self.request = request
@@ -125,7 +124,7 @@ class HybridCoordinator:
                 index=p,
                 events=self.events,
             )
-            for p, (size, budget) in enumerate(zip(sizes, budgets))
+            for p, (size, budget) in enumerate(zip(sizes, budgets, strict=True))
         ]
         self.pool = self.pools[0]  # the only pool of a single-pool coordinator
         self._single_pool = num_pools == 1
@@ -189,7 +188,7 @@ class HybridCoordinator:
         length = max_length - max_length % alignment
         order = self._order_without_mamba if skip_mamba else self._order_rules
         factors = self._hash_factors
-        found: list[list[Block]] = [[] for _ in managers] if partial else [None] * len(managers)  # type: ignore[list-item]
+        found: list[list[Block]] = [[] for _ in managers] if partial else [None] * len(managers)  # type: ignore[list-item]  # filled by the first pass, but for the groups it skips
         lengths = [-1] * len(managers)
         current = length
         for g, manager, _full, _stable in order:  # first pass: every group
@@ -244,8 +243,10 @@ class HybridCoordinator:
         """
         state = self._admitted.get(request.request_id)
         if state is not None:
-            if hit is not None and hit.num_tokens or num_external_tokens:
-                raise ValueError(f"request {request.request_id!r}: hits and external tokens are only taken at admission")
+            if (hit is not None and hit.num_tokens) or num_external_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: hits and external tokens are only taken at admission"
+                )
             return self._allocate_running(state, num_new_tokens, delay_cache, reserved_blocks)
         if num_new_tokens <= 0 and num_external_tokens <= 0:
             raise ValueError(f"num_new_tokens: must be > 0 when there are no external tokens (got {num_new_tokens})")
@@ -312,7 +313,7 @@ class HybridCoordinator:
         self._record_allocation(predicted, free_before)
         if num_new_tokens > 1:  # a prefill chunk ends here
             for manager in self._windowed:
-                manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
+                manager.add_boundary(request_id, need)
         if not delay_cache:
             self._cache(state, need)
         state.capacity = min([len(m.tables[request_id]) * m.block_size for m in self.managers])
@@ -342,7 +343,8 @@ class HybridCoordinator:
         predicted = [0] * len(self.pools)
         for g, manager in enumerate(managers):
             force = num_external_tokens > 0 or (partial and self._mamba_flags[g])
-            predicted[manager.pool.index] += manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
+            blocks = manager.num_blocks_to_allocate(request_id, need, hit_blocks[g], total, force)
+            predicted[manager.pool.index] += blocks
         free_before = self._fits(predicted, reserved_blocks)
         if free_before is None:
             return None
@@ -356,10 +358,10 @@ class HybridCoordinator:
         if self._windowed:
             if state.shared_prefix:
                 for manager in self._windowed:
-                    manager.add_boundary(request_id, state.shared_prefix)  # type: ignore[attr-defined]
+                    manager.add_boundary(request_id, state.shared_prefix)
             if num_new_tokens > 1:
                 for manager in self._windowed:
-                    manager.add_boundary(request_id, need)  # type: ignore[attr-defined]
+                    manager.add_boundary(request_id, need)
         if not delay_cache:
             self._cache(state, need)
         return new_ids
@@ -523,10 +525,12 @@ class HybridCoordinator:
         for g, manager in enumerate(self.managers):
             needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
             for block in needed:
+                if block.block_hash is None:  # never: hit blocks come from the prefix-cache maps
+                    continue
                 block_key = (g, block.block_hash)
                 if block_key not in record.blocks:
-                    record.blocks.add(block_key)  # type: ignore[arg-type]
-                    self._explicit_pins[block_key] += 1  # type: ignore[index]
+                    record.blocks.add(block_key)
+                    self._explicit_pins[block_key] += 1
             manager.pool.pin(needed, PIN_EXPLICIT)
         return hit.num_tokens
 
@@ -593,8 +597,7 @@ class HybridCoordinator:
             return
         for manager in self._droppers:
             manager.remove_skipped_blocks(request_id, num_computed)
-        if num_computed > state.removed_upto:
-            state.removed_upto = num_computed
+        state.removed_upto = max(state.removed_upto, num_computed)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request, group by group, tail first. Idempotent.

@@ -70,7 +70,7 @@ def _per_pool(name: str, value: object, num_pools: int) -> list:
     """An int/None applies to every pool; a sequence must give one value per pool."""
     if value is None or isinstance(value, int):
         return [value] * num_pools
-    values = list(value)  # type: ignore[call-overload]
+    values = list(value)  # type: ignore[call-overload]  # neither int nor None: a sequence
     if len(values) != num_pools:
         raise ValueError(f"{name}: {len(values)} values for {num_pools} pools")
     return values

@@ -14,7 +14,6 @@ the last allocation took exactly the predicted number of blocks from every pool.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -87,7 +86,7 @@ def check_coordinator(coord: HybridCoordinator) -> None:
                     fail(f"group {g} {request_id!r}: {live} live Mamba state blocks")
                 if sorted(i for i, b in enumerate(table) if b is not null) != manager.live.get(request_id, []):
                     fail(f"group {g} {request_id!r}: live state indices disagree with the table")
-            elif live != len(table) - sum(1 for _ in itertools.takewhile(lambda b: b is null, table)):
+            elif live != len(table) - next((i for i, b in enumerate(table) if b is not null), len(table)):
                 fail(f"group {g} {request_id!r}: a null slot after a live block (nulls must be a prefix)")
     unshared_hashless = [
         key for key, n in refs.items() if n > 1 and coord.pools[key[0]].blocks[key[1]].block_hash is None

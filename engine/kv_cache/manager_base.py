@@ -89,7 +89,7 @@ class SingleTypeManager:
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks ``allocate_new`` will take for an admitted request."""
         new = -(-num_tokens // self.block_size) - len(self.tables[request_id])
-        return new if new > 0 else 0
+        return max(0, new)
 
     def claim_hit(self, request_id: str, hit_blocks: list[Block], total_computed: int) -> None:
         """Phase 1: claim the local hit blocks still inside the needed range; null the rest."""

@@ -8,10 +8,10 @@ announcing ``BlockPinned`` / ``BlockUnpinned`` events.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, Block
-from engine.kv_cache.events import BlockPinned, BlockUnpinned
+from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, Block, BlockQueue
+from engine.kv_cache.events import BlockPinned, BlockUnpinned, KVEvent
 
 
 class PinnedTiers:
@@ -23,6 +23,16 @@ class PinnedTiers:
     ``retain_budget`` blocks (when set); demotion takes the oldest blocks, retained before explicit.
     """
 
+    # The pool's state these methods work on (``BlockPool.__init__`` creates it).
+    index: int
+    enable_events: bool
+    retain_budget: int | None
+    free_queue: BlockQueue
+    retained: BlockQueue
+    explicit: BlockQueue
+    tiers: tuple[BlockQueue, BlockQueue, BlockQueue]
+    _emit: Callable[[KVEvent], None]
+    _next_seq: Callable[[], int]
 
     # -- pinning -------------------------------------------------------------------------------
     def pin(self, blocks: Iterable[Block], level: int) -> None:
@@ -48,7 +58,8 @@ class PinnedTiers:
         if self.enable_events:
             by_group: dict[int, list[bytes]] = {}
             for block in blocks:
-                by_group.setdefault(block.group, []).append(block.block_hash)  # type: ignore[arg-type]
+                if block.block_hash is not None:  # always: only cached blocks are pinned
+                    by_group.setdefault(block.group, []).append(block.block_hash)
             for group, hashes in by_group.items():
                 self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
 
@@ -67,7 +78,7 @@ class PinnedTiers:
         done = 0
         for queue in (self.retained, self.explicit):
             while done < n and queue.size:
-                self._clear_pin(queue.head.next, gone)  # type: ignore[arg-type]
+                self._clear_pin(queue.head.next, gone)  # type: ignore[arg-type]  # size > 0: a real block
                 done += 1
         self._emit_unpinned(gone)
         return done
@@ -89,7 +100,7 @@ class PinnedTiers:
             return
         gone: dict[int, list[bytes]] = {}
         for _ in range(over):
-            self._clear_pin(self.retained.head.next, gone)  # type: ignore[arg-type]
+            self._clear_pin(self.retained.head.next, gone)  # type: ignore[arg-type]  # over > 0: a real block
         self._emit_unpinned(gone)
 
     def _emit_unpinned(self, gone: dict[int, list[bytes]]) -> None:

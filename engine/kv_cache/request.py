@@ -16,13 +16,13 @@ class CacheRequest:
     """
 
     __slots__ = (
-        "request_id",
-        "token_ids",
         "block_hashes",
-        "hash_block_size",
         "cache_salt",
+        "hash_block_size",
         "num_computed_tokens",
         "remote_prefill",
+        "request_id",
+        "token_ids",
     )
 
     def __init__(

@@ -20,6 +20,8 @@ from engine.model.moe import SparseMoE
 
 
 class Attention(nn.Module):
+    sinks: nn.Parameter | None  # a parameter (``register_parameter`` in ``__init__``)
+
     def __init__(self, arch: ModelArch, layer: int, group: int):
         super().__init__()
         gemma = arch.family == "gemma3"

@@ -32,7 +32,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
 
     gguf_path = Path(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    where = dict(gguf_file=gguf_path.name, local_files_only=True)
+    where = {"gguf_file": gguf_path.name, "local_files_only": True}
 
     start = time.monotonic()
     log.info("%s: loading the tokenizer (about 5-30 s)", gguf_path.name)

@@ -70,7 +70,7 @@ def inspect_gguf(path: Path) -> GGUFInfo:
 
     try:
         reader = GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... for bad files
+    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, IndexError, struct errors... for bad files
         raise GGUFFileError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})"
         ) from None

@@ -76,18 +76,18 @@ def _checked_layer_types(layer_types: list[str], num_layers: int, allowed: tuple
 
 def _shared_fields(config: dict[str, Any], heads: int, head_dim: int, eps: float, max_positions: int) -> dict[str, Any]:
     """Fields every architecture reads the same way from its HF config."""
-    return dict(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=int(config["hidden_size"]),
-        intermediate_size=int(config["intermediate_size"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(config.get("rms_norm_eps", eps)),
-        max_position_embeddings=int(config.get("max_position_embeddings", max_positions)),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_eos(config),
-    )
+    return {
+        "vocab_size": int(config["vocab_size"]),
+        "hidden_size": int(config["hidden_size"]),
+        "intermediate_size": int(config["intermediate_size"]),
+        "num_heads": heads,
+        "num_kv_heads": int(config.get("num_key_value_heads", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(config.get("rms_norm_eps", eps)),
+        "max_position_embeddings": int(config.get("max_position_embeddings", max_positions)),
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_ids": _eos(config),
+    }
 
 
 def _float(value: Any) -> float:

@@ -82,8 +82,8 @@ def split_budget(
     if len(pools) == 1:
         blocks = max(2, budget_bytes // pools[0].block_bytes)
         used = blocks * pools[0].block_bytes
-        attention = used if pools[0].kind == "attention" else 0
-        return BudgetSplit((blocks,), budget_bytes, used - attention, 0, attention, 0)
+        attention_bytes = used if pools[0].kind == "attention" else 0
+        return BudgetSplit((blocks,), budget_bytes, used - attention_bytes, 0, attention_bytes, 0)
     state_pools = [p for p, pool in enumerate(pools) if pool.kind == "state"]
     reserved = {p: max_num_seqs * len(layout.groups_in(p)) * STATES_PER_RUNNING_REQUEST + 1 for p in state_pools}
     reserved_bytes = sum(reserved[p] * pools[p].block_bytes for p in state_pools)
@@ -134,4 +134,5 @@ def blocks_per_pool(
     else:
         assert cache.memory_budget_mib is not None  # the schema requires one of the three
         budget = int(cache.memory_budget_mib * 2**20)
-    return split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens).num_blocks
+    split = split_budget(layout, budget, max_num_seqs, cache.state_cache_fraction, cache.expected_prefix_tokens)
+    return split.num_blocks

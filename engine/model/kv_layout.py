@@ -244,8 +244,8 @@ def build_kv_layout(arch: ModelArch, block_size: int, dtype: str) -> KVLayout:
             for start in range(0, len(layers), size):
                 members = layers[start : start + size]
                 unused += size - len(members)
-                for slot, layer in enumerate(members):
-                    layer_group[layer], layer_pool[layer], layer_slot[layer] = len(groups), p, slot
+                for slot, member in enumerate(members):
+                    layer_group[member], layer_pool[member], layer_slot[member] = len(groups), p, slot
                 groups.append(KVCacheGroup(spec, tuple(f"layers.{i}" for i in members), pool=p))
         kind, page = pool_key
         pools.append(PoolLayout(kind, page, size, len(groups) - first_group, unused))

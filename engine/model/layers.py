@@ -64,6 +64,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half convention) for one layer type."""
 
+    inv_freq: torch.Tensor  # a buffer (``register_buffer`` in ``__init__``)
+
     def __init__(self, rope: RopeArch, head_dim: int):
         super().__init__()
         inv_freq = torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
@@ -81,7 +83,7 @@ class Rotary(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # not nn.Module.apply(fn): the rotation
         """``x``: [T, heads, head_dim]; ``cos``/``sin``: ``cos_sin``'s [T, rotary_dim]. The
         rotate-half convention ``x * cos + cat(-x2, x1) * sin`` as ``x * cos + cat(x2, x1) * sin'``
         with ``sin' = cat(-sin, sin)`` (the same products, bit for bit)."""
@@ -121,7 +123,7 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tens
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
         has_bias = all(linear.bias is not None for linear in linears)
-        bias = torch.cat([linear.bias for linear in linears]) if has_bias else None  # type: ignore[misc]
+        bias = torch.cat([linear.bias for linear in linears]) if has_bias else None
         start = 0
         for linear in linears:
             rows = linear.weight.shape[0]
@@ -206,13 +208,13 @@ def paged_attention(
         if index.slot_tables is not None:  # a static decode batch: gathers from its slot tables
             blocks, offsets, valid = slot_table_reads(index, batch.positions, bs)
         else:
-            blocks, offsets, valid = index.decode_block, index.decode_offset, index.decode_valid
-        rows = (blocks * stride + offsets).reshape(-1)  # type: ignore[operator]
-        shape = (*blocks.shape, kv_heads, head_dim)  # type: ignore[union-attr]
+            blocks, offsets, valid = index.decode_block, index.decode_offset, index.decode_valid  # type: ignore[assignment]  # set for every batch with decode chunks
+        rows = (blocks * stride + offsets).reshape(-1)
+        shape = (*blocks.shape, kv_heads, head_dim)
         kbuf, vbuf = batch.scratch or (None, None)
         keys = _gather(flat, rows, kbuf).view(shape).permute(0, 2, 1, 3)
         values = _gather(flat, rows + bs, vbuf).view(shape).permute(0, 2, 1, 3)
-        mask = valid[:, None, None, :]  # type: ignore[index]
+        mask = valid[:, None, None, :]
         out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap, sinks)[:, :, 0, :]
     return out
 

@@ -50,7 +50,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         try:
             tensors.update(load_file(str(file)))
-        except Exception as exc:  # safetensors raises several types for corrupt files
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
             raise CheckpointError(f"{file}: cannot read weights ({exc})") from None
     return tensors
 
@@ -92,11 +92,15 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and attn.rotary is not None:
-            attn.rotary.inv_freq = torch.tensor(attn.rope_key.inv_freq(arch.head_dim), dtype=torch.float32, device=device)
-    return model.eval()
+            inv_freq = attn.rope_key.inv_freq(arch.head_dim)
+            attn.rotary.inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+    model.eval()
+    return model
 
 
-def load_hf_directory(path: str | Path, sliding_window_override: int | None = None) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+def load_hf_directory(
+    path: str | Path, sliding_window_override: int | None = None
+) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """Architecture and raw weights of a Hugging Face model directory."""
     directory = Path(path).expanduser()
     if not directory.is_dir():

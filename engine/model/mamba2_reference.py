@@ -29,7 +29,8 @@ def ssd_scan(
     ys = []
     h = h0
     for lo in range(0, x.shape[0], SUB_CHUNK):
-        xs, dts, bs, cs = x[lo : lo + SUB_CHUNK], dt[lo : lo + SUB_CHUNK], b[lo : lo + SUB_CHUNK], c[lo : lo + SUB_CHUNK]
+        part = slice(lo, lo + SUB_CHUNK)
+        xs, dts, bs, cs = x[part], dt[part], b[part], c[part]
         n = xs.shape[0]
         s = torch.cumsum(dts * a[None, :], dim=0)  # [n, H] log-decay from the sub-chunk start
         seg = s[:, None, :] - s[None, :, :]  # [t, s, H]

@@ -120,6 +120,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"moe.top_k: {moe.top_k} must be in [1, num_experts={moe.num_experts}]")
         self.moe = moe
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
+        self.experts: nn.ModuleList | GptOssExperts
+        self.router: nn.Linear | _RouterHolder
         if moe.layout == "qwen":
             self.gate = nn.Linear(h, e, bias=moe.router_bias)
             self.experts = nn.ModuleList(GatedMLP(h, i, moe.hidden_act) for _ in range(e))
@@ -187,11 +189,11 @@ class SparseMoE(nn.Module):
 
 
 def _qwen_expert(block: SparseMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-    return block.experts[expert](x)
+    return block.experts[expert](x)  # type: ignore[index]  # layout "qwen": a ModuleList
 
 
 def _gpt_oss_expert(block: SparseMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-    return block.experts.apply_expert(expert, x)  # type: ignore[operator]
+    return block.experts.apply_expert(expert, x)  # type: ignore[operator]  # layout "gpt_oss": GptOssExperts
 
 
 def _granite_expert(block: SparseMoE, expert: int, x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ class NemotronRouter(nn.Module):
     """Sigmoid top-k routing with a score-correction bias and group-limited choice (the
     DeepSeek-V3 router): ``weight`` [E, H], ``e_score_correction_bias`` [E]."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer (``register_buffer`` in ``__init__``)
+
     def __init__(self, moe: MoEArch, hidden: int):
         super().__init__()
         if moe.num_experts % moe.n_group or not 0 < moe.topk_group <= moe.n_group:

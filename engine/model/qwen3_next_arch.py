@@ -87,7 +87,9 @@ def qwen3_next_arch(config: dict[str, Any], architecture: str, head_dim: int) ->
     factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
     rotary_dim = int(head_dim * factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise UnsupportedModelError(f"partial_rotary_factor: {factor} gives rotary dim {rotary_dim} (must be even, > 0)")
+        raise UnsupportedModelError(
+            f"partial_rotary_factor: {factor} gives rotary dim {rotary_dim} (must be even, > 0)"
+        )
     rope = RopeArch(base.theta, base.linear_factor, rotary_dim, base.yarn)
     layers = tuple(
         LayerArch("full_attention", None, rope) if kind == "full_attention" else LayerArch("linear_attention")

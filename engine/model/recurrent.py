@@ -10,10 +10,15 @@ starts from zeros when that is ``-1``) and writes the state after the chunk into
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.model.batch import ForwardBatch, GroupIndex
+
+if TYPE_CHECKING:
+    from engine.model.decoder import Attention
 
 #: the ``GroupIndex.derived`` key of a recurrent group's decode index (``decode_index``); a static
 #: decode batch (``engine.model.decode_step``) sets it once to its fixed device buffers
@@ -39,7 +44,7 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
 
-def cache_users(layer: nn.Module) -> list[nn.Module]:
+def cache_users(layer: nn.Module) -> list[Attention | RecurrentMixer]:
     """The modules of one decoder layer that read or write the KV cache (attention or recurrent
     mixers); empty for layers without a cache (an MLP-only layer)."""
     from engine.model.decoder import Attention

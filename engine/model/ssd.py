@@ -10,6 +10,7 @@ state carry between them for all of those chunks together.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ class PackedChunks:
 
 def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> PackedChunks:
     """The packed layout of chunks of ``lengths`` (non-increasing)."""
-    if any(a < b for a, b in zip(lengths, lengths[1:])):
+    if any(a < b for a, b in itertools.pairwise(lengths)):
         raise ValueError(f"lengths: expected longest first, got {lengths}")
     count = len(lengths)
     sizes = torch.tensor(lengths, dtype=torch.long)

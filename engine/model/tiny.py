@@ -19,34 +19,34 @@ from engine.model.random_checkpoint import (
 COMMON: dict[str, Any] = {**TINY_BASE, "intermediate_size": 128}
 
 TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "tiny-llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
-    "tiny-qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
-    "tiny-mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=16)),
+    "tiny-llama": ("LlamaConfig", "LlamaForCausalLM", {"num_hidden_layers": 2}),
+    "tiny-qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_hidden_layers": 2}),
+    "tiny-mistral": ("MistralConfig", "MistralForCausalLM", {"num_hidden_layers": 2, "sliding_window": 16}),
     "tiny-gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        dict(
-            head_dim=16,
-            num_hidden_layers=4,
-            sliding_window=16,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        ),
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        },
     ),
     "tiny-bamba": (
         "BambaConfig",
         "BambaForCausalLM",
-        dict(
-            num_hidden_layers=4,
-            attn_layer_indices=[1, 3],
-            mamba_n_heads=8,
-            mamba_d_head="auto",
-            mamba_n_groups=1,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
-        ),
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1, 3],
+            "mamba_n_heads": 8,
+            "mamba_d_head": "auto",
+            "mamba_n_groups": 1,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 16,
+        },
     ),
 }
 

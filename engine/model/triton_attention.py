@@ -191,11 +191,12 @@ def _launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, 
     g_pad, d_pad = next_pow2(groups), max(16, next_pow2(head_dim))
     max_rows = 128 if d_pad <= 128 and dtype != torch.float32 else 64
     tokens = max(1, min(TILE_TOKENS, max_rows // g_pad))
-    return dict(
-        G=groups, G_P=g_pad, HEAD_DIM=head_dim, D_P=d_pad, TOKENS=tokens, BLOCK_M=max(16, tokens * g_pad),
-        DEC_ROWS=max(16, g_pad), BLOCK_N=64, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=4 if d_pad <= 128 else 8, num_stages=2,
-    )  # fmt: skip
+    return {
+        "G": groups, "G_P": g_pad, "HEAD_DIM": head_dim, "D_P": d_pad, "TOKENS": tokens,
+        "BLOCK_M": max(16, tokens * g_pad), "DEC_ROWS": max(16, g_pad), "BLOCK_N": 64,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4 if d_pad <= 128 else 8,
+        "num_stages": 2,
+    }  # fmt: skip
 
 
 def next_pow2(n: int) -> int:
@@ -219,7 +220,7 @@ def jit_in_place(namespace: dict[str, Any], names: tuple[str, ...], what: str) -
     triton = _import_triton()
     if triton is None:
         raise RuntimeError(f"triton {what}: triton is not importable")
-    import triton.language as language
+    from triton import language
 
     namespace["tl"] = language
     for name in names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from engine.kv_cache.spec import KVCacheGroup, alignment_tokens, hash_block_size
 from engine.routing.index import WorkerSnapshot
@@ -194,7 +195,13 @@ class PrefixTreeRouter(Router):
         return decision
 
 
-BASELINES: dict[str, type[Router]] = {
+class BaselineFactory(Protocol):
+    """How ``engine.routing.factory`` builds a baseline router: the KV-cache groups and a seed."""
+
+    def __call__(self, groups: Sequence[KVCacheGroup] = (), seed: int = 0) -> Router: ...
+
+
+BASELINES: dict[str, BaselineFactory] = {
     "round_robin": RoundRobinRouter,
     "least_loaded": LeastLoadedRouter,
     "prefix_tree": PrefixTreeRouter,

@@ -106,7 +106,7 @@ class HitRules:
         self, tables: Sequence[Mapping[bytes, object]], hashes: Sequence[bytes], max_length: int, skip_mamba: bool
     ) -> int:
         """The coordinator's own fixed point, evaluated on these per-group hash sets."""
-        for manager, table in zip(self.managers, tables):
+        for manager, table in zip(self.managers, tables, strict=True):
             manager.cached = table  # type: ignore[assignment]
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         return self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba).num_tokens

@@ -277,7 +277,7 @@ class PrefixIndex:
                 deepest = max(deepest, k)
         if not failing:
             return hits, None
-        return hits, Pending(failing, deepest - 1, views, [g0] + checks, hashes, skip_mamba)
+        return hits, Pending(failing, deepest - 1, views, [g0, *checks], hashes, skip_mamba)
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], mask: int | None = None) -> None:
         """Step 3 for the pending workers (or those of them in ``mask``): the longest shorter length
@@ -322,7 +322,7 @@ class PrefixIndex:
             if steps <= 0:
                 return
             ends = self._valid_ends(g, views[g], steps, workers)
-            serving = ends if serving is None else [a & b for a, b in zip(serving, ends)]
+            serving = ends if serving is None else [a & b for a, b in zip(serving, ends, strict=True)]
         assert serving is not None
         remaining = workers
         for k in range(steps, 0, -1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.routing.index import GroupHash
+from engine.routing.index import GroupHash, PrefixIndex
 from engine.routing.types import (
     Action,
     PinInfo,
@@ -95,6 +95,21 @@ class PinHolders:
     its ``needed``, with no empty entry; a dropped holder yields an ``Unpin`` unless nothing can be
     pinned there (a removed worker, a result of 0 tokens); no holder is added before ``retry_at``.
     """
+
+    # The table's state these methods work on (``PinTable.__init__`` creates it).
+    index: PrefixIndex
+    pending_timeout_s: float
+    retry_after_s: float
+    backoff_s: float
+    max_backoff_s: float
+    stable_s: float
+    pins: dict[int, Pin]
+    watch: dict[WorkerId, dict[GroupHash, set[int]]]
+    worker_blocks: dict[WorkerId, int]
+    auto_worker_blocks: dict[WorkerId, int]
+    recoveries: list[tuple[int, float, float]]
+    _retired: dict[int, tuple[list[bytes], int]]
+    remove: Callable[[int], list[Action]]
 
     # -- holders ----------------------------------------------------------------------------------------
     def fill(self, pin: Pin, now: float, choose: Chooser) -> list[Action]:

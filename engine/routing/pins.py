@@ -146,10 +146,7 @@ class PinTable(PinHolders):
             self.used_blocks -= cost
         if any(h.state == PENDING for h in pin.holders.values()):
             self._retired[pin.pin_id] = (pin.block_hashes, pin.length)
-        actions: list[Action] = []
-        for worker in list(pin.holders):
-            actions.append(self._drop_holder(pin, worker))
-        return actions
+        return [self._drop_holder(pin, worker) for worker in list(pin.holders)]
 
     # -- lookups ----------------------------------------------------------------------------------------
     def match(self, block_hashes: Sequence[bytes]) -> Pin | None:

@@ -272,7 +272,9 @@ class RoutingPolicy(Router):
                 self._inflight.add(worker, kept, shared.get(worker, 0) // block, end, now)
         return decision
 
-    def _ahead(self, view: list[bytes], num_tokens: int, shared: dict[WorkerId, int], now: float) -> dict[WorkerId, int]:
+    def _ahead(
+        self, view: list[bytes], num_tokens: int, shared: dict[WorkerId, int], now: float
+    ) -> dict[WorkerId, int]:
         """Tokens of this prompt each worker will hold once the requests routed to it have run
         (what it holds, extended by what it was sent and has not reported), aligned like a hit
         and below N; only workers with such unreported blocks."""
@@ -634,7 +636,8 @@ class RoutingPolicy(Router):
     def tick(self, now: float) -> list[Action]:
         """Time-driven work: pin TTLs, PENDING timeouts, retries, automatic pinning."""
         actions = self.pins.expire(now)
-        if self.hot is not None and (self._last_auto is None or now - self._last_auto >= self.config.auto_pin.interval_s):
+        due = self._last_auto is None or now - self._last_auto >= self.config.auto_pin.interval_s
+        if self.hot is not None and due:
             self._last_auto = now
             actions.extend(self._auto_pin(now))
         actions.extend(self._fill_pins(now))

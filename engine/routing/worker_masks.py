@@ -11,7 +11,9 @@ from itertools import accumulate, repeat
 from operator import and_
 
 
-def contiguous_depths(view: Sequence[bytes], limit: int, owners: Mapping[bytes, int], alive: int) -> list[tuple[int, int]]:
+def contiguous_depths(
+    view: Sequence[bytes], limit: int, owners: Mapping[bytes, int], alive: int
+) -> list[tuple[int, int]]:
     """Contiguous-prefix depths of a downward-closed (full-attention) group: ``(n, mask)`` pairs,
     ascending in n, where ``mask`` holds the workers whose cached run of ``view`` is exactly ``n``
     blocks (n >= 1, capped at ``limit``).
@@ -48,7 +50,7 @@ def sliding_and(values: list[int], width: int) -> list[int]:
         tail = list(accumulate(reversed(chunk), and_))
         tail.reverse()
         backward.extend(tail)
-    return [a & b for a, b in zip(backward, forward[width - 1 :])]
+    return [a & b for a, b in zip(backward, forward[width - 1 :], strict=False)]
 
 
 class RangeAnd:
@@ -76,6 +78,6 @@ class RangeAnd:
         while len(levels) <= k:
             prev = levels[-1]
             half = 1 << (len(levels) - 1)
-            levels.append([a & b for a, b in zip(prev, prev[half:])])
+            levels.append([a & b for a, b in zip(prev, prev[half:], strict=False)])
         level = levels[k]
         return level[start] & level[stop - (1 << k)]

@@ -38,7 +38,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class KVTransfer(ABC):
             self.name,
             len(page_bytes),
             info.num_pools,
-            sum(r * p for r, p in zip(rows, page_bytes)) / 2**20,
+            sum(r * p for r, p in zip(rows, page_bytes, strict=True)) / 2**20,
             self.backend,
         )
         return self._info
@@ -188,7 +188,7 @@ class KVTransfer(ABC):
         self._reads[tid] = rec
         try:
             self._start(rec, info, pool_ids, remote_ids, local_ids, bytes(notify), t0)
-        except Exception as e:  # a transport error must not take the engine loop down
+        except Exception as e:  # noqa: BLE001 - a transport error must not take the engine loop down
             self._fail(tid, rec, f"start: {type(e).__name__}: {e}")
         if rec.status == FAILED:
             logger.warning("%s: read %d from %s failed: %s", self.name, tid, name, rec.error)
@@ -215,7 +215,7 @@ class KVTransfer(ABC):
             if rec.status == PENDING:
                 try:
                     self._progress(rec)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a transport error fails this read, not the engine loop
                     self._fail(tid, rec, f"progress: {type(e).__name__}: {e}")
                 if rec.status == PENDING and now > rec.deadline:
                     self._fail(tid, rec, f"timed out after {self.read_timeout_s:g} s")
@@ -274,7 +274,7 @@ class KVTransfer(ABC):
         self._close()
         self._closed = True
 
-    def __enter__(self) -> KVTransfer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -288,7 +288,7 @@ class KVTransfer(ABC):
         rec.error = reason
         try:
             self._cancel(rec)
-        except Exception as e:  # cancellation is best effort; the record is failed either way
+        except Exception as e:  # noqa: BLE001 - cancellation is best effort; the record is failed either way
             logger.warning("%s: cancelling read %d failed: %s", self.name, tid, e)
 
     def _check_open(self) -> None:
@@ -318,7 +318,8 @@ class KVTransfer(ABC):
         t0: float,
     ) -> None:
         """Begin the read (row ``remote_ids[i]`` of every peer slot of pool ``pool_ids[i]`` into
-        row ``local_ids[i]`` of the local slot of the same index); set ``rec.status`` (DONE if already complete), ``rec.handle``, ``rec.setup_s``."""
+        row ``local_ids[i]`` of the local slot of the same index); set ``rec.status`` (DONE if
+        already complete), ``rec.handle``, ``rec.setup_s``."""
 
     @abstractmethod
     def _progress(self, rec: ReadRecord) -> None:

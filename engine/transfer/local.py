@@ -198,6 +198,7 @@ class LocalTransfer(KVTransfer):
         try:
             sock.connect(info.notify_addr)  # first: a live listener proves the paths / IPC handles are the owner's
             sock.setblocking(False)
+            slots: list[torch.Tensor] | list[np.ndarray]
             if on_gpu:
                 from engine.transfer import local_cuda
 
@@ -260,7 +261,7 @@ class LocalTransfer(KVTransfer):
             rec.handle = _PendingCopy(event, notify)
             self._progress(rec)
             return
-        for s, (src, dst) in enumerate(zip(self._peer_slots[peer.name], self._local)):
+        for s, (src, dst) in enumerate(zip(self._peer_slots[peer.name], self._local, strict=True)):
             for r0, l0, n in runs.get(local.pool_of(s), ()):
                 dst[l0 : l0 + n] = src[r0 : r0 + n]
         rec.handle = notify

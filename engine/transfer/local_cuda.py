@@ -137,7 +137,7 @@ def open_peer(info: AgentInfo) -> list[torch.Tensor]:
         slots = [ref() for ref in _IN_PROCESS.get(info.name, ())]
         if not slots or any(t is None for t in slots):
             raise TransferError(f"peer {info.name!r} lives in this process but its CUDA slots are gone (closed?)")
-        return slots  # type: ignore[return-value]
+        return slots  # type: ignore[return-value]  # no None is left: checked just above
     if len(info.cuda_ipc) != info.num_slots:
         raise TransferError(
             f"peer {info.name!r}: AgentInfo has {len(info.cuda_ipc)} CUDA IPC descriptors for {info.num_slots} slots"
@@ -151,7 +151,8 @@ def open_peer(info: AgentInfo) -> list[torch.Tensor]:
         rows, page = info.rows_of(s), info.page_bytes[s]
         if int(tensor_offset) + rows * page > int(size_bytes):
             raise TransferError(
-                f"peer {info.name!r}: slot {s} ({rows} x {page} bytes) exceeds its shared storage ({size_bytes} bytes)"
+                f"peer {info.name!r}: slot {s} ({rows} x {page} bytes) exceeds its shared storage "
+                f"({int(size_bytes)} bytes)"
             )
         try:
             t = rebuild_cuda_tensor(

@@ -186,7 +186,10 @@ class NixlTransfer(KVTransfer):
 
         rows = [num_blocks] * len(page_bytes) if isinstance(num_blocks, int) else list(num_blocks)
         if torch.device(device).type != "cpu":
-            return [torch.zeros((n, page), dtype=torch.uint8, device=device) for n, page in zip(rows, page_bytes)]
+            return [
+                torch.zeros((n, page), dtype=torch.uint8, device=device)
+                for n, page in zip(rows, page_bytes, strict=True)
+            ]
         return [hugepage_zeros(n, page) for n, page in zip(rows, page_bytes, strict=True)]
 
     def _register(self, tensors: list[torch.Tensor], rows: tuple[int, ...], page_bytes: tuple[int, ...]) -> AgentInfo:
@@ -246,14 +249,14 @@ class NixlTransfer(KVTransfer):
         if dlist is not None:
             try:
                 dlist.release()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - best effort: the peer is dropped either way
                 logger.warning("%s: releasing descriptors of %s: %s", self.name, name, e)
         self._forget_remote(name)
 
     def _forget_remote(self, name: str) -> None:
         try:
             self._agent.remove_remote_agent(name)
-        except Exception as e:  # already gone or never loaded
+        except Exception as e:  # noqa: BLE001 - the agent is already gone or was never loaded
             logger.debug("%s: remove_remote_agent(%s): %s", self.name, name, e)
 
     # -- reads -------------------------------------------------------------------------------
@@ -272,7 +275,7 @@ class NixlTransfer(KVTransfer):
             # touches a registered region pays the connection and that region's key setup
             # (measured: ~35-45 ms per first read of 8 slots), so touch them all now.
             slots = np.arange(peer.num_slots)
-            rows = np.asarray([peer.rows_of(s) for s in slots])
+            rows = np.asarray([peer.rows_of(s) for s in range(peer.num_slots)])
             local_idx = (self._scratch_index + slots).astype(np.int32)
             remote_idx = np.concatenate(([0], np.cumsum(rows)))[:-1].astype(np.int32)
         elif local_ids.size == 0 and not notify:
@@ -318,7 +321,7 @@ class NixlTransfer(KVTransfer):
             return
         try:
             handle.release()  # cancels an in-flight request
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a handle that will not release is kept and retried
             logger.warning("%s: releasing a transfer handle failed (%s); will retry", self.name, e)
             self._zombies.append(handle)
 
@@ -329,7 +332,7 @@ class NixlTransfer(KVTransfer):
         for handle in self._zombies:
             try:
                 handle.release()
-            except Exception:
+            except Exception:  # noqa: BLE001 - still busy: kept for the next retry
                 left.append(handle)
         self._zombies = left
 
@@ -347,7 +350,7 @@ class NixlTransfer(KVTransfer):
         if self._reg_descs is not None:
             try:
                 self._agent.deregister_memory(self._reg_descs)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - closing goes on; the memory goes with the process
                 logger.warning("%s: deregister_memory: %s", self.name, e)
             self._reg_descs = None
         self._tensors = []

@@ -101,7 +101,6 @@ def as_pool_pairs(
     remote, local = np.empty(len(arr), np.int64), np.empty(len(arr), np.int64)
     for p in np.unique(pool).tolist():
         rows = pool == p
-        r, l = as_pairs(arr[rows, 1:], remote_blocks[p], local_blocks[p])
-        remote[rows], local[rows] = r, l
+        remote[rows], local[rows] = as_pairs(arr[rows, 1:], remote_blocks[p], local_blocks[p])
     return np.ascontiguousarray(pool), remote, local
 

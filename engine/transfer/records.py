@@ -32,12 +32,12 @@ class AgentInfo:
     """Everything a peer needs to read this worker's slot tensors. Plain data only (str, int,
     bytes, tuples), so it pickles and travels as a Ray argument or return value.
 
-    ``page_bytes[s]`` is the row size of slot tensor ``s``, ``slot_pool[s]`` its pool (empty:
-    every slot in pool 0) and ``slot_blocks[s]`` its row count (empty: ``num_blocks`` each);
-    ``num_blocks`` is pool 0's row count. NIXL fills ``metadata`` (the agent blob), ``base_addrs``, ``mem_type`` and ``device_id``;
-    the local backend fills ``notify_addr``, ``mem_type``, ``device_id`` and, for CPU slots,
-    ``shm_paths``; for CUDA slots ``cuda_ipc``: per slot, the plain part of torch's CUDA IPC
-    reduction (see ``local_cuda.share``).
+    ``page_bytes[s]`` is the row size of slot tensor ``s``, ``slot_pool[s]`` its pool (empty: every
+    slot in pool 0) and ``slot_blocks[s]`` its row count (empty: ``num_blocks`` each);
+    ``num_blocks`` is pool 0's row count. NIXL fills ``metadata`` (the agent blob), ``base_addrs``,
+    ``mem_type`` and ``device_id``; the local backend fills ``notify_addr``, ``mem_type``,
+    ``device_id`` and, for CPU slots, ``shm_paths``; for CUDA slots ``cuda_ipc``: per slot, the
+    plain part of torch's CUDA IPC reduction (see ``local_cuda.share``).
 
     Invariant: frozen and compared by value (``KVTransfer.add_peer`` takes an equal info for the
     peer it already has).
