@@ -1,7 +1,7 @@
 """The driver API: ``Cluster(config)`` starts (or attaches to) Ray, starts the workers and the
 router, and serves ``generate`` / ``stream`` / ``pin_prefix`` / ``unpin`` / ``stats`` / ``abort``.
 
-One request (see ARCHITECTURE.md): the driver tokenizes and hashes the prompt once, asks the
+One request (see docs/architecture.md): the driver tokenizes and hashes the prompt once, asks the
 router actor where it runs; when the router splits it, the driver tells the decode worker at
 once (it reserves the prompt's blocks and warms its connection to the prefill worker while the
 prefill runs), the prefill worker computes the prompt's KV and returns a handle, the driver
@@ -11,6 +11,11 @@ applies stop strings (aborting the request on the worker when one matches). A re
 finished once the router applied the reports holding its blocks (the workers send them without
 waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop.
 
+``Cluster`` is a facade over the objects it owns: the ``RequestRunner`` (cluster/request_runner.py:
+admission, routing, streaming, retries), the ``Supervisor`` (cluster/supervisor.py: the actors,
+their health and replacement), and the ``DriverLoop`` (cluster/driver_loop.py) that its blocking
+calls wait on.
+
     with Cluster("tiny") as cluster:
         print(cluster.generate(["Hello"], SamplingParams(max_tokens=8))[0].text)
 """
@@ -19,31 +24,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import uuid
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Self
 
-from cluster.admin import ClusterAdmin
-from cluster.lifecycle import ClusterHandles, ClusterLifecycle
-from cluster.request_path import (
-    ClusterCompletion,
-    ClusterRequests,
-    Delta,
-    RequestFailedError,
-    _Request,
-)
-from cluster.supervision import ClusterSupervision
+from cluster.driver_loop import NOT_STARTED, DriverLoop
+from cluster.in_flight import InFlight
+from cluster.request_runner import ClusterCompletion, Delta, RequestFailedError, RequestRunner
+from cluster.served_model import ServedModel
+from cluster.supervisor import RouterHandle, Supervisor, WorkerHandle
 from configs import ClusterConfig, load_config
 from engine.sampling_params import SamplingParams
-from engine.validation import (
-    InvalidRequestError,
-    check_prompt,
-    check_request_id,
-    check_token_ids,
-    problem,
-    prompt_batch,
-)
+
+if TYPE_CHECKING:
+    from actors.worker_types import WorkerInfo
+    from engine.routing import Decision
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +49,30 @@ Prompt = str | Sequence[int]
 DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GGUF (minutes)
 
 
-class Cluster(ClusterLifecycle, ClusterRequests, ClusterSupervision, ClusterAdmin):
-    """Owns a set of prefill/decode worker actors and a router actor on a Ray cluster (embedded
-    or attached), the driver-side tokenizer, and the requests in flight.
+@dataclass(frozen=True)
+class ClusterHandles:
+    """Everything another process needs to drive a started cluster (picklable): the config, the
+    worker and router actor handles, what each worker reported at start, the model directory.
+    The process that started the actors owns them; ``Cluster.attach`` only drives them."""
 
-    Starting, attaching and stopping (Ray, the actors, the driver's event loop) are
-    ``ClusterLifecycle``'s (cluster/lifecycle.py); one request's path (route, prefill, decode,
-    retry) is ``ClusterRequests``'s (cluster/request_path.py).
+    config: ClusterConfig
+    workers: dict[str, WorkerHandle]
+    infos: dict[str, WorkerInfo]
+    router: RouterHandle
+    model_directory: str
+
+
+class Cluster:
+    """Owns a set of prefill/decode worker actors and a router actor on a Ray cluster (embedded
+    or attached) through its ``Supervisor``, the requests in flight through its
+    ``RequestRunner`` (which also holds the served model: tokenizer, vocabulary, context length),
+    and the driver's event loop. Every public method checks its arguments here or in the runner,
+    then delegates.
 
     Invariants: between ``start`` and ``shutdown`` every worker is registered with the router
-    and reports to it; a request is in ``_active`` from submission until its last token; an
-    embedded Ray started here is shut down here (an attached one is left running).
+    and reports to it, the driver loop runs and the runner admits requests (the cluster is
+    *started* exactly when the runner accepts); an embedded Ray started here is shut down here
+    (an attached one is left running); ``shutdown`` is idempotent.
     """
 
     def __init__(
@@ -73,23 +84,148 @@ class Cluster(ClusterLifecycle, ClusterRequests, ClusterSupervision, ClusterAdmi
     ):
         self.config = load_config(config, overrides) if isinstance(config, str) else config
         self.start_timeout_s = start_timeout_s
-        self.workers: dict[str, Any] = {}
-        self.infos: dict[str, Any] = {}
-        self.router: Any = None
-        self.tokenizer: Any = None
-        self.max_model_len = 0
-        self.vocab_size = 0
-        self.model_directory = ""
-        self._hash_block_size = 1
         self._owns_ray = False
-        self._owns_actors = True
-        self._active: dict[str, _Request] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._started = False
-        self._init_supervision()
+        self._loop = DriverLoop()
+        self._in_flight = InFlight()
+        self._supervisor = Supervisor(self.config, self._loop, self._in_flight)
+        self._runner = RequestRunner(self.config, self._supervisor, self._in_flight)
 
-    # -- lifecycle: ClusterLifecycle (cluster/lifecycle.py) ----------------------------------------
+    # -- what the cluster holds (read-only views of its owned objects) ----------------------------
+    @property
+    def workers(self) -> dict[str, WorkerHandle]:
+        """The live worker actors by id (a lost worker leaves until its replacement joins)."""
+        return self._supervisor.workers
+
+    @property
+    def infos(self) -> dict[str, WorkerInfo]:
+        """What each worker reported when it (or its replacement) started, by id."""
+        return self._supervisor.infos
+
+    @property
+    def router(self) -> RouterHandle:
+        return self._supervisor.router
+
+    @property
+    def lost(self) -> dict[str, str]:
+        """Workers taken out and not (yet) replaced: id -> why."""
+        return self._supervisor.lost
+
+    @property
+    def replacements(self) -> int:
+        return self._supervisor.replacements
+
+    @property
+    def router_incarnation(self) -> str | None:
+        return self._supervisor.router_incarnation
+
+    @property
+    def router_rejoins(self) -> int:
+        return self._supervisor.router_rejoins
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        model = self._runner.model
+        return model.tokenizer if model is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        model = self._runner.model
+        return model.max_model_len if model is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        model = self._runner.model
+        return model.vocab_size if model is not None else 0
+
+    @property
+    def model_directory(self) -> str:
+        model = self._runner.model
+        return model.directory if model is not None else ""
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> Self:
+        """Connect to Ray (or start it), start the workers and the router; wait until ready.
+
+        Either leaves a started cluster or shuts down what it began and raises."""
+        if self._runner.accepting:
+            return self
+        import ray
+
+        from cluster.placement import check_capacity, embedded_init_kwargs, loopback_environment
+        from engine.core import resolve_model_directory
+
+        config = self.config
+        loopback_environment()
+        if not ray.is_initialized():
+            if config.ray.address:
+                ray.init(address=config.ray.address, namespace=config.ray.namespace)
+            else:
+                ray.init(**embedded_init_kwargs(config))
+                self._owns_ray = True
+        try:
+            resources = ray.cluster_resources()
+            check_capacity(config, resources)
+            model_directory = resolve_model_directory(config)  # built/converted once, here
+            infos = self._supervisor.start_workers(resources, self.start_timeout_s)
+            model = ServedModel.from_workers(infos, str(model_directory))
+            self._supervisor.start_router()
+            self._loop.start()
+            self._runner.start(model)
+            self._supervisor.start()
+            for pin in config.router.pins:
+                self.pin_prefix(pin.text if pin.text is not None else list(pin.token_ids or []), pin.replicas,
+                                pin.ttl_s, wait=False)  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info(
+            "cluster ready: %d prefill + %d decode workers, router policy %s, %s",
+            config.workers.num_prefill, config.workers.num_decode, config.router.policy, config.model.source,
+        )  # fmt: skip
+        return self
+
+    def handles(self) -> ClusterHandles:
+        """What ``Cluster.attach`` needs to drive this cluster from another process."""
+        self._require_started()
+        supervisor = self._supervisor
+        return ClusterHandles(
+            self.config, dict(supervisor.workers), dict(supervisor.infos), supervisor.router, self.model_directory
+        )
+
+    @classmethod
+    def attach(cls, handles: ClusterHandles) -> Cluster:
+        """Drive a cluster another process started (its actors stay that process's: ``shutdown``
+        here stops only this driver, never the actors or Ray)."""
+        cluster = cls(handles.config)
+        cluster._supervisor.attach(handles.workers, handles.infos, handles.router)
+        model = ServedModel.from_workers(handles.infos, handles.model_directory)
+        cluster._loop.start()
+        cluster._runner.start(model)
+        cluster._supervisor.start()
+        return cluster
+
+    def shutdown(self) -> None:
+        """Stop the workers and the router (and the embedded Ray, if started here). Idempotent."""
+        import ray
+
+        self._supervisor.stop()
+        self._supervisor.stop_actors()
+        self._loop.stop()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+        self._runner.stop()
+
+    def _require_started(self) -> None:
+        if not self._runner.accepting:
+            raise RuntimeError(NOT_STARTED)
 
     # -- requests ----------------------------------------------------------------------------------
     def generate(
@@ -110,44 +246,14 @@ class Cluster(ClusterLifecycle, ClusterRequests, ClusterSupervision, ClusterAdmi
         ``return_exceptions``: a request that fails (e.g. on a worker) gives its exception in its
         place and the others run on; by default the first failure raises.
         """
-        batch = prompt_batch(prompts)
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != len(batch):
-                raise InvalidRequestError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")
-            samplings = [self._sampling(s) for s in sampling]
-        else:
-            samplings = [self._sampling(sampling)] * len(batch)
-        if request_ids is not None:
-            if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
-                raise InvalidRequestError(problem("request_ids", "must be a list of strings", request_ids))
-            if len(request_ids) != len(batch):
-                raise InvalidRequestError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
-            seen: set[str] = set()
-            for request_id in request_ids:
-                if check_request_id(request_id, "request_ids") in seen:
-                    raise InvalidRequestError(problem("request_ids", "must be unique", request_id))
-                seen.add(request_id)
-        requests = [
-            self._prepare(prompt, samplings[i], request_ids[i] if request_ids else None)
-            for i, prompt in enumerate(batch)
-        ]
-
-        async def run_all() -> list[ClusterCompletion]:
-            async def one(request: _Request) -> ClusterCompletion:
-                result = await self._collect(request)
-                if on_completion is not None:
-                    on_completion(result)
-                return result
-
-            return list(await asyncio.gather(*(one(r) for r in requests), return_exceptions=return_exceptions))
-
-        return self._sync(run_all())
+        requests = self._runner.admit_batch(prompts, sampling, request_ids)
+        return self._loop.run(self._runner.run_batch(requests, on_completion, return_exceptions))
 
     async def agenerate(
         self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
     ) -> ClusterCompletion:
         """One request, awaited in the caller's event loop (the same checks as ``generate``)."""
-        return await self._collect(self._prepare(prompt, self._sampling(sampling), request_id))
+        return await self._runner.collect(self._runner.admit(prompt, sampling, request_id))
 
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
@@ -158,89 +264,133 @@ class Cluster(ClusterLifecycle, ClusterRequests, ClusterSupervision, ClusterAdmi
             if isinstance(item, Delta) and item.text:
                 yield item.text
 
-    async def stream_completion(
+    def stream_completion(
         self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
     ) -> AsyncIterator[Delta | ClusterCompletion]:
-        """One request as it runs: a ``Delta`` whenever output tokens arrive, then its
+        """One request as it runs (an async iterator in the caller's loop; the request is checked
+        when iteration starts): a ``Delta`` whenever output tokens arrive, then its
         ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the task that
         iterates) aborts the request on its workers and frees its blocks."""
-        request = self._prepare(prompt, self._sampling(sampling), request_id)
-        items: asyncio.Queue[Delta | ClusterCompletion | None] = asyncio.Queue()
-
-        async def produce() -> None:
-            try:
-                items.put_nowait(await self._collect(request, items.put_nowait))
-            finally:
-                items.put_nowait(None)
-
-        task = asyncio.ensure_future(produce())
-        try:
-            while (item := await items.get()) is not None:
-                yield item
-            task.result()  # raise what the request raised
-        finally:
-            if not task.done():
-                request.aborted = True
-                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
-                                        return_exceptions=True)  # fmt: skip
-                await asyncio.shield(aborts)
-                await asyncio.gather(task, return_exceptions=True)
+        return self._runner.stream(prompt, sampling, request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in flight and free its blocks everywhere; False if it is unknown."""
-        import ray
-
-        request = self._active.get(request_id)
-        if request is None:
-            return False
-        request.aborted = True
-        refs = [w.abort.remote(request.engine_id) for w in request.workers]
-        if refs:
-            ray.get(refs, timeout=60)
-        return True
-
-    # -- internals ---------------------------------------------------------------------------------
-    def _require_started(self) -> None:
-        if not self._started:
-            raise RuntimeError("cluster: not started (use `with Cluster(...)` or call start())")
-
-    @staticmethod
-    def _sampling(sampling: object) -> SamplingParams:
-        return SamplingParams.coerce(sampling)  # raises "max_tokens: must be >= 1 (got 0)" etc.
-
-    def _check_ids(self, name: str, ids: Sequence[int]) -> list[int]:
-        return check_token_ids(ids, self.vocab_size, name)
+        return self._runner.abort(request_id)
 
     def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
         """A prompt (text, or a list of token ids) as its text and token ids, after every check a
         request gets before it runs; raises ValueError naming the field and the value for an
         empty prompt, a wrong type, a token id outside the vocabulary, or a prompt of
         max_model_len tokens or more."""
-        self._require_started()
-        checked = check_prompt(prompt, self.vocab_size)
-        if isinstance(checked, str):
-            token_ids = list(self.tokenizer.encode(checked))
-            text = checked
-        else:
-            token_ids, text = checked, self.tokenizer.decode(checked)
-        if not token_ids:
-            raise InvalidRequestError(problem("prompt", "encodes to no tokens", prompt))
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len} (got a prompt of {len(token_ids)} tokens)"
-            )
-        return text, token_ids
+        return self._runner.check_prompt(prompt)
 
-    def _prepare(self, prompt: object, sampling: SamplingParams, request_id: str | None) -> _Request:
+    # -- pins --------------------------------------------------------------------------------------
+    def pin_prefix(
+        self,
+        prefix: str | Sequence[int],
+        replicas: int = 1,
+        ttl: float | None = None,
+        *,
+        wait: bool = True,
+        timeout_s: float = 120.0,
+    ) -> int:
+        """Keep ``prefix`` (text or token ids) resident on ``replicas`` workers, for ``ttl``
+        seconds or until ``unpin``; returns the pin id. ``wait``: until every replica holds it."""
+        return self._loop.run(self.apin_prefix(prefix, replicas, ttl, wait=wait, timeout_s=timeout_s))
+
+    async def apin_prefix(
+        self,
+        prefix: str | Sequence[int],
+        replicas: int = 1,
+        ttl: float | None = None,
+        *,
+        wait: bool = True,
+        timeout_s: float = 120.0,
+    ) -> int:
+        """``pin_prefix`` awaited in the caller's event loop."""
+        from ray.exceptions import RayTaskError
+
+        model = self._runner.served()
+        if isinstance(prefix, str):
+            if not prefix:
+                raise ValueError("prefix: must not be empty (got '')")
+            token_ids = list(model.tokenizer.encode(prefix))
+        else:
+            token_ids = model.check_ids("prefix", prefix)
+        if not token_ids:
+            raise ValueError(f"prefix: encodes to no tokens (got {prefix!r})")
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ValueError(f"replicas: must be an integer (got {replicas!r})")  # noqa: TRY004  (API errors are ValueError)
+        if replicas < 1:
+            raise ValueError(f"replicas: must be >= 1 (got {replicas})")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl):
+                raise ValueError(f"ttl: must be a number of seconds (got {ttl!r})")
+            if ttl <= 0:
+                raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
+            if math.isinf(ttl):
+                raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
+        router = self._supervisor.router
+        try:
+            pin_id = int(await router.pin.remote(token_ids, replicas, ttl))
+        except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
+            if isinstance(exc.cause, ValueError):
+                raise ValueError(str(exc.cause)) from None  # noqa: TRY004  (the policy's ValueError, unwrapped)
+            raise
+        if wait:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                pin = {p["pin_id"]: p for p in await router.pins.remote()}.get(pin_id)
+                if pin is None or len(pin["active"]) >= pin["replicas"]:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                log.warning("pin %d: not on %d replicas after %.0f s", pin_id, replicas, timeout_s)
+        return pin_id
+
+    def unpin(self, pin_id: int) -> bool:
+        """Remove a pin everywhere; False if no such pin."""
+        return self._loop.run(self.aunpin(pin_id))
+
+    async def aunpin(self, pin_id: int) -> bool:
         self._require_started()
-        if request_id is not None:
-            check_request_id(request_id)
-        text, token_ids = self.check_prompt(prompt)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if request_id in self._active:
-            raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
-        return _Request(request_id, text, token_ids, sampling)
+        return bool(await self._supervisor.router.unpin.remote(pin_id))
+
+    def pins(self) -> list[dict[str, Any]]:
+        return self._loop.run(self.apins())
+
+    async def apins(self) -> list[dict[str, Any]]:
+        self._require_started()
+        return list(await self._supervisor.router.pins.remote())
+
+    # -- stats and health --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per worker: running, queued, free / total / pinned blocks, hit rate; totals; router."""
+        return self._loop.run(self.astats())
+
+    async def astats(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """``stats`` awaited in the caller's event loop."""
+        self._require_started()
+        return await self._supervisor.stats(timeout_s)
+
+    def health(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Every worker this cluster started: "ok", or why it is not healthy."""
+        return self._loop.run(self.ahealth(timeout_s))
+
+    async def ahealth(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Every worker this cluster started, with "ok" or why it is not healthy (an engine
+        thread that stopped, an actor that died or did not answer within ``timeout_s``)."""
+        self._require_started()
+        return await self._supervisor.health(timeout_s)
+
+    async def check_workers(self) -> dict[str, str]:
+        """One round of the health loop now: every worker's health (renewing this driver's
+        leases on it); a worker that fails is lost. Returns ``{worker id: "ok" or why not}``."""
+        return await self._supervisor.check_workers()
+
+    def fallback_decision(self, request_id: str, num_tokens: int) -> Decision:
+        """Where a request runs while the router cannot be asked (see ``Supervisor``)."""
+        return self._supervisor.fallback_decision(request_id, num_tokens)
 
 
 __all__ = ["Cluster", "ClusterCompletion", "ClusterHandles", "Delta", "RequestFailedError"]

@@ -1,7 +1,7 @@
-"""One request's path through the cluster, for ``cluster.api.Cluster`` (split out of it, not used
-alone): route it, tell the decode worker at once when it is split, relay the prefill worker's
-KV handle, stream and detokenize the decode worker's tokens, wait for the router to hold the
-request's blocks, and route it again when a worker is lost before it streamed a token. See
+"""One request's way through the cluster, driven from the driver: admit it (check and tokenize the
+prompt once), route it, tell the decode worker at once when it is split, relay the prefill
+worker's KV handle, stream and detokenize the decode worker's tokens, wait for the router to hold
+the request's blocks, and route it again when a worker is lost before it streamed a token. See
 cluster/api.py's docstring for the whole picture; ``ClusterCompletion.hops`` is built here.
 """
 
@@ -10,14 +10,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from actors.hops import pd_breakdown, whole_breakdown
-from cluster.supervision import await_ref, describe_failure
+from cluster.driver_loop import NOT_STARTED
+from cluster.in_flight import ClusterRequest, InFlight
+from cluster.served_model import ServedModel
+from cluster.supervisor import Supervisor, WorkerHandle, await_ref, describe_failure
+from configs import ClusterConfig
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError, check_request_id, problem, prompt_batch
+
+if TYPE_CHECKING:
+    from ray import ObjectRef, ObjectRefGenerator
+
+    from actors.worker_types import PrefillResult, TokenChunk
+    from engine.routing import Decision
 
 log = logging.getLogger(__name__)
 
@@ -54,71 +66,169 @@ class Delta:
     num_tokens: int
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str
-    token_ids: list[int]
-    sampling: SamplingParams
-    submitted: float = field(default_factory=time.monotonic)
-    workers: list[Any] = field(default_factory=list)
-    worker_ids: list[str] = field(default_factory=list)  # where the current attempt waits
-    aborted: bool = False
-    attempt: int = 0
-    streamed: bool = False  # the current attempt delivered output tokens
-    task: asyncio.Task[Any] | None = None  # the current attempt
-    lost_worker: str | None = None  # the worker the current attempt was cut loose from
+class RequestRunner:
+    """Owns the requests of the driver API from admission to their last token: the served model
+    it checks prompts against (``model``, from ``start``), the registry of requests in flight it
+    shares with the ``Supervisor`` (which cuts them loose from lost workers), and each request's
+    attempts (route, prefill, decode, retry).
 
-    @property
-    def engine_id(self) -> str:
-        """The id the workers know this attempt by (a retry must not meet its first try's state)."""
-        return self.request_id if not self.attempt else f"{self.request_id}#retry{self.attempt}"
+    Invariants: it admits requests only between ``start`` and ``stop``; ``collect`` always takes
+    its request out of the in-flight registry and reports it to the router once, however the
+    attempt ends; a request is run again only if it had streamed no token.
+    """
 
-    def on(self, worker_id: str, handle: Any, *more: tuple[str, Any]) -> None:
-        """The current attempt now waits on this worker (and on ``more`` (id, handle) pairs)."""
-        self.workers = [handle, *(h for _, h in more)]
-        self.worker_ids = [worker_id, *(w for w, _ in more)]
+    def __init__(self, config: ClusterConfig, supervisor: Supervisor, in_flight: InFlight) -> None:
+        self.config = config
+        self.model: ServedModel | None = None  # the last model served (kept after stop)
+        self.accepting = False
+        self._supervisor = supervisor
+        self._in_flight = in_flight
 
-    def cut_loose(self, worker_id: str) -> None:
-        """The worker this attempt waits on is lost: stop waiting (``_collect`` decides what next)."""
-        if self.task is not None and not self.task.done() and self.lost_worker is None:
-            self.lost_worker = worker_id
-            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+    def start(self, model: ServedModel) -> None:
+        """Admit requests for ``model`` from now on."""
+        self.model = model
+        self.accepting = True
 
+    def stop(self) -> None:
+        self.accepting = False
 
-class ClusterRequests:
-    """Runs requests for ``Cluster`` (state: the cluster's ``_active``, workers, router and
-    infos). Invariant: ``_collect`` always takes its request out of ``_active`` and reports it to
-    the router once, however the attempt ends."""
+    def served(self) -> ServedModel:
+        """The model requests run on; raises RuntimeError when not started."""
+        if not self.accepting or self.model is None:
+            raise RuntimeError(NOT_STARTED)
+        return self.model
 
-    config: Any
-    router: Any
-    workers: dict[str, Any]
-    infos: dict[str, Any]
-    lost: dict[str, str]
-    tokenizer: Any
-    _active: dict[str, Any]
-    _hash_block_size: int
+    # -- admission: every check a request gets, once, before it runs -------------------------------
+    def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
+        """``ServedModel.check_prompt`` on the model served now."""
+        return self.served().check_prompt(prompt)
 
-    async def _collect(self, request: _Request, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
-        """Route, (prefill,) decode and detokenize one request; always leaves ``_active``.
+    def admit(
+        self, prompt: object, sampling: SamplingParams | dict[str, Any] | None, request_id: str | None
+    ) -> ClusterRequest:
+        """One request, checked and tokenized (ValueError naming the field and the value)."""
+        return self._admit(prompt, SamplingParams.coerce(sampling), request_id)
+
+    def admit_batch(
+        self,
+        prompts: object,
+        sampling: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None,
+        request_ids: Sequence[str] | None,
+    ) -> list[ClusterRequest]:
+        """A batch of requests (see ``Cluster.generate``), every one checked before any runs."""
+        batch = prompt_batch(prompts)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(batch):
+                raise InvalidRequestError(f"sampling: {len(sampling)} sampling params for {len(batch)} prompts")
+            samplings = [SamplingParams.coerce(s) for s in sampling]
+        else:
+            samplings = [SamplingParams.coerce(sampling)] * len(batch)
+        if request_ids is not None:
+            if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
+                raise InvalidRequestError(problem("request_ids", "must be a list of strings", request_ids))
+            if len(request_ids) != len(batch):
+                raise InvalidRequestError(f"request_ids: {len(request_ids)} ids for {len(batch)} prompts")
+            seen: set[str] = set()
+            for request_id in request_ids:
+                if check_request_id(request_id, "request_ids") in seen:
+                    raise InvalidRequestError(problem("request_ids", "must be unique", request_id))
+                seen.add(request_id)
+        return [
+            self._admit(prompt, samplings[i], request_ids[i] if request_ids else None) for i, prompt in enumerate(batch)
+        ]
+
+    def _admit(self, prompt: object, sampling: SamplingParams, request_id: str | None) -> ClusterRequest:
+        model = self.served()
+        if request_id is not None:
+            check_request_id(request_id)
+        text, token_ids = model.check_prompt(prompt)
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if request_id in self._in_flight:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
+        return ClusterRequest(request_id, text, token_ids, sampling)
+
+    # -- running admitted requests ------------------------------------------------------------------
+    async def run_batch(
+        self,
+        requests: list[ClusterRequest],
+        on_completion: Callable[[ClusterCompletion], None] | None,
+        return_exceptions: bool,
+    ) -> list[ClusterCompletion]:
+        """Run ``requests`` together; results (or, with ``return_exceptions``, exceptions) in order."""
+
+        async def one(request: ClusterRequest) -> ClusterCompletion:
+            result = await self.collect(request)
+            if on_completion is not None:
+                on_completion(result)
+            return result
+
+        results = await asyncio.gather(*(one(r) for r in requests), return_exceptions=return_exceptions)
+        # with return_exceptions a failed request's exception stands in its place (Cluster.generate says so)
+        return cast("list[ClusterCompletion]", list(results))
+
+    async def stream(
+        self, prompt: object, sampling: SamplingParams | dict[str, Any] | None, request_id: str | None
+    ) -> AsyncIterator[Delta | ClusterCompletion]:
+        """Admit one request when iteration starts, then yield a ``Delta`` whenever output tokens
+        arrive and its ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the
+        task that iterates) aborts the request on its workers and frees its blocks."""
+        request = self.admit(prompt, sampling, request_id)
+        items: asyncio.Queue[Delta | ClusterCompletion | None] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                items.put_nowait(await self.collect(request, items.put_nowait))
+            finally:
+                items.put_nowait(None)
+
+        task = asyncio.ensure_future(produce())
+        try:
+            while (item := await items.get()) is not None:
+                yield item
+            task.result()  # raise what the request raised
+        finally:
+            if not task.done():
+                request.aborted = True
+                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
+                                        return_exceptions=True)  # fmt: skip
+                await asyncio.shield(aborts)
+                await asyncio.gather(task, return_exceptions=True)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in flight and free its blocks everywhere (blocking); False if unknown."""
+        import ray
+
+        request = self._in_flight.get(request_id)
+        if request is None:
+            return False
+        request.aborted = True
+        refs = [w.abort.remote(request.engine_id) for w in request.workers]
+        if refs:
+            ray.get(refs, timeout=60)
+        return True
+
+    async def collect(
+        self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None = None
+    ) -> ClusterCompletion:
+        """Route, (prefill,) decode and detokenize one request; always leaves the in-flight registry.
 
         A worker that dies is removed from the router; the request is routed again if it had
         streamed no token yet (otherwise it fails with a RuntimeError naming the worker)."""
         rid = request.request_id
-        self._active[rid] = request
+        supervisor = self._supervisor
+        self._in_flight.add(request)
         ok, ttft_s, num_out = False, 0.0, 0
         try:
-            for _ in range(max(1, len(self.infos))):
+            for _ in range(max(1, len(supervisor.infos))):
                 try:
                     result = await self._attempt_supervised(request, on_delta)
                 except _WorkerLost as lost:
                     if lost.handle is not None:  # never its replacement, if one holds the id by now
-                        self._forget_worker(lost.worker_id, lost.why, lost.handle)
-                    for handle in self.workers.values():  # e.g. the prefill worker's held blocks
+                        supervisor.forget_worker(lost.worker_id, lost.why, lost.handle)
+                    for handle in supervisor.workers.values():  # e.g. the prefill worker's held blocks
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
-                    if lost.streamed or not self.workers:
+                    if lost.streamed or not supervisor.workers:
                         raise RuntimeError(
                             f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
                             + (" after streaming output; not retried" if lost.streamed else "")
@@ -130,12 +240,13 @@ class ClusterRequests:
                 return result
             raise RuntimeError(f"request {rid}: every worker it was routed to died")
         finally:
-            self._active.pop(rid, None)
-            if self.router is not None:
-                self.router.finished.remote(ttft_s, num_out, ok)
+            self._in_flight.remove(rid)
+            router = supervisor.router
+            if router is not None:
+                router.finished.remote(ttft_s, num_out, ok)
 
     async def _attempt_supervised(
-        self, request: _Request, on_delta: Callable[[Delta], None] | None
+        self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None
     ) -> ClusterCompletion:
         """``_attempt`` as a task the health loop can cut loose from a lost worker (then this
         raises ``_WorkerLost``); cancelling the caller still cancels the attempt."""
@@ -148,42 +259,45 @@ class ClusterRequests:
             current = asyncio.current_task()
             if request.lost_worker is None or (current is not None and current.cancelling()):
                 raise
-            why = self.lost.get(request.lost_worker, "lost")
+            why = self._supervisor.lost.get(request.lost_worker, "lost")
             ids = request.worker_ids
             handle = request.workers[ids.index(request.lost_worker)] if request.lost_worker in ids else None
             raise _WorkerLost(request.lost_worker, request.streamed, why, handle) from None
         finally:
             request.task = None
 
-    async def _attempt(self, request: _Request, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
+    async def _attempt(self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.worker import WorkerUnavailableError
+        from actors.worker_types import WorkerUnavailableError
         from engine.kv_cache.hashing import block_hashes
         from engine.tokenizer import IncrementalDetokenizer
 
+        model, supervisor = self.model, self._supervisor
+        assert model is not None, "a request runs only after start"
         rid, ids = request.engine_id, request.token_ids
         started = time.monotonic()
-        hashes = block_hashes(ids, self._hash_block_size)
+        hashes = block_hashes(ids, model.hash_block_size)
+        decision: Decision
         try:
-            decision = await asyncio.wait_for(await_ref(self.router.route.remote(rid, hashes, len(ids))),
+            decision = await asyncio.wait_for(await_ref(supervisor.router.route.remote(rid, hashes, len(ids))),
                                               self.config.workers.health_check_timeout_s)  # fmt: skip
         except (RayActorError, RayTaskError, TimeoutError) as exc:  # restarting, or no workers registered yet
             log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
-            decision = self.fallback_decision(rid, len(ids))
+            decision = supervisor.fallback_decision(rid, len(ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
         if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
             prefill_id = decode_id
-        detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop,
+        detok = IncrementalDetokenizer(model.tokenizer, request.sampling.stop,
                                        request.sampling.include_stop_str_in_output)  # fmt: skip
         reason = "abort"
         error: str | None = None
         first_token: float | None = None
         first_hops: dict[str, float] | None = None
-        acks: list[Any] = []
-        stream: Any = None
-        prefill: Any = None  # the prefill worker's result (P/D)
+        acks: list[ObjectRef[object] | None] = []
+        stream: ObjectRefGenerator | None = None
+        prefill: PrefillResult | None = None  # the prefill worker's result (P/D)
         prefill_call_s = 0.0
         sent = time.monotonic()
         if not request.aborted:
@@ -193,7 +307,7 @@ class ClusterRequests:
                 request.on(decode_id, decoder, (prefill_id, prefiller))
                 # the decode worker hears of the request now: it reserves the prompt's blocks and
                 # warms its connection to the prefill worker while the prefill runs
-                peer = getattr(self.infos.get(prefill_id), "agent", None)
+                peer = getattr(supervisor.infos.get(prefill_id), "agent", None)
                 stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, None,
                                                                                   True, peer)  # fmt: skip
                 sent = time.monotonic()
@@ -208,7 +322,7 @@ class ClusterRequests:
                 if stream is None:
                     stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling)
                 async for ref in stream:
-                    chunk = await ref
+                    chunk: TokenChunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
                     if chunk.worker_failed:
@@ -267,18 +381,20 @@ class ClusterRequests:
             hops=hops,
         )
 
-    async def _prefill(self, request: _Request, prefiller: Any, prefill_id: str, decoder: Any) -> Any:
+    async def _prefill(
+        self, request: ClusterRequest, prefiller: WorkerHandle, prefill_id: str, decoder: WorkerHandle
+    ) -> PrefillResult:
         """The prefill worker's result for ``request``; sends its handle to the decode worker told
         of the request (which, whenever no handle comes, is aborted here so it frees its blocks)."""
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.worker import WorkerUnavailableError
+        from actors.worker_types import WorkerUnavailableError
 
         rid = request.engine_id
         handed = False
         try:
             try:
-                result = await prefiller.prefill.remote(rid, request.token_ids)
+                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids)
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             if result.kv_handle is None:
@@ -298,14 +414,14 @@ class ClusterRequests:
             if not handed:
                 decoder.abort.remote(rid)
 
-    def _worker(self, worker_id: str) -> Any:
-        handle = self.workers.get(worker_id)
+    def _worker(self, worker_id: str) -> WorkerHandle:
+        handle = self._supervisor.workers.get(worker_id)
         if handle is None:  # removed after the router chose it
-            raise _WorkerLost(worker_id, False, self.lost.get(worker_id, "removed from the router"))
+            raise _WorkerLost(worker_id, False, self._supervisor.lost.get(worker_id, "removed from the router"))
         return handle
 
 
-async def _await_acks(acks: list[Any]) -> None:
+async def _await_acks(acks: list[ObjectRef[object] | None]) -> None:
     """Wait (bounded) until the router applied the workers' reports named by ``acks``."""
     refs = [ack for ack in acks if ack is not None]
     if not refs:
@@ -324,7 +440,7 @@ class _WorkerLost(Exception):
     """A worker died, stopped or hung during a request (``streamed``: it had already sent
     tokens, so the request cannot run again elsewhere without repeating them)."""
 
-    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died", handle: Any = None):
+    def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died", handle: WorkerHandle = None):
         super().__init__(worker_id)
         self.worker_id = worker_id
         self.streamed = streamed
@@ -333,7 +449,7 @@ class _WorkerLost(Exception):
 
 
 def _lost_or_raise(
-    worker_id: str, handle: Any, streamed: bool, exc: Exception, unavailable: type[Exception]
+    worker_id: str, handle: WorkerHandle, streamed: bool, exc: Exception, unavailable: type[Exception]
 ) -> Exception:
     """A Ray error of a worker call as ``_WorkerLost`` when the worker is gone or unhealthy;
     any other task error stays what it is."""
