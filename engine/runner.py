@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import MambaSpec
 from engine.model.arch import ModelArch
 from engine.model.bamba import BambaLM
@@ -95,9 +96,7 @@ class ModelRunner:
         self.device = device
         self.paged_attention = triton_attention_enabled(device)  # attention kernels read KV in place
         self.dtype = TORCH_DTYPES[dtype]
-        counts = [num_blocks] * layout.num_pools if isinstance(num_blocks, int) else list(num_blocks)
-        if len(counts) != layout.num_pools:
-            raise ValueError(f"num_blocks: {len(counts)} values for {layout.num_pools} pools")
+        counts = per_pool("num_blocks", num_blocks, layout.num_pools)
         self.pool_blocks = tuple(counts)
         self.num_blocks = counts[0]
         rows = [counts[p] for p in layout.slot_pool]
