@@ -16,7 +16,6 @@ import torch
 from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import MambaSpec
 from engine.model.arch import ModelArch
-from engine.model.bamba import BambaLM
 from engine.model.batch import (
     ChunkSpec,
     ForwardBatch,
@@ -24,8 +23,8 @@ from engine.model.batch import (
     build_state_index,
 )
 from engine.model.decode_step import DecodeGroups, DecodeStep
-from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
+from engine.model.loader import LanguageModel
 from engine.model.recurrent import RecurrentMixer, cache_users
 from engine.model.triton_attention import enabled as triton_attention_enabled
 from engine.sampler import SampledTokens, Sampler
@@ -73,7 +72,7 @@ class ModelRunner:
         self,
         arch: ModelArch,
         layout: KVLayout,
-        model: CausalLM | BambaLM,
+        model: LanguageModel,
         num_blocks: int | Sequence[int],
         device: torch.device,
         dtype: str,
