@@ -98,7 +98,6 @@ class KVCacheConfig(_Frozen):
     # attention pool can hold (None: the fraction alone decides)
     expected_prefix_tokens: PositiveInt | None = None
     prefix_caching: bool = True
-    hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
     pinning: PinningConfig = PinningConfig()
 
     @model_validator(mode="after")

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import MambaSpec
 from engine.model.arch import ModelArch
-from engine.model.bamba import BambaLM
 from engine.model.batch import (
     ChunkSpec,
     ForwardBatch,
@@ -23,8 +23,8 @@ from engine.model.batch import (
     build_state_index,
 )
 from engine.model.decode_step import DecodeGroups, DecodeStep
-from engine.model.decoder import CausalLM
 from engine.model.kv_layout import KVLayout
+from engine.model.loader import LanguageModel
 from engine.model.recurrent import RecurrentMixer, cache_users
 from engine.model.triton_attention import enabled as triton_attention_enabled
 from engine.sampler import SampledTokens, Sampler
@@ -72,7 +72,7 @@ class ModelRunner:
         self,
         arch: ModelArch,
         layout: KVLayout,
-        model: CausalLM | BambaLM,
+        model: LanguageModel,
         num_blocks: int | Sequence[int],
         device: torch.device,
         dtype: str,
@@ -95,9 +95,7 @@ class ModelRunner:
         self.device = device
         self.paged_attention = triton_attention_enabled(device)  # attention kernels read KV in place
         self.dtype = TORCH_DTYPES[dtype]
-        counts = [num_blocks] * layout.num_pools if isinstance(num_blocks, int) else list(num_blocks)
-        if len(counts) != layout.num_pools:
-            raise ValueError(f"num_blocks: {len(counts)} values for {layout.num_pools} pools")
+        counts = per_pool("num_blocks", num_blocks, layout.num_pools)
         self.pool_blocks = tuple(counts)
         self.num_blocks = counts[0]
         rows = [counts[p] for p in layout.slot_pool]

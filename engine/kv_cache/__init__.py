@@ -3,7 +3,7 @@
 One ``HybridCoordinator`` per worker owns one ``BlockPool`` per page size and a manager per KV-cache group (full
 attention, sliding window, chunked local, Mamba). See ``coordinator.py`` for the behaviours it
 guarantees and ``check_invariants`` for what tests assert after every operation; a pool's pinned
-tiers are in ``pin_tiers``.
+tiers (pinning, unpinning, demotion) are ``BlockPool`` methods.
 """
 
 from engine.kv_cache.block_pool import Block, BlockPool

@@ -7,8 +7,13 @@ per group, the null block, and the KV event log. Invariants (checked by
 ``HybridCoordinator.check_invariants``): a non-null block is linked in exactly one queue iff its ref
 count is 0; free + pinned + in-use == num_blocks - 1; every map entry points at a block carrying
 that hash and group. Only the maps of groups in this pool are ever filled. Events go to the worker's
-``EventLog`` (shared by its pools: one sequence). Pinning, unpinning and demotion live in
-``pin_tiers.PinnedTiers`` (a mixin of ``BlockPool``).
+``EventLog`` (shared by its pools: one sequence).
+
+An unreferenced block lives in the queue of its pin level (``BlockPool.tiers``): the free queue, the
+retained tier or the explicit tier (docs/architecture.md, "The hybrid KV cache": the retention
+tier). ``pin``, ``unpin``, ``demote`` and ``enforce_retain_budget`` change pin levels and move
+unreferenced blocks between those queues (in-use blocks change level only and reach their queue on
+release), announcing ``BlockPinned`` / ``BlockUnpinned`` events.
 """
 
 from __future__ import annotations
@@ -16,17 +21,30 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED, Block, BlockQueue
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from engine.kv_cache.pin_tiers import PinnedTiers
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockPinned,
+    BlockRemoved,
+    BlockStored,
+    BlockUnpinned,
+    EventLog,
+    KVEvent,
+)
 
 
-class BlockPool(PinnedTiers):
+class BlockPool:
     """Blocks, ref counts, free/pinned queues, per-group prefix-cache maps and KV events of one pool.
 
     ``index`` is the pool's number (stamped on its blocks and events). ``retain_budget`` caps this
     pool's retained tier (None: no cap); entering it beyond the cap demotes its
     oldest blocks. Allocation never fails while free + pinned blocks suffice: pinned blocks are
     demoted (oldest retained first, then oldest explicit) to make room.
+
+    Pin invariants: ``pin`` never lowers a block's pin level and pins only cached, non-null
+    blocks; an unreferenced block is linked in the queue of its pin level; after any public call
+    the retained tier holds at most ``retain_budget`` blocks (when set; ``free_blocks(...,
+    enforce=False)`` and ``free_retaining`` leave that to the caller); demotion takes the oldest
+    blocks, retained before explicit.
     """
 
     def __init__(
@@ -230,6 +248,80 @@ class BlockPool(PinnedTiers):
             (explicit if block.pin == PIN_EXPLICIT else retained).append(block)
         if enforce:
             self.enforce_retain_budget()
+
+    # -- pinning -------------------------------------------------------------------------------
+    def pin(self, blocks: Iterable[Block], level: int) -> None:
+        """Mark cached blocks for the pinned tier at ``level`` (never lowers an existing pin).
+
+        Free blocks move into the tier now; in-use blocks go there when released.
+        """
+        newly: list[Block] = []
+        tier = self.explicit if level == PIN_EXPLICIT else self.retained
+        for block in blocks:
+            if block.pin >= level or block.block_hash is None or block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.tiers[block.pin].remove(block)
+                tier.append(block)
+            block.pin = level
+            newly.append(block)
+        if newly:
+            self._emit_pinned(newly, level)
+            self.enforce_retain_budget()
+
+    def _emit_pinned(self, blocks: list[Block], level: int) -> None:
+        if self.enable_events:
+            by_group: dict[int, list[bytes]] = {}
+            for block in blocks:
+                if block.block_hash is not None:  # always: only cached blocks are pinned
+                    by_group.setdefault(block.group, []).append(block.block_hash)
+            for group, hashes in by_group.items():
+                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
+
+    def unpin(self, blocks: Iterable[Block], level: int) -> None:
+        """Clear pins at ``level``; free ones move to the tail of the free queue (still cached)."""
+        gone: dict[int, list[bytes]] = {}
+        for block in blocks:
+            if block.pin != level or block.is_null:
+                continue
+            self._clear_pin(block, gone)
+        self._emit_unpinned(gone)
+
+    def demote(self, n: int) -> int:
+        """Move up to ``n`` of the oldest pinned free blocks (retained first) to the free queue."""
+        gone: dict[int, list[bytes]] = {}
+        done = 0
+        for queue in (self.retained, self.explicit):
+            while done < n and queue.size:
+                self._clear_pin(queue.head.next, gone)  # type: ignore[arg-type]  # size > 0: a real block
+                done += 1
+        self._emit_unpinned(gone)
+        return done
+
+    def _clear_pin(self, block: Block, gone: dict[int, list[bytes]]) -> None:
+        if block.ref_cnt == 0:
+            self.tiers[block.pin].remove(block)
+            self.free_queue.append(block)
+        block.pin = PIN_NONE
+        if block.block_hash is not None:
+            gone.setdefault(block.group, []).append(block.block_hash)
+
+    def enforce_retain_budget(self) -> None:
+        """Demote the oldest retained blocks beyond ``retain_budget`` to the free queue's tail."""
+        if self.retain_budget is None:
+            return
+        over = self.retained.size - self.retain_budget
+        if over <= 0:
+            return
+        gone: dict[int, list[bytes]] = {}
+        for _ in range(over):
+            self._clear_pin(self.retained.head.next, gone)  # type: ignore[arg-type]  # over > 0: a real block
+        self._emit_unpinned(gone)
+
+    def _emit_unpinned(self, gone: dict[int, list[bytes]]) -> None:
+        if self.enable_events:
+            for group, hashes in gone.items():
+                self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes), self.index))
 
     # -- prefix cache ----------------------------------------------------------------------------
     def cache_blocks(self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int) -> None:

@@ -33,7 +33,7 @@ from engine.kv_cache.coordinator_types import (
     PoolStats,
     RetentionOptions,
     _check_pools,
-    _per_pool,
+    per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
 from engine.kv_cache.invariants import KVCacheInvariantError, check_coordinator  # noqa: F401 (re-exported)
@@ -112,8 +112,8 @@ class HybridCoordinator:
         self.alignment = alignment_tokens(groups)
         self.group_pool: list[int] = [group.pool for group in groups]
         num_pools = _check_pools(self.group_pool)
-        sizes = _per_pool("num_blocks", num_blocks, num_pools)
-        budgets = _per_pool("retention.budget_blocks", retention.budget_blocks, num_pools)
+        sizes = per_pool("num_blocks", num_blocks, num_pools)
+        budgets = per_pool("retention.budget_blocks", retention.budget_blocks, num_pools)
         self.events = EventLog(enable_events)
         self.pools: list[BlockPool] = [
             BlockPool(
@@ -263,7 +263,7 @@ class HybridCoordinator:
                 if n > free[p] - reserved_blocks:
                     return None
         else:
-            reserved = _per_pool("reserved_blocks", reserved_blocks, len(free))
+            reserved = per_pool("reserved_blocks", reserved_blocks, len(free))
             for p, n in enumerate(predicted):
                 if n > free[p] - reserved[p]:
                     return None

@@ -1,16 +1,21 @@
 """The values a ``HybridCoordinator`` takes and hands out, and its per-pool argument checks.
 
 ``RetentionOptions`` configures the pinned retention tier, ``CacheHit`` is a prefix hit (per group,
-the blocks to claim) and ``PoolStats`` one pool's capacity. ``_check_pools`` and ``_per_pool``
-validate the per-pool forms of the coordinator's arguments.
+the blocks to claim) and ``PoolStats`` one pool's capacity. ``_check_pools`` validates the groups'
+pool indices; ``per_pool`` is the one rule for per-pool arguments (here and in
+``engine.model.kv_layout`` and ``engine.runner``): one value for every pool, or one per pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from engine.kv_cache.block_pool import Block
+
+#: a per-pool value: a block count, or a block count that may be None (no cap)
+PoolValue = TypeVar("PoolValue", int, int | None)
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,12 @@ def _check_pools(group_pool: list[int]) -> int:
     return num_pools
 
 
-def _per_pool(name: str, value: object, num_pools: int) -> list:
-    """An int/None applies to every pool; a sequence must give one value per pool."""
+def per_pool(name: str, value: PoolValue | Iterable[PoolValue], num_pools: int) -> list[PoolValue]:
+    """One value per pool: an int (or None) applies to every pool alike; a sequence must give one
+    value per pool (ValueError naming ``name`` otherwise)."""
     if value is None or isinstance(value, int):
         return [value] * num_pools
-    values = list(value)  # type: ignore[call-overload]  # neither int nor None: a sequence
+    values = list(value)
     if len(values) != num_pools:
         raise ValueError(f"{name}: {len(values)} values for {num_pools} pools")
     return values

@@ -1,5 +1,5 @@
 """Structural invariants of a ``HybridCoordinator`` and its block pools, checked by tests and
-fuzzers after every operation (reference §11, per pool).
+fuzzers after every operation, pool by pool.
 
 Per group and request: a table holds only its group's pool's blocks (a block never moves between
 pools), each live block once; outside Mamba groups null slots form a prefix of the table; a

@@ -134,8 +134,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), batch, rope)
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, ropes: dict[object, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """``ropes``: the step's cos/sin per rotary type, shared by all layers (``Attention.step_rope``)."""
+        h = self.self_attn(self.input_layernorm(x), batch, self.self_attn.step_rope(batch, x.dtype, ropes))
         if self.gemma:
             x = self.post_attention_layernorm(h, residual=x)
             return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
@@ -169,7 +172,7 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         ropes: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}  # one cos/sin per layer type
         for layer in self.model.layers:
-            x = layer(x, batch, layer.self_attn.step_rope(batch, x.dtype, ropes))
+            x = layer(x, batch, ropes)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,9 @@ The config states memory; this module splits it between the pools:
 1. **Running states first.** Every state pool reserves ``max_num_seqs x groups x
    STATES_PER_RUNNING_REQUEST`` blocks (plus its null block): each running request holds one
    state per recurrent group, and in align mode a second, transient one while the state at a
-   block boundary is written (KV_CACHE_REFERENCE.md §11 invariant 15: an align table holds at
-   most 2 non-null blocks). A budget that cannot hold them is refused: the scheduler would admit
-   requests whose states cannot be allocated.
+   block boundary is written (a Mamba table holds at most 2 live states:
+   ``engine/kv_cache/invariants.py``). A budget that cannot hold them is refused: the scheduler
+   would admit requests whose states cannot be allocated.
 2. **Cached states, bounded.** What remains is shared between cached recurrent states (one per
    recurrent group for each cached prefix, so a prefix hit can resume the recurrence) and
    attention pages. Cached states get at most ``state_cache_fraction`` of it, but at least

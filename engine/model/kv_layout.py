@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from math import gcd
 from typing import Literal
 
+from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -110,7 +111,7 @@ class KVLayout:
 
     def pool_bytes(self, num_blocks: int | tuple[int, ...] | list[int]) -> int:
         """Memory the slot tensors take for ``num_blocks`` (an int: every pool alike)."""
-        counts = _per_pool(num_blocks, self.num_pools)
+        counts = per_pool("num_blocks", num_blocks, self.num_pools)
         return sum(n * pool.block_bytes for n, pool in zip(counts, self.pools, strict=True))
 
     def capacity(self, num_blocks: int | tuple[int, ...] | list[int]) -> dict[str, int]:
@@ -118,7 +119,7 @@ class KVLayout:
         ``tokens`` whose KV every attention group can keep at once (0 without attention) and
         ``recurrent_states``, requests' full recurrent states (one page per recurrent group) the
         tightest state pool can keep at once (0 without recurrent layers)."""
-        counts = _per_pool(num_blocks, self.num_pools)
+        counts = per_pool("num_blocks", num_blocks, self.num_pools)
         tokens, states = 0, []
         for p, pool in enumerate(self.pools):
             usable = max(0, counts[p] - 1)
@@ -130,9 +131,9 @@ class KVLayout:
         return {"tokens": tokens, "recurrent_states": min(states) if states else 0}
 
     def check_invariants(self, arch: ModelArch) -> None:
-        """Raise AssertionError unless the layout invariants hold (they refine
-        KV_CACHE_REFERENCE.md §11 for several pools): every cache layer has one (pool, group,
-        slot) and no two layers of a group share a slot; a group's layers share one spec and the
+        """Raise AssertionError unless the layout invariants hold (docs/architecture.md, "The
+        hybrid KV cache": groups whose pages have one size share a pool): every cache layer has
+        one (pool, group, slot) and no two layers of a group share a slot; a group's layers share one spec and the
         page size and kind of its pool; attention layers sit only in attention pools and
         recurrent layers only in state pools (so a state never shares memory with an attention
         page); each pool's groups are counted and its unused slot pages are exactly its groups'
@@ -165,15 +166,6 @@ class KVLayout:
         pools = ",".join(f"{p.kind}:{p.page_bytes}x{p.num_slots}" for p in self.pools)
         groups = ",".join(f"{g.pool}:{g.spec!r}" for g in self.groups)
         return f"bs={self.block_size};pools={pools};groups={groups}"
-
-
-def _per_pool(num_blocks: int | tuple[int, ...] | list[int], num_pools: int) -> list[int]:
-    if isinstance(num_blocks, int):
-        return [num_blocks] * num_pools
-    counts = [int(n) for n in num_blocks]
-    if len(counts) != num_pools:
-        raise ValueError(f"num_blocks: {len(counts)} values for {num_pools} pools")
-    return counts
 
 
 def attention_page_bytes(arch: ModelArch, block_size: int, dtype: str) -> int:

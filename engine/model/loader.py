@@ -22,8 +22,19 @@ from engine.model.layers import GatedMLP
 from engine.model.nemotron_h import NemotronHLM
 from engine.model.qwen3_next import Qwen3NextLM
 
-MODEL_CLASSES = {"llama": CausalLM, "gemma3": CausalLM, "bamba": BambaLM, "qwen3_next": Qwen3NextLM,
-                 "granite_hybrid": GraniteHybridLM, "nemotron_h": NemotronHLM}
+#: the language models ``build_model`` builds: ``forward(batch)`` -> hidden states, ``logits(rows)``,
+#: ``model.embed_tokens`` / ``model.layers`` (the runner binds caches through them), ``lm_head``
+LanguageModel = CausalLM | BambaLM | Qwen3NextLM | GraniteHybridLM | NemotronHLM
+
+#: ``ModelArch.family`` -> the class that builds it
+MODEL_CLASSES: dict[str, type[LanguageModel]] = {
+    "llama": CausalLM,
+    "gemma3": CausalLM,
+    "bamba": BambaLM,
+    "qwen3_next": Qwen3NextLM,
+    "granite_hybrid": GraniteHybridLM,
+    "nemotron_h": NemotronHLM,
+}
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +67,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, source: str) -> CausalLM | BambaLM:
+                device: torch.device, source: str) -> LanguageModel:
     """Instantiate the model and copy ``weights`` in by name, checking names and shapes."""
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.family](arch, layer_group)

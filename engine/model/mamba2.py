@@ -18,8 +18,8 @@ over requests:
 
 Every block is read before it is written, so a chunk whose read and write block coincide is
 fine; two chunks never share a write block (the coordinator's guarantee).
-``forward_per_request`` in ``engine.model.mamba2_reference`` is the loop this replaces (set
-``per_request`` to use it).
+``forward_per_request`` in ``engine.model.mamba2_reference`` is the per-chunk loop this replaces;
+tests compare the two, the serving path never calls it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from torch import nn
 from engine.model import recurrent, triton_mamba
 from engine.model.arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
-from engine.model.mamba2_reference import forward_per_request
 from engine.model.recurrent import RecurrentMixer
 from engine.model.ssd import causal_conv_packed, pack_chunks, ssd_scan_packed
 
@@ -96,7 +95,6 @@ class Mamba2Mixer(RecurrentMixer):
         super().__init__()
         self.arch = arch
         self.group = group
-        self.per_request = False  # True: the pre-batching loop (benchmark "before", tests' reference)
         conv_dim = arch.conv_dim
         self.in_proj = nn.Linear(hidden_size, arch.intermediate_size + conv_dim + arch.num_heads, bias=arch.proj_bias)
         self.out_proj = nn.Linear(arch.intermediate_size, hidden_size, bias=arch.proj_bias)
@@ -120,8 +118,6 @@ class Mamba2Mixer(RecurrentMixer):
         self.ssm_state = states[:, conv : m.state_floats].view(blocks, m.num_heads, m.head_dim, m.d_state)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.per_request:
-            return forward_per_request(self, hidden, batch)
         arch = self.arch
         index: GroupIndex = batch.groups[self.group]
         gate, xbc, dt = self.in_proj(hidden).split([arch.intermediate_size, arch.conv_dim, arch.num_heads], dim=-1)

@@ -2,8 +2,9 @@
 path in ``engine.model.mamba2`` and the reference its tests compare against.
 
 Kept as it was before batching: each chunk reads its state (zeros when ``state_read`` is -1),
-runs the causal conv and the exact sub-chunked SSD scan on its own, and writes its state. Not on
-the serving path unless a mixer's ``per_request`` switch is set (benchmarks/mamba_decode.py).
+runs the causal conv and the exact sub-chunked SSD scan on its own, and writes its state. Never
+on the serving path: ``Mamba2Mixer.forward`` is always the batched one; callers that want this
+loop (tests, the "before" of a benchmark) call ``forward_per_request(mixer, hidden, batch)``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,11 @@ class GatedAttention(Attention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma=True)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """``rope``: the step's cos/sin for this layer (Qwen3-Next's attention layers all rotate)."""
+        assert self.rotary is not None and rope is not None, "gated attention needs a rotary embedding"
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)

@@ -9,8 +9,8 @@
 - ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
 - ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
-- ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode);
-  their holders' life cycle in ``pin_holders``, the hot-prefix counting of auto mode in ``hot_prefixes``.
+- ``pins``: cluster-wide pinned prefixes (replicas, TTL, capacity, re-establishment, auto mode) and
+  their holders' life cycle; the hot-prefix counting of auto mode is in ``hot_prefixes``.
 - ``baselines``: round robin, least loaded, approximate prefix tree (for comparison).
 - ``types``: requests, loads, decisions and the actions the caller executes.
 - ``outcomes``: route decisions counted per reason as hit / miss / below the best worker's hit.

@@ -57,7 +57,8 @@ With dedicated prefill workers (P/D): the decode worker D minimises load cost pl
 uncached cost (what it must pull); when D's own uncached part (full hit rules, it would prefill
 locally) is below ``decode_only_threshold_tokens`` it prefills too, otherwise the prefill worker
 is chosen as above among prefill-capable workers. The decode worker's transfer hit uses the
-remote-prefill rule (Mamba groups do not veto: seed 004).
+remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
+with the transfer (docs/architecture.md, "The hybrid KV cache").
 
 Cost of ``route``: one index walk O(prefix blocks), a cost per worker with a prefix, and C-level
 min/filter passes over the workers' load costs (the time averages are O(1), see ``load``).
@@ -72,10 +73,11 @@ from configs.schema import PinConfig, RouterConfig
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
+from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
 from engine.routing.load import DecayedWork, SmoothedQueues
-from engine.routing.pins import HotPrefixes, Pin, PinTable
+from engine.routing.pins import Pin, PinTable
 from engine.routing.router import Router
 from engine.routing.types import (
     Action,

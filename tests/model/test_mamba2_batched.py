@@ -18,6 +18,7 @@ from engine.model import mamba2, recurrent
 from engine.model.arch import MambaArch
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
 from engine.model.mamba2 import Mamba2Mixer
+from engine.model.mamba2_reference import forward_per_request
 
 ATOL = 1e-5
 HIDDEN = 48
@@ -84,10 +85,8 @@ def _random_step(rng: random.Random) -> ForwardBatch:
 def _run(mixer: Mamba2Mixer, states: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, per_request: bool):
     states = states.clone()
     mixer.bind_state(states)
-    mixer.per_request = per_request
     with torch.inference_mode():
-        out = mixer(hidden, batch)
-    mixer.per_request = False
+        out = forward_per_request(mixer, hidden, batch) if per_request else mixer(hidden, batch)
     return out, states
 
 
