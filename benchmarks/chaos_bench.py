@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos at scale (issue 15): shared-prefix requests at a steady rate on a 2P+2D cluster while
 decode workers, prefill workers and the router are killed in turn at seeded random moments
-(``tests/integration/chaos.py``; ``tests/integration/test_chaos.py`` is its bounded CI version).
+(``kvfleet_testing/chaos.py``; ``tests/integration/test_chaos.py`` is its bounded CI version).
 
 Every request is checked against a single engine that ran its prompt alone, while it streams and
 at its end. The last stdout line is
@@ -12,8 +12,8 @@ request sent after the kill completed within twice the median latency before the
 (``latency_p50_before_kills_s``, the undisturbed baseline). Exit status 1 on a wrong token, a lost
 request, an unclear error or a leaked block.
 
-    python benchmarks/chaos_bench.py                          # 2000 requests, 8 req/s, 9 kills
-    python benchmarks/chaos_bench.py --requests 300 --kills 3 --backend nixl
+    python -m benchmarks.chaos_bench                          # 2000 requests, 8 req/s, 9 kills
+    python -m benchmarks.chaos_bench --requests 300 --kills 3 --backend nixl
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 log = logging.getLogger("chaos_bench")
 
@@ -43,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("tests.integration.chaos").setLevel(logging.INFO)
-    from tests.integration.chaos import run_chaos
+    logging.getLogger("kvfleet_testing.chaos").setLevel(logging.INFO)
+    from kvfleet_testing.chaos import run_chaos
 
     result = run_chaos(
         requests=args.requests, rate=args.rate, kills=args.kills, seed=args.seed, preset=args.preset,

@@ -1,17 +1,17 @@
 """Cluster benchmark (issue 16): kvfleet's hybrid-aware router against an approximate prefix tree
 and round robin, on 2 prefill + 2 decode workers, fresh cluster per policy, same prompts and
-concurrency (the logic lives in ``cluster.bench``, ``cluster.hybrid_workload``,
-``cluster.repin_bench`` and ``cluster.bench_suite``).
+concurrency (the logic lives in ``benchmarks.support.cluster_runs``, ``kvfleet_testing.workloads``,
+``benchmarks.support.repin`` and ``benchmarks.support.cluster_suite``).
 
-    python benchmarks/cluster_bench.py                     # Gemma-3-270M + tiny Bamba (~25 min here)
-    python benchmarks/cluster_bench.py --quick             # small counts, for development
-    python benchmarks/cluster_bench.py --config tiny --hybrid-config tiny-hybrid
+    python -m benchmarks.cluster_bench                     # Gemma-3-270M + tiny Bamba (~25 min here)
+    python -m benchmarks.cluster_bench --quick             # small counts, for development
+    python -m benchmarks.cluster_bench --config tiny --hybrid-config tiny-hybrid
 
 Runs: the shared-prefix workload and the hybrid-pressure workload on ``--config`` (default: the
 local preset, Gemma-3-270M: sliding window + full attention), the hybrid workload on
 ``--hybrid-config`` (default: tiny Bamba, Mamba2 + attention), each under every policy; pins
 re-established by copy vs by compute on ``--config``; the P/D TTFT overhead where
-``cluster.pd_overhead`` exists. Prints one JSON object per run and section, then the issue's
+``benchmarks.pd_overhead`` exists. Prints one JSON object per run and section, then the issue's
 keys as the last line::
 
     {"p90_ttft_ratio_vs_round_robin": r, "p90_ttft_ratio_vs_prefix_tree": r,
@@ -50,7 +50,7 @@ forgets where it sent a prefix, so each prefix stays on one prefill worker; when
 lost the prefix's window or Mamba state (the tree's false hit) no other worker holds the prefix
 either, and the request is computed in full wherever it goes. Exact prediction removes the false
 hits (23% -> 0 on Gemma, 43% -> 0 on Bamba) but moves few tokens: replayed without timing through
-the workers' real coordinators (``cluster.route_ceiling``), even a perfect-knowledge oracle hits
+the workers' real coordinators (``benchmarks.support.route_replay``), even a perfect-knowledge oracle hits
 0.99x the tree here, and across 81 workload settings per model a median 1.01x
 (benchmarks/route_ceiling.py). The real-cluster gap above (1.11x on Gemma) comes from timing
 (requests in flight, decode-only serving from decode caches), and the p90 TTFT is the prefill
@@ -67,16 +67,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster.bench import POLICIES, Workload
-from cluster.bench_suite import SUMMARY_KEYS, Suite, run_suite
-from cluster.hybrid_workload import HybridWorkload
+from benchmarks.support.cluster_runs import POLICIES
+from benchmarks.support.cluster_suite import SUMMARY_KEYS, Suite, run_suite
 from configs import load_config
+from kvfleet_testing.workloads import HybridWorkload, SharedPrefixWorkload
 
 log = logging.getLogger("cluster_bench")
 
@@ -86,7 +82,7 @@ BENCH_WORKERS = ["workers.num_prefill=2", "workers.num_decode=2"]
 def build_suite(quick: bool, policies: tuple[str, ...]) -> Suite:
     if quick:
         return Suite(
-            shared=Workload(num_prefixes=4, requests_per_prefix=6, prefix_tokens=128),
+            shared=SharedPrefixWorkload(num_prefixes=4, requests_per_prefix=6, prefix_tokens=128),
             hybrid=HybridWorkload(num_prefixes=6, num_requests=16, prefix_tokens=640, sweep_tokens=32),
             hybrid_small=HybridWorkload(num_prefixes=8, num_requests=32, prefix_tokens=96, sweep_tokens=8),
             policies=policies,
@@ -95,7 +91,7 @@ def build_suite(quick: bool, policies: tuple[str, ...]) -> Suite:
             auto_pin_compare=False,
         )
     return Suite(
-        shared=Workload(),
+        shared=SharedPrefixWorkload(),
         # Gemma-3-270M's window is 512 tokens: prefixes past it, so a window can go while the
         # full-attention blocks before it stay
         # 96 requests: at 48 every policy sat at the prompt order's hit bound (0.53: most

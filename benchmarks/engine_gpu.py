@@ -54,9 +54,9 @@ stderr (logging); the last stdout line is one JSON object::
     their summed device time, and (``--no-eager-decode`` skips it) a second engine with
     ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
 
-On the GPU machine: ``python benchmarks/engine_gpu.py`` (``--device cuda``, bfloat16; expected
+On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
-10 s): ``python benchmarks/engine_gpu.py --device cpu --dtype float32 --quick``. The CPU numbers
+10 s): ``python -m benchmarks.engine_gpu --device cpu --dtype float32 --quick``. The CPU numbers
 mean nothing (the shapes are tiny and the machine shared), except the host phases of
 ``--device cpu --quick`` (decode batches 1, 8 and 64): ``host_step_ms`` is the host work of a step
 around the model. Last measured on an H200: benchmarks/README.md and
@@ -84,16 +84,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.support.gpu_bench_decode import (  # noqa: E402
+from benchmarks.support.gpu_bench_decode import (
     copy_bandwidth,
     decode_step_time,
     kv_bytes_read,
     record_decode,
     weight_bytes,
 )
-from benchmarks.support.gpu_bench_setup import (  # noqa: E402
+from benchmarks.support.gpu_bench_setup import (
     DECODE_MODEL,
     MODELS,
     QUICK,
@@ -103,11 +101,11 @@ from benchmarks.support.gpu_bench_setup import (  # noqa: E402
     Sizes,
     build_checkpoint,
 )
-from benchmarks.support.hf_generate import generate_batch, workload  # noqa: E402
-from configs import load_config  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.runner import TORCH_DTYPES  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.support.hf_generate import generate_batch, workload
+from configs import load_config
+from engine.core import EngineCore
+from engine.runner import TORCH_DTYPES
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_gpu")
 

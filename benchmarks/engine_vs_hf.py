@@ -37,15 +37,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.support.hf_generate import generate_batch, workload  # noqa: E402
-from configs import load_config  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model.hybrid_tiny import build_hybrid_checkpoint  # noqa: E402
-from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint  # noqa: E402
-from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.support.hf_generate import generate_batch, workload
+from configs import load_config
+from engine.core import EngineCore
+from engine.model.hybrid_tiny import build_hybrid_checkpoint
+from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
+from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_vs_hf")
 

@@ -58,9 +58,9 @@ for stage in "${stages[@]}"; do
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
             tests/model/test_triton_mamba.py ;;
     bench)
-        run_stage bench 420 python3 benchmarks/engine_gpu.py --device cuda ${BENCH_ARGS:-} ;;
+        run_stage bench 420 python3 -m benchmarks.engine_gpu --device cuda ${BENCH_ARGS:-} ;;
     mamba)  # issue 13's decode measurement (per-request vs batched Mamba path) on the GPU
-        run_stage mamba 240 python3 benchmarks/mamba_decode.py --device cuda --dtype bfloat16 --num-requests 32 ;;
+        run_stage mamba 240 python3 -m benchmarks.mamba_decode --device cuda --dtype bfloat16 --num-requests 32 ;;
     *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;
     esac
 done

@@ -79,8 +79,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.support.hybrid_hits import (
     DEFAULTS,
     PlainScheduler,
@@ -89,7 +87,6 @@ from benchmarks.support.hybrid_hits import (
     kvfleet_coordinator,
     splits,
     unified_coordinator,
-    workload,
 )
 from benchmarks.support.hybrid_layouts import capacity, one_pool_tokens, vllm_group_size
 from benchmarks.support.hybrid_models import (
@@ -109,7 +106,7 @@ ROOT = Path(__file__).resolve().parents[1]
 __all__ = [  # the moved names, re-exported, and this script's own
     "BLOCK", "DEFAULTS", "DTYPE", "GIB", "MODELS", "PlainScheduler", "ask_vllm", "capacity", "coordinator_speedup",
     "count", "drive", "hit_sweep", "kvfleet_coordinator", "main", "mamba_decode", "model_arch", "one_pool_tokens",
-    "parse_args", "splits", "unified_coordinator", "vllm_group_size", "vllm_shape", "workload",
+    "parse_args", "splits", "unified_coordinator", "vllm_group_size", "vllm_shape",
 ]  # fmt: skip
 
 
@@ -119,12 +116,8 @@ def mamba_decode(args: argparse.Namespace) -> dict[str, Any] | None:
         return json.loads(Path(args.mamba_decode_json).read_text().strip().splitlines()[-1])
     if args.skip_decode:
         return None
-    try:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from mamba_decode import measure_decode  # type: ignore[import-not-found]
-    except ImportError as exc:
-        log.warning("benchmarks/mamba_decode.py: measure_decode unavailable (%s); mamba_decode_speedup is null", exc)
-        return None
+    from benchmarks.mamba_decode import measure_decode
+
     return measure_decode(num_requests=32)
 
 
@@ -134,9 +127,9 @@ def coordinator_speedup(args: argparse.Namespace) -> dict[str, Any] | None:
         return json.loads(text).get("coordinator_min_speedup")
     if not args.run_coordinator:
         return None
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "kv_cache_vs_vllm.py"), *args.coordinator_args.split()]
+    cmd = [sys.executable, "-m", "benchmarks.kv_cache_vs_vllm", *args.coordinator_args.split()]
     log.info("running %s", " ".join(cmd))
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1]).get("coordinator_min_speedup")
 
 

@@ -2,7 +2,7 @@
 """Long-running random-operation fuzzer for the hybrid KV-cache coordinator.
 
 What it does
-    Drives ``HybridCoordinator`` through the simulated scheduler of ``tests/kv_cache/sim/``
+    Drives ``HybridCoordinator`` through the simulated scheduler of ``kvfleet_testing/kv_cache_sim/``
     (the same one the hypothesis state machine uses) with plain ``random``: arrivals (shared
     prefixes, salts, remote-prefill requests), admissions with local hits, external tokens and
     asynchronous loads, prefill chunks (block-aligned for Mamba), decode, preemption, load
@@ -24,9 +24,9 @@ Output
     op index in the segment, configuration, recent operations, the error) is printed and the
     script exits with status 1 (after the JSON line, which then has ``"violations": 1``).
 
-    python benchmarks/kv_cache_fuzz.py --ops 1000000 --seed 0
-    python benchmarks/kv_cache_fuzz.py --ops 1000000 --seed 0 --multi-pool
-    python benchmarks/kv_cache_fuzz.py --segment-seed 123456 --ops 1500    # replay one segment
+    python -m benchmarks.kv_cache_fuzz --ops 1000000 --seed 0
+    python -m benchmarks.kv_cache_fuzz --ops 1000000 --seed 0 --multi-pool
+    python -m benchmarks.kv_cache_fuzz --segment-seed 123456 --ops 1500    # replay one segment
 """
 
 from __future__ import annotations
@@ -39,13 +39,8 @@ import sys
 import time
 import traceback
 from collections import Counter
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.kv_cache.sim import MIX_POOLS, RandomDriver, Sim, random_config  # noqa: E402
+from kvfleet_testing.kv_cache_sim import MIX_POOLS, RandomDriver, Sim, random_config
 
 LOG = logging.getLogger("kv_cache_fuzz")
 
@@ -127,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  traceback:", file=sys.stdout)
             print(traceback.format_exc(), file=sys.stdout)
             print(
-                f"  reproduce: python benchmarks/kv_cache_fuzz.py --segment-seed {seg_seed} --ops {seg_index + 1}"
+                f"  reproduce: python -m benchmarks.kv_cache_fuzz --segment-seed {seg_seed} --ops {seg_index + 1}"
                 f"{' --multi-pool' if args.multi_pool else ''}",
                 file=sys.stdout,
             )

@@ -45,9 +45,9 @@ Output
     configuration), ``hit_rate``, ``pinned_hit_rate`` and, as extras, ``kvfleet_us``,
     ``kvfleet_retention_us``, ``vllm_us``, ``hits_vs_vllm`` and ``config``.
 
-    python benchmarks/kv_cache_vs_vllm.py                 # full run, several minutes
-    python benchmarks/kv_cache_vs_vllm.py --skip-vllm --runs 1 --num-requests 300
-    python benchmarks/kv_cache_vs_vllm.py --clock cpu     # on a machine shared with other work
+    python -m benchmarks.kv_cache_vs_vllm                 # full run, several minutes
+    python -m benchmarks.kv_cache_vs_vllm --skip-vllm --runs 1 --num-requests 300
+    python -m benchmarks.kv_cache_vs_vllm --clock cpu     # on a machine shared with other work
 
 ``--clock cpu`` runs drive.py unchanged, with ``time.perf_counter_ns`` pointed at
 ``time.thread_time_ns`` before it starts: time the process spends descheduled (other tenants of a
@@ -66,11 +66,6 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks.support import kv_replay
 from benchmarks.support.kv_replay import (

@@ -43,12 +43,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from configs import load_config  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model.mamba2 import Mamba2Mixer  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from configs import load_config
+from engine.core import EngineCore
+from engine.model.mamba2 import Mamba2Mixer
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("mamba_decode")
 

@@ -6,17 +6,17 @@ Two levels (both by default):
 - ``engine``: prefill and decode ``EngineCore`` pairs in this process, driven through seeded
   adversarial interleavings (bursts of shared-prefix requests, a small token budget that leaves
   1-token remainders, handles delivered late, a small pool, requests run whole on a decode
-  engine beside pulled ones); see ``tests/engine/pd_harness.py``. Reproducible per seed.
+  engine beside pulled ones); see ``kvfleet_testing/pd_harness.py``. Reproducible per seed.
 - ``cluster``: a local Ray cluster per configuration, concurrent waves of shared-prefix requests
-  while ``--busy`` processes spin on the cores; see ``tests/integration/pd_stress.py``.
+  while ``--busy`` processes spin on the cores; see ``kvfleet_testing/pd_stress.py``.
 
 Each configuration prints one JSON line as it finishes; the last stdout line is the summary:
 ``{"requests": n, "wrong_tokens": n, "configs": {"<level>/<preset>/<backend>/<P>P<D>D":
 {"requests": n, "wrong_tokens": n, ...}}, "seconds": s}``. Exit status 1 if any token was wrong.
 
-    python benchmarks/pd_stress.py                                   # both levels, every config
-    python benchmarks/pd_stress.py --level engine --seeds 50         # engine level, 50 seeds each
-    python benchmarks/pd_stress.py --level cluster --requests 300 --busy 2 --presets tiny-hybrid
+    python -m benchmarks.pd_stress                                   # both levels, every config
+    python -m benchmarks.pd_stress --level engine --seeds 50         # engine level, 50 seeds each
+    python -m benchmarks.pd_stress --level cluster --requests 300 --busy 2 --presets tiny-hybrid
 
 Measured on this project's 2-core VM (issue 15; the cause is in the docstring of
 tests/engine/test_pd_race.py). ``--level engine --seeds 10 --requests 60`` (4800 requests):
@@ -35,9 +35,6 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 log = logging.getLogger("pd_stress")
 
@@ -61,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     log.setLevel(logging.INFO)
     from configs import load_config
-    from tests.engine.pd_harness import alone_tokens, run_engine_stress, shared_prefix_prompts
+    from kvfleet_testing.pd_harness import alone_tokens, run_engine_stress
+    from kvfleet_testing.workloads import shared_prefix_prompts
 
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
     backends = list(args.backends)
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     configs[name] = summary
                     print(json.dumps({"config": name, **summary}), flush=True)
     if args.level in ("cluster", "both"):
-        from tests.integration.pd_stress import busy_cpu, run_cluster_stress
+        from kvfleet_testing.pd_stress import busy_cpu, run_cluster_stress
 
         with busy_cpu(args.busy):
             for preset in args.presets:

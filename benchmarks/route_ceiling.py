@@ -1,18 +1,18 @@
 """How much token hit rate placement alone can win over an approximate prefix tree on hybrid
 models, across a grid of hybrid-pressure workloads (issue 16's evidence for its hit-rate target).
 
-Each grid point is ``cluster.hybrid_workload.HybridWorkload`` with one setting of
+Each grid point is ``kvfleet_testing.workloads.HybridWorkload`` with one setting of
 ``cache_fraction`` (pool size: that share of the prefix set plus the requests in flight),
 ``zipf`` (popularity skew), ``num_prefixes`` and ``flood_share`` (unique prompts pushing cached
 blocks out); every other field as in benchmarks/cluster_bench.py's hybrid workload for that
-model. At each point ``cluster.route_ceiling.replay`` runs the prompts one at a time through two
+model. At each point ``benchmarks.support.route_replay.replay`` runs the prompts one at a time through two
 real coordinators built like the workers (groups, pool, retention tier) under the approximate
 tree (``prefix_tree``), kvfleet's policy (``kvfleet``) and a perfect-knowledge oracle
 (``exact_oracle``: the worker whose coordinator holds the longest hit right now). No cluster, no
 timing: only what each placement does to the caches.
 
-    python benchmarks/route_ceiling.py                        # Gemma-3-270M and tiny Bamba, ~1 min
-    python benchmarks/route_ceiling.py --configs tiny-hybrid
+    python -m benchmarks.route_ceiling                        # Gemma-3-270M and tiny Bamba, ~1 min
+    python -m benchmarks.route_ceiling --configs tiny-hybrid
 
 Last line: ``{"oracle_over_prefix_tree": {model: {"min", "median", "max", "share_at_least_1_2"}},
 "kvfleet_over_prefix_tree": {...}, "points": n}``.
@@ -34,14 +34,11 @@ import logging
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster.hybrid_workload import HybridWorkload
-from cluster.route_ceiling import Replay
+from benchmarks.support.route_replay import Replay
 from configs import load_config
+from kvfleet_testing.workloads import HybridWorkload
 
 log = logging.getLogger("route_ceiling")
 

@@ -95,8 +95,8 @@ Output
     W=8, working set 0.5x; decision_p99_us_w64: the larger of kvfleet's two W=64 scenarios, each
     decision at its least CPU time over the replays).
 
-    python benchmarks/routing_sim.py                  # full run (about five minutes)
-    python benchmarks/routing_sim.py --quick          # smoke run (seconds)
+    python -m benchmarks.routing_sim                  # full run (about five minutes)
+    python -m benchmarks.routing_sim --quick          # smoke run (seconds)
 
 Code: this script is the entry point (arguments, the scenarios, the tables and the JSON line); the
 trace is in ``benchmarks/support/routing_trace.py``, the workers in ``routing_workers.py``, the
@@ -111,16 +111,12 @@ import json
 import logging
 import random
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.support.routing_results import Record, Result, min_decision_p99, percentile
+from benchmarks.support.routing_results import Record, Result, min_decision_p99
 from benchmarks.support.routing_simulation import Simulation
 from benchmarks.support.routing_trace import BLOCK, CHUNK, GROUPS, Arrival, Trace, make_prefixes, make_trace
 from benchmarks.support.routing_workers import Job, SimWorker
+from benchmarks.support.stats import percentile
 
 LOG = logging.getLogger("routing_sim")
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_tree", "kvfleet")

@@ -2,8 +2,8 @@
 generator (guidellm), on a shared-prefix workload, for the router policies kvfleet, prefix_tree
 and round_robin; plus the HTTP layer's own cost against the driver API.
 
-    python benchmarks/serve_bench.py                           # local preset (Gemma-3-270M), 2P+2D
-    python benchmarks/serve_bench.py --rates 0.5,1.0 --policies kvfleet,round_robin
+    python -m benchmarks.serve_bench                           # local preset (Gemma-3-270M), 2P+2D
+    python -m benchmarks.serve_bench --rates 0.5,1.0 --policies kvfleet,round_robin
 
 The load generator is guidellm, pinned in pyproject.toml's ``bench`` extra. It would downgrade
 a package the project's environment has (click 8.5 -> 8.4; ray, torch, transformers and pydantic
@@ -11,17 +11,17 @@ stay as they are), so install it in a venv of its own, anywhere outside the repo
 below), and name its executable (torch first, so that pip keeps the CPU wheel, not CUDA's):
 
     python3 -m venv $LG && $LG/bin/pip install torch==2.13.0 && $LG/bin/pip install guidellm==0.8.1
-    KVFLEET_GUIDELLM=$LG/bin/guidellm python benchmarks/serve_bench.py
+    KVFLEET_GUIDELLM=$LG/bin/guidellm python -m benchmarks.serve_bench
 
 (``--guidellm PATH`` does the same; without either, ``guidellm`` is looked up next to this
 Python, then on PATH.) The server is ``kvfleet serve`` from this Python's environment
 (``--kvfleet PATH`` to use another).
 
-Workload (the idea of ``cluster/bench.py`` in text, since a load generator sends text):
+Workload (``kvfleet_testing.workloads.SharedPrefixWorkload`` in text, since a load generator sends text):
 ``--num-prefixes`` documents of about ``--prefix-tokens`` tokens of pseudo-words, each asked
 ``--requests-per-prefix`` questions of about ``--suffix-tokens`` tokens, shuffled once; every
 policy and every rate gets the same prompts in the same order, ``--max-tokens`` out with
-``ignore_eos`` at temperature 0. Each worker's pool is sized as ``kvfleet bench`` sizes it:
+``ignore_eos`` at temperature 0. Each worker's pool is sized as the cluster benchmark sizes it:
 ``--cache-fraction`` of the prefix set plus room for ``--in-flight`` requests, so a router that
 spreads every prefix over every worker evicts. guidellm sends the requests at a constant rate
 (``--rates``, requests/s); the ratios in the summary are taken at the highest rate.
@@ -95,9 +95,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from benchmarks.support.serve_http import (
     cluster_stats,
     get_json,
@@ -124,7 +121,7 @@ from benchmarks.support.serve_workload import (
     sized_overrides,
     warmup_prompts,
 )
-from cluster.bench import percentile  # noqa: E402  (the same interpolation as `kvfleet bench`)
+from benchmarks.support.stats import percentile
 
 log = logging.getLogger("serve_bench")
 
@@ -132,7 +129,7 @@ POLICIES = ("kvfleet", "prefix_tree", "round_robin")
 BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
 
 __all__ = [  # the moved names, re-exported, and this script's own
-    "BENCH_WORKERS", "POLICIES", "ROOT", "SYLLABLES", "TOOL", "URL_RE", "Bench", "Server", "Workload", "_words",
+    "BENCH_WORKERS", "POLICIES", "SYLLABLES", "TOOL", "URL_RE", "Bench", "Server", "Workload", "_words",
     "build_prompts", "cluster_stats", "find_tool", "first_text_s", "free_port", "get_json", "get_status",
     "http_first_text_s", "main", "parse_args", "percentile", "pinned_version", "ratio", "run_tool", "served_model",
     "sized_overrides", "stream_completion", "summarize_report", "summary", "tool_env", "tool_version",

@@ -27,7 +27,7 @@ Output
     copy GB/s. Acceptance: contiguous_ratio >= 0.5, scattered_ratio >= 0.3, setup_ms <= 1.0.
     ``--sweep`` first measures other progress-thread settings (logged, not in the JSON line).
 
-    python benchmarks/transfer_bandwidth.py [--reps 9] [--sweep]
+    python -m benchmarks.transfer_bandwidth [--reps 9] [--sweep]
 """
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.transfer import make_transfer  # noqa: E402
+from engine.transfer import make_transfer
 
 log = logging.getLogger("transfer_bandwidth")
 

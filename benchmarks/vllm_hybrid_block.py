@@ -2,7 +2,7 @@
 
 Run under the vLLM anchor venv (../shared/bench/vllm_kv_anchor/install.sh), not the project's:
 
-    ~/.cache/kvfleet-anchors/vllm-venv/bin/python benchmarks/vllm_hybrid_block.py < shapes.json
+    ~/.cache/kvfleet-anchors/vllm-venv/bin/python -m benchmarks.vllm_hybrid_block < shapes.json
 
 stdin: a JSON list of shapes ``{"name", "num_kv_heads", "head_dim", "intermediate_size",
 "n_groups", "num_heads", "mamba_head_dim", "d_state", "d_conv"}``. For each, this calls vLLM's

@@ -1,5 +1,6 @@
-"""The `kvfleet` command line: `config`, `generate`, `serve` and `bench`, each with `--config` and
-`--set a.b=c`.
+"""The `kvfleet` command line: `config`, `generate` and `serve`, each with `--config` and
+`--set a.b=c`. The cluster benchmark is not a command: run `python -m benchmarks.cluster_bench`
+from the repository (``benchmarks/README.md``).
 
 Exit codes (the same for `python -m cluster.job`):
 
@@ -19,7 +20,6 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -61,12 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(serve)
     serve.add_argument("--host", help="bind address (default: serve.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: serve.port, 8000)")
-
-    bench = commands.add_parser(
-        "bench", help="shared-prefix workload: prefix-aware routing vs round robin (JSON result, last line)"
-    )
-    _add_config_options(bench)
-    add_bench_options(bench)
     return parser
 
 
@@ -96,33 +90,10 @@ def _add_sampling_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
 
-def add_bench_options(cmd: argparse.ArgumentParser) -> None:
-    """Workload options shared by `kvfleet bench` and benchmarks/cluster_bench.py."""
-    from cluster.bench import Workload
-
-    d = Workload()
-    cmd.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
-    cmd.add_argument("--requests-per-prefix", type=int, default=d.requests_per_prefix)
-    cmd.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
-    cmd.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens)
-    cmd.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    cmd.add_argument("--concurrency", type=int, default=d.concurrency)
-    cmd.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
-                     help="each worker's pool as a share of the whole prefix set (0: the config's own size)")
-    cmd.add_argument("--seed", type=int, default=d.seed)
-    cmd.add_argument("--policies", default="kvfleet,round_robin", help="comma-separated router policies")
-
-
-BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         args.overrides = [*args.overrides, *_serve_overrides(args)]
-    if args.command == "bench" and not any(o.startswith(("workers.num_prefill", "workers.num_decode"))
-                                           for o in args.overrides):  # fmt: skip
-        args.overrides = [*BENCH_WORKERS, *args.overrides]  # the benchmark's 2 prefill + 2 decode workers
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:
@@ -132,8 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(config_to_yaml(config))
         return 0
-    if args.command == "bench":
-        return _bench(config, args)
     if args.command == "serve":
         return _serve(config)
     return _generate(config, args)
@@ -323,32 +292,6 @@ def _progress_bar(total: int) -> Any:
     except ImportError:
         return _LogProgress(total)
     return tqdm(total=total, desc="generate", unit="req", file=sys.stderr, leave=False)
-
-
-def _bench(config: ClusterConfig, args: argparse.Namespace) -> int:
-    from cluster.bench import Workload, run_bench
-
-    workload = Workload(
-        num_prefixes=args.num_prefixes,
-        requests_per_prefix=args.requests_per_prefix,
-        prefix_tokens=args.prefix_tokens,
-        suffix_tokens=args.suffix_tokens,
-        max_tokens=args.max_tokens,
-        concurrency=args.concurrency,
-        cache_fraction=args.cache_fraction,
-        seed=args.seed,
-    )
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    try:
-        result = run_bench(config, workload, policies)
-    except Exception as exc:
-        log.exception("bench failed")
-        print(f"kvfleet: bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    for name, run in result["runs"].items():
-        print(json.dumps({"policy": name, **run}))
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
-    return 0
 
 
 if __name__ == "__main__":

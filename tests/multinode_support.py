@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,8 +29,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import psutil
+
+from kvfleet_testing.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,6 @@ HEALTH_CHECK_ENV = {
     "RAY_health_check_timeout_ms": "5000",
     "RAY_health_check_failure_threshold": "5",
 }
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS just called free on ``host`` (for components whose port cannot be 0)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _ray_executable() -> str:
@@ -151,7 +146,7 @@ class LocalMultiNodeRay:
         self.nodes: dict[str, RayNode] = {}
         self.address = ""
 
-    def __enter__(self) -> LocalMultiNodeRay:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -242,7 +237,7 @@ class LocalMultiNodeRay:
         for node in reversed(list(self.nodes.values())):
             try:
                 node.stop()
-            except Exception as exc:  # keep going: the other nodes must stop too
+            except Exception as exc:  # noqa: BLE001  (keep going: the other nodes must stop too)
                 log.warning("stopping node %s: %s", node.name, exc)
         left = self.tagged_processes()
         for proc in left:

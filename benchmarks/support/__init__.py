@@ -30,6 +30,16 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``serve_results``: one guidellm report summarized (TTFT, latency, hit rate, losses).
 - ``serve_runs``: one policy at one rate, and HTTP TTFT against the driver API's (``Bench``).
 
+``benchmarks/cluster_bench.py``:
+
+- ``cluster_runs``: one routing policy on a fresh cluster, every policy in turn, the ratios (``run_bench``).
+- ``cluster_suite``: the whole cluster benchmark and its summary keys (``Suite``, ``run_suite``).
+- ``repin``: a pin re-established by copy against by compute on two prefill workers (``measure_repin``).
+- ``route_replay``: the prompts replayed through real coordinators under each placement (``Replay``);
+  ``benchmarks/route_ceiling.py`` runs it over a grid of workloads.
+
+Every script: ``stats``, the one ``percentile``.
+
 ``benchmarks/engine_vs_hf.py`` and ``benchmarks/engine_gpu.py``:
 
 - ``hf_generate``: the issue-4 request mix and Hugging Face ``generate`` over it in left-padded batches.
@@ -39,5 +49,6 @@ The scripts stay the entry points (arguments, main, report) and re-export what m
 - ``gpu_bench_setup``: the models' shapes, the run's sizes, one run's state (``Run``) and its checkpoints.
 - ``gpu_bench_decode``: the decode step's time and the bytes it must read, against the copy bandwidth.
 
-The scripts put the repository root on ``sys.path`` and import these as ``benchmarks.support.*``.
+The scripts run as ``python -m benchmarks.<name>`` from the repository root and import these as
+``benchmarks.support.*``; the workloads and harnesses the tests use too are in ``kvfleet_testing``.
 """

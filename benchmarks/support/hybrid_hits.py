@@ -4,15 +4,15 @@ scheduler.
 Owns the two coordinators compared at one budget (kvfleet's groups and pools,
 ``kvfleet_coordinator``; the unified layout's groups in one pool, ``unified_coordinator``), the
 scheduler without its recurrent-checkpoint stop (``PlainScheduler``), one run of requests through
-``Scheduler`` (``drive``), the workload and its shared lengths (``workload``, ``splits``) and the
-sweep itself (``hit_sweep``, with the config defaults as ``kvfleet_defaults``: ``DEFAULTS``).
+``Scheduler`` (``drive``), the shared lengths of the workload (``splits``; its prompts are
+``kvfleet_testing.workloads.reuse_prompts``) and the sweep itself (``hit_sweep``, with the config
+defaults as ``kvfleet_defaults``: ``DEFAULTS``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import random
 import time
 from typing import Any
 
@@ -34,6 +34,7 @@ from engine.model.kv_layout import (
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from kvfleet_testing.workloads import reuse_prompts
 
 log = logging.getLogger("hybrid_capacity")
 DEFAULTS = KVCacheConfig()  # the config defaults (kvfleet_defaults in the hit sweep)
@@ -91,13 +92,6 @@ def drive(
     return hits, total
 
 
-def workload(shared: int, unique: int, prefixes: int, reuse: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    heads = [[rng.randrange(30000) for _ in range(shared)] for _ in range(prefixes)]
-    order = [p for _ in range(reuse) for p in range(prefixes)]
-    return [heads[p] + [30000 + i] + [rng.randrange(30000) for _ in range(unique - 1)] for i, p in enumerate(order)]
-
-
 def splits(vllm_block: int, count_: int) -> list[int]:
     """Shared lengths: multiples of 16 not multiples of vLLM's block, spread over 0.25..2.75 blocks."""
     out = []
@@ -122,7 +116,7 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
     for policy in ("boundary", "plain"):
         rows = []
         for shared in splits(block_v, args.splits):
-            prompts = workload(shared, args.unique_tokens, args.prefixes, args.reuse, args.seed + shared)
+            prompts = reuse_prompts(shared, args.unique_tokens, args.prefixes, args.reuse, args.seed + shared)
             t0 = time.perf_counter()
             hit, total = {}, 0
             for name, coord, chunk in (

@@ -73,7 +73,7 @@ def ask_vllm(shapes: list[dict[str, Any]]) -> dict[str, Any]:
         anchor = ROOT.parent / "shared" / "bench" / "vllm_kv_anchor" / "install.sh"
         raise SystemExit(f"vLLM anchor venv missing at {venv}: run bash {anchor}")
     out = subprocess.run(
-        [str(python), str(ROOT / "benchmarks" / "vllm_hybrid_block.py")],
-        input=json.dumps(shapes), capture_output=True, text=True, check=True, timeout=600,
+        [str(python), "-m", "benchmarks.vllm_hybrid_block"],
+        input=json.dumps(shapes), capture_output=True, text=True, check=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -3,12 +3,14 @@
 Owns ``Record`` (one request's hit, prediction, TTFT and decision time), ``Result`` (one run's
 hit rate, TTFT, imbalance, decision latency, accuracy, lost hits and pinned-prefix hit rate,
 after the warm-up or over the whole trace), ``min_decision_p99`` (the decision p99 over
-deterministic replays) and ``percentile``.
+deterministic replays).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from benchmarks.support.stats import percentile
 
 
 @dataclass
@@ -141,9 +143,3 @@ def min_decision_p99(first: Result, replays: list[Result]) -> float:
         raise RuntimeError("decision replays placed requests differently: the simulation is not deterministic")
     least = [min(r.records[i].decision_cpu_ns for r in runs) / 1000 for i in range(len(first.records))]
     return percentile(sorted(v for v, rec in zip(least, first.records) if rec.decision_ns), 0.99)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    return values[min(len(values) - 1, int(q * len(values)))]

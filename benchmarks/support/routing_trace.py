@@ -19,6 +19,7 @@ from engine.kv_cache import KVCacheGroup
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from engine.routing import HitRules
+from kvfleet_testing.workloads import random_tokens
 
 BLOCK = 16
 CHUNK = 512
@@ -59,8 +60,7 @@ class Trace:
 def make_prefixes(args: argparse.Namespace) -> tuple[list[list[int]], list[list[bytes]]]:
     rng = random.Random(args.seed)
     prefixes = [
-        [rng.randrange(1, 50_000) for _ in range(rng.randint(args.prefix_min, args.prefix_max))]
-        for _ in range(args.prefixes)
+        random_tokens(rng, rng.randint(args.prefix_min, args.prefix_max), 1, 50_000) for _ in range(args.prefixes)
     ]
     return prefixes, [extend_block_hashes([], p, BLOCK) for p in prefixes]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.bench import percentile  # the same interpolation as `kvfleet bench`
+from benchmarks.support.stats import percentile
 
 log = logging.getLogger("serve_bench")
 

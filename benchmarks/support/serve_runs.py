@@ -21,7 +21,7 @@ from benchmarks.support.serve_loadgen import run_tool
 from benchmarks.support.serve_results import ratio, summarize_report
 from benchmarks.support.serve_server import Server
 from benchmarks.support.serve_workload import Workload
-from cluster.bench import percentile  # the same interpolation as `kvfleet bench`
+from benchmarks.support.stats import percentile
 
 log = logging.getLogger("serve_bench")
 

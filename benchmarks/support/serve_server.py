@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,15 +19,10 @@ from pathlib import Path
 from typing import Self
 
 from benchmarks.support.serve_http import get_status
+from kvfleet_testing.ports import free_port
 
 log = logging.getLogger("serve_bench")
 URL_RE = re.compile(r"https?://[\w.\-]+:\d+")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:

@@ -3,7 +3,7 @@
 Owns the request mix (``Workload``), its prompts (``build_prompts``: ``num_prefixes`` documents of
 pseudo-words, each asked ``requests_per_prefix`` questions, shuffled once), the warm-up prompts
 every run starts with (``warmup_prompts``) and the ``--set`` overrides that size every worker's
-pool as ``kvfleet bench`` does (``sized_overrides``).
+pool as the cluster benchmark does (``sized_overrides``).
 """
 
 from __future__ import annotations
@@ -68,18 +68,19 @@ def warmup_prompts(workload: Workload, tokenizer: Any, prefixes: list[str]) -> l
 
 
 def sized_overrides(config: Any, workload: Workload, prompt_tokens: int, prefix_tokens: int) -> list[str]:
-    """``--set`` overrides that size every worker's pool as ``kvfleet bench`` does."""
-    from cluster.bench import Workload as ClusterWorkload
-    from cluster.bench import sized_config
+    """``--set`` overrides that size every worker's pool as the cluster benchmark does
+    (``kvfleet_testing.sizing.sized_config``)."""
     from engine.core import resolve_model_directory
     from engine.model.arch import arch_from_hf_config
     from engine.model.kv_layout import build_kv_layout
     from engine.model.loader import read_hf_config
+    from kvfleet_testing.sizing import sized_config
+    from kvfleet_testing.workloads import SharedPrefixWorkload
 
     arch = arch_from_hf_config(read_hf_config(resolve_model_directory(config)), config.model.sliding_window_override)
     dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
     groups = list(build_kv_layout(arch, config.kv_cache.block_size, dtype).groups)
-    shape = ClusterWorkload(
+    shape = SharedPrefixWorkload(
         num_prefixes=workload.num_prefixes,
         prefix_tokens=prefix_tokens,
         suffix_tokens=prompt_tokens - prefix_tokens,

@@ -31,13 +31,13 @@ from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec
 from engine.sampling_params import SamplingParams
-from tests.engine.pd_harness import (
+from kvfleet_testing.pd_harness import (
     alone_tokens,
     duplicate_wave_prompts,
     run_duplicate_waves,
     run_engine_stress,
-    shared_prefix_prompts,
 )
+from kvfleet_testing.workloads import shared_prefix_prompts
 from tests.oracle import MIN_MARGIN, greedy_references
 from tests.support import load_preset
 

@@ -11,17 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from configs import ClusterConfig, load_config
+from configs import ClusterConfig
 from engine.sampling_params import SamplingParams
+from kvfleet_testing.presets import FAST_HEALTH, cluster_config  # noqa: F401  (re-exported)
 from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-# health checks fast enough that a failed worker is noticed within seconds in a test
-FAST_HEALTH = (
-    "workers.health_check_interval_s=0.5",
-    "workers.health_check_timeout_s=3",
-    "workers.request_lease_s=8",
-)
 
 
 @pytest.fixture(scope="package")
@@ -31,10 +26,6 @@ def ray_session() -> Iterator[None]:
     init_local_ray("kvfleet-tests")
     yield
     ray.shutdown()
-
-
-def cluster_config(preset: str, num_prefill: int, num_decode: int, *overrides: str) -> ClusterConfig:
-    return load_config(preset, [f"workers.num_prefill={num_prefill}", f"workers.num_decode={num_decode}", *overrides])
 
 
 def random_prompts(seed: int, lengths: list[int], low: int = 3, high: int = 250) -> list[list[int]]:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench import common_prefix_length
-from cluster.hybrid_workload import HybridWorkload
+from kvfleet_testing.workloads import HybridWorkload, common_prefix_length
 from engine.sampling_params import SamplingParams
 from tests.integration.conftest import cluster_config
 
@@ -42,7 +41,7 @@ def _believed(prompt: tuple[int, ...], earlier: list[tuple[int, ...]], alignment
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny"])
 def test_predicted_hit_equals_actual_hit_for_every_request(ray_session, preset):
     from cluster.api import Cluster
-    from cluster.bench import kv_groups, sized_config
+    from kvfleet_testing.sizing import kv_groups, sized_config
     from engine.kv_cache.spec import alignment_tokens
 
     # every request prefilled on a prefill worker (none short enough to run on the decode one)

@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from configs import load_config
+from kvfleet_testing.ports import free_port
 from tests.integration.conftest import oracle_tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,17 +32,6 @@ RAY = shutil.which("ray", path=str(BIN)) or shutil.which("ray")
 PROMPTS = ["The capital of France is", "x", "a longer prompt that goes through a prefill worker and a KV transfer " * 2]
 MAX_TOKENS = 6
 TOKEN = secrets.token_hex(16)
-
-
-def _free_port(preferred: int | None = None) -> int:
-    for port in ([preferred] if preferred else []) + [0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port")
 
 
 def _env() -> dict[str, str]:
@@ -65,7 +54,7 @@ def _job(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
 def test_ray_job_submit_runs_the_entrypoint(tmp_path):
-    gcs_port, dashboard_port = _free_port(), _free_port(8265)
+    gcs_port, dashboard_port = free_port(), free_port(preferred=8265)
     inputs = tmp_path / "prompts.jsonl"
     inputs.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     output = tmp_path / "results.jsonl"
@@ -76,8 +65,8 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
             [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
              "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
              # free ports for what has fixed defaults (the tests' own Ray holds the agent's 52365)
-             "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
-             "--ray-client-server-port", str(_free_port()),
+             "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+             "--ray-client-server-port", str(free_port()),
              "--num-cpus", "4", "--resources", json.dumps({"prefill": 2, "decode": 2}),
              "--object-store-memory", str(200 * 1024**2)],
             stdout=head_log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

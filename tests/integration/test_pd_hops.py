@@ -338,7 +338,7 @@ def test_hops_of_a_sampling_stop_at_the_first_token(ray_session):
 
 
 def test_pd_overhead_measurement_reports_the_ratio_and_every_hop(ray_session):
-    from cluster.pd_overhead import OverheadWorkload, measure_pd_overhead
+    from benchmarks.pd_overhead import OverheadWorkload, measure_pd_overhead
 
     config = cluster_config("tiny", 1, 1)
     out = measure_pd_overhead(config, OverheadWorkload(num_requests=4, prompt_tokens=90, warmup=1))

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.integration.pd_stress import busy_cpu, run_cluster_stress
+from kvfleet_testing.pd_stress import busy_cpu, run_cluster_stress
 
 LONG = os.environ.get("KVFLEET_PD_STRESS", "") == "long"
 HAS_NIXL = importlib.util.find_spec("nixl") is not None

@@ -30,7 +30,7 @@ from engine.kv_cache import (
     SlidingWindowSpec,
 )
 from engine.kv_cache.block_queue import PIN_EXPLICIT
-from tests.kv_cache.sim import MIX_POOLS, RandomDriver, Sim, SimConfig, min_pool_blocks_for, random_pool_sizes
+from kvfleet_testing.kv_cache_sim import MIX_POOLS, RandomDriver, Sim, SimConfig, min_pool_blocks_for, random_pool_sizes
 from tests.kv_cache.test_stateful import CoordinatorMachine
 
 THREE = "3pool:full|swa|mamba"

@@ -35,7 +35,7 @@ from engine.kv_cache import (
 )
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_RETAINED
 from engine.kv_cache.managers import MambaManager, SlidingWindowManager
-from tests.kv_cache.sim import (
+from kvfleet_testing.kv_cache_sim import (
     MIXES,
     RandomDriver,
     Sim,

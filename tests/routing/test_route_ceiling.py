@@ -1,4 +1,4 @@
-"""``cluster.route_ceiling``: the placement replay behind issue 16's hit-rate evidence, on the
+"""``benchmarks.support.route_replay``: the placement replay behind issue 16's hit-rate evidence, on the
 tiny sliding-window preset and the tiny Bamba preset (real coordinators, no cluster)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.bench import hit_rate_bound, kv_groups, vocab_size
-from cluster.hybrid_workload import HybridWorkload
-from cluster.route_ceiling import PLACEMENTS, replay, route_ceiling
+from kvfleet_testing.sizing import kv_groups, vocab_size
+from kvfleet_testing.workloads import HybridWorkload, hit_rate_bound
+from benchmarks.support.route_replay import PLACEMENTS, replay, route_ceiling
 from configs import load_config
 from engine.kv_cache.spec import alignment_tokens
 

@@ -12,7 +12,6 @@ RayService deploy. The Ray fixture is scoped to this package.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from configs import ClusterConfig, load_config
+from kvfleet_testing.ports import free_port
 from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 
 API_KEY = "test-key-" + "5f1c2e"
@@ -73,12 +73,6 @@ class Server:
         from serving.app import CONTROLLER
 
         return serve.get_deployment_handle(CONTROLLER, app_name=self.app_name).handles.remote().result()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main_config() -> ClusterConfig:

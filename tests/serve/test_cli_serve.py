@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serve.conftest import free_port
+from kvfleet_testing.ports import free_port
 
 BIN = Path(sys.executable).parent
 KVFLEET = shutil.which("kvfleet", path=str(BIN)) or shutil.which("kvfleet")

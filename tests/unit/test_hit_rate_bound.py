@@ -1,9 +1,9 @@
-"""``cluster.bench.hit_rate_bound``: the unbounded-cache hit rate the cluster benchmark reports
+"""``kvfleet_testing.workloads.hit_rate_bound``: the unbounded-cache hit rate the cluster benchmark reports
 beside every policy's (the ceiling no router can pass on that prompt order)."""
 
 from __future__ import annotations
 
-from cluster.bench import hit_rate_bound
+from kvfleet_testing.workloads import hit_rate_bound
 
 
 def test_first_request_of_a_prefix_never_hits_and_repeats_hit_whole_aligned_steps():

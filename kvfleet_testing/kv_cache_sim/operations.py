@@ -6,11 +6,11 @@ finishing, load completion or failure, aborts and window maintenance; plus the p
 from __future__ import annotations
 
 from engine.kv_cache import CacheRequest
-from tests.kv_cache.sim.records import FINISHED, LOADING, RUNNING, WAITING, SimRequest
+from kvfleet_testing.kv_cache_sim.records import FINISHED, LOADING, RUNNING, WAITING, SimRequest
 
 
 class SimOperations:
-    """Mixin of ``Sim`` (owns no state): the scheduler follows the reference's §6.5. An allocation
+    """Mixin of ``Sim`` (owns no state): the scheduler is modelled on ``engine.scheduler``. An allocation
     failure preempts (free, ``num_computed = 0``, requeue, tokens kept); no admission follows a
     preemption in the same step; a LOADING request computes nothing until its load completes."""
 

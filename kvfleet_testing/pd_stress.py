@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from tests.engine.pd_harness import SAMPLING, shared_prefix_prompts
+from kvfleet_testing.pd_harness import SAMPLING
+from kvfleet_testing.presets import cluster_config
+from kvfleet_testing.workloads import shared_prefix_prompts
 
 
 def _spin(stop_at: float) -> None:  # pragma: no cover - runs in a child process
@@ -79,8 +81,7 @@ def run_cluster_stress(
     the single engine; the cluster's transfer counters summed over its workers."""
     from cluster.api import Cluster
     from configs import load_config
-    from tests.engine.pd_harness import alone_tokens
-    from tests.integration.conftest import cluster_config
+    from kvfleet_testing.pd_harness import alone_tokens
 
     config = cluster_config(
         preset, num_prefill, num_decode, f"transfer.backend={backend}", "router.decode_only_threshold_tokens=16",

@@ -6,7 +6,7 @@ every pool whole with no explicit pin.
 from __future__ import annotations
 
 from engine.kv_cache.block_queue import PIN_EXPLICIT
-from tests.kv_cache.sim.records import PinRecord
+from kvfleet_testing.kv_cache_sim.records import PinRecord
 
 
 class CacheOperations:

@@ -11,7 +11,7 @@ from engine.kv_cache.managers import (
     MambaManager,
     SlidingWindowManager,
 )
-from tests.kv_cache.sim.records import SimRequest, cdiv
+from kvfleet_testing.kv_cache_sim.records import SimRequest, cdiv
 
 
 class DataModel:

@@ -17,13 +17,13 @@ from engine.kv_cache.managers import (
     MambaManager,
     SingleTypeManager,
 )
-from tests.kv_cache.sim.cache_ops import CacheOperations
-from tests.kv_cache.sim.checks import SimChecks
-from tests.kv_cache.sim.configs import SimConfig, max_len_for
-from tests.kv_cache.sim.data_model import DataModel
-from tests.kv_cache.sim.operations import SimOperations
-from tests.kv_cache.sim.oracle import HitOracle
-from tests.kv_cache.sim.records import PinRecord, SimRequest, SimViolation
+from kvfleet_testing.kv_cache_sim.cache_ops import CacheOperations
+from kvfleet_testing.kv_cache_sim.checks import SimChecks
+from kvfleet_testing.kv_cache_sim.configs import SimConfig, max_len_for
+from kvfleet_testing.kv_cache_sim.data_model import DataModel
+from kvfleet_testing.kv_cache_sim.operations import SimOperations
+from kvfleet_testing.kv_cache_sim.oracle import HitOracle
+from kvfleet_testing.kv_cache_sim.records import PinRecord, SimRequest, SimViolation
 
 
 # -- the simulator -------------------------------------------------------------------------------------------

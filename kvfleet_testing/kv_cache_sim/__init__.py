@@ -1,7 +1,7 @@
 """A simulated scheduler driving ``HybridCoordinator`` with random operations, checking it after each one.
 
 Shared by the hypothesis state machine (``tests/kv_cache/test_stateful.py``) and the long-running
-fuzzer (``benchmarks/kv_cache_fuzz.py``). The scheduler follows the reference's §6.5: first
+fuzzer (``benchmarks/kv_cache_fuzz.py``). The scheduler is modelled on ``engine.scheduler``: first
 admission = lookup, then ``allocate_slots(hit, external)``; running requests advance by a prefill
 chunk or one decode token; an allocation failure preempts (free, ``num_computed = 0``, requeue,
 tokens kept); asynchronous loads own blocks but compute nothing until completed, then
@@ -35,7 +35,7 @@ is re-exported here.
 
 from __future__ import annotations
 
-from tests.kv_cache.sim.configs import (
+from kvfleet_testing.kv_cache_sim.configs import (
     MAX_LEN_CAP,
     MIX_POOLS,
     MIXES,
@@ -48,8 +48,8 @@ from tests.kv_cache.sim.configs import (
     random_config,
     random_pool_sizes,
 )
-from tests.kv_cache.sim.driver import OPS, RandomDriver
-from tests.kv_cache.sim.records import (
+from kvfleet_testing.kv_cache_sim.driver import OPS, RandomDriver
+from kvfleet_testing.kv_cache_sim.records import (
     FINISHED,
     LOADING,
     RUNNING,
@@ -60,7 +60,7 @@ from tests.kv_cache.sim.records import (
     Snapshot,
     cdiv,
 )
-from tests.kv_cache.sim.simulator import Sim
+from kvfleet_testing.kv_cache_sim.simulator import Sim
 
 __all__ = [
     "FINISHED",

@@ -7,7 +7,7 @@ one then the other (same machine, same prompts, fresh caches), and reports
 requests' breakdown per hop (``summarise_hops``: p50 / p90 / mean of each hop of
 ``ClusterCompletion.hops``; see ``actors.hops`` for what each hop covers).
 
-    from cluster.pd_overhead import measure_pd_overhead
+    from benchmarks.pd_overhead import measure_pd_overhead
     print(measure_pd_overhead(load_config("local"))["pd_ttft_overhead_ratio"])
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench import percentile
+from benchmarks.support.stats import percentile
 from configs import ClusterConfig
 from engine.sampling_params import SamplingParams
 
@@ -136,7 +136,7 @@ def _itl(completion: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.pd_overhead --config local``: print the measurement as JSON."""
+    """``python -m benchmarks.pd_overhead --config local``: print the measurement as JSON."""
     import argparse
     import json
 

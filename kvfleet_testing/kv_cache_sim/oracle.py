@@ -13,7 +13,7 @@ from engine.kv_cache.managers import (
     SingleTypeManager,
     SlidingWindowManager,
 )
-from tests.kv_cache.sim.records import cdiv
+from kvfleet_testing.kv_cache_sim.records import cdiv
 
 
 class HitOracle:

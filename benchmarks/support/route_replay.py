@@ -21,7 +21,7 @@ windows dropped after each chunk), decoded for ``max_tokens`` steps, then freed.
 Every worker is idle when a request arrives (kvfleet balances new prefixes by the work it
 assigned lately, its own average), so only cache knowledge and that balancing steer.
 ``exact_oracle`` over ``prefix_tree`` is what exact hit knowledge can win here; ``bound`` is
-``cluster.bench.hit_rate_bound`` (unbounded cache). Measured for the hybrid workloads in
+``kvfleet_testing.workloads.hit_rate_bound`` (unbounded cache). Measured for the hybrid workloads in
 benchmarks/cluster_bench.py's docstring.
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.bench import hit_rate_bound, kv_groups, sized_config, vocab_size
 from configs import ClusterConfig
 from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
 from engine.kv_cache.spec import MambaSpec, alignment_tokens
@@ -39,6 +38,8 @@ from engine.routing.policy import RoutingPolicy
 from engine.routing.router import Router
 from engine.routing.types import RouteRequest, WorkerLoad
 from engine.scheduler import aligned_chunk, recurrent_checkpoint
+from kvfleet_testing.sizing import kv_groups, sized_config, vocab_size
+from kvfleet_testing.workloads import hit_rate_bound
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from tests.engine.pd_harness import alone_tokens, shared_prefix_prompts
+from kvfleet_testing.pd_harness import alone_tokens
+from kvfleet_testing.presets import FAST_HEALTH, cluster_config
+from kvfleet_testing.workloads import shared_prefix_prompts
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,6 @@ def run_chaos(
     spread over the middle of the run."""
     from cluster.api import Cluster
     from configs import load_config
-    from tests.integration.conftest import FAST_HEALTH, cluster_config
 
     rng = random.Random(seed)
     pool = shared_prefix_prompts(seed, min(requests, DISTINCT_PROMPTS))  # the oracle runs each alone

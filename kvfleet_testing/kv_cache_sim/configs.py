@@ -17,7 +17,7 @@ from engine.kv_cache import (
     SlidingWindowSpec,
 )
 from engine.kv_cache.spec import alignment_tokens
-from tests.kv_cache.sim.records import cdiv
+from kvfleet_testing.kv_cache_sim.records import cdiv
 
 MAX_LEN_CAP = 96
 

@@ -24,29 +24,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from tests.support import load_preset
+from kvfleet_testing.presets import load_preset
+from kvfleet_testing.workloads import shared_prefix_prompts
 
 SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # a budget that leaves remainders: 64-token chunks plus a few decodes rarely fill it exactly
 STRESS_OVERRIDES = ("scheduler.max_num_batched_tokens=65", "kv_cache.num_blocks=160")
-
-
-def shared_prefix_prompts(seed: int, count: int, num_prefixes: int = 4) -> list[list[int]]:
-    """``count`` prompts over ``num_prefixes`` prefixes (60-110 tokens): a third exact repeats
-    of a prefix plus its short tail, the rest a cut of a prefix (at least half of it) plus a new
-    suffix of 1-24 tokens."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 250) for _ in range(rng.randrange(60, 111))] for _ in range(num_prefixes)]
-    tails = [[rng.randrange(3, 250) for _ in range(rng.randrange(1, 9))] for _ in range(num_prefixes)]
-    prompts = []
-    for _ in range(count):
-        k = rng.randrange(num_prefixes)
-        if rng.random() < 1 / 3:
-            prompts.append(prefixes[k] + tails[k])
-        else:
-            cut = rng.randrange(len(prefixes[k]) // 2, len(prefixes[k]) + 1)
-            prompts.append(prefixes[k][:cut] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 25))])
-    return prompts
 
 
 def alone_tokens(

@@ -18,7 +18,7 @@ from engine.kv_cache import (
 )
 from engine.kv_cache.block_queue import PIN_NONE
 from engine.kv_cache.managers import MambaManager
-from tests.kv_cache.sim.records import LOADING, RUNNING, SimRequest, Snapshot, cdiv
+from kvfleet_testing.kv_cache_sim.records import LOADING, RUNNING, SimRequest, Snapshot, cdiv
 
 
 class SimChecks:

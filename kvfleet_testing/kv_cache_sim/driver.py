@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tests.kv_cache.sim.records import LOADING, RUNNING, WAITING
-from tests.kv_cache.sim.simulator import Sim
+from kvfleet_testing.kv_cache_sim.records import LOADING, RUNNING, WAITING
+from kvfleet_testing.kv_cache_sim.simulator import Sim
 
 # -- random driver (shared by the fuzzer and the composite hypothesis rule) ------------------------------------------
 OPS: dict[str, int] = {

@@ -1,10 +1,10 @@
 """The issue-16 cluster benchmark in one run: every routing policy (kvfleet, prefix_tree,
 round_robin) on the shared-prefix workload and on the hybrid-pressure workload (on the main
 model and on a second, Mamba hybrid preset), pins re-established by copy vs by computing, and
-the P/D TTFT overhead where ``cluster.pd_overhead`` provides it. Beside each hybrid workload's
-runs, ``route_ceiling``: the same prompts replayed one at a time through the workers' real
-coordinators under each placement and a perfect-knowledge oracle (``cluster.route_ceiling``),
-i.e. how much hit rate placement alone can win there.
+the P/D TTFT overhead (``benchmarks.pd_overhead``). Beside each hybrid workload's runs,
+``route_ceiling``: the same prompts replayed one at a time through the workers' real
+coordinators under each placement and a perfect-knowledge oracle
+(``benchmarks.support.route_replay``), i.e. how much hit rate placement alone can win there.
 
 The result's ``summary`` holds exactly the issue's keys; everything else is the evidence.
 """
@@ -15,16 +15,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench import (
-    POLICIES,
-    Workload,
-    kv_groups,
-    run_bench,
-    run_policy,
-    sized_config,
-)
-from cluster.hybrid_workload import HybridWorkload
+from benchmarks.support.cluster_runs import POLICIES, run_bench, run_policy
 from configs import ClusterConfig
+from kvfleet_testing.sizing import kv_groups, sized_config
+from kvfleet_testing.workloads import HybridWorkload, SharedPrefixWorkload
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +39,7 @@ class Suite:
     """What one benchmark run covers (``hybrid_configs``: name -> config of the hybrid workload
     runs, the main model first; ``repin_tokens`` 0 skips the pin measurement)."""
 
-    shared: Workload = field(default_factory=Workload)
+    shared: SharedPrefixWorkload = field(default_factory=SharedPrefixWorkload)
     hybrid: HybridWorkload = field(default_factory=HybridWorkload)
     hybrid_small: HybridWorkload = field(default_factory=HybridWorkload)
     policies: tuple[str, ...] = POLICIES
@@ -77,20 +71,18 @@ def compare_decode_auto_pins(config: ClusterConfig, workload: Any) -> dict[str, 
 
 def pd_overhead(config: ClusterConfig) -> dict[str, Any]:
     """``pd_ttft_overhead_ratio`` (and its per-hop evidence) from
-    ``cluster.pd_overhead.measure_pd_overhead`` when that module exists (None otherwise)."""
-    try:
-        from cluster.pd_overhead import measure_pd_overhead
-    except ImportError:
-        return {"pd_ttft_overhead_ratio": None, "source": "cluster.pd_overhead is not in this tree"}
+    ``benchmarks.pd_overhead.measure_pd_overhead``."""
+    from benchmarks.pd_overhead import measure_pd_overhead
+
     result = measure_pd_overhead(config)
     return {"pd_ttft_overhead_ratio": result.get("pd_ttft_overhead_ratio"),
-            "source": "cluster.pd_overhead.measure_pd_overhead", "detail": result}  # fmt: skip
+            "source": "benchmarks.pd_overhead.measure_pd_overhead", "detail": result}  # fmt: skip
 
 
 def run_suite(main: ClusterConfig, hybrid_second: ClusterConfig | None, suite: Suite) -> dict[str, Any]:
     """The whole benchmark; ``summary`` carries the issue's keys (None where not measured)."""
-    from cluster.repin_bench import measure_repin
-    from cluster.route_ceiling import route_ceiling
+    from benchmarks.support.repin import measure_repin
+    from benchmarks.support.route_replay import route_ceiling
 
     out: dict[str, Any] = {}
     out["shared_prefix"] = run_bench(main, suite.shared, suite.policies)
