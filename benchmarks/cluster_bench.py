@@ -10,8 +10,8 @@ concurrency (the logic lives in ``benchmarks.support.cluster_runs``, ``kvfleet_t
 Runs: the shared-prefix workload and the hybrid-pressure workload on ``--config`` (default: the
 local preset, Gemma-3-270M: sliding window + full attention), the hybrid workload on
 ``--hybrid-config`` (default: tiny Bamba, Mamba2 + attention), each under every policy; pins
-re-established by copy vs by compute on ``--config``; the P/D TTFT overhead where
-``benchmarks.pd_overhead`` exists. Prints one JSON object per run and section, then the issue's
+re-established by copy vs by compute on ``--config``; the P/D TTFT overhead
+(``benchmarks.pd_overhead``). Prints one JSON object per run and section, then the issue's
 keys as the last line::
 
     {"p90_ttft_ratio_vs_round_robin": r, "p90_ttft_ratio_vs_prefix_tree": r,

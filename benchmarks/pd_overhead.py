@@ -7,6 +7,8 @@ one then the other (same machine, same prompts, fresh caches), and reports
 requests' breakdown per hop (``summarise_hops``: p50 / p90 / mean of each hop of
 ``ClusterCompletion.hops``; see ``actors.hops`` for what each hop covers).
 
+    python -m benchmarks.pd_overhead --config tiny --requests 4     # last line: the JSON result
+
     from benchmarks.pd_overhead import measure_pd_overhead
     print(measure_pd_overhead(load_config("local"))["pd_ttft_overhead_ratio"])
 """

@@ -16,4 +16,7 @@ Owns, one job per module:
 - ``chaos``: kills of workers and the router under steady load, every request checked.
 
 Invariants: nothing here imports ``tests`` or ``benchmarks``; product packages never import this.
+It is not installed with the product (pyproject's ``packages.find`` leaves it out, so the wheel and
+the image hold only the product packages): import it from the repository root, where pytest and
+``python -m benchmarks.<name>`` run.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_testing.workloads import HybridWorkload, common_prefix_length
 from engine.sampling_params import SamplingParams
+from kvfleet_testing.workloads import HybridWorkload, common_prefix_length
 from tests.integration.conftest import cluster_config
 
 WORKLOAD = HybridWorkload(
@@ -41,8 +41,8 @@ def _believed(prompt: tuple[int, ...], earlier: list[tuple[int, ...]], alignment
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny"])
 def test_predicted_hit_equals_actual_hit_for_every_request(ray_session, preset):
     from cluster.api import Cluster
-    from kvfleet_testing.sizing import kv_groups, sized_config
     from engine.kv_cache.spec import alignment_tokens
+    from kvfleet_testing.sizing import kv_groups, sized_config
 
     # every request prefilled on a prefill worker (none short enough to run on the decode one)
     base = cluster_config(preset, 2, 1, "router.policy=kvfleet", "router.decode_only_threshold_tokens=0")

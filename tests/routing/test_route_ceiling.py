@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvfleet_testing.sizing import kv_groups, vocab_size
-from kvfleet_testing.workloads import HybridWorkload, hit_rate_bound
 from benchmarks.support.route_replay import PLACEMENTS, replay, route_ceiling
 from configs import load_config
 from engine.kv_cache.spec import alignment_tokens
+from kvfleet_testing.sizing import kv_groups, vocab_size
+from kvfleet_testing.workloads import HybridWorkload, hit_rate_bound
 
 WORKLOAD = HybridWorkload(num_prefixes=4, num_requests=24, prefix_tokens=96, sweep_tokens=8, max_tokens=4)
 
