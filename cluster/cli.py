@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(generate)
     generate.add_argument("prompts", nargs="*", help="prompts to complete")
     generate.add_argument(
-        "--input", help="JSONL file, one {\"prompt\": text or token ids, \"id\"?, \"max_tokens\"?, ...} per line"
+        "--input", help='JSONL file, one {"prompt": text or token ids, "id"?, "max_tokens"?, ...} per line'
     )
     generate.add_argument("--output", help="write JSONL results here instead of stdout")
     _add_sampling_options(generate)
