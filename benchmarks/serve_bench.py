@@ -112,7 +112,7 @@ from benchmarks.support.serve_loadgen import (
 )
 from benchmarks.support.serve_results import ratio, summarize_report
 from benchmarks.support.serve_runs import Bench, first_text_s, http_first_text_s
-from benchmarks.support.serve_server import URL_RE, Server, free_port
+from benchmarks.support.serve_server import URL_RE, Server
 from benchmarks.support.serve_workload import (
     SYLLABLES,
     Workload,
@@ -130,7 +130,7 @@ BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
 
 __all__ = [  # the moved names, re-exported, and this script's own
     "BENCH_WORKERS", "POLICIES", "SYLLABLES", "TOOL", "URL_RE", "Bench", "Server", "Workload", "_words",
-    "build_prompts", "cluster_stats", "find_tool", "first_text_s", "free_port", "get_json", "get_status",
+    "build_prompts", "cluster_stats", "find_tool", "first_text_s", "get_json", "get_status",
     "http_first_text_s", "main", "parse_args", "percentile", "pinned_version", "ratio", "run_tool", "served_model",
     "sized_overrides", "stream_completion", "summarize_report", "summary", "tool_env", "tool_version",
     "warmup_prompts",

@@ -1,7 +1,7 @@
 """The server of ``benchmarks/serve_bench.py``: ``kvfleet serve`` started and stopped as a subprocess.
 
-Owns ``Server`` (a ``kvfleet serve`` on a free loopback port, ``free_port``: started, ready once
-its URL is printed and /health answers 200, stopped with SIGINT, its process group killed if it
+Owns ``Server`` (a ``kvfleet serve`` on a free loopback port from ``kvfleet_testing.ports``:
+started, ready once its URL is printed and /health answers 200, stopped with SIGINT, its process group killed if it
 does not exit) and the pattern of the URL it prints (``URL_RE``).
 """
 
