@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode tokens/s of a Bamba-shaped random model at N running requests, through EngineCore:
-the per-request Mamba2 loop ("before", ``Mamba2Mixer.per_request = True``) against the batched
-path ("after"), same engine, same prompts, same run.
+the per-request Mamba2 loop ("before", ``engine.model.mamba2_reference.forward_per_request`` in
+place of each mixer's forward) against the batched path ("after", ``Mamba2Mixer.forward``), same
+engine, same prompts, same run.
 
 Shape: Bamba-9B's proportions scaled to a 2-core CPU (hidden 4096 -> 1024; the MLP stays 3.5x
 hidden; Mamba heads keep head_dim 64, d_state 128, 1 group, d_conv 4, expand 2, so 128 -> 32
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ import torch
 from configs import load_config
 from engine.core import EngineCore
 from engine.model.mamba2 import Mamba2Mixer
+from engine.model.mamba2_reference import forward_per_request
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("mamba_decode")
@@ -102,8 +105,13 @@ class _MixerClock:
         self.seconds += time.perf_counter() - self._entered
 
     def use_per_request(self, per_request: bool) -> None:
+        """Run each mixer's per-request loop (an instance-level forward that ``nn.Module.__call__``
+        finds before the class's batched one, hooks included) or its batched forward again."""
         for mixer in self.mixers:
-            mixer.per_request = per_request
+            if per_request:
+                mixer.forward = partial(forward_per_request, mixer)
+            else:
+                vars(mixer).pop("forward", None)
 
     def close(self) -> None:
         self.use_per_request(False)
