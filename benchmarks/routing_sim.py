@@ -47,7 +47,7 @@ What it models
     pins go on prefill workers only, while a repeated prompt is mostly served from the decode
     worker's cache; in the 2P+2D cluster benchmark it brought no gain.)
 
-    Router: every arrival is routed with the worker loads of that instant (queued work in
+    The router: every arrival is routed with the worker loads of that instant (queued work in
     prefill-token equivalents, admitted + waiting requests, used block fraction); KV events reach
     the router after ``--event-lag-ms`` (0: right after each worker operation; an extra kvfleet
     run uses ``--lag-check-ms``). Router actions (PinOn, Unpin, RequestSnapshot) run at once; a

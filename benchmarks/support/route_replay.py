@@ -8,7 +8,7 @@ config's KV groups, pool size and retention tier), each request prefilled in
 groups, ending a chunk at the attention-only hit: ``engine.scheduler.recurrent_checkpoint``;
 windows dropped after each chunk), decoded for ``max_tokens`` steps, then freed. Placement by:
 
-* ``prefix_tree``: the approximate tree the benchmark runs (``PrefixTreeRouter``), fed with its
+* ``prefix_tree``: the approximate tree the benchmark runs (``PrefixTreePolicy``), fed with its
   own routing history only, and with each worker's requests served so far (less the fewest) as
   its running count: the tree balances new prefixes by running requests, which on a live
   cluster tracks what each worker was given (idle loads would tie every time and pile new
@@ -33,9 +33,9 @@ from typing import Any
 from configs import ClusterConfig
 from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
 from engine.kv_cache.spec import MambaSpec, alignment_tokens
-from engine.routing.baselines import PrefixTreeRouter, RoundRobinRouter
+from engine.routing.baselines import PrefixTreePolicy, RoundRobinPolicy
 from engine.routing.policy import RoutingPolicy
-from engine.routing.router import Router
+from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import RouteRequest, WorkerLoad
 from engine.scheduler import aligned_chunk, recurrent_checkpoint
 from kvfleet_testing.sizing import kv_groups, sized_config, vocab_size
@@ -108,7 +108,7 @@ class _RouterPlacement:
     """A router driving ``workers``: it routes each prompt, then (``settle``) its clock advances
     and it hears the workers' KV events (kvfleet) and their loads before the next one."""
 
-    def __init__(self, router: Router, workers: _Workers, feed_events: bool, served_as_running: bool):
+    def __init__(self, router: PlacementPolicy, workers: _Workers, feed_events: bool, served_as_running: bool):
         self.router, self.workers = router, workers
         self.feed_events, self.served_as_running = feed_events, served_as_running
         self.names = [f"w{k}" for k in range(len(workers.coords))]
@@ -168,11 +168,11 @@ class Replay:
             chooser = _OraclePlacement(workers)
         else:
             if placement == "kvfleet":
-                router: Router = RoutingPolicy(self.groups, self.sized.router.model_copy(update={"pins": []}))
+                router: PlacementPolicy = RoutingPolicy(self.groups, self.sized.router.model_copy(update={"pins": []}))
             elif placement == "prefix_tree":
-                router = PrefixTreeRouter(self.groups)
+                router = PrefixTreePolicy(self.groups)
             else:
-                router = RoundRobinRouter(self.groups)
+                router = RoundRobinPolicy(self.groups)
             chooser = _RouterPlacement(router, workers, placement == "kvfleet", placement == "prefix_tree")
         hit = total = 0
         for i, prompt in enumerate(self.prompts):

@@ -23,12 +23,12 @@ from engine.kv_cache import CacheRequest
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.routing import (
     HitRules,
-    LeastLoadedRouter,
+    LeastLoadedPolicy,
     PinOn,
-    PrefixTreeRouter,
+    PlacementPolicy,
+    PrefixTreePolicy,
     RequestSnapshot,
-    RoundRobinRouter,
-    Router,
+    RoundRobinPolicy,
     RouteRequest,
     RoutingPolicy,
     Unpin,
@@ -77,15 +77,15 @@ class Simulation:
         self.warmup = int(args.warmup * len(trace.arrivals))
         self.warm_time = trace.arrivals[min(self.warmup, len(trace.arrivals) - 1)].time
 
-    def _make_router(self, policy: str) -> Router:
+    def _make_router(self, policy: str) -> PlacementPolicy:
         seed = self.args.seed
         if policy == "round_robin":
-            return RoundRobinRouter(GROUPS, seed=seed)
+            return RoundRobinPolicy(GROUPS, seed=seed)
         if policy == "least_loaded":
-            return LeastLoadedRouter(GROUPS, seed=seed)
+            return LeastLoadedPolicy(GROUPS, seed=seed)
         if policy == "prefix_tree":
             # eviction budget: the full-attention share of the worker's cache, in tokens
-            return PrefixTreeRouter(GROUPS, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * 0.6))
+            return PrefixTreePolicy(GROUPS, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * 0.6))
         capacity = None
         if self.pinned:
             capacity = sum(

@@ -5,7 +5,7 @@
   and applies their events and snapshots.
 - ``hit_rules``: those rules over any per-group hash sets (``HitRules``), and ``WorkerSnapshot``.
 - ``worker_masks``: the bitmask walks the index answers every worker with at once.
-- ``router``: ``Router``, the interface every policy offers.
+- ``placement_policy``: ``PlacementPolicy``, the interface every policy offers.
 - ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
 - ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.
 - ``load``: time-averaged queue lengths for the sustained-imbalance guard.
@@ -17,9 +17,9 @@
 """
 
 from engine.routing.baselines import (
-    LeastLoadedRouter,
-    PrefixTreeRouter,
-    RoundRobinRouter,
+    LeastLoadedPolicy,
+    PrefixTreePolicy,
+    RoundRobinPolicy,
 )
 from engine.routing.factory import build_router
 from engine.routing.index import (
@@ -29,8 +29,8 @@ from engine.routing.index import (
     snapshot_coordinator,
 )
 from engine.routing.outcomes import RouteOutcomes
+from engine.routing.placement_policy import POLICIES, PlacementPolicy
 from engine.routing.policy import RoutingPolicy
-from engine.routing.router import POLICIES, Router
 from engine.routing.types import (
     Action,
     Decision,
@@ -49,18 +49,18 @@ __all__ = [
     "Action",
     "Decision",
     "HitRules",
-    "LeastLoadedRouter",
+    "LeastLoadedPolicy",
     "NoWorkerError",
     "PinCapacityError",
     "PinInfo",
     "PinOn",
+    "PlacementPolicy",
     "PrefixIndex",
-    "PrefixTreeRouter",
+    "PrefixTreePolicy",
     "RequestSnapshot",
-    "RoundRobinRouter",
+    "RoundRobinPolicy",
     "RouteOutcomes",
     "RouteRequest",
-    "Router",
     "RoutingPolicy",
     "Unpin",
     "WorkerLoad",

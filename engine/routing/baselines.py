@@ -1,8 +1,8 @@
 """Baseline placement policies, for the simulator and for ``router.policy`` in the config.
 
-- ``RoundRobinRouter``: workers in turn.
-- ``LeastLoadedRouter``: the fewest queued tokens, ties at random.
-- ``PrefixTreeRouter``: an *approximate* prefix tree built from the router's own routing history,
+- ``RoundRobinPolicy``: workers in turn.
+- ``LeastLoadedPolicy``: the fewest queued tokens, ties at random.
+- ``PrefixTreePolicy``: an *approximate* prefix tree built from the router's own routing history,
   in the manner of Ray Serve's ``PrefixCacheAffinityRouter`` and SGLang's ``cache_aware`` policy
   (CLUSTER_REFERENCE.md b1, b2), over block hashes instead of characters: each routed prompt is
   inserted under the chosen worker, each worker's entries are evicted LRU beyond a token budget.
@@ -23,7 +23,7 @@ from typing import Protocol
 
 from engine.kv_cache.spec import KVCacheGroup, alignment_tokens, hash_block_size
 from engine.routing.index import WorkerSnapshot
-from engine.routing.router import Router
+from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import (
     Action,
     Decision,
@@ -34,7 +34,7 @@ from engine.routing.types import (
 )
 
 
-class RoundRobinRouter(Router):
+class RoundRobinPolicy(PlacementPolicy):
     name = "round_robin"
 
     def __init__(self, groups: Sequence[KVCacheGroup] = (), seed: int = 0):
@@ -57,7 +57,7 @@ class RoundRobinRouter(Router):
         return decision
 
 
-class LeastLoadedRouter(Router):
+class LeastLoadedPolicy(PlacementPolicy):
     name = "least_loaded"
 
     def __init__(self, groups: Sequence[KVCacheGroup] = (), seed: int = 0):
@@ -80,7 +80,7 @@ class LeastLoadedRouter(Router):
         return decision
 
 
-class PrefixTreeRouter(Router):
+class PrefixTreePolicy(PlacementPolicy):
     name = "prefix_tree"
 
     def __init__(
@@ -198,11 +198,11 @@ class PrefixTreeRouter(Router):
 class BaselineFactory(Protocol):
     """How ``engine.routing.factory`` builds a baseline router: the KV-cache groups and a seed."""
 
-    def __call__(self, groups: Sequence[KVCacheGroup] = (), seed: int = 0) -> Router: ...
+    def __call__(self, groups: Sequence[KVCacheGroup] = (), seed: int = 0) -> PlacementPolicy: ...
 
 
 BASELINES: dict[str, BaselineFactory] = {
-    "round_robin": RoundRobinRouter,
-    "least_loaded": LeastLoadedRouter,
-    "prefix_tree": PrefixTreeRouter,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "prefix_tree": PrefixTreePolicy,
 }

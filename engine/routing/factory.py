@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from configs.schema import RouterConfig
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.baselines import BASELINES
+from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.policy import RoutingPolicy
-from engine.routing.router import Router
 
 
 def build_router(
@@ -19,7 +19,7 @@ def build_router(
     groups: Sequence[KVCacheGroup],
     tokenize: Callable[[str], list[int]] | None = None,
     now: float = 0.0,
-) -> Router:
+) -> PlacementPolicy:
     """The policy ``cfg.policy`` names, reading ``cfg``'s weights, thresholds and seed; for
     kvfleet's policy the configured pins are placed too.
 

@@ -78,7 +78,7 @@ from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
 from engine.routing.load import DecayedWork, SmoothedQueues
 from engine.routing.pins import Pin, PinTable
-from engine.routing.router import Router
+from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import (
     Action,
     Decision,
@@ -91,7 +91,7 @@ from engine.routing.types import (
 )
 
 
-class RoutingPolicy(Router):
+class RoutingPolicy(PlacementPolicy):
     """kvfleet's policy. See the module docstring for the cost and the rules; below ``route`` come
     the argmin with its guards (``_pick``) and pin upkeep (placing, re-placing, revising pins).
 

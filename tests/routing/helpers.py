@@ -22,8 +22,8 @@ from engine.kv_cache.spec import (
 )
 from engine.routing import (
     PinOn,
+    PlacementPolicy,
     RequestSnapshot,
-    Router,
     RoutingPolicy,
     Unpin,
     snapshot_coordinator,
@@ -100,7 +100,7 @@ class Worker:
             self.finish(rid)
 
 
-def execute(policy: Router, workers: dict[str, Worker], actions: list[Action], now: float = 0.0) -> list[Action]:
+def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[Action], now: float = 0.0) -> list[Action]:
     """Run actions against the workers (PinOn computes the prefix first when needed) and feed the
     resulting events and results back; returns every action executed (for assertions)."""
     done: list[Action] = []
@@ -133,7 +133,7 @@ def execute(policy: Router, workers: dict[str, Worker], actions: list[Action], n
     return done
 
 
-def sync(policy: Router, workers: dict[str, Worker], now: float = 0.0) -> list[Action]:
+def sync(policy: PlacementPolicy, workers: dict[str, Worker], now: float = 0.0) -> list[Action]:
     """Deliver every worker's pending events to the policy."""
     actions: list[Action] = []
     for name, worker in workers.items():

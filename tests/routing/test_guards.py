@@ -12,8 +12,8 @@ from collections import Counter
 
 from engine.kv_cache.hashing import block_hashes
 from engine.routing import (
-    PrefixTreeRouter,
-    Router,
+    PlacementPolicy,
+    PrefixTreePolicy,
     RouteRequest,
     RoutingPolicy,
     WorkerLoad,
@@ -37,13 +37,13 @@ def shared_prefix_workload(seed: int = 0) -> tuple[list[list[int]], list[tuple[i
     return prefixes, prompts
 
 
-def pd_cluster(router: Router) -> Router:
+def pd_cluster(router: PlacementPolicy) -> PlacementPolicy:
     for worker, role in PD_WORKERS.items():
         router.add_worker(worker, role)  # type: ignore[arg-type]
     return router
 
 
-def route_idle(router: Router, rid: str, prompt: list[int], now: float) -> str:
+def route_idle(router: PlacementPolicy, rid: str, prompt: list[int], now: float) -> str:
     """Route one request, then every worker reports an empty queue (it finished before the next
     arrival, as at 1 req/s with a TTFT of a quarter second)."""
     decision = router.route(RouteRequest(rid, block_hashes(prompt, 4), len(prompt)), now)
@@ -61,7 +61,7 @@ def test_a_warmed_prefix_stays_on_its_idle_prefill_holder() -> None:
     idle holder nothing. (It did not: the work guard compared each prefill worker with the mean
     over all four workers, decode workers included, and left the idle holder out.)"""
     prefixes, prompts = shared_prefix_workload()
-    tree = pd_cluster(PrefixTreeRouter(GROUPS))
+    tree = pd_cluster(PrefixTreePolicy(GROUPS))
     placed = [route_idle(tree, f"warm{i}", prefix + [1, 2, 3], float(i)) for i, prefix in enumerate(prefixes)]
     start = float(len(prefixes))
     tree_choices = [route_idle(tree, f"r{n}", p, start + n) for n, (_, p) in enumerate(prompts)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.routing import PrefixTreeRouter, RouteOutcomes, WorkerLoad
+from engine.routing import PrefixTreePolicy, RouteOutcomes, WorkerLoad
 from tests.routing.test_placement import GROUPS, PREFIX, cache, policy_with, request
 
 
@@ -32,7 +32,7 @@ def test_pd_decisions_carry_the_best_prefill_hit_and_baselines_none() -> None:
     cache(policy, "p1", PREFIX)
     decision = policy.route(request("r", PREFIX + list(range(500, 520))))
     assert (decision.prefill_worker, decision.predicted_hit, decision.best_hit) == ("p1", 200, 200)
-    tree = PrefixTreeRouter(GROUPS)
+    tree = PrefixTreePolicy(GROUPS)
     tree.add_worker("w0")
     tree.route(request("a", PREFIX + [1]))
     assert tree.route(request("b", PREFIX + [2])).best_hit == 0  # the tree does not know

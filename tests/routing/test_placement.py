@@ -12,10 +12,10 @@ from configs.schema import PinConfig, RouterConfig, RouterWeights
 from engine.kv_cache.events import BlockStored
 from engine.kv_cache.hashing import block_hashes
 from engine.routing import (
-    LeastLoadedRouter,
+    LeastLoadedPolicy,
     NoWorkerError,
-    PrefixTreeRouter,
-    RoundRobinRouter,
+    PrefixTreePolicy,
+    RoundRobinPolicy,
     RouteRequest,
     RoutingPolicy,
     WorkerLoad,
@@ -220,15 +220,15 @@ def test_from_config_carries_weights_thresholds_seed_and_pins() -> None:
     text_cfg = RouterConfig(pins=[PinConfig(text="abc")])
     tokenized = build_router(text_cfg, GROUPS, tokenize=lambda s: [ord(c) for c in s * 8])
     assert tokenized.pin_info()[0].num_tokens == 24  # type: ignore[attr-defined]
-    baselines = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_tree": PrefixTreeRouter}
+    baselines = {"round_robin": RoundRobinPolicy, "least_loaded": LeastLoadedPolicy, "prefix_tree": PrefixTreePolicy}
     for name, cls in baselines.items():
         assert isinstance(build_router(RouterConfig(policy=name), GROUPS), cls)  # type: ignore[arg-type]
 
 
 def test_baselines() -> None:
-    rr = RoundRobinRouter()
-    ll = LeastLoadedRouter(seed=0)
-    tree = PrefixTreeRouter(GROUPS, imbalance_threshold=3)
+    rr = RoundRobinPolicy()
+    ll = LeastLoadedPolicy(seed=0)
+    tree = PrefixTreePolicy(GROUPS, imbalance_threshold=3)
     for router in (rr, ll, tree):
         for i in range(3):
             router.add_worker(f"w{i}")

@@ -15,7 +15,7 @@ import engine.routing.index as index_module
 import engine.routing.index as prediction_module
 from engine.kv_cache.hashing import block_hashes
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from engine.routing import PrefixTreeRouter, RouteRequest, RoutingPolicy
+from engine.routing import PrefixTreePolicy, RouteRequest, RoutingPolicy
 from tests.routing.helpers import (
     CONFIGS,
     Worker,
@@ -121,7 +121,7 @@ def test_approximate_tree_believes_hits_the_worker_does_not_have() -> None:
     """The history-based baseline predicts the full prefix where the window was never kept."""
     specs = [FullAttentionSpec(4), SlidingWindowSpec(4, window=9)]
     worker = Worker("w", specs, 20, retention=False)
-    tree = PrefixTreeRouter(groups_of(specs))
+    tree = PrefixTreePolicy(groups_of(specs))
     tree.add_worker("w")
     policy = RoutingPolicy(groups_of(specs))
     policy.add_worker("w")

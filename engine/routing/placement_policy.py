@@ -25,7 +25,7 @@ from engine.routing.types import (
 POLICIES = ("kvfleet", "round_robin", "least_loaded", "prefix_tree")
 
 
-class Router:
+class PlacementPolicy:
     """The interface every placement policy offers (kvfleet's and the baselines).
 
     Membership, load stats and actions are common; policies that ignore KV events keep the no-op
