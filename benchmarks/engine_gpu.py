@@ -86,8 +86,6 @@ import torch
 
 from benchmarks.support.gpu_bench_decode import (
     copy_bandwidth,
-    decode_step_time,
-    kv_bytes_read,
     record_decode,
     weight_bytes,
 )
@@ -96,7 +94,6 @@ from benchmarks.support.gpu_bench_setup import (
     MODELS,
     QUICK,
     QUICK_MODELS,
-    OutOfTime,
     Run,
     Sizes,
     build_checkpoint,
@@ -109,11 +106,6 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_gpu")
 
-__all__ = [  # the moved names, re-exported, and this script's own
-    "DECODE_MODEL", "MODELS", "OutOfTime", "QUICK", "QUICK_MODELS", "Run", "Sizes", "bench_model", "build_checkpoint",
-    "copy_bandwidth", "decode_step_time", "hf_side", "kv_bytes_read", "kvfleet_side", "main", "make_engine",
-    "parse_args", "record_decode", "run_kvfleet", "sizes_from", "ttft_summary", "warmup_kvfleet", "weight_bytes",
-]  # fmt: skip
 
 
 # -- kvfleet ----------------------------------------------------------------------------------------------

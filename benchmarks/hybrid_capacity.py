@@ -80,22 +80,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.support.hybrid_hits import (
-    DEFAULTS,
-    PlainScheduler,
-    drive,
     hit_sweep,
-    kvfleet_coordinator,
-    splits,
-    unified_coordinator,
 )
-from benchmarks.support.hybrid_layouts import capacity, one_pool_tokens, vllm_group_size
+from benchmarks.support.hybrid_layouts import capacity
 from benchmarks.support.hybrid_models import (
     BLOCK,
     DTYPE,
     GIB,
     MODELS,
     ask_vllm,
-    count,
     model_arch,
     vllm_shape,
 )
@@ -103,11 +96,6 @@ from benchmarks.support.hybrid_models import (
 log = logging.getLogger("hybrid_capacity")
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = [  # the moved names, re-exported, and this script's own
-    "BLOCK", "DEFAULTS", "DTYPE", "GIB", "MODELS", "PlainScheduler", "ask_vllm", "capacity", "coordinator_speedup",
-    "count", "drive", "hit_sweep", "kvfleet_coordinator", "main", "mamba_decode", "model_arch", "one_pool_tokens",
-    "parse_args", "splits", "unified_coordinator", "vllm_group_size", "vllm_shape",
-]  # fmt: skip
 
 
 # -- the other two numbers ----------------------------------------------------------------------------

@@ -71,11 +71,7 @@ from benchmarks.support import kv_replay
 from benchmarks.support.kv_replay import (
     CLOCKS,
     ConfigResult,
-    Entry,
     RunResult,
-    Timings,
-    TraceRunner,
-    clock_ns,
     run_kvfleet_once,
     summarize_kvfleet,
 )
@@ -85,12 +81,7 @@ from benchmarks.support.kv_trace import (
     DECODE_STEPS,
     NO_RETENTION,
     NUM_BLOCKS,
-    NUM_PREFIXES,
-    PREFIX_LEN,
     RETENTION,
-    SEED,
-    SUFFIX_LEN,
-    VOCAB,
     WINDOW,
     Trace,
     make_groups,
@@ -98,10 +89,6 @@ from benchmarks.support.kv_trace import (
     max_token_hit_rate,
 )
 from benchmarks.support.vllm_anchor import (
-    ANCHOR_DIR,
-    ANCHOR_VENV,
-    CPU_CLOCK_LAUNCHER,
-    VLLM_CALL,
     VllmAnchor,
     summarize_vllm,
 )
@@ -109,14 +96,6 @@ from engine.kv_cache import RetentionOptions
 
 LOG = logging.getLogger("kv_cache_vs_vllm")
 
-__all__ = [  # the moved names, re-exported, and this script's own
-    "ANCHOR_DIR", "ANCHOR_VENV", "BLOCK_SIZE", "CALLS", "CLOCKS", "CPU_CLOCK_LAUNCHER", "DECODE_STEPS",
-    "NO_RETENTION", "NUM_BLOCKS", "NUM_PREFIXES", "PREFIX_LEN", "RETENTION", "SEED", "SUFFIX_LEN", "VLLM_CALL",
-    "VOCAB", "WINDOW", "ConfigResult", "Entry", "RunResult", "Timings", "Trace", "TraceRunner", "VllmAnchor",
-    "build_report", "clock_ns", "compare_config", "compare_hits", "config_keys", "main", "make_groups",
-    "make_trace", "max_token_hit_rate", "parse_args", "parse_key", "ratio", "retention_options", "rounded",
-    "run_kvfleet_once", "summarize_kvfleet", "summarize_vllm",
-]  # fmt: skip
 
 
 def compare_config(

@@ -112,19 +112,13 @@ import logging
 import random
 import sys
 
-from benchmarks.support.routing_results import Record, Result, min_decision_p99
+from benchmarks.support.routing_results import Result, min_decision_p99
 from benchmarks.support.routing_simulation import Simulation
-from benchmarks.support.routing_trace import BLOCK, CHUNK, GROUPS, Arrival, Trace, make_prefixes, make_trace
-from benchmarks.support.routing_workers import Job, SimWorker
-from benchmarks.support.stats import percentile
+from benchmarks.support.routing_trace import Trace, make_prefixes, make_trace
 
 LOG = logging.getLogger("routing_sim")
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_tree", "kvfleet")
 
-__all__ = [  # the moved names, re-exported, and this script's own
-    "BLOCK", "CHUNK", "GROUPS", "POLICY_NAMES", "Arrival", "Job", "Record", "Result", "SimWorker", "Simulation",
-    "Trace", "main", "make_prefixes", "make_trace", "min_decision_p99", "parse_args", "percentile", "table_row",
-]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

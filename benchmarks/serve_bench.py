@@ -95,46 +95,26 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.support.serve_http import (
-    cluster_stats,
-    get_json,
-    get_status,
-    served_model,
-    stream_completion,
-)
 from benchmarks.support.serve_loadgen import (
     TOOL,
     find_tool,
     pinned_version,
-    run_tool,
-    tool_env,
     tool_version,
 )
-from benchmarks.support.serve_results import ratio, summarize_report
-from benchmarks.support.serve_runs import Bench, first_text_s, http_first_text_s
-from benchmarks.support.serve_server import URL_RE, Server
+from benchmarks.support.serve_results import ratio
+from benchmarks.support.serve_runs import Bench
 from benchmarks.support.serve_workload import (
-    SYLLABLES,
     Workload,
-    _words,
     build_prompts,
     sized_overrides,
     warmup_prompts,
 )
-from benchmarks.support.stats import percentile
 
 log = logging.getLogger("serve_bench")
 
 POLICIES = ("kvfleet", "prefix_tree", "round_robin")
 BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
 
-__all__ = [  # the moved names, re-exported, and this script's own
-    "BENCH_WORKERS", "POLICIES", "SYLLABLES", "TOOL", "URL_RE", "Bench", "Server", "Workload", "_words",
-    "build_prompts", "cluster_stats", "find_tool", "first_text_s", "get_json", "get_status",
-    "http_first_text_s", "main", "parse_args", "percentile", "pinned_version", "ratio", "run_tool", "served_model",
-    "sized_overrides", "stream_completion", "summarize_report", "summary", "tool_env", "tool_version",
-    "warmup_prompts",
-]  # fmt: skip
 
 
 def summary(runs: dict[str, dict[str, dict[str, Any]]], rate: float) -> dict[str, Any]:

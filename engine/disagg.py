@@ -69,10 +69,6 @@ class KVHandle:
         """The notification the owner receives when the read is done (its request id)."""
         return self.request_id.encode()
 
-    @property
-    def num_real_blocks(self) -> int:
-        return sum(b != NULL_BLOCK for table in self.block_ids for b in table)
-
 
 def check_handle(handle: KVHandle, layout_key: str, prompt_token_ids: Sequence[int]) -> None:
     """Raise ValueError (naming the field) unless ``handle`` fits this engine and this prompt."""

@@ -1,6 +1,6 @@
 """Importable support code of the benchmark scripts in ``benchmarks/``, one job per module.
 
-The scripts stay the entry points (arguments, main, report) and re-export what moved here.
+The scripts stay the entry points (arguments, main, report); what they share lives here.
 
 ``benchmarks/kv_cache_vs_vllm.py``:
 
