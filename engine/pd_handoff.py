@@ -186,7 +186,10 @@ class PDHandoff:
             self._notify_only(handle)
             if cfg.on_failure == "fail":
                 self.scheduler.abort(request_id)
-                why = f"kv_handle.expires_at: handle of {request_id!r} arrived too late to read (transfer.on_failure=fail)"
+                why = (
+                    f"kv_handle.expires_at: handle of {request_id!r} arrived too late to read "
+                    "(transfer.on_failure=fail)"
+                )
                 return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
             log.warning("%s: handle of %s arrived too late to read; recomputing", self.name, request_id)
             self.scheduler.finish_kv_load(request_id, ok=False)
