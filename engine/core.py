@@ -1,23 +1,21 @@
 """EngineCore: one worker's synchronous engine — scheduler + coordinator + model runner, and
-(with a ``kv_role``) the KV transfer object of prefill/decode disaggregation.
+(with a ``kv_role``) the P/D hand-off of prefill/decode disaggregation.
 
 ``add_request`` / ``step`` / ``abort``; no threads, no ray. ``step`` progresses transfers,
 schedules, runs the model and returns the tokens each request gained, with finish flags.
 P/D (see ``engine.disagg``): ``add_request(prefill_only=True)`` on the prefill engine finishes
 with ``finish_reason="remote_decode"`` and a ``KVHandle``; ``add_request(kv_handle=...)`` on the
-decode engine pulls that KV, then decodes.
-
-Mixins beside it: ``engine.pd_transfers`` (the KV-handle side: reads, exports, releases),
-``engine.remote_prefill`` (announced remote prefills, peer warm-up) and
-``engine.worker_queries`` (what a worker reports and asks: load, pins, snapshot, stats).
+decode engine pulls that KV, then decodes. The transfer state (exported and held blocks, reads in
+flight, announced remote prefills, peer warm-ups) lives in the ``PDHandoff`` the engine owns
+(``engine.pd_handoff``); the engine's P/D methods check their arguments and delegate to it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,39 +23,32 @@ import torch
 
 from configs.models import SourceKind
 from configs.schema import ClusterConfig
-from engine.disagg import (
-    HeldBlocks,
-    KVHandle,
-    PendingLoads,
-    TransferStats,
-    check_handle,
-)
+from engine.disagg import HeldBlocks, KVHandle, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
+from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch import ModelArch
 from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
 from engine.model.loader import build_model, load_hf_directory
-from engine.pd_transfers import PDTransferMixin
-from engine.remote_prefill import Expected, RemotePrefillMixin
+from engine.pd_handoff import Expected, PDHandoff
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from engine.transfer import AgentInfo, KVTransfer, transfer_from_config
+from engine.transfer import AgentInfo, KVTransfer, Role, transfer_from_config
 from engine.validation import (
     InvalidRequestError,
     check_request_id,
     check_token_ids,
     problem,
 )
-from engine.worker_queries import WorkerQueriesMixin
 
 KVRole = Literal["prefill", "decode", "both"]
 #: batches in a row whose forward raised before an engine counts as broken (``EngineBroken``)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-_TRANSFER_ROLE = {"prefill": "owner", "decode": "reader", "both": "both"}
+_TRANSFER_ROLE: dict[KVRole, Role] = {"prefill": "owner", "decode": "reader", "both": "both"}
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +91,9 @@ class EngineInfo:
     pool_blocks: tuple[int, ...] = ()  # blocks per pool (null included); num_blocks is pool 0's
 
 
-class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
+class EngineCore:
     """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
-    the transfer object of one worker.
+    the transfer object of one worker and its P/D hand-off (``handoff``: the transfer state).
 
     Invariants: every block is owned by exactly one of: a running / waiting-for-KV request, a
     prefill-only request held for its reader (released on the reader's notification or after
@@ -155,7 +146,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
         self.kv_role = kv_role
         self.transfer: KVTransfer | None = None
         if kv_role is not None:
-            self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])  # type: ignore[arg-type]
+            self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])
         decodes = config.model.cuda_graphs and kv_role != "prefill"
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
@@ -174,11 +165,14 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
                 self.transfer.close()
             raise
         self.layout = layout
-        self.layout_key = "|".join([arch.architecture, dtype, layout.describe()])
-        self.held = HeldBlocks(config.transfer.release_timeout_s)
-        self.loads = PendingLoads()
-        self.expected: dict[str, Expected] = {}  # announced remote prefills (engine.remote_prefill)
-        self.transfer_stats = TransferStats()
+        self.layout_key = f"{arch.architecture}|{dtype}|{layout.describe()}"
+        self.handoff: PDHandoff | None = None
+        if self.transfer is not None and self._agent_info is not None:
+            self.handoff = PDHandoff(
+                self.name, config.transfer, self.transfer, self._agent_info, self.layout_key,
+                [group.pool for group in layout.groups], self.scheduler, self.coordinator, self.runner,
+                exports_prefills=kv_role != "decode",
+            )  # fmt: skip
         self.consecutive_failed_steps = 0
         #: called right after each step's scheduling, before the forward (the owner reports the
         #: cache events of that scheduling: the blocks it evicted are gone already)
@@ -203,6 +197,12 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             raise ValueError(f"engine {self.name!r}: no kv_role, so no transfer registration")
         return self._agent_info
 
+    def _handoff_for(self, action: str) -> PDHandoff:
+        """The P/D hand-off, or ValueError naming ``kv_role`` when this engine has none."""
+        if self.handoff is None:
+            raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot {action}")
+        return self.handoff
+
     # -- requests ----------------------------------------------------------------------------------
     def add_request(
         self,
@@ -218,52 +218,126 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
         Raises ValueError naming the argument for a bad id, token ids or sampling parameters."""
         if prefill_only and kv_handle is not None:
             raise ValueError("prefill_only and kv_handle: a request is either prefilled here or pulled, not both")
-        if (prefill_only or kv_handle is not None) and self.transfer is None:
-            raise ValueError(f"kv_role: engine {self.name!r} was built without one, so it cannot do P/D transfers")
+        if prefill_only or kv_handle is not None:
+            self._handoff_for("do P/D transfers")
         if prefill_only:
             request = self._checked_request(request_id, prompt_token_ids, sampling, prefill_only=True)
             self.scheduler.add_request(request)
             return request
         request = self._checked_request(request_id, prompt_token_ids, sampling, remote_prefill=kv_handle is not None)
-        if kv_handle is not None:
-            check_handle(kv_handle, self.layout_key, request.token_ids)
         if kv_handle is None:
             self.scheduler.add_request(request)
         else:
-            self._start_load(request, kv_handle)
+            check_handle(kv_handle, self.layout_key, request.token_ids)
+            self._handoff_for("do P/D transfers").start_load(request, kv_handle)
         return request
 
     def _checked_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kwargs: Any
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        remote_prefill: bool = False,
     ) -> Request:
         """A new Request after the argument checks (ValueError naming the argument); a
         ``prefill_only`` one covers all but the prompt's last token."""
         check_request_id(request_id)
-        if request_id in self.expected:
+        if self.handoff is not None and self.handoff.expects(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in this engine")
         prompt = check_token_ids(prompt_token_ids, self.info.arch.vocab_size, "prompt_token_ids")
         if not prompt:
             raise InvalidRequestError(problem("prompt_token_ids", "must not be empty", prompt_token_ids))
         sampling = SamplingParams.coerce(sampling)
-        if kwargs.get("prefill_only"):
+        if prefill_only:
             if len(prompt) < 2:
                 raise ValueError(
                     f"prompt_token_ids: a prefill-only request needs >= 2 tokens (got {len(prompt)}); run it colocated"
                 )
             prompt = prompt[:-1]
         return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
-                       **kwargs)  # fmt: skip
+                       remote_prefill=remote_prefill, prefill_only=prefill_only)  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
         self.runner.forget(request_id)
-        if self.forget_expected(request_id):  # announced, no read started: its blocks free now
+        if self.handoff is not None and self.handoff.abort(request_id):
             return True
-        if request_id in self.scheduler.waiting_for_kv:  # a read into its blocks is in flight
-            self.loads.aborted.add(request_id)
-            return True
-        self.held.forget(request_id)
         return self.scheduler.abort(request_id)
+
+    # -- P/D: the decode side before the handle arrives, and exports (delegated to ``handoff``) ------
+    def expect_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        peer: AgentInfo | None = None,
+    ) -> Request:
+        """Announce a request whose prompt KV (all but the last token) a prefill worker is
+        computing now: reserve its blocks (if they fit) and warm the connection to ``peer``.
+        Its handle comes later through ``provide_handle``."""
+        handoff = self._handoff_for("do P/D transfers")
+        request = self._checked_request(request_id, prompt_token_ids, sampling, remote_prefill=True)
+        handoff.expect(request, peer)
+        return request
+
+    def is_reserved(self, request_id: str) -> bool:
+        """Whether an announced request holds its blocks while it waits for its handle."""
+        return self.handoff is not None and self.handoff.is_reserved(request_id)
+
+    def provide_handle(self, request_id: str, handle: KVHandle) -> RequestOutput | None:
+        """The handle of an announced request: start the read into its reserved blocks (or the
+        usual path when none were reserved). A request no longer expected: notify the owner
+        only. Returns an error output when the request fails here (a handle that does not fit)."""
+        if self.handoff is None:  # nothing is announced on an engine without a kv_role
+            return None
+        return self.handoff.provide_handle(request_id, handle)
+
+    def discard_handle(self, handle: KVHandle | None) -> None:
+        """A handle nobody will read (its request ended here): let its owner free at once."""
+        if handle is not None and self.handoff is not None:
+            self.handoff.discard_handle(handle)
+
+    def warm_peer(self, peer: AgentInfo) -> bool:
+        """Open the connection to a prefill worker's transfer agent now, so the first real read
+        from it pays no setup (``PDHandoff.warm_peer``). False if the peer is known already, was
+        tried before, or this engine has no ``kv_role``."""
+        return self.handoff is not None and self.handoff.warm_peer(peer)
+
+    def export_prefix(self, request_id: str, token_ids: list[int]) -> KVHandle | None:
+        """Hold the cached prefix ``token_ids`` for a peer to copy (a pin re-established by
+        transfer): a handle like a prefill's, whose blocks stay held until the reader's
+        notification or ``transfer.release_timeout_s``. The reader loads it as the decode side
+        of P/D does (``add_request(token_ids + [t], ..., kv_handle=handle)``). None when this
+        cache no longer serves the whole prefix, or the hold does not fit (the reader computes)."""
+        handoff = self._handoff_for("export a prefix")
+        check_request_id(request_id)
+        prefix = check_token_ids(token_ids, self.info.arch.vocab_size, "token_ids")
+        return handoff.export_prefix(request_id, list(prefix))
+
+    @property
+    def only_awaiting_handles(self) -> bool:
+        """Nothing to poll: every request here waits for a handle, with no read in flight, no
+        blocks held for a reader and nothing to compute (the worker may sleep until a call)."""
+        if self.scheduler.running or self.scheduler.waiting:
+            return False
+        return self.handoff is None or self.handoff.only_awaiting_handles
+
+    @property
+    def held(self) -> HeldBlocks:
+        """The requests whose blocks are held for a reader (``PDHandoff.held``)."""
+        return self._handoff_for("hold blocks for a reader").held
+
+    @property
+    def expected(self) -> Mapping[str, Expected]:
+        """The announced remote prefills waiting for their handles (``PDHandoff.expected``)."""
+        return self._handoff_for("expect remote prefills").expected
+
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """The P/D transfer counters (all zero on an engine without a ``kv_role``)."""
+        return self.handoff.stats if self.handoff is not None else TransferStats()
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -274,7 +348,8 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
         step registered in the prefix cache taken out) and the engine goes on. ``EngineBroken``
         is raised only when it cannot go on: its bookkeeping no longer holds, or
         ``MAX_CONSECUTIVE_FAILED_STEPS`` batches in a row failed."""
-        results = self._progress_transfers() if self.transfer is not None else []
+        handoff = self.handoff
+        results = handoff.progress() if handoff is not None else []
         scheduler = self.scheduler
         if scheduler.running or scheduler.waiting:
             output = scheduler.schedule()
@@ -292,7 +367,8 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
                 if result.finished:
                     self.runner.forget(result.request_id)
                 if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
-                    result = replace(result, kv_handle=self._export(result.request_id))
+                    assert handoff is not None, "a prefill-only request needs a kv_role (add_request checks)"
+                    result = replace(result, kv_handle=handoff.export(result.request_id))
                 results.append(result)
         return results
 
@@ -308,7 +384,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
             results.append(self._fail_request(request_id, why))
         try:
             self.coordinator.check_invariants()
-        except Exception as broken:
+        except Exception as broken:  # noqa: BLE001 - any failed check means the cache is inconsistent
             raise EngineBroken(f"{self.name}: KV cache inconsistent after a failed step ({broken})") from exc
         if self.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineBroken(f"{self.name}: {self.consecutive_failed_steps} steps in a row failed ({why})") from exc
@@ -325,7 +401,7 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
     @property
     def has_work(self) -> bool:
         """Anything outstanding: requests to compute, reads in flight, or blocks held for readers."""
-        return self.scheduler.has_work or bool(self.loads) or bool(self.held)
+        return self.scheduler.has_work or (self.handoff is not None and self.handoff.has_work)
 
     @property
     def has_compute_work(self) -> bool:
@@ -335,6 +411,108 @@ class EngineCore(PDTransferMixin, RemotePrefillMixin, WorkerQueriesMixin):
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / pinned / ...) since the last call, for the router."""
         return self.coordinator.take_events()
+
+    # -- what a worker actor reports and asks (it never reaches into the scheduler or the cache) -----
+    # Nothing here changes a request; only pins and the eviction order of free cached blocks change
+    # (``pin_prefix`` / ``unpin_prefix`` / ``refresh_prefix``).
+    def load(self) -> tuple[float, int, float]:
+        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use)."""
+        scheduler = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
+        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
+        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage))
+
+    def cache_gauges(self) -> dict[str, float]:
+        """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
+        scheduler, coordinator = self.scheduler, self.coordinator
+        pool = coordinator.pools[coordinator.tightest_pool]
+        queried = scheduler.queried_tokens
+        return {
+            "free_blocks": pool.num_free_blocks,
+            "pinned_free_blocks": pool.num_pinned_free_blocks,
+            "hit_rate": scheduler.hit_tokens / queried if queried else 0.0,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + len(scheduler.waiting_for_kv),
+        }
+
+    @property
+    def kv_groups(self) -> list[KVCacheGroup]:
+        """The KV-cache groups of this engine (the router predicts hits with the same ones)."""
+        return list(self.coordinator.groups)
+
+    def cached_prefix_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
+        return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
+
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Pin the cached prefix; returns the tokens pinned."""
+        return self.coordinator.pin_prefix(block_hashes, num_tokens)
+
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
+        return self.coordinator.unpin_prefix(block_hashes, num_tokens)
+
+    def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
+        free queue evicts them last, a prefix's tail before its head), so the hit the router
+        predicted for a request routed here survives the allocations of the requests ahead of
+        it; returns the tokens that hit covers now (0: nothing to refresh)."""
+        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens)
+        if hit.num_tokens <= 0:
+            return 0
+        for g, manager in enumerate(self.coordinator.managers):
+            blocks = [block for block in hit.blocks[g] if not block.is_null]
+            if blocks:
+                manager.pool.touch(blocks)
+                manager.pool.free_blocks(blocks[::-1])
+        return hit.num_tokens
+
+    @property
+    def event_seq(self) -> int:
+        """Sequence number of the last KV event emitted."""
+        return self.coordinator.event_seq
+
+    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
+        """(event seq, per group every cached hash and its pin level): a router resync."""
+        return self.coordinator.snapshot()
+
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths, block counts, hit counters and transfer counters (plain data).
+
+        ``num_blocks`` / ``free_blocks`` / ``pinned_blocks`` describe pool 0 (the attention pool
+        of a hybrid layout, the only pool otherwise); ``capacity.pools`` has every pool."""
+        scheduler, pool = self.scheduler, self.coordinator.pool
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "waiting_for_kv": len(scheduler.waiting_for_kv),
+            "held_for_transfer": len(scheduler.held),
+            "expecting_handles": len(self.handoff.expected) if self.handoff is not None else 0,
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
+            "num_blocks": self.info.num_blocks - 1,
+            "free_blocks": pool.num_free_blocks,
+            "capacity": self.capacity(),
+            "pinned_blocks": pool.num_pinned_free_blocks,  # explicit pins + retained window/state anchors
+            "explicitly_pinned_blocks": pool.explicit.size,
+            "hit_tokens": scheduler.hit_tokens,
+            "queried_tokens": scheduler.queried_tokens,
+            "num_preemptions": scheduler.num_preemptions,
+            "failed_steps": self.failed_steps,
+            "failed_requests": self.failed_requests,
+            "transfer": asdict(self.transfer_stats),
+        }
+
+    def capacity(self) -> dict[str, Any]:
+        """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``
+        (requests' full recurrent states), and per pool its kind, page size and blocks."""
+        coordinator, layout = self.coordinator, self.layout
+        pools = [
+            {"kind": pool.kind, "page_bytes": pool.page_bytes, "slots": pool.num_slots,
+             "num_blocks": coordinator.num_blocks_in(p), "free_blocks": coordinator.num_free_blocks_in(p)}
+            for p, pool in enumerate(layout.pools)
+        ]  # fmt: skip
+        return {**layout.capacity(self.info.pool_blocks), "bytes": layout.pool_bytes(self.info.pool_blocks),
+                "pools": pools}  # fmt: skip
 
     def close(self) -> None:
         """Release the decode graphs and the transfer registration (pending reads are cancelled).
