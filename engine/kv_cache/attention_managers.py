@@ -15,6 +15,9 @@ from engine.kv_cache.spec import ChunkedLocalSpec, SlidingWindowSpec
 _REF_CNT = attrgetter("ref_cnt")
 
 
+NEVER_SKIPS = 1 << 62  # a token count no request reaches
+
+
 class FullAttentionManager(SingleTypeManager):
     """Full attention: a hit needs every block of the prefix; hits are downward closed."""
 
@@ -41,6 +44,10 @@ class FullAttentionManager(SingleTypeManager):
 
     def hit_valid(self, hashes: list[bytes], length: int) -> bool:
         return all(h in self.cached for h in hashes[: length // self.block_size])
+
+    def next_skip_change(self, num_tokens: int) -> int:
+        """Full attention never skips a leading block (the coordinator asks only groups that do)."""
+        return NEVER_SKIPS
 
     def blocks_needed_at(self, length: int) -> range:
         return range(length // self.block_size)

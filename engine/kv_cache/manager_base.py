@@ -9,6 +9,8 @@ Table index j covers tokens ``[j * block_size, (j + 1) * block_size)``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.hashing import coarse_view
 from engine.kv_cache.spec import KVCacheSpec
@@ -18,7 +20,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class SingleTypeManager:
+class SingleTypeManager(ABC):
     """Block tables of one group for every admitted request.
 
     Invariants: ``tables[r]`` holds, per slot, the group's block for that token range or the null
@@ -49,6 +51,7 @@ class SingleTypeManager:
         return coarse_view(hashes, self.hash_factor)
 
     # -- hit search ------------------------------------------------------------------------------
+    @abstractmethod
     def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:
         """Blocks (null where not needed) and length of the longest aligned hit <= max_length.
 
@@ -56,6 +59,7 @@ class SingleTypeManager:
         """
         raise NotImplementedError
 
+    @abstractmethod
     def hit_valid(self, hashes: list[bytes], length: int) -> bool:
         """Whether a hit of exactly ``length`` tokens is backed by cached blocks (test oracle)."""
         raise NotImplementedError
@@ -64,6 +68,7 @@ class SingleTypeManager:
     def skipped_blocks(self, num_tokens: int) -> int:
         return self.spec.skipped_tokens(num_tokens) // self.block_size
 
+    @abstractmethod
     def next_skip_change(self, num_tokens: int) -> int:
         """A computed count > ``num_tokens`` at or before which ``skipped_blocks`` first grows
         (so ``remove_skipped_blocks`` drops nothing new before it)."""
@@ -243,9 +248,10 @@ class SingleTypeManager:
             i -= 1
         return i
 
+    @abstractmethod
     def blocks_needed_at(self, length: int) -> range:
         """Table indices a hit at ``length`` tokens needs (for explicit prefix pins)."""
         raise NotImplementedError
 
-    def new_step(self) -> None:
+    def new_step(self) -> None:  # noqa: B027 - an optional hook: most managers keep no per-step state
         """Called once per scheduler step."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from engine.routing.types import (
 POLICIES = ("kvfleet", "round_robin", "least_loaded", "prefix_tree")
 
 
-class PlacementPolicy:
+class PlacementPolicy(ABC):
     """The interface every placement policy offers (kvfleet's and the baselines).
 
     Membership, load stats and actions are common; policies that ignore KV events keep the no-op
@@ -95,6 +96,7 @@ class PlacementPolicy:
         return []
 
     # -- placement ------------------------------------------------------------------------------------
+    @abstractmethod
     def route(self, request: RouteRequest, now: float = 0.0) -> Decision:
         raise NotImplementedError
 
