@@ -192,7 +192,7 @@ class WorkerMetrics(_Metrics):
         self._aborted.inc(1)
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
-        """One completed KV transfer (on the decode side: a pull; on the prefill side: a serve)."""
+        """One KV read that brought a request's KV into this (decode) worker: its bytes and seconds."""
         _check_finite("nbytes", nbytes, minimum=0)
         _check_finite("seconds", seconds, minimum=0)
         self._transfers.inc(1)

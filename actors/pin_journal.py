@@ -58,7 +58,7 @@ class PinJournal:
 
         try:
             internal_kv._internal_kv_del(f"{self.prefix}{pin_id}", namespace=NAMESPACE)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the GCS store failing must not stop the router
             log.warning("pin journal: could not erase pin %d (%s)", pin_id, exc)
 
     def load(self) -> list[JournaledPin]:
@@ -80,5 +80,5 @@ class PinJournal:
 
         try:
             internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the GCS store failing must not stop the router
             log.warning("pin journal: could not record %s (%s); it will not survive a router restart", key, exc)

@@ -276,6 +276,6 @@ def _router_metrics() -> Any:
         from actors.metrics import RouterMetrics
 
         return RouterMetrics()
-    except Exception as exc:  # metrics must never stop the router
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop the router
         log.warning("router: no metrics (%s)", exc)
         return None

@@ -184,7 +184,7 @@ class RouterLink:
             self._pin_compute(action)
             return
         assert action.token_ids is not None
-        tokens = list(action.token_ids) + [0]
+        tokens = [*action.token_ids, 0]
         try:
             self.engine.add_request(copy_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True), kv_handle=handle)
         except ValueError as exc:  # e.g. a handle that does not fit this engine: compute here
@@ -202,7 +202,7 @@ class RouterLink:
             job.method = "compute"
         request_id = f"pin-{action.pin_id}-{uuid.uuid4().hex[:8]}"
         assert action.token_ids is not None
-        tokens = list(action.token_ids) + [0]
+        tokens = [*action.token_ids, 0]
         self.engine.add_request(request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
         self._track(request_id, TrackedRequest(None, None, len(tokens), pin=action))
 

@@ -316,6 +316,7 @@ class EngineWorker:
                 if engine.has_work:
                     outputs = engine.step()
                     self._steps += 1
+                    self._record_transfers()
                     if outputs:
                         self._dispatch(outputs)
                 self.router_link.report()
@@ -331,6 +332,13 @@ class EngineWorker:
                 except queue.Empty:
                     break
                 future.set_exception(WorkerUnavailableError(why))
+
+    def _record_transfers(self) -> None:
+        """Count the KV reads the last step finished in this worker's transfer series."""
+        reads = self.engine.take_completed_reads()
+        if self.metrics is not None:
+            for read in reads:
+                self.metrics.record_transfer(read.nbytes, read.seconds)
 
     def _run_commands(self, wait: float) -> None:
         try:

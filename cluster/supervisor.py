@@ -373,7 +373,8 @@ class Supervisor:
         workers = {stats["worker_id"]: worker_summary(stats) for stats in raw}
         keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
                 "capacity_tokens", "capacity_recurrent_states",
-                "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "requests_finished",
+                "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "transfers",
+                "transfer_seconds", "requests_finished",
                 "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
@@ -416,9 +417,22 @@ def worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "num_preemptions": stats["num_preemptions"],
         "transfer": stats["transfer"],
         "transfer_bytes": int(stats["transfer"].get("bytes", 0)) if isinstance(stats["transfer"], dict) else 0,
+        # the worker's transfer series: one entry per KV read it finished (bytes above, same reads)
+        "transfers": int(_counter(metrics, "kvfleet_kv_transfers_total")),
+        "transfer_seconds": _histogram_sum(metrics, "kvfleet_kv_transfer_seconds"),
         "requests_finished": int(metrics.get("kvfleet_requests_finished_total", 0)),
         "requests_aborted": int(metrics.get("kvfleet_requests_aborted_total", 0)),
     }
+
+
+def _counter(metrics: dict[str, Any], name: str) -> float:
+    value = metrics.get(name, 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _histogram_sum(metrics: dict[str, Any], name: str) -> float:
+    value = metrics.get(name)
+    return float(value.get("sum", 0.0)) if isinstance(value, dict) else 0.0
 
 
 async def probe(handle: WorkerHandle, timeout_s: float, renew: list[str] | None = None) -> str:

@@ -23,7 +23,7 @@ import torch
 
 from configs.models import SourceKind
 from configs.schema import ClusterConfig
-from engine.disagg import HeldBlocks, KVHandle, TransferStats, check_handle
+from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
@@ -333,6 +333,10 @@ class EngineCore:
     def expected(self) -> Mapping[str, Expected]:
         """The announced remote prefills waiting for their handles (``PDHandoff.expected``)."""
         return self._handoff_for("expect remote prefills").expected
+
+    def take_completed_reads(self) -> list[CompletedRead]:
+        """The KV reads that ended well since the last call, each once (none without a ``kv_role``)."""
+        return self.handoff.take_completed_reads() if self.handoff is not None else []
 
     @property
     def transfer_stats(self) -> TransferStats:

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -180,6 +181,13 @@ class TransferStats:
     released_by_timeout: int = 0
     warm_ups: int = 0  # connections opened to a peer before its first read
     cold_reads: int = 0  # reads that opened the connection to their peer themselves
+
+
+class CompletedRead(NamedTuple):
+    """One read that brought a request's KV in: its bytes and its seconds (handle taken -> done)."""
+
+    nbytes: int
+    seconds: float
 
 
 @dataclass

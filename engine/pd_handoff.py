@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from engine.disagg import (
     NULL_BLOCK,
+    CompletedRead,
     HeldBlocks,
     KVHandle,
     PendingLoads,
@@ -108,10 +109,17 @@ class PDHandoff:
         self.loads = PendingLoads()
         self.expected: dict[str, Expected] = {}
         self.stats = TransferStats()
+        #: reads that ended well since the owner last took them (``take_completed_reads``)
+        self.completed_reads: list[CompletedRead] = []
         #: peers a warm-up was started for (one that did not stay a peer is not tried again)
         self.warm_attempted: set[str] = set()
 
     # -- state -------------------------------------------------------------------------------------
+    def take_completed_reads(self) -> list[CompletedRead]:
+        """The reads that ended well since the last call (each once), for the worker's metrics."""
+        reads, self.completed_reads = self.completed_reads, []
+        return reads
+
     @property
     def has_work(self) -> bool:
         """Reads in flight or blocks held for readers."""
@@ -353,9 +361,11 @@ class PDHandoff:
             self.scheduler.abort(request_id)
             return None
         if ok:
+            seconds = time.monotonic() - record.started
             stats.blocks += record.num_blocks
             stats.bytes += record.nbytes
-            stats.seconds += time.monotonic() - record.started
+            stats.seconds += seconds
+            self.completed_reads.append(CompletedRead(record.nbytes, seconds))
             self.scheduler.finish_kv_load(request_id, ok=True)
             return None
         stats.failures += 1

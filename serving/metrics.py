@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
@@ -39,6 +39,10 @@ class ClusterGauges:
         yield _gauge("kvfleet_pinned_blocks", "Pinned KV blocks over every worker.", totals["pinned_blocks"])
         yield _gauge("kvfleet_kv_transfer_bytes", "KV bytes decode workers pulled from prefill workers (so far).",
                      totals["transfer_bytes"])  # fmt: skip
+        yield CounterMetricFamily("kvfleet_kv_transfers", "KV reads decode workers finished (so far).",
+                                  value=float(totals["transfers"]))  # fmt: skip
+        yield CounterMetricFamily("kvfleet_kv_transfer_seconds", "Seconds decode workers spent in finished KV reads.",
+                                  value=float(totals["transfer_seconds"]))  # fmt: skip
         per_worker = GaugeMetricFamily("kvfleet_worker_hit_rate", "Prefix cache hit rate per worker.",
                                        labels=["worker_id", "role"])  # fmt: skip
         for worker_id, worker in stats["workers"].items():

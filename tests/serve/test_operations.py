@@ -46,6 +46,19 @@ def test_metrics_parse_and_their_counters_move(server: Server) -> None:
     assert after["kvfleet_kv_transfer_bytes"] > 0  # the main app splits P/D: KV moved
 
 
+def test_a_pd_request_moves_the_transfer_series(server: Server) -> None:
+    """The decode worker's reads reach /metrics: a prompt no worker has cached is split P/D, its
+    KV read counts one transfer more, with its seconds."""
+    before = metric_values(server)
+    prompt = " ".join(f"fresh{i}" for i in range(40))  # unseen: the router splits it off to prefill
+    result = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert result.usage.completion_tokens >= 1
+    after = metric_values(server)
+    assert after["kvfleet_kv_transfers_total"] >= before.get("kvfleet_kv_transfers_total", 0.0) + 1
+    assert after["kvfleet_kv_transfer_seconds_total"] > before.get("kvfleet_kv_transfer_seconds_total", 0.0)
+    assert after["kvfleet_kv_transfer_bytes"] > before.get("kvfleet_kv_transfer_bytes", 0.0)
+
+
 def test_pins_and_stats_over_http(server: Server) -> None:
     created = server.post("/v1/pins", json={"prefix": "You are a helpful assistant. " * 3, "replicas": 1, "ttl": 300})
     assert created.status_code == 201, created.text
