@@ -13,7 +13,6 @@ flight, announced remote prefills, peer warm-ups) lives in the ``PDHandoff`` the
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from configs.cache import cache_root
 from configs.models import SourceKind
 from configs.schema import ClusterConfig
 from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
@@ -56,10 +56,6 @@ log = logging.getLogger(__name__)
 class EngineBroken(RuntimeError):
     """The engine cannot go on (its state is inconsistent, or every step fails): the worker
     owning it must be taken out of service and replaced."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
 
 
 def resolve_model_directory(config: ClusterConfig) -> Path:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from configs.cache import cache_root
+
 log = logging.getLogger("engine.model.gguf")  # one logger for the whole GGUF conversion, as before the split
 
 MARKER_NAME = "kvfleet_conversion.json"
@@ -26,12 +28,8 @@ CONVERSION_FORMAT = 1
 
 
 def default_cache_dir() -> Path:
-    """``$KVFLEET_CACHE/models``, else ``$XDG_CACHE_HOME/kvfleet/models``, else ``~/.cache/kvfleet/models``."""
-    if os.environ.get("KVFLEET_CACHE"):
-        return Path(os.environ["KVFLEET_CACHE"]).expanduser() / "models"
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvfleet" / "models"
-    return Path.home() / ".cache" / "kvfleet" / "models"
+    """Converted models live under ``models/`` of the project's cache root (``configs.cache``)."""
+    return cache_root() / "models"
 
 
 def _marker_valid(directory: Path, sha256: str) -> bool:
