@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation inside one engine: the handle that crosses workers, the read
 plan, and the bookkeeping of held (prefill side) and in-flight (decode side) KV.
 
-Token-count convention (one for every architecture, the Mamba rule of KV_CACHE_REFERENCE §10.6):
+Token-count convention (one for every architecture, set by what a recurrent state allows):
 for a prompt of N tokens the prefill engine computes the KV/state of the first N - 1 tokens and
 samples nothing; the decode engine receives those N - 1 tokens' KV, computes token N - 1 itself
 (getting the first logits and, for Mamba groups, h(N) from h(N - 1)) and decodes. Recurrent

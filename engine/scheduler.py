@@ -85,7 +85,7 @@ def recurrent_checkpoint(coordinator: HybridCoordinator, request: CacheRequest, 
     shares a cached prefix but diverges inside one of that prefix's chunks hits its attention
     groups up to the divergence block and its recurrent groups only at the earlier chunk end, so
     ``hit`` stops there. Ending a chunk at the attention-only hit caches the state at that
-    boundary, and the next request of the same prefix hits all of it (issue 13).
+    boundary, and the next request of the same prefix hits all of it.
 
     Example (block 16, chunk 64): request 1 = P + U1 cached states at 64 and 128; request 2 =
     P[:112] + U2 hits 64 (attention could serve 112); its chunk [64, 128) ends at 112 instead,
