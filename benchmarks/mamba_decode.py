@@ -188,6 +188,9 @@ def measure_decode(
             f"scheduler.max_num_seqs={num_requests}",
             f"scheduler.max_num_batched_tokens={max(2048, prompt_len)}",
             f"scheduler.prefill_chunk_size={prompt_len}",
+            # eager steps: the per-request reference reads the eager batch's per-request state
+            # indices, which the static (graph) decode step keeps on the device instead
+            "model.cuda_graphs=false",
         ],
     )
     engine = EngineCore(config, threads=threads)
