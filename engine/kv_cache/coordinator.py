@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
+from engine.kv_cache.attention_managers import FullAttentionManager, SlidingWindowManager
 from engine.kv_cache.block_pool import PIN_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
     CacheHit,
@@ -37,13 +38,9 @@ from engine.kv_cache.coordinator_types import (
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
 from engine.kv_cache.invariants import KVCacheInvariantError, check_coordinator  # noqa: F401 (re-exported)
-from engine.kv_cache.managers import (
-    MANAGER_FOR_SPEC,
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeManager,
-    SlidingWindowManager,
-)
+from engine.kv_cache.mamba_manager import MambaManager
+from engine.kv_cache.manager_base import SingleTypeManager
+from engine.kv_cache.managers import MANAGER_FOR_SPEC
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
 

@@ -18,8 +18,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.kv_cache.attention_managers import SlidingWindowManager
 from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, BlockPool
-from engine.kv_cache.managers import MambaManager, SlidingWindowManager
+from engine.kv_cache.mamba_manager import MambaManager
 
 if TYPE_CHECKING:
     from engine.kv_cache.coordinator import HybridCoordinator

@@ -9,7 +9,7 @@ changes except to the null block when the slot leaves the window.
 Table index j covers tokens ``[j * block_size, (j + 1) * block_size)``.
 
 The base lives in ``manager_base``, the attention types in ``attention_managers`` and the Mamba
-type in ``mamba_manager``; this module maps specs to them and re-exports them.
+type in ``mamba_manager``; this module maps each spec to its manager.
 """
 
 from __future__ import annotations
@@ -20,23 +20,13 @@ from engine.kv_cache.attention_managers import (
     SlidingWindowManager,
 )
 from engine.kv_cache.mamba_manager import MambaManager
-from engine.kv_cache.manager_base import SingleTypeManager, cdiv
+from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.spec import (
     ChunkedLocalSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
-
-__all__ = [
-    "MANAGER_FOR_SPEC",
-    "ChunkedLocalManager",
-    "FullAttentionManager",
-    "MambaManager",
-    "SingleTypeManager",
-    "SlidingWindowManager",
-    "cdiv",
-]
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeManager]] = {
     FullAttentionSpec: FullAttentionManager,

@@ -10,12 +10,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.kv_cache.attention_managers import FullAttentionManager
 from engine.kv_cache.coordinator import HybridCoordinator
-from engine.kv_cache.managers import (
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeManager,
-)
+from engine.kv_cache.mamba_manager import MambaManager
+from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.spec import KVCacheGroup
 
 WorkerId = Hashable

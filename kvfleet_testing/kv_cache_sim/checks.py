@@ -17,7 +17,7 @@ from engine.kv_cache import (
     CacheHit,
 )
 from engine.kv_cache.block_queue import PIN_NONE
-from engine.kv_cache.managers import MambaManager
+from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim.records import LOADING, RUNNING, SimRequest, Snapshot, cdiv
 
 

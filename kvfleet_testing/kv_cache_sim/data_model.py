@@ -6,11 +6,8 @@ states ``pending`` until the forward ends), written by computations and loads (`
 from __future__ import annotations
 
 from engine.kv_cache import CacheRequest
-from engine.kv_cache.managers import (
-    ChunkedLocalManager,
-    MambaManager,
-    SlidingWindowManager,
-)
+from engine.kv_cache.attention_managers import ChunkedLocalManager, SlidingWindowManager
+from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim.records import SimRequest, cdiv
 
 

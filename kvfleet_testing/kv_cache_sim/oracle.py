@@ -6,13 +6,9 @@ aligned length every group can serve (``oracle_hit``) and the check of a coordin
 from __future__ import annotations
 
 from engine.kv_cache import CacheHit, CacheRequest
-from engine.kv_cache.managers import (
-    ChunkedLocalManager,
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeManager,
-    SlidingWindowManager,
-)
+from engine.kv_cache.attention_managers import ChunkedLocalManager, FullAttentionManager, SlidingWindowManager
+from engine.kv_cache.mamba_manager import MambaManager
+from engine.kv_cache.manager_base import SingleTypeManager
 from kvfleet_testing.kv_cache_sim.records import cdiv
 
 

@@ -12,11 +12,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache import HybridCoordinator
-from engine.kv_cache.managers import (
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeManager,
-)
+from engine.kv_cache.attention_managers import FullAttentionManager
+from engine.kv_cache.mamba_manager import MambaManager
+from engine.kv_cache.manager_base import SingleTypeManager
 from kvfleet_testing.kv_cache_sim.cache_ops import CacheOperations
 from kvfleet_testing.kv_cache_sim.checks import SimChecks
 from kvfleet_testing.kv_cache_sim.configs import SimConfig, max_len_for

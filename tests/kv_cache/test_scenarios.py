@@ -16,7 +16,7 @@ from engine.kv_cache import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine.kv_cache.managers import MambaManager
+from engine.kv_cache.mamba_manager import MambaManager
 from tests.kv_cache.helpers import coordinator, ids, request, retention, run_prefill
 
 PROMPT = list(range(100, 164))

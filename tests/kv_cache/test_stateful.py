@@ -34,7 +34,8 @@ from engine.kv_cache import (
     SlidingWindowSpec,
 )
 from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_RETAINED
-from engine.kv_cache.managers import MambaManager, SlidingWindowManager
+from engine.kv_cache.attention_managers import SlidingWindowManager
+from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim import (
     MIXES,
     RandomDriver,
