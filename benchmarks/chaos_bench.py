@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Chaos at scale (issue 15): shared-prefix requests at a steady rate on a 2P+2D cluster while
-decode workers, prefill workers and the router are killed in turn at seeded random moments
+"""Chaos at scale: shared-prefix requests at a steady rate on a 2P+2D cluster while decode workers,
+prefill workers and the router are killed in turn at seeded random moments
 (``kvfleet_testing/chaos.py``; ``tests/integration/test_chaos.py`` is its bounded CI version).
 
 Every request is checked against a single engine that ran its prompt alone, while it streams and

@@ -1,6 +1,6 @@
-"""Cluster benchmark (issue 16): kvfleet's hybrid-aware router against an approximate prefix tree
-and round robin, on 2 prefill + 2 decode workers, fresh cluster per policy, same prompts and
-concurrency (the logic lives in ``benchmarks.support.cluster_runs``, ``kvfleet_testing.workloads``,
+"""Cluster benchmark: kvfleet's hybrid-aware router against an approximate prefix tree and round
+robin, on 2 prefill + 2 decode workers, fresh cluster per policy, same prompts and concurrency (the
+logic lives in ``benchmarks.support.cluster_runs``, ``kvfleet_testing.workloads``,
 ``benchmarks.support.repin`` and ``benchmarks.support.cluster_suite``).
 
     python -m benchmarks.cluster_bench                     # Gemma-3-270M + tiny Bamba (~25 min here)

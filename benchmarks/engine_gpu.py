@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Issue 17: kvfleet's EngineCore on one GPU against Hugging Face ``generate``, and its decode step
-against the memory-bandwidth bound, same device, same dtype (bfloat16 on CUDA), one run.
+"""kvfleet's EngineCore on one GPU against Hugging Face ``generate``, and its decode step against
+the memory-bandwidth bound, same device, same dtype (bfloat16 on CUDA), one run.
 
 Models (random weights through engine.model.random_checkpoint, initialised on the device, saved in
 the run's dtype to a temporary directory): ``gemma`` — Gemma-3-270M's published shape (268.1M
@@ -12,13 +12,13 @@ with attention at layers 3 and 7 (12 query / 3 KV heads of 128), 48 Mamba2 heads
 128, MLP 5376, vocabulary 32000 (475.0M parameters). On a CPU in bfloat16 both give the same
 greedy tokens in kvfleet and in HF.
 
-(1) Throughput on the issue-4 mix (benchmarks/support/hf_generate.py: ``--num-requests`` (64)
-    requests, prompts uniform in [64, 1024] tokens, outputs uniform in [16, 256], seeded). kvfleet
-    receives every request at once (64 running, 8192 tokens per step, 1024-token prefill chunks,
-    KV budget large enough that nothing is preempted: ``preemptions`` says); HF ``generate`` runs
-    them greedily in left-padded batches of 16, each row kept going to its batch's longest
-    max_tokens, and is credited only each request's own max_tokens. Output tokens/s = useful
-    output tokens / wall seconds; ``throughput_ratio_vs_hf`` = kvfleet / HF.
+(1) Throughput on the mixed-length request mix (benchmarks/support/hf_generate.py:
+    ``--num-requests`` (64) requests, prompts uniform in [64, 1024] tokens, outputs uniform in
+    [16, 256], seeded). kvfleet receives every request at once (64 running, 8192 tokens per step,
+    1024-token prefill chunks, KV budget large enough that nothing is preempted: ``preemptions``
+    says); HF ``generate`` runs them greedily in left-padded batches of 16, each row kept going to
+    its batch's longest max_tokens, and is credited only each request's own max_tokens. Output
+    tokens/s = useful output tokens / wall seconds; ``throughput_ratio_vs_hf`` = kvfleet / HF.
 (2) Time to first token, all requests arriving at t=0. kvfleet: per request, from the first
     ``add_request`` to the end of the ``step()`` that returned its first token (p50 and mean).
     HF: per request, its batch's start in the throughput run plus that batch's prefill time,

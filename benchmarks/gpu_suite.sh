@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
+# The engine's GPU checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
 #
 #   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode triton bench mamba (default: all)
 #
@@ -59,7 +59,7 @@ for stage in "${stages[@]}"; do
             tests/model/test_triton_mamba.py ;;
     bench)
         run_stage bench 420 python3 -m benchmarks.engine_gpu --device cuda ${BENCH_ARGS:-} ;;
-    mamba)  # issue 13's decode measurement (per-request vs batched Mamba path) on the GPU
+    mamba)  # benchmarks/mamba_decode.py's decode measurement (per-request vs batched Mamba path) on the GPU
         run_stage mamba 240 python3 -m benchmarks.mamba_decode --device cuda --dtype bfloat16 --num-requests 32 ;;
     *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;
     esac

@@ -1,5 +1,5 @@
 """Hybrid KV memory: prefix capacity per GiB and token hit rate of kvfleet's pooled layout against
-the single padded page it replaced and vLLM 0.33's unified page (issue 13's benchmark).
+the single padded page it replaced and vLLM 0.33's unified page.
 
 Models: Bamba-9B, Granite-4.0-H-Small and Nemotron-H-8B, built from Hugging Face config classes
 (BambaConfig, GraniteMoeHybridConfig, NemotronHConfig) with the published shapes; no weights.

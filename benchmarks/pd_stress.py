@@ -18,7 +18,7 @@ Each configuration prints one JSON line as it finishes; the last stdout line is 
     python -m benchmarks.pd_stress --level engine --seeds 50         # engine level, 50 seeds each
     python -m benchmarks.pd_stress --level cluster --requests 300 --busy 2 --presets tiny-hybrid
 
-Measured on this project's 2-core VM (issue 15; the cause is in the docstring of
+Measured on this project's 2-core VM (the wrong-token bug's cause and fix: the docstring of
 tests/engine/test_pd_race.py). ``--level engine --seeds 10 --requests 60`` (4800 requests):
 before the fix 22 wrong, all tiny-hybrid (local 2P+2D 11 of 600, nixl 2P+2D 10, nixl 1P+1D 1,
 local 1P+1D 0; tiny 0 of 2400), 3.2 min; after it 0, and 0 of 12000 more with

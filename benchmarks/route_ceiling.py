@@ -1,5 +1,6 @@
 """How much token hit rate placement alone can win over an approximate prefix tree on hybrid
-models, across a grid of hybrid-pressure workloads (issue 16's evidence for its hit-rate target).
+models, across a grid of hybrid-pressure workloads: whether any router can reach the cluster
+benchmark's target ``hybrid_hit_rate_ratio_vs_prefix_tree`` >= 1.2 (benchmarks/cluster_bench.py).
 
 Each grid point is ``kvfleet_testing.workloads.HybridWorkload`` with one setting of
 ``cache_fraction`` (pool size: that share of the prefix set plus the requests in flight),

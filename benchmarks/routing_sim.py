@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Discrete-event simulation of request placement over W hybrid-KV workers (issue 6).
+"""Discrete-event simulation of request placement over W hybrid-KV workers.
 
 What it models
     W workers, each with a real ``engine.kv_cache.HybridCoordinator`` (1 full-attention group + 2

@@ -42,7 +42,7 @@ Every script: ``stats``, the one ``percentile``.
 
 ``benchmarks/engine_vs_hf.py`` and ``benchmarks/engine_gpu.py``:
 
-- ``hf_generate``: the issue-4 request mix and Hugging Face ``generate`` over it in left-padded batches.
+- ``hf_generate``: the mixed-length request mix and Hugging Face ``generate`` over it in left-padded batches.
 
 ``benchmarks/engine_gpu.py``:
 

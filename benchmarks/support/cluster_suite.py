@@ -1,8 +1,8 @@
-"""The issue-16 cluster benchmark in one run: every routing policy (kvfleet, prefix_tree,
-round_robin) on the shared-prefix workload and on the hybrid-pressure workload (on the main
-model and on a second, Mamba hybrid preset), pins re-established by copy vs by computing, and
-the P/D TTFT overhead (``benchmarks.pd_overhead``). Beside each hybrid workload's runs,
-``route_ceiling``: the same prompts replayed one at a time through the workers' real
+"""The cluster benchmark (``benchmarks/cluster_bench.py``) in one run: every routing policy
+(kvfleet, prefix_tree, round_robin) on the shared-prefix workload and on the hybrid-pressure
+workload (on the main model and on a second, Mamba hybrid preset), pins re-established by copy vs by
+computing, and the P/D TTFT overhead (``benchmarks.pd_overhead``). Beside each hybrid workload's
+runs, ``route_ceiling``: the same prompts replayed one at a time through the workers' real
 coordinators under each placement and a perfect-knowledge oracle
 (``benchmarks.support.route_replay``), i.e. how much hit rate placement alone can win there.
 

@@ -1,4 +1,4 @@
-"""The issue-4 request mix and Hugging Face ``generate`` over it in left-padded batches: the
+"""The mixed-length request mix and Hugging Face ``generate`` over it in left-padded batches: the
 baseline side of ``benchmarks/engine_vs_hf.py`` (CPU) and ``benchmarks/engine_gpu.py`` (GPU).
 
 ``workload`` draws the requests (prompt lengths uniform in [64, 1024], output lengths uniform in
@@ -22,7 +22,7 @@ def workload(
     prompt_lens: tuple[int, int] = (64, 1024),
     output_lens: tuple[int, int] = (16, 256),
 ) -> list[tuple[list[int], int]]:
-    """``num_requests`` (prompt token ids, max_tokens) pairs; the defaults are the issue-4 mix."""
+    """``num_requests`` (prompt token ids, max_tokens) pairs; the defaults are the mixed-length mix."""
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):

@@ -57,7 +57,8 @@ def unified_coordinator(arch: ModelArch, block: int, page: int, budget: int) -> 
 
 
 class PlainScheduler(Scheduler):
-    """The scheduler without its recurrent-checkpoint stop (what it did before issue 13's rule)."""
+    """The scheduler without its recurrent-checkpoint stop (``Scheduler.chunk_stop``, which ends a
+    chunk at ``engine.scheduler.recurrent_checkpoint``)."""
 
     def chunk_stop(self, request: Request, hit: CacheHit) -> int:
         return 0

@@ -1,5 +1,5 @@
 """Time to re-establish a pin by copying it from a holder over the transfer backend, against
-computing it, for the same prefix in the same run (issue 16: ``repin_transfer_over_recompute``).
+computing it, for the same prefix in the same run (``repin_transfer_over_recompute``).
 
 On a P/D cluster (the workers have a transfer backend) with two prefill workers A and B, for
 each trial prefix: A places the pin by computing it (no holder to copy from), then B places the

@@ -1,4 +1,4 @@
-"""How much token hit rate placement alone can win on a workload (issue 16's evidence).
+"""How much token hit rate placement alone can win on a workload.
 
 The cluster benchmark compares routers on a real cluster, where concurrency, timing and CPU
 contention move every number. This replays the same prompts with none of that: one request at

@@ -1,4 +1,4 @@
-"""A KV handle must not leave a CUDA prefill engine before the KV it names is written (issue 17).
+"""A KV handle must not leave a CUDA prefill engine before the KV it names is written.
 
 A prefill-only step samples nothing, so nothing in it waits for the GPU: the step returns while
 the forward's KV writes are still queued on the compute stream. A reader copies the handle's

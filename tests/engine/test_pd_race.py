@@ -1,6 +1,6 @@
-"""The wrong-token bug seen under load on tiny-hybrid P/D (issue 15), reproduced deterministically,
-and a seeded stress of prefill/decode engine pairs (both tiny presets, both transfer backends,
-1P+1D and 2P+2D) that compares every request with a single engine.
+"""The wrong-token bug seen under load on tiny-hybrid P/D, reproduced deterministically, and a
+seeded stress of prefill/decode engine pairs (both tiny presets, both transfer backends, 1P+1D and
+2P+2D) that compares every request with a single engine.
 
 The bug: a prefill chunk cut to 1 token by the step's token budget ended off a Mamba block
 boundary, so its state block held the state after an unaligned count (say 65 tokens); the next

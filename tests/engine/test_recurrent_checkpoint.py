@@ -1,5 +1,5 @@
-"""A hybrid prefix that diverges inside a prefill chunk (issue 13), through the real EngineCore on
-the tiny Bamba preset (block 4, chunk 64).
+"""A hybrid prefix that diverges inside a prefill chunk (``engine.scheduler.recurrent_checkpoint``),
+through the real EngineCore on the tiny Bamba preset (block 4, chunk 64).
 
 Request 1 = P + U1 caches recurrent states at its chunk ends (64, 128, ...). Request 2 =
 P[:CUT] + U2 (CUT = 100: inside the chunk [64, 128), on a block boundary) hits attention up to

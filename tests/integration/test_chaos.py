@@ -1,8 +1,8 @@
-"""Chaos on 2P+2D (issue 15): a few hundred requests at a steady rate while a decode worker, a
-prefill worker and the router are killed at random moments (see ``kvfleet_testing/chaos.py``).
-Every request completes with exactly the single engine's tokens or ends with a clear error before
-it streamed anything wrong; none hangs; every worker has all its blocks back at the end; the
-cluster recovers from each kill."""
+"""Chaos on 2P+2D: a few hundred requests at a steady rate while a decode worker, a prefill worker
+and the router are killed at random moments (see ``kvfleet_testing/chaos.py``). Every request
+completes with exactly the single engine's tokens or ends with a clear error before it streamed
+anything wrong; none hangs; every worker has all its blocks back at the end; the cluster recovers
+from each kill."""
 
 from __future__ import annotations
 

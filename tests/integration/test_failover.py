@@ -1,8 +1,8 @@
-"""Workers that fail (issue 15, items 3, 4 and 8): a dead actor, an engine that stopped, a process
-that froze. Each is taken out of the router; requests that had streamed nothing run again
-elsewhere and give the single engine's tokens, the others end with an error naming the worker;
-nothing hangs; the worker is replaced under its id and rejoins the router; every block comes
-back. A request whose driver stopped renewing it is aborted on its worker after its lease.
+"""Workers that fail: a dead actor, an engine that stopped, a process that froze. Each is taken out
+of the router; requests that had streamed nothing run again elsewhere and give the single engine's
+tokens, the others end with an error naming the worker; nothing hangs; the worker is replaced under
+its id and rejoins the router; every block comes back. A request whose driver stopped renewing it is
+aborted on its worker after its lease.
 """
 
 from __future__ import annotations

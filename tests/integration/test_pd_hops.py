@@ -1,4 +1,4 @@
-"""The P/D path without needless hops (issue 16 items 2-4), and its TTFT breakdown.
+"""The P/D path without needless hops (docs/architecture.md, One request), and its TTFT breakdown.
 
 Engine level (no Ray): a decode engine told of a request before its prefill ends reserves the
 prompt's blocks at once, frees them at once on an abort (and a handle that arrives afterwards

@@ -1,6 +1,7 @@
 """P/D under load on a local Ray cluster: concurrent waves of shared-prefix requests while other
 processes keep the cores busy; every request gets exactly the tokens of a single engine that
-ran the prompt alone (issue 15: under CPU load, tiny-hybrid 2P+2D returned wrong tokens).
+ran the prompt alone (the bug this guards against: under CPU load, tiny-hybrid 2P+2D returned wrong
+tokens; tests/engine/test_pd_race.py has its cause).
 
 The default run is bounded for CI: tiny-hybrid 2P+2D over NIXL (where the wrong tokens were
 seen), 32 requests beside one busy process. ``KVFLEET_PD_STRESS=long`` runs every preset x

@@ -1,6 +1,6 @@
-"""The router actor dies (issue 15, item 5): Ray restarts it, requests arriving meanwhile run
-without it (exact tokens, none lost), the driver registers every worker with the new router, the
-workers' snapshots rebuild its prefix index, and the explicit pins come back under their ids.
+"""The router actor dies: Ray restarts it, requests arriving meanwhile run without it (exact tokens,
+none lost), the driver registers every worker with the new router, the workers' snapshots rebuild
+its prefix index, and the explicit pins come back under their ids.
 
 Oracles: a single engine's greedy tokens; the workers' own reported prefix hits.
 """

@@ -1,4 +1,4 @@
-"""Longest-hit search: the worked examples of the reference, and a brute-force oracle."""
+"""Longest-hit search: worked examples (docs/architecture.md, The hybrid KV cache), and a brute-force oracle."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_mamba_takes_the_deepest_state() -> None:
 
 
 def test_three_group_fixed_point_example() -> None:
-    """Reference §5.3: full hits 0..4, SWA cached {0,1,3,4}, Mamba states at {1,3}: L = 8."""
+    """The longest common hit as a fixed point (block 4): full hits blocks 0..4, SWA (window 8) has
+    {0,1,3,4} cached, Mamba has states at {1,3}: the hit is 8 tokens."""
     coord = coordinator([FullAttentionSpec(4), SlidingWindowSpec(4, 8), MambaSpec(4)], num_blocks=64)
     req = request(coord, "r", TOKENS[:21])  # max_length = 20
     hashes = req.block_hashes
@@ -66,7 +67,7 @@ def test_three_group_fixed_point_example() -> None:
 
 
 def test_lcm_alignment_example() -> None:
-    """Reference §5.3: full bs 32 + SWA bs 16 (W 32); hits are multiples of 32."""
+    """Full attention block 32 + SWA block 16 (window 32): hits are multiples of the LCM, 32 tokens."""
     specs = [FullAttentionSpec(32), SlidingWindowSpec(16, 32)]
     coord = coordinator(specs, num_blocks=64)
     assert (coord.hash_block_size, coord.alignment) == (16, 32)

@@ -1,6 +1,6 @@
-"""Several block pools in one coordinator (issue 13): one pool per page size, each with its own
-block ids 0..n-1 and its own null block; admission counts blocks per pool; events, pins,
-retention, reset and ``check_invariants()`` per pool.
+"""Several block pools in one coordinator (docs/architecture.md, The hybrid KV cache): one pool per
+page size, each with its own block ids 0..n-1 and its own null block; admission counts blocks per
+pool; events, pins, retention, reset and ``check_invariants()`` per pool.
 
 ``MultiPoolMachine`` is the hypothesis state machine of ``test_stateful.py`` over configurations
 with two or three pools of different sizes (full attention, sliding window and Mamba each in a

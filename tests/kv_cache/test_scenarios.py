@@ -1,4 +1,5 @@
-"""Scenario tests of the reference's §15.2 (T1-T8, T11, T12) and the five seed behaviours."""
+"""Scenario tests of the coordinator (T1-T8, T11, T12) and the behaviours listed in
+docs/architecture.md, The hybrid KV cache."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def test_t4_mamba_states_cached_at_block_boundaries_and_same_step_deferral() -> 
     coord.check_invariants()
 
 
-# -- T6 / seed 000: two-phase allocation --------------------------------------------------------------------
+# -- T6: two-phase allocation ---------------------------------------------------------------------------
 class InterleavedCoordinator(HybridCoordinator):
     """The pre-fix ordering: each group claims its hit and allocates external blocks in turn."""
 
@@ -176,7 +177,7 @@ def test_seed000_local_hits_claimed_before_external_blocks(specs, preempt) -> No
         _local_and_external(InterleavedCoordinator([KVCacheGroup(s) for s in specs], 20), preempt)
 
 
-# -- T7 / seed 001: sliding window + external tokens -----------------------------------------------------
+# -- T7: sliding window + external tokens ------------------------------------------------------------
 def test_t7_sliding_window_allocates_only_in_window_blocks_for_external_tokens() -> None:
     coord = coordinator([FullAttentionSpec(4), SlidingWindowSpec(4, 8)], num_blocks=64)
     req = request(coord, "r", list(range(41)))
@@ -226,7 +227,7 @@ def test_t11_uncached_freed_blocks_are_reused_first() -> None:
     assert order[-2:] == [table[1], table[0]]
 
 
-# -- T12 / seed 003: the pinned retention tier ---------------------------------------------------------------
+# -- T12: the pinned retention tier ----------------------------------------------------------------------
 def _shared_prefix_churn(coord: HybridCoordinator, rounds: int) -> list[int]:
     prefix = PROMPT[:32]
     hits = []
@@ -309,7 +310,7 @@ def test_explicit_prefix_pin_keeps_every_group_hittable() -> None:
     coord.check_invariants()
 
 
-# -- seed 004: partial-group hits on the decode side of a remote prefill ----------------------------------------
+# -- partial-group hits on the decode side of a remote prefill ----------------------------------------------
 def test_seed004_mamba_does_not_veto_attention_hit_for_remote_prefill() -> None:
     specs = [FullAttentionSpec(4), SlidingWindowSpec(4, 8), MambaSpec(4)]
     coord = coordinator(specs, num_blocks=64)

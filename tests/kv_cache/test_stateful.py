@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the hybrid KV-cache coordinator (reference §11 invariants, §15 step 5).
+"""Property-based fuzzing of the hybrid KV-cache coordinator
+(``HybridCoordinator.check_invariants()``; docs/architecture.md, The hybrid KV cache).
 
 ``CoordinatorMachine`` is a hypothesis state machine over the simulated scheduler of ``sim/``:
 each rule is one scheduler-level operation (arrival, first admission with hit / external tokens /
@@ -226,8 +227,9 @@ def test_random_driver_every_mix(mix: str) -> None:
 
 # -- the simulator's oracles have teeth ------------------------------------------------------------------------------
 def _cache_every_live_state(self, request_id, hashes, num_tokens, state_tokens=None):  # type: ignore[no-untyped-def]
-    """``MambaManager.cache_blocks`` before issue 15's fix: every live state block up to
-    ``num_tokens``, whatever state it holds."""
+    """``MambaManager.cache_blocks`` before it checked the state's token count: every live state
+    block up to ``num_tokens``, whatever state it holds (the fixed one registers only the tail
+    block, and only when the request's exact count is that block's boundary)."""
     full = num_tokens // self.block_size
     done = self.num_cached[request_id]
     if done >= full:

@@ -1,5 +1,5 @@
-"""``benchmarks.support.route_replay``: the placement replay behind issue 16's hit-rate evidence, on the
-tiny sliding-window preset and the tiny Bamba preset (real coordinators, no cluster)."""
+"""``benchmarks.support.route_replay``: the placement replay behind ``benchmarks/route_ceiling.py``,
+on the tiny sliding-window preset and the tiny Bamba preset (real coordinators, no cluster)."""
 
 from __future__ import annotations
 
