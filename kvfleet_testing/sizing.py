@@ -69,9 +69,9 @@ def sized_config(config: ClusterConfig, workload: SizedWorkload, groups: list[KV
 def kv_groups(config: ClusterConfig) -> list[KVCacheGroup]:
     """The KV-cache groups the config's workers will have (read from the model's config.json)."""
     from engine.core import resolve_model_directory
-    from engine.model.arch import arch_from_hf_config
+    from engine.model.arch.hf_config import arch_from_hf_config
+    from engine.model.checkpoints.loader import read_hf_config
     from engine.model.kv_layout import build_kv_layout
-    from engine.model.loader import read_hf_config
 
     hf_config = read_hf_config(resolve_model_directory(config))
     arch = arch_from_hf_config(hf_config, config.model.sliding_window_override)
@@ -83,6 +83,6 @@ def vocab_size(config: ClusterConfig) -> int:
     """The vocabulary of the config's model (read from its config.json), which token-id
     workloads draw from as the cluster's ``vocab_size`` does."""
     from engine.core import resolve_model_directory
-    from engine.model.loader import read_hf_config
+    from engine.model.checkpoints.loader import read_hf_config
 
     return int(read_hf_config(resolve_model_directory(config))["vocab_size"])

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from benchmarks.mamba_decode import BAMBA_SCALED
-from engine.model.gguf_named_models import NAMED_MODELS
-from engine.model.random_checkpoint import write_random_checkpoint
+from engine.model.checkpoints.gguf_named_models import NAMED_MODELS
+from engine.model.checkpoints.random_checkpoint import write_random_checkpoint
 from engine.runner import TORCH_DTYPES
 
 log = logging.getLogger("engine_gpu")  # the script's logger: progress reads as it did

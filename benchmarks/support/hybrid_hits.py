@@ -22,10 +22,7 @@ from configs.schema import KVCacheConfig, SchedulerConfig
 from engine.kv_cache import HybridCoordinator, KVCacheGroup
 from engine.kv_cache.coordinator import CacheHit
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
-from engine.model.arch import (
-    RECURRENT_KINDS,
-    ModelArch,
-)
+from engine.model.arch.model_arch import RECURRENT_KINDS, ModelArch
 from engine.model.kv_budget import split_budget
 from engine.model.kv_layout import (
     KVLayout,

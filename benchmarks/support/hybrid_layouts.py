@@ -10,11 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.support.hybrid_models import BLOCK, DTYPE, GIB, count
-from engine.model.arch import (
-    CACHELESS_KINDS,
-    RECURRENT_KINDS,
-    ModelArch,
-)
+from engine.model.arch.model_arch import CACHELESS_KINDS, RECURRENT_KINDS, ModelArch
 from engine.model.kv_budget import STATES_PER_RUNNING_REQUEST, split_budget
 from engine.model.kv_layout import (
     attention_page_bytes,

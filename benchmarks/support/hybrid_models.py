@@ -15,10 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from engine.model.arch import (
-    ModelArch,
-    arch_from_hf_config,
-)
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.arch.model_arch import ModelArch
 
 GIB = 2**30
 BLOCK = 16

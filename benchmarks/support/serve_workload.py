@@ -71,9 +71,9 @@ def sized_overrides(config: Any, workload: Workload, prompt_tokens: int, prefix_
     """``--set`` overrides that size every worker's pool as the cluster benchmark does
     (``kvfleet_testing.sizing.sized_config``)."""
     from engine.core import resolve_model_directory
-    from engine.model.arch import arch_from_hf_config
+    from engine.model.arch.hf_config import arch_from_hf_config
+    from engine.model.checkpoints.loader import read_hf_config
     from engine.model.kv_layout import build_kv_layout
-    from engine.model.loader import read_hf_config
     from kvfleet_testing.sizing import sized_config
     from kvfleet_testing.workloads import SharedPrefixWorkload
 

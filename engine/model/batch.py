@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.model.triton_attention import PagedMeta, build_paged_meta
+from engine.model.kernels.triton_attention import PagedMeta, build_paged_meta
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class GroupIndex:
     decode_valid: torch.Tensor | None = None
     state_read: list[int] = field(default_factory=list)  # Mamba: block holding the state at start (-1: none)
     state_write: list[int] = field(default_factory=list)  # Mamba: block receiving the state at the end
-    paged: PagedMeta | None = None  # Triton path: tiles and block tables (engine/model/triton_attention.py)
+    paged: PagedMeta | None = None  # Triton path: tiles and block tables (engine/model/kernels/triton_attention.py)
     # a static decode batch on the torch path (engine/model/decode_step.py): each row's slot in
     # ``slot_tables`` ([slots, width] block ids) and the group's window; the attention layer
     # derives its key gathers from them (``slot_table_reads``), as the Triton kernel reads them

@@ -35,8 +35,8 @@ import torch
 
 from engine.kv_cache.block_queue import Block
 from engine.model.batch import SLOT_READS, ChunkSpec, ForwardBatch, GroupIndex
-from engine.model.recurrent import DECODE_INDEX
-from engine.model.triton_attention import PagedMeta
+from engine.model.kernels.triton_attention import PagedMeta
+from engine.model.layers.recurrent import DECODE_INDEX
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from engine.model.arch import ModelArch
+from engine.model.arch.model_arch import ModelArch
 
 log = logging.getLogger(__name__)
 

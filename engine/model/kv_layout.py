@@ -34,7 +34,7 @@ from engine.kv_cache.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from engine.model.arch import CACHELESS_KINDS, RECURRENT_KINDS, LayerArch, ModelArch
+from engine.model.arch.model_arch import CACHELESS_KINDS, RECURRENT_KINDS, LayerArch, ModelArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTION_KINDS = ("full_attention", "sliding_attention")

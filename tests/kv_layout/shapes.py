@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.model.arch import LayerArch, ModelArch, arch_from_hf_config
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.arch.model_arch import LayerArch, ModelArch
 
-#: Bamba-9B (ibm-ai-platform/Bamba-9B config.json): 32 layers, attention at 9, 18, 27
 BAMBA_9B = dict(  # noqa: C408
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27], mamba_n_heads=128,

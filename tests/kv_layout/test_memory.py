@@ -8,8 +8,8 @@ import torch
 
 from configs.load import load_config
 from engine.core import EngineCore
-from engine.model.decoder import Attention
-from engine.model.recurrent import RecurrentMixer, cache_users
+from engine.model.families.decoder import Attention
+from engine.model.layers.recurrent import RecurrentMixer, cache_users
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import gguf as g
+from engine.model.checkpoints import gguf as g
 from tests.model.gguf_files import FakeConvert, write_tiny_gguf
 from tests.model.logits_harness import DEVICES
 

@@ -1,4 +1,4 @@
-"""Tiny GGUF files and a stand-in for the conversion, for the engine.model.gguf tests.
+"""Tiny GGUF files and a stand-in for the conversion, for the engine.model.checkpoints.gguf tests.
 
 ``write_tiny_gguf`` writes a valid GGUF with ``gguf.GGUFWriter`` (a 2-layer random Llama with a
 byte-level BPE tokenizer, ~370 kB); ``FakeConvert`` replaces ``convert_gguf`` for the cache logic.

@@ -1,4 +1,4 @@
-"""engine.model.gguf's cache of converted directories: the marker, the atomic rebuild of an
+"""engine.model.checkpoints.gguf's cache of converted directories: the marker, the atomic rebuild of an
 incomplete or stale directory, the lock that makes concurrent callers convert once, and the
 default cache directory. Fast: a tiny GGUF (gguf_files.py), conversion replaced by FakeConvert.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import gguf as g
+from engine.model.checkpoints import gguf as g
 from tests.model.gguf_files import FakeConvert, _leftovers
 
 # ---------------------------------------------------------------------------------------------

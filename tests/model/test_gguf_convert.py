@@ -1,4 +1,4 @@
-"""engine.model.gguf's conversion: the checks of a converted config (what kvfleet relies on), and a
+"""engine.model.checkpoints.gguf's conversion: the checks of a converted config (what kvfleet relies on), and a
 tiny GGUF (gguf_files.py) converted for real through transformers into a Hugging Face directory
 that loads and gives the GGUF's logits (a few seconds).
 """
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engine.model import gguf as g
-from engine.model.arch import arch_from_hf_config
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.checkpoints import gguf as g
 from tests.model.gguf_files import _fake_config, write_tiny_gguf
 
 # ---------------------------------------------------------------------------------------------

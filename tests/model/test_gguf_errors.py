@@ -1,4 +1,4 @@
-"""engine.model.gguf's errors: a missing, corrupt or unsupported GGUF, an unknown model name, and a
+"""engine.model.checkpoints.gguf's errors: a missing, corrupt or unsupported GGUF, an unknown model name, and a
 missing model package or conversion dependency are clear errors (naming the pip command) that
 leave no cache behind. Fast: tiny GGUF files (gguf_files.py), conversion replaced by FakeConvert.
 """
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.model import gguf as g
-from engine.model.arch import UnsupportedModelError
+from engine.model.arch.model_arch import UnsupportedModelError
+from engine.model.checkpoints import gguf as g
 from tests.model.gguf_files import _leftovers, write_tiny_gguf
 
 # ---------------------------------------------------------------------------------------------

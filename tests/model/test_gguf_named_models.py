@@ -1,4 +1,4 @@
-"""engine.model.gguf's named models: the table is consistent, and (slow, minutes) the real
+"""engine.model.checkpoints.gguf's named models: the table is consistent, and (slow, minutes) the real
 Gemma-3-270M and SmolLM2-135M packages convert and generate.
 """
 
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import gguf as g
-from engine.model.arch import arch_from_hf_config
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.checkpoints import gguf as g
 
-# ---------------------------------------------------------------------------------------------
 # Slow: the real packages
 
 

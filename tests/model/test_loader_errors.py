@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.arch import SUPPORTED_ARCHITECTURES, UnsupportedModelError, arch_from_hf_config
-from engine.model.loader import CheckpointError, load_hf_directory
-from engine.model.tiny import build_tiny_checkpoint
+from engine.model.arch.hf_config import SUPPORTED_ARCHITECTURES, arch_from_hf_config
+from engine.model.arch.model_arch import UnsupportedModelError
+from engine.model.checkpoints.loader import CheckpointError, load_hf_directory
+from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
 
 def test_unsupported_architecture_names_it_and_the_supported_list() -> None:

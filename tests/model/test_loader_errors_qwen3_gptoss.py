@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.arch import UnsupportedModelError, arch_from_hf_config
-from engine.model.loader import load_hf_directory
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.arch.model_arch import UnsupportedModelError
+from engine.model.checkpoints.loader import load_hf_directory
 
 
 def _gpt_oss_config(**changes) -> dict:

@@ -1,13 +1,13 @@
 """GraniteMoeHybrid (Granite-4.0-H) and Nemotron-H logits equal Hugging Face transformers' on tiny
 random checkpoints (fp32, atol 1e-4 against one full HF forward over the final sequence).
 
-Checkpoints (engine/model/hybrid_tiny.py, HF-constant parameters randomised, multipliers != 1):
+Checkpoints (engine/model/checkpoints/hybrid_tiny.py, HF-constant parameters randomised, multipliers != 1):
 ``tiny-granite-h`` (Mamba2 + NoPE attention, 4-expert MoE + shared MLP), a dense rotary variant
 (``num_local_experts=0``, ``position_embedding_type: rope``, attention biases, tied embeddings) and ``tiny-nemotron-h`` (``M*-EM*``:
 Mamba2, NoPE attention, relu2 MLP, grouped sigmoid-routed MoE with latent projections). Cases:
 tests/model/logits_harness.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
 and resume; bf16 closeness) plus long prompts whose prefill chunks cross the Mamba2 scan's
-sub-chunk boundaries (engine/model/ssd.py, 64 tokens) and end mid-sub-chunk.
+sub-chunk boundaries (engine/model/layers/ssd.py, 64 tokens) and end mid-sub-chunk.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
-from engine.model.arch import UnsupportedModelError, arch_from_hf_config
-from engine.model.hybrid_tiny import build_hybrid_checkpoint
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.arch.model_arch import UnsupportedModelError
+from engine.model.checkpoints.hybrid_tiny import build_hybrid_checkpoint
+from engine.model.checkpoints.loader import read_hf_config
 from engine.model.kv_layout import build_kv_layout
-from engine.model.loader import read_hf_config
-from engine.model.ssd import SUB_CHUNK
+from engine.model.layers.ssd import SUB_CHUNK
 from tests.model import logits_harness as harness
 
 NAMES = ["tiny-granite-h", "tiny-granite-h-dense-rope", "tiny-nemotron-h"]
@@ -168,7 +169,7 @@ def test_nemotron_multi_token_prediction_weights_are_ignored(checkpoints, tmp_pa
     import torch
     from safetensors.torch import load_file, save_file
 
-    from engine.model.loader import build_model, load_hf_directory
+    from engine.model.checkpoints.loader import build_model, load_hf_directory
 
     directory = tmp_path / "with-mtp"
     shutil.copytree(checkpoints["tiny-nemotron-h"], directory)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-from engine.model.arch import arch_from_hf_config
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.checkpoints.loader import read_hf_config
+from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
 from engine.model.kv_layout import build_kv_layout
-from engine.model.loader import read_hf_config
-from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
 from tests.model import logits_harness as harness
 
 NAMES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-gpt-oss"]

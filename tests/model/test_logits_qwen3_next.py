@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.arch import UnsupportedModelError, arch_from_hf_config
-from engine.model.gated_deltanet import (
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.arch.model_arch import UnsupportedModelError
+from engine.model.checkpoints.qwen3_next_tiny import build_qwen3_next_checkpoint
+from engine.model.layers.gated_deltanet import (
     SUB_CHUNK,
     delta_rule_packed,
     delta_rule_step,
     pack_sub_chunks,
 )
-from engine.model.qwen3_next_tiny import build_qwen3_next_checkpoint
 from tests.model import logits_harness as harness
 from tests.model.logits_harness import drive, make_engine, random_prompts
 
@@ -135,8 +136,8 @@ def test_multi_token_prediction_weights_are_ignored(checkpoint: Path, tmp_path: 
 
     from safetensors.torch import save_file
 
+    from engine.model.checkpoints.loader import CheckpointError, build_model, load_hf_directory
     from engine.model.kv_layout import build_kv_layout
-    from engine.model.loader import CheckpointError, build_model, load_hf_directory
 
     directory = tmp_path / "with-mtp"
     shutil.copytree(checkpoint, directory)
@@ -150,7 +151,7 @@ def test_multi_token_prediction_weights_are_ignored(checkpoint: Path, tmp_path: 
 
 
 def test_unit_lower_inverse_solves_the_system() -> None:
-    from engine.model.gated_deltanet import unit_lower_inverse
+    from engine.model.layers.gated_deltanet import unit_lower_inverse
 
     torch.manual_seed(1)
     for c in (1, 5, 64):

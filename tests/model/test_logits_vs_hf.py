@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.tiny import TINY, build_tiny_checkpoint
+from engine.model.checkpoints.tiny import TINY, build_tiny_checkpoint
 from tests.model import logits_harness as harness
 
 ARCHS = sorted(TINY)

@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from engine.model import mamba2, recurrent
-from engine.model.arch import MambaArch
+from engine.model.arch.model_arch import MambaArch
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
-from engine.model.mamba2 import Mamba2Mixer
-from engine.model.mamba2_reference import forward_per_request
+from engine.model.layers import mamba2, recurrent
+from engine.model.layers.mamba2 import Mamba2Mixer
+from engine.model.layers.mamba2_reference import forward_per_request
 
 ATOL = 1e-5
 HIDDEN = 48

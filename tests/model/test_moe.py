@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.model.arch import MoEArch
-from engine.model.moe import FusedGatedMLP, SparseMoE
+from engine.model.arch.model_arch import MoEArch
+from engine.model.layers.moe import FusedGatedMLP, SparseMoE
 
 HIDDEN = 32
 COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -8,7 +8,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine.model.layers import RMSNorm
+from engine.model.layers.blocks import RMSNorm
 
 DIM, EPS = 48, 1e-6
 

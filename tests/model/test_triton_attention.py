@@ -1,4 +1,4 @@
-"""The Triton paged attention path (engine/model/triton_attention.py) equals the torch path.
+"""The Triton paged attention path (engine/model/kernels/triton_attention.py) equals the torch path.
 
 Each case runs ``layers.paged_attention`` twice over the same random cache, block tables (shuffled
 block ids, block 0 left as the null block) and mixed step (prefill chunks from nonzero positions
@@ -23,9 +23,9 @@ pytest.importorskip("triton", reason="the Triton attention path needs triton")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from engine.model import triton_attention as ta  # noqa: E402
 from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index  # noqa: E402
-from engine.model.layers import paged_attention  # noqa: E402
+from engine.model.kernels import triton_attention as ta  # noqa: E402
+from engine.model.layers.blocks import paged_attention  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
@@ -188,8 +188,8 @@ STEP = ("scheduler.prefill_chunk_size=16", "scheduler.max_num_batched_tokens=24"
 def test_engine_on_triton_path_matches_hf(name: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked prefill crossing the 16-token sliding windows, then decode: Gemma-3's GQA and
     head_dim 16, gpt-oss's random sinks."""
-    from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
-    from engine.model.tiny import build_tiny_checkpoint
+    from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
     build = build_tiny_checkpoint if name == "tiny-gemma3" else build_random_checkpoint
     directory = build(name, tmp_path / name, seed=3)
@@ -203,7 +203,7 @@ def test_engine_on_triton_path_matches_hf(name: str, tmp_path, monkeypatch: pyte
 def test_engine_with_softcap_matches_torch_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Gemma-3 with a logit softcap that bites (2.0). HF's Gemma-3 ignores the field (it never
     hands it to its attention), so the oracle is the engine on the torch path."""
-    from engine.model.tiny import build_tiny_checkpoint
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "g3", seed=3, attn_logit_softcapping=2.0)
     runs = []

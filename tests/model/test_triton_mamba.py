@@ -1,4 +1,4 @@
-"""The Triton Mamba2 decode kernel (engine/model/triton_mamba.py) equals the torch decode path.
+"""The Triton Mamba2 decode kernel (engine/model/kernels/triton_mamba.py) equals the torch decode path.
 
 Each case runs ``Mamba2Mixer._decode`` twice on the same random state memory and step inputs
 (conv inputs, raw dt), once with ``KVFLEET_MAMBA_KERNEL=torch`` (the tile loop) and once with
@@ -20,10 +20,10 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton Mamba2 kernel needs triton")
 
-from engine.model import triton_mamba as tm  # noqa: E402
-from engine.model.arch import MambaArch  # noqa: E402
+from engine.model.arch.model_arch import MambaArch  # noqa: E402
 from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex  # noqa: E402
-from engine.model.mamba2 import Mamba2Mixer  # noqa: E402
+from engine.model.kernels import triton_mamba as tm  # noqa: E402
+from engine.model.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
@@ -158,7 +158,7 @@ def test_enabled_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_tiny_bamba_on_the_kernel_matches_hf(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked prefill and decode sharing steps (two Mamba2 layers, 8 heads of 16, d_state 16)."""
-    from engine.model.tiny import build_tiny_checkpoint
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint("tiny-bamba", tmp_path / "bamba", seed=3)
     monkeypatch.setenv(tm.ENV, "triton")

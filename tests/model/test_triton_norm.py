@@ -1,4 +1,4 @@
-"""The Triton RMS norm (engine/model/triton_norm.py) equals ``RMSNorm``'s torch path, and a tiny
+"""The Triton RMS norm (engine/model/kernels/triton_norm.py) equals ``RMSNorm``'s torch path, and a tiny
 Gemma-3 engine on it still gives Hugging Face's logits.
 
 Both styles (Gemma's fp32 ``1 + weight`` scale, Llama's weight applied after the cast), with and
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton RMS norm needs triton")
 
-from engine.model.layers import RMSNorm  # noqa: E402
+from engine.model.layers.blocks import RMSNorm  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
@@ -60,7 +60,7 @@ def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual:
 
 def test_a_wrong_scale_would_be_caught() -> None:
     """The comparison sees a kernel fed Gemma's raw weight instead of ``1 + weight`` (it can fail)."""
-    from engine.model import triton_norm
+    from engine.model.kernels import triton_norm
 
     torch_path, kernel = norm_pair(640, True, torch.float32, seed=1)
     x = torch.randn(4, 640, device=DEVICE)
@@ -71,7 +71,7 @@ def test_a_wrong_scale_would_be_caught() -> None:
 
 def test_gemma3_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVFLEET_NORM", "triton")
-    from engine.model.tiny import build_tiny_checkpoint
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)

@@ -1,4 +1,4 @@
-"""The fused q/k norm + rotary kernel (engine/model/triton_rope.py) equals the torch path
+"""The fused q/k norm + rotary kernel (engine/model/kernels/triton_rope.py) equals the torch path
 (``RMSNorm`` then ``Rotary.apply``), and tiny Gemma-3 and Qwen3 engines on it give Hugging Face's
 logits.
 
@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton rope kernel needs triton")
 
-from engine.model import triton_rope  # noqa: E402
-from engine.model.arch_types import RopeArch  # noqa: E402
-from engine.model.layers import RMSNorm, Rotary  # noqa: E402
+from engine.model.arch.model_arch import RopeArch  # noqa: E402
+from engine.model.kernels import triton_rope  # noqa: E402
+from engine.model.layers.blocks import RMSNorm, Rotary  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 
@@ -75,11 +75,11 @@ def test_engine_on_the_fused_kernels_matches_hugging_face(name: str, tmp_path, m
     monkeypatch.setenv("KVFLEET_ROPE", "triton")
     monkeypatch.setenv("KVFLEET_NORM", "triton")
     if name == "tiny-gemma3":
-        from engine.model.tiny import build_tiny_checkpoint
+        from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
         directory = build_tiny_checkpoint(name, tmp_path / name, seed=0)
     else:
-        from engine.model.qwen3_gpt_oss_tiny import build_random_checkpoint
+        from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
 
         directory = build_random_checkpoint(name, tmp_path / name, seed=3)
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)

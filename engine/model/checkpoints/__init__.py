@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face directories, GGUF files and tiny random models, loaded into a ``LanguageModel``."""

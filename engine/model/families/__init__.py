@@ -1,0 +1,1 @@
+"""The model families: one ``LanguageModel`` base and the layers each family stacks on it."""

@@ -1,0 +1,121 @@
+"""The q/k RMS norms and the rotary embedding of an attention layer in one Triton kernel (CUDA; the
+CPU runs it under ``TRITON_INTERPRET=1``, for tests).
+
+Written in torch, a layer's q and k each take a norm (``triton_norm``: one launch) and a rotary
+(a flip, two products, a sum and, for partial rotary, a concatenation): about ten launches per
+layer. Here one launch covers every query and key head of every token: program (token, head)
+loads the head's row, optionally RMS-normalises it (Gemma's fp32 ``1 + weight`` scale, rounded
+to the model dtype as ``RMSNorm`` rounds, or Llama/Qwen's weight after the rounding), then
+rotates its first ``rotary_dim`` values by the rotate-half convention with ``Rotary.cos_sin``'s
+cos and sign-folded sin, in fp32, and writes the row once in the model dtype. Each row's partner
+half is read from memory again (normalised with the same ``rstd``), so no value moves between
+lanes. In fp32 this equals ``RMSNorm`` + ``Rotary.apply``; in bf16 it rounds once where the torch
+path rounds after each product (closer to the fp32 result).
+
+Whether the runner uses it follows ``KVFLEET_ROPE`` (``triton_attention.kernel_choice``): for now
+``KVFLEET_ROPE=triton`` turns it on; unset is off (see ``enabled``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from engine.model.kernels.triton_attention import jit_in_place, kernel_choice, next_pow2
+
+ENV = "KVFLEET_ROPE"
+tl: Any = None  # triton.language, bound by _kernels()
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether attention layers on ``device`` run this kernel (``kernel_choice`` of
+    ``KVFLEET_ROPE``): unset means off, until a GPU run has checked it compiled (it is checked
+    against the torch path and Hugging Face's logits under the interpreter; README, "The engine
+    on a GPU")."""
+    return kernel_choice(ENV, device, False)
+
+
+def norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
+    gemma: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New q ``[T, H, D]`` and k ``[T, KVH, D]``: each head row normalised (``norms``: the q and k
+    weights, Gemma's as the fp32 ``1 + weight`` scale; None: no q/k norm), then rotated on its
+    first ``rotary_dim`` values. ``cos``/``sin``: ``Rotary.cos_sin`` of the tokens' positions."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if tokens == 0:
+        return q_out, k_out
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("norm_rope: the last dimension of q, k, cos and sin must be contiguous")
+    q_weight, k_weight = norms if norms is not None else (cos, cos)  # unread without NORM
+    kernel = _kernels()
+    kernel[(tokens, heads + kv_heads)](
+        q, k, q_out, k_out, cos, sin, q_weight, k_weight,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
+        k_out.stride(1), cos.stride(0), sin.stride(0), heads, eps,
+        HEAD_DIM=head_dim, D_P=next_pow2(head_dim), ROTARY=rotary_dim, HALF=rotary_dim // 2,
+        NORM=norms is not None, GEMMA=gemma, num_warps=1 if head_dim <= 128 else 2,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+@functools.cache
+def _kernels() -> Any:
+    """Import triton and jit the kernel source below in place (in this module's namespace)."""
+    namespace = globals()
+    jit_in_place(namespace, ("_norm_rope_kernel",), "norm + rope")
+    return namespace["_norm_rope_kernel"]
+
+
+# ---- kernel sources (jitted by _kernels) -----------------------------------------------------
+
+
+def _norm_rope_kernel(
+    q, k, q_out, k_out, cos, sin, q_weight, k_weight,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_cos, stride_sin, heads, eps,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr,
+    NORM: tl.constexpr, GEMMA: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, head h): h < heads is query head h, else key head h - heads."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < heads:
+        src = q + t * stride_qt + h * stride_qh
+        dst = q_out + t * stride_qot + h * stride_qoh
+        weight = q_weight
+    else:
+        src = k + t * stride_kt + (h - heads) * stride_kh
+        dst = k_out + t * stride_kot + (h - heads) * stride_koh
+        weight = k_weight
+    d = tl.arange(0, D_P)
+    ok = d < HEAD_DIM
+    rotated = d < ROTARY
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    values = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+    others = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(values * values, axis=0) / HEAD_DIM + eps)
+        w = tl.load(weight + d, mask=ok, other=0.0).to(tl.float32)
+        w_partner = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
+        dtype = dst.dtype.element_ty  # each value rounded where RMSNorm rounds it
+        if GEMMA:
+            values = (values * rstd * w).to(dtype).to(tl.float32)
+            others = (others * rstd * w_partner).to(dtype).to(tl.float32)
+        else:
+            values = ((values * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+            others = ((others * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+    c = tl.load(cos + t * stride_cos + d, mask=rotated, other=0.0).to(tl.float32)
+    s = tl.load(sin + t * stride_sin + d, mask=rotated, other=0.0).to(tl.float32)
+    out = tl.where(rotated, values * c + others * s, values)
+    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=ok)
