@@ -1,6 +1,6 @@
 """The Triton paged attention path (engine/model/kernels/triton_attention.py) equals the torch path.
 
-Each case runs ``layers.paged_attention`` twice over the same random cache, block tables (shuffled
+Each case runs ``layers.attention.paged_attention`` twice over the same random cache, block tables (shuffled
 block ids, block 0 left as the null block) and mixed step (prefill chunks from nonzero positions
 plus decode tokens): once through the torch path (``_gather`` + ``_attend``) and once through
 ``store_kv`` + ``paged_attention_triton``; the outputs and the written caches must agree. On a
@@ -25,7 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index  # noqa: E402
 from engine.model.kernels import triton_attention as ta  # noqa: E402
-from engine.model.layers.blocks import paged_attention  # noqa: E402
+from engine.model.layers.attention import paged_attention  # noqa: E402
 from tests.model import logits_harness as harness  # noqa: E402
 from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
 

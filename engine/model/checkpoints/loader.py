@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ from engine.model.families.qwen3_next import Qwen3NextLM
 from engine.model.layers.attention import Attention
 from engine.model.layers.blocks import GatedMLP
 
-#: ``ModelArch.family`` -> the class that builds it
-MODEL_CLASSES: dict[str, type[LanguageModel]] = {
+#: ``ModelArch.family`` -> the class that builds it, from the arch and each layer's KV-cache group
+MODEL_CLASSES: dict[str, Callable[[ModelArch, tuple[int, ...]], LanguageModel]] = {
     "llama": CausalLM,
     "gemma3": CausalLM,
     "bamba": BambaLM,
@@ -73,7 +74,7 @@ def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str
     model = model.to_empty(device=device).to(dtype)
     expected = model.state_dict()
     weights = {k.removeprefix("language_model."): v for k, v in weights.items()}
-    ignored = type(model).IGNORED_WEIGHT_PREFIXES  # e.g. Qwen3-Next's unused "mtp." head
+    ignored = model.IGNORED_WEIGHT_PREFIXES  # e.g. Qwen3-Next's unused "mtp." head
     if ignored:
         weights = {k: v for k, v in weights.items() if not k.startswith(ignored)}
     if arch.tie_word_embeddings:

@@ -1,7 +1,7 @@
 """Paged attention reading KV in place through block tables: Triton kernels (CUDA; the CPU runs
 them under ``TRITON_INTERPRET=1``, for tests).
 
-The cache layout is ``layers.paged_attention``'s: ``flat`` rows ``[num_blocks * rows_per_block,
+The cache layout is ``layers.attention.paged_attention``'s: ``flat`` rows ``[num_blocks * rows_per_block,
 kv_heads, head_dim]``, block b's page starting at row ``rows_per_block * b`` with ``block_size``
 key rows then ``block_size`` value rows. One launch per layer serves a mixed step: every prefill
 chunk is cut into query tiles and every decode token is a 1-row tile (``PagedMeta``), and each
@@ -161,7 +161,7 @@ def paged_attention_triton(
     """Each query token (``q``: [T, heads, head_dim]) attends to its request's keys at positions
     ``[max(0, pos - window + 1), pos]`` read from ``flat`` through ``meta``'s block tables, with
     logit softcap and per-head sinks (``sinks``: [heads], a logit with no value) as in
-    ``layers._attend``. Returns [T, heads, head_dim] in ``q``'s dtype."""
+    ``layers.attention._attend``. Returns [T, heads, head_dim] in ``q``'s dtype."""
     tokens, heads, head_dim = q.shape
     kv_heads = flat.shape[1]
     if flat.stride(2) != 1 or q.stride(2) != 1:
