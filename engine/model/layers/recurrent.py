@@ -10,6 +10,8 @@ starts from zeros when that is ``-1``) and writes the state after the chunk into
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -21,7 +23,7 @@ from engine.model.layers.attention import Attention
 DECODE_INDEX = "recurrent_decode"
 
 
-class RecurrentMixer(nn.Module):
+class RecurrentMixer(nn.Module, ABC):
     """A layer whose cache is one fixed-size state per request, not per-token KV.
 
     Owns: the views of its state blocks (set by ``bind_state``). Invariant: ``state_floats`` is
@@ -32,12 +34,13 @@ class RecurrentMixer(nn.Module):
     group: int
 
     @property
+    @abstractmethod
     def state_floats(self) -> int:
-        raise NotImplementedError
+        """The fp32 values one request's state takes."""
 
+    @abstractmethod
     def bind_state(self, states: torch.Tensor) -> None:
         """Take ``states``, an fp32 ``[num_blocks, >= state_floats]`` view, as this layer's state memory."""
-        raise NotImplementedError
 
 
 def cache_users(layer: nn.Module) -> list[Attention | RecurrentMixer]:
