@@ -430,7 +430,7 @@ class EngineCore:
         queried = scheduler.queried_tokens
         return {
             "free_blocks": pool.num_free_blocks,
-            "pinned_free_blocks": pool.num_pinned_free_blocks,
+            "pinned_free_blocks": pool.num_retained_blocks,
             "hit_rate": scheduler.hit_tokens / queried if queried else 0.0,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting) + len(scheduler.waiting_for_kv),
@@ -492,7 +492,7 @@ class EngineCore:
             "num_blocks": self.info.num_blocks - 1,
             "free_blocks": pool.num_free_blocks,
             "capacity": self.capacity(),
-            "pinned_blocks": pool.num_pinned_free_blocks,  # explicit pins + retained window/state anchors
+            "pinned_blocks": pool.num_retained_blocks,  # explicit pins + retained window/state anchors
             "explicitly_pinned_blocks": pool.explicit.size,
             "hit_tokens": scheduler.hit_tokens,
             "queried_tokens": scheduler.queried_tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from engine.kv_cache.block_pool import PIN_RETAINED, Block, BlockPool
+from engine.kv_cache.block_pool import TIER_RETAINED, Block, BlockPool
 from engine.kv_cache.manager_base import SingleTypeManager, cdiv
 from engine.kv_cache.spec import ChunkedLocalSpec, SlidingWindowSpec
 
@@ -172,7 +172,7 @@ class SlidingWindowManager(SingleTypeManager):
                 else:
                     keep.update(range(lo, hi))
         if to_pin:
-            self.pool.pin(to_pin, PIN_RETAINED)
+            self.pool.retain(to_pin, TIER_RETAINED)
         if keep:
             kept = [b for m, b in enumerate(dropped) if end_index - 1 - m in keep]
             rest = [b for m, b in enumerate(dropped) if end_index - 1 - m not in keep]

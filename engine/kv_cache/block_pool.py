@@ -9,9 +9,9 @@ count is 0; free + pinned + in-use == num_blocks - 1; every map entry points at 
 that hash and group. Only the maps of groups in this pool are ever filled. Events go to the worker's
 ``EventLog`` (shared by its pools: one sequence).
 
-An unreferenced block lives in the queue of its pin level (``BlockPool.tiers``): the free queue, the
+An unreferenced block lives in the queue of its tier (``Block.tier``) (``BlockPool.tiers``): the free queue, the
 retained tier or the explicit tier (docs/architecture.md, "The hybrid KV cache": the retention
-tier). ``pin``, ``unpin``, ``demote`` and ``enforce_retain_budget`` change pin levels and move
+tier). ``retain``, ``release_tier``, ``demote`` and ``enforce_retain_budget`` change tiers and move
 unreferenced blocks between those queues (in-use blocks change level only and reach their queue on
 release), announcing ``BlockPinned`` / ``BlockUnpinned`` events.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED, Block, BlockQueue
+from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED, Block, BlockQueue
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,
@@ -40,8 +40,8 @@ class BlockPool:
     oldest blocks. Allocation never fails while free + pinned blocks suffice: pinned blocks are
     demoted (oldest retained first, then oldest explicit) to make room.
 
-    Pin invariants: ``pin`` never lowers a block's pin level and pins only cached, non-null
-    blocks; an unreferenced block is linked in the queue of its pin level; after any public call
+    Tier invariants: ``retain`` never lowers a block's tier and retains only cached, non-null
+    blocks; an unreferenced block is linked in the queue of its tier; after any public call
     the retained tier holds at most ``retain_budget`` blocks (when set; ``free_blocks(...,
     enforce=False)`` and ``free_retaining`` leave that to the caller); demotion takes the oldest
     blocks, retained before explicit.
@@ -71,7 +71,7 @@ class BlockPool:
         self.explicit = BlockQueue("explicit")
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
-        # The queue an unreferenced block is linked in: the one of its pin level.
+        # The queue an unreferenced block is linked in: the one of its tier.
         self.tiers: tuple[BlockQueue, BlockQueue, BlockQueue] = (self.free_queue, self.retained, self.explicit)
         self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
 
@@ -82,7 +82,7 @@ class BlockPool:
         return self.free_queue.size + self.retained.size + self.explicit.size
 
     @property
-    def num_pinned_free_blocks(self) -> int:
+    def num_retained_blocks(self) -> int:
         return self.retained.size + self.explicit.size
 
     @property
@@ -147,8 +147,8 @@ class BlockPool:
             nxt.prev = prev  # type: ignore[union-attr]  # linked, so both neighbours are set
             block.prev = block.next = None
             block.ref_cnt = 1
-            if block.pin:
-                tiers[block.pin].size -= 1
+            if block.tier:
+                tiers[block.tier].size -= 1
             else:
                 from_free += 1
         self.free_queue.size -= from_free
@@ -167,7 +167,7 @@ class BlockPool:
             for block in ordered:
                 block.ref_cnt -= 1
                 if not block.ref_cnt:
-                    (pinned if block.pin else front).append(block)
+                    (pinned if block.tier else front).append(block)
         else:
             queue = self.free_queue
             tail = queue.tail
@@ -179,7 +179,7 @@ class BlockPool:
                     held += 1
                     continue
                 block.ref_cnt = 0
-                if block.pin:
+                if block.tier:
                     pinned.append(block)
                 elif block.block_hash is None:  # uncached (``is None``: the digest itself stays unread)
                     front.append(block)
@@ -197,7 +197,7 @@ class BlockPool:
 
     def free_retaining(self, ordered: list[Block]) -> None:
         """``free_blocks`` (budget left to the caller) of blocks a hit needs, first marking the
-        hashed ones for the retained tier (as ``pin(ordered, PIN_RETAINED)`` would), in one pass."""
+        hashed ones for the retained tier (as ``retain(ordered, TIER_RETAINED)`` would), in one pass."""
         tier = self.retained
         tail = tier.tail
         last: Block = tail.prev  # type: ignore[assignment]  # the head sentinel at worst
@@ -208,23 +208,23 @@ class BlockPool:
         for block in ordered:
             if block.ref_cnt != 1:  # still held by another table
                 block.ref_cnt -= 1
-                if not block.pin and block.block_hash is not None:
-                    block.pin = PIN_RETAINED  # goes to the tier when its last holder releases it
+                if not block.tier and block.block_hash is not None:
+                    block.tier = TIER_RETAINED  # goes to the tier when its last holder releases it
                     if newly is not None:
                         newly.append(block)
                 held += 1
                 continue
             block.ref_cnt = 0
-            if block.pin == PIN_RETAINED:
+            if block.tier == TIER_RETAINED:
                 pass
-            elif block.pin:
+            elif block.tier:
                 explicit.append(block)
                 continue
             elif block.block_hash is None:
                 front.append(block)
                 continue
             else:
-                block.pin = PIN_RETAINED
+                block.tier = TIER_RETAINED
                 if newly is not None:
                     newly.append(block)
             block.prev = last
@@ -234,8 +234,8 @@ class BlockPool:
         tail.prev = last
         tier.size += len(ordered) - held - len(front) - len(explicit)
         if newly:
-            newly.reverse()  # table order, as pin() announces them
-            self._emit_pinned(newly, PIN_RETAINED)
+            newly.reverse()  # table order, as retain() announces them
+            self._emit_pinned(newly, TIER_RETAINED)
         if front:
             self.free_queue.prepend_n(front)
         if explicit:
@@ -245,25 +245,25 @@ class BlockPool:
         """Released pinned blocks to their tier, in order."""
         explicit, retained = self.explicit, self.retained
         for block in blocks:
-            (explicit if block.pin == PIN_EXPLICIT else retained).append(block)
+            (explicit if block.tier == TIER_EXPLICIT else retained).append(block)
         if enforce:
             self.enforce_retain_budget()
 
     # -- pinning -------------------------------------------------------------------------------
-    def pin(self, blocks: Iterable[Block], level: int) -> None:
+    def retain(self, blocks: Iterable[Block], level: int) -> None:
         """Mark cached blocks for the pinned tier at ``level`` (never lowers an existing pin).
 
         Free blocks move into the tier now; in-use blocks go there when released.
         """
         newly: list[Block] = []
-        tier = self.explicit if level == PIN_EXPLICIT else self.retained
+        tier = self.explicit if level == TIER_EXPLICIT else self.retained
         for block in blocks:
-            if block.pin >= level or block.block_hash is None or block.is_null:
+            if block.tier >= level or block.block_hash is None or block.is_null:
                 continue
             if block.ref_cnt == 0:
-                self.tiers[block.pin].remove(block)
+                self.tiers[block.tier].remove(block)
                 tier.append(block)
-            block.pin = level
+            block.tier = level
             newly.append(block)
         if newly:
             self._emit_pinned(newly, level)
@@ -276,13 +276,13 @@ class BlockPool:
                 if block.block_hash is not None:  # always: only cached blocks are pinned
                     by_group.setdefault(block.group, []).append(block.block_hash)
             for group, hashes in by_group.items():
-                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == PIN_EXPLICIT, self.index))
+                self._emit(BlockPinned(self._next_seq(), group, tuple(hashes), level == TIER_EXPLICIT, self.index))
 
-    def unpin(self, blocks: Iterable[Block], level: int) -> None:
+    def release_tier(self, blocks: Iterable[Block], level: int) -> None:
         """Clear pins at ``level``; free ones move to the tail of the free queue (still cached)."""
         gone: dict[int, list[bytes]] = {}
         for block in blocks:
-            if block.pin != level or block.is_null:
+            if block.tier != level or block.is_null:
                 continue
             self._clear_pin(block, gone)
         self._emit_unpinned(gone)
@@ -300,9 +300,9 @@ class BlockPool:
 
     def _clear_pin(self, block: Block, gone: dict[int, list[bytes]]) -> None:
         if block.ref_cnt == 0:
-            self.tiers[block.pin].remove(block)
+            self.tiers[block.tier].remove(block)
             self.free_queue.append(block)
-        block.pin = PIN_NONE
+        block.tier = TIER_NONE
         if block.block_hash is not None:
             gone.setdefault(block.group, []).append(block.block_hash)
 
@@ -339,7 +339,7 @@ class BlockPool:
                 continue
             if block_hash in table:
                 old = table[block_hash]
-                if old.ref_cnt or old.pin:
+                if old.ref_cnt or old.tier:
                     continue
                 old.block_hash = None
                 old.group = -1
@@ -389,7 +389,7 @@ class BlockPool:
         for queue in (self.retained, self.explicit):
             blocks = queue.popleft_n(queue.size)
             for block in blocks:
-                block.pin = PIN_NONE
+                block.tier = TIER_NONE
             self.free_queue.append_n(blocks)
         for table in self.cached:
             for block in table.values():
@@ -418,7 +418,7 @@ class BlockPool:
     def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
         """``(event_seq, per-group {hash: pin level})``: every cached hash as of ``event_seq``
         (events with a larger number are not reflected). The dicts are fresh copies."""
-        return self.log.seq, tuple({h: block.pin for h, block in table.items()} for table in self.cached)
+        return self.log.seq, tuple({h: block.tier for h, block in table.items()} for table in self.cached)
 
 
-__all__ = ["PIN_EXPLICIT", "PIN_NONE", "PIN_RETAINED", "Block", "BlockPool", "BlockQueue"]
+__all__ = ["TIER_EXPLICIT", "TIER_NONE", "TIER_RETAINED", "Block", "BlockPool", "BlockQueue"]

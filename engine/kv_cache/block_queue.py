@@ -3,16 +3,16 @@
 The queue owns the ``prev``/``next`` fields of the blocks linked in it (both None exactly while a
 block is linked nowhere); every operation but traversal is O(1) per block, including removal of an
 arbitrary block (a prefix hit claiming a free cached block). Which queue a linked block is in is
-the pool's business (``BlockPool``: the queue of its pin level).
+the pool's business (``BlockPool``: the queue of its tier).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-PIN_NONE = 0
-PIN_RETAINED = 1  # chosen by a retention policy (sliding-window anchors); demoted first
-PIN_EXPLICIT = 2  # pinned on request (router / user prefix pins); demoted last
+TIER_NONE = 0
+TIER_RETAINED = 1  # chosen by a retention policy (sliding-window anchors); demoted first
+TIER_EXPLICIT = 2  # held for a prefix pin (router / user); demoted last
 
 
 class Block:
@@ -25,7 +25,7 @@ class Block:
     # Hot fields first: free, claim and eviction read ref_cnt, block_hash and pin and relink prev/next,
     # so keeping them adjacent touches fewer cache lines per block (measured 2-13% on the kv_cache
     # benchmark's calls).
-    __slots__ = ("ref_cnt", "block_hash", "pin", "prev", "next", "block_id", "pool", "group", "is_null")  # noqa: RUF023
+    __slots__ = ("ref_cnt", "block_hash", "tier", "prev", "next", "block_id", "pool", "group", "is_null")  # noqa: RUF023
 
     def __init__(self, block_id: int, pool: int = 0):
         self.block_id = block_id
@@ -33,7 +33,7 @@ class Block:
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.group = -1
-        self.pin = PIN_NONE
+        self.tier = TIER_NONE
         self.is_null = False
         self.prev: Block | None = None
         self.next: Block | None = None
@@ -42,7 +42,7 @@ class Block:
         tag = "null" if self.is_null else f"ref={self.ref_cnt}"
         cached = f" g{self.group}:{self.block_hash.hex()[:8]}" if self.block_hash else ""
         where = f"p{self.pool}:" if self.pool else ""
-        return f"Block({where}{self.block_id} {tag}{cached}{' pin' + str(self.pin) if self.pin else ''})"
+        return f"Block({where}{self.block_id} {tag}{cached}{' tier' + str(self.tier) if self.tier else ''})"
 
 
 class BlockQueue:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from engine.kv_cache.attention_managers import FullAttentionManager, SlidingWindowManager
-from engine.kv_cache.block_pool import PIN_EXPLICIT, Block, BlockPool
+from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
     CacheHit,
     PoolStats,
@@ -446,7 +446,7 @@ class HybridCoordinator:
                 groups=tuple(g for g, q in enumerate(self.group_pool) if q == p.index),
                 num_blocks=p.num_blocks - 1,
                 free_blocks=p.num_free_blocks,
-                pinned_blocks=p.num_pinned_free_blocks,
+                pinned_blocks=p.num_retained_blocks,
                 explicitly_pinned_blocks=p.explicit.size,
                 usage=p.usage,
             )
@@ -503,7 +503,7 @@ class HybridCoordinator:
     def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
         """``(event_seq, per-group {hash: pin level})`` of the prefix cache over all pools: what a
         router resyncs from after a gap in the event stream. The dicts are fresh copies."""
-        return self.events.seq, tuple({h: block.pin for h, block in m.cached.items()} for m in self.managers)
+        return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers)
 
     # -- explicit prefix pins ------------------------------------------------------------------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
@@ -528,7 +528,7 @@ class HybridCoordinator:
                 if block_key not in record.blocks:
                     record.blocks.add(block_key)
                     self._explicit_pins[block_key] += 1
-            manager.pool.pin(needed, PIN_EXPLICIT)
+            manager.pool.retain(needed, TIER_EXPLICIT)
         return hit.num_tokens
 
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
@@ -553,7 +553,7 @@ class HybridCoordinator:
             if block is not None:
                 release.setdefault(block_key[0], []).append(block)
         for g, blocks in release.items():
-            self.managers[g].pool.unpin(blocks, PIN_EXPLICIT)
+            self.managers[g].pool.release_tier(blocks, TIER_EXPLICIT)
         return True
 
     def _prefix_key(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, bytes]:
@@ -583,7 +583,7 @@ class HybridCoordinator:
         stale = []
         for manager in self.managers:
             table = manager.tables.get(request_id, [])
-            stale = [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.pin]
+            stale = [b for b in table[num_computed // manager.block_size :] if not b.is_null and not b.tier]
             manager.pool.evict(stale)
         state.cached_upto = min(state.cached_upto, num_computed)
 

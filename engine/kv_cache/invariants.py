@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.attention_managers import SlidingWindowManager
-from engine.kv_cache.block_pool import PIN_EXPLICIT, PIN_RETAINED, BlockPool
+from engine.kv_cache.block_pool import TIER_EXPLICIT, TIER_RETAINED, BlockPool
 from engine.kv_cache.mamba_manager import MambaManager
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def _check_pool(
     for name, queue in queues.items():
         count = 0
         prev = queue.head
-        expected_pin = {"free": 0, "retained": PIN_RETAINED, "explicit": PIN_EXPLICIT}[name]
+        expected_pin = {"free": 0, "retained": TIER_RETAINED, "explicit": TIER_EXPLICIT}[name]
         for block in queue:
             count += 1
             if block.prev is not prev:
@@ -121,8 +121,8 @@ def _check_pool(
             if block.pool != p:
                 fail(f"pool {p}: {block!r} of another pool in its {name} queue")
             queued.add(block.block_id)
-            if block.pin != expected_pin:
-                fail(f"pool {p}: block {block.block_id} with pin {block.pin} in the {name} queue")
+            if block.tier != expected_pin:
+                fail(f"pool {p}: block {block.block_id} with pin {block.tier} in the {name} queue")
             prev = block
         if count != queue.size:
             fail(f"pool {p}: {name} queue size {queue.size} but {count} linked")

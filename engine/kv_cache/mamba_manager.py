@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv_cache.block_pool import PIN_RETAINED, Block, BlockPool
+from engine.kv_cache.block_pool import TIER_RETAINED, Block, BlockPool
 from engine.kv_cache.manager_base import SingleTypeManager, cdiv
 from engine.kv_cache.spec import MambaSpec
 
@@ -64,7 +64,7 @@ class MambaManager(SingleTypeManager):
         if not table:
             return
         if retain:
-            self.pool.pin([table[i] for i in retain if i < len(table)], PIN_RETAINED)
+            self.pool.retain([table[i] for i in retain if i < len(table)], TIER_RETAINED)
         self.pool.free_blocks([table[i] for i in reversed(live)])
 
     def find_longest_cache_hit(self, hashes: list[bytes], max_length: int, alignment: int) -> tuple[list[Block], int]:

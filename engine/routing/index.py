@@ -42,7 +42,7 @@ from functools import reduce
 from itertools import accumulate, repeat
 from operator import and_
 
-from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_NONE, PIN_RETAINED
+from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,
@@ -428,7 +428,7 @@ class PrefixIndex:
             owners = self._owners[event.group]
             for block_hash in event.block_hashes:
                 if block_hash not in table:
-                    table[block_hash] = PIN_NONE
+                    table[block_hash] = TIER_NONE
                     owners[block_hash] = owners.get(block_hash, 0) | bit
         elif isinstance(event, BlockRemoved):
             g = event.group
@@ -446,7 +446,7 @@ class PrefixIndex:
                     lost.append((g, block_hash))
         elif isinstance(event, BlockPinned):
             table = state.tables[event.group]
-            level = PIN_EXPLICIT if event.explicit else PIN_RETAINED
+            level = TIER_EXPLICIT if event.explicit else TIER_RETAINED
             for block_hash in event.block_hashes:
                 if table.get(block_hash, level) < level:
                     table[block_hash] = level
@@ -455,7 +455,7 @@ class PrefixIndex:
             table = state.tables[g]
             for block_hash in event.block_hashes:
                 if block_hash in table:
-                    table[block_hash] = PIN_NONE
+                    table[block_hash] = TIER_NONE
                     if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]
                         lost.append((g, block_hash))
         elif isinstance(event, AllBlocksCleared):

@@ -5,7 +5,7 @@ every pool whole with no explicit pin.
 
 from __future__ import annotations
 
-from engine.kv_cache.block_queue import PIN_EXPLICIT
+from engine.kv_cache.block_queue import TIER_EXPLICIT
 from kvfleet_testing.kv_cache_sim.records import PinRecord
 
 
@@ -31,7 +31,7 @@ class CacheOperations:
                 view = m.view(hashes)
                 for i in self.needed_blocks(m, pinned):
                     block = m.cached.get(view[i])
-                    if block is None or block.pin != PIN_EXPLICIT:
+                    if block is None or block.tier != TIER_EXPLICIT:
                         self.fail(f"pin_prefix({n}) -> {pinned}: group {g} index {i} is {block!r}, not pinned")
             self.tag("pin")
         else:
@@ -72,7 +72,7 @@ class CacheOperations:
             self.fail(f"reset_prefix_cache() returned {ok} with idle={idle}")
         if ok:
             if any(m.cached for m in self.managers) or any(
-                b.block_hash is not None or b.pin for pool in self.pools for b in pool.blocks
+                b.block_hash is not None or b.tier for pool in self.pools for b in pool.blocks
             ):
                 self.fail("reset_prefix_cache left hashes or pins behind")
             self.pins.clear()
@@ -93,7 +93,7 @@ class CacheOperations:
                 self.fail(f"after draining pool {p} has {pool.num_free_blocks} free blocks, expected {pool.num_blocks - 1}")
             if any(b.ref_cnt for b in pool.blocks if not b.is_null):
                 self.fail(f"after draining some block of pool {p} is still referenced")
-        left = [b for pool in self.pools for b in pool.blocks if b.pin == PIN_EXPLICIT]
+        left = [b for pool in self.pools for b in pool.blocks if b.tier == TIER_EXPLICIT]
         explicit = sum(pool.explicit.size for pool in self.pools)
         # The coordinator's private pin bookkeeping, where it has any, must be empty too.
         books = {name: len(getattr(self.coord, name, ())) for name in ("_explicit_pins", "_prefix_pins")}

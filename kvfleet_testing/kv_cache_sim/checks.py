@@ -16,7 +16,7 @@ from engine.kv_cache import (
     BlockUnpinned,
     CacheHit,
 )
-from engine.kv_cache.block_queue import PIN_NONE
+from engine.kv_cache.block_queue import TIER_NONE
 from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim.records import LOADING, RUNNING, SimRequest, Snapshot, cdiv
 
@@ -171,7 +171,7 @@ class SimChecks:
                     f"event replay disagrees with the pool: {len(actual - self.stored)} cached but not announced, "
                     f"{len(self.stored - actual)} announced but not cached"
                 )
-            pins = {(b.group, b.block_hash): b.pin for pool in self.pools for b in pool.blocks if b.pin != PIN_NONE}
+            pins = {(b.group, b.block_hash): b.tier for pool in self.pools for b in pool.blocks if b.tier != TIER_NONE}
             if pins != self.pinned:
                 self.fail(f"event replay disagrees with pin levels: {len(pins)} pinned vs {len(self.pinned)} announced")
         if self.data_model:
@@ -213,7 +213,7 @@ class SimChecks:
         tables = [list(m.tables.get(rid, ())) for m in self.managers]
         # Explicitly pinned blocks go to their tier. (With retention, freeing may also pin blocks
         # and demote others to the tail over budget: the order is then a retention policy.)
-        pinned = {self.key(b) for table in tables for b in table if b.pin}
+        pinned = {self.key(b) for table in tables for b in table if b.tier}
         self.coord.free(rid)
         if not any(tables) or self.cfg.retention.enabled:
             return

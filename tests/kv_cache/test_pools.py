@@ -29,7 +29,7 @@ from engine.kv_cache import (
     RetentionOptions,
     SlidingWindowSpec,
 )
-from engine.kv_cache.block_queue import PIN_EXPLICIT
+from engine.kv_cache.block_queue import TIER_EXPLICIT
 from kvfleet_testing.kv_cache_sim import MIX_POOLS, RandomDriver, Sim, SimConfig, min_pool_blocks_for, random_pool_sizes
 from tests.kv_cache.test_stateful import CoordinatorMachine
 
@@ -139,11 +139,11 @@ def test_hits_events_pins_and_reset_across_pools() -> None:
     assert all(b.pool == g for g, blocks in enumerate(hit.blocks) for b in blocks if not b.is_null)
     hashes = CacheRequest("x", prompt, coord.hash_block_size).block_hashes
     assert coord.pin_prefix(hashes, 16) == 16
-    pinned = [[b.block_id for b in pool.blocks if b.pin == PIN_EXPLICIT] for pool in coord.pools]
+    pinned = [[b.block_id for b in pool.blocks if b.tier == TIER_EXPLICIT] for pool in coord.pools]
     assert [len(p) for p in pinned] == [4, 2, 1]  # full: the prefix, SWA: the window, Mamba: the state
     coord.check_invariants()
     assert coord.unpin_prefix(hashes, 16)
-    assert not any(b.pin for pool in coord.pools for b in pool.blocks)
+    assert not any(b.tier for pool in coord.pools for b in pool.blocks)
     coord.take_events()
     assert prefill(coord, "c", [3] * 5) is not None
     assert not coord.reset_prefix_cache()  # pool 0..2 all busy

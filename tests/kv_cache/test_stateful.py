@@ -34,7 +34,7 @@ from engine.kv_cache import (
     RetentionOptions,
     SlidingWindowSpec,
 )
-from engine.kv_cache.block_queue import PIN_EXPLICIT, PIN_RETAINED
+from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_RETAINED
 from engine.kv_cache.attention_managers import SlidingWindowManager
 from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim import (
@@ -368,7 +368,7 @@ def test_retention_pins_the_prompt_window_when_it_leaves_during_decode() -> None
     req = _prefill_then_decode(coord, prompt, decode=16)
     view = coord.managers[1].view(req.block_hashes)
     window = [coord.pool.cached[1].get(view[i]) for i in (2, 3)]  # None: evicted
-    assert all(b is not None and b.pin == PIN_RETAINED for b in window), f"window at 16 after decode: {window}"
+    assert all(b is not None and b.tier == TIER_RETAINED for b in window), f"window at 16 after decode: {window}"
 
 
 def test_unpin_prefix_with_the_pin_prefix_arguments_releases_every_pin() -> None:
@@ -385,7 +385,7 @@ def test_unpin_prefix_with_the_pin_prefix_arguments_releases_every_pin() -> None
     assert coord.pin_prefix(hashes, 20) == 12
     coord.unpin_prefix(hashes, 20)  # "undo one pin_prefix of the same prefix"
     coord.check_invariants()
-    still = [b for b in coord.pool.blocks if b.pin == PIN_EXPLICIT]
+    still = [b for b in coord.pool.blocks if b.tier == TIER_EXPLICIT]
     assert not still, f"blocks still explicitly pinned after the matching unpin: {still}"
 
 
@@ -402,5 +402,5 @@ def test_unpinning_a_pin_that_pinned_nothing_leaves_other_pins_of_the_prefix_alo
     assert coord.pin_prefix(hashes, 12) == 12  # caller B pins the now cached prefix
     coord.unpin_prefix(hashes, 12)  # caller A undoes its own pin
     coord.check_invariants()
-    pinned = [b for b in coord.pool.blocks if b.pin == PIN_EXPLICIT]
+    pinned = [b for b in coord.pool.blocks if b.tier == TIER_EXPLICIT]
     assert len(pinned) == 3, f"caller B's pin was released by caller A's unpin: {pinned}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache.block_queue import PIN_EXPLICIT
+from engine.kv_cache.block_queue import TIER_EXPLICIT
 from engine.kv_cache.hashing import block_hashes
 from engine.routing import (
     PinCapacityError,
@@ -39,7 +39,7 @@ def cluster(n: int = 3, num_blocks: int = 96, **kwargs: object) -> tuple[Routing
 
 
 def explicit_pins(worker: Worker) -> int:
-    return sum(1 for b in worker.coord.pool.blocks if b.pin == PIN_EXPLICIT)
+    return sum(1 for b in worker.coord.pool.blocks if b.tier == TIER_EXPLICIT)
 
 
 def holders(policy: RoutingPolicy, pin_id: int) -> list[str]:
