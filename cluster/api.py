@@ -3,11 +3,11 @@ router, and serves ``generate`` / ``stream`` / ``pin_prefix`` / ``unpin`` / ``st
 
 One request (see docs/architecture.md): the entry point (this API, the HTTP ingress, the CLI)
 checks and tokenizes the prompt once (``engine.validation``); the driver hashes its blocks (with
-its cache salt, if any) and asks the router actor where it runs; when the router splits it, the driver tells the decode worker at
-once (it reserves the prompt's blocks and warms its connection to the prefill worker while the
-prefill runs), the prefill worker computes the prompt's KV and returns a handle, the driver
-relays it and the decode worker pulls that KV and decodes; otherwise the decode (or aggregated)
-worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
+its cache salt, if any) and asks the router actor where it runs; when the router splits it, the
+driver tells the decode worker at once (it reserves the prompt's blocks and warms its connection
+to the prefill worker while the prefill runs), the prefill worker computes the prompt's KV and
+returns a handle, the driver relays it and the decode worker pulls that KV and decodes; otherwise
+the decode (or aggregated) worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
 applies stop strings (aborting the request on the worker when one matches). A request counts as
 finished once the router applied the reports holding its blocks (the workers send them without
 waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop.

@@ -425,7 +425,8 @@ class RequestRunner:
         handed = False
         try:
             try:
-                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids, request.prompt.cache_salt)
+                salt = request.prompt.cache_salt
+                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids, salt)
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             if result.kv_handle is None:
