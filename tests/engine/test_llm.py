@@ -203,3 +203,21 @@ def test_a_nan_temperature_never_reaches_the_sampler(llm: LLM) -> None:
     assert _idle(llm)
     out = llm.generate("after", SamplingParams(max_tokens=3, temperature=MIN_TEMPERATURE, seed=1, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_the_engine_hashes_a_request_with_its_cache_salt(llm: LLM) -> None:
+    """Requests share cached blocks only with requests of the same salt (none counts as one)."""
+    engine = llm.engine
+    prompt = [(7 * i) % 200 + 3 for i in range(3 * engine.info.block_size + 1)]
+
+    def cached(request_id: str, salt: str | None) -> int:
+        request = engine.add_request(request_id, prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+        while engine.has_work:
+            engine.step()
+        return request.num_cached_tokens
+
+    assert cached("salt-a", "a") == 0
+    assert cached("salt-a-again", "a") > 0
+    assert cached("salt-b", "b") == 0
+    assert cached("no-salt", None) == 0
+    assert _idle(llm)
