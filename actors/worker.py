@@ -192,16 +192,18 @@ class EngineWorker:
         kv_handle: KVHandle | None = None,
         expect_handle: bool = False,
         peer: AgentInfo | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
         ``expect_handle``: a prefill worker (transfer agent ``peer``) is computing the prompt's
-        KV now; reserve its blocks and wait for the handle (``deliver``)."""
+        KV now; reserve its blocks and wait for the handle (``deliver``). The driver checked the
+        request at its entry point (token ids, length, sampling, ``cache_salt``)."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         tracked = TrackedRequest(loop, chunks, len(prompt_token_ids))
         await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle, False,
-                         expect_handle, peer)  # fmt: skip
+                         expect_handle, peer, cache_salt)  # fmt: skip
         finished = False
         try:
             while not finished:
@@ -216,12 +218,16 @@ class EngineWorker:
             if not finished:  # the consumer went away (cancelled, or the driver died)
                 self._submit(self._abort, request_id)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int]) -> PrefillResult:
-        """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull."""
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> PrefillResult:
+        """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull (hashed
+        with ``cache_salt``, as the decode worker hashes them)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         tracked = TrackedRequest(loop, done, len(prompt_token_ids))
-        await self._call(self._add, request_id, prompt_token_ids, SamplingParams(max_tokens=1), tracked, None, True)
+        await self._call(self._add, request_id, prompt_token_ids, SamplingParams(max_tokens=1), tracked, None, True,
+                         False, None, cache_salt)  # fmt: skip
         try:
             return await done
         except asyncio.CancelledError:
@@ -368,6 +374,7 @@ class EngineWorker:
         prefill_only: bool = False,
         expect_handle: bool = False,
         peer: AgentInfo | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
@@ -380,12 +387,13 @@ class EngineWorker:
             return
         engine = self.engine
         if expect_handle:
-            tracked.request = engine.expect_remote_prefill(request_id, prompt_token_ids, sampling, peer)
+            tracked.request = engine.expect_remote_prefill(request_id, prompt_token_ids, sampling, peer,
+                                                           cache_salt=cache_salt)  # fmt: skip
             if engine.is_reserved(request_id):
                 tracked.reserved_at = time.monotonic()
         else:
             tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                                                 kv_handle=kv_handle)  # fmt: skip
+                                                 kv_handle=kv_handle, cache_salt=cache_salt)  # fmt: skip
         self._tracked[request_id] = tracked
         self._leases[request_id] = time.monotonic()
         early = self._early_handles.pop(request_id, None)

@@ -1,12 +1,13 @@
 """The driver API: ``Cluster(config)`` starts (or attaches to) Ray, starts the workers and the
 router, and serves ``generate`` / ``stream`` / ``pin_prefix`` / ``unpin`` / ``stats`` / ``abort``.
 
-One request (see docs/architecture.md): the driver tokenizes and hashes the prompt once, asks the
-router actor where it runs; when the router splits it, the driver tells the decode worker at
-once (it reserves the prompt's blocks and warms its connection to the prefill worker while the
-prefill runs), the prefill worker computes the prompt's KV and returns a handle, the driver
-relays it and the decode worker pulls that KV and decodes; otherwise the decode (or aggregated)
-worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
+One request (see docs/architecture.md): the entry point (this API, the HTTP ingress, the CLI)
+checks and tokenizes the prompt once (``engine.validation``); the driver hashes its blocks (with
+its cache salt, if any) and asks the router actor where it runs; when the router splits it, the
+driver tells the decode worker at once (it reserves the prompt's blocks and warms its connection
+to the prefill worker while the prefill runs), the prefill worker computes the prompt's KV and
+returns a handle, the driver relays it and the decode worker pulls that KV and decodes; otherwise
+the decode (or aggregated) worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
 applies stop strings (aborting the request on the worker when one matches). A request counts as
 finished once the router applied the reports holding its blocks (the workers send them without
 waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop.
@@ -37,6 +38,7 @@ from cluster.served_model import ServedModel
 from cluster.supervisor import RouterHandle, Supervisor, WorkerHandle
 from configs import ClusterConfig, load_config
 from engine.sampling_params import SamplingParams
+from engine.validation import ValidatedPrompt
 
 if TYPE_CHECKING:
     from actors.worker_types import WorkerInfo
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | ValidatedPrompt  # a ValidatedPrompt was checked by its entry point
 DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GGUF (minutes)
 
 
@@ -121,6 +123,12 @@ class Cluster:
     @property
     def router_rejoins(self) -> int:
         return self._supervisor.router_rejoins
+
+    @property
+    def model(self) -> ServedModel:
+        """The model this started cluster serves (tokenizer, vocabulary, context length);
+        RuntimeError when not started."""
+        return self._runner.served()
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -236,6 +244,7 @@ class Cluster:
         request_ids: Sequence[str] | None = None,
         on_completion: Callable[[ClusterCompletion], None] | None = None,
         return_exceptions: bool = False,
+        cache_salt: str | None = None,
     ) -> list[ClusterCompletion]:
         """Run every prompt (text, or a list of token ids) to completion; results in input order.
 
@@ -244,45 +253,66 @@ class Cluster:
         vocabulary or bad sampling values raise ValueError naming the field and the value.
         ``on_completion`` is called (on the driver's event-loop thread) as each request finishes.
         ``return_exceptions``: a request that fails (e.g. on a worker) gives its exception in its
-        place and the others run on; by default the first failure raises.
+        place and the others run on; by default the first failure raises. ``cache_salt``: a
+        non-empty string every prompt's block hashes depend on, so requests reuse cached blocks
+        only of requests with the same salt (a ``ValidatedPrompt`` carries its own).
         """
-        requests = self._runner.admit_batch(prompts, sampling, request_ids)
+        requests = self._runner.admit_batch(prompts, sampling, request_ids, cache_salt)
         return self._loop.run(self._runner.run_batch(requests, on_completion, return_exceptions))
 
     async def agenerate(
-        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        on_delta: Callable[[Delta], None] | None = None,
     ) -> ClusterCompletion:
-        """One request, awaited in the caller's event loop (the same checks as ``generate``)."""
-        return await self._runner.collect(self._runner.admit(prompt, sampling, request_id))
+        """One request, awaited in the caller's event loop (the same checks as ``generate``).
+        ``on_delta`` is called with each ``Delta`` as output tokens arrive (no queue between the
+        workers' stream and the caller). Cancelling the awaiting task aborts the request on its
+        workers and frees its blocks."""
+        return await self._runner.run(self._runner.admit(prompt, sampling, request_id, cache_salt), on_delta)
 
     async def stream(
-        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[str]:
         """Text deltas of one request as its tokens arrive (an async iterator in the caller's
         loop). Leaving the iteration early aborts the request."""
-        async for item in self.stream_completion(prompt, sampling, request_id=request_id):
+        async for item in self.stream_completion(prompt, sampling, request_id=request_id, cache_salt=cache_salt):
             if isinstance(item, Delta) and item.text:
                 yield item.text
 
     def stream_completion(
-        self, prompt: Prompt, sampling: SamplingParams | dict[str, Any] | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Delta | ClusterCompletion]:
         """One request as it runs (an async iterator in the caller's loop; the request is checked
         when iteration starts): a ``Delta`` whenever output tokens arrive, then its
         ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the task that
         iterates) aborts the request on its workers and frees its blocks."""
-        return self._runner.stream(prompt, sampling, request_id)
+        return self._runner.stream(prompt, sampling, request_id, cache_salt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in flight and free its blocks everywhere; False if it is unknown."""
         return self._runner.abort(request_id)
 
-    def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
-        """A prompt (text, or a list of token ids) as its text and token ids, after every check a
-        request gets before it runs; raises ValueError naming the field and the value for an
-        empty prompt, a wrong type, a token id outside the vocabulary, or a prompt of
-        max_model_len tokens or more."""
-        return self._runner.check_prompt(prompt)
+    def check_prompt(self, prompt: object, cache_salt: object = None) -> ValidatedPrompt:
+        """A prompt (text, or a list of token ids) and its cache salt after every check a request
+        gets before it runs, for ``generate`` / ``stream`` to take as it is; raises ValueError
+        naming the field and the value for an empty prompt, a wrong type, a token id outside the
+        vocabulary, a prompt of max_model_len tokens or more, or an empty cache salt."""
+        return self._runner.check_prompt(prompt, cache_salt)
 
     # -- pins --------------------------------------------------------------------------------------
     def pin_prefix(

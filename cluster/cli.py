@@ -230,15 +230,17 @@ def run_items(
 
 
 def _reject_unfit(cluster: Any, entries: list[Any], prog: str) -> bool:
-    """Apply the cluster's own prompt checks: a JSONL line that fails them becomes a LineError
-    in ``entries`` (reported); a failing command-line prompt is reported and gives False."""
+    """Apply the cluster's own prompt checks, once: a prompt that passes is replaced by its
+    ``ValidatedPrompt`` (``generate`` runs it as it is); a JSONL line that fails them becomes a
+    LineError in ``entries`` (reported); a failing command-line prompt is reported and gives
+    False."""
     from cluster.jsonl import PromptItem
 
     for index, entry in enumerate(entries):
         if not isinstance(entry, PromptItem):
             continue
         try:
-            cluster.check_prompt(entry.prompt)
+            entries[index] = entry.checked(cluster.check_prompt(entry.prompt, entry.cache_salt))
         except ValueError as exc:
             if entry.line is None:
                 print(f"{prog}: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.validation import ValidatedPrompt
 
 if TYPE_CHECKING:
     from cluster.request_runner import ClusterCompletion
@@ -20,11 +21,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class ClusterRequest:
-    """One request of the driver API, checked and tokenized, and its current attempt."""
+    """One request of the driver API, checked at its entry point (``prompt``: its token ids, its
+    text when given as text, its cache salt), and its current attempt."""
 
     request_id: str
-    prompt: str
-    token_ids: list[int]
+    prompt: ValidatedPrompt
     sampling: SamplingParams
     submitted: float = field(default_factory=time.monotonic)
     workers: list[WorkerHandle] = field(default_factory=list)
@@ -34,6 +35,11 @@ class ClusterRequest:
     streamed: bool = False  # the current attempt delivered output tokens
     task: asyncio.Task[ClusterCompletion] | None = None  # the current attempt
     lost_worker: str | None = None  # the worker the current attempt was cut loose from
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt's token ids, as the workers take them."""
+        return list(self.prompt.token_ids)
 
     @property
     def engine_id(self) -> str:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cluster.job", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="local", help="preset name or path to a YAML file (default: local)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--input", required=True, help="JSONL file of {\"prompt\": ...} lines")
+    parser.add_argument("--input", required=True, help='JSONL file of {"prompt": ...} lines')
     parser.add_argument("--output", required=True, help="JSONL file to write the results to")
     parser.add_argument("--max-tokens", type=int, default=32, help="default tokens per prompt")
     parser.add_argument("--temperature", type=float, default=0.0)

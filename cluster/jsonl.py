@@ -1,7 +1,8 @@
 """JSONL in and out for the CLI (``kvfleet generate --input``) and the job entrypoint.
 
 Input: one object per line with ``prompt`` (text, or a list of token ids) and optionally ``id``
-(a string or an integer) and per-request sampling fields (``max_tokens``, ``temperature``,
+(a string or an integer), ``cache_salt`` (a non-empty string: the line's prompt reuses cached
+blocks only of requests with the same salt) and per-request sampling fields (``max_tokens``, ``temperature``,
 ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``); any other key is refused (a typo must
 not silently fall back to a default). Blank lines are skipped.
 
@@ -21,27 +22,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
 from engine.sampling_params import SamplingParams
-from engine.validation import InvalidRequestError, check_prompt, problem
+from engine.validation import InvalidRequestError, ValidatedPrompt, check_cache_salt, check_prompt, problem
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
-LINE_FIELDS = ("prompt", "id", *SAMPLING_FIELDS)
+LINE_FIELDS = ("prompt", "id", "cache_salt", *SAMPLING_FIELDS)
 
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt to run: the prompt, its sampling parameters, its id (if given) and, for a JSONL
-    line, the file and line it came from (None for a prompt given on the command line)."""
+    """One prompt to run: the prompt (a ``ValidatedPrompt`` once the started cluster checked it,
+    ``checked``), its sampling parameters, its id (if given), its cache salt (if given) and, for a
+    JSONL line, the file and line it came from (None for a prompt given on the command line)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | ValidatedPrompt
     sampling: SamplingParams
     id: str | None = None
     path: str | None = None
     line: int | None = None
+    cache_salt: str | None = None
+
+    def checked(self, prompt: ValidatedPrompt) -> PromptItem:
+        """This item with its prompt as the cluster checked it (run as it is, not checked again)."""
+        return replace(self, prompt=prompt)
 
     def rejected(self, message: str) -> LineError:
         """This JSONL line as a failed one (e.g. a prompt longer than the model's context)."""
@@ -102,9 +109,10 @@ def parse_line(raw: bytes, defaults: SamplingParams, path: str, number: int) -> 
         raise InvalidRequestError("prompt: required field is missing")
     request_id = _line_id(record.get("id"))
     prompt = check_prompt(record["prompt"])
+    cache_salt = check_cache_salt(record.get("cache_salt"))
     updates = {key: record[key] for key in SAMPLING_FIELDS if key in record}
     sampling = defaults.replace(**updates) if updates else defaults
-    return PromptItem(prompt, sampling, request_id, path, number)
+    return PromptItem(prompt, sampling, request_id, path, number, cache_salt)
 
 
 def result_record(item_id: str | None, completion: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from cluster.supervisor import Supervisor, WorkerHandle, await_ref, describe_fai
 from configs import ClusterConfig
 from engine.llm import Completion
 from engine.sampling_params import SamplingParams
-from engine.validation import InvalidRequestError, check_request_id, problem, prompt_batch
+from engine.validation import InvalidRequestError, ValidatedPrompt, check_request_id, problem, prompt_batch
 
 if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
@@ -99,21 +99,27 @@ class RequestRunner:
         return self.model
 
     # -- admission: every check a request gets, once, before it runs -------------------------------
-    def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
+    def check_prompt(self, prompt: object, cache_salt: object = None) -> ValidatedPrompt:
         """``ServedModel.check_prompt`` on the model served now."""
-        return self.served().check_prompt(prompt)
+        return self.served().check_prompt(prompt, cache_salt)
 
     def admit(
-        self, prompt: object, sampling: SamplingParams | dict[str, Any] | None, request_id: str | None
+        self,
+        prompt: object,
+        sampling: SamplingParams | dict[str, Any] | None,
+        request_id: str | None,
+        cache_salt: object = None,
     ) -> ClusterRequest:
-        """One request, checked and tokenized (ValueError naming the field and the value)."""
-        return self._admit(prompt, SamplingParams.coerce(sampling), request_id)
+        """One request, checked and tokenized (ValueError naming the field and the value); a
+        ``ValidatedPrompt`` was checked by its entry point already and is taken as it is."""
+        return self._admit(prompt, SamplingParams.coerce(sampling), request_id, cache_salt)
 
     def admit_batch(
         self,
         prompts: object,
         sampling: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None,
         request_ids: Sequence[str] | None,
+        cache_salt: object = None,
     ) -> list[ClusterRequest]:
         """A batch of requests (see ``Cluster.generate``), every one checked before any runs."""
         batch = prompt_batch(prompts)
@@ -134,18 +140,25 @@ class RequestRunner:
                     raise InvalidRequestError(problem("request_ids", "must be unique", request_id))
                 seen.add(request_id)
         return [
-            self._admit(prompt, samplings[i], request_ids[i] if request_ids else None) for i, prompt in enumerate(batch)
+            self._admit(prompt, samplings[i], request_ids[i] if request_ids else None, cache_salt)
+            for i, prompt in enumerate(batch)
         ]
 
-    def _admit(self, prompt: object, sampling: SamplingParams, request_id: str | None) -> ClusterRequest:
+    def _admit(
+        self, prompt: object, sampling: SamplingParams, request_id: str | None, cache_salt: object
+    ) -> ClusterRequest:
         model = self.served()
         if request_id is not None:
             check_request_id(request_id)
-        text, token_ids = model.check_prompt(prompt)
+        if isinstance(prompt, ValidatedPrompt):  # its entry point checked it (and chose its salt)
+            assert len(prompt.token_ids) < model.max_model_len, "a validated prompt fits the model"
+            validated = prompt
+        else:
+            validated = model.check_prompt(prompt, cache_salt)
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._in_flight:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
-        return ClusterRequest(request_id, text, token_ids, sampling)
+        return ClusterRequest(request_id, validated, sampling)
 
     # -- running admitted requests ------------------------------------------------------------------
     async def run_batch(
@@ -166,18 +179,36 @@ class RequestRunner:
         # with return_exceptions a failed request's exception stands in its place (Cluster.generate says so)
         return cast("list[ClusterCompletion]", list(results))
 
+    async def run(self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
+        """``collect`` for a caller that may be cancelled: then the request is aborted on its
+        workers (freeing its blocks) and its attempt ends before the cancellation goes on."""
+        task = asyncio.ensure_future(self.collect(request, on_delta))
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if not task.done():
+                request.aborted = True
+                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
+                                        return_exceptions=True)  # fmt: skip
+                await asyncio.shield(aborts)
+                await asyncio.gather(task, return_exceptions=True)
+
     async def stream(
-        self, prompt: object, sampling: SamplingParams | dict[str, Any] | None, request_id: str | None
+        self,
+        prompt: object,
+        sampling: SamplingParams | dict[str, Any] | None,
+        request_id: str | None,
+        cache_salt: object = None,
     ) -> AsyncIterator[Delta | ClusterCompletion]:
         """Admit one request when iteration starts, then yield a ``Delta`` whenever output tokens
         arrive and its ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the
-        task that iterates) aborts the request on its workers and frees its blocks."""
-        request = self.admit(prompt, sampling, request_id)
+        task that iterates) aborts the request on its workers and frees its blocks (``run``)."""
+        request = self.admit(prompt, sampling, request_id, cache_salt)
         items: asyncio.Queue[Delta | ClusterCompletion | None] = asyncio.Queue()
 
         async def produce() -> None:
             try:
-                items.put_nowait(await self.collect(request, items.put_nowait))
+                items.put_nowait(await self.run(request, items.put_nowait))
             finally:
                 items.put_nowait(None)
 
@@ -188,10 +219,7 @@ class RequestRunner:
             task.result()  # raise what the request raised
         finally:
             if not task.done():
-                request.aborted = True
-                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
-                                        return_exceptions=True)  # fmt: skip
-                await asyncio.shield(aborts)
+                task.cancel()  # ``run`` aborts the request and waits for its attempt to end
                 await asyncio.gather(task, return_exceptions=True)
 
     def abort(self, request_id: str) -> bool:
@@ -277,7 +305,7 @@ class RequestRunner:
         assert model is not None, "a request runs only after start"
         rid, ids = request.engine_id, request.token_ids
         started = time.monotonic()
-        hashes = block_hashes(ids, model.hash_block_size)
+        hashes = block_hashes(ids, model.hash_block_size, request.prompt.cache_salt)
         decision: Decision
         try:
             decision = await asyncio.wait_for(await_ref(supervisor.router.route.remote(rid, hashes, len(ids))),
@@ -295,7 +323,7 @@ class RequestRunner:
         error: str | None = None
         first_token: float | None = None
         first_hops: dict[str, float] | None = None
-        acks: list[ObjectRef[object] | None] = []
+        acks: list[ObjectRef[None] | None] = []
         stream: ObjectRefGenerator | None = None
         prefill: PrefillResult | None = None  # the prefill worker's result (P/D)
         prefill_call_s = 0.0
@@ -308,8 +336,9 @@ class RequestRunner:
                 # the decode worker hears of the request now: it reserves the prompt's blocks and
                 # warms its connection to the prefill worker while the prefill runs
                 peer = getattr(supervisor.infos.get(prefill_id), "agent", None)
-                stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling, None,
-                                                                                  True, peer)  # fmt: skip
+                stream = decoder.generate.options(num_returns="streaming").remote(
+                    rid, ids, request.sampling, None, True, peer, request.prompt.cache_salt
+                )
                 sent = time.monotonic()
                 prefill = await self._prefill(request, prefiller, prefill_id, decoder)
                 prefill_call_s = time.monotonic() - sent
@@ -320,7 +349,9 @@ class RequestRunner:
             stopped = False
             try:
                 if stream is None:
-                    stream = decoder.generate.options(num_returns="streaming").remote(rid, ids, request.sampling)
+                    stream = decoder.generate.options(num_returns="streaming").remote(
+                        rid, ids, request.sampling, cache_salt=request.prompt.cache_salt
+                    )
                 async for ref in stream:
                     chunk: TokenChunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
@@ -365,7 +396,7 @@ class RequestRunner:
             log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
                       " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
         return ClusterCompletion(
-            request.prompt,
+            model.prompt_text(request.prompt),
             detok.text,
             list(detok.token_ids),
             reason,
@@ -394,7 +425,8 @@ class RequestRunner:
         handed = False
         try:
             try:
-                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids)
+                salt = request.prompt.cache_salt
+                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids, salt)
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             if result.kv_handle is None:
@@ -421,7 +453,7 @@ class RequestRunner:
         return handle
 
 
-async def _await_acks(acks: list[ObjectRef[object] | None]) -> None:
+async def _await_acks(acks: list[ObjectRef[None] | None]) -> None:
     """Wait (bounded) until the router applied the workers' reports named by ``acks``."""
     refs = [ack for ack in acks if ack is not None]
     if not refs:

@@ -1,6 +1,6 @@
 """The model a started cluster serves, as the driver knows it from its workers' reports: the
 tokenizer, the vocabulary, the context length and the block size prompts are hashed with. The
-driver checks every prompt against it once, before the request is routed."""
+driver API checks every prompt against it once, at its entry point (``check_prompt``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.validation import InvalidRequestError, check_prompt, check_token_ids, problem
+from engine.validation import ValidatedPrompt, check_token_ids, validate_prompt
 
 if TYPE_CHECKING:
     from actors.worker_types import WorkerInfo
@@ -61,21 +61,13 @@ class ServedModel:
         ``name`` and the value otherwise)."""
         return check_token_ids(ids, self.vocab_size, name)
 
-    def check_prompt(self, prompt: object) -> tuple[str, list[int]]:
-        """A prompt (text, or a list of token ids) as its text and token ids; raises ValueError
-        naming the field and the value for an empty prompt, a wrong type, a token id outside the
-        vocabulary, or a prompt of max_model_len tokens or more."""
-        checked = check_prompt(prompt, self.vocab_size)
-        if isinstance(checked, str):
-            token_ids = list(self.tokenizer.encode(checked))
-            text = checked
-        else:
-            token_ids, text = checked, self.tokenizer.decode(checked)
-        if not token_ids:
-            raise InvalidRequestError(problem("prompt", "encodes to no tokens", prompt))
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len} (got a prompt of {len(token_ids)} tokens)"
-            )
-        return text, token_ids
+    def check_prompt(self, prompt: object, cache_salt: object = None) -> ValidatedPrompt:
+        """A prompt (text, or a list of token ids) and its cache salt, checked against this model
+        once (``engine.validation.validate_prompt``); raises ValueError naming the field and the
+        value for an empty prompt, a wrong type, a token id outside the vocabulary, a prompt of
+        max_model_len tokens or more, or an empty cache salt."""
+        return validate_prompt(prompt, self.vocab_size, self.max_model_len, self.tokenizer.encode, cache_salt)
+
+    def prompt_text(self, prompt: ValidatedPrompt) -> str:
+        """The prompt as text: the user's own text, or its token ids decoded."""
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(list(prompt.token_ids))

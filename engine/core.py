@@ -33,17 +33,11 @@ from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_byte
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
 from engine.pd_handoff import Expected, PDHandoff
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, UncheckedRequestError
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.transfer import AgentInfo, KVTransfer, Role, transfer_from_config
-from engine.validation import (
-    InvalidRequestError,
-    check_request_id,
-    check_token_ids,
-    problem,
-)
 
 KVRole = Literal["prefill", "decode", "both"]
 #: batches in a row whose forward raised before an engine counts as broken (``EngineBroken``)
@@ -208,44 +202,47 @@ class EngineCore:
         *,
         prefill_only: bool = False,
         kv_handle: KVHandle | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request. ``prefill_only``: compute its prompt's KV for a decode worker (the
-        result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of computing it.
-        Raises ValueError naming the argument for a bad id, token ids or sampling parameters."""
-        if prefill_only and kv_handle is not None:
-            raise ValueError("prefill_only and kv_handle: a request is either prefilled here or pulled, not both")
-        if prefill_only or kv_handle is not None:
-            self._handoff_for("do P/D transfers")
+        """Queue a request its entry point checked (``engine.validation``: ``LLM`` for the offline
+        API, the driver for a cluster); the engine only asserts what its bookkeeping needs
+        (``UncheckedRequestError``). ``prefill_only``: compute its prompt's KV for a decode
+        worker (the result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of
+        computing it (a handle that does not fit this engine is a ValueError naming its field).
+        ``cache_salt``: its prompt's blocks are hashed with it (shared only with the same salt)."""
+        assert not (prefill_only and kv_handle is not None), "a request is either prefilled here or pulled"
         if prefill_only:
-            request = self._checked_request(request_id, prompt_token_ids, sampling, prefill_only=True)
+            self._handoff_for("do P/D transfers")
+            request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, prefill_only=True)
             self.scheduler.add_request(request)
             return request
-        request = self._checked_request(request_id, prompt_token_ids, sampling, remote_prefill=kv_handle is not None)
+        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt,
+                                    remote_prefill=kv_handle is not None)  # fmt: skip
         if kv_handle is None:
             self.scheduler.add_request(request)
         else:
+            handoff = self._handoff_for("do P/D transfers")
             check_handle(kv_handle, self.layout_key, request.token_ids)
-            self._handoff_for("do P/D transfers").start_load(request, kv_handle)
+            handoff.start_load(request, kv_handle)
         return request
 
-    def _checked_request(
+    def _new_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
+        cache_salt: str | None,
         *,
         prefill_only: bool = False,
         remote_prefill: bool = False,
     ) -> Request:
-        """A new Request after the argument checks (ValueError naming the argument); a
-        ``prefill_only`` one covers all but the prompt's last token."""
-        check_request_id(request_id)
+        """A new Request of checked arguments; a ``prefill_only`` one covers all but the prompt's
+        last token. Asserts cheaply: a SamplingParams (checked when it was built), an id no
+        announced remote prefill holds, and a prompt the scheduler's ``check_new`` bounds."""
+        assert isinstance(sampling, SamplingParams), "sampling: checked (coerced) at the entry point"
         if self.handoff is not None and self.handoff.expects(request_id):
-            raise ValueError(f"request_id: {request_id!r} is already in this engine")
-        prompt = check_token_ids(prompt_token_ids, self.info.arch.vocab_size, "prompt_token_ids")
-        if not prompt:
-            raise InvalidRequestError(problem("prompt_token_ids", "must not be empty", prompt_token_ids))
-        sampling = SamplingParams.coerce(sampling)
+            raise UncheckedRequestError(f"request {request_id!r} is already in this engine")
+        prompt = prompt_token_ids
         if prefill_only:
             if len(prompt) < 2:
                 raise ValueError(
@@ -253,7 +250,7 @@ class EngineCore:
                 )
             prompt = prompt[:-1]
         return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
-                       remote_prefill=remote_prefill, prefill_only=prefill_only)  # fmt: skip
+                       cache_salt, remote_prefill=remote_prefill, prefill_only=prefill_only)  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
@@ -269,12 +266,15 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         peer: AgentInfo | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> Request:
         """Announce a request whose prompt KV (all but the last token) a prefill worker is
         computing now: reserve its blocks (if they fit) and warm the connection to ``peer``.
-        Its handle comes later through ``provide_handle``."""
+        Its handle comes later through ``provide_handle``. The prefill worker hashes the
+        prompt with the same ``cache_salt``."""
         handoff = self._handoff_for("do P/D transfers")
-        request = self._checked_request(request_id, prompt_token_ids, sampling, remote_prefill=True)
+        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, remote_prefill=True)
         handoff.expect(request, peer)
         return request
 
@@ -308,9 +308,8 @@ class EngineCore:
         of P/D does (``add_request(token_ids + [t], ..., kv_handle=handle)``). None when this
         cache no longer serves the whole prefix, or the hold does not fit (the reader computes)."""
         handoff = self._handoff_for("export a prefix")
-        check_request_id(request_id)
-        prefix = check_token_ids(token_ids, self.info.arch.vocab_size, "token_ids")
-        return handoff.export_prefix(request_id, list(prefix))
+        assert request_id and token_ids, "a pin's copy names its id and a prefix the driver checked"
+        return handoff.export_prefix(request_id, list(token_ids))
 
     @property
     def only_awaiting_handles(self) -> bool:

@@ -11,7 +11,7 @@ from engine.core import EngineCore
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from engine.validation import InvalidRequestError, check_prompt, problem, prompt_batch
+from engine.validation import ValidatedPrompt, prompt_batch, validate_prompt
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,10 @@ class Completion:
 
 
 class LLM:
-    """Tokenize, run every prompt through one engine with continuous batching, detokenize."""
+    """Owns one in-process EngineCore and its tokenizer: checks every prompt once (the offline
+    API's entry point), runs them with continuous batching and detokenizes.
+
+    Invariants: every request handed to the engine passed ``engine.validation`` here."""
 
     def __init__(self, config: ClusterConfig | str = "local", overrides: Sequence[str] = ()):
         self.config = load_config(config, overrides) if isinstance(config, str) else config
@@ -48,9 +51,9 @@ class LLM:
             return []
         detok: dict[str, IncrementalDetokenizer] = {}
         order: list[str] = []
-        for _, ids in prepared:
+        for prompt in prepared:
             request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, sampling)
+            self.engine.add_request(request_id, list(prompt.token_ids), sampling)
             detok[request_id] = IncrementalDetokenizer(
                 self.tokenizer, sampling.stop, sampling.include_stop_str_in_output
             )
@@ -68,24 +71,16 @@ class LLM:
                     d.flush()
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [
-            Completion(text, detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"))
-            for (text, _), rid in zip(prepared, order, strict=True)
+            Completion(self._text(prompt), detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"))
+            for prompt, rid in zip(prepared, order, strict=True)
         ]
 
-    def _prompt(self, prompt: object) -> tuple[str, list[int]]:
-        """A checked prompt as (text, token ids) that fit the engine's vocabulary and context."""
-        checked = check_prompt(prompt, self.engine.info.arch.vocab_size)
-        if isinstance(checked, str):
-            ids = self.tokenizer.encode(checked)  # transformers tokenizers add BOS themselves
-            if not ids:
-                raise InvalidRequestError(problem("prompt", "encodes to no tokens", checked))
-            text = checked
-        else:
-            ids, text = checked, self.tokenizer.decode(checked)
-        limit = self.engine.info.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit} "
-                f"(got a prompt of {len(ids)} tokens)"
-            )
-        return text, list(ids)
+    def _text(self, prompt: ValidatedPrompt) -> str:
+        """The prompt as text: the user's own, or its token ids decoded."""
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(list(prompt.token_ids))
+
+    def _prompt(self, prompt: object) -> ValidatedPrompt:
+        """The offline API's one check of a prompt (``engine.validation.validate_prompt``)
+        against the engine's vocabulary and context; the engine itself only asserts."""
+        info = self.engine.info
+        return validate_prompt(prompt, info.arch.vocab_size, info.max_model_len, self.tokenizer.encode)

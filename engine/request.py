@@ -10,6 +10,13 @@ from engine.kv_cache.request import CacheRequest
 from engine.sampling_params import SamplingParams
 
 
+class UncheckedRequestError(RuntimeError):
+    """A request reached an engine without passing its entry point's checks (an empty prompt,
+    no room to generate, an id the engine holds already). Always an internal error: every entry
+    point (the driver API, the HTTP ingress, the CLI, ``engine.llm.LLM``) validates a request
+    once with ``engine.validation``, and the engine only asserts what its bookkeeping needs."""
+
+
 class RequestStatus(str, Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, a transfer is writing the prompt's KV
@@ -75,7 +82,7 @@ class Request(CacheRequest):
         prefill_only: bool = False,
     ):
         if not prompt_token_ids:
-            raise ValueError(f"prompt_token_ids: must not be empty (request {request_id!r})")
+            raise UncheckedRequestError(f"request {request_id!r}: an empty prompt reached the engine")
         super().__init__(request_id, prompt_token_ids, hash_block_size, cache_salt, remote_prefill)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling

@@ -23,7 +23,7 @@ from engine.kv_cache.block_queue import Block
 from engine.kv_cache.coordinator import CacheHit, HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import MambaSpec
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, UncheckedRequestError
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +153,16 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_new(self, request: Request) -> None:
-        """Raise ValueError unless ``request`` may enter: a new id, room to generate."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in this engine")
-        if request.request_id in self.held:
-            raise ValueError(f"request_id: {request.request_id!r} still holds prefilled blocks in this engine")
+        """Assert ``request`` may enter: an id this engine does not hold and room to generate.
+        Its entry point checked the length (``engine.validation.check_room``) and the worker keeps
+        ids unique, so a failure is an internal error (``UncheckedRequestError``)."""
+        rid = request.request_id
+        if rid in self.requests or rid in self.held:
+            raise UncheckedRequestError(f"request {rid!r} is already in this engine")
         if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {request.num_tokens} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
+            raise UncheckedRequestError(
+                f"request {rid!r}: {request.num_tokens} tokens reached the engine unchecked "
+                f"(max_model_len={self.max_model_len})"
             )
 
     def abort(self, request_id: str) -> bool:

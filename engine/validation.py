@@ -1,5 +1,9 @@
 """Checks of request inputs at the edge, with messages that name the field and the value.
 
+Each entry point (the HTTP ingress, the CLI and the job, the driver API ``Cluster``, the offline
+``LLM``) checks a request once with these rules and hands a ``ValidatedPrompt`` inward; the layers
+behind it (the request runner, the worker actors, ``EngineCore``, the scheduler) only assert.
+
 Every message has the form ``"<field>: <what is wrong> (got <value!r>)"``, the same as the
 configuration's (``configs.load``) and the HTTP API's, and every failure is an
 ``InvalidRequestError``: a ``ValueError`` whose ``str()`` is one such line per problem.
@@ -8,7 +12,8 @@ Pure Python: no torch, no ray.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,6 +31,21 @@ class InvalidRequestError(ValueError):
     def __init__(self, problems: str | list[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ValidatedPrompt:
+    """A prompt that passed every check of its entry point against one served model: its token
+    ids, the user's text when the prompt was given as text (None for token ids: nothing decodes
+    them back), and its cache salt.
+
+    Invariants: ``token_ids`` is non-empty, each id lies in the model's vocabulary, and there are
+    fewer than its ``max_model_len`` (room to generate); ``cache_salt`` is None or a non-empty
+    string. Only the entry points build one (``validate_prompt``, the HTTP ingress)."""
+
+    token_ids: tuple[int, ...]
+    text: str | None = None
+    cache_salt: str | None = None
 
 
 def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
@@ -81,13 +101,66 @@ def check_token_ids(ids: object, vocab_size: int | None, field: str = "prompt") 
         where = f"position {position} of {len(token_ids)}"
         if isinstance(token, bool) or not isinstance(token, int):
             raise InvalidRequestError(f"{field}: token id {short_repr(token)} is not an integer ({where})")
-        if vocab_size is not None and not 0 <= token < vocab_size:
+        if vocab_size is not None and not in_vocabulary(token, vocab_size):
             raise InvalidRequestError(
                 f"{field}: token id {token} is outside the vocabulary [0, {vocab_size}) ({where})"
             )
         if token < 0:
             raise InvalidRequestError(f"{field}: token id {token} is negative ({where})")
     return token_ids
+
+
+def in_vocabulary(token: int, vocab_size: int) -> bool:
+    """The vocabulary rule: a token id lies in ``[0, vocab_size)``."""
+    return 0 <= token < vocab_size
+
+
+def leaves_room(num_prompt_tokens: int, max_model_len: int) -> bool:
+    """The context-length rule: a prompt leaves at least one position to generate into."""
+    return num_prompt_tokens < max_model_len
+
+
+def check_room(num_prompt_tokens: int, max_model_len: int) -> None:
+    """``leaves_room``, as an InvalidRequestError naming the prompt's length."""
+    if not leaves_room(num_prompt_tokens, max_model_len):
+        raise InvalidRequestError(
+            f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
+            f"max_model_len={max_model_len} (got a prompt of {num_prompt_tokens} tokens)"
+        )
+
+
+def check_cache_salt(cache_salt: object, field: str = "cache_salt") -> str | None:
+    """A cache salt: None (no salt), or a non-empty string that every block hash of the prompt
+    depends on (through its first block), so requests share cached blocks only with requests of
+    the same salt."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError(problem(field, "must be a non-empty string", cache_salt))
+    return cache_salt
+
+
+def validate_prompt(
+    prompt: object,
+    vocab_size: int,
+    max_model_len: int,
+    encode: Callable[[str], Sequence[int]],
+    cache_salt: object = None,
+) -> ValidatedPrompt:
+    """Every check a prompt gets, once, at its entry point: text or token ids (``check_prompt``),
+    text that encodes to at least one token, room to generate (``check_room``) and the cache
+    salt (``check_cache_salt``). Raises InvalidRequestError naming the field and the value."""
+    salt = check_cache_salt(cache_salt)
+    checked = check_prompt(prompt, vocab_size)
+    if isinstance(checked, str):
+        token_ids = list(encode(checked))  # transformers tokenizers add BOS themselves
+        if not token_ids:
+            raise InvalidRequestError(problem("prompt", "encodes to no tokens", checked))
+        text: str | None = checked
+    else:
+        token_ids, text = checked, None
+    check_room(len(token_ids), max_model_len)
+    return ValidatedPrompt(tuple(token_ids), text, salt)
 
 
 def check_request_id(request_id: object, field: str = "request_id") -> str:

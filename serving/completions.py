@@ -1,7 +1,11 @@
 """The generation endpoints: ``/v1/completions`` and ``/v1/chat/completions`` over ``Cluster``.
 
-One HTTP request becomes one cluster request per prompt (``Cluster.stream_completion``, the same
-path as the driver API). Their deltas are merged into OpenAI's response or server-sent-event
+The ingress is the entry point of an HTTP request: it checks the body and every prompt once
+(token ids against the vocabulary, room in the context) and hands each prompt inward as a
+``ValidatedPrompt`` with its token ids, the user's text (so nothing decodes it back) and its cache
+salt. One HTTP request becomes one cluster request per prompt (``Cluster.agenerate``, the same
+path as the driver API); the deltas of all its prompts meet in one queue, the only one between
+the workers' streams and the client, and are merged into OpenAI's response or server-sent-event
 chunks; ``usage`` counts the prompt's tokens, the generated tokens and the prompt tokens the
 workers served from their prefix cache. Leaving early (a client that disconnects, a cancelled
 handler) cancels every prompt's task, which aborts it on its workers and frees its blocks.
@@ -21,6 +25,7 @@ from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
 from engine.sampling_params import SamplingParams
+from engine.validation import ValidatedPrompt, in_vocabulary, leaves_room
 from serving.errors import APIError, bad_request, error_body, leading_field
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -30,10 +35,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """A validated request turned into token ids and sampling parameters, ready to run."""
+    """A validated request turned into checked prompts and sampling parameters, ready to run."""
 
     kind: str  # "text_completion" or "chat.completion"
-    token_ids: list[list[int]]
+    prompts: list[ValidatedPrompt]
     sampling: SamplingParams
     stream: bool
     include_usage: bool
@@ -78,22 +83,25 @@ class Generation:
         self._check_model(body.model)
         ids = [self._prompt_ids(p, "prompt") for p in body.prompts]
         max_tokens = self._max_tokens(ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-        return Prepared("text_completion", ids, self._sampling(body, max_tokens), body.stream, body.include_usage,
-                        f"cmpl-{uuid.uuid4().hex}")  # fmt: skip
+        prompts = [ValidatedPrompt(tuple(i), p if isinstance(p, str) else None, body.cache_salt)
+                   for p, i in zip(body.prompts, ids, strict=True)]  # fmt: skip
+        return Prepared("text_completion", prompts, self._sampling(body, max_tokens), body.stream,
+                        body.include_usage, f"cmpl-{uuid.uuid4().hex}")  # fmt: skip
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         self._check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
         try:
-            ids = self.cluster.tokenizer.chat_token_ids(messages, body.add_generation_prompt)
+            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt)
         except ValueError as exc:
             raise bad_request("messages", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the template refused the conversation (jinja's TemplateError)
             raise bad_request("messages", f"messages: the chat template refused them ({exc})") from None
         self._check_ids([ids], "messages")
         max_tokens = self._max_tokens([ids], body.requested_max_tokens, None)
-        return Prepared("chat.completion", [ids], self._sampling(body, max_tokens), body.stream, body.include_usage,
-                        f"chatcmpl-{uuid.uuid4().hex}")  # fmt: skip
+        prompt = ValidatedPrompt(tuple(ids), None, body.cache_salt)  # the template's text is not the user's
+        return Prepared("chat.completion", [prompt], self._sampling(body, max_tokens), body.stream,
+                        body.include_usage, f"chatcmpl-{uuid.uuid4().hex}")  # fmt: skip
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -102,7 +110,7 @@ class Generation:
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.cluster.tokenizer.encode(prompt))
+            ids = list(self.cluster.model.tokenizer.encode(prompt))
             if not ids:
                 raise bad_request(param, f"{param}: encodes to no tokens (got {prompt!r})")
             return ids
@@ -110,16 +118,16 @@ class Generation:
         return list(prompt)
 
     def _check_ids(self, prompts: list[list[int]], param: str) -> None:
-        vocab = self.cluster.vocab_size
+        vocab = self.cluster.model.vocab_size
         for ids in prompts:
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            bad = next((t for t in ids if not in_vocabulary(t, vocab)), None)
             if bad is not None:
                 raise bad_request(param, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _max_tokens(self, prompts: list[list[int]], requested: int | None, default: int | None) -> int:
-        limit = self.cluster.max_model_len
+        limit = self.cluster.model.max_model_len
         longest = max(len(ids) for ids in prompts)
-        if longest >= limit:
+        if not leaves_room(longest, limit):
             raise bad_request("prompt" if default is not None else "messages",
                               f"prompt: {longest} tokens; the model's context is {limit} tokens, leaving no room "
                               f"to generate", code="context_length_exceeded")  # fmt: skip
@@ -152,7 +160,7 @@ class Generation:
             self._release(count)
 
     def _admit(self, prepared: Prepared) -> int:
-        count = len(prepared.token_ids)
+        count = len(prepared.prompts)
         try:
             self.admission.admit(count)
         except APIError:
@@ -166,20 +174,28 @@ class Generation:
         self.metrics.in_flight.dec(count)
 
     async def _run(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Delta | ClusterCompletion], None]:
-        """Every prompt's deltas and completion as ``(index, item)``, in arrival order."""
+        """Every prompt's deltas and completion as ``(index, item)``, in arrival order: each
+        prompt's request hands its deltas straight into one queue (``Cluster.agenerate``'s
+        ``on_delta``). Leaving early cancels the requests, which aborts them on their workers."""
         queue: asyncio.Queue[tuple[int, Delta | ClusterCompletion | BaseException | None]] = asyncio.Queue()
 
-        async def one(index: int, ids: list[int]) -> None:
+        async def one(index: int, prompt: ValidatedPrompt) -> None:
             request_id = f"{prepared.request_id}-{index}"
+            last: float | None = None
+
+            def on_delta(delta: Delta) -> None:
+                nonlocal last
+                if delta.num_tokens:
+                    now = time.monotonic()
+                    if last is not None:
+                        self.metrics.record_gap(now - last, delta.num_tokens)
+                    last = now
+                queue.put_nowait((index, delta))
+
             try:
-                first, last = True, time.monotonic()
-                async for item in self.cluster.stream_completion(ids, prepared.sampling, request_id=request_id):
-                    if isinstance(item, Delta) and item.num_tokens:
-                        now = time.monotonic()
-                        if not first:
-                            self.metrics.record_gap(now - last, item.num_tokens)
-                        first, last = False, now
-                    queue.put_nowait((index, item))
+                completion = await self.cluster.agenerate(prompt, prepared.sampling, request_id=request_id,
+                                                          on_delta=on_delta)  # fmt: skip
+                queue.put_nowait((index, completion))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
@@ -187,7 +203,7 @@ class Generation:
             finally:
                 queue.put_nowait((index, None))
 
-        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prepared.token_ids)]
+        tasks = [asyncio.ensure_future(one(i, prompt)) for i, prompt in enumerate(prepared.prompts)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -214,7 +230,7 @@ class Generation:
                     self._record(item)
         except (RuntimeError, ValueError) as exc:
             raise APIError(500, f"generation failed: {exc}", code="generation_failed") from None
-        ordered = [completions[i] for i in range(len(prepared.token_ids))]
+        ordered = [completions[i] for i in range(len(prepared.prompts))]
         return {
             "id": prepared.request_id,
             "object": prepared.kind,

@@ -2,7 +2,7 @@
 
 Every body is a pydantic model in strict mode: a string where a number belongs, a float where an
 integer belongs, NaN and infinities are all refused, and so is any field OpenAI's API does not
-define (or kvfleet's documented extensions ``top_k`` and ``ignore_eos``). Fields kvfleet does not
+define (or kvfleet's documented extensions ``top_k``, ``ignore_eos`` and ``cache_salt``). Fields kvfleet does not
 implement (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, penalties, tools, ...) are accepted
 only at their neutral value; anything else is a 400 naming the field. ``describe`` turns a
 pydantic error into ``(param, message)`` with the field path and the value.
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from configs.load import VALIDATION_MESSAGES
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError, check_cache_salt
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
@@ -53,6 +54,7 @@ class _Sampling(_Body):
     frequency_penalty: FiniteFloat = 0.0
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's extension: prompts share cached blocks only with the same salt
 
     @field_validator("stop")
     @classmethod
@@ -63,6 +65,14 @@ class _Sampling(_Body):
         if any(not s for s in strings):
             raise ValueError(f"stop strings must be non-empty (got {stop!r})")
         return stop
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, cache_salt: str | None) -> str | None:
+        try:
+            return check_cache_salt(cache_salt)
+        except InvalidRequestError as exc:  # ``describe`` puts the field name in front itself
+            raise ValueError(str(exc).removeprefix("cache_salt: ")) from None
 
     @field_validator("seed")
     @classmethod

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine.llm import LLM
+from engine.request import UncheckedRequestError
 from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 from engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
@@ -179,33 +180,44 @@ def test_llm_takes_token_ids_as_a_prompt(llm: LLM) -> None:
     assert as_ids.token_ids == as_text.token_ids and as_ids.prompt == "hello"
 
 
-@pytest.mark.parametrize(
-    "request_id,prompt,sampling,message",
-    [
-        ("r", None, SamplingParams(), r"^prompt_token_ids: must be text or a list of token ids \(got None\)$"),
-        ("r", "text", SamplingParams(), r"^prompt_token_ids: must be text or a list of token ids \(got 'text'\)$"),
-        ("r", [], SamplingParams(), r"^prompt_token_ids: must not be empty \(got \[\]\)$"),
-        ("r", [1, "2"], SamplingParams(), r"^prompt_token_ids: token id '2' is not an integer \(position 1 of 2\)$"),
-        ("r", [1, 999], SamplingParams(), r"^prompt_token_ids: token id 999 is outside the vocabulary \[0, 256\)"),
-        ("r", [1, -5], SamplingParams(), r"^prompt_token_ids: token id -5 is outside the vocabulary \[0, 256\)"),
-        ("r", [1, 2], {"temperature": math.inf}, r"^temperature: must be a finite number \(got inf\)$"),
-        ("r", [1, 2], [1], r"^sampling: must be SamplingParams or a dict of its fields \(got \[1\]\)$"),
-        (None, [1, 2], SamplingParams(), r"^request_id: must be a non-empty string \(got None\)$"),
-        ("", [1, 2], SamplingParams(), r"^request_id: must be a non-empty string \(got ''\)$"),
-    ],
-)
-def test_engine_core_checks_its_arguments(llm: LLM, request_id, prompt, sampling, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        llm.engine.add_request(request_id, prompt, sampling)
+def test_the_engine_asserts_what_the_llm_checked(llm: LLM) -> None:
+    """``LLM`` is the offline API's entry point: it names a bad field (above); ``EngineCore``
+    behind it only asserts, and a request that skipped the checks is an internal error."""
+    limit = llm.engine.info.max_model_len
+    with pytest.raises(UncheckedRequestError, match="empty prompt"):
+        llm.engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(UncheckedRequestError, match=rf"max_model_len={limit}"):
+        llm.engine.add_request("long", [1] * limit, SamplingParams())
+    with pytest.raises(AssertionError, match="sampling"):
+        llm.engine.add_request("dict", [1, 2], {"max_tokens": 2})  # type: ignore[arg-type]
     assert _idle(llm)
 
 
 def test_a_nan_temperature_never_reaches_the_sampler(llm: LLM) -> None:
-    """The issue's symptom: NaN passed validation and torch.multinomial failed inside step()."""
+    """The symptom this guards against: NaN passed validation and torch.multinomial failed
+    inside step()."""
     with pytest.raises(ValueError, match=r"^temperature: must be a finite number \(got nan\)$"):
-        llm.engine.add_request("nan", [1, 2, 3], {"temperature": math.nan, "max_tokens": 2})
+        llm.generate([[1, 2, 3]], {"temperature": math.nan, "max_tokens": 2})
     with pytest.raises(ValueError, match=r"^temperature: must be 0 \(greedy\) or >= 0.001 \(got 1e-40\)$"):
-        llm.engine.add_request("tiny", [1, 2, 3], {"temperature": 1e-40, "max_tokens": 2})
+        llm.generate([[1, 2, 3]], {"temperature": 1e-40, "max_tokens": 2})
     assert _idle(llm)
     out = llm.generate("after", SamplingParams(max_tokens=3, temperature=MIN_TEMPERATURE, seed=1, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_the_engine_hashes_a_request_with_its_cache_salt(llm: LLM) -> None:
+    """Requests share cached blocks only with requests of the same salt (none counts as one)."""
+    engine = llm.engine
+    prompt = [(7 * i) % 200 + 3 for i in range(3 * engine.info.block_size + 1)]
+
+    def cached(request_id: str, salt: str | None) -> int:
+        request = engine.add_request(request_id, prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+        while engine.has_work:
+            engine.step()
+        return request.num_cached_tokens
+
+    assert cached("salt-a", "a") == 0
+    assert cached("salt-a-again", "a") > 0
+    assert cached("salt-b", "b") == 0
+    assert cached("no-salt", None) == 0
+    assert _idle(llm)

@@ -9,7 +9,7 @@ import pytest
 
 from configs.schema import SchedulerConfig
 from engine.kv_cache import FullAttentionSpec, HybridCoordinator, KVCacheGroup, MambaSpec, SlidingWindowSpec
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, UncheckedRequestError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, aligned_chunk
 
@@ -105,10 +105,10 @@ def test_abort_frees_blocks_anywhere() -> None:
     assert coord.num_free_blocks == 63 and not scheduler.has_work
 
 
-def test_prompt_too_long_is_refused_clearly() -> None:
+def test_an_unchecked_prompt_too_long_is_an_internal_error() -> None:
     coord = HybridCoordinator([KVCacheGroup(FullAttentionSpec(4))], 16)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_chunk_size=16), coord, 8)
-    with pytest.raises(ValueError, match="max_model_len=8"):
+    with pytest.raises(UncheckedRequestError, match="max_model_len=8"):
         scheduler.add_request(Request("r", list(range(8)), SamplingParams(), coord.hash_block_size))
 
 

@@ -10,6 +10,7 @@ import random
 import time
 from typing import Any
 
+import openai
 import pytest
 
 from configs import ClusterConfig
@@ -128,6 +129,37 @@ def test_a_repeated_prefix_reports_cached_tokens(server: Server) -> None:
     block = server.config.kv_cache.block_size
     shared_blocks = len(ByteTokenizer().encode(shared)) // block * block
     assert second.usage.prompt_tokens_details.cached_tokens >= shared_blocks - block > 0
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_cache_salt_separates_cached_prefixes(server: Server, route: str) -> None:
+    """vLLM's ``cache_salt``: the same prompt and salt again hits the cache; another salt (or
+    none) shares nothing with it and decodes the same tokens."""
+    client = server.openai()
+    text = prompt_text(777 if route == "chat" else 778, 40)
+
+    def run(salt: str | None) -> tuple[int, str]:
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt is not None else {})}
+        kwargs: dict[str, Any] = {"model": server.model, "max_tokens": 4, "temperature": 0.0, "extra_body": extra}
+        if route == "chat":
+            chat = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kwargs)
+            return chat.usage.prompt_tokens_details.cached_tokens, chat.choices[0].message.content
+        done = client.completions.create(prompt=text, **kwargs)
+        return done.usage.prompt_tokens_details.cached_tokens, done.choices[0].text
+
+    first, again, other, plain = run("tenant-a"), run("tenant-a"), run("tenant-b"), run(None)
+    assert first[0] == 0 and again[0] > 0, (first, again)
+    assert other[0] == 0 and plain[0] == 0, (other, plain)
+    assert first[1] == again[1] == other[1] == plain[1]
+
+
+def test_an_empty_cache_salt_is_a_400_naming_it(server: Server) -> None:
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=server.model, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "cache_salt"  # type: ignore[index]
+    assert caught.value.body["message"] == "cache_salt: must be a non-empty string (got '')"  # type: ignore[index]
 
 
 def test_sampling_with_a_seed_is_reproducible(server: Server) -> None:

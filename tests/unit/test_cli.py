@@ -91,7 +91,8 @@ MAX_MODEL_LEN = 64  # the stand-in's context: longer prompts fail its check like
 
 class FakeCluster:
     """The part of ``cluster.api.Cluster`` the CLI uses: start/stop, ``check_prompt`` (the same
-    context-length and vocabulary rule, on a byte vocabulary) and ``generate`` (echoes the prompt)."""
+    rules, ``engine.validation.validate_prompt``, on a byte vocabulary) and ``generate`` (takes
+    the checked prompts and echoes them)."""
 
     started: list[FakeCluster] = []
     fail_next: Exception | None = None
@@ -108,22 +109,22 @@ class FakeCluster:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def check_prompt(self, prompt: Any) -> tuple[str, list[int]]:
-        from engine.validation import check_prompt
+    def check_prompt(self, prompt: Any, cache_salt: Any = None) -> Any:
+        from engine.validation import validate_prompt
 
-        checked = check_prompt(prompt, 256)
-        ids = list(checked.encode()) if isinstance(checked, str) else checked
-        if len(ids) >= MAX_MODEL_LEN:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={MAX_MODEL_LEN}")
-        return (checked if isinstance(checked, str) else bytes(ids).decode()), ids
+        return validate_prompt(prompt, 256, MAX_MODEL_LEN, lambda text: list(text.encode()), cache_salt)
 
     def generate(self, prompts, samplings, request_ids=None, on_completion=None, return_exceptions=False) -> list[Any]:
+        from engine.validation import ValidatedPrompt
+
         if FakeCluster.fail_next is not None:
             raise FakeCluster.fail_next
         out: list[Any] = []
         for prompt, sampling, request_id in zip(prompts, samplings, request_ids or [None] * len(prompts), strict=True):
-            self.ran.append((prompt, sampling, request_id))
-            text, ids = self.check_prompt(prompt)
+            assert isinstance(prompt, ValidatedPrompt), "the CLI hands over the prompts the cluster checked"
+            self.ran.append((prompt.text if prompt.text is not None else list(prompt.token_ids), sampling, request_id))
+            ids = list(prompt.token_ids)
+            text = prompt.text if prompt.text is not None else bytes(ids).decode()
             if text in FakeCluster.fail_prompts:
                 if not return_exceptions:
                     raise FakeCluster.fail_prompts[text]
@@ -212,7 +213,8 @@ def test_a_jsonl_run_with_bad_lines_runs_the_good_ones_and_exits_3(capsys, tmp_p
         f"kvfleet: {inputs}:3: prompt: must be text or a list of token ids (got None)",
         f"kvfleet: {inputs}:7: max_tokens: must be an integer (got '5')",
         f"kvfleet: {inputs}:8: line: not valid JSON (Expecting value at column 1)",
-        f"kvfleet: {inputs}:6: prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64",
+        f"kvfleet: {inputs}:6: prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
+        f"(got a prompt of {MAX_MODEL_LEN} tokens)",
         "kvfleet: 5 of 7 input lines failed; each has an error record in the output",
     ]
     records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -223,7 +225,8 @@ def test_a_jsonl_run_with_bad_lines_runs_the_good_ones_and_exits_3(capsys, tmp_p
         {"id": "c", "line": 3, "error": "prompt: must be text or a list of token ids (got None)"},
         {"id": "d", "prompt": "hi", "text": "ih", "token_ids": [105], "finish_reason": "length"},
         {"id": "e", "line": 6,
-         "error": f"prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64"},
+         "error": f"prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
+                  f"(got a prompt of {MAX_MODEL_LEN} tokens)"},
         {"id": "f", "line": 7, "error": "max_tokens: must be an integer (got '5')"},
         {"line": 8, "error": "line: not valid JSON (Expecting value at column 1)"},
     ]  # fmt: skip

@@ -39,6 +39,8 @@ BAD_LINES = [
     ('{"seed": 1}', "prompt: required field is missing"),
     ('{"prompt": "x", "max_token": 5}', "max_token: unknown field (got 5)"),
     ('{"prompt": "x", "id": [1]}', "id: must be a string or an integer (got [1])"),
+    ('{"prompt": "x", "cache_salt": ""}', "cache_salt: must be a non-empty string (got '')"),
+    ('{"prompt": "x", "cache_salt": 7}', "cache_salt: must be a non-empty string (got 7)"),
     ('["prompt", "x"]', "line: must be a JSON object with a \"prompt\" field (got ['prompt', 'x'])"),
     ('{"prompt": "x",', "line: not valid JSON (Expecting property name enclosed in double quotes at column 16)"),
 ]
@@ -54,6 +56,14 @@ def test_a_bad_line_is_named_and_the_good_lines_still_parse(tmp_path, line: str,
     assert str(bad) == f"{path}:2: {message}"
     assert bad.record() == {"line": 2, "error": message}
     assert last == PromptItem([5, 6], DEFAULTS.replace(max_tokens=2), None, str(path), 4)  # blank line 3 skipped
+
+
+def test_a_line_carries_its_cache_salt(tmp_path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "x", "cache_salt": "tenant-a"}\n{"prompt": "x"}\n')
+    salted, plain = read_prompts(path, DEFAULTS)
+    assert salted == PromptItem("x", DEFAULTS, None, str(path), 1, "tenant-a")
+    assert plain == PromptItem("x", DEFAULTS, None, str(path), 2, None)
 
 
 def test_an_error_record_keeps_the_lines_id(tmp_path) -> None:
