@@ -32,10 +32,12 @@ from engine.routing import (
     RequestSnapshot,
     RouteOutcomes,
     RouteRequest,
+    RoutingPolicy,
     Unpin,
     WorkerLoad,
     build_router,
 )
+from engine.routing.types import Role
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class Router:
         setup_logging(config.logging)
         router_config = config.router.model_copy(update={"pins": []})
         self.policy = build_router(router_config, list(groups), now=time.monotonic())
+        #: the policy again when it keeps cluster pins (kvfleet's); baselines keep none
+        self.pin_policy: RoutingPolicy | None = self.policy if isinstance(self.policy, RoutingPolicy) else None
         self.handles: dict[str, Any] = {}
         self.reasons: Counter[str] = Counter()
         self.outcomes = RouteOutcomes()
@@ -84,12 +88,12 @@ class Router:
         return self.incarnation
 
     # -- membership --------------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, role: str, num_blocks: int, handle: Any) -> None:
+    def add_worker(self, worker_id: str, role: Role, num_blocks: int, handle: Any) -> None:
         """Register a worker (a replacement takes over its predecessor's id and nothing else)."""
         if worker_id in self.handles:
             self.remove_worker(worker_id)
         self.handles[worker_id] = handle
-        actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())  # type: ignore[arg-type]
+        actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())
         self._execute(actions)
         if self._to_restore:
             self._restore_pins()
@@ -104,7 +108,8 @@ class Router:
                 self.journal.forget(entry.pin_id)
                 continue
             try:
-                _, actions = self.policy.pin(  # type: ignore[attr-defined]
+                assert self.pin_policy is not None  # journaled pins exist only under a pin policy
+                _, actions = self.pin_policy.pin(
                     list(entry.token_ids), replicas=entry.replicas, ttl_s=ttl, now=time.monotonic(), pin_id=entry.pin_id
                 )
             except ValueError as exc:  # e.g. not enough workers registered yet
@@ -142,9 +147,8 @@ class Router:
         self._execute(self.policy.apply_snapshot(worker_id, snapshot, time.monotonic()))
 
     def pin_result(self, worker_id: str, pin_id: int, pinned_tokens: int, seq: int | None = None) -> None:
-        pin_result = getattr(self.policy, "pin_result", None)
-        if pin_result is not None:
-            self._execute(pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
+        if self.pin_policy is not None:
+            self._execute(self.pin_policy.pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
 
     # -- placement ---------------------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Decision:
@@ -183,10 +187,9 @@ class Router:
     # -- pins --------------------------------------------------------------------------------------
     def pin(self, token_ids: list[int], replicas: int = 1, ttl_s: float | None = None) -> int:
         """Pin a prefix on ``replicas`` workers (optionally for ``ttl_s``); returns the pin id."""
-        pin = getattr(self.policy, "pin", None)
-        if pin is None:
+        if self.pin_policy is None:
             raise ValueError(f"router.policy: {self.policy.name!r} does not support pinned prefixes (use kvfleet)")
-        pin_id, actions = pin(token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic())
+        pin_id, actions = self.pin_policy.pin(token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic())
         if self.journal is not None:
             self.journal.record(int(pin_id), token_ids, replicas, ttl_s)
         self._execute(actions)
@@ -194,14 +197,13 @@ class Router:
         return int(pin_id)
 
     def unpin(self, pin_id: int) -> bool:
-        unpin = getattr(self.policy, "unpin", None)
-        if unpin is None:
+        if self.pin_policy is None:
             return False
-        known = any(info.pin_id == pin_id for info in self.policy.pin_info())  # type: ignore[attr-defined]
+        known = any(info.pin_id == pin_id for info in self.pin_policy.pin_info())
         pending = [entry for entry in self._to_restore if entry.pin_id != pin_id]
         known = known or len(pending) < len(self._to_restore)
         self._to_restore = pending
-        self._execute(unpin(pin_id, now=time.monotonic()))
+        self._execute(self.pin_policy.unpin(pin_id, now=time.monotonic()))
         if self.journal is not None:
             self.journal.forget(pin_id)
         self._update_pin_gauges()
@@ -211,8 +213,7 @@ class Router:
         """Every cluster pin: id, length, replicas, active and pending holders, expiry."""
         now = time.monotonic()
         self._maybe_tick(now)
-        pin_info = getattr(self.policy, "pin_info", None)
-        if pin_info is None:
+        if self.pin_policy is None:
             return []
         return [
             {
@@ -225,7 +226,7 @@ class Router:
                 "expires_in_s": None if info.expires_at is None else max(0.0, info.expires_at - now),
                 "auto": info.auto,
             }
-            for info in pin_info()
+            for info in self.pin_policy.pin_info()
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -263,10 +264,9 @@ class Router:
             self._update_pin_gauges()
 
     def _update_pin_gauges(self) -> None:
-        pin_info = getattr(self.policy, "pin_info", None)
-        if self.metrics is None or pin_info is None:
+        if self.metrics is None or self.pin_policy is None:
             return
-        infos = pin_info()
+        infos = self.pin_policy.pin_info()
         blocks = sum(info.blocks_per_replica * len(info.active) for info in infos)
         self.metrics.set_pin_stats(len(infos), blocks)
 

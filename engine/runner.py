@@ -201,8 +201,11 @@ class ModelRunner:
         size = rows * self.arch.num_kv_heads * self.arch.head_dim
         if self._scratch is None or self._scratch[0].numel() < size:
             size = max(size, 1) * 5 // 4  # headroom: sequences grow every step
-            self._scratch = tuple(torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(2))  # type: ignore[assignment]
-        return self._scratch  # type: ignore[return-value]
+            self._scratch = (
+                torch.empty(size, dtype=self.dtype, device=self.device),
+                torch.empty(size, dtype=self.dtype, device=self.device),
+            )
+        return self._scratch
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
         """The eager step's inputs (prefill and mixed steps; every step without a decode step)."""

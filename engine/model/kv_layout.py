@@ -189,7 +189,8 @@ def layer_page(arch: ModelArch, layer: LayerArch, block_size: int, dtype: str) -
 
 def _spec(layer: LayerArch, block_size: int) -> KVCacheSpec:
     if layer.kind == "sliding_attention":
-        return SlidingWindowSpec(block_size, int(layer.window))  # type: ignore[arg-type]
+        assert layer.window is not None  # LayerArch's invariant: sliding layers carry their window
+        return SlidingWindowSpec(block_size, layer.window)
     if layer.kind == "full_attention":
         return FullAttentionSpec(block_size)
     return MambaSpec(block_size)

@@ -105,7 +105,7 @@ class HitRules:
     ) -> int:
         """The coordinator's own fixed point, evaluated on these per-group hash sets."""
         for manager, table in zip(self.managers, tables, strict=True):
-            manager.cached = table  # type: ignore[assignment]
+            manager.cached = table  # type: ignore[assignment]  # the shadow managers only test membership
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         return self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba).num_tokens
 

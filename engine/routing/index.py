@@ -442,7 +442,7 @@ class PrefixIndex:
                     owners[block_hash] = rest
                 else:
                     owners.pop(block_hash, None)
-                if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]
+                if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
                     lost.append((g, block_hash))
         elif isinstance(event, BlockPinned):
             table = state.tables[event.group]
@@ -456,7 +456,7 @@ class PrefixIndex:
             for block_hash in event.block_hashes:
                 if block_hash in table:
                     table[block_hash] = TIER_NONE
-                    if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]
+                    if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
                         lost.append((g, block_hash))
         elif isinstance(event, AllBlocksCleared):
             self._clear(state)

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.transfer.base import (
-    DONE,
-    FAILED,
-    PENDING,
-    AgentInfo,
-    BlockPairs,
-    KVTransfer,
-    ReadRecord,
-    Role,
-    TransferError,
-    TransferStatus,
-)
+from engine.transfer.base import KVTransfer
+from engine.transfer.pairs import TransferError
+from engine.transfer.records import DONE, FAILED, PENDING, AgentInfo, BlockPairs, ReadRecord, Role, TransferStatus
 
 if TYPE_CHECKING:
     from configs.schema import TransferConfig

@@ -42,21 +42,18 @@ from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
-from engine.transfer.pairs import (  # as_pairs and TransferError: re-exported, as before the split
+from engine.transfer.pairs import (
     TransferError,
-    as_pairs,  # noqa: F401
     as_pool_pairs,
     check_compatible,
     check_slot_tensors,
 )
-from engine.transfer.records import (  # DONE and Role: re-exported, as before the split
-    DONE,  # noqa: F401
+from engine.transfer.records import (
     FAILED,
     PENDING,
     AgentInfo,
     BlockPairs,
     ReadRecord,
-    Role,  # noqa: F401
     TransferStatus,
 )
 

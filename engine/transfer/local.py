@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.transfer.base import DONE, FAILED, PENDING, AgentInfo, KVTransfer, ReadRecord, Role, TransferError
+from engine.transfer.base import KVTransfer
+from engine.transfer.pairs import TransferError
+from engine.transfer.records import DONE, FAILED, PENDING, AgentInfo, ReadRecord, Role
 
 if TYPE_CHECKING:
     import torch

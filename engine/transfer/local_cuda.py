@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from engine.transfer.base import AgentInfo, TransferError
+from engine.transfer.pairs import TransferError
+from engine.transfer.records import AgentInfo
 
 # Slot tensors of every CUDA owner registered in this process, by agent name: a same-process
 # reader's only way to them (CUDA IPC refuses handles opened by their own process). Weak: an

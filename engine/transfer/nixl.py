@@ -66,7 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.transfer.base import DONE, FAILED, AgentInfo, KVTransfer, ReadRecord, Role, TransferError
+from engine.transfer.base import KVTransfer
+from engine.transfer.pairs import TransferError
+from engine.transfer.records import DONE, FAILED, AgentInfo, ReadRecord, Role
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from engine.transfer.base import AgentInfo, BlockPairs
+    from engine.transfer.records import AgentInfo, BlockPairs
 
 
 class TransferError(RuntimeError):

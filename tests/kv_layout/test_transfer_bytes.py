@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.transfer import TransferError, make_transfer
-from engine.transfer.base import as_pool_pairs
 from engine.transfer.nixl import _block_descs, _slot_indices
+from engine.transfer.pairs import as_pool_pairs
 
 # pool 0: 3 attention slots of 512-byte pages; pool 1: 2 state slots of 3000-byte pages
 PAGES = [512, 512, 512, 3000, 3000]
@@ -84,7 +84,7 @@ def test_peers_must_agree_on_pools(pair) -> None:
 def test_nixl_descriptors_address_exactly_the_named_rows() -> None:
     """NIXL reads descriptor lists: the descriptors a read names on each side are the named
     rows of the named pool's slots, in the same order, with that pool's page size."""
-    from engine.transfer.base import AgentInfo
+    from engine.transfer.records import AgentInfo
 
     bases = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 8 << 20]
 

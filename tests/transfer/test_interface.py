@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.transfer import AgentInfo, TransferError, make_transfer
-from engine.transfer.base import as_pairs
 from engine.transfer.local import copy_runs
+from engine.transfer.pairs import as_pairs
 from tests.transfer.helpers import assert_plain
 
 BACKENDS = ["nixl", "local"]

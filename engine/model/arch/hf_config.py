@@ -76,7 +76,7 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
             "full_attention": _rope(rope_params.get("full_attention"), default_theta),
         }
         layers = tuple(
-            LayerArch(kind, int(window) if kind == "sliding_attention" else None, per_type[kind])  # type: ignore[arg-type]
+            LayerArch(kind, int(window) if kind == "sliding_attention" else None, per_type[kind])  # type: ignore[arg-type]  # kind: a checked LayerKind
             for kind in layer_types
         )
         return ModelArch(
@@ -114,7 +114,7 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
     else:
         layer_types = ["full_attention"] * num_layers
     layers = tuple(
-        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]
+        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]  # kind: a checked LayerKind
         for kind in layer_types
     )
     return ModelArch(

@@ -24,7 +24,7 @@ def _layers(
     if "sliding_attention" in layer_types and not window:
         raise UnsupportedModelError(f"sliding_window: {window!r}, but layer_types has sliding_attention layers")
     return tuple(
-        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]
+        LayerArch(kind, int(window) if kind == "sliding_attention" else None, rope)  # type: ignore[arg-type]  # kind: a checked LayerKind
         for kind in layer_types
     )
 
