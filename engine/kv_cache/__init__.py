@@ -7,7 +7,7 @@ tiers (pinning, unpinning, demotion) are ``BlockPool`` methods.
 """
 
 from engine.kv_cache.block_pool import Block, BlockPool
-from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, KVCacheInvariantError, PoolStats, RetentionOptions
+from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, PoolStats, RetentionOptions
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,
@@ -18,6 +18,7 @@ from engine.kv_cache.events import (
     KVEvent,
 )
 from engine.kv_cache.hashing import block_hashes, extend_block_hashes, hash_block
+from engine.kv_cache.invariants import KVCacheInvariantError
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import (
     ChunkedLocalSpec,

@@ -37,7 +37,7 @@ from engine.kv_cache.coordinator_types import (
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.invariants import KVCacheInvariantError, check_coordinator  # noqa: F401 (re-exported)
+from engine.kv_cache.invariants import check_coordinator
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.managers import MANAGER_FOR_SPEC
