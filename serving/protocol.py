@@ -198,14 +198,15 @@ class PinRequest(_Body):
     @field_validator("prefix", mode="before")
     @classmethod
     def _prefix_shape(cls, prefix: Any) -> PromptItem:
-        items = normalize_prompt(prefix, field="prefix")
+        items = normalize_prompt(prefix)
         if len(items) != 1:
             raise ValueError(f"must be one text or one list of token ids (got {len(items)} prompts)")
         return items[0]
 
 
-def normalize_prompt(prompt: Any, field: str = "prompt") -> list[PromptItem]:
-    """A prompt field as a list of prompts, each text or token ids; ValueError if malformed."""
+def normalize_prompt(prompt: Any) -> list[PromptItem]:
+    """A prompt field as a list of prompts, each text or token ids; ValueError if malformed (the
+    message leaves the field's name to ``describe`` and names the item only in a batch)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -220,19 +221,20 @@ def normalize_prompt(prompt: Any, field: str = "prompt") -> list[PromptItem]:
         raise ValueError(f"at most {MAX_PROMPTS} prompts per request (got {len(items)})")
     out: list[PromptItem] = []
     for i, item in enumerate(items):
-        where = f"item {i}" if len(items) > 1 else field
+        item_of_batch = f"item {i} " if len(items) > 1 else ""
         if isinstance(item, str):
             if not item:
-                raise ValueError(f"{where} is an empty string")
+                raise ValueError(f"{item_of_batch}must not be empty (got '')")
             out.append(item)
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
             out.append(list(item))
+        elif isinstance(item, list) and not item:
+            raise ValueError(f"{item_of_batch}must not be empty (got [])")
         elif isinstance(item, list):
-            bad = next((t for t in item if not _is_token(t)), None) if item else None
-            detail = "is an empty list" if not item else f"holds {bad!r}, not a token id (a non-negative integer)"
-            raise ValueError(f"{where} {detail}")
+            bad = next(t for t in item if not _is_token(t))
+            raise ValueError(f"{item_of_batch}must hold token ids, non-negative integers (got {bad!r})")
         else:
-            raise ValueError(f"{where} must be a string or a list of token ids (got {_kind(item)})")
+            raise ValueError(f"{item_of_batch}must be a string or a list of token ids (got {_kind(item)})")
     return out
 
 
