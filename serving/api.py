@@ -1,7 +1,7 @@
 """The HTTP API as a FastAPI application over a started ``Cluster``.
 
 OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events) and
-``/v1/models``; the operator's ``/health`` (200 only while every worker is healthy) and
+``/v1/models`` (and ``/v1/models/{id}``); the operator's ``/health`` (200 only while every worker is healthy) and
 ``/metrics`` (Prometheus text); kvfleet's own ``/v1/pins`` and ``/v1/stats``. When an API key is
 configured every ``/v1`` route needs it. ``build_api`` is what the Ray Serve ingress serves; it
 needs no Ray Serve itself.
@@ -23,7 +23,14 @@ from pydantic import BaseModel, ValidationError
 from cluster.api import Cluster
 from configs.schema import ServeConfig
 from serving.completions import Admission, Generation
-from serving.errors import APIError, bad_request, check_api_key, install_error_handlers, leading_field
+from serving.errors import (
+    APIError,
+    bad_request,
+    check_api_key,
+    install_error_handlers,
+    leading_field,
+    model_not_found,
+)
 from serving.metrics import CONTENT_TYPE, ServeMetrics
 from serving.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, describe
 
@@ -68,11 +75,19 @@ def build_api(cluster: Cluster) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         return await _answer(generation, generation.prepare_chat(body))
 
+    def card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvfleet",
+                "root": cluster.config.model.source, "max_model_len": cluster.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "kvfleet",
-                "root": cluster.config.model.source, "max_model_len": cluster.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise model_not_found(model_id, model_name)
+        return card()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -188,5 +203,7 @@ def _endpoint(path: str) -> str:
     """The route a path belongs to (bounded label values: pin ids are not labels)."""
     if path.startswith("/v1/pins/"):
         return "/v1/pins/{id}"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
     known = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/pins", "/v1/stats", "/health", "/metrics"}
     return path if path in known else "other"

@@ -26,7 +26,7 @@ from typing import Any
 from cluster.api import Cluster, ClusterCompletion, Delta
 from engine.sampling_params import SamplingParams
 from engine.validation import ValidatedPrompt, in_vocabulary, leaves_room
-from serving.errors import APIError, bad_request, error_body, leading_field
+from serving.errors import APIError, bad_request, error_body, leading_field, model_not_found
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
@@ -105,8 +105,7 @@ class Generation:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise bad_request("model", f"model: unknown model {model!r} (this server serves {self.model_name!r})",
-                              code="model_not_found")  # fmt: skip
+            raise model_not_found(model, self.model_name)
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):

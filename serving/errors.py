@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for every
 failure the API can answer: bad bodies (400), a missing or wrong API key (401), unknown routes
-(404), a full queue (429 with ``Retry-After``), and anything unexpected (500, logged here, never a
+and models (404), a full queue (429 with ``Retry-After``), and anything unexpected (500, logged here, never a
 traceback in the body)."""
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def bad_request(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    """404 for a model this server does not serve (as OpenAI's and vLLM's: the client's NotFoundError)."""
+    return APIError(404, f"model: the model {model!r} does not exist (this server serves {served!r})",
+                    param="model", code="model_not_found")  # fmt: skip
 
 
 def leading_field(message: str) -> str:

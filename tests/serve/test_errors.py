@@ -1,6 +1,6 @@
 """Bad requests get OpenAI-shaped errors that name the field and value, with the right status,
-and the server keeps serving: 400 for every bad body, 401 without the key, 404 for unknown
-routes and pins, never a traceback in a body."""
+and the server keeps serving: 400 for every bad body, 401 without the key on /v1 routes, 404 for
+unknown routes, models and pins, never a traceback in a body."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"prompt": [1, 2, 999_999]}, "prompt", "999999"),
     ("completions", {"prompt": "x" * 600}, "prompt", "context"),
     ("completions", {"prompt": 42}, "prompt", "42"),
-    ("completions", {"model": "no-such-model"}, "model", "no-such-model"),
     ("completions", {"model": 7}, "model", "string"),
     ("completions", {"n": 2}, "n", "n=1"),
     ("completions", {"logprobs": 1}, "logprobs", "not supported"),
@@ -95,9 +94,6 @@ def test_the_openai_client_sees_the_400_with_its_param(server: Server) -> None:
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == "temperature"  # type: ignore[index]
     assert "'abc'" in caught.value.body["message"]  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="gpt-4", prompt="x")
-    assert caught.value.body["param"] == "model"  # type: ignore[index]
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])
@@ -128,9 +124,41 @@ def test_the_openai_client_with_a_wrong_key_gets_401(server: Server) -> None:
         client.completions.create(model=server.model, prompt="x", max_tokens=1)
 
 
-def test_health_and_metrics_need_no_key(server: Server) -> None:
+def test_the_key_guards_v1_routes_while_health_and_metrics_stay_open(server: Server) -> None:
+    """As vLLM's: probes and Prometheus scrapers need no key; every /v1 route does."""
+    assert server.api_key is not None
+    assert httpx.get(f"{server.base}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
     assert httpx.get(f"{server.base}/metrics", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_model_is_a_404_the_client_raises_as_not_found(server: Server, stream: bool) -> None:
+    client = server.openai()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1, stream=stream)
+    assert caught.value.body == {"message": f"model: the model 'gpt-4' does not exist (this server serves "
+                                 f"{server.model!r})", "type": "not_found_error", "param": "model",
+                                 "code": "model_not_found"}  # fmt: skip
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, stream=stream)  # fmt: skip
+    assert caught.value.body["param"] == "model"  # type: ignore[index]
+    response = server.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_model_by_id_is_the_listed_card_and_another_id_is_a_404(server: Server) -> None:
+    client = server.openai()
+    card = client.models.retrieve(server.model)
+    assert card.id == server.model and card.object == "model"
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    for other in ("gpt-4", "org/" + server.model):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve(other)
+        assert caught.value.body["param"] == "model"  # type: ignore[index]
+        assert repr(other) in caught.value.body["message"]  # type: ignore[index]
 
 
 def test_unknown_routes_and_pins_are_404_in_openai_shape(server: Server) -> None:
