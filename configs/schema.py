@@ -337,8 +337,9 @@ class ServeConfig(_Frozen):
 
     ``host`` / ``port`` are where ``kvfleet serve`` binds Ray Serve's HTTP proxy (loopback by
     default). ``api_key``: when set (here, or through the environment variable named by
-    ``api_key_env``, which wins), every endpoint but ``/health`` needs
-    ``Authorization: Bearer <key>``. ``max_queued_requests``: requests in flight (queued or
+    ``api_key_env``, which wins), every ``/v1`` route needs ``Authorization: Bearer <key>``;
+    ``/health`` and ``/metrics`` stay open for probes and Prometheus scrapers (as vLLM's key
+    does). ``max_queued_requests``: requests in flight (queued or
     running) per ingress replica; one more is answered 429 with ``Retry-After``.
     """
 
