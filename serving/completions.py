@@ -180,20 +180,25 @@ class Generation:
 
         async def one(index: int, prompt: ValidatedPrompt) -> None:
             request_id = f"{prepared.request_id}-{index}"
+            first: float | None = None
             last: float | None = None
 
             def on_delta(delta: Delta) -> None:
-                nonlocal last
+                nonlocal first, last
                 if delta.num_tokens:
                     now = time.monotonic()
                     if last is not None:
                         self.metrics.record_gap(now - last, delta.num_tokens)
-                    last = now
+                    first, last = first or now, now
                 queue.put_nowait((index, delta))
 
             try:
                 completion = await self.cluster.agenerate(prompt, prepared.sampling, request_id=request_id,
                                                           on_delta=on_delta)  # fmt: skip
+                # arrival to the last token: the cluster's TTFT (from arrival) plus the stream after it
+                tokens_s = last - first if first is not None and last is not None else None
+                self.metrics.e2e_latency.observe(completion.ttft_s + tokens_s if tokens_s is not None
+                                                 else completion.latency_s)  # fmt: skip
                 queue.put_nowait((index, completion))
             except asyncio.CancelledError:
                 raise

@@ -1,7 +1,7 @@
 """Prometheus metrics of the HTTP API (``GET /metrics``), with ``prometheus_client``.
 
-Request-level series (requests by endpoint and status, prompt / generated / cached tokens, TTFT
-and inter-token latency histograms, requests in flight) are counted by the ingress replica that
+Request-level series (requests by endpoint and status, prompt / generated / cached tokens, TTFT,
+inter-token and end-to-end latency histograms, requests in flight) are counted by the ingress replica that
 served the request. Cluster-level gauges (queue depth, running requests, hit rate, free and
 pinned blocks, KV transfer bytes) are read from ``Cluster.astats()`` at scrape time. Every name
 starts with ``kvfleet_``; counters end in ``_total`` in the exposition.
@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -66,6 +67,9 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
         self.itl = Histogram("kvfleet_inter_token_latency_seconds", "Time between consecutive output tokens.",
                              buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.e2e_latency = Histogram("kvfleet_e2e_request_latency_seconds",
+                                     "Request latency from arrival to its last token, per finished request.",
+                                     buckets=E2E_BUCKETS_S, registry=r)  # fmt: skip
         self.in_flight = Gauge("kvfleet_http_requests_in_flight", "Generation requests admitted, not finished.",
                                registry=r)  # fmt: skip
         self.rejected = Counter("kvfleet_http_requests_rejected", "Requests refused with 429 (queue bound full).",

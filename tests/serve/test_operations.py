@@ -39,6 +39,11 @@ def test_metrics_parse_and_their_counters_move(server: Server) -> None:
         "kvfleet_time_to_first_token_seconds_count", 0.0) + 1  # fmt: skip
     assert after["kvfleet_inter_token_latency_seconds_count"] >= before.get(
         "kvfleet_inter_token_latency_seconds_count", 0.0) + 1  # fmt: skip
+    e2e, ttft = "kvfleet_e2e_request_latency_seconds", "kvfleet_time_to_first_token_seconds"
+    assert after[f"{e2e}_count"] == before.get(f"{e2e}_count", 0.0) + 1
+    e2e_s = after[f"{e2e}_sum"] - before.get(f"{e2e}_sum", 0.0)
+    assert after[f"{ttft}_sum"] - before.get(f"{ttft}_sum", 0.0) <= e2e_s + 1e-9 < 60  # arrival to the last token
+    assert after[f"{e2e}_bucket|le=+Inf"] == after[f"{e2e}_count"]
     for gauge in ("kvfleet_queue_depth", "kvfleet_running_requests", "kvfleet_prefix_cache_hit_rate",
                   "kvfleet_free_blocks", "kvfleet_pinned_blocks", "kvfleet_kv_transfer_bytes",
                   "kvfleet_http_requests_in_flight"):  # fmt: skip
