@@ -181,17 +181,21 @@ class RequestRunner:
 
     async def run(self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None = None) -> ClusterCompletion:
         """``collect`` for a caller that may be cancelled: then the request is aborted on its
-        workers (freeing its blocks) and its attempt ends before the cancellation goes on."""
+        workers (freeing its blocks) and its attempt ends before the cancellation goes on.
+
+        The attempt and the aborts are awaited as one shielded future that takes their outcome
+        whatever the caller does: a caller cancelled again while it waits (anyio's cancel scopes,
+        under Starlette's streaming responses, cancel at every await) leaves no task whose error
+        nobody retrieves. An aborted attempt may end in an error (Ray Serve cancels a disconnected
+        request's worker calls with it: ``TaskCancelledError``); nobody waits for its result."""
         task = asyncio.ensure_future(self.collect(request, on_delta))
         try:
             return await asyncio.shield(task)
         finally:
             if not task.done():
                 request.aborted = True
-                aborts = asyncio.gather(*(w.abort.remote(request.engine_id) for w in request.workers),
-                                        return_exceptions=True)  # fmt: skip
-                await asyncio.shield(aborts)
-                await asyncio.gather(task, return_exceptions=True)
+                aborts = [w.abort.remote(request.engine_id) for w in request.workers]
+                await asyncio.shield(asyncio.gather(task, *aborts, return_exceptions=True))
 
     async def stream(
         self,

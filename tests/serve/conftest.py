@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -120,6 +121,26 @@ def server(servers: dict[str, Server]) -> Server:
 def small_server(servers: dict[str, Server]) -> Server:
     return servers["small"]
 
+
+
+def server_log_files() -> dict[Path, int]:
+    """This Ray session's log files and their sizes now: Serve's replica logs and the actors'
+    stdout and stderr (where asyncio reports a task error nobody retrieved)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [*logs.glob("serve/*.log"), *logs.glob("worker-*.err"), *logs.glob("worker-*.out")]
+    return {f: f.stat().st_size for f in files if f.is_file()}
+
+
+def logged_since(sizes: dict[Path, int]) -> str:
+    """What the session's processes logged after ``server_log_files()`` returned ``sizes``."""
+    text = []
+    for path in server_log_files():
+        with path.open("rb") as f:
+            f.seek(sizes.get(path, 0))
+            text.append(f.read().decode(errors="replace"))
+    return "".join(text)
 
 
 def all_blocks_free(server: Server) -> Callable[[], bool]:

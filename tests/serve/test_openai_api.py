@@ -17,7 +17,7 @@ from configs import ClusterConfig
 from engine import LLM, SamplingParams
 from engine.tokenizer import ByteTokenizer
 from tests.oracle import MIN_MARGIN, greedy_references
-from tests.serve.conftest import Server, all_blocks_free, wait_for
+from tests.serve.conftest import Server, all_blocks_free, logged_since, server_log_files, wait_for
 
 MAX_TOKENS = 12
 WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta", "zeta", "rho"]
@@ -235,6 +235,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server) -
 
     wait_for(all_blocks_free(server), 10, "an idle cluster before the test")
     aborted_before = server.totals()["requests_aborted"]
+    logs_before = server_log_files()
     prompt = prompt_text(77, 40)
     max_tokens = server.config.model.max_model_len or 512
     max_tokens -= len(ByteTokenizer().encode(prompt)) + 1
@@ -253,6 +254,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server) -
     freed_after_s = time.monotonic() - closed
     assert server.totals()["requests_aborted"] > aborted_before, "the request ran to its end instead of aborting"
     assert freed_after_s <= 2.0
+    time.sleep(1.0)  # the aborted attempt ends (and would be reported) after the blocks are free
+    logged = logged_since(logs_before)
+    assert "never retrieved" not in logged and "Traceback" not in logged, logged[-4000:]
 
 
 def test_the_server_keeps_serving_after_everything_above(server: Server) -> None:
