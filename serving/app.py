@@ -24,6 +24,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.schema import LoggingConfig
 
 from cluster.api import Cluster, ClusterHandles
 from configs import ClusterConfig, load_config
@@ -103,10 +104,18 @@ class OpenAIIngress:
             self._cluster.shutdown()
 
 
+def serve_logging(config: ClusterConfig) -> LoggingConfig:
+    """Ray Serve's logging at ``logging.level``: its per-request access lines are INFO records,
+    so they show only where kvfleet's own INFO lines do."""
+    return LoggingConfig(log_level=config.logging.level)
+
+
 def kvfleet_app(config: ClusterConfig) -> Application:
-    """The application for ``config``: the controller and ``serve.ingress_replicas`` ingresses."""
+    """The application for ``config``: the controller and ``serve.ingress_replicas`` ingresses,
+    both logging at ``logging.level`` (``serve_logging``)."""
     serve_config = config.serve
     timeout_s = serve_config.graceful_shutdown_timeout_s
+    logging_config = serve_logging(config)
     controller = serve.deployment(
         ClusterController,
         name=CONTROLLER,
@@ -115,6 +124,7 @@ def kvfleet_app(config: ClusterConfig) -> Application:
         graceful_shutdown_timeout_s=timeout_s + 10,
         health_check_period_s=10,
         health_check_timeout_s=60,
+        logging_config=logging_config,
     )
     ingress = serve.deployment(
         serve.ingress()(OpenAIIngress),
@@ -124,6 +134,7 @@ def kvfleet_app(config: ClusterConfig) -> Application:
         max_ongoing_requests=serve_config.max_queued_requests + HEADROOM_REQUESTS,
         graceful_shutdown_timeout_s=timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
+        logging_config=logging_config,
     )
     return ingress.bind(controller.bind(config))  # type: ignore[attr-defined]  # ray's decorator hides .bind
 

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from configs import ClusterConfig
 
 log = logging.getLogger(__name__)
+# The serving lifecycle (ready, draining, stopped) is what an operator watches for after the URL
+# line: WARNING shows it under every preset (the tiny ones log at WARNING) and hides it only
+# where the config asks for errors alone.
+LIFECYCLE = logging.WARNING
 
 
 @dataclass
@@ -34,7 +38,7 @@ def start_serving(config: ClusterConfig) -> Serving:
     from ray import serve
 
     from cluster.placement import embedded_init_kwargs, loopback_environment
-    from serving.app import APP_NAME, kvfleet_app
+    from serving.app import APP_NAME, kvfleet_app, serve_logging
 
     loopback_environment()
     started = time.monotonic()
@@ -49,7 +53,8 @@ def start_serving(config: ClusterConfig) -> Serving:
             ray.init(**kwargs)
             owns_ray = True
     try:
-        serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+        serve.start(http_options={"host": config.serve.host, "port": config.serve.port},
+                    logging_config=serve_logging(config))  # the proxy's access lines too
         serve.run(kvfleet_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     except BaseException:
         stop_serving(owns_ray)
@@ -85,14 +90,14 @@ def serve_until_signalled(config: ClusterConfig) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     model = config.serve.served_model_name or config.model.source
     print(f"kvfleet: serving {model} at {serving.url} (OpenAI API under {serving.url}/v1)", flush=True)
-    log.info("ready in %.1f s; Ctrl-C (SIGINT) or SIGTERM drains and stops", serving.started_s)
+    log.log(LIFECYCLE, "ready in %.1f s; Ctrl-C (SIGINT) or SIGTERM drains and stops", serving.started_s)
     try:
         while not stop.wait(0.5):
             pass
-        log.info("draining in-flight requests (up to %.0f s)", config.serve.graceful_shutdown_timeout_s)
+        log.log(LIFECYCLE, "draining in-flight requests (up to %.0f s)", config.serve.graceful_shutdown_timeout_s)
     finally:
         stop_serving(serving.owns_ray)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    log.info("stopped")
+    log.log(LIFECYCLE, "stopped")
     return 0

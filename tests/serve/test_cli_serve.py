@@ -1,5 +1,6 @@
 """``kvfleet serve`` as a user runs it: it prints the URL, answers the OpenAI client, and on
-SIGTERM drains the request in flight (it completes whole) and exits 0."""
+SIGTERM drains the request in flight (it completes whole) and exits 0; its log shows the
+lifecycle and, at the preset's WARNING level, no per-request access lines."""
 
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ def test_kvfleet_serve_prints_its_url_serves_and_drains_on_sigterm(tmp_path: Pat
         assert usage["completion_tokens"] == MAX_TOKENS, usage  # type: ignore[index]
         assert len(events) > at_signal + 10, "the request had already finished when SIGTERM arrived"
         assert process.wait(timeout=90) == 0
+        logged = (tmp_path / "stderr.log").read_text()
+        # the tiny preset logs at WARNING: kvfleet's lifecycle shows, Serve's INFO access lines do not
+        assert "draining in-flight requests" in logged and "stopped" in logged, logged[-3000:]
+        assert "POST /v1/completions" not in logged, logged[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
