@@ -1,10 +1,15 @@
-"""README's quick start: exactly two commands, and the CLI call in the first one parses."""
+"""README's quick start: exactly two commands, and the CLI call in the first one parses; the
+``Cluster`` calls it names exist."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shlex
 from pathlib import Path
 
+from cluster import Cluster
+from cluster.api import Delta
 from cluster.cli import build_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -27,3 +32,12 @@ def test_first_command_runs_a_real_subcommand() -> None:
     assert argv[0] == "kvfleet"
     args = build_parser().parse_args(argv[1:])
     assert args.command == "generate" and args.prompts
+
+
+def test_every_cluster_call_it_names_exists() -> None:
+    """``cluster.<name>(`` in the README names a method of ``Cluster``; ``Delta`` has the fields
+    the README gives it."""
+    called = set(re.findall(r"\bcluster\.([a-z_]+)\(", README.read_text()))
+    assert {"stream", "stream_completion", "generate", "abort"} <= called
+    assert not [name for name in called if not callable(getattr(Cluster, name, None))]
+    assert {f.name for f in dataclasses.fields(Delta)} == {"text", "num_tokens"}
