@@ -133,11 +133,19 @@ class KVCacheConfig(_Frozen):
 
 
 class SchedulerConfig(_Frozen):
-    """Continuous batching limits of one engine step."""
+    """Continuous batching limits of one engine step.
+
+    ``async_scheduling``: overlap host and device on decode-only steps: while the device runs
+    one step, the engine schedules and launches the next one of the same requests (its input ids
+    taken on the device from the sampled ids of the step before), and reads the earlier step's
+    tokens only then (``EngineCore.step``); steps with a prefill, a new or finished request, or
+    a KV transfer to start run synchronously. Greedy and seeded tokens are the same either way.
+    """
 
     max_num_batched_tokens: PositiveInt = 2048
     max_num_seqs: PositiveInt = 64
     prefill_chunk_size: PositiveInt = 512
+    async_scheduling: bool = False
 
     @model_validator(mode="after")
     def _chunk_within_budget(self) -> SchedulerConfig:

@@ -35,6 +35,7 @@ from engine.model.kv_layout import build_kv_layout
 from engine.pd_handoff import Expected, PDHandoff
 from engine.request import Request, RequestStatus, UncheckedRequestError
 from engine.runner import TORCH_DTYPES, ModelRunner
+from engine.sampler import PendingTokens, SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.transfer import AgentInfo, KVTransfer, Role, transfer_from_config
@@ -81,14 +82,26 @@ class EngineInfo:
     pool_blocks: tuple[int, ...] = ()  # blocks per pool (null included); num_blocks is pool 0's
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A decode-only step the device may still be running: what was scheduled, and its tokens
+    on their way to the host."""
+
+    output: SchedulerOutput
+    tokens: PendingTokens
+
+
 class EngineCore:
     """Owns the scheduler, the KV-cache coordinator, the model runner and (with a ``kv_role``)
-    the transfer object of one worker and its P/D hand-off (``handoff``: the transfer state).
+    the transfer object of one worker and its P/D hand-off (``handoff``: the transfer state),
+    and (with ``scheduler.async_scheduling``) the one step launched but not yet read.
 
     Invariants: every block is owned by exactly one of: a running / waiting-for-KV request, a
     prefill-only request held for its reader (released on the reader's notification or after
     ``transfer.release_timeout_s``), or the pool; a transfer only writes blocks the coordinator
-    allocated to the request it serves, and those stay allocated until the read has ended.
+    allocated to the request it serves, and those stay allocated until the read has ended; at
+    most one step is in flight (``in_flight``), and nothing but its own continuation is
+    scheduled while it is (every other path drains it first, ``drain``).
     """
 
     def __init__(
@@ -164,6 +177,11 @@ class EngineCore:
                 exports_prefills=kv_role != "decode",
             )  # fmt: skip
         self.consecutive_failed_steps = 0
+        self.async_scheduling = config.scheduler.async_scheduling
+        #: the decode step launched but not read yet (``step``); its outputs come with a later step
+        self.in_flight: LaunchedStep | None = None
+        #: outputs of an in-flight step read early (``drain``), returned by the next ``step``
+        self._drained: list[RequestOutput] = []
         #: called right after each step's scheduling, before the forward (the owner reports the
         #: cache events of that scheduling: the blocks it evicted are gone already)
         self.on_scheduled: Callable[[], None] | None = None
@@ -223,6 +241,7 @@ class EngineCore:
         else:
             handoff = self._handoff_for("do P/D transfers")
             check_handle(kv_handle, self.layout_key, request.token_ids)
+            self.drain()  # the read may land in blocks an in-flight step still writes (``drain``)
             handoff.start_load(request, kv_handle)
         return request
 
@@ -253,11 +272,16 @@ class EngineCore:
                        cache_salt, remote_prefill=remote_prefill, prefill_only=prefill_only)  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks (once any read into them has ended)."""
+        """Stop a request wherever it is and free its blocks (once any read into them has ended).
+        Tokens an in-flight step gave it are dropped: the caller never saw them."""
+        self.drain()
+        dropped = any(out.request_id == request_id for out in self._drained)
+        if dropped:
+            self._drained = [out for out in self._drained if out.request_id != request_id]
         self.runner.forget(request_id)
         if self.handoff is not None and self.handoff.abort(request_id):
             return True
-        return self.scheduler.abort(request_id)
+        return self.scheduler.abort(request_id) or dropped
 
     # -- P/D: the decode side before the handle arrives, and exports (delegated to ``handoff``) ------
     def expect_remote_prefill(
@@ -288,6 +312,7 @@ class EngineCore:
         only. Returns an error output when the request fails here (a handle that does not fit)."""
         if self.handoff is None:  # nothing is announced on an engine without a kv_role
             return None
+        self.drain()  # the read may land in blocks an in-flight step still writes (``drain``)
         return self.handoff.provide_handle(request_id, handle)
 
     def discard_handle(self, handle: KVHandle | None) -> None:
@@ -315,7 +340,7 @@ class EngineCore:
     def only_awaiting_handles(self) -> bool:
         """Nothing to poll: every request here waits for a handle, with no read in flight, no
         blocks held for a reader and nothing to compute (the worker may sleep until a call)."""
-        if self.scheduler.running or self.scheduler.waiting:
+        if self.scheduler.running or self.scheduler.waiting or self.in_flight is not None:
             return False
         return self.handoff is None or self.handoff.only_awaiting_handles
 
@@ -346,30 +371,102 @@ class EngineCore:
         raises fails only the requests of that batch (their blocks freed, anything the failed
         step registered in the prefix cache taken out) and the engine goes on. ``EngineBroken``
         is raised only when it cannot go on: its bookkeeping no longer holds, or
-        ``MAX_CONSECUTIVE_FAILED_STEPS`` batches in a row failed."""
+        ``MAX_CONSECUTIVE_FAILED_STEPS`` batches in a row failed.
+
+        With ``scheduler.async_scheduling`` a decode-only step is launched without waiting for
+        its tokens; while it runs, the next call schedules and launches its continuation
+        (``Scheduler.schedule_continuation``: the same requests, input ids read on the device),
+        and only then reads the earlier step's tokens and updates the requests. So the outputs
+        returned lag the device by one step, and one step stays in flight between calls while
+        the continuation holds; anything else (a request arriving, finishing by length, a block
+        to preempt for) ends the chain: the in-flight step is read and the next call schedules
+        as usual."""
+        results, self._drained = self._drained, []
         handoff = self.handoff
-        results = handoff.progress() if handoff is not None else []
+        if handoff is not None:
+            results.extend(handoff.progress())
         scheduler = self.scheduler
-        if scheduler.running or scheduler.waiting:
+        if self.in_flight is None:
+            if not (scheduler.running or scheduler.waiting):
+                return results
             output = scheduler.schedule()
             if self.on_scheduled is not None:
                 self.on_scheduled()
+            if not (self.async_scheduling and self.runner.can_launch(output)):
+                results.extend(self._run_synchronously(output))
+                return results
             try:
-                sampled = self.runner.execute(output)
+                self.in_flight = LaunchedStep(output, self.runner.launch(output))
             except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
                 results.extend(self._fail_batch(output, exc))
                 return results
-            self.consecutive_failed_steps = 0
-            for request_id, why in sampled.failures.items():
-                results.append(self._fail_request(request_id, why))
-            for result in scheduler.update(output, sampled.tokens):
-                if result.finished:
-                    self.runner.forget(result.request_id)
-                if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
-                    assert handoff is not None, "a prefill-only request needs a kv_role (add_request checks)"
-                    result = replace(result, kv_handle=handoff.export(result.request_id))
-                results.append(result)
+        previous, self.in_flight = self.in_flight, None
+        following, failed = self._launch_continuation(previous)
+        results.extend(self._read(previous))
+        if failed is not None:
+            results.extend(self._fail_batch(*failed))
+        self.in_flight = following
         return results
+
+    def _run_synchronously(self, output: SchedulerOutput) -> list[RequestOutput]:
+        try:
+            sampled = self.runner.execute(output)
+        except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
+            return self._fail_batch(output, exc)
+        return self._apply(output, sampled)
+
+    def _launch_continuation(
+        self, previous: LaunchedStep
+    ) -> tuple[LaunchedStep | None, tuple[SchedulerOutput, Exception] | None]:
+        """Schedule and launch the step after ``previous`` while ``previous`` may still run:
+        (the launched step or None, the scheduled output and why its launch failed or None).
+
+        A request that stops on ``previous``'s token is in this step too; ``update`` frees its
+        blocks after this launch. Its writes here (the KV of the stop token, a recurrent state)
+        land in blocks it owned at launch, and any later step that reuses those blocks runs
+        after this one on the same stream; a KV transfer, which the stream does not order,
+        starts only after ``drain``."""
+        output = self.scheduler.schedule_continuation(previous.output)
+        if output is None:
+            return None, None
+        if self.on_scheduled is not None:
+            self.on_scheduled()
+        try:
+            return LaunchedStep(output, self.runner.launch(output, previous.tokens)), None
+        except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
+            return None, (output, exc)
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them (a failure on the device fails the batch)."""
+        try:
+            sampled = launched.tokens.result()
+        except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
+            return self._fail_batch(launched.output, exc)
+        return self._apply(launched.output, sampled)
+
+    def _apply(self, output: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
+        """A computed step's samples: fail the rows that could not be sampled, update the rest."""
+        self.consecutive_failed_steps = 0
+        results = []
+        for request_id, why in sampled.failures.items():
+            if self.scheduler.is_running(request_id):
+                results.append(self._fail_request(request_id, why))
+        for result in self.scheduler.update(output, sampled.tokens):
+            if result.finished:
+                self.runner.forget(result.request_id)
+            if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:
+                assert self.handoff is not None, "a prefill-only request needs a kv_role (add_request checks)"
+                result = replace(result, kv_handle=self.handoff.export(result.request_id))
+            results.append(result)
+        return results
+
+    def drain(self) -> None:
+        """Read the in-flight step now (its outputs come with the next ``step``), so that no
+        step the engine launched still runs: before an abort, and before a KV transfer starts
+        into blocks (a transfer is not ordered after the device's work)."""
+        launched, self.in_flight = self.in_flight, None
+        if launched is not None:
+            self._drained.extend(self._read(launched))
 
     def _fail_batch(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         self.consecutive_failed_steps += 1
@@ -379,6 +476,8 @@ class EngineCore:
         results = []
         for chunk in output.chunks:
             request_id = chunk.request.request_id
+            if not self.scheduler.is_running(request_id):  # it ended on an earlier step's token
+                continue
             self.coordinator.discard_uncomputed(request_id, chunk.start)
             results.append(self._fail_request(request_id, why))
         try:
@@ -399,13 +498,20 @@ class EngineCore:
     # -- state -------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        """Anything outstanding: requests to compute, reads in flight, or blocks held for readers."""
-        return self.scheduler.has_work or (self.handoff is not None and self.handoff.has_work)
+        """Anything outstanding: requests to compute, a step in flight or outputs to return,
+        reads in flight, or blocks held for readers."""
+        return (
+            self.scheduler.has_work
+            or self.in_flight is not None
+            or bool(self._drained)
+            or (self.handoff is not None and self.handoff.has_work)
+        )
 
     @property
     def has_compute_work(self) -> bool:
-        """Requests the next ``step`` will run the model for."""
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Requests the next ``step`` will run the model for, or a launched step it will read."""
+        scheduler = self.scheduler
+        return bool(scheduler.running or scheduler.waiting or self._drained) or self.in_flight is not None
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / pinned / ...) since the last call, for the router."""
@@ -516,6 +622,7 @@ class EngineCore:
     def close(self) -> None:
         """Release the decode graphs and the transfer registration (pending reads are cancelled).
         Idempotent."""
+        self.drain()
         self.runner.close()
         if self.transfer is not None:
             self.transfer.close()

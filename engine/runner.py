@@ -27,7 +27,7 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
-from engine.sampler import SampledTokens, Sampler
+from engine.sampler import PendingTokens, SampledTokens, Sampler
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,13 @@ class ModelRunner:
         # set after each forward on CUDA: the KV and state writes queued so far are done once it is
         self._kv_written: torch.cuda.Event | None = None
         self.decode: DecodeStep | None = None
+        # pinned buffers the sampled ids of launched steps are copied into, taking turns: a step's
+        # is rewritten two launches later, after the engine read it (CUDA only)
+        self._sampled_hosts: list[torch.Tensor] = []
+        self._sampled_turn = 0
         if max_num_seqs is not None and max_model_len is not None:
+            if device.type == "cuda":
+                self._sampled_hosts = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self.decode = DecodeStep(
                 decode_groups(self.windows, self.is_mamba), layout.block_size, max_num_seqs, max_model_len, device,
                 self.paged_attention, model,
@@ -157,6 +163,41 @@ class ModelRunner:
         ids = [c.request.request_id for c in output.chunks if c.sample]
         return sampled.tokens, dict(zip(ids, logits.cpu(), strict=True))
 
+    def can_launch(self, output: SchedulerOutput) -> bool:
+        """Whether ``launch`` takes this step: a decode-only one the static decode step runs."""
+        return self.decode is not None and self.decode.accepts(output.chunks)
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput, previous: PendingTokens | None = None) -> PendingTokens:
+        """Start a decode-only step (``can_launch``) and return without waiting for its tokens:
+        they stay on the device (the next step may read them there) and come to the host by a
+        non-blocking copy that ``PendingTokens.result`` waits for. ``previous``: the launched
+        step whose sampled ids are this step's input ids (its requests that still run, in the
+        same order, ``Scheduler.schedule_continuation``). Samples exactly as ``execute`` does. A forward
+        that fails on the host raises here; on CUDA a failing kernel raises at ``result``."""
+        decode = self.decode
+        assert decode is not None, "can_launch: only the static decode step is launched"
+        chunks = output.chunks
+        if previous is None:
+            hidden = decode.run(chunks)
+        else:
+            row_of = {request_id: row for row, request_id in enumerate(previous.request_ids)}
+            hidden = decode.run(chunks, previous.ids, [row_of[c.request.request_id] for c in chunks])
+        self._record_kv_written()
+        logits = self.model.logits(hidden)
+        request_ids = [c.request.request_id for c in chunks]
+        ids, failures = self.sampler.sample_on_device(logits, request_ids, [c.request.sampling for c in chunks])
+        host = None
+        if self._sampled_hosts:
+            self._sampled_turn ^= 1
+            host = self._sampled_hosts[self._sampled_turn]
+        return PendingTokens(request_ids, ids, failures, host)
+
+    def _record_kv_written(self) -> None:
+        if self.device.type == "cuda":
+            self._kv_written = torch.cuda.Event()
+            self._kv_written.record()
+
     @torch.inference_mode()
     def _run(self, output: SchedulerOutput) -> tuple[SampledTokens, torch.Tensor]:
         """Sampled tokens and the logits of the sampled rows (in chunk order)."""
@@ -172,9 +213,7 @@ class ModelRunner:
             hidden = self.model(batch)
             if sampling:
                 hidden = hidden[batch.sample_indices]
-        if self.device.type == "cuda":
-            self._kv_written = torch.cuda.Event()
-            self._kv_written.record()
+        self._record_kv_written()
         if not sampling:
             return SampledTokens(), _NO_LOGITS
         logits = self.model.logits(hidden)

@@ -185,6 +185,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether ``request_id`` is here and running (not finished, waiting or preempted)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.RUNNING
+
     # -- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         coord = self.coordinator
@@ -239,6 +244,50 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+        return out
+
+    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The next decode step of the requests ``previous`` decodes that still run, in the same
+        order, scheduled while ``previous`` runs and before its tokens are known: each request
+        gets one *placeholder* token (``num_computed_tokens`` runs one past ``token_ids`` until
+        ``update`` appends the token the device sampled, whose id the step reads on the device).
+
+        None, with nothing changed that the next ``schedule`` would not do alike, when the next
+        step might be another one: a request waits, a request runs that ``previous`` does not
+        decode, a request may finish by ``max_tokens`` or the model length on ``previous``'s
+        token, or a block cannot be had (the synchronous ``schedule`` then preempts). A request
+        that stops on ``previous``'s token (EOS, a stop token) is decoded once more for nothing:
+        ``update`` skips it, as it skips every request no longer running.
+        """
+        running = self.running
+        chunks = [c for c in previous.chunks if c.request.status == RequestStatus.RUNNING]
+        if self.waiting or len(chunks) != len(running) or len(chunks) > self.config.max_num_batched_tokens:
+            return None
+        for chunk, request in zip(chunks, running, strict=True):
+            known = len(request.token_ids)
+            if (
+                chunk.request is not request
+                or chunk.num_tokens != 1
+                or not chunk.sample
+                or request.num_computed_tokens != known  # ``previous`` computes the last known token
+                or known + 1 >= self.max_model_len
+                or known + 1 - request.prompt_len >= request.sampling.max_tokens
+            ):
+                return None
+        if not running:
+            return None
+        coord = self.coordinator
+        coord.new_step()
+        for request in running:
+            # blocks for the placeholder's position; when one does not fit, those given so far
+            # serve the same positions in the synchronous step that follows
+            if coord.allocate_slots(request, 1) is None:
+                return None
+        out = SchedulerOutput()
+        for request in running:
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + 1
+            out.chunks.append(ScheduledChunk(request, start, 1, coord.live_tables(request.request_id), True))
         return out
 
     def chunk_stop(self, request: Request, hit: CacheHit) -> int:

@@ -8,7 +8,11 @@ the few numbers that change every step (input id, position, slot, each group's w
 each recurrent group's state blocks) into one host staging buffer (pinned on CUDA), pads them to
 the step's *bucket* (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), and uploads them with one
 non-blocking copy (on the CPU the forward reads the staging buffer itself); table growth
-travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. The
+travels in the same copy as (flat index, block id) pairs that one ``index_copy_`` applies. On
+CUDA two staging buffers take turns, so a step is prepared while the upload of the step before
+may still be queued behind the device's work (``EngineCore.step`` with
+``scheduler.async_scheduling``); such a step can take its input ids from the previous step's
+sampled ids on the device (``run(..., previous_ids)``) instead of the host. The
 forward reads only fixed device buffers, so on CUDA each bucket's forward is captured once as a
 CUDA graph (all buckets in one memory pool) and replayed; on the CPU the same padded batch runs
 eagerly, so CI exercises the padding. Prefill and mixed steps stay eager
@@ -120,15 +124,22 @@ class DecodeStep:
         self.fixed = self._states + 2 * num_recurrent * rows
         self.update_capacity = rows * UPDATES_PER_ROW * max(num_attention, 1)
         size = self.fixed + 2 * self.update_capacity
-        host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-        self._host = host
-        self._staging = host.numpy()
+        # CUDA: two pinned staging buffers taking turns; a step rewrites the one whose upload was
+        # queued two steps ago, which the device has done by the time the host read that step's
+        # sampled ids (the engine keeps at most one step in flight beyond the one it reads)
+        turns = 2 if device.type == "cuda" else 1
+        self._hosts = [torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(turns)]
+        self._stagings = [host.numpy() for host in self._hosts]
+        self._turn = 0
         # the buffer the forward reads; on the CPU the staging buffer itself (no copy to make)
-        self._device_staging = host if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
-        tiles = self._staging[self._tiles : self._tiles + 5 * rows].reshape(rows, 5)
-        tiles[:, 1] = np.arange(rows)  # query row
-        tiles[:, 3] = 1  # one query token
-        self._tile_view = tiles
+        self._device_staging = (
+            self._hosts[0] if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
+        )
+        tiles_end = self._tiles + 5 * rows
+        self._tile_views = [staging[self._tiles : tiles_end].reshape(rows, 5) for staging in self._stagings]
+        for tiles in self._tile_views:
+            tiles[:, 1] = np.arange(rows)  # query row
+            tiles[:, 3] = 1  # one query token
         self._rows = torch.arange(rows, dtype=torch.long, device=device)
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -156,11 +167,25 @@ class DecodeStep:
         raise ValueError(f"decode batch of {count} exceeds max_num_seqs={self.max_num_seqs}")
 
     # -- one step ------------------------------------------------------------------------------------
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """The hidden states of ``chunks`` (``accepts`` must hold), one row per chunk in order."""
+    def run(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        previous_ids: torch.Tensor | None = None,
+        previous_rows: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """The hidden states of ``chunks`` (``accepts`` must hold), one row per chunk in order.
+
+        ``previous_ids``: the sampled ids (on the device) of the step before, whose row
+        ``previous_rows[i]`` is chunk ``i``'s input token, not yet known on the host (a
+        placeholder the scheduler counted, ``Scheduler.schedule_continuation``): the rows travel
+        in the upload where the ids would, and the device gathers the ids from them. A failed
+        row's -1 is read as token 0 (its request fails and this row's output is dropped)."""
         count = len(chunks)
         size = self.bucket(count)
-        self._prepare(chunks, size)
+        self._prepare(chunks, size, previous_rows if previous_ids is not None else None)
+        if previous_ids is not None:
+            ids = self._device_staging[self._ids : self._ids + count]
+            torch.clamp(previous_ids.index_select(0, ids), min=0, out=ids)
         graph = self._graphs.get(size)
         if graph is not None:
             graph[0].replay()
@@ -194,8 +219,10 @@ class DecodeStep:
         self._slot_of[request_id] = slot
         return slot
 
-    def _prepare(self, chunks: Sequence[ScheduledChunk], size: int) -> None:
-        """Gather the step's inputs into the staging buffer, upload it, apply table growth."""
+    def _prepare(self, chunks: Sequence[ScheduledChunk], size: int, input_rows: Sequence[int] | None = None) -> None:
+        """Gather the step's inputs into the staging buffer, upload it, apply table growth
+        (``input_rows``: stage these rows of the previous step's ids instead of the ids)."""
+        self._turn = (self._turn + 1) % len(self._hosts)
         bs, width = self.block_size, self.width
         attention, recurrent = self.groups.attention, self.groups.recurrent
         ids: list[int] = []
@@ -210,7 +237,8 @@ class DecodeStep:
         for chunk in chunks:
             request = chunk.request
             pos = chunk.start
-            ids.append(request.token_ids[pos])
+            if input_rows is None:
+                ids.append(request.token_ids[pos])
             positions.append(pos)
             slot = slot_of.get(request.request_id)
             if slot is None:
@@ -236,12 +264,14 @@ class DecodeStep:
                 table = tables[g]
                 states[2 * r].append(table[(pos - 1) // bs].block_id)
                 states[2 * r + 1].append(table[block].block_id)
+        if input_rows is not None:
+            ids = list(input_rows)
         count = len(chunks)
         padded = count < size
-        staging = self._staging
+        staging = self._stagings[self._turn]
         staging[self._ids : self._ids + count] = ids
         staging[self._positions : self._positions + count] = positions
-        tiles = self._tile_view
+        tiles = self._tile_views[self._turn]
         tiles[:count, 0] = slots
         tiles[:count, 2] = positions
         if padded:  # padded rows: token 0 at position 0 in the pad slot, null blocks only
@@ -268,7 +298,7 @@ class DecodeStep:
         """One copy of the fixed fields and the table updates; updates beyond the capacity go
         first, in blocking copies (the host buffer is reused at once)."""
         capacity, fixed = self.update_capacity, self.fixed
-        staging, host, device = self._staging, self._host, self._device_staging
+        staging, host, device = self._stagings[self._turn], self._hosts[self._turn], self._device_staging
         while len(index) > capacity:
             head_index, index = index[:capacity], index[capacity:]
             head_value, value = value[:capacity], value[capacity:]
