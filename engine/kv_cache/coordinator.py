@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from operator import attrgetter
 
-from engine.kv_cache.attention_managers import FullAttentionManager, SlidingWindowManager
+from engine.kv_cache.attention_managers import NEVER_SKIPS, FullAttentionManager, SlidingWindowManager
 from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
     CacheHit,
@@ -44,7 +44,6 @@ from engine.kv_cache.managers import MANAGER_FOR_SPEC
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
 
-_NEVER = 1 << 62  # a token count no request reaches
 _BLOCK_ID = attrgetter("block_id")
 _NO_BLOCKS: list[Block] = []
 
@@ -314,7 +313,7 @@ class HybridCoordinator:
         if not delay_cache:
             self._cache(state, need)
         state.capacity = min([len(m.tables[request_id]) * m.block_size for m in self.managers])
-        state.next_drop = min([m.next_skip_change(total) for m in self._droppers], default=_NEVER)
+        state.next_drop = min([m.next_skip_change(total) for m in self._droppers], default=NEVER_SKIPS)
         return new_ids
 
     def _allocate_admission(
