@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from engine.kv_cache.spec import KVCacheGroup
+from engine.logprobs import TokenLogprob
 from engine.routing import PinOn
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class TokenChunk:
     worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
     hops: dict[str, float] | None = None  # on the first tokens' chunk: this worker's hop durations (s)
     router_ack: ray.ObjectRef[None] | None = None  # on the last chunk: the ref of the router report carrying its blocks
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the sampling asks for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, with ``prompt_logprobs``
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from cluster.served_model import ServedModel
 from cluster.supervisor import Supervisor, WorkerHandle, await_ref, describe_failure
 from configs import ClusterConfig
 from engine.llm import Completion
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_request_id, problem, prompt_batch
 
@@ -52,6 +53,11 @@ class ClusterCompletion(Completion):
     ttft_s: float = 0.0
     latency_s: float = 0.0
     hops: dict[str, float] = field(default_factory=dict)  # TTFT per hop, s (actors.hops)
+    # one per token of ``token_ids`` when the sampling asked for ``logprobs`` (engine.logprobs)
+    logprobs: list[TokenLogprob] | None = None
+    # one per prompt token (None for the first) when it asked for ``prompt_logprobs``
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    migrations: int = 0  # times the request moved to another worker after streaming tokens
 
     @property
     def disaggregated(self) -> bool:
@@ -60,10 +66,13 @@ class ClusterCompletion(Completion):
 
 @dataclass(frozen=True)
 class Delta:
-    """Text a request gained (``num_tokens`` new output tokens), as streamed to a client."""
+    """Text a request gained (``num_tokens`` new output tokens), as streamed to a client, with
+    those tokens' ids and (when the sampling asked for them) their logprobs."""
 
     text: str
     num_tokens: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class RequestRunner:

@@ -11,7 +11,7 @@ Equality and hashing ignore ``extra``, as the dataclass this replaces did.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -23,8 +23,25 @@ MIN_TEMPERATURE = 1e-3
 #: seeds a torch.Generator takes: signed or unsigned 64-bit
 SEED_MIN, SEED_END = -(2**63), 2**64
 
+#: the most top logprobs a request may ask for per position (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0)]
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on what a request may generate, applied as a token mask while sampling.
+
+    ``kind`` says what ``spec`` is: ``json_object`` (any JSON object; ``spec`` empty),
+    ``json_schema`` (a JSON Schema, as JSON text), ``regex`` (a regular expression the whole
+    output matches), ``grammar`` (an EBNF grammar) or ``choice`` (a JSON list of strings, the
+    output is one of them)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+    spec: str = ""
 
 
 class SamplingParams(BaseModel):
@@ -46,6 +63,21 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    #: logprobs per output token: None none, k >= 0 the sampled token's and the k most likely
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    #: logprobs per prompt token (``echo``): None none, k >= 0 as ``logprobs``
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    #: OpenAI's penalties on the output so far: presence subtracts once per token that occurred,
+    #: frequency once per occurrence; repetition (vLLM's, > 1 penalises) divides a positive logit
+    #: (multiplies a negative one) of every token in the prompt or the output
+    presence_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0, le=10.0)] = 1.0
+    #: added to a token's logit before sampling, as ``(token_id, bias)`` pairs (a dict is taken)
+    logit_bias: tuple[tuple[TokenId, Annotated[FiniteFloat, Field(ge=-100.0, le=100.0)]], ...] = ()
+    #: drop tokens whose probability is below ``min_p`` times the most likely one's
+    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] = 0.0
+    structured: StructuredOutput | None = None
     extra: dict[str, object] = Field(default_factory=dict)
 
     def __init__(self, **fields: Any) -> None:
@@ -84,6 +116,19 @@ class SamplingParams(BaseModel):
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"must be a list of token ids (got {short_repr(ids)})")  # noqa: TRY004 - pydantic reports only ValueError as a field error
         return tuple(ids)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, bias: object) -> object:
+        if isinstance(bias, dict):
+            pairs = []
+            for key, value in bias.items():
+                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                pairs.append((token, float(value) if isinstance(value, int) and not isinstance(value, bool) else value))
+            return tuple(sorted(pairs, key=lambda pair: (str(type(pair[0])), pair[0])))
+        if isinstance(bias, (list, tuple)):
+            return tuple(tuple(pair) if isinstance(pair, list) else pair for pair in bias)
+        raise ValueError(f"must map token ids to biases (got {short_repr(bias)})")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ from engine.kv_cache.block_queue import Block
 from engine.kv_cache.coordinator import CacheHit, HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import MambaSpec
+from engine.logprobs import TokenLogprob
 from engine.request import Request, RequestStatus, UncheckedRequestError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ class RequestOutput:
     kv_handle: Any = None
     num_cached_tokens: int = -1  # the request's local prefix hit (+ transferred tokens) at admission
     error: str | None = None  # why a request finished with "error"
+    # one per new token when its sampling asks for ``logprobs`` (engine.logprobs), else None
+    logprobs: list[TokenLogprob] | None = None
+    # with ``prompt_logprobs``, on the request's first output: one per prompt token, None for the
+    # first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def recurrent_checkpoint(coordinator: HybridCoordinator, request: CacheRequest, hit: CacheHit) -> int:
