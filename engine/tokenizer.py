@@ -4,7 +4,10 @@ and incremental detokenization with stop strings."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -42,6 +45,11 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(directory))
         if not getattr(self._tok, "chat_template", None):
             self._tok.chat_template = _builtin_template(directory)
+
+    @property
+    def backend(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer itself (for libraries that read its vocabulary)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
