@@ -13,7 +13,7 @@ flight, announced remote prefills, peer warm-ups) lives in the ``PDHandoff`` the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -221,21 +221,29 @@ class EngineCore:
         prefill_only: bool = False,
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Queue a request its entry point checked (``engine.validation``: ``LLM`` for the offline
         API, the driver for a cluster); the engine only asserts what its bookkeeping needs
         (``UncheckedRequestError``). ``prefill_only``: compute its prompt's KV for a decode
         worker (the result carries a ``KVHandle``); ``kv_handle``: pull that KV instead of
         computing it (a handle that does not fit this engine is a ValueError naming its field).
-        ``cache_salt``: its prompt's blocks are hashed with it (shared only with the same salt)."""
+        ``cache_salt``: its prompt's blocks are hashed with it (shared only with the same salt).
+        ``output_token_ids``: resume a request that generated these tokens elsewhere (a worker
+        that died mid-stream): the engine prefills prompt + outputs (its prefix cache serves what
+        it can) and generates the rest; they count toward ``max_tokens``, the penalties and the
+        seeded draw index, so greedy and seeded runs continue exactly as uninterrupted ones.
+        Only computed here (not with ``prefill_only`` or ``kv_handle``); a resumed request does
+        not report ``prompt_logprobs`` again (they came with its first output)."""
         assert not (prefill_only and kv_handle is not None), "a request is either prefilled here or pulled"
+        assert not (output_token_ids and (prefill_only or kv_handle is not None)), "a resumed request is computed here"
         if prefill_only:
             self._handoff_for("do P/D transfers")
             request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, prefill_only=True)
             self.scheduler.add_request(request)
             return request
         request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt,
-                                    remote_prefill=kv_handle is not None)  # fmt: skip
+                                    remote_prefill=kv_handle is not None, outputs=output_token_ids)  # fmt: skip
         if kv_handle is None:
             self.scheduler.add_request(request)
         else:
@@ -254,6 +262,7 @@ class EngineCore:
         *,
         prefill_only: bool = False,
         remote_prefill: bool = False,
+        outputs: Sequence[int] = (),
     ) -> Request:
         """A new Request of checked arguments; a ``prefill_only`` one covers all but the prompt's
         last token. Asserts cheaply: a SamplingParams (checked when it was built), an id no
@@ -269,7 +278,8 @@ class EngineCore:
                 )
             prompt = prompt[:-1]
         return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
-                       cache_salt, remote_prefill=remote_prefill, prefill_only=prefill_only)  # fmt: skip
+                       cache_salt, remote_prefill=remote_prefill, prefill_only=prefill_only,
+                       output_token_ids=outputs)  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended).
@@ -451,7 +461,12 @@ class EngineCore:
         for request_id, why in sampled.failures.items():
             if self.scheduler.is_running(request_id):
                 results.append(self._fail_request(request_id, why))
+        logprobs, prompt_logprobs = sampled.logprobs, sampled.prompt_logprobs
         for result in self.scheduler.update(output, sampled.tokens):
+            if logprobs and result.new_token_ids and result.request_id in logprobs:
+                result.logprobs = [logprobs[result.request_id]]
+            if prompt_logprobs and result.request_id in prompt_logprobs:
+                result.prompt_logprobs = prompt_logprobs[result.request_id]
             if result.finished:
                 self.runner.forget(result.request_id)
             if result.finish_reason == RequestStatus.FINISHED_REMOTE_DECODE.value:

@@ -52,6 +52,8 @@ class Request(CacheRequest):
     ``scheduled_at`` / ``kv_loaded_at`` (this process's monotonic clock) time its hops.
     ``chunk_stop`` (hybrid models, set at each admission) is a block boundary a prefill chunk must
     end at so that a recurrent state is cached there (``scheduler.recurrent_checkpoint``), else 0.
+    A resumed request (``output_token_ids`` given: tokens generated elsewhere) starts with them
+    after its prompt; they count as outputs (``max_tokens``, penalties, the seeded draw index).
     """
 
     __slots__ = (
@@ -80,10 +82,17 @@ class Request(CacheRequest):
         cache_salt: str | None = None,
         remote_prefill: bool = False,
         prefill_only: bool = False,
+        output_token_ids: Sequence[int] = (),
     ):
         if not prompt_token_ids:
             raise UncheckedRequestError(f"request {request_id!r}: an empty prompt reached the engine")
-        super().__init__(request_id, prompt_token_ids, hash_block_size, cache_salt, remote_prefill)
+        if len(output_token_ids) >= sampling.max_tokens:
+            raise UncheckedRequestError(
+                f"request {request_id!r}: resumed with {len(output_token_ids)} output tokens, "
+                f"max_tokens={sampling.max_tokens} leaves none to generate"
+            )
+        tokens = [*prompt_token_ids, *output_token_ids]
+        super().__init__(request_id, tokens, hash_block_size, cache_salt, remote_prefill)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
         self.status = RequestStatus.WAITING
@@ -105,6 +114,12 @@ class Request(CacheRequest):
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt logprobs are still to be reported (``prompt_logprobs``, no output
+        yet): every prompt position is computed then, so it takes no prefix hit at admission."""
+        return self.sampling.prompt_logprobs is not None and len(self.token_ids) == self.prompt_len
 
     def check_stop_token(self, token_id: int) -> RequestStatus | None:
         """Finish status after appending ``token_id`` (stop strings are checked by the detokenizer)."""

@@ -27,8 +27,9 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
-from engine.sampler import PendingTokens, SampledTokens, Sampler
-from engine.scheduler import SchedulerOutput
+from engine.logprobs import TokenLogprob
+from engine.sampler import PendingTokens, SampledTokens, Sampler, launchable
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class ModelRunner:
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
+        # prompt logprobs of requests whose prompt is being computed (``Request.scores_prompt``),
+        # collected chunk by chunk and handed out with the request's first token
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # set after each forward on CUDA: the KV and state writes queued so far are done once it is
         self._kv_written: torch.cuda.Event | None = None
@@ -145,8 +149,8 @@ class ModelRunner:
             self.decode.drop_graphs()
 
     def forget(self, request_id: str) -> None:
-        """Drop what the runner keeps for a request that left (its sampler state, its decode slot)."""
-        self.sampler.forget(request_id)
+        """Drop what the runner keeps for a request that left (its prompt logprobs, its decode slot)."""
+        self._prompt_logprobs.pop(request_id, None)
         if self.decode is not None:
             self.decode.release(request_id)
 
@@ -164,8 +168,14 @@ class ModelRunner:
         return sampled.tokens, dict(zip(ids, logits.cpu(), strict=True))
 
     def can_launch(self, output: SchedulerOutput) -> bool:
-        """Whether ``launch`` takes this step: a decode-only one the static decode step runs."""
-        return self.decode is not None and self.decode.accepts(output.chunks)
+        """Whether ``launch`` takes this step: a decode-only one the static decode step runs, whose
+        rows the sampler can sample before the host knows their last token (``launchable``)."""
+        chunks = output.chunks
+        return (
+            self.decode is not None
+            and self.decode.accepts(chunks)
+            and all(launchable(c.request.sampling) for c in chunks)
+        )
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput, previous: PendingTokens | None = None) -> PendingTokens:
@@ -186,7 +196,7 @@ class ModelRunner:
         self._record_kv_written()
         logits = self.model.logits(hidden)
         request_ids = [c.request.request_id for c in chunks]
-        ids, failures = self.sampler.sample_on_device(logits, request_ids, [c.request.sampling for c in chunks])
+        ids, failures = self.sampler.sample_on_device(logits, [c.request for c in chunks])
         host = None
         if self._sampled_hosts:
             self._sampled_turn ^= 1
@@ -211,14 +221,36 @@ class ModelRunner:
             sampling = [c for c in chunks if c.sample]
             batch = self.build_batch(output)
             hidden = self.model(batch)
+            for chunk, spec in zip(chunks, batch.chunks, strict=True):
+                if chunk.request.scores_prompt:
+                    self._score_prompt(chunk, hidden[spec.offset : spec.offset + spec.num_tokens])
             if sampling:
                 hidden = hidden[batch.sample_indices]
         self._record_kv_written()
         if not sampling:
             return SampledTokens(), _NO_LOGITS
         logits = self.model.logits(hidden)
-        ids = [c.request.request_id for c in sampling]
-        return self.sampler.sample(logits, ids, [c.request.sampling for c in sampling]), logits
+        sampled = self.sampler.sample(logits, [c.request for c in sampling])
+        if self._prompt_logprobs:
+            for chunk in sampling:
+                request = chunk.request
+                scored = self._prompt_logprobs.pop(request.request_id, None) if request.scores_prompt else None
+                if scored is not None and request.request_id in sampled.tokens:
+                    sampled.prompt_logprobs[request.request_id] = scored
+        return sampled, logits
+
+    def _score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+        """Collect the prompt logprobs a prefill chunk of a ``scores_prompt`` request computes:
+        position ``p`` predicts prompt token ``p + 1`` (the first prompt token has none)."""
+        request = chunk.request
+        scored = self._prompt_logprobs.setdefault(request.request_id, [None] * request.prompt_len)
+        count = min(chunk.num_tokens, request.prompt_len - 1 - chunk.start)
+        if count <= 0:
+            return
+        begin = chunk.start + 1
+        targets = request.token_ids[begin : begin + count]
+        k = request.sampling.prompt_logprobs or 0
+        scored[begin : begin + count] = self.sampler.prompt_logprobs(hidden[:count], targets, k, self.model.logits)
 
     def wait_kv_written(self) -> None:
         """Block until every KV page and recurrent state the last forward wrote is in memory.

@@ -1,33 +1,77 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator.
+"""Token sampling for one step's batch of logits rows, every rule applied to the whole batch.
 
-A row that cannot be sampled (non-finite logits, probabilities torch refuses) fails only its own
-request: ``sample`` reports it in ``SampledTokens.failures`` and samples every other row.
+Order (``Sampler.processed_logits``): raw logprobs (log-softmax of the raw logits, when a row
+asks for ``logprobs``), ``repetition_penalty`` over prompt and output tokens (a positive logit is
+divided by it, a negative one multiplied), ``frequency_penalty`` / ``presence_penalty`` over the
+output tokens (``logit -= count * frequency + (count > 0) * presence``), ``logit_bias`` (added),
+the ``allowed`` token mask (structured output: False gives -inf), temperature, ``min_p``,
+``top_k``, ``top_p``. Greedy rows (temperature 0) take the argmax of the processed logits;
+sampled rows race exponential clocks (``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
+``probs``). A seeded row's clocks for its ``k``-th output token come from a generator seeded from
+``(seed, k)`` alone, so its tokens depend neither on what it is batched with nor on the worker
+that runs it (a request resumed elsewhere after ``k`` tokens continues as it would have).
+
+A row that cannot be sampled (non-finite raw logits, or parameters that leave no token) fails
+only its own request: ``SampledTokens.failures`` names it and every other row is sampled.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+#: why a row whose raw logits hold a NaN or an infinity fails its request
+NON_FINITE = "the model produced non-finite logits for this request"
+#: why a row whose processed logits leave no token to pick fails its request
+NO_TOKEN = "sampling failed: no token can be sampled with this request's parameters"
+#: ids ``pick`` gives a failed row: non-finite raw logits, or nothing left after processing
+FAILED_NON_FINITE, FAILED_NO_TOKEN = -1, -2
+#: positions of prompt logprobs computed per logits call (bounds the [rows, vocab] temporaries)
+PROMPT_LOGPROBS_ROWS = 256
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a request (``engine.request.Request`` is one): its parameters,
+    its known tokens (prompt then outputs: the penalties' history) and ``num_computed_tokens``.
+    The row samples output token number ``num_computed_tokens - prompt_len`` (0-based): the
+    token after the last position computed (with async scheduling that position may hold a
+    placeholder whose token is not in ``token_ids`` yet)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 @dataclass
 class SampledTokens:
     """One step's samples: the token of each request that sampled, and why each failed one did
-    not (a request is in exactly one of the two)."""
+    not (a request is in exactly one of the two); ``logprobs`` for each sampled request that
+    asks for them; ``prompt_logprobs`` (one per prompt token, None for the first) for each
+    request whose first token this step sampled and that asks for them."""
 
     tokens: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
-
-
-#: why a row whose logits hold a NaN or an infinity fails its request
-NON_FINITE = "the model produced non-finite logits for this request"
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
 
 
 def sampling_failure(request_id: str, exc: RuntimeError) -> str:
@@ -35,6 +79,11 @@ def sampling_failure(request_id: str, exc: RuntimeError) -> str:
     log.warning("sampling %s failed: %s", request_id, exc)
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"sampling failed: {first_line}"
+
+
+def failure_reason(code: int) -> str:
+    """Why a row ``pick`` marked with ``code`` (< 0) failed."""
+    return NON_FINITE if code == FAILED_NON_FINITE else NO_TOKEN
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -46,14 +95,60 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         values = logits.detach().numpy()
         ids = values.argmax(axis=1)
         best = values[np.arange(values.shape[0]), ids]
-        return torch.from_numpy(np.where(np.isfinite(best), ids, -1).astype(np.int64))
+        return torch.from_numpy(np.where(np.isfinite(best), ids, FAILED_NON_FINITE).astype(np.int64))
     best, ids = logits.max(dim=-1)
-    return torch.where(torch.isfinite(best), ids, -1)
+    return torch.where(torch.isfinite(best), ids, FAILED_NON_FINITE)
 
 
-def greedy_or_failed(logits: torch.Tensor) -> list[int]:
-    """``greedy_ids`` on the host: on CUDA the step's one device-to-host read."""
-    return greedy_ids(logits).tolist()
+def is_plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs: the argmax of the raw logits."""
+    return sp.temperature == 0.0 and sp.logprobs is None and not changes_logits(sp)
+
+
+def changes_logits(sp: SamplingParams) -> bool:
+    """Whether a penalty, a bias or a structured-output mask applies to the row's logits."""
+    return (
+        sp.repetition_penalty != 1.0
+        or sp.frequency_penalty != 0.0
+        or sp.presence_penalty != 0.0
+        or bool(sp.logit_bias)
+        or sp.structured is not None
+    )
+
+
+def launchable(sp: SamplingParams) -> bool:
+    """Whether a row can be sampled in a step whose input token the host does not know yet
+    (``Scheduler.schedule_continuation``): nothing reads the output history (penalties) or is
+    reported beside the token (logprobs), and no host-built mask applies."""
+    return not changes_logits(sp) and sp.logprobs is None and sp.prompt_logprobs is None
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's ``index``-th output token's draw: a 64-bit mix
+    (splitmix64's finaliser) of the request's seed and the index, nothing else."""
+    z = ((seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprob]:
+    """``TokenLogprob`` of ``chosen[i]`` in row ``i`` of ``raw`` (float32 log-softmax of raw
+    logits), with the ``ks[i]`` most likely tokens. One host read for the batch."""
+    picked = raw.gather(1, chosen[:, None])
+    ranks = (raw > picked).sum(dim=1) + 1
+    top = max(ks, default=0)
+    values: list[list[float]] = []
+    ids: list[list[int]] = []
+    if top:
+        top_values, top_ids = raw.topk(min(top, raw.shape[1]), dim=1)
+        values, ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for i, (token, logprob, rank) in enumerate(zip(chosen.tolist(), picked[:, 0].tolist(), ranks.tolist(), strict=True)):
+        k = ks[i]
+        pairs = tuple(zip(ids[i][:k], values[i][:k], strict=True)) if k else ()
+        out.append(TokenLogprob(token, logprob, rank, pairs))
+    return out
 
 
 class PendingTokens:
@@ -61,8 +156,9 @@ class PendingTokens:
 
     Owns the ids on the device (the next step's input ids read them there), the pinned host
     buffer a non-blocking copy fills, and the event recorded after that copy. Invariants: the
-    host buffer is read only after the event (``result``); a row holding -1 (non-finite logits)
-    or named in ``failures`` (sampling raised) fails its request, every other row is its token."""
+    host buffer is read only after the event (``result``); a negative row (``failure_reason``)
+    or one named in ``failures`` (sampling raised) fails its request, every other row is its
+    token."""
 
     def __init__(
         self, request_ids: list[str], ids: torch.Tensor, failures: dict[str, str], host: torch.Tensor | None
@@ -91,7 +187,7 @@ class PendingTokens:
         for request_id, token in zip(self.request_ids, values, strict=True):
             why = self.failures.get(request_id)
             if why is None and token < 0:
-                why = NON_FINITE
+                why = failure_reason(token)
             if why is not None:
                 out.failures[request_id] = why
             else:
@@ -100,84 +196,196 @@ class PendingTokens:
 
 
 class Sampler:
-    """Picks one token per row of logits. Owns one ``torch.Generator`` per seeded request so a
-    request's samples depend only on its seed, never on what it was batched with."""
+    """Picks one token per row of logits and computes the logprobs rows ask for.
+
+    Owns one reusable ``torch.Generator`` that each seeded row reseeds from ``(seed, k)``
+    (``draw_seed``) before its draw, so it holds no per-request state: a request's draws depend
+    only on its seed and its output index."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self._generator = torch.Generator(device=device)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
-        """One token per row; a row with non-finite logits, or one torch cannot sample from,
-        fails its request alone (a NaN logit would otherwise be a silent argmax of 0)."""
-        greedy = greedy_or_failed(logits)
+    # -- the step's samples --------------------------------------------------------------------------
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
+    ) -> SampledTokens:
+        """One token per row (and its ``TokenLogprob`` where the row asks for ``logprobs``); a row
+        with non-finite raw logits, or one left with no token, fails its request alone.
+        ``allowed``: an optional bool [rows, vocab] mask (False: the token may not be picked).
+        A step of plain greedy rows and no mask costs one argmax (``greedy_ids``)."""
         out = SampledTokens()
-        tokens = out.tokens
-        for row, (request_id, sp) in enumerate(zip(request_ids, params, strict=True)):
-            token = greedy[row]
-            if token < 0:
-                out.failures[request_id] = NON_FINITE
-                continue
-            if sp.greedy:
-                tokens[request_id] = token
-                continue
+        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+            ids = greedy_ids(logits).tolist()
+        else:
             try:
-                probs = self._probs(logits[row], sp)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(request_id, sp)).item())
-            except RuntimeError as exc:  # e.g. probabilities torch refuses: this request only
-                out.failures[request_id] = sampling_failure(request_id, exc)
-                continue
-            out.tokens[request_id] = int(token)
+                picked = self.pick(logits, rows, allowed)
+            except RuntimeError as exc:  # a torch error on these rows: fail each, the step goes on
+                for row in rows:
+                    out.failures[row.request_id] = sampling_failure(row.request_id, exc)
+                return out
+            ids = picked.tolist()
+            asking = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None and ids[i] >= 0]
+            if asking:
+                index = torch.tensor(asking, device=logits.device)
+                raw = torch.log_softmax(logits[index].float(), dim=-1)
+                ks = [rows[i].sampling.logprobs or 0 for i in asking]
+                for i, entry in zip(asking, token_logprobs(raw, picked[index], ks), strict=True):
+                    out.logprobs[rows[i].request_id] = entry
+        tokens, failures = out.tokens, out.failures
+        for row, token in zip(rows, ids, strict=True):
+            if token < 0:
+                failures[row.request_id] = failure_reason(token)
+            else:
+                tokens[row.request_id] = token
         return out
 
     def sample_on_device(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, str]]:
-        """``sample`` without reading anything back: one id per row on the device (-1 where the
-        row's logits are not finite) and the requests whose sampling raised. Each row draws
-        from its request's generator exactly as ``sample`` does, so seeded tokens are the same;
-        a non-finite row draws from uniform weights instead (its request fails when the ids are
-        read, and its generator is dropped with it)."""
-        ids = greedy_ids(logits)
-        failures: dict[str, str] = {}
-        for row, (request_id, sp) in enumerate(zip(request_ids, params, strict=True)):
-            if sp.greedy:
-                continue
-            finite = ids[row] >= 0
-            try:
-                probs = self._probs(logits[row], sp)
-                probs = torch.where(finite, probs, torch.ones_like(probs))
-                token = torch.multinomial(probs, 1, generator=self._generator(request_id, sp))
-            except RuntimeError as exc:  # e.g. probabilities torch refuses: this request only
-                failures[request_id] = sampling_failure(request_id, exc)
-                ids[row] = -1
-                continue
-            ids[row] = torch.where(finite, token[0], -1)
-        return ids, failures
+        """``sample`` without reading anything back (no logprobs): one id per row on the device
+        (negative where the row fails, ``failure_reason``) and the requests whose sampling
+        raised. The same tokens as ``sample``."""
+        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+            return greedy_ids(logits), {}
+        try:
+            return self.pick(logits, rows, allowed), {}
+        except RuntimeError as exc:  # a torch error on these rows: fail each
+            ids = torch.full((len(rows),), FAILED_NO_TOKEN, dtype=torch.long, device=logits.device)
+            return ids, {row.request_id: sampling_failure(row.request_id, exc) for row in rows}
 
-    def _probs(self, logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-        logits = logits.float() / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(logits, min(sp.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop = cumulative - sorted_probs > sp.top_p  # keep the smallest set reaching top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return probs
+    def pick(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each row's token (int64 on the logits' device) from ``processed_logits``: the argmax
+        for greedy rows, the exponential race for sampled ones; ``FAILED_NON_FINITE`` where the
+        raw logits' maximum is not finite, ``FAILED_NO_TOKEN`` where the processed row has no
+        finite maximum (everything masked, a NaN temperature past validation)."""
+        raw_ok = torch.isfinite(logits.max(dim=-1).values)
+        x = self.processed_logits(logits, rows, allowed)
+        best, ids = x.max(dim=-1)
+        sampled = [i for i, row in enumerate(rows) if row.sampling.temperature != 0.0]
+        if sampled:
+            index = torch.tensor(sampled, device=x.device)
+            probs = torch.softmax(x[index], dim=-1)
+            clocks = torch.empty_like(probs)
+            for j, i in enumerate(sampled):
+                sp = rows[i].sampling
+                if sp.seed is None:
+                    continue
+                self._generator.manual_seed(draw_seed(sp.seed, rows[i].num_computed_tokens - rows[i].prompt_len))
+                clocks[j].exponential_(generator=self._generator)
+            unseeded = [j for j, i in enumerate(sampled) if rows[i].sampling.seed is None]
+            if len(unseeded) == len(sampled):
+                clocks.exponential_()
+            elif unseeded:
+                where = torch.tensor(unseeded, device=x.device)
+                clocks[where] = torch.empty_like(clocks[where]).exponential_()
+            clocks.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 a NaN
+            ids[index] = (probs / clocks).argmax(dim=-1)
+        ids = torch.where(torch.isfinite(best), ids, FAILED_NO_TOKEN)
+        return torch.where(raw_ok, ids, FAILED_NON_FINITE)
 
-    def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator | None:
-        if sp.seed is None:
-            return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(sp.seed)
-            self._generators[request_id] = gen
-        return gen
+    def processed_logits(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A float32 copy of ``logits`` with every rule before the pick applied (the module
+        docstring's order): -inf where a token is dropped. Softmax of a sampled row is the
+        distribution its token is drawn from; a greedy row's argmax is its token."""
+        x = logits.float().clone()
+        params = [row.sampling for row in rows]
+        penalised = [i for i, sp in enumerate(params)
+                     if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0]  # fmt: skip
+        if penalised:
+            self._apply_penalties(x, rows, penalised)
+        biased = [(i, token, bias) for i, sp in enumerate(params) for token, bias in sp.logit_bias if token < x.shape[1]]
+        if biased:
+            at_rows, tokens, biases = zip(*biased, strict=True)
+            x.index_put_(
+                (torch.tensor(at_rows, device=x.device), torch.tensor(tokens, device=x.device)),
+                torch.tensor(biases, dtype=x.dtype, device=x.device),
+                accumulate=True,
+            )
+        if allowed is not None:
+            x.masked_fill_(~allowed.to(x.device), -math.inf)
+        if any(sp.temperature != 0.0 for sp in params):
+            temperature = [sp.temperature or 1.0 for sp in params]
+            x.div_(torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None])
+        if any(sp.min_p > 0.0 for sp in params):
+            log_min_p = torch.tensor([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
+                                     dtype=x.dtype, device=x.device)  # fmt: skip
+            # p < min_p * p_max  <=>  logit < max logit + log(min_p) (softmax shares the denominator)
+            x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + log_min_p[:, None], -math.inf)
+        top_k = [sp.top_k if 0 < sp.top_k < x.shape[1] else 0 for sp in params]
+        top_p = [sp.top_p for sp in params]
+        if any(p < 1.0 for p in top_p):
+            self._apply_top_k_top_p(x, top_k, top_p)
+        elif any(top_k):
+            kth = self._kth_largest(x.topk(max(top_k), dim=-1).values, top_k)
+            x.masked_fill_(x < kth, -math.inf)
+        return x
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def _apply_penalties(self, x: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> None:
+        """Repetition, frequency and presence penalties of the ``penalised`` rows, in place. The
+        history is one padded [rows, longest] id tensor per step (padding: an extra column)."""
+        vocab = x.shape[1]
+        histories = [rows[i].token_ids[: rows[i].num_computed_tokens] for i in penalised]
+        longest = max(len(h) for h in histories)
+        padded = np.full((len(penalised), max(longest, 1)), vocab, dtype=np.int64)
+        outputs = np.zeros_like(padded, dtype=np.bool_)
+        for j, (i, history) in enumerate(zip(penalised, histories, strict=True)):
+            padded[j, : len(history)] = history
+            outputs[j, rows[i].prompt_len : len(history)] = True
+        ids = torch.from_numpy(padded).to(x.device)
+        from_output = torch.from_numpy(outputs).to(x.device)
+        counts = torch.zeros(len(penalised), vocab + 1, dtype=x.dtype, device=x.device)
+        counts.scatter_add_(1, ids, from_output.to(x.dtype))
+        seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=x.device)
+        seen.scatter_(1, ids, True)
+        counts, seen = counts[:, :vocab], seen[:, :vocab]
+        params = [rows[i].sampling for i in penalised]
+        index = torch.tensor(penalised, device=x.device)
+        sub = x[index]
+        repetition = torch.tensor([sp.repetition_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        penalised_logits = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalised_logits, sub)
+        frequency = torch.tensor([sp.frequency_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        presence = torch.tensor([sp.presence_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        sub -= counts * frequency + (counts > 0).to(x.dtype) * presence
+        x[index] = sub
+
+    @staticmethod
+    def _kth_largest(descending: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        """Each row's ``top_k``-th largest value from its values sorted descending ([rows, 1]);
+        -inf for a row without top-k (0)."""
+        k = torch.tensor([max(k, 1) for k in top_k], device=descending.device)
+        kth = descending.gather(1, (k - 1)[:, None])
+        off = torch.tensor([k == 0 for k in top_k], device=descending.device)[:, None]
+        return kth.masked_fill(off, -math.inf)
+
+    def _apply_top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+        """``top_k`` then ``top_p`` (the smallest set of most likely tokens whose probability
+        reaches ``top_p``), in place, over one descending sort."""
+        descending, order = x.sort(dim=-1, descending=True)
+        if any(top_k):
+            descending.masked_fill_(descending < self._kth_largest(descending, top_k), -math.inf)
+        probs = torch.softmax(descending, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+        limit = torch.tensor(top_p, dtype=x.dtype, device=x.device)[:, None]
+        descending.masked_fill_(before > limit, -math.inf)
+        x.scatter_(1, order, descending)
+
+    # -- prompt logprobs -----------------------------------------------------------------------------
+    @staticmethod
+    def prompt_logprobs(
+        hidden: torch.Tensor, targets: Sequence[int], k: int, logits: Callable[[torch.Tensor], torch.Tensor]
+    ) -> list[TokenLogprob]:
+        """``TokenLogprob`` of each ``targets[i]`` (with the ``k`` most likely tokens) under
+        ``logits(hidden[i])``, ``PROMPT_LOGPROBS_ROWS`` rows at a time."""
+        out: list[TokenLogprob] = []
+        for begin in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            end = min(begin + PROMPT_LOGPROBS_ROWS, len(targets))
+            raw = torch.log_softmax(logits(hidden[begin:end]).float(), dim=-1)
+            chosen = torch.tensor(targets[begin:end], dtype=torch.long, device=raw.device)
+            out.extend(token_logprobs(raw, chosen, [k] * (end - begin)))
+        return out

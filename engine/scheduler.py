@@ -234,7 +234,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hit = coord.get_computed_blocks(request)
+            # a request reporting prompt logprobs computes every prompt position (no prefix hit)
+            hit = coord.find_longest_cache_hit([], 0) if request.scores_prompt else coord.get_computed_blocks(request)
             request.chunk_stop = self.chunk_stop(request, hit)
             num_new = self._chunk_size(request, hit.num_tokens, budget)
             if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
