@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -59,14 +59,39 @@ def _choices(spec: str) -> list[str]:
 
 
 def _json_schema_text(spec: str) -> str:
-    """A ``json_schema`` spec: JSON text of an object (ValueError otherwise)."""
+    """A ``json_schema`` spec as the JSON text xgrammar converts: a JSON object (ValueError
+    otherwise), with every length-bounded string written as a pattern (``_length_as_pattern``)."""
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"must be a JSON Schema as JSON text ({exc.msg})") from None
     if not isinstance(schema, dict):
         raise ValueError("must be a JSON Schema object")  # noqa: TRY004 - a bad spec is a ValueError (grammar_of)
-    return spec
+    return json.dumps(_length_as_pattern(schema))
+
+
+def _length_as_pattern(schema: object) -> object:
+    """``schema`` with each string schema bounded by ``minLength`` / ``maxLength`` alone (no
+    ``pattern``, ``format``, ``enum`` or ``const``) bounded by the same-length pattern
+    ``^[\\s\\S]{min,max}$`` instead: xgrammar 0.2.8 writes a length-bounded string as a bare
+    character class that admits raw control characters, which JSON forbids in a string, while
+    its pattern strings are JSON-aware. The two bounds are the same constraint: a pattern
+    counts the characters of the decoded string, as the lengths do."""
+    if isinstance(schema, list):
+        return [_length_as_pattern(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _length_as_pattern(value) for key, value in schema.items()}
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and "string" in types)
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    bounds_only = not any(key in out for key in ("pattern", "format", "enum", "const"))
+    bounded = "minLength" in out or "maxLength" in out
+    if is_string and bounds_only and bounded and isinstance(low, int) and isinstance(high, (int, type(None))):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f"^[\\s\\S]{{{low},{'' if high is None else high}}}$"
+    return out
 
 
 def grammar_of(structured: StructuredOutput) -> xgrammar.Grammar:
@@ -129,37 +154,68 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequenc
     raise TypeError(f"structured output needs a ByteTokenizer or an HFTokenizer (got {type(tokenizer).__name__})")
 
 
-class _Constrained:
-    """One request's matcher and whether its output is finished (a stop token accepted, the
-    grammar complete with nothing but a stop token to follow, or, without stop tokens, the
-    grammar complete)."""
+#: the byte ranges that must follow a UTF-8 lead byte (RFC 3629's table: no overlong forms, no
+#: surrogates U+D800..U+DFFF, nothing beyond U+10FFFF)
+_CONTINUATION = (0x80, 0xBF)
+_UTF8_FOLLOWERS: dict[int, tuple[tuple[int, int], ...]] = {
+    **{lead: (_CONTINUATION,) for lead in range(0xC2, 0xE0)},
+    0xE0: ((0xA0, 0xBF), _CONTINUATION),
+    **{lead: (_CONTINUATION, _CONTINUATION) for lead in [*range(0xE1, 0xED), 0xEE, 0xEF]},
+    0xED: ((0x80, 0x9F), _CONTINUATION),
+    0xF0: ((0x90, 0xBF), _CONTINUATION, _CONTINUATION),
+    **{lead: (_CONTINUATION, _CONTINUATION, _CONTINUATION) for lead in range(0xF1, 0xF4)},
+    0xF4: ((0x80, 0x8F), _CONTINUATION, _CONTINUATION),
+}
+#: every byte range a UTF-8 character may need next, in a fixed order (rows of the byte masks)
+_UTF8_RANGES = sorted({byte_range for followers in _UTF8_FOLLOWERS.values() for byte_range in followers})
 
-    __slots__ = ("done", "matcher")
+
+class _Constrained:
+    """One request's matcher, whether its output is finished (a stop token accepted, the
+    grammar complete with nothing but a stop token to follow, or, without stop tokens, the
+    grammar complete), and, on a byte vocabulary, the byte ranges the UTF-8 character it is
+    in the middle of still needs (xgrammar's byte-level matching lets UTF-8-encoded surrogates
+    through, which no decoder accepts)."""
+
+    __slots__ = ("done", "matcher", "utf8_pending")
 
     def __init__(self, matcher: xgrammar.GrammarMatcher):
         self.matcher = matcher
         self.done = False
+        self.utf8_pending: tuple[tuple[int, int], ...] = ()
 
 
 class StructuredOutputs:
-    """Owns one model vocabulary's grammar compiler, the grammars compiled for it (cached by
-    their ``StructuredOutput``, at most ``MAX_CACHED_GRAMMARS``), and one matcher per
-    constrained request.
+    """Owns one model vocabulary's grammar compiler (built with the first grammar, from the
+    model's tokenizer), the grammars compiled for it (cached by their ``StructuredOutput``, at
+    most ``MAX_CACHED_GRAMMARS``), and one matcher per constrained request.
 
     Invariants: a request's matcher has accepted exactly the tokens the request generated (the
     engine calls ``accept`` with each, in order); ``mask`` never changes a matcher; a request is
     known from ``add`` until ``forget``."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *, threads: int = 1):
+    def __init__(
+        self, tokenizer: Callable[[], Tokenizer], vocab_size: int, eos_token_ids: Sequence[int], *, threads: int = 1
+    ):
+        """``tokenizer`` builds the model's tokenizer; it is called once, when the first grammar
+        is compiled (an engine that never sees a constrained request never loads it).
+        ``vocab_size``: the model's (its logits' width); ``eos_token_ids`` end a complete output."""
         self.vocab_size = vocab_size
-        self.info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
-        self.stop_token_ids = tuple(self.info.stop_token_ids)
+        self.stop_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._tokenizer = tokenizer
+        self._threads = max(1, threads)
         # without a stop token the only way to end is to stop at the first whole match
         self._terminate_when_complete = not self.stop_token_ids
-        self._compiler = xgrammar.GrammarCompiler(self.info, max_threads=max(1, threads))
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=max(1, threads))
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=self._threads)
         self._grammars: dict[StructuredOutput, xgrammar.CompiledGrammar] = {}
         self._requests: dict[str, _Constrained] = {}
+        # ids are bytes (a ByteTokenizer): each sample is also kept valid UTF-8 (``_Constrained``)
+        self._byte_vocabulary = False
+        # row r: the bytes allowed where a character needs a byte of ``_UTF8_RANGES[r]``
+        self._utf8_masks = np.zeros((len(_UTF8_RANGES), vocab_size), dtype=np.bool_)
+        for row, (low, high) in enumerate(_UTF8_RANGES):
+            self._utf8_masks[row, low : min(high + 1, vocab_size)] = True
         self._words = (vocab_size + 31) // 32
         self._bitmask = torch.full((1, self._words), -1, dtype=torch.int32)
         # every real token but the stop tokens, as bitmask words: "may anything else follow?"
@@ -179,18 +235,29 @@ class StructuredOutputs:
         bad (entry points refuse those first, ``validate_structured``)."""
         grammar = self._grammars.get(structured)
         if grammar is None:
+            if self._compiler is None:
+                tokenizer = self._tokenizer()
+                self._byte_vocabulary = isinstance(tokenizer, ByteTokenizer)
+                info = tokenizer_info(tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._threads)
             grammar = self._compiler.compile_grammar(grammar_of(structured))
             if len(self._grammars) >= MAX_CACHED_GRAMMARS:
                 del self._grammars[next(iter(self._grammars))]
             self._grammars[structured] = grammar
         return grammar
 
-    def add(self, request_id: str, structured: StructuredOutput) -> None:
-        """Constrain a request from its first generated token on."""
+    def add(self, request_id: str, structured: StructuredOutput, output_token_ids: Sequence[int] = ()) -> None:
+        """Constrain a request from its first generated token on; ``output_token_ids``: the
+        tokens a resumed request generated already (ValueError if the grammar refuses one)."""
         matcher = xgrammar.GrammarMatcher(
             self.compiled(structured), terminate_without_stop_token=self._terminate_when_complete
         )
         self._requests[request_id] = _Constrained(matcher)
+        for position, token in enumerate(output_token_ids):
+            if not self.accept(request_id, token):
+                del self._requests[request_id]
+                where = f"token {token} at position {position}"
+                raise ValueError(f"output_token_ids: {where} does not fit the request's {structured.kind}")
 
     def forget(self, request_id: str) -> None:
         """Drop a request's matcher (finished, aborted, failed); unknown ids are ignored."""
@@ -202,11 +269,14 @@ class StructuredOutputs:
         constrained (nothing to mask)."""
         rows: list[int] = []
         matchers: list[xgrammar.GrammarMatcher] = []
+        mid_character: list[tuple[int, int]] = []  # (row, its byte range's index in _UTF8_RANGES)
         for row, request_id in enumerate(request_ids):
             constrained = self._requests.get(request_id)
             if constrained is not None:
                 rows.append(row)
                 matchers.append(constrained.matcher)
+                if constrained.utf8_pending:
+                    mid_character.append((row, _UTF8_RANGES.index(constrained.utf8_pending[0])))
         if not rows:
             return None
         bitmask = self._bitmask_rows(len(request_ids))
@@ -216,8 +286,12 @@ class StructuredOutputs:
         else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         # bit b of word w is token 32 w + b: little-endian bytes unpack least significant bit first
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, : self.vocab_size].view(np.bool_))
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        allowed = bits.view(np.bool_)
+        if mid_character:
+            at_rows, ranges = zip(*mid_character, strict=True)
+            allowed[list(at_rows)] &= self._utf8_masks[list(ranges)]
+        return torch.from_numpy(allowed)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher by its sampled token; False if the grammar refuses it
@@ -228,6 +302,9 @@ class StructuredOutputs:
         matcher = constrained.matcher
         if not matcher.accept_token(token_id):
             return False
+        if self._byte_vocabulary:
+            pending = constrained.utf8_pending
+            constrained.utf8_pending = pending[1:] if pending else _UTF8_FOLLOWERS.get(token_id, ())
         if matcher.is_terminated():
             constrained.done = True
         elif matcher.is_completed():
