@@ -12,6 +12,7 @@ flight, announced remote prefills, peer warm-ups) lives in the ``PDHandoff`` the
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -38,6 +39,8 @@ from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampler import PendingTokens, SampledTokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputs
+from engine.tokenizer import load_tokenizer
 from engine.transfer import AgentInfo, KVTransfer, Role, transfer_from_config
 
 KVRole = Literal["prefill", "decode", "both"]
@@ -159,6 +162,10 @@ class EngineCore:
                 # prefill worker never decodes, so it has none either
                 max_num_seqs=config.scheduler.max_num_seqs if decodes else None,
                 max_model_len=max_model_len, cuda_graphs=config.model.cuda_graphs,
+                # the grammars of structured-output requests: the tokenizer is loaded (once per
+                # engine) when the first one arrives
+                structured=StructuredOutputs(functools.partial(load_tokenizer, directory, arch.vocab_size),
+                                             arch.vocab_size, arch.eos_token_ids, threads=threads or 1),
             )  # fmt: skip
             self._agent_info = (
                 self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None
@@ -251,7 +258,22 @@ class EngineCore:
             check_handle(kv_handle, self.layout_key, request.token_ids)
             self.drain()  # the read may land in blocks an in-flight step still writes (``drain``)
             handoff.start_load(request, kv_handle)
+        self._constrain(request)
         return request
+
+    def _constrain(self, request: Request) -> None:
+        """Register a queued request's structured output (if it has one) with the runner, whose
+        masks then keep its samples inside the grammar; a resumed request's outputs advance it.
+        A spec that does not compile (its entry point checks it first) or resumed outputs that
+        do not fit abort the request and raise ValueError."""
+        structured = request.sampling.structured
+        if structured is None:
+            return
+        try:
+            self.runner.structured.add(request.request_id, structured, request.output_token_ids)
+        except ValueError:
+            self.abort(request.request_id)
+            raise
 
     def _new_request(
         self,
@@ -310,6 +332,7 @@ class EngineCore:
         handoff = self._handoff_for("do P/D transfers")
         request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, remote_prefill=True)
         handoff.expect(request, peer)
+        self._constrain(request)
         return request
 
     def is_reserved(self, request_id: str) -> bool:
@@ -462,7 +485,10 @@ class EngineCore:
             if self.scheduler.is_running(request_id):
                 results.append(self._fail_request(request_id, why))
         logprobs, prompt_logprobs = sampled.logprobs, sampled.prompt_logprobs
+        structured = self.runner.structured
         for result in self.scheduler.update(output, sampled.tokens):
+            if result.new_token_ids and result.request_id in structured:
+                result = self._advance_grammar(result)
             if logprobs and result.new_token_ids and result.request_id in logprobs:
                 result.logprobs = [logprobs[result.request_id]]
             if prompt_logprobs and result.request_id in prompt_logprobs:
@@ -474,6 +500,22 @@ class EngineCore:
                 result = replace(result, kv_handle=self.handoff.export(result.request_id))
             results.append(result)
         return results
+
+    def _advance_grammar(self, result: RequestOutput) -> RequestOutput:
+        """A constrained request's new token advances its matcher: a finished grammar stops the
+        request (``stop``: the model's EOS ended it, or nothing but EOS may follow, or the model
+        has no EOS and the output is a whole match); a token the grammar refuses fails it."""
+        request_id = result.request_id
+        token = result.new_token_ids[-1]
+        structured = self.runner.structured
+        if not structured.accept(request_id, token):
+            if result.finished:  # it ended on this token anyway; its output stands as sampled
+                return result
+            return self._fail_request(request_id, f"structured output: token {token} does not fit the grammar")
+        if result.finished or not structured.is_terminated(request_id):
+            return result
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+        return replace(result, finished=True, finish_reason=RequestStatus.FINISHED_STOPPED.value)
 
     def drain(self) -> None:
         """Read the in-flight step now (its outputs come with the next ``step``), so that no

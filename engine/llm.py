@@ -10,6 +10,7 @@ from configs import ClusterConfig, load_config
 from engine.core import EngineCore
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.structured_output import validate_structured
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.validation import ValidatedPrompt, prompt_batch, validate_prompt
 
@@ -46,6 +47,7 @@ class LLM:
         Every prompt and the sampling parameters are checked before any runs: a bad one raises
         ValueError naming the field and the value, e.g. ``prompt: must not be empty (got '')``."""
         sampling = SamplingParams.coerce(sampling)
+        validate_structured(sampling.structured)
         prepared = [self._prompt(prompt) for prompt in prompt_batch(prompts)]
         if not prepared:
             return []

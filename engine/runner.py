@@ -30,11 +30,17 @@ from engine.model.layers.recurrent import RecurrentMixer, cache_users
 from engine.logprobs import TokenLogprob
 from engine.sampler import PendingTokens, SampledTokens, Sampler, launchable
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.structured_output import StructuredOutputs
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_LOGITS = torch.empty(0)
+
+
+def _no_tokenizer() -> Tokenizer:
+    raise ValueError("structured: this model runner was built without its tokenizer, so it constrains nothing")
 
 
 def decode_groups(windows: list[int | None], is_mamba: list[bool]) -> DecodeGroups:
@@ -82,13 +88,15 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         cuda_graphs: bool = False,
+        structured: StructuredOutputs | None = None,
     ):
         """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
         slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's).
         ``max_num_seqs`` and ``max_model_len`` (both or neither) size the static decode step
         (``engine.model.decode_step``; without them every step runs eagerly); ``cuda_graphs``
         runs it as captured CUDA graphs, where the device and the model allow it
-        (``graphs_supported``)."""
+        (``graphs_supported``). ``structured``: the grammars of constrained requests (their
+        token masks apply to the rows they sample); None: the model constrains nothing."""
         layout.check_invariants(arch)
         self.arch = arch
         self.layout = layout
@@ -117,6 +125,11 @@ class ModelRunner:
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
+        self.structured = (
+            structured
+            if structured is not None
+            else StructuredOutputs(_no_tokenizer, arch.vocab_size, arch.eos_token_ids)
+        )
         # prompt logprobs of requests whose prompt is being computed (``Request.scores_prompt``),
         # collected chunk by chunk and handed out with the request's first token
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -149,8 +162,10 @@ class ModelRunner:
             self.decode.drop_graphs()
 
     def forget(self, request_id: str) -> None:
-        """Drop what the runner keeps for a request that left (its prompt logprobs, its decode slot)."""
+        """Drop what the runner keeps for a request that left (its prompt logprobs, its grammar
+        matcher, its decode slot)."""
         self._prompt_logprobs.pop(request_id, None)
+        self.structured.forget(request_id)
         if self.decode is not None:
             self.decode.release(request_id)
 
@@ -230,7 +245,11 @@ class ModelRunner:
         if not sampling:
             return SampledTokens(), _NO_LOGITS
         logits = self.model.logits(hidden)
-        sampled = self.sampler.sample(logits, [c.request for c in sampling])
+        # the sampled rows' structured-output masks (None: no row is constrained); ``can_launch``
+        # keeps constrained rows out of launched steps, so only this path applies them
+        structured = self.structured
+        allowed = structured.mask([c.request.request_id for c in sampling]) if len(structured) else None
+        sampled = self.sampler.sample(logits, [c.request for c in sampling], allowed)
         if self._prompt_logprobs:
             for chunk in sampling:
                 request = chunk.request
