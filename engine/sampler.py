@@ -105,15 +105,14 @@ def is_plain_greedy(sp: SamplingParams) -> bool:
     return sp.temperature == 0.0 and sp.logprobs is None and not changes_logits(sp)
 
 
+def penalises(sp: SamplingParams) -> bool:
+    """Whether a repetition, frequency or presence penalty applies."""
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+
+
 def changes_logits(sp: SamplingParams) -> bool:
     """Whether a penalty, a bias or a structured-output mask applies to the row's logits."""
-    return (
-        sp.repetition_penalty != 1.0
-        or sp.frequency_penalty != 0.0
-        or sp.presence_penalty != 0.0
-        or bool(sp.logit_bias)
-        or sp.structured is not None
-    )
+    return penalises(sp) or bool(sp.logit_bias) or sp.structured is not None
 
 
 def launchable(sp: SamplingParams) -> bool:
@@ -144,8 +143,8 @@ def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -
         top_values, top_ids = raw.topk(min(top, raw.shape[1]), dim=1)
         values, ids = top_values.tolist(), top_ids.tolist()
     out = []
-    for i, (token, logprob, rank) in enumerate(zip(chosen.tolist(), picked[:, 0].tolist(), ranks.tolist(), strict=True)):
-        k = ks[i]
+    rows = zip(chosen.tolist(), picked[:, 0].tolist(), ranks.tolist(), ks, strict=True)
+    for i, (token, logprob, rank, k) in enumerate(rows):
         pairs = tuple(zip(ids[i][:k], values[i][:k], strict=True)) if k else ()
         out.append(TokenLogprob(token, logprob, rank, pairs))
     return out
@@ -294,11 +293,11 @@ class Sampler:
         distribution its token is drawn from; a greedy row's argmax is its token."""
         x = logits.float().clone()
         params = [row.sampling for row in rows]
-        penalised = [i for i, sp in enumerate(params)
-                     if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0]  # fmt: skip
+        penalised = [i for i, sp in enumerate(params) if penalises(sp)]
         if penalised:
             self._apply_penalties(x, rows, penalised)
-        biased = [(i, token, bias) for i, sp in enumerate(params) for token, bias in sp.logit_bias if token < x.shape[1]]
+        vocab = x.shape[1]
+        biased = [(i, token, bias) for i, sp in enumerate(params) for token, bias in sp.logit_bias if token < vocab]
         if biased:
             at_rows, tokens, biases = zip(*biased, strict=True)
             x.index_put_(

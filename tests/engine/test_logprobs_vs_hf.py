@@ -74,7 +74,7 @@ def test_sampled_and_greedy_logprobs_equal_hf(name: str, checkpoints) -> None:
         "greedy": (prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=5)),
         "seeded": (prompts[1], SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=4, logprobs=20)),
         "penalised": (prompts[2], SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.7, seed=5, logprobs=0,
-                                                 frequency_penalty=1.5, logit_bias={17: 3.0})),  # fmt: skip
+                                                 frequency_penalty=1.5, logit_bias={17: 3.0})),
     }
     got = run(harness.make_engine(directory), requests)
     for rid, (prompt, sampling) in requests.items():
@@ -91,10 +91,10 @@ def test_prompt_logprobs_equal_hf_across_chunks_without_a_prefix_hit(name: str, 
     directory = checkpoints[name]
     engine = harness.make_engine(directory, "scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=24")
     prompt = harness.random_prompts(12, (37,))[0]
-    warm = run(engine, {"warm": (prompt + [9], SamplingParams(max_tokens=2, ignore_eos=True))})
+    warm = run(engine, {"warm": ([*prompt, 9], SamplingParams(max_tokens=2, ignore_eos=True))})
     assert warm["warm"]["cached"] == 0
     sampling = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=1)
-    got = run(engine, {"echo": (prompt, sampling), "plain": (prompt[:20] + [5, 6], SamplingParams(max_tokens=3))})
+    got = run(engine, {"echo": (prompt, sampling), "plain": ([*prompt[:20], 5, 6], SamplingParams(max_tokens=3))})
     assert got["plain"]["cached"] >= 16  # the cache does serve this prompt's prefix
     assert got["echo"]["cached"] == 0  # ... but the request scoring its prompt computed all of it
     scored = got["echo"]["prompt"]
