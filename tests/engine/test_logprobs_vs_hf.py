@@ -103,3 +103,23 @@ def test_prompt_logprobs_equal_hf_across_chunks_without_a_prefix_hit(name: str, 
     for position in range(1, len(prompt)):
         check_entry(scored[position], rows[position - 1], prompt[position], 3)
     check_entry(got["echo"]["logprobs"][0], rows[len(prompt) - 1], got["echo"]["tokens"][0], 1)
+
+
+def test_llm_reports_logprobs_and_prompt_logprobs() -> None:
+    """The offline API carries both per completion: the same entries the engine computed, the
+    sampled tokens' matching ``token_ids`` and HF's log-softmax of the tiny preset's model."""
+    from engine.llm import LLM
+
+    llm = LLM("tiny")
+    prompt = harness.random_prompts(13, (11,))[0]
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.9, seed=2, logprobs=2, prompt_logprobs=1)
+    (completion,) = llm.generate([prompt], sampling)
+    assert completion.logprobs is not None and completion.prompt_logprobs is not None
+    assert [entry.token_id for entry in completion.logprobs] == completion.token_ids
+    rows = reference(llm.engine.model_directory, prompt + completion.token_ids)
+    for i, entry in enumerate(completion.logprobs):
+        check_entry(entry, rows[len(prompt) - 1 + i], completion.token_ids[i], 2)
+    assert completion.prompt_logprobs[0] is None and len(completion.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        check_entry(completion.prompt_logprobs[position], rows[position - 1], prompt[position], 1)
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].logprobs is None
