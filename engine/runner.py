@@ -28,7 +28,7 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
-from engine.sampler import PendingTokens, SampledTokens, Sampler, launchable
+from engine.sampler import PendingTokens, SampledTokens, Sampler
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class ModelRunner:
         return (
             self.decode is not None
             and self.decode.accepts(chunks)
-            and all(launchable(c.request.sampling) for c in chunks)
+            and self.sampler.all_launchable(c.request for c in chunks)
         )
 
     @torch.inference_mode()

@@ -6,9 +6,9 @@ divided by it, a negative one multiplied), ``frequency_penalty`` / ``presence_pe
 output tokens (``logit -= count * frequency + (count > 0) * presence``), ``logit_bias`` (added),
 the ``allowed`` token mask (structured output: False gives -inf), temperature, ``min_p``,
 ``top_k``, ``top_p``. Greedy rows (temperature 0) take the argmax of the processed logits;
-sampled rows race exponential clocks (``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
-``probs``). A seeded row's clocks for its ``k``-th output token come from a generator seeded from
-``(seed, k)`` alone, so its tokens depend neither on what it is batched with nor on the worker
+sampled rows draw from the softmax of theirs by inverse transform (one uniform ``u`` per row:
+the first token whose cumulative probability exceeds ``u``). A seeded row's uniform for its
+``k``-th output token comes from a generator seeded from ``(seed, k)`` alone, so its tokens depend neither on what it is batched with nor on the worker
 that runs it (a request resumed elsewhere after ``k`` tokens continues as it would have).
 
 A row that cannot be sampled (non-finite raw logits, or parameters that leave no token) fails
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +39,8 @@ NO_TOKEN = "sampling failed: no token can be sampled with this request's paramet
 FAILED_NON_FINITE, FAILED_NO_TOKEN = -1, -2
 #: positions of prompt logprobs computed per logits call (bounds the [rows, vocab] temporaries)
 PROMPT_LOGPROBS_ROWS = 256
+#: SamplingParams objects whose flags the sampler caches before it starts over
+FLAG_CACHE_SIZE = 4096
 _MASK64 = (1 << 64) - 1
 
 
@@ -204,6 +206,26 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generator = torch.Generator(device=device)
+        # (is_plain_greedy, launchable) of each SamplingParams seen, keyed by identity (the entry
+        # holds the object, so its id is not reused while cached): checking every row's fields
+        # each step costs more than the plain greedy step's argmax on small vocabularies
+        self._flags: dict[int, tuple[SamplingParams, bool, bool]] = {}
+
+    def _flags_of(self, sp: SamplingParams) -> tuple[SamplingParams, bool, bool]:
+        flags = self._flags.get(id(sp))
+        if flags is None or flags[0] is not sp:
+            if len(self._flags) >= FLAG_CACHE_SIZE:
+                self._flags.clear()
+            flags = self._flags[id(sp)] = (sp, is_plain_greedy(sp), launchable(sp))
+        return flags
+
+    def all_plain_greedy(self, rows: Iterable[SamplingRow]) -> bool:
+        """Whether every row is plain greedy (``is_plain_greedy``): the argmax fast path."""
+        return all(self._flags_of(row.sampling)[1] for row in rows)
+
+    def all_launchable(self, rows: Iterable[SamplingRow]) -> bool:
+        """Whether every row can be sampled before the host knows its last token (``launchable``)."""
+        return all(self._flags_of(row.sampling)[2] for row in rows)
 
     # -- the step's samples --------------------------------------------------------------------------
     def sample(
@@ -214,7 +236,7 @@ class Sampler:
         ``allowed``: an optional bool [rows, vocab] mask (False: the token may not be picked).
         A step of plain greedy rows and no mask costs one argmax (``greedy_ids``)."""
         out = SampledTokens()
-        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+        if allowed is None and self.all_plain_greedy(rows):
             ids = greedy_ids(logits).tolist()
         else:
             try:
@@ -245,7 +267,7 @@ class Sampler:
         """``sample`` without reading anything back (no logprobs): one id per row on the device
         (negative where the row fails, ``failure_reason``) and the requests whose sampling
         raised. The same tokens as ``sample``."""
-        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+        if allowed is None and self.all_plain_greedy(rows):
             return greedy_ids(logits), {}
         try:
             return self.pick(logits, rows, allowed), {}
@@ -257,7 +279,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Each row's token (int64 on the logits' device) from ``processed_logits``: the argmax
-        for greedy rows, the exponential race for sampled ones; ``FAILED_NON_FINITE`` where the
+        for greedy rows, an inverse-transform draw for sampled ones; ``FAILED_NON_FINITE`` where the
         raw logits' maximum is not finite, ``FAILED_NO_TOKEN`` where the processed row has no
         finite maximum (everything masked, a NaN temperature past validation)."""
         raw_ok = torch.isfinite(logits.max(dim=-1).values)
@@ -266,22 +288,18 @@ class Sampler:
         sampled = [i for i, row in enumerate(rows) if row.sampling.temperature != 0.0]
         if sampled:
             index = torch.tensor(sampled, device=x.device)
-            probs = torch.softmax(x[index], dim=-1)
-            clocks = torch.empty_like(probs)
+            # inverse transform: the first token whose cumulative probability exceeds u * total,
+            # one uniform per row (a vocabulary of random clocks per row costs ~100x more on a CPU)
+            cumulative = torch.softmax(x[index], dim=-1).cumsum_(dim=-1)
+            uniforms = torch.rand(len(sampled), 1, device=x.device)
             for j, i in enumerate(sampled):
                 sp = rows[i].sampling
-                if sp.seed is None:
-                    continue
-                self._generator.manual_seed(draw_seed(sp.seed, rows[i].num_computed_tokens - rows[i].prompt_len))
-                clocks[j].exponential_(generator=self._generator)
-            unseeded = [j for j, i in enumerate(sampled) if rows[i].sampling.seed is None]
-            if len(unseeded) == len(sampled):
-                clocks.exponential_()
-            elif unseeded:
-                where = torch.tensor(unseeded, device=x.device)
-                clocks[where] = torch.empty_like(clocks[where]).exponential_()
-            clocks.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 a NaN
-            ids[index] = (probs / clocks).argmax(dim=-1)
+                if sp.seed is not None:
+                    self._generator.manual_seed(draw_seed(sp.seed, rows[i].num_computed_tokens - rows[i].prompt_len))
+                    uniforms[j].uniform_(generator=self._generator)
+            drawn = torch.searchsorted(cumulative, uniforms * cumulative[:, -1:], right=True)[:, 0]
+            # u * total rounded up to the total: the most likely token (a vanishing case)
+            ids[index] = torch.where(drawn < x.shape[1], drawn, ids[index])
         ids = torch.where(torch.isfinite(best), ids, FAILED_NO_TOKEN)
         return torch.where(raw_ok, ids, FAILED_NON_FINITE)
 
