@@ -8,8 +8,9 @@ the ``allowed`` token mask (structured output: False gives -inf), temperature, `
 ``top_k``, ``top_p``. Greedy rows (temperature 0) take the argmax of the processed logits;
 sampled rows draw from the softmax of theirs by inverse transform (one uniform ``u`` per row:
 the first token whose cumulative probability exceeds ``u``). A seeded row's uniform for its
-``k``-th output token comes from a generator seeded from ``(seed, k)`` alone, so its tokens depend neither on what it is batched with nor on the worker
-that runs it (a request resumed elsewhere after ``k`` tokens continues as it would have).
+``k``-th output token comes from a generator seeded from ``(seed, k)`` alone, so its tokens
+depend neither on what it is batched with nor on the worker that runs it (a request resumed
+elsewhere after ``k`` tokens continues as it would have, on the same kind of device).
 
 A row that cannot be sampled (non-finite raw logits, or parameters that leave no token) fails
 only its own request: ``SampledTokens.failures`` names it and every other row is sampled.
@@ -100,6 +101,13 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.where(np.isfinite(best), ids, FAILED_NON_FINITE).astype(np.int64))
     best, ids = logits.max(dim=-1)
     return torch.where(torch.isfinite(best), ids, FAILED_NON_FINITE)
+
+
+def to_device(values: Sequence[object], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without waiting for the work queued there (on
+    CUDA a pageable copy would: through pinned memory, copied non-blocking)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def is_plain_greedy(sp: SamplingParams) -> bool:
@@ -248,7 +256,7 @@ class Sampler:
             ids = picked.tolist()
             asking = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None and ids[i] >= 0]
             if asking:
-                index = torch.tensor(asking, device=logits.device)
+                index = to_device(asking, logits.device)
                 raw = torch.log_softmax(logits[index].float(), dim=-1)
                 ks = [rows[i].sampling.logprobs or 0 for i in asking]
                 for i, entry in zip(asking, token_logprobs(raw, picked[index], ks), strict=True):
@@ -287,7 +295,7 @@ class Sampler:
         best, ids = x.max(dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.sampling.temperature != 0.0]
         if sampled:
-            index = torch.tensor(sampled, device=x.device)
+            index = to_device(sampled, x.device)
             # inverse transform: the first token whose cumulative probability exceeds u * total,
             # one uniform per row (a vocabulary of random clocks per row costs ~100x more on a CPU)
             cumulative = torch.softmax(x[index], dim=-1).cumsum_(dim=-1)
@@ -319,18 +327,18 @@ class Sampler:
         if biased:
             at_rows, tokens, biases = zip(*biased, strict=True)
             x.index_put_(
-                (torch.tensor(at_rows, device=x.device), torch.tensor(tokens, device=x.device)),
-                torch.tensor(biases, dtype=x.dtype, device=x.device),
+                (to_device(at_rows, x.device), to_device(tokens, x.device)),
+                to_device(biases, x.device, x.dtype),
                 accumulate=True,
             )
         if allowed is not None:
             x.masked_fill_(~allowed.to(x.device), -math.inf)
         if any(sp.temperature != 0.0 for sp in params):
             temperature = [sp.temperature or 1.0 for sp in params]
-            x.div_(torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None])
+            x.div_(to_device(temperature, x.device, x.dtype)[:, None])
         if any(sp.min_p > 0.0 for sp in params):
-            log_min_p = torch.tensor([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
-                                     dtype=x.dtype, device=x.device)  # fmt: skip
+            log_min_p = to_device([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
+                                  x.device, x.dtype)  # fmt: skip
             # p < min_p * p_max  <=>  logit < max logit + log(min_p) (softmax shares the denominator)
             x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + log_min_p[:, None], -math.inf)
         top_k = [sp.top_k if 0 < sp.top_k < x.shape[1] else 0 for sp in params]
@@ -361,13 +369,13 @@ class Sampler:
         seen.scatter_(1, ids, True)
         counts, seen = counts[:, :vocab], seen[:, :vocab]
         params = [rows[i].sampling for i in penalised]
-        index = torch.tensor(penalised, device=x.device)
+        index = to_device(penalised, x.device)
         sub = x[index]
-        repetition = torch.tensor([sp.repetition_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        repetition = to_device([sp.repetition_penalty for sp in params], x.device, x.dtype)[:, None]
         penalised_logits = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalised_logits, sub)
-        frequency = torch.tensor([sp.frequency_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
-        presence = torch.tensor([sp.presence_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        frequency = to_device([sp.frequency_penalty for sp in params], x.device, x.dtype)[:, None]
+        presence = to_device([sp.presence_penalty for sp in params], x.device, x.dtype)[:, None]
         sub -= counts * frequency + (counts > 0).to(x.dtype) * presence
         x[index] = sub
 
@@ -375,9 +383,9 @@ class Sampler:
     def _kth_largest(descending: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """Each row's ``top_k``-th largest value from its values sorted descending ([rows, 1]);
         -inf for a row without top-k (0)."""
-        k = torch.tensor([max(k, 1) for k in top_k], device=descending.device)
+        k = to_device([max(k, 1) for k in top_k], descending.device)
         kth = descending.gather(1, (k - 1)[:, None])
-        off = torch.tensor([k == 0 for k in top_k], device=descending.device)[:, None]
+        off = to_device([k == 0 for k in top_k], descending.device)[:, None]
         return kth.masked_fill(off, -math.inf)
 
     def _apply_top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
@@ -388,7 +396,7 @@ class Sampler:
             descending.masked_fill_(descending < self._kth_largest(descending, top_k), -math.inf)
         probs = torch.softmax(descending, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
-        limit = torch.tensor(top_p, dtype=x.dtype, device=x.device)[:, None]
+        limit = to_device(top_p, x.device, x.dtype)[:, None]
         descending.masked_fill_(before > limit, -math.inf)
         x.scatter_(1, order, descending)
 
@@ -403,6 +411,6 @@ class Sampler:
         for begin in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
             end = min(begin + PROMPT_LOGPROBS_ROWS, len(targets))
             raw = torch.log_softmax(logits(hidden[begin:end]).float(), dim=-1)
-            chosen = torch.tensor(targets[begin:end], dtype=torch.long, device=raw.device)
+            chosen = to_device(targets[begin:end], raw.device, torch.long)
             out.extend(token_logprobs(raw, chosen, [k] * (end - begin)))
         return out
