@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from configs import ClusterConfig, load_config
 from engine.core import EngineCore
+from engine.logprobs import TokenLogprob
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate_structured
@@ -17,12 +18,16 @@ from engine.validation import ValidatedPrompt, prompt_batch, validate_prompt
 
 @dataclass(frozen=True)
 class Completion:
-    """One finished request: its text, the generated token ids and why it stopped."""
+    """One finished request: its text, the generated token ids and why it stopped; with the
+    sampling's ``logprobs`` one ``TokenLogprob`` per generated token, with ``prompt_logprobs``
+    one per prompt token (None for the first), else None."""
 
     prompt: str
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -61,10 +66,16 @@ class LLM:
             )
             order.append(request_id)
         reasons: dict[str, str] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in order} if sampling.logprobs is not None else {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         while self.engine.has_work:
             for out in self.engine.step():
                 d = detok[out.request_id]
                 d.add(out.new_token_ids)
+                if out.logprobs is not None:
+                    logprobs[out.request_id].extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if d.stopped and not out.finished:
                     self.engine.scheduler.finish(out.request_id, RequestStatus.FINISHED_STOPPED)
                     self.engine.runner.forget(out.request_id)
@@ -73,7 +84,8 @@ class LLM:
                     d.flush()
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [
-            Completion(self._text(prompt), detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"))
+            Completion(self._text(prompt), detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"),
+                       logprobs.get(rid), prompt_logprobs.get(rid))
             for prompt, rid in zip(prepared, order, strict=True)
         ]
 

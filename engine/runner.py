@@ -15,6 +15,7 @@ import torch
 
 from engine.kv_cache.coordinator_types import per_pool
 from engine.kv_cache.spec import MambaSpec
+from engine.logprobs import TokenLogprob
 from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import (
     ChunkSpec,
@@ -27,8 +28,7 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
-from engine.logprobs import TokenLogprob
-from engine.sampler import PendingTokens, SampledTokens, Sampler, launchable
+from engine.sampler import PendingTokens, SampledTokens, Sampler
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
@@ -189,7 +189,7 @@ class ModelRunner:
         return (
             self.decode is not None
             and self.decode.accepts(chunks)
-            and all(launchable(c.request.sampling) for c in chunks)
+            and self.sampler.all_launchable(c.request for c in chunks)
         )
 
     @torch.inference_mode()

@@ -6,10 +6,11 @@ divided by it, a negative one multiplied), ``frequency_penalty`` / ``presence_pe
 output tokens (``logit -= count * frequency + (count > 0) * presence``), ``logit_bias`` (added),
 the ``allowed`` token mask (structured output: False gives -inf), temperature, ``min_p``,
 ``top_k``, ``top_p``. Greedy rows (temperature 0) take the argmax of the processed logits;
-sampled rows race exponential clocks (``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
-``probs``). A seeded row's clocks for its ``k``-th output token come from a generator seeded from
-``(seed, k)`` alone, so its tokens depend neither on what it is batched with nor on the worker
-that runs it (a request resumed elsewhere after ``k`` tokens continues as it would have).
+sampled rows draw from the softmax of theirs by inverse transform (one uniform ``u`` per row:
+the first token whose cumulative probability exceeds ``u``). A seeded row's uniform for its
+``k``-th output token comes from a generator seeded from ``(seed, k)`` alone, so its tokens
+depend neither on what it is batched with nor on the worker that runs it (a request resumed
+elsewhere after ``k`` tokens continues as it would have, on the same kind of device).
 
 A row that cannot be sampled (non-finite raw logits, or parameters that leave no token) fails
 only its own request: ``SampledTokens.failures`` names it and every other row is sampled.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,8 @@ NO_TOKEN = "sampling failed: no token can be sampled with this request's paramet
 FAILED_NON_FINITE, FAILED_NO_TOKEN = -1, -2
 #: positions of prompt logprobs computed per logits call (bounds the [rows, vocab] temporaries)
 PROMPT_LOGPROBS_ROWS = 256
+#: SamplingParams objects whose flags the sampler caches before it starts over
+FLAG_CACHE_SIZE = 4096
 _MASK64 = (1 << 64) - 1
 
 
@@ -100,20 +103,26 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(best), ids, FAILED_NON_FINITE)
 
 
+def to_device(values: Sequence[object], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without waiting for the work queued there (on
+    CUDA a pageable copy would: through pinned memory, copied non-blocking)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 def is_plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits and no logprobs: the argmax of the raw logits."""
     return sp.temperature == 0.0 and sp.logprobs is None and not changes_logits(sp)
 
 
+def penalises(sp: SamplingParams) -> bool:
+    """Whether a repetition, frequency or presence penalty applies."""
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+
+
 def changes_logits(sp: SamplingParams) -> bool:
     """Whether a penalty, a bias or a structured-output mask applies to the row's logits."""
-    return (
-        sp.repetition_penalty != 1.0
-        or sp.frequency_penalty != 0.0
-        or sp.presence_penalty != 0.0
-        or bool(sp.logit_bias)
-        or sp.structured is not None
-    )
+    return penalises(sp) or bool(sp.logit_bias) or sp.structured is not None
 
 
 def launchable(sp: SamplingParams) -> bool:
@@ -144,8 +153,8 @@ def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -
         top_values, top_ids = raw.topk(min(top, raw.shape[1]), dim=1)
         values, ids = top_values.tolist(), top_ids.tolist()
     out = []
-    for i, (token, logprob, rank) in enumerate(zip(chosen.tolist(), picked[:, 0].tolist(), ranks.tolist(), strict=True)):
-        k = ks[i]
+    rows = zip(chosen.tolist(), picked[:, 0].tolist(), ranks.tolist(), ks, strict=True)
+    for i, (token, logprob, rank, k) in enumerate(rows):
         pairs = tuple(zip(ids[i][:k], values[i][:k], strict=True)) if k else ()
         out.append(TokenLogprob(token, logprob, rank, pairs))
     return out
@@ -205,6 +214,26 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generator = torch.Generator(device=device)
+        # (is_plain_greedy, launchable) of each SamplingParams seen, keyed by identity (the entry
+        # holds the object, so its id is not reused while cached): checking every row's fields
+        # each step costs more than the plain greedy step's argmax on small vocabularies
+        self._flags: dict[int, tuple[SamplingParams, bool, bool]] = {}
+
+    def _flags_of(self, sp: SamplingParams) -> tuple[SamplingParams, bool, bool]:
+        flags = self._flags.get(id(sp))
+        if flags is None or flags[0] is not sp:
+            if len(self._flags) >= FLAG_CACHE_SIZE:
+                self._flags.clear()
+            flags = self._flags[id(sp)] = (sp, is_plain_greedy(sp), launchable(sp))
+        return flags
+
+    def all_plain_greedy(self, rows: Iterable[SamplingRow]) -> bool:
+        """Whether every row is plain greedy (``is_plain_greedy``): the argmax fast path."""
+        return all(self._flags_of(row.sampling)[1] for row in rows)
+
+    def all_launchable(self, rows: Iterable[SamplingRow]) -> bool:
+        """Whether every row can be sampled before the host knows its last token (``launchable``)."""
+        return all(self._flags_of(row.sampling)[2] for row in rows)
 
     # -- the step's samples --------------------------------------------------------------------------
     def sample(
@@ -215,7 +244,7 @@ class Sampler:
         ``allowed``: an optional bool [rows, vocab] mask (False: the token may not be picked).
         A step of plain greedy rows and no mask costs one argmax (``greedy_ids``)."""
         out = SampledTokens()
-        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+        if allowed is None and self.all_plain_greedy(rows):
             ids = greedy_ids(logits).tolist()
         else:
             try:
@@ -227,7 +256,7 @@ class Sampler:
             ids = picked.tolist()
             asking = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None and ids[i] >= 0]
             if asking:
-                index = torch.tensor(asking, device=logits.device)
+                index = to_device(asking, logits.device)
                 raw = torch.log_softmax(logits[index].float(), dim=-1)
                 ks = [rows[i].sampling.logprobs or 0 for i in asking]
                 for i, entry in zip(asking, token_logprobs(raw, picked[index], ks), strict=True):
@@ -246,7 +275,7 @@ class Sampler:
         """``sample`` without reading anything back (no logprobs): one id per row on the device
         (negative where the row fails, ``failure_reason``) and the requests whose sampling
         raised. The same tokens as ``sample``."""
-        if allowed is None and all(is_plain_greedy(row.sampling) for row in rows):
+        if allowed is None and self.all_plain_greedy(rows):
             return greedy_ids(logits), {}
         try:
             return self.pick(logits, rows, allowed), {}
@@ -258,7 +287,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], allowed: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Each row's token (int64 on the logits' device) from ``processed_logits``: the argmax
-        for greedy rows, the exponential race for sampled ones; ``FAILED_NON_FINITE`` where the
+        for greedy rows, an inverse-transform draw for sampled ones; ``FAILED_NON_FINITE`` where the
         raw logits' maximum is not finite, ``FAILED_NO_TOKEN`` where the processed row has no
         finite maximum (everything masked, a NaN temperature past validation)."""
         raw_ok = torch.isfinite(logits.max(dim=-1).values)
@@ -266,23 +295,19 @@ class Sampler:
         best, ids = x.max(dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.sampling.temperature != 0.0]
         if sampled:
-            index = torch.tensor(sampled, device=x.device)
-            probs = torch.softmax(x[index], dim=-1)
-            clocks = torch.empty_like(probs)
+            index = to_device(sampled, x.device)
+            # inverse transform: the first token whose cumulative probability exceeds u * total,
+            # one uniform per row (a vocabulary of random clocks per row costs ~100x more on a CPU)
+            cumulative = torch.softmax(x[index], dim=-1).cumsum_(dim=-1)
+            uniforms = torch.rand(len(sampled), 1, device=x.device)
             for j, i in enumerate(sampled):
                 sp = rows[i].sampling
-                if sp.seed is None:
-                    continue
-                self._generator.manual_seed(draw_seed(sp.seed, rows[i].num_computed_tokens - rows[i].prompt_len))
-                clocks[j].exponential_(generator=self._generator)
-            unseeded = [j for j, i in enumerate(sampled) if rows[i].sampling.seed is None]
-            if len(unseeded) == len(sampled):
-                clocks.exponential_()
-            elif unseeded:
-                where = torch.tensor(unseeded, device=x.device)
-                clocks[where] = torch.empty_like(clocks[where]).exponential_()
-            clocks.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 a NaN
-            ids[index] = (probs / clocks).argmax(dim=-1)
+                if sp.seed is not None:
+                    self._generator.manual_seed(draw_seed(sp.seed, rows[i].num_computed_tokens - rows[i].prompt_len))
+                    uniforms[j].uniform_(generator=self._generator)
+            drawn = torch.searchsorted(cumulative, uniforms * cumulative[:, -1:], right=True)[:, 0]
+            # u * total rounded up to the total: the most likely token (a vanishing case)
+            ids[index] = torch.where(drawn < x.shape[1], drawn, ids[index])
         ids = torch.where(torch.isfinite(best), ids, FAILED_NO_TOKEN)
         return torch.where(raw_ok, ids, FAILED_NON_FINITE)
 
@@ -294,26 +319,26 @@ class Sampler:
         distribution its token is drawn from; a greedy row's argmax is its token."""
         x = logits.float().clone()
         params = [row.sampling for row in rows]
-        penalised = [i for i, sp in enumerate(params)
-                     if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0]  # fmt: skip
+        penalised = [i for i, sp in enumerate(params) if penalises(sp)]
         if penalised:
             self._apply_penalties(x, rows, penalised)
-        biased = [(i, token, bias) for i, sp in enumerate(params) for token, bias in sp.logit_bias if token < x.shape[1]]
+        vocab = x.shape[1]
+        biased = [(i, token, bias) for i, sp in enumerate(params) for token, bias in sp.logit_bias if token < vocab]
         if biased:
             at_rows, tokens, biases = zip(*biased, strict=True)
             x.index_put_(
-                (torch.tensor(at_rows, device=x.device), torch.tensor(tokens, device=x.device)),
-                torch.tensor(biases, dtype=x.dtype, device=x.device),
+                (to_device(at_rows, x.device), to_device(tokens, x.device)),
+                to_device(biases, x.device, x.dtype),
                 accumulate=True,
             )
         if allowed is not None:
             x.masked_fill_(~allowed.to(x.device), -math.inf)
         if any(sp.temperature != 0.0 for sp in params):
             temperature = [sp.temperature or 1.0 for sp in params]
-            x.div_(torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None])
+            x.div_(to_device(temperature, x.device, x.dtype)[:, None])
         if any(sp.min_p > 0.0 for sp in params):
-            log_min_p = torch.tensor([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
-                                     dtype=x.dtype, device=x.device)  # fmt: skip
+            log_min_p = to_device([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
+                                  x.device, x.dtype)  # fmt: skip
             # p < min_p * p_max  <=>  logit < max logit + log(min_p) (softmax shares the denominator)
             x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + log_min_p[:, None], -math.inf)
         top_k = [sp.top_k if 0 < sp.top_k < x.shape[1] else 0 for sp in params]
@@ -344,13 +369,13 @@ class Sampler:
         seen.scatter_(1, ids, True)
         counts, seen = counts[:, :vocab], seen[:, :vocab]
         params = [rows[i].sampling for i in penalised]
-        index = torch.tensor(penalised, device=x.device)
+        index = to_device(penalised, x.device)
         sub = x[index]
-        repetition = torch.tensor([sp.repetition_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        repetition = to_device([sp.repetition_penalty for sp in params], x.device, x.dtype)[:, None]
         penalised_logits = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalised_logits, sub)
-        frequency = torch.tensor([sp.frequency_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
-        presence = torch.tensor([sp.presence_penalty for sp in params], dtype=x.dtype, device=x.device)[:, None]
+        frequency = to_device([sp.frequency_penalty for sp in params], x.device, x.dtype)[:, None]
+        presence = to_device([sp.presence_penalty for sp in params], x.device, x.dtype)[:, None]
         sub -= counts * frequency + (counts > 0).to(x.dtype) * presence
         x[index] = sub
 
@@ -358,9 +383,9 @@ class Sampler:
     def _kth_largest(descending: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """Each row's ``top_k``-th largest value from its values sorted descending ([rows, 1]);
         -inf for a row without top-k (0)."""
-        k = torch.tensor([max(k, 1) for k in top_k], device=descending.device)
+        k = to_device([max(k, 1) for k in top_k], descending.device)
         kth = descending.gather(1, (k - 1)[:, None])
-        off = torch.tensor([k == 0 for k in top_k], device=descending.device)[:, None]
+        off = to_device([k == 0 for k in top_k], descending.device)[:, None]
         return kth.masked_fill(off, -math.inf)
 
     def _apply_top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
@@ -371,7 +396,7 @@ class Sampler:
             descending.masked_fill_(descending < self._kth_largest(descending, top_k), -math.inf)
         probs = torch.softmax(descending, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
-        limit = torch.tensor(top_p, dtype=x.dtype, device=x.device)[:, None]
+        limit = to_device(top_p, x.device, x.dtype)[:, None]
         descending.masked_fill_(before > limit, -math.inf)
         x.scatter_(1, order, descending)
 
@@ -386,6 +411,6 @@ class Sampler:
         for begin in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
             end = min(begin + PROMPT_LOGPROBS_ROWS, len(targets))
             raw = torch.log_softmax(logits(hidden[begin:end]).float(), dim=-1)
-            chosen = torch.tensor(targets[begin:end], dtype=torch.long, device=raw.device)
+            chosen = to_device(targets[begin:end], raw.device, torch.long)
             out.extend(token_logprobs(raw, chosen, [k] * (end - begin)))
         return out

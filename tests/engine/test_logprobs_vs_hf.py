@@ -74,7 +74,7 @@ def test_sampled_and_greedy_logprobs_equal_hf(name: str, checkpoints) -> None:
         "greedy": (prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=5)),
         "seeded": (prompts[1], SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=4, logprobs=20)),
         "penalised": (prompts[2], SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.7, seed=5, logprobs=0,
-                                                 frequency_penalty=1.5, logit_bias={17: 3.0})),  # fmt: skip
+                                                 frequency_penalty=1.5, logit_bias={17: 3.0})),
     }
     got = run(harness.make_engine(directory), requests)
     for rid, (prompt, sampling) in requests.items():
@@ -91,10 +91,10 @@ def test_prompt_logprobs_equal_hf_across_chunks_without_a_prefix_hit(name: str, 
     directory = checkpoints[name]
     engine = harness.make_engine(directory, "scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=24")
     prompt = harness.random_prompts(12, (37,))[0]
-    warm = run(engine, {"warm": (prompt + [9], SamplingParams(max_tokens=2, ignore_eos=True))})
+    warm = run(engine, {"warm": ([*prompt, 9], SamplingParams(max_tokens=2, ignore_eos=True))})
     assert warm["warm"]["cached"] == 0
     sampling = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=1)
-    got = run(engine, {"echo": (prompt, sampling), "plain": (prompt[:20] + [5, 6], SamplingParams(max_tokens=3))})
+    got = run(engine, {"echo": (prompt, sampling), "plain": ([*prompt[:20], 5, 6], SamplingParams(max_tokens=3))})
     assert got["plain"]["cached"] >= 16  # the cache does serve this prompt's prefix
     assert got["echo"]["cached"] == 0  # ... but the request scoring its prompt computed all of it
     scored = got["echo"]["prompt"]
@@ -103,3 +103,23 @@ def test_prompt_logprobs_equal_hf_across_chunks_without_a_prefix_hit(name: str, 
     for position in range(1, len(prompt)):
         check_entry(scored[position], rows[position - 1], prompt[position], 3)
     check_entry(got["echo"]["logprobs"][0], rows[len(prompt) - 1], got["echo"]["tokens"][0], 1)
+
+
+def test_llm_reports_logprobs_and_prompt_logprobs() -> None:
+    """The offline API carries both per completion: the same entries the engine computed, the
+    sampled tokens' matching ``token_ids`` and HF's log-softmax of the tiny preset's model."""
+    from engine.llm import LLM
+
+    llm = LLM("tiny")
+    prompt = harness.random_prompts(13, (11,))[0]
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.9, seed=2, logprobs=2, prompt_logprobs=1)
+    (completion,) = llm.generate([prompt], sampling)
+    assert completion.logprobs is not None and completion.prompt_logprobs is not None
+    assert [entry.token_id for entry in completion.logprobs] == completion.token_ids
+    rows = reference(llm.engine.model_directory, prompt + completion.token_ids)
+    for i, entry in enumerate(completion.logprobs):
+        check_entry(entry, rows[len(prompt) - 1 + i], completion.token_ids[i], 2)
+    assert completion.prompt_logprobs[0] is None and len(completion.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        check_entry(completion.prompt_logprobs[position], rows[position - 1], prompt[position], 1)
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].logprobs is None

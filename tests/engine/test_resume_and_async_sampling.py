@@ -23,7 +23,7 @@ SAMPLINGS = {
     "greedy": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7),
     "penalised": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7,
-                                frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3),  # fmt: skip
+                                frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3),
 }
 
 
