@@ -25,7 +25,13 @@ progress on stderr; the last stdout line is one JSON object with ``valid_share``
 
     python -m benchmarks.structured_bench [--rounds 7] [--batch 32]
 
-Last measured: see benchmarks/README.md.
+Last measured (2026-11-28, the 2-core CPU shared with other jobs, load average 7 to 11, one
+torch thread, batch 32, 137 tokens per request, 7 rounds): ``{"valid_share": 1.0,
+"throughput_ratio_vs_unconstrained": 0.9751, "throughput_ratio_cpu_time": 0.9851}``, median
+steps 16.2 ms against 15.8 ms (CPU 7.68 ms against 7.56 ms); ``mask`` about 0.26 ms of CPU per
+step and ``accept`` about 7 us per token, timer overhead included. On this shared machine single
+runs spread: earlier runs gave wall ratios of 0.77 to 0.95 and CPU ratios of 0.89 to 1.03, while
+the instrumented structured-output work (mask, accept) stays near 0.4 ms of a 7 ms step.
 """
 
 from __future__ import annotations
