@@ -331,7 +331,8 @@ class RequestRunner:
         RuntimeError naming the worker). Either way the client sees one unbroken stream."""
         from engine.tokenizer import IncrementalDetokenizer
 
-        model = self.served()
+        model = self.model
+        assert model is not None, "a request runs only after start"
         rid = request.request_id
         supervisor = self._supervisor
         limit = self.config.serve.migration_limit
@@ -353,8 +354,10 @@ class RequestRunner:
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
                     failed = f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
-                    if output.done_reason(sampling) is not None:  # it had all its tokens: nothing to run
-                        result = self._completion(request, output, output.done_reason(sampling) or "stop")
+                    done = output.done_reason(sampling)
+                    if done is not None:  # it had all its tokens: nothing to run
+                        _flush(output, on_delta)
+                        result = self._completion(request, output, done)
                     elif not supervisor.workers:
                         raise RuntimeError(failed) from lost.__cause__
                     elif output.token_ids:
@@ -493,9 +496,7 @@ class RequestRunner:
                 if not detok.stopped:  # a request that matched its stop string needs nothing more
                     raise _lost_or_raise(decode_id, decoder, request.streamed, exc, WorkerUnavailableError) from exc
                 reason = "stop"
-        tail = detok.flush()  # a held-back tail that turned out not to start a stop string
-        if tail and on_delta is not None:
-            on_delta(Delta(tail, 0))
+        _flush(output, on_delta)
         await _await_acks(acks)  # the router holds this request's blocks before it counts as finished
         if reason == "error":
             raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")
@@ -604,6 +605,13 @@ class RequestRunner:
         if handle is None:  # removed after the router chose it
             raise _WorkerLost(worker_id, False, self._supervisor.lost.get(worker_id, "removed from the router"))
         return handle
+
+
+def _flush(output: StreamedOutput, on_delta: Callable[[Delta], None] | None) -> None:
+    """The request ended: send a held-back tail that turned out not to start a stop string."""
+    tail = output.detok.flush()
+    if tail and on_delta is not None:
+        on_delta(Delta(tail, 0))
 
 
 def _hops(
