@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import queue
@@ -193,25 +192,27 @@ class EngineWorker:
         expect_handle: bool = False,
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
+        output_token_ids: tuple[int, ...] = (),
     ) -> AsyncIterator[TokenChunk]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
         ``expect_handle``: a prefill worker (transfer agent ``peer``) is computing the prompt's
-        KV now; reserve its blocks and wait for the handle (``deliver``). The driver checked the
+        KV now; reserve its blocks and wait for the handle (``deliver``). ``output_token_ids``:
+        the tokens the request already generated on a worker that was lost (a migration): it
+        goes on after them (``EngineCore.add_request``), run whole here. The driver checked the
         request at its entry point (token ids, length, sampling, ``cache_salt``)."""
+        assert not (output_token_ids and (expect_handle or kv_handle is not None)), "a migrated request runs whole"
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         tracked = TrackedRequest(loop, chunks, len(prompt_token_ids))
         await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle, False,
-                         expect_handle, peer, cache_salt)  # fmt: skip
+                         expect_handle, peer, cache_salt, output_token_ids)  # fmt: skip
         finished = False
         try:
             while not finished:
                 chunk = await chunks.get()
                 while not chunks.empty() and not chunk.finished:  # coalesce what piled up
-                    more = chunks.get_nowait()
-                    chunk = dataclasses.replace(more, token_ids=chunk.token_ids + more.token_ids,
-                                                hops=chunk.hops or more.hops)  # fmt: skip
+                    chunk = chunk.followed_by(chunks.get_nowait())
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -375,6 +376,7 @@ class EngineWorker:
         expect_handle: bool = False,
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
+        output_token_ids: tuple[int, ...] = (),
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
@@ -391,6 +393,9 @@ class EngineWorker:
                                                            cache_salt=cache_salt)  # fmt: skip
             if engine.is_reserved(request_id):
                 tracked.reserved_at = time.monotonic()
+        elif output_token_ids:  # a migrated request goes on after the tokens it generated elsewhere
+            tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
+                                                 output_token_ids=output_token_ids)  # fmt: skip
         else:
             tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
                                                  kv_handle=kv_handle, cache_salt=cache_salt)  # fmt: skip
@@ -470,7 +475,8 @@ class EngineWorker:
             elif out.finished:
                 self._finished(out, tracked, now, hops, ack)
             elif tracked.sink is not None:
-                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens, hops=hops))
+                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens, hops=hops,
+                                              logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))  # fmt: skip
 
     def _finished(
         self,
@@ -492,7 +498,8 @@ class EngineWorker:
             self.router_link.finish_pin(tracked.pin)
             return
         chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error,
-                           hops=hops, router_ack=ack)  # fmt: skip
+                           hops=hops, router_ack=ack, logprobs=out.logprobs,
+                           prompt_logprobs=out.prompt_logprobs)  # fmt: skip
         self._answer(out.request_id, chunk)
 
     def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:

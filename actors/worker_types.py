@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from engine.kv_cache.spec import KVCacheGroup
@@ -61,6 +61,20 @@ class TokenChunk:
     router_ack: ray.ObjectRef[None] | None = None  # on the last chunk: the ref of the router report carrying its blocks
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the sampling asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, with ``prompt_logprobs``
+
+    def followed_by(self, more: TokenChunk) -> TokenChunk:
+        """This chunk and the one that came after it as one (a stream coalesces chunks that piled
+        up): ``more``'s status with both chunks' tokens, logprobs and the first hops."""
+        logprobs = None
+        if self.logprobs is not None or more.logprobs is not None:
+            logprobs = (self.logprobs or []) + (more.logprobs or [])
+        return replace(
+            more,
+            token_ids=self.token_ids + more.token_ids,
+            hops=self.hops or more.hops,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or more.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True)

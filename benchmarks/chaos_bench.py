@@ -5,12 +5,13 @@ prefill workers and the router are killed in turn at seeded random moments
 
 Every request is checked against a single engine that ran its prompt alone, while it streams and
 at its end. The last stdout line is
-``{"requests": n, "completed": n, "wrong_tokens": 0, "lost": 0, "errored": n, "kills": n,
-"recovery_s_p90": x, "blocks_leaked": 0, ...}``; ``recovery_s`` of a kill runs until the cluster
-is whole again (replacement joined / workers re-registered with the restarted router) and a
-request sent after the kill completed within twice the median latency before the first kill
-(``latency_p50_before_kills_s``, the undisturbed baseline). Exit status 1 on a wrong token, a lost
-request, an unclear error or a leaked block.
+``{"requests": n, "completed": n, "migrated": n, "wrong_tokens": 0, "lost": 0, "errored": 0,
+"kills": n, "recovery_s_p90": x, "blocks_leaked": 0, ...}`` (``migrated``: requests whose decode
+worker was killed mid-stream and that completed on another one, see ``serve.migration_limit``);
+``recovery_s`` of a kill runs until the cluster is whole again (replacement joined / workers
+re-registered with the restarted router) and a request sent after the kill completed within
+twice the median latency before the first kill (``latency_p50_before_kills_s``, the undisturbed
+baseline). Exit status 1 on a wrong token, a lost request, an unclear error or a leaked block.
 
     python -m benchmarks.chaos_bench                          # 2000 requests, 8 req/s, 9 kills
     python -m benchmarks.chaos_bench --requests 300 --kills 3 --backend nixl

@@ -10,7 +10,10 @@ returns a handle, the driver relays it and the decode worker pulls that KV and d
 the decode (or aggregated) worker runs it whole. Tokens stream back from the decode worker; the driver detokenizes and
 applies stop strings (aborting the request on the worker when one matches). A request counts as
 finished once the router applied the reports holding its blocks (the workers send them without
-waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop.
+waiting; the driver awaits them). ``ClusterCompletion.hops`` breaks its TTFT down per hop. A
+request whose worker is lost is routed again: from its prompt before it streamed a token, else
+from its prompt and the tokens it streamed, on one worker (a migration, at most
+``serve.migration_limit`` times; ``ClusterCompletion.migrations`` counts them).
 
 ``Cluster`` is a facade over the objects it owns: the ``RequestRunner`` (cluster/request_runner.py:
 admission, routing, streaming, retries), the ``Supervisor`` (cluster/supervisor.py: the actors,
@@ -268,12 +271,21 @@ class Cluster:
         request_id: str | None = None,
         cache_salt: str | None = None,
         on_delta: Callable[[Delta], None] | None = None,
+        share_placement: str | None = None,
     ) -> ClusterCompletion:
         """One request, awaited in the caller's event loop (the same checks as ``generate``).
         ``on_delta`` is called with each ``Delta`` as output tokens arrive (no queue between the
         workers' stream and the caller). Cancelling the awaiting task aborts the request on its
-        workers and frees its blocks."""
-        return await self._runner.run(self._runner.admit(prompt, sampling, request_id, cache_salt), on_delta)
+        workers and frees its blocks.
+
+        ``share_placement``: a non-empty key; requests in flight with the same key run where the
+        first of them was routed (its prefill and decode workers), so the ``n`` samples of one
+        prompt, run as ``n`` concurrent calls with one key, share the prompt's KV on one decode
+        worker through its prefix cache. A request that loses its worker is routed on its own.
+        Use a key unique to the group (e.g. the HTTP request's id): a later group with the same
+        key, started while one of the earlier group is still in flight, follows it too."""
+        request = self._runner.admit(prompt, sampling, request_id, cache_salt, share_placement)
+        return await self._runner.run(request, on_delta)
 
     async def stream(
         self,
@@ -296,12 +308,14 @@ class Cluster:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        share_placement: str | None = None,
     ) -> AsyncIterator[Delta | ClusterCompletion]:
         """One request as it runs (an async iterator in the caller's loop; the request is checked
         when iteration starts): a ``Delta`` whenever output tokens arrive, then its
         ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the task that
-        iterates) aborts the request on its workers and frees its blocks."""
-        return self._runner.stream(prompt, sampling, request_id, cache_salt)
+        iterates) aborts the request on its workers and frees its blocks. ``share_placement``:
+        as for ``agenerate``."""
+        return self._runner.stream(prompt, sampling, request_id, cache_salt, share_placement)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in flight and free its blocks everywhere; False if it is unknown."""

@@ -3,15 +3,21 @@
 Input: one object per line with ``prompt`` (text, or a list of token ids) and optionally ``id``
 (a string or an integer), ``cache_salt`` (a non-empty string: the line's prompt reuses cached
 blocks only of requests with the same salt) and per-request sampling fields (``max_tokens``, ``temperature``,
-``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``); any other key is refused (a typo must
-not silently fall back to a default). Blank lines are skipped.
+``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``, ``ignore_eos``, ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` (token id -> bias), ``logprobs`` and
+``prompt_logprobs`` (how many top alternatives per position, 0..20), as ``SamplingParams`` takes
+them); any other key is refused (a typo must not silently fall back to a default). Blank lines
+are skipped.
 
 A bad line does not stop the run: it becomes a ``LineError``, reported as
 ``<file>:<line>: <field>: <what is wrong> (got <value>)``, and the good lines still run.
 
 Output: one object per non-blank input line, in input order. A line that ran gives
 ``{"id"?, "prompt", "text", "token_ids", "finish_reason", "prefill_worker", "decode_worker",
-"cached_tokens", "ttft_s"}``; a bad line gives an error record
+"cached_tokens", "ttft_s"}``, plus ``"logprobs"`` (one ``{"token_id", "logprob", "rank", "top":
+[[token_id, logprob], ...]}`` per token of ``token_ids``) when the line asked for ``logprobs``
+and ``"prompt_logprobs"`` (one per prompt token, null for the first) when it asked for
+``prompt_logprobs``; a bad line gives an error record
 ``{"id"?, "line": <line number>, "error": "<field>: <what is wrong> (got <value>)"}`` (``id``
 when the line had a usable one), so nothing is dropped silently: a record is an error record
 exactly when it has an ``error`` key. The CLI and the job exit with ``EXIT_PARTIAL`` (3) when
@@ -26,10 +32,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_cache_salt, check_prompt, problem
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs",
+)  # fmt: skip
 LINE_FIELDS = ("prompt", "id", "cache_salt", *SAMPLING_FIELDS)
 
 
@@ -129,7 +139,23 @@ def result_record(item_id: str | None, completion: Any) -> dict[str, Any]:
     for name in ("prefill_worker", "decode_worker", "cached_tokens", "ttft_s"):
         if hasattr(completion, name):
             record[name] = getattr(completion, name)
+    logprobs = getattr(completion, "logprobs", None)
+    if logprobs is not None:
+        record["logprobs"] = [logprob_record(entry) for entry in logprobs]
+    prompt_logprobs = getattr(completion, "prompt_logprobs", None)
+    if prompt_logprobs is not None:
+        record["prompt_logprobs"] = [None if entry is None else logprob_record(entry) for entry in prompt_logprobs]
     return record
+
+
+def logprob_record(entry: TokenLogprob) -> dict[str, Any]:
+    """One position's logprob as JSON: ``{"token_id", "logprob", "rank", "top": [[id, logprob], ...]}``."""
+    return {
+        "token_id": entry.token_id,
+        "logprob": entry.logprob,
+        "rank": entry.rank,
+        "top": [[token_id, logprob] for token_id, logprob in entry.top],
+    }
 
 
 def write_records(out: IO[str], records: Iterable[dict[str, Any]]) -> None:
@@ -154,4 +180,3 @@ def _readable_id(raw: bytes) -> str | None:
         return _line_id(record.get("id")) if isinstance(record, dict) else None
     except ValueError:  # not JSON, or an unusable id
         return None
-

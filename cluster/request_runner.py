@@ -1,8 +1,10 @@
 """One request's way through the cluster, driven from the driver: admit it (check and tokenize the
 prompt once), route it, tell the decode worker at once when it is split, relay the prefill
 worker's KV handle, stream and detokenize the decode worker's tokens, wait for the router to hold
-the request's blocks, and route it again when a worker is lost before it streamed a token. See
-cluster/api.py's docstring for the whole picture; ``ClusterCompletion.hops`` is built here.
+the request's blocks, and route it again when a worker is lost: from its prompt before it
+streamed a token, else from its prompt and the tokens it streamed (a migration, bounded by
+``serve.migration_limit``; see docs/architecture.md, One request). See cluster/api.py's docstring
+for the whole picture; ``ClusterCompletion.hops`` is built here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from actors.hops import pd_breakdown, whole_breakdown
 from cluster.driver_loop import NOT_STARTED
-from cluster.in_flight import ClusterRequest, InFlight
+from cluster.in_flight import ClusterRequest, InFlight, NoSharedDecision, SharedPlacements
 from cluster.served_model import ServedModel
 from cluster.supervisor import Supervisor, WorkerHandle, await_ref, describe_failure
 from configs import ClusterConfig
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
     from actors.worker_types import PrefillResult, TokenChunk
     from engine.routing import Decision
+    from engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ ROUTER_ACK_TIMEOUT_S = 30.0  # how long a finished request waits for the router 
 class ClusterCompletion(Completion):
     """A finished request with where it ran: the router's predicted prefix hit and the hit the
     worker that prefilled it actually found (``cached_tokens``), driver-side timings and the
-    TTFT's breakdown per hop (``hops``, see ``actors.hops``)."""
+    TTFT's breakdown per hop (``hops``, see ``actors.hops``). A request that migrated
+    (``migrations`` > 0) names the workers and the routing of its last attempt, and the hit,
+    TTFT and hops of the attempt that produced its first token."""
 
     request_id: str = ""
     prompt_token_ids: tuple[int, ...] = ()
@@ -75,15 +80,73 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+class StreamedOutput:
+    """What one request has sent its client so far, over all its attempts: a request that moves
+    to another worker mid-stream goes on from here (the same detokenizer, so stop strings and
+    held-back text carry over and the client sees one unbroken stream). It holds the output
+    tokens (in ``detok``), their logprobs, the prompt's logprobs, when the first token came with
+    that attempt's hop breakdown and prefix hit, where the last attempt ran, and how many times
+    the request migrated.
+
+    Invariants: ``logprobs`` is None unless the sampling asks for them, else it has one entry per
+    token of ``token_ids`` that the workers sent logprobs for (all of them, once the engine
+    computes logprobs); ``prompt_logprobs`` is taken once, from the first attempt that sends it;
+    ``first_token``, ``hops`` and ``cached_tokens`` are set once, by the first token."""
+
+    def __init__(self, detok: IncrementalDetokenizer, sampling: SamplingParams) -> None:
+        self.detok = detok
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.first_token: float | None = None
+        self.hops: dict[str, float] = {}
+        self.cached_tokens = 0
+        self.migrations = 0
+        self.prefill_worker = ""
+        self.decode_worker = ""
+        self.decision: Decision | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens the client has been sent."""
+        return self.detok.token_ids
+
+    def placed(self, prefill_worker: str, decode_worker: str, decision: Decision) -> None:
+        """The current attempt runs there."""
+        self.prefill_worker, self.decode_worker, self.decision = prefill_worker, decode_worker, decision
+
+    def first(self, at: float, hops: dict[str, float], cached_tokens: int) -> None:
+        """The request's first token arrived ``at``, with its hops and prefix hit."""
+        self.first_token, self.hops, self.cached_tokens = at, hops, cached_tokens
+
+    def add(self, chunk: TokenChunk) -> Delta:
+        """Take a chunk's tokens and logprobs; the ``Delta`` its client gets."""
+        text = self.detok.add(chunk.token_ids)
+        logprobs = tuple(chunk.logprobs or ())
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        return Delta(text, len(chunk.token_ids), tuple(chunk.token_ids), logprobs)
+
+    def done_reason(self, sampling: SamplingParams) -> str | None:
+        """Why the request needs no more tokens ("stop": a stop string or stop token came;
+        "length": ``max_tokens`` came), else None."""
+        tokens = self.detok.token_ids
+        if self.detok.stopped or (tokens and tokens[-1] in sampling.stop_token_ids):
+            return "stop"
+        return "length" if len(tokens) >= sampling.max_tokens else None
+
+
 class RequestRunner:
     """Owns the requests of the driver API from admission to their last token: the served model
     it checks prompts against (``model``, from ``start``), the registry of requests in flight it
-    shares with the ``Supervisor`` (which cuts them loose from lost workers), and each request's
-    attempts (route, prefill, decode, retry).
+    shares with the ``Supervisor`` (which cuts them loose from lost workers), the placements
+    requests share by key (``SharedPlacements``), and each request's attempts (route, prefill,
+    decode, retry, migration).
 
     Invariants: it admits requests only between ``start`` and ``stop``; ``collect`` always takes
-    its request out of the in-flight registry and reports it to the router once, however the
-    attempt ends; a request is run again only if it had streamed no token.
+    its request out of the in-flight registry and reports it to the router once, however many
+    attempts it took and however they ended; a request that streamed tokens runs again only
+    from those tokens (its client never sees a token twice), at most ``serve.migration_limit``
+    times.
     """
 
     def __init__(self, config: ClusterConfig, supervisor: Supervisor, in_flight: InFlight) -> None:
@@ -92,6 +155,7 @@ class RequestRunner:
         self.accepting = False
         self._supervisor = supervisor
         self._in_flight = in_flight
+        self._placements = SharedPlacements()
 
     def start(self, model: ServedModel) -> None:
         """Admit requests for ``model`` from now on."""
@@ -118,10 +182,17 @@ class RequestRunner:
         sampling: SamplingParams | dict[str, Any] | None,
         request_id: str | None,
         cache_salt: object = None,
+        share_placement: object = None,
     ) -> ClusterRequest:
         """One request, checked and tokenized (ValueError naming the field and the value); a
-        ``ValidatedPrompt`` was checked by its entry point already and is taken as it is."""
-        return self._admit(prompt, SamplingParams.coerce(sampling), request_id, cache_salt)
+        ``ValidatedPrompt`` was checked by its entry point already and is taken as it is.
+        ``share_placement``: a non-empty string key; the requests in flight with the same key run
+        where the first of them was routed (``SharedPlacements``)."""
+        if share_placement is not None and (not isinstance(share_placement, str) or not share_placement):
+            raise InvalidRequestError(problem("share_placement", "must be a non-empty string", share_placement))
+        request = self._admit(prompt, SamplingParams.coerce(sampling), request_id, cache_salt)
+        request.share_placement = share_placement
+        return request
 
     def admit_batch(
         self,
@@ -212,11 +283,12 @@ class RequestRunner:
         sampling: SamplingParams | dict[str, Any] | None,
         request_id: str | None,
         cache_salt: object = None,
+        share_placement: object = None,
     ) -> AsyncIterator[Delta | ClusterCompletion]:
         """Admit one request when iteration starts, then yield a ``Delta`` whenever output tokens
         arrive and its ``ClusterCompletion`` last. Leaving the iteration early (or cancelling the
         task that iterates) aborts the request on its workers and frees its blocks (``run``)."""
-        request = self.admit(prompt, sampling, request_id, cache_salt)
+        request = self.admit(prompt, sampling, request_id, cache_salt, share_placement)
         items: asyncio.Queue[Delta | ClusterCompletion | None] = asyncio.Queue()
 
         async def produce() -> None:
@@ -253,46 +325,72 @@ class RequestRunner:
     ) -> ClusterCompletion:
         """Route, (prefill,) decode and detokenize one request; always leaves the in-flight registry.
 
-        A worker that dies is removed from the router; the request is routed again if it had
-        streamed no token yet (otherwise it fails with a RuntimeError naming the worker)."""
+        A worker that dies is removed from the router and the request is routed again: from its
+        prompt if it had streamed no token yet, else from its prompt and the tokens it streamed
+        (a migration, at most ``serve.migration_limit`` times; beyond that it fails with a
+        RuntimeError naming the worker). Either way the client sees one unbroken stream."""
+        from engine.tokenizer import IncrementalDetokenizer
+
+        model = self.model
+        assert model is not None, "a request runs only after start"
         rid = request.request_id
         supervisor = self._supervisor
+        limit = self.config.serve.migration_limit
+        sampling = request.sampling
+        output = StreamedOutput(IncrementalDetokenizer(model.tokenizer, sampling.stop,
+                                                       sampling.include_stop_str_in_output), sampling)  # fmt: skip
         self._in_flight.add(request)
+        if request.share_placement is not None:
+            self._placements.join(request.share_placement)
         ok, ttft_s, num_out = False, 0.0, 0
         try:
-            for _ in range(max(1, len(supervisor.infos))):
+            for _ in range(max(1, len(supervisor.infos)) + limit):
                 try:
-                    result = await self._attempt_supervised(request, on_delta)
+                    result = await self._attempt_supervised(request, output, on_delta)
                 except _WorkerLost as lost:
                     if lost.handle is not None:  # never its replacement, if one holds the id by now
                         supervisor.forget_worker(lost.worker_id, lost.why, lost.handle)
                     for handle in supervisor.workers.values():  # e.g. the prefill worker's held blocks
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
-                    if lost.streamed or not supervisor.workers:
-                        raise RuntimeError(
-                            f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
-                            + (" after streaming output; not retried" if lost.streamed else "")
-                        ) from lost.__cause__
-                    log.warning("%s failed before %s produced a token (%s); routing it again",
-                                lost.worker_id, rid, lost.why)  # fmt: skip
-                    continue
+                    failed = f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
+                    done = output.done_reason(sampling)
+                    if done is not None:  # it had all its tokens: nothing to run
+                        _flush(output, on_delta)
+                        result = self._completion(request, output, done)
+                    elif not supervisor.workers:
+                        raise RuntimeError(failed) from lost.__cause__
+                    elif output.token_ids:
+                        if output.migrations >= limit:
+                            raise RuntimeError(f"{failed} after streaming output; not migrated again "
+                                               f"(serve.migration_limit={limit})") from lost.__cause__  # fmt: skip
+                        output.migrations += 1
+                        log.warning("%s failed after %s streamed %d tokens (%s); migrating it (%d of at most %d)",
+                                    lost.worker_id, rid, len(output.token_ids), lost.why, output.migrations,
+                                    limit)  # fmt: skip
+                        continue
+                    else:
+                        log.warning("%s failed before %s produced a token (%s); routing it again",
+                                    lost.worker_id, rid, lost.why)  # fmt: skip
+                        continue
                 ok, ttft_s, num_out = True, result.ttft_s, len(result.token_ids)
                 return result
             raise RuntimeError(f"request {rid}: every worker it was routed to died")
         finally:
             self._in_flight.remove(rid)
+            if request.share_placement is not None:
+                self._placements.leave(request.share_placement)
             router = supervisor.router
-            if router is not None:
+            if router is not None:  # once per request, however many attempts it took
                 router.finished.remote(ttft_s, num_out, ok)
 
     async def _attempt_supervised(
-        self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None
+        self, request: ClusterRequest, output: StreamedOutput, on_delta: Callable[[Delta], None] | None
     ) -> ClusterCompletion:
         """``_attempt`` as a task the health loop can cut loose from a lost worker (then this
         raises ``_WorkerLost``); cancelling the caller still cancels the attempt."""
         request.lost_worker, request.streamed, request.worker_ids = None, False, []
-        task = asyncio.ensure_future(self._attempt(request, on_delta))
+        task = asyncio.ensure_future(self._attempt(request, output, on_delta))
         request.task = task
         try:
             return await task
@@ -307,35 +405,36 @@ class RequestRunner:
         finally:
             request.task = None
 
-    async def _attempt(self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None) -> ClusterCompletion:
+    async def _attempt(
+        self, request: ClusterRequest, output: StreamedOutput, on_delta: Callable[[Delta], None] | None
+    ) -> ClusterCompletion:
+        """One attempt: route the request, (prefill,) decode, stream into ``output``. A migrated
+        request (``output`` holds tokens already) goes on after those tokens, whole on one
+        worker; so does one that asks for its prompt's logprobs (a prefill worker samples
+        nothing)."""
         from ray.exceptions import RayActorError, RayTaskError
 
         from actors.worker_types import WorkerUnavailableError
         from engine.kv_cache.hashing import block_hashes
-        from engine.tokenizer import IncrementalDetokenizer
 
-        model, supervisor = self.model, self._supervisor
+        model = self.model
         assert model is not None, "a request runs only after start"
-        rid, ids = request.engine_id, request.token_ids
+        rid, prompt_ids = request.engine_id, request.token_ids
+        sent_ids = tuple(output.token_ids)  # what the client has: a migrated request goes on after them
+        ids = prompt_ids + list(sent_ids)
         started = time.monotonic()
-        hashes = block_hashes(ids, model.hash_block_size, request.prompt.cache_salt)
-        decision: Decision
-        try:
-            decision = await asyncio.wait_for(await_ref(supervisor.router.route.remote(rid, hashes, len(ids))),
-                                              self.config.workers.health_check_timeout_s)  # fmt: skip
-        except (RayActorError, RayTaskError, TimeoutError) as exc:  # restarting, or no workers registered yet
-            log.warning("router could not place %s (%s); running it without the router", rid, describe_failure(exc))
-            decision = supervisor.fallback_decision(rid, len(ids))
+        decision = await self._route(request, block_hashes(ids, model.hash_block_size, request.prompt.cache_salt),
+                                     len(ids))  # fmt: skip
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
-        cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
-        if prefill_id != decode_id and len(ids) < 2:  # one token cannot be split: run it on D
+        whole = len(ids) < 2 or bool(sent_ids) or request.sampling.prompt_logprobs is not None
+        if prefill_id != decode_id and whole:  # one token cannot be split; the others run whole on D
             prefill_id = decode_id
-        detok = IncrementalDetokenizer(model.tokenizer, request.sampling.stop,
-                                       request.sampling.include_stop_str_in_output)  # fmt: skip
+        cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
+        output.placed(prefill_id, decode_id, decision)
+        detok = output.detok
+        stopped = False  # a stop string matched before the worker finished it: aborted there
         reason = "abort"
         error: str | None = None
-        first_token: float | None = None
-        first_hops: dict[str, float] | None = None
         acks: list[ObjectRef[None] | None] = []
         stream: ObjectRefGenerator | None = None
         prefill: PrefillResult | None = None  # the prefill worker's result (P/D)
@@ -348,9 +447,9 @@ class RequestRunner:
                 request.on(decode_id, decoder, (prefill_id, prefiller))
                 # the decode worker hears of the request now: it reserves the prompt's blocks and
                 # warms its connection to the prefill worker while the prefill runs
-                peer = getattr(supervisor.infos.get(prefill_id), "agent", None)
+                peer = getattr(self._supervisor.infos.get(prefill_id), "agent", None)
                 stream = decoder.generate.options(num_returns="streaming").remote(
-                    rid, ids, request.sampling, None, True, peer, request.prompt.cache_salt
+                    rid, prompt_ids, request.sampling, None, True, peer, request.prompt.cache_salt
                 )
                 sent = time.monotonic()
                 prefill = await self._prefill(request, prefiller, prefill_id, decoder)
@@ -359,27 +458,32 @@ class RequestRunner:
                 acks.append(prefill.router_ack)
             request.on(decode_id, decoder)
         if not request.aborted:
-            stopped = False
             try:
                 if stream is None:
                     stream = decoder.generate.options(num_returns="streaming").remote(
-                        rid, ids, request.sampling, cache_salt=request.prompt.cache_salt
-                    )
+                        rid, prompt_ids, request.sampling, cache_salt=request.prompt.cache_salt,
+                        output_token_ids=sent_ids,
+                    )  # fmt: skip
                 async for ref in stream:
                     chunk: TokenChunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
-                    if chunk.worker_failed:
+                    if chunk.worker_failed and not detok.stopped:
                         why = chunk.error or "its engine stopped"
-                        raise _WorkerLost(decode_id, first_token is not None, why, decoder)
-                    if chunk.hops:
-                        first_hops = chunk.hops
-                    if chunk.token_ids and not stopped:
-                        first_token = first_token or time.monotonic()
+                        raise _WorkerLost(decode_id, request.streamed, why, decoder)
+                    if output.prompt_logprobs is None and chunk.prompt_logprobs is not None:
+                        output.prompt_logprobs = chunk.prompt_logprobs
+                    if chunk.token_ids and not detok.stopped:
+                        if output.first_token is None:
+                            now = time.monotonic()
+                            hops = _hops(request, started, sent, now, prefill, prefill_call_s, chunk.hops)
+                            output.first(now, hops, cached)
+                            log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
+                                      " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
                         request.streamed = True
-                        delta = detok.add(chunk.token_ids)
+                        delta = output.add(chunk)
                         if on_delta is not None:
-                            on_delta(Delta(delta, len(chunk.token_ids)))
+                            on_delta(delta)
                         if detok.stopped and not chunk.finished:
                             stopped = True
                             await decoder.abort.remote(rid)
@@ -389,41 +493,78 @@ class RequestRunner:
                         acks.append(chunk.router_ack)
                         break
             except (RayActorError, RayTaskError) as exc:
-                raise _lost_or_raise(decode_id, decoder, first_token is not None, exc, WorkerUnavailableError) from exc
-        tail = detok.flush()  # a held-back tail that turned out not to start a stop string
-        if tail and on_delta is not None:
-            on_delta(Delta(tail, 0))
+                if not detok.stopped:  # a request that matched its stop string needs nothing more
+                    raise _lost_or_raise(decode_id, decoder, request.streamed, exc, WorkerUnavailableError) from exc
+                reason = "stop"
+        _flush(output, on_delta)
         await _await_acks(acks)  # the router holds this request's blocks before it counts as finished
-        now = time.monotonic()
         if reason == "error":
             raise RequestFailedError(f"{decode_id}: request {rid} failed on the worker: {error or 'no reason given'}")
-        hops: dict[str, float] = {}
-        if first_token is not None and first_hops is not None:
-            retry_s = started - request.submitted if request.attempt else 0.0
-            route_s = sent - (started if request.attempt else request.submitted)
-            if prefill is not None and "since_handle" in first_hops:
-                hops = pd_breakdown(route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops,
-                                    first_hops, retry_s)  # fmt: skip
-            elif "since_arrival" in first_hops:
-                hops = whole_breakdown(route_s, first_token - sent, first_hops, retry_s)
-            log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
-                      " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
+        return self._completion(request, output, reason, cached)
+
+    def _completion(
+        self, request: ClusterRequest, output: StreamedOutput, reason: str, cached: int = 0
+    ) -> ClusterCompletion:
+        """The finished request: ``output``'s text, tokens and logprobs, placed where its last
+        attempt ran (``cached``: that attempt's prefix hit, used when no token came)."""
+        model = self.model
+        assert model is not None and output.decision is not None, "a completion follows an attempt"
+        now = time.monotonic()
+        decision = output.decision
         return ClusterCompletion(
             model.prompt_text(request.prompt),
-            detok.text,
-            list(detok.token_ids),
+            output.detok.text,
+            list(output.token_ids),
             reason,
             request_id=request.request_id,
-            prompt_token_ids=tuple(ids),
-            prefill_worker=prefill_id,
-            decode_worker=decode_id,
+            prompt_token_ids=tuple(request.prompt.token_ids),
+            prefill_worker=output.prefill_worker,
+            decode_worker=output.decode_worker,
             route_reason=decision.reason,
             predicted_hit=decision.predicted_hit,
-            cached_tokens=max(cached, 0),
-            ttft_s=(first_token or now) - request.submitted,
+            cached_tokens=max(output.cached_tokens if output.first_token is not None else cached, 0),
+            ttft_s=(output.first_token or now) - request.submitted,
             latency_s=now - request.submitted,
-            hops=hops,
+            hops=output.hops,
+            logprobs=output.logprobs,
+            prompt_logprobs=output.prompt_logprobs,
+            migrations=output.migrations,
         )
+
+    async def _route(self, request: ClusterRequest, hashes: list[bytes], num_tokens: int) -> Decision:
+        """Where this attempt runs: the router's decision; for a first attempt with a
+        ``share_placement`` key, the decision of the key's first request (``SharedPlacements``).
+        A retry or a migration asks the router itself (the shared placement lost a worker)."""
+        key = request.share_placement
+        if key is None or request.attempt:
+            return await self._ask_router(request.engine_id, hashes, num_tokens)
+        future, decides = self._placements.claim(key)
+        if not decides:
+            try:  # shielded: a follower's cancellation must not cancel the key's decision
+                return await asyncio.shield(asyncio.wrap_future(future))
+            except NoSharedDecision:
+                return await self._route(request, hashes, num_tokens)  # this one may decide now
+        try:
+            decision = await self._ask_router(request.engine_id, hashes, num_tokens)
+        except BaseException:
+            self._placements.abandon(future)
+            raise
+        self._placements.decided(future, decision)
+        return decision
+
+    async def _ask_router(self, request_id: str, hashes: list[bytes], num_tokens: int) -> Decision:
+        """The router's decision, or (router restarting, no workers registered yet) the
+        supervisor's fallback."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        supervisor = self._supervisor
+        try:
+            return await asyncio.wait_for(await_ref(supervisor.router.route.remote(request_id, hashes, num_tokens)),
+                                          self.config.workers.health_check_timeout_s)  # fmt: skip
+        except (RayActorError, RayTaskError, TimeoutError) as exc:
+            log.warning("router could not place %s (%s); running it without the router", request_id,
+                        describe_failure(exc))  # fmt: skip
+            return supervisor.fallback_decision(request_id, num_tokens)
 
     async def _prefill(
         self, request: ClusterRequest, prefiller: WorkerHandle, prefill_id: str, decoder: WorkerHandle
@@ -466,6 +607,37 @@ class RequestRunner:
         return handle
 
 
+def _flush(output: StreamedOutput, on_delta: Callable[[Delta], None] | None) -> None:
+    """The request ended: send a held-back tail that turned out not to start a stop string."""
+    tail = output.detok.flush()
+    if tail and on_delta is not None:
+        on_delta(Delta(tail, 0))
+
+
+def _hops(
+    request: ClusterRequest,
+    started: float,
+    sent: float,
+    first_token: float,
+    prefill: PrefillResult | None,
+    prefill_call_s: float,
+    worker_hops: dict[str, float] | None,
+) -> dict[str, float]:
+    """The TTFT breakdown per hop (``actors.hops``) of the attempt that produced the first token:
+    routed at ``started``, sent to its worker(s) at ``sent``; ``worker_hops``: what the first
+    tokens' chunk carried ({} when it carried nothing)."""
+    if worker_hops is None:
+        return {}
+    retry_s = started - request.submitted if request.attempt else 0.0
+    route_s = sent - (started if request.attempt else request.submitted)
+    if prefill is not None and "since_handle" in worker_hops:
+        return pd_breakdown(route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops, worker_hops,
+                            retry_s)  # fmt: skip
+    if "since_arrival" in worker_hops:
+        return whole_breakdown(route_s, first_token - sent, worker_hops, retry_s)
+    return {}
+
+
 async def _await_acks(acks: list[ObjectRef[None] | None]) -> None:
     """Wait (bounded) until the router applied the workers' reports named by ``acks``."""
     refs = [ack for ack in acks if ack is not None]
@@ -482,8 +654,8 @@ class RequestFailedError(RuntimeError):
 
 
 class _WorkerLost(Exception):
-    """A worker died, stopped or hung during a request (``streamed``: it had already sent
-    tokens, so the request cannot run again elsewhere without repeating them)."""
+    """A worker died, stopped or hung during a request (``streamed``: this attempt had sent
+    tokens; the request then migrates, see ``RequestRunner.collect``)."""
 
     def __init__(self, worker_id: str, streamed: bool, why: str = "its actor died", handle: WorkerHandle = None):
         super().__init__(worker_id)

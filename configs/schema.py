@@ -28,6 +28,7 @@ class _Frozen(BaseModel):
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0.0)]
 PositiveFloat = Annotated[float, Field(gt=0.0)]
 
@@ -349,6 +350,11 @@ class ServeConfig(_Frozen):
     ``/health`` and ``/metrics`` stay open for probes and Prometheus scrapers (as vLLM's key
     does). ``max_queued_requests``: requests in flight (queued or
     running) per ingress replica; one more is answered 429 with ``Retry-After``.
+    ``migration_limit``: how many times one request may move to another worker after its worker
+    was lost mid-stream (it goes on there from its prompt and the tokens it already sent, so the
+    client sees one unbroken stream; greedy and seeded sampling continue with the tokens an
+    uninterrupted run gives, unseeded sampling with other random draws); 0 ends such a request
+    with an error naming the worker. Every driver (the driver API, the CLI, the HTTP API) obeys it.
     """
 
     host: str = "127.0.0.1"
@@ -363,6 +369,7 @@ class ServeConfig(_Frozen):
     ingress_num_cpus: NonNegativeFloat = 0.5
     graceful_shutdown_timeout_s: PositiveFloat = 30.0
     retry_after_s: PositiveInt = 1
+    migration_limit: NonNegativeInt = 2
 
     @field_validator("host")
     @classmethod

@@ -4,9 +4,11 @@ prefill worker and the router are killed at seeded random moments. Used by
 
 Every request is checked as it streams: its text so far must be a prefix of the text of a single
 engine that ran the prompt alone, and at its end its tokens must equal that engine's. A request
-may instead end with an error, but only a ``RuntimeError`` naming a worker, and only if nothing it
-streamed was wrong. A request that has not ended ``request_timeout_s`` after it was sent is lost
-(hung). After the run the cluster is quiesced and every worker must have all its blocks free.
+whose decode worker is killed mid-stream migrates to another one and must still give exactly
+those tokens in one unbroken stream (``migrated`` counts them). A request may instead end with an
+error, but only a ``RuntimeError`` naming a worker, and only if nothing it streamed was wrong. A
+request that has not ended ``request_timeout_s`` after it was sent is lost (hung). After the run
+the cluster is quiesced and every worker must have all its blocks free.
 
 Recovery of one kill: from the kill until the cluster is whole again (the replacement joined, or
 the driver re-registered the workers with the restarted router) and serves at its earlier rate
@@ -45,6 +47,7 @@ class ChaosResult:
 
     requests: int = 0
     completed: int = 0
+    migrated: int = 0  # completed after moving to another worker mid-stream
     wrong_tokens: int = 0
     wrong_stream: int = 0
     lost: int = 0
@@ -153,6 +156,7 @@ async def _drive(
                             result.errors.append(f"{item.request_id} on {item.decode_worker}: wrong tokens")
                             return
                         result.completed += 1
+                        result.migrated += item.migrations > 0
                         completed_at.append(finished)
                         if not kills:
                             latencies_before.append(finished - sent)
