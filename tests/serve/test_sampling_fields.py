@@ -70,6 +70,12 @@ def token_id(token: str) -> int:
     return value
 
 
+def completion_ids(choice: Any) -> list[int]:
+    """A completions choice's generated token ids, exactly (its text drops bytes that are no
+    character), read from its logprobs."""
+    return [token_id(t) for t in choice.logprobs.tokens]
+
+
 def check_position(log_softmax: torch.Tensor, token: int, logprob: float, top: dict[int, float]) -> None:
     """One position's logprob, and its top logprobs, against HF's log-softmax row."""
     assert abs(float(log_softmax[token]) - logprob) < ATOL, (token, logprob, float(log_softmax[token]))
@@ -273,11 +279,11 @@ def test_a_penalty_changes_greedy_tokens_as_computed_on_hf_logits(
     if route == "chat":
         messages = [{"role": "user", "content": text}]
         prompt = TOKENIZER.chat_token_ids(messages)
-        content = client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content
-        got = TOKENIZER.encode(content)
+        reply = client.chat.completions.create(messages=messages, logprobs=True, **kwargs).choices[0]
+        got = [entry.bytes[0] for entry in reply.logprobs.content]
     else:
         prompt = TOKENIZER.encode(text)
-        got = TOKENIZER.encode(client.completions.create(prompt=text, **kwargs).choices[0].text)
+        got = completion_ids(client.completions.create(prompt=text, logprobs=0, **kwargs).choices[0])
     expected = hf_greedy(server, prompt, 10, adjust)
     assert expected != hf_greedy(server, prompt, 10, no_change), f"{name} changes nothing on this prompt"
     assert got == expected
@@ -304,10 +310,10 @@ def test_a_negative_logit_bias_moves_greedy_tokens_as_computed(server: Server) -
     banned = {plain[0]: -100.0, plain[1]: -30.0}
     expected = hf_greedy(server, prompt, 8, bias(banned))
     assert expected != plain
-    result = client.completions.create(model=server.model, prompt=text, max_tokens=8, temperature=0.0,
+    result = client.completions.create(model=server.model, prompt=text, max_tokens=8, temperature=0.0, logprobs=0,
                                        logit_bias={str(t): b for t, b in banned.items()},
                                        extra_body=NO_EOS)  # fmt: skip
-    assert TOKENIZER.encode(result.choices[0].text) == expected
+    assert completion_ids(result.choices[0]) == expected
 
 
 def test_min_p_1_keeps_only_the_most_likely_token(server: Server) -> None:
