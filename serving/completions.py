@@ -178,7 +178,7 @@ class Generation:
         if bad is not None:
             raise bad_request("logit_bias", f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         if base.structured is not None:
-            _check_structured(base.structured)
+            _check_structured(base.structured, body.structured_param)
         count = body.samples_per_prompt
         if count > body.n and base.logprobs is None:  # best_of ranks the samples by their logprobs
             base = base.replace(logprobs=0)
@@ -464,12 +464,14 @@ def usage(prepared: Prepared, completions: dict[int, ClusterCompletion]) -> dict
     }
 
 
-def _check_structured(structured: StructuredOutput) -> None:
-    """The grammar behind a structured-output field compiles; 400 naming the field otherwise.
+def _check_structured(structured: StructuredOutput, param: str) -> None:
+    """The grammar behind a structured-output field compiles; 400 naming ``param`` otherwise.
 
-    Only the field's shape is checked so far (``serving.protocol``): the grammar library's own
-    check (engine/structured_output.py, which raises InvalidRequestError) is to be called here."""
-    del structured
+    Only the field's shape is checked so far (``serving.protocol``). To wire once
+    engine/structured_output.py is in the tree: ``validate_structured(structured, param)``, its
+    InvalidRequestError as ``bad_request(param, message)`` with ``f"{param}.spec:"`` read as
+    ``f"{param}:"`` (the client never sees a ``spec`` field)."""
+    del structured, param
 
 
 def _required(logprobs: list[Any] | None) -> list[Any]:

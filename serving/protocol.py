@@ -177,6 +177,17 @@ class _Sampling(_Body):
         return _constraint(name, kind[name], value)
 
     @property
+    def structured_param(self) -> str:
+        """The field that holds the structured-output spec (for errors in the spec itself)."""
+        name = next((n for n in STRUCTURED_FIELDS if getattr(self, n) not in (None, {"type": "text"})), "")
+        if name == "response_format" and self.response_format is not None:
+            return "response_format.json_schema.schema" if self.response_format.get("type") == "json_schema" else name
+        if name == "structured_outputs" and self.structured_outputs is not None:
+            key = next((k for k, v in self.structured_outputs.items() if v is not None), "")
+            return f"{name}.{key}"
+        return name
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

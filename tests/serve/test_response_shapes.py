@@ -325,6 +325,17 @@ def test_structured_output_fields_become_one_constraint(fields: dict[str, Any], 
     assert sampling_of(fields, chat_route=True).structured == structured
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+])  # fmt: skip
+def test_the_field_holding_a_spec_is_named_for_its_errors(fields: dict[str, Any], param: str) -> None:
+    assert CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **fields}).structured_param == param
+
+
 BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"n": 0}, "n", ">= 1"),
     ({"n": 129}, "n", "<= 128"),
