@@ -3,12 +3,16 @@
 The ingress is the entry point of an HTTP request: it checks the body and every prompt once
 (token ids against the vocabulary, room in the context) and hands each prompt inward as a
 ``ValidatedPrompt`` with its token ids, the user's text (so nothing decodes it back) and its cache
-salt. One HTTP request becomes one cluster request per prompt (``Cluster.agenerate``, the same
-path as the driver API); the deltas of all its prompts meet in one queue, the only one between
-the workers' streams and the client, and are merged into OpenAI's response or server-sent-event
-chunks; ``usage`` counts the prompt's tokens, the generated tokens and the prompt tokens the
-workers served from their prefix cache. Leaving early (a client that disconnects, a cancelled
-handler) cancels every prompt's task, which aborts it on its workers and frees its blocks.
+salt. One HTTP request becomes one cluster request per prompt and sample (``Cluster.agenerate``,
+the same path as the driver API): ``n`` samples per prompt, or ``best_of`` of which the ``n``
+with the highest cumulative logprob are returned; sample ``j`` of a seeded request uses
+``seed + j``. Choice ``prompt_index * n + j`` is the ``j``-th choice of a prompt, as OpenAI and vLLM
+number them. The deltas of all its requests meet in one queue, the only one between the workers'
+streams and the client, and are merged into OpenAI's response or server-sent-event chunks, with
+logprobs in OpenAI's shapes (``serving.logprob_format``) and, for ``echo``, the prompt first;
+``usage`` counts each prompt's tokens once, every sample's generated tokens, and the prompt tokens
+the workers served from their prefix cache. Leaving early (a client that disconnects, a cancelled
+handler) cancels every request's task, which aborts it on its workers and frees its blocks.
 """
 
 from __future__ import annotations
@@ -24,26 +28,52 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.validation import ValidatedPrompt, in_vocabulary, leaves_room
 from serving.errors import APIError, bad_request, error_body, leading_field, model_not_found
+from serving.logprob_format import (
+    CompletionLogprobs,
+    TokenStrings,
+    chat_logprobs,
+    cumulative_logprob,
+    join_completion_pieces,
+)
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SamplePlan:
+    """The samples each prompt of a request runs and what the client sees of them.
+
+    Invariants: ``len(samples) >= n``; more samples than ``n`` (``best_of``) all report logprobs,
+    by which the ``n`` best are chosen; ``prompt_logprobs`` only with ``echo``."""
+
+    samples: tuple[SamplingParams, ...]  # sample j's parameters (its seed is seed + j)
+    n: int  # choices per prompt
+    echo: bool = False  # the prompt's text (and its logprobs, with logprobs) precedes each choice
+    logprobs: int | None = None  # top logprobs shown per output token; None: no logprobs shown
+    prompt_logprobs: bool = False  # the echoed prompt's logprobs are shown
+
+
 @dataclass
 class Prepared:
-    """A validated request turned into checked prompts and sampling parameters, ready to run."""
+    """A validated request turned into checked prompts and sampling parameters, ready to run:
+    request ``p * len(plan.samples) + j`` is sample ``j`` of prompt ``p``."""
 
     kind: str  # "text_completion" or "chat.completion"
     prompts: list[ValidatedPrompt]
-    sampling: SamplingParams
+    plan: SamplePlan
     stream: bool
     include_usage: bool
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts) * len(self.plan.samples)
 
 
 class Admission:
@@ -77,6 +107,7 @@ class Generation:
         self.model_name = model_name
         self.metrics = metrics
         self.admission = admission
+        self._strings: TokenStrings | None = None  # built on first use: the model is known once serving
 
     # -- preparing ----------------------------------------------------------------------------------
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
@@ -137,17 +168,36 @@ class Generation:
                               code="context_length_exceeded")  # fmt: skip
         return max_tokens
 
-    @staticmethod
-    def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplePlan:
         try:
-            return body.sampling(max_tokens)
+            base = body.sampling(max_tokens)
         except ValueError as exc:  # the engine's own checks, e.g. "top_p: must be in (0, 1]"
             raise bad_request(leading_field(str(exc)), str(exc)) from None
+        vocab = self.cluster.model.vocab_size
+        bad = next((t for t, _ in base.logit_bias if not in_vocabulary(t, vocab)), None)
+        if bad is not None:
+            raise bad_request("logit_bias", f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        if base.structured is not None:
+            _check_structured(base.structured, body.structured_param)
+        count = body.samples_per_prompt
+        if count > body.n and base.logprobs is None:  # best_of ranks the samples by their logprobs
+            base = base.replace(logprobs=0)
+        seeded = base.seed
+        samples = tuple(base if j == 0 or seeded is None else base.replace(seed=(seeded + j) % 2**63)
+                        for j in range(count))  # fmt: skip
+        echo = isinstance(body, CompletionRequest) and body.echo
+        return SamplePlan(samples, body.n, echo, body.output_logprobs, body.prompt_logprobs is not None)
 
     # -- running ------------------------------------------------------------------------------------
     async def respond(self, prepared: Prepared) -> dict[str, Any] | AsyncIterator[str]:
         """The JSON body, or an async iterator of SSE lines when streaming; 429 (raised here,
         before any byte is sent) when the queue bound is full."""
+        samples = len(prepared.plan.samples)
+        if samples > 1 and prepared.num_requests > self.admission.limit:
+            field_name = "n" if samples == prepared.plan.n else "best_of"
+            raise bad_request(field_name, f"{field_name}: {len(prepared.prompts)} prompt(s) x {samples} samples = "
+                              f"{prepared.num_requests} requests exceed the server's queue bound of "
+                              f"{self.admission.limit} (got {samples})")  # fmt: skip
         if prepared.stream:
             events = self._sse(prepared)
             await anext(events)  # admission happens here; the generator now owns the release
@@ -159,7 +209,7 @@ class Generation:
             self._release(count)
 
     def _admit(self, prepared: Prepared) -> int:
-        count = len(prepared.prompts)
+        count = prepared.num_requests
         try:
             self.admission.admit(count)
         except APIError:
@@ -173,12 +223,13 @@ class Generation:
         self.metrics.in_flight.dec(count)
 
     async def _run(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Delta | ClusterCompletion], None]:
-        """Every prompt's deltas and completion as ``(index, item)``, in arrival order: each
-        prompt's request hands its deltas straight into one queue (``Cluster.agenerate``'s
-        ``on_delta``). Leaving early cancels the requests, which aborts them on their workers."""
+        """Every request's deltas and completion as ``(index, item)``, in arrival order (request
+        ``index`` is sample ``index % len(samples)`` of prompt ``index // len(samples)``): each
+        request hands its deltas straight into one queue (``Cluster.agenerate``'s ``on_delta``).
+        Leaving early cancels the requests, which aborts them on their workers."""
         queue: asyncio.Queue[tuple[int, Delta | ClusterCompletion | BaseException | None]] = asyncio.Queue()
 
-        async def one(index: int, prompt: ValidatedPrompt) -> None:
+        async def one(index: int, prompt: ValidatedPrompt, sampling: SamplingParams) -> None:
             request_id = f"{prepared.request_id}-{index}"
             first: float | None = None
             last: float | None = None
@@ -193,7 +244,7 @@ class Generation:
                 queue.put_nowait((index, delta))
 
             try:
-                completion = await self.cluster.agenerate(prompt, prepared.sampling, request_id=request_id,
+                completion = await self.cluster.agenerate(prompt, sampling, request_id=request_id,
                                                           on_delta=on_delta)  # fmt: skip
                 # arrival to the last token: the cluster's TTFT (from arrival) plus the stream after it
                 tokens_s = last - first if first is not None and last is not None else None
@@ -207,7 +258,9 @@ class Generation:
             finally:
                 queue.put_nowait((index, None))
 
-        tasks = [asyncio.ensure_future(one(i, prompt)) for i, prompt in enumerate(prepared.prompts)]
+        samples = prepared.plan.samples
+        tasks = [asyncio.ensure_future(one(p * len(samples) + j, prompt, sampling))
+                 for p, prompt in enumerate(prepared.prompts) for j, sampling in enumerate(samples)]  # fmt: skip
         remaining = len(tasks)
         try:
             while remaining:
@@ -232,34 +285,63 @@ class Generation:
                         continue
                     completions[index] = item
                     self._record(item)
+            choices = [self._scored_choice(prepared, index, c) for index, c in self._chosen(prepared, completions)]
         except (RuntimeError, ValueError) as exc:
             raise APIError(500, f"generation failed: {exc}", code="generation_failed") from None
-        ordered = [completions[i] for i in range(len(prepared.prompts))]
         return {
             "id": prepared.request_id,
             "object": prepared.kind,
             "created": prepared.created,
             "model": self.model_name,
-            "choices": [self._choice(prepared, i, c) for i, c in enumerate(ordered)],
-            "usage": usage(prepared, ordered),
+            "choices": choices,
+            "usage": usage(prepared, completions),
         }
+
+    @staticmethod
+    def _chosen(prepared: Prepared, completions: dict[int, ClusterCompletion]) -> list[tuple[int, ClusterCompletion]]:
+        """Each prompt's ``n`` choices with their indices: its samples in order, or, when it ran
+        more (``best_of``), the ``n`` with the highest cumulative logprob, best first."""
+        plan, per_prompt = prepared.plan, len(prepared.plan.samples)
+        chosen: list[tuple[int, ClusterCompletion]] = []
+        for p in range(len(prepared.prompts)):
+            samples = [completions[p * per_prompt + j] for j in range(per_prompt)]
+            if per_prompt > plan.n:
+                samples = sorted(samples, key=lambda c: cumulative_logprob(c.logprobs), reverse=True)[: plan.n]
+            chosen.extend((p * plan.n + j, c) for j, c in enumerate(samples))
+        return chosen
 
     async def _sse(self, prepared: Prepared) -> AsyncIterator[str]:
         """Server-sent events; the first step only admits (and yields an empty string)."""
         count = self._admit(prepared)
-        finished: list[ClusterCompletion] = []
+        finished: dict[int, ClusterCompletion] = {}
+        plan = prepared.plan
+        # streams run exactly n samples per prompt (best_of > n is refused), so request index = choice index
+        pieces = {i: self._completion_logprobs(prepared, i) for i in range(prepared.num_requests)}
+        held: dict[int, list[Delta]] = {i: [] for i in range(prepared.num_requests)} if plan.prompt_logprobs else {}
         try:
             yield ""
-            if prepared.kind == "chat.completion":
-                yield _event(self._chunk(prepared, 0, {"role": "assistant", "content": ""}, None))
+            for i in range(prepared.num_requests):
+                if prepared.kind == "chat.completion":
+                    yield _event(self._chunk(prepared, i, {"role": "assistant", "content": ""}, None))
+                elif plan.echo and not plan.prompt_logprobs:
+                    yield _event(self._chunk(prepared, i, self._prompt_text(prepared, i), None))
             async with aclosing(self._run(prepared)) as items:
                 async for index, item in items:
                     if isinstance(item, Delta):
-                        if item.text:
-                            yield _event(self._chunk(prepared, index, self._delta(prepared, item.text), None))
+                        if index in held:  # the prompt's logprobs come with the completion, and go first
+                            held[index].append(item)
+                        elif (chunk := self._delta_chunk(prepared, index, item, pieces[index])) is not None:
+                            yield _event(chunk)
                         continue
-                    finished.append(item)
+                    finished[index] = item
                     self._record(item)
+                    if index in held:
+                        prompt_piece = pieces[index].prompt(item.prompt_token_ids, _required(item.prompt_logprobs))
+                        pieces[index].offsets.position = len(item.prompt)
+                        yield _event(self._with_logprobs(self._chunk(prepared, index, item.prompt, None), prompt_piece))
+                        for delta in held.pop(index):
+                            if (chunk := self._delta_chunk(prepared, index, delta, pieces[index])) is not None:
+                                yield _event(chunk)
                     yield _event(self._chunk(prepared, index, self._delta(prepared, ""), _finish_reason(item)))
             if prepared.include_usage:
                 last = self._chunk(prepared, 0, {}, None)
@@ -278,6 +360,64 @@ class Generation:
                                        completion.cached_tokens, completion.ttft_s)  # fmt: skip
 
     # -- formatting ---------------------------------------------------------------------------------
+    @property
+    def strings(self) -> TokenStrings:
+        if self._strings is None:
+            self._strings = TokenStrings(self.cluster.model.tokenizer)
+        return self._strings
+
+    def _scored_choice(self, prepared: Prepared, index: int, completion: ClusterCompletion) -> dict[str, Any]:
+        """``_choice`` with the echoed prompt and the logprobs the request asked for."""
+        choice = self._choice(prepared, index, completion)
+        plan = prepared.plan
+        if prepared.kind == "chat.completion":
+            if plan.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(self.strings, _required(completion.logprobs), plan.logprobs)
+            return choice
+        if plan.echo:
+            choice["text"] = completion.prompt + choice["text"]
+        if plan.logprobs is not None:
+            builder = CompletionLogprobs(self.strings)
+            prompt_piece = builder.prompt(completion.prompt_token_ids, _required(completion.prompt_logprobs)) \
+                if plan.prompt_logprobs else None  # fmt: skip
+            builder.offsets.position = len(completion.prompt) if plan.echo else 0
+            output_piece = builder.output(_required(completion.logprobs))
+            choice["logprobs"] = join_completion_pieces(*(p for p in (prompt_piece, output_piece) if p is not None))
+        return choice
+
+    def _completion_logprobs(self, prepared: Prepared, index: int) -> CompletionLogprobs:
+        """The logprobs builder of one streamed completions choice: its offsets start after an
+        echoed prompt, or at 0 where the prompt's own logprobs come first."""
+        plan = prepared.plan
+        start = len(self._prompt_text(prepared, index)) if plan.echo and not plan.prompt_logprobs else 0
+        return CompletionLogprobs(self.strings, start)
+
+    def _prompt_text(self, prepared: Prepared, index: int) -> str:
+        prompt = prepared.prompts[index // len(prepared.plan.samples)]
+        return prompt.text if prompt.text is not None else self.cluster.model.tokenizer.decode(list(prompt.token_ids))
+
+    def _delta_chunk(
+        self, prepared: Prepared, index: int, delta: Delta, piece: CompletionLogprobs
+    ) -> dict[str, Any] | None:
+        """The chunk of a streamed delta with its tokens' logprobs; None when it carries neither
+        text nor logprobs."""
+        shown = prepared.plan.logprobs
+        if shown is not None and len(delta.logprobs) != delta.num_tokens:
+            raise RuntimeError(f"the cluster sent {len(delta.logprobs)} logprobs for {delta.num_tokens} tokens")
+        if not delta.text and (shown is None or not delta.num_tokens):
+            return None
+        chunk = self._chunk(prepared, index, self._delta(prepared, delta.text), None)
+        if shown is None:
+            return chunk
+        if prepared.kind == "chat.completion":
+            return self._with_logprobs(chunk, chat_logprobs(self.strings, delta.logprobs, shown))
+        return self._with_logprobs(chunk, piece.output(delta.logprobs))
+
+    @staticmethod
+    def _with_logprobs(chunk: dict[str, Any], logprobs: dict[str, Any]) -> dict[str, Any]:
+        chunk["choices"][0]["logprobs"] = logprobs
+        return chunk
+
     def _choice(self, prepared: Prepared, index: int, completion: ClusterCompletion) -> dict[str, Any]:
         reason = _finish_reason(completion)
         if prepared.kind == "chat.completion":
@@ -304,17 +444,41 @@ class Generation:
         return text
 
 
-def usage(prepared: Prepared, completions: list[ClusterCompletion]) -> dict[str, Any]:
-    """OpenAI's usage block; ``cached_tokens`` are the prompt tokens served from the prefix cache."""
-    prompt = sum(len(c.prompt_token_ids) for c in completions)
-    generated = sum(len(c.token_ids) for c in completions)
-    cached = sum(c.cached_tokens for c in completions)
+def usage(prepared: Prepared, completions: dict[int, ClusterCompletion]) -> dict[str, Any]:
+    """OpenAI's usage block over the requests that finished (by request index): each prompt's
+    tokens once however many samples it ran (as vLLM counts them), every sample's generated
+    tokens, and as ``cached_tokens`` the prompt tokens served from the prefix cache (for a prompt
+    with several samples, the fewest any of them found cached: what the prompt itself cost)."""
+    per_prompt = len(prepared.plan.samples)
+    by_prompt: dict[int, list[ClusterCompletion]] = {}
+    for index, completion in completions.items():
+        by_prompt.setdefault(index // per_prompt, []).append(completion)
+    prompt = sum(len(group[0].prompt_token_ids) for group in by_prompt.values())
+    cached = sum(min(c.cached_tokens for c in group) for group in by_prompt.values())
+    generated = sum(len(c.token_ids) for c in completions.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt + generated,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def _check_structured(structured: StructuredOutput, param: str) -> None:
+    """The grammar behind a structured-output field compiles; 400 naming ``param`` otherwise.
+
+    Only the field's shape is checked so far (``serving.protocol``). To wire once
+    engine/structured_output.py is in the tree: ``validate_structured(structured, param)``, its
+    InvalidRequestError as ``bad_request(param, message)`` with ``f"{param}.spec:"`` read as
+    ``f"{param}:"`` (the client never sees a ``spec`` field)."""
+    del structured, param
+
+
+def _required(logprobs: list[Any] | None) -> list[Any]:
+    """Logprobs the request asked for; RuntimeError (a 500) when the cluster sent none."""
+    if logprobs is None:
+        raise RuntimeError("the cluster returned no logprobs for a request that asked for them")
+    return logprobs
 
 
 def _finish_reason(completion: ClusterCompletion) -> str:

@@ -2,26 +2,40 @@
 
 Every body is a pydantic model in strict mode: a string where a number belongs, a float where an
 integer belongs, NaN and infinities are all refused, and so is any field OpenAI's API does not
-define (or kvfleet's documented extensions ``top_k``, ``ignore_eos`` and ``cache_salt``). Fields kvfleet does not
-implement (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, penalties, tools, ...) are accepted
-only at their neutral value; anything else is a 400 naming the field. ``describe`` turns a
-pydantic error into ``(param, message)`` with the field path and the value.
+define (or one of vLLM's extensions kvfleet documents: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``cache_salt``, ``guided_*`` and ``structured_outputs``).
+Fields kvfleet does not implement (``suffix``, tools, ...) are accepted only at their neutral
+value; anything else is a 400 naming the field. ``describe`` turns a pydantic error into
+``(param, message)`` with the field path and the value.
+
+The structured-output fields (``response_format``, ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``, ``structured_outputs``) are checked for their shape here
+and become one ``StructuredOutput``; at most one of them may constrain a request.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from configs.load import VALIDATION_MESSAGES
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from engine.validation import InvalidRequestError, check_cache_salt
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SAMPLES = 128  # the most samples (``n``, ``best_of``) per prompt, OpenAI's bound on ``n``
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value (either sign)
+#: the fields that constrain the output, in the order a conflict between two is reported
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")  # fmt: skip
+#: OpenAI's rule for ``response_format.json_schema.name``
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 PromptItem = str | list[int]
@@ -49,12 +63,20 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: FiniteFloat = 0.0
-    frequency_penalty: FiniteFloat = 0.0
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1
+    presence_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0, le=10.0)] | None = None  # vLLM's: > 1 penalises
+    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] | None = None  # vLLM's extension
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     cache_salt: str | None = None  # vLLM's extension: prompts share cached blocks only with the same salt
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None  # vLLM's extensions from here on: one of them, or response_format, at a time
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -81,19 +103,26 @@ class _Sampling(_Body):
             raise ValueError(f"must fit in 64 bits (got {seed})")
         return seed
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids as strings of digits (got {key!r})")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias of token {key} must be a number in [-100, 100] (got {_short(value)})")
+        return bias
+
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
-        _neutral(self, "n", 1, "only n=1 is supported; send the request n times")
-        _neutral(self, "presence_penalty", 0.0, "penalties are not supported")
-        _neutral(self, "frequency_penalty", 0.0, "penalties are not supported")
-        if self.logit_bias:
-            raise _field_error("logit_bias", "is not supported", self.logit_bias)
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "is only allowed with stream=true", self.stream_options.model_dump())
+        self.structured()  # every structured-output field's shape, once, here
         return self
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters (OpenAI's defaults: temperature 1, top_p 1)."""
+        """The engine's sampling parameters for one sample (OpenAI's defaults: temperature 1,
+        top_p 1, no penalties); ``logprobs`` and ``prompt_logprobs`` come from the endpoint."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
@@ -103,7 +132,60 @@ class _Sampling(_Body):
             seed=None if self.seed is None else self.seed % 2**63,
             stop=stop,
             ignore_eos=self.ignore_eos,
+            logprobs=self.output_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            min_p=self.min_p or 0.0,
+            structured=self.structured(),
         )
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token the client asked to see (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the client asked to see (None: none)."""
+        return None
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """How many samples run per prompt (``best_of`` where it is larger than ``n``)."""
+        return self.n
+
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint the body asks for; ValueError-like pydantic errors naming the
+        field (the first field set wins the name when two are set)."""
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None
+                 and getattr(self, name) != {"type": "text"}]  # fmt: skip
+        if len(given) > 1:
+            raise _field_error(given[1], f"only one structured-output field at a time (also got {given[0]})",
+                               getattr(self, given[1]))  # fmt: skip
+        if not given:
+            return None
+        name = given[0]
+        value = getattr(self, name)
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return _structured_outputs(value)
+        kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        return _constraint(name, kind[name], value)
+
+    @property
+    def structured_param(self) -> str:
+        """The field that holds the structured-output spec (for errors in the spec itself)."""
+        name = next((n for n in STRUCTURED_FIELDS if getattr(self, n) not in (None, {"type": "text"})), "")
+        if name == "response_format" and self.response_format is not None:
+            return "response_format.json_schema.schema" if self.response_format.get("type") == "json_schema" else name
+        if name == "structured_outputs" and self.structured_outputs is not None:
+            key = next((k for k, v in self.structured_outputs.items() if v is not None), "")
+            return f"{name}.{key}"
+        return name
 
     @property
     def include_usage(self) -> bool:
@@ -115,8 +197,8 @@ class CompletionRequest(_Sampling):
 
     prompt: Any
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -126,16 +208,28 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
-        _neutral(self, "echo", False, "echo is not supported")
-        _neutral(self, "logprobs", None, "logprobs are not supported")
-        if self.best_of not in (None, 1):
-            raise _field_error("best_of", "only best_of=1 is supported", self.best_of)
+        if self.best_of is not None and self.best_of < self.n:
+            raise _field_error("best_of", f"must be >= n ({self.n})", self.best_of)
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise _field_error("best_of", f"best_of > n ({self.n}) cannot be streamed", self.best_of)
         _neutral(self, "suffix", None, "suffix is not supported")
         return self
 
     @property
     def prompts(self) -> list[PromptItem]:
         return list(self.prompt)
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return max(self.n, self.best_of or 1)
 
 
 class TextPart(_Body):
@@ -159,22 +253,19 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self) -> ChatCompletionRequest:
-        _neutral(self, "logprobs", False, "logprobs are not supported")
-        _neutral(self, "top_logprobs", None, "logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _field_error("top_logprobs", "needs logprobs=true", self.top_logprobs)
         if self.tools:
             raise _field_error("tools", "tool calling is not supported", len(self.tools))
         if self.tool_choice not in (None, "none"):
             raise _field_error("tool_choice", "tool calling is not supported", self.tool_choice)
-        if self.response_format not in (None, {"type": "text"}):
-            raise _field_error("response_format", "only {'type': 'text'} is supported", self.response_format)
         if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
             raise _field_error(
                 "max_completion_tokens",
@@ -186,6 +277,10 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class PinRequest(_Body):
@@ -256,6 +351,76 @@ def describe(error: ValidationError) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput:
+    """OpenAI's ``response_format``: ``json_object``, or ``json_schema`` with a name and a schema."""
+    kind = value.get("type")
+    if kind == "json_object":
+        _only_keys("response_format", value, {"type"})
+        return StructuredOutput(kind="json_object")
+    if kind != "json_schema":
+        raise _field_error("response_format.type", "must be 'text', 'json_object' or 'json_schema'", kind)
+    _only_keys("response_format", value, {"type", "json_schema"})
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _field_error("response_format.json_schema", "must be an object with a name and a schema", spec)
+    _only_keys("response_format.json_schema", spec, {"name", "description", "schema", "strict"})
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise _field_error("response_format.json_schema.name", "must be 1-64 letters, digits, '_' or '-'", name)
+    if not isinstance(spec.get("strict", False), bool):
+        raise _field_error("response_format.json_schema.strict", "must be true or false", spec["strict"])
+    if not isinstance(spec.get("description", ""), str):
+        raise _field_error("response_format.json_schema.description", "must be a string", spec["description"])
+    return _constraint("response_format.json_schema.schema", "json", spec.get("schema"))
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutput:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+    kinds = ("json", "regex", "choice", "grammar", "json_object")
+    _only_keys("structured_outputs", value, set(kinds))
+    given = [k for k in kinds if value.get(k) is not None]
+    if len(given) != 1:
+        raise _field_error("structured_outputs", f"must set exactly one of {', '.join(kinds)}", value)
+    if given[0] == "json_object":
+        if value["json_object"] is not True:
+            raise _field_error("structured_outputs.json_object", "must be true", value["json_object"])
+        return StructuredOutput(kind="json_object")
+    return _constraint(f"structured_outputs.{given[0]}", given[0], value[given[0]])
+
+
+def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
+    """One constraint as ``StructuredOutput``; ``kind`` json (a schema: an object, or its JSON
+    text), regex, grammar (non-empty text) or choice (a non-empty list of non-empty strings)."""
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except ValueError:
+                raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value) from None
+        if not isinstance(schema, dict):
+            raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value)
+        return StructuredOutput(kind="json_schema", spec=json.dumps(schema, separators=(",", ":")))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _field_error(param, "must be a non-empty list of non-empty strings", value)
+        return StructuredOutput(kind="choice", spec=json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise _field_error(param, f"must be a non-empty {'regular expression' if kind == 'regex' else 'grammar'}",
+                           value)  # fmt: skip
+    return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
+
+
+def _only_keys(param: str, value: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise _field_error(f"{param}.{unknown[0]}", "unknown field", value[unknown[0]])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _neutral(body: BaseModel, name: str, neutral: Any, why: str) -> None:
