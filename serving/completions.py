@@ -29,6 +29,7 @@ from engine.validation import ValidatedPrompt, in_vocabulary, leaves_room
 from serving.errors import APIError, bad_request, error_body, leading_field, model_not_found
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from serving.tools import ToolCalling, ToolCallStream, ToolFieldError, finish_reason_of
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Prepared:
     include_usage: bool
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_calling: ToolCalling | None = None  # a chat with tools: its output is parsed for calls
 
 
 class Admission:
@@ -90,9 +92,11 @@ class Generation:
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         self._check_model(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
+        tools = body.tool_calling
         try:
-            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt)
+            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt,
+                                                              tools.template_tools() if tools else None)  # fmt: skip
         except ValueError as exc:
             raise bad_request("messages", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the template refused the conversation (jinja's TemplateError)
@@ -100,8 +104,13 @@ class Generation:
         self._check_ids([ids], "messages")
         max_tokens = self._max_tokens([ids], body.requested_max_tokens, None)
         prompt = ValidatedPrompt(tuple(ids), None, body.cache_salt)  # the template's text is not the user's
-        return Prepared("chat.completion", [prompt], self._sampling(body, max_tokens), body.stream,
-                        body.include_usage, f"chatcmpl-{uuid.uuid4().hex}")  # fmt: skip
+        sampling = self._sampling(body, max_tokens)
+        try:
+            sampling = tools.constrain(sampling) if tools else sampling
+        except ToolFieldError as exc:
+            raise bad_request(exc.param, str(exc)) from None
+        return Prepared("chat.completion", [prompt], sampling, body.stream, body.include_usage,
+                        f"chatcmpl-{uuid.uuid4().hex}", tool_calling=tools)  # fmt: skip
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -248,19 +257,31 @@ class Generation:
         """Server-sent events; the first step only admits (and yields an empty string)."""
         count = self._admit(prepared)
         finished: list[ClusterCompletion] = []
+        parsers: dict[int, ToolCallStream] = {}  # per choice, with tools
         try:
             yield ""
             if prepared.kind == "chat.completion":
                 yield _event(self._chunk(prepared, 0, {"role": "assistant", "content": ""}, None))
             async with aclosing(self._run(prepared)) as items:
                 async for index, item in items:
+                    if isinstance(item, Delta) and prepared.tool_calling is not None:
+                        parser = parsers.setdefault(index, prepared.tool_calling.stream())
+                        for delta in parser.feed(item.text):
+                            yield _event(self._chunk(prepared, index, delta, None))
+                        continue
                     if isinstance(item, Delta):
                         if item.text:
                             yield _event(self._chunk(prepared, index, self._delta(prepared, item.text), None))
                         continue
                     finished.append(item)
                     self._record(item)
-                    yield _event(self._chunk(prepared, index, self._delta(prepared, ""), _finish_reason(item)))
+                    reason = _finish_reason(item)
+                    if prepared.tool_calling is not None:
+                        parser = parsers.setdefault(index, prepared.tool_calling.stream())
+                        for delta in parser.finish():
+                            yield _event(self._chunk(prepared, index, delta, None))
+                        reason = finish_reason_of(parser, reason)
+                    yield _event(self._chunk(prepared, index, self._delta(prepared, ""), reason))
             if prepared.include_usage:
                 last = self._chunk(prepared, 0, {}, None)
                 last["choices"] = []
@@ -280,6 +301,9 @@ class Generation:
     # -- formatting ---------------------------------------------------------------------------------
     def _choice(self, prepared: Prepared, index: int, completion: ClusterCompletion) -> dict[str, Any]:
         reason = _finish_reason(completion)
+        if prepared.kind == "chat.completion" and prepared.tool_calling is not None:
+            message, reason = prepared.tool_calling.message(completion.text, reason)
+            return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
         if prepared.kind == "chat.completion":
             message = {"role": "assistant", "content": completion.text}
             return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}

@@ -3,7 +3,7 @@
 Every body is a pydantic model in strict mode: a string where a number belongs, a float where an
 integer belongs, NaN and infinities are all refused, and so is any field OpenAI's API does not
 define (or kvfleet's documented extensions ``top_k``, ``ignore_eos`` and ``cache_salt``). Fields kvfleet does not
-implement (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, penalties, tools, ...) are accepted
+implement (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, penalties, ...) are accepted
 only at their neutral value; anything else is a 400 naming the field. ``describe`` turns a
 pydantic error into ``(param, message)`` with the field path and the value.
 """
@@ -18,6 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from configs.load import VALIDATION_MESSAGES
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidRequestError, check_cache_salt
+from serving.tools import (
+    ToolCall,
+    ToolCalling,
+    ToolChoice,
+    ToolDefinition,
+    ToolFieldError,
+    check_message_fields,
+    check_tool_fields,
+    template_message,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
@@ -144,13 +154,22 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One history message; ``ChatCompletionRequest`` checks the tool fields (``serving.tools``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        return template_message(self.role, self.text, self.name, self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -161,18 +180,21 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self) -> ChatCompletionRequest:
         _neutral(self, "logprobs", False, "logprobs are not supported")
         _neutral(self, "top_logprobs", None, "logprobs are not supported")
-        if self.tools:
-            raise _field_error("tools", "tool calling is not supported", len(self.tools))
-        if self.tool_choice not in (None, "none"):
-            raise _field_error("tool_choice", "tool calling is not supported", self.tool_choice)
+        try:
+            check_tool_fields(self.tools, self.tool_choice)
+            for i, m in enumerate(self.messages):
+                check_message_fields(i, m.role, m.content is not None, m.tool_calls, m.tool_call_id)
+        except ToolFieldError as exc:
+            raise _field_error(exc.param, exc.message, exc.value) from None
         if self.response_format not in (None, {"type": "text"}):
             raise _field_error("response_format", "only {'type': 'text'} is supported", self.response_format)
         if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
@@ -182,6 +204,10 @@ class ChatCompletionRequest(_Sampling):
                 self.max_completion_tokens,
             )
         return self
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        return ToolCalling.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @property
     def requested_max_tokens(self) -> int | None:

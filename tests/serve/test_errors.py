@@ -60,7 +60,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat/completions", {"temperature": math.inf}, "temperature", "finite"),
     ("chat/completions", {"n": 3}, "n", "n=1"),
     ("chat/completions", {"logprobs": True}, "logprobs", "not supported"),
-    ("chat/completions", {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function", "missing"),
     ("chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens", ">= 1"),
 ]
 
