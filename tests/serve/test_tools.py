@@ -326,17 +326,26 @@ def _check_calls(message: dict[str, Any], names: set[str]) -> list[tuple[str, di
     return parsed
 
 
+#: how each forced choice samples: greedy, except ``required`` with parallel calls, where the
+#: greedy random model repeats its call until ``max_tokens``; seed 1 ends the list (two calls)
+FORCED = {
+    "weather": ({"type": "function", "function": {"name": "weather"}}, True, {}),
+    "time": ({"type": "function", "function": {"name": "time"}}, True, {}),
+    "required-one": ("required", False, {}),
+    "required": ("required", True, {"temperature": 1.0, "seed": 1}),
+}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("choice", ["weather", "time", "required", "required-one"])
+@pytest.mark.parametrize("choice", list(FORCED))
 def test_a_forced_tool_choice_gives_calls_that_validate_against_the_tool_schema(server: Server, choice: str,
                                                                                 stream: bool) -> None:  # fmt: skip
     client = server.openai()
-    tool_choice: Any = choice.removesuffix("-one") if choice.startswith("required") else {
-        "type": "function", "function": {"name": choice}}  # fmt: skip
-    names = set(PARAMETERS) if choice.startswith("required") else {choice}
+    tool_choice, parallel, sampling = FORCED[choice]
+    names = set(PARAMETERS) if tool_choice == "required" else {choice}
     reply = client.chat.completions.create(
         model=server.model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, stream=stream,
-        parallel_tool_calls=choice != "required-one", max_tokens=FORCED_MAX_TOKENS, temperature=0.0)  # fmt: skip
+        parallel_tool_calls=parallel, max_tokens=FORCED_MAX_TOKENS, **({"temperature": 0.0} | sampling))  # fmt: skip
     if stream:
         message, reason = _streamed_message(list(reply))
     else:
@@ -344,15 +353,29 @@ def test_a_forced_tool_choice_gives_calls_that_validate_against_the_tool_schema(
     assert reason == "tool_calls", message
     assert message["content"] is None
     calls = _check_calls(message, names)
-    if choice == "required-one":
-        assert len(calls) == 1
+    assert len(calls) == 1 or parallel
 
     # the call goes back into the history with its result, and the chat goes on
-    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": message["tool_calls"]},
+    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": message["tool_calls"][:1]},
                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "ok"}]  # fmt: skip
     reply = client.chat.completions.create(model=server.model, messages=history, tools=TOOLS, max_tokens=4,
                                            temperature=0.0)  # fmt: skip
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_cut_off_by_max_tokens_are_the_text_with_finish_reason_length(server: Server,
+                                                                                     stream: bool) -> None:  # fmt: skip
+    reply = server.openai().chat.completions.create(
+        model=server.model, messages=QUESTION, tools=TOOLS, tool_choice="required", stream=stream, max_tokens=40,
+        temperature=0.0)  # fmt: skip
+    if stream:
+        message, reason = _streamed_message(list(reply))
+    else:
+        message, reason = _whole_message(reply), reply.choices[0].finish_reason
+    assert reason == "length"
+    assert "tool_calls" not in message
+    assert message["content"].startswith('[{"name": "') and len(message["content"].encode()) == 40
 
 
 def test_a_bad_tool_is_a_400_the_openai_client_sees_with_its_param(server: Server) -> None:
