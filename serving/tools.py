@@ -27,6 +27,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.validation import short_repr
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -109,7 +110,7 @@ class CalledFunction(_Body):
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            raise ValueError(f"must be the JSON text of an object (got {_short(arguments)})")  # noqa: TRY004 - pydantic reports only ValueError as a field error
+            raise ValueError(f"must be the JSON text of an object (got {short_repr(arguments)})")  # noqa: TRY004 - pydantic reports only ValueError as a field error
         return arguments
 
 
@@ -529,8 +530,3 @@ def _prefix_tail(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -15,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.tokenizer import ByteTokenizer
+from engine.tokenizer import ByteTokenizer, HFTokenizer
 from serving.protocol import ChatCompletionRequest, describe
 from serving.tools import (
     RequiredCallStream,
@@ -94,6 +95,29 @@ def test_tools_render_in_a_system_turn_and_calls_as_tool_call_blocks() -> None:
         "<|tool|>\n4C\n"
         "<|assistant|>\n"
     )
+
+
+def test_a_checkpoint_template_gets_the_tools_and_calls_with_object_arguments(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte: text round-trips
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    checkpoint = PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    checkpoint.chat_template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}({{ c.function.name }}:{{ c.function.arguments | tojson }}){% endfor %}"
+        "{% endfor %}"
+    )
+    checkpoint.save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    messages = [m.for_template() for m in ChatCompletionRequest.model_validate(_body()).messages]
+    ids = tokenizer.chat_token_ids(messages, False, _calling().template_tools())
+    assert tokenizer.decode(ids) == '[weather][time]<user>Oslo?<assistant>(weather:{"city": "Oslo"})<tool>4C'
+    assert tokenizer.decode(tokenizer.chat_token_ids(messages[:1], False)) == "<user>Oslo?"
 
 
 # -- checks at the edge -------------------------------------------------------------------------------
