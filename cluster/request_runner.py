@@ -26,6 +26,7 @@ from configs import ClusterConfig
 from engine.llm import Completion
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_request_id, problem, prompt_batch
 
 if TYPE_CHECKING:
@@ -228,6 +229,7 @@ class RequestRunner:
         self, prompt: object, sampling: SamplingParams, request_id: str | None, cache_salt: object
     ) -> ClusterRequest:
         model = self.served()
+        validate_structured(sampling.structured, "sampling.structured")
         if request_id is not None:
             check_request_id(request_id)
         if isinstance(prompt, ValidatedPrompt):  # its entry point checked it (and chose its salt)

@@ -4,7 +4,7 @@ and incremental detokenization with stop strings."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -17,7 +17,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]: ...  # fmt: skip
 
 
 class ByteTokenizer:
@@ -29,11 +30,14 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The tiny models' own chat format: ``<|role|>\ncontent\n`` per message, then
-        ``<|assistant|>\n`` when a reply is wanted."""
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return self.encode(text + ("<|assistant|>\n" if add_generation_prompt else ""))
+    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """The tiny models' own chat format (``engine.chat_templates.BYTE_CHAT_TEMPLATE``):
+        ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n`` when a reply is wanted;
+        tools in a system turn first, tool calls as ``<tool_call>`` blocks."""
+        from engine.chat_templates import render_byte_chat
+
+        return self.encode(render_byte_chat(messages, tools, add_generation_prompt))
 
 
 class HFTokenizer:
@@ -57,14 +61,17 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]  # one id list: one string
 
-    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """``messages`` rendered by the checkpoint's own chat template and tokenized (the
-        template writes the special tokens, BOS included); ValueError if it has none."""
+    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """``messages`` (and ``tools``, OpenAI's shape) rendered by the checkpoint's own chat
+        template and tokenized (the template writes the special tokens, BOS included);
+        ValueError if it has none."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         from transformers import BatchEncoding
 
-        ids = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        ids = self._tok.apply_chat_template(messages, tools=tools or None, tokenize=True,  # type: ignore[arg-type]  # a list of tool dicts, as it takes
+                                            add_generation_prompt=add_generation_prompt)  # fmt: skip
         if isinstance(ids, BatchEncoding):  # some transformers versions return one
             ids = ids["input_ids"]
         return [int(t) for t in ids]  # type: ignore[arg-type]  # tokenize=True: a flat list of ids

@@ -24,12 +24,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.validation import ValidatedPrompt, in_vocabulary, leaves_room
+from engine.structured_output import validate_structured
+from engine.validation import InvalidRequestError, ValidatedPrompt, in_vocabulary, leaves_room
 from serving.errors import APIError, bad_request, error_body, leading_field, model_not_found
 from serving.logprob_format import (
     CompletionLogprobs,
@@ -40,6 +41,7 @@ from serving.logprob_format import (
 )
 from serving.metrics import ServeMetrics
 from serving.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from serving.tools import ToolCalling, ToolCallStream, ToolFieldError, finish_reason_of
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class Prepared:
     include_usage: bool
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_calling: ToolCalling | None = None  # a chat with tools: its output is parsed for calls
 
     @property
     def num_requests(self) -> int:
@@ -121,9 +124,11 @@ class Generation:
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         self._check_model(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
+        tools = body.tool_calling
         try:
-            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt)
+            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt,
+                                                              tools.template_tools() if tools else None)  # fmt: skip
         except ValueError as exc:
             raise bad_request("messages", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the template refused the conversation (jinja's TemplateError)
@@ -131,8 +136,17 @@ class Generation:
         self._check_ids([ids], "messages")
         max_tokens = self._max_tokens([ids], body.requested_max_tokens, None)
         prompt = ValidatedPrompt(tuple(ids), None, body.cache_salt)  # the template's text is not the user's
-        return Prepared("chat.completion", [prompt], self._sampling(body, max_tokens), body.stream,
-                        body.include_usage, f"chatcmpl-{uuid.uuid4().hex}")  # fmt: skip
+        plan = self._sampling(body, max_tokens)
+        if tools is not None:
+            try:
+                samples = tuple(tools.constrain(sample) for sample in plan.samples)
+            except ToolFieldError as exc:
+                raise bad_request(exc.param, str(exc)) from None
+            if samples[0].structured is not None:
+                _check_structured(samples[0].structured, "tool_choice")
+            plan = replace(plan, samples=samples)
+        return Prepared("chat.completion", [prompt], plan, body.stream, body.include_usage,
+                        f"chatcmpl-{uuid.uuid4().hex}", tool_calling=tools)  # fmt: skip
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -318,6 +332,7 @@ class Generation:
         # streams run exactly n samples per prompt (best_of > n is refused), so request index = choice index
         pieces = {i: self._completion_logprobs(prepared, i) for i in range(prepared.num_requests)}
         held: dict[int, list[Delta]] = {i: [] for i in range(prepared.num_requests)} if plan.prompt_logprobs else {}
+        parsers: dict[int, ToolCallStream] = {}  # per choice, with tools
         try:
             yield ""
             for i in range(prepared.num_requests):
@@ -327,6 +342,11 @@ class Generation:
                     yield _event(self._chunk(prepared, i, self._prompt_text(prepared, i), None))
             async with aclosing(self._run(prepared)) as items:
                 async for index, item in items:
+                    if isinstance(item, Delta) and prepared.tool_calling is not None:
+                        parser = parsers.setdefault(index, prepared.tool_calling.stream())
+                        for piece in parser.feed(item.text):
+                            yield _event(self._chunk(prepared, index, piece, None))
+                        continue
                     if isinstance(item, Delta):
                         if index in held:  # the prompt's logprobs come with the completion, and go first
                             held[index].append(item)
@@ -342,7 +362,13 @@ class Generation:
                         for delta in held.pop(index):
                             if (chunk := self._delta_chunk(prepared, index, delta, pieces[index])) is not None:
                                 yield _event(chunk)
-                    yield _event(self._chunk(prepared, index, self._delta(prepared, ""), _finish_reason(item)))
+                    reason = _finish_reason(item)
+                    if prepared.tool_calling is not None:
+                        parser = parsers.setdefault(index, prepared.tool_calling.stream())
+                        for piece in parser.finish():
+                            yield _event(self._chunk(prepared, index, piece, None))
+                        reason = finish_reason_of(parser, reason)
+                    yield _event(self._chunk(prepared, index, self._delta(prepared, ""), reason))
             if prepared.include_usage:
                 last = self._chunk(prepared, 0, {}, None)
                 last["choices"] = []
@@ -420,6 +446,9 @@ class Generation:
 
     def _choice(self, prepared: Prepared, index: int, completion: ClusterCompletion) -> dict[str, Any]:
         reason = _finish_reason(completion)
+        if prepared.kind == "chat.completion" and prepared.tool_calling is not None:
+            message, reason = prepared.tool_calling.message(completion.text, reason)
+            return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
         if prepared.kind == "chat.completion":
             message = {"role": "assistant", "content": completion.text}
             return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
@@ -465,13 +494,13 @@ def usage(prepared: Prepared, completions: dict[int, ClusterCompletion]) -> dict
 
 
 def _check_structured(structured: StructuredOutput, param: str) -> None:
-    """The grammar behind a structured-output field compiles; 400 naming ``param`` otherwise.
-
-    Only the field's shape is checked so far (``serving.protocol``). To wire once
-    engine/structured_output.py is in the tree: ``validate_structured(structured, param)``, its
-    InvalidRequestError as ``bad_request(param, message)`` with ``f"{param}.spec:"`` read as
-    ``f"{param}:"`` (the client never sees a ``spec`` field)."""
-    del structured, param
+    """The grammar behind a structured-output field compiles; 400 naming ``param`` otherwise
+    (``engine.structured_output.validate_structured``; the client never sees a ``spec`` field)."""
+    try:
+        validate_structured(structured, param)
+    except InvalidRequestError as exc:
+        message = str(exc).replace(f"{param}.spec:", f"{param}:", 1)
+        raise bad_request(param, message) from None
 
 
 def _required(logprobs: list[Any] | None) -> list[Any]:

@@ -4,7 +4,7 @@ Every body is a pydantic model in strict mode: a string where a number belongs, 
 integer belongs, NaN and infinities are all refused, and so is any field OpenAI's API does not
 define (or one of vLLM's extensions kvfleet documents: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``cache_salt``, ``guided_*`` and ``structured_outputs``).
-Fields kvfleet does not implement (``suffix``, tools, ...) are accepted only at their neutral
+Fields kvfleet does not implement (``suffix``) are accepted only at their neutral
 value; anything else is a 400 naming the field. ``describe`` turns a pydantic error into
 ``(param, message)`` with the field path and the value.
 
@@ -25,6 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from configs.load import VALIDATION_MESSAGES
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from engine.validation import InvalidRequestError, check_cache_salt
+from serving.tools import (
+    ToolCall,
+    ToolCalling,
+    ToolChoice,
+    ToolDefinition,
+    ToolFieldError,
+    check_message_fields,
+    check_tool_fields,
+    template_message,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
@@ -238,13 +248,22 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One history message; ``ChatCompletionRequest`` checks the tool fields (``serving.tools``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        return template_message(self.role, self.text, self.name, self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -255,17 +274,20 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _unsupported_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _field_error("top_logprobs", "needs logprobs=true", self.top_logprobs)
-        if self.tools:
-            raise _field_error("tools", "tool calling is not supported", len(self.tools))
-        if self.tool_choice not in (None, "none"):
-            raise _field_error("tool_choice", "tool calling is not supported", self.tool_choice)
+        try:
+            check_tool_fields(self.tools, self.tool_choice)
+            for i, m in enumerate(self.messages):
+                check_message_fields(i, m.role, m.content is not None, m.tool_calls, m.tool_call_id)
+        except ToolFieldError as exc:
+            raise _field_error(exc.param, exc.message, exc.value) from None
         if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
             raise _field_error(
                 "max_completion_tokens",
@@ -273,6 +295,10 @@ class ChatCompletionRequest(_Sampling):
                 self.max_completion_tokens,
             )
         return self
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        return ToolCalling.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @property
     def requested_max_tokens(self) -> int | None:

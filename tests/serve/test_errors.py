@@ -64,7 +64,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat/completions", {"n": 129}, "n", "<= 128"),
     ("chat/completions", {"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
     ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
-    ("chat/completions", {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function", "missing"),
     ("chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens", ">= 1"),
 ]
 

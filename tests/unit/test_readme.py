@@ -40,4 +40,4 @@ def test_every_cluster_call_it_names_exists() -> None:
     called = set(re.findall(r"\bcluster\.([a-z_]+)\(", README.read_text()))
     assert {"stream", "stream_completion", "generate", "abort"} <= called
     assert not [name for name in called if not callable(getattr(Cluster, name, None))]
-    assert {f.name for f in dataclasses.fields(Delta)} == {"text", "num_tokens"}
+    assert {f.name for f in dataclasses.fields(Delta)} == {"text", "num_tokens", "token_ids", "logprobs"}
