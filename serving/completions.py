@@ -258,8 +258,11 @@ class Generation:
                 queue.put_nowait((index, delta))
 
             try:
-                completion = await self.cluster.agenerate(prompt, sampling, request_id=request_id,
-                                                          on_delta=on_delta)  # fmt: skip
+                # the samples of one prompt run where its first was placed: they share its cached prefix
+                group = f"{prepared.request_id}-p{index // len(prepared.plan.samples)}"
+                completion = await self.cluster.agenerate(prompt, sampling, request_id=request_id, on_delta=on_delta,
+                                                          share_placement=group if len(prepared.plan.samples) > 1
+                                                          else None)  # fmt: skip
                 # arrival to the last token: the cluster's TTFT (from arrival) plus the stream after it
                 tokens_s = last - first if first is not None and last is not None else None
                 self.metrics.e2e_latency.observe(completion.ttft_s + tokens_s if tokens_s is not None

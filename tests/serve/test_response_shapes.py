@@ -47,13 +47,16 @@ class FakeCluster:
         self.best_seed = best_seed
         self.send_logprobs = send_logprobs
         self.calls: list[tuple[tuple[int, ...], SamplingParams]] = []
+        self.placements: list[str | None] = []  # each call's share_placement key
 
     def _logprob(self, seed: int) -> float:
         return -0.01 if seed == self.best_seed else -0.1 * (seed % 20 + 1)
 
     async def agenerate(self, prompt: ValidatedPrompt, sampling: SamplingParams, *, request_id: str,
-                        on_delta: Callable[[Delta], None]) -> ClusterCompletion:  # fmt: skip
+                        on_delta: Callable[[Delta], None], share_placement: str | None = None,
+                        ) -> ClusterCompletion:  # fmt: skip
         self.calls.append((prompt.token_ids, sampling))
+        self.placements.append(share_placement)
         seed = sampling.seed or 0
         token = ord("a") + seed % 20
         top = tuple((token + k, self._logprob(seed) - k) for k in range(sampling.logprobs or 0))
@@ -132,6 +135,16 @@ def test_n_samples_per_prompt_are_numbered_prompt_major_with_seed_plus_j() -> No
     assert [s.seed for _, s in cluster.calls].count(5) == 2 and len(cluster.calls) == 6
     assert result["usage"] == {"prompt_tokens": 5, "completion_tokens": 18, "total_tokens": 23,
                                "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+
+
+def test_the_samples_of_one_prompt_share_a_placement_and_other_prompts_do_not() -> None:
+    cluster = FakeCluster()
+    complete(cluster, prompt=["ab", "cde"], n=3)
+    first, second = cluster.placements[:3], cluster.placements[3:]
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0] and None not in first
+    single = FakeCluster()
+    complete(single, prompt=["ab", "cde"])
+    assert single.placements == [None, None]
 
 
 def test_n_without_a_seed_leaves_every_sample_unseeded() -> None:
