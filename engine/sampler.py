@@ -351,33 +351,42 @@ class Sampler:
         return x
 
     def _apply_penalties(self, x: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> None:
-        """Repetition, frequency and presence penalties of the ``penalised`` rows, in place. The
-        history is one padded [rows, longest] id tensor per step (padding: an extra column)."""
-        vocab = x.shape[1]
+        """Repetition, frequency and presence penalties of the ``penalised`` rows, in place, in
+        O(history) work: gathers and scatters at the history's ids, never a [rows, vocab] count.
+
+        The histories are padded to one [rows, longest] id array per step. A repeated id (and the
+        padding, which repeats a real id of the row) writes the same value each time, so the
+        writes are idempotent: repetition divides or multiplies each seen token once, presence
+        subtracts once per output token; frequency adds ``-frequency`` per output occurrence
+        (padding adds 0)."""
+        count = len(penalised)
         histories = [rows[i].token_ids[: rows[i].num_computed_tokens] for i in penalised]
-        longest = max(len(h) for h in histories)
-        padded = np.full((len(penalised), max(longest, 1)), vocab, dtype=np.int64)
-        outputs = np.zeros_like(padded, dtype=np.bool_)
+        longest = max(1, *(len(h) for h in histories))
+        seen = np.empty((count, longest), dtype=np.int64)
+        outputs = np.empty((count, longest), dtype=np.int64)
+        occurrences = np.zeros((count, longest), dtype=np.float32)  # 1 per real output position
+        has_output = np.zeros((count, 1), dtype=np.float32)
         for j, (i, history) in enumerate(zip(penalised, histories, strict=True)):
-            padded[j, : len(history)] = history
-            outputs[j, rows[i].prompt_len : len(history)] = True
-        ids = torch.from_numpy(padded).to(x.device)
-        from_output = torch.from_numpy(outputs).to(x.device)
-        counts = torch.zeros(len(penalised), vocab + 1, dtype=x.dtype, device=x.device)
-        counts.scatter_add_(1, ids, from_output.to(x.dtype))
-        seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=x.device)
-        seen.scatter_(1, ids, True)
-        counts, seen = counts[:, :vocab], seen[:, :vocab]
+            seen[j, : len(history)] = history
+            seen[j, len(history) :] = history[0] if history else 0
+            produced = history[rows[i].prompt_len :]
+            outputs[j, : len(produced)] = produced
+            outputs[j, len(produced) :] = produced[0] if produced else seen[j, 0]
+            occurrences[j, : len(produced)] = 1.0
+            has_output[j] = 1.0 if produced else 0.0
+        device, dtype = x.device, x.dtype
+        at = to_device(penalised, device)[:, None]
         params = [rows[i].sampling for i in penalised]
-        index = to_device(penalised, x.device)
-        sub = x[index]
-        repetition = to_device([sp.repetition_penalty for sp in params], x.device, x.dtype)[:, None]
-        penalised_logits = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen, penalised_logits, sub)
-        frequency = to_device([sp.frequency_penalty for sp in params], x.device, x.dtype)[:, None]
-        presence = to_device([sp.presence_penalty for sp in params], x.device, x.dtype)[:, None]
-        sub -= counts * frequency + (counts > 0).to(x.dtype) * presence
-        x[index] = sub
+        seen_ids = torch.from_numpy(seen).to(device)
+        repetition = to_device([sp.repetition_penalty for sp in params], device, dtype)[:, None]
+        values = x[at, seen_ids]
+        x[at, seen_ids] = torch.where(values > 0, values / repetition, values * repetition)
+        output_ids = torch.from_numpy(outputs).to(device)
+        frequency = to_device([sp.frequency_penalty for sp in params], device, dtype)[:, None]
+        x.index_put_((at.expand_as(output_ids), output_ids), torch.from_numpy(occurrences).to(device) * -frequency,
+                     accumulate=True)  # fmt: skip
+        presence = to_device([sp.presence_penalty for sp in params], device, dtype)[:, None]
+        x[at, output_ids] = x[at, output_ids] - presence * torch.from_numpy(has_output).to(device)
 
     @staticmethod
     def _kth_largest(descending: torch.Tensor, top_k: list[int]) -> torch.Tensor:
