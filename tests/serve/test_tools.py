@@ -351,12 +351,13 @@ def _check_calls(message: dict[str, Any], names: set[str]) -> list[tuple[str, di
 
 
 #: how each forced choice samples: greedy, except ``required`` with parallel calls, where the
-#: greedy random model repeats its call until ``max_tokens``; seed 1 ends the list (two calls)
+#: greedy random model repeats its call until ``max_tokens``; seed 3 ends the list after two calls
+#: (a seeded draw depends only on the seed and the token's position: ``engine.sampler.draw_seed``)
 FORCED = {
     "weather": ({"type": "function", "function": {"name": "weather"}}, True, {}),
     "time": ({"type": "function", "function": {"name": "time"}}, True, {}),
     "required-one": ("required", False, {}),
-    "required": ("required", True, {"temperature": 1.0, "seed": 1}),
+    "required": ("required", True, {"temperature": 1.0, "seed": 3}),
 }
 
 
