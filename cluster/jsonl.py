@@ -5,8 +5,9 @@ Input: one object per line with ``prompt`` (text, or a list of token ids) and op
 blocks only of requests with the same salt) and per-request sampling fields (``max_tokens``, ``temperature``,
 ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``, ``ignore_eos``, ``presence_penalty``,
 ``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` (token id -> bias), ``logprobs`` and
-``prompt_logprobs`` (how many top alternatives per position, 0..20), as ``SamplingParams`` takes
-them); any other key is refused (a typo must not silently fall back to a default). Blank lines
+``prompt_logprobs`` (how many top alternatives per position, 0..20) and ``structured`` (``{"kind":
+"json_schema", "spec": "<schema as JSON text>"}``, or kind ``json_object`` / ``regex`` / ``grammar``
+/ ``choice``: the output is constrained to it), as ``SamplingParams`` takes them); any other key is refused (a typo must not silently fall back to a default). Blank lines
 are skipped.
 
 A bad line does not stop the run: it becomes a ``LineError``, reported as
@@ -34,11 +35,12 @@ from typing import IO, Any
 
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_cache_salt, check_prompt, problem
 
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs", "structured",
 )  # fmt: skip
 LINE_FIELDS = ("prompt", "id", "cache_salt", *SAMPLING_FIELDS)
 
@@ -122,6 +124,7 @@ def parse_line(raw: bytes, defaults: SamplingParams, path: str, number: int) -> 
     cache_salt = check_cache_salt(record.get("cache_salt"))
     updates = {key: record[key] for key in SAMPLING_FIELDS if key in record}
     sampling = defaults.replace(**updates) if updates else defaults
+    validate_structured(sampling.structured)
     return PromptItem(prompt, sampling, request_id, path, number, cache_salt)
 
 

@@ -66,6 +66,19 @@ def test_a_line_carries_its_cache_salt(tmp_path) -> None:
     assert plain == PromptItem("x", DEFAULTS, None, str(path), 2, None)
 
 
+def test_a_line_carries_its_structured_output_and_a_bad_spec_is_named(tmp_path) -> None:
+    from engine.sampling_params import StructuredOutput
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "x", "structured": {"kind": "regex", "spec": "[ab]+"}}\n'
+                    '{"prompt": "x", "structured": {"kind": "json_schema", "spec": "{\\"type\\": \\"nope\\"}"}}\n')
+    constrained, bad = read_prompts(path, DEFAULTS)
+    assert isinstance(constrained, PromptItem)
+    assert constrained.sampling.structured == StructuredOutput(kind="regex", spec="[ab]+")
+    assert isinstance(bad, LineError)
+    assert str(bad).startswith(f"{path}:2: structured.spec: not a valid json_schema") and "nope" in str(bad)
+
+
 def test_an_error_record_keeps_the_lines_id(tmp_path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "q7", "prompt": "x", "temperature": NaN}\n{"id": 3, "prompt": null}\n')
