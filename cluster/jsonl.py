@@ -7,8 +7,8 @@ blocks only of requests with the same salt) and per-request sampling fields (``m
 ``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` (token id -> bias), ``logprobs`` and
 ``prompt_logprobs`` (how many top alternatives per position, 0..20) and ``structured`` (``{"kind":
 "json_schema", "spec": "<schema as JSON text>"}``, or kind ``json_object`` / ``regex`` / ``grammar``
-/ ``choice``: the output is constrained to it), as ``SamplingParams`` takes them); any other key is refused (a typo must not silently fall back to a default). Blank lines
-are skipped.
+/ ``choice``: the output is constrained to it), as ``SamplingParams`` takes them); any other
+key is refused (a typo must not silently fall back to a default). Blank lines are skipped.
 
 A bad line does not stop the run: it becomes a ``LineError``, reported as
 ``<file>:<line>: <field>: <what is wrong> (got <value>)``, and the good lines still run.
