@@ -422,8 +422,7 @@ class Generation:
         return CompletionLogprobs(self.strings, start)
 
     def _prompt_text(self, prepared: Prepared, index: int) -> str:
-        prompt = prepared.prompts[index // len(prepared.plan.samples)]
-        return prompt.text if prompt.text is not None else self.cluster.model.tokenizer.decode(list(prompt.token_ids))
+        return self.cluster.model.prompt_text(prepared.prompts[index // len(prepared.plan.samples)])
 
     def _delta_chunk(
         self, prepared: Prepared, index: int, delta: Delta, piece: CompletionLogprobs

@@ -35,6 +35,9 @@ class FakeModel:
     vocab_size: int = VOCAB
     max_model_len: int = 512
 
+    def prompt_text(self, prompt: ValidatedPrompt) -> str:  # as ServedModel.prompt_text
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(list(prompt.token_ids))
+
 
 class FakeCluster:
     """Answers each request with tokens that depend on its seed only: sample ``s`` writes the
