@@ -684,7 +684,25 @@ class EngineCore:
             "failed_steps": self.failed_steps,
             "failed_requests": self.failed_requests,
             "transfer": asdict(self.transfer_stats),
+            "host_tier": self.host_tier_stats(),
         }
+
+    def host_tier_stats(self) -> dict[str, Any] | None:
+        """The host tier (``kv_cache.offload``; None when off): per pool its usable and cached
+        blocks, the blocks offloaded / refreshed (already there) / dropped (no free host block) /
+        promoted, the bytes copied each way and the host-side seconds the copies took."""
+        host, memory = self.coordinator.host, self.runner.host_kv
+        if host is None or memory is None:
+            return None
+        return {
+            "pools": [{"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
+                      for p, pool in enumerate(host.pools)],
+            **asdict(host.counters),
+            "bytes_offloaded": memory.bytes_to_host,
+            "bytes_promoted": memory.bytes_to_device,
+            "copy_seconds": memory.seconds,
+            "host_bytes": memory.nbytes,
+        }  # fmt: skip
 
     def capacity(self) -> dict[str, Any]:
         """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``

@@ -11,6 +11,7 @@ them; on the CPU they are plain copies (the same bookkeeping, so CI exercises it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +38,8 @@ class HostKVMemory:
         self.stream = torch.cuda.Stream(device=self.device_slots[0].device) if self.cuda else None
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        # host-side seconds spent in ``run`` (on CUDA: queueing the copies, not their transfer)
+        self.seconds = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -51,16 +54,18 @@ class HostKVMemory:
         """Run the batches in order (on CUDA: queued on the side stream, the compute stream waits)."""
         if not copies:
             return
+        start = time.perf_counter()
         if self.stream is None:
             for copy in copies:
                 self._copy(copy)
-            return
-        compute = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            for copy in copies:
-                self._copy(copy)
-        compute.wait_stream(self.stream)
+        else:
+            compute = torch.cuda.current_stream(self.stream.device)
+            self.stream.wait_stream(compute)
+            with torch.cuda.stream(self.stream):
+                for copy in copies:
+                    self._copy(copy)
+            compute.wait_stream(self.stream)
+        self.seconds += time.perf_counter() - start
 
     def _copy(self, copy: TierCopy) -> None:
         """One batch, as slice copies over runs of consecutive ids (asynchronous on CUDA: the host

@@ -69,8 +69,12 @@ def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str) -
     tokens_a, cached = generate(engine, "a2", a)
     assert cached >= PREFIX
     assert tokens_a == cold_a
+    stats = engine.stats()["host_tier"]
+    assert stats["promoted"] == host.counters.promoted and stats["bytes_promoted"] > 0
+    assert stats["bytes_offloaded"] > 0 and stats["pools"][0]["cached_blocks"] > 0
 
 
 def test_offload_off_by_default_builds_no_host_tier() -> None:
     engine = EngineCore(load_config("tiny", ["kv_cache.num_blocks=96"]))
     assert engine.coordinator.host is None and engine.runner.host_kv is None
+    assert engine.stats()["host_tier"] is None
