@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from configs import load_config
 from engine.core import EngineCore
@@ -32,6 +33,18 @@ def workload() -> tuple[list[int], list[int], list[list[int]]]:
     b = a[:PREFIX] + [rng.randrange(3, 250) for _ in range(11)]
     flood = [[rng.randrange(3, 250) for _ in range(150)] for _ in range(4)]
     return a, b, flood
+
+
+def scribble_uncached_blocks(engine: EngineCore) -> None:
+    """Overwrite every free, uncached device block with random bytes: nothing may read them, so a
+    promoted block whose copy did not run holds garbage rather than a stale, right-looking page."""
+    generator = torch.Generator().manual_seed(0)
+    for p, pool in enumerate(engine.coordinator.pools):
+        ids = [b.block_id for b in pool.blocks if not b.is_null and not b.ref_cnt and b.block_hash is None]
+        for slot, of in zip(engine.runner.slots, engine.layout.slot_pool, strict=True):
+            if of == p and ids:
+                noise = torch.randint(0, 256, (len(ids), slot.shape[1]), dtype=torch.uint8, generator=generator)
+                slot[ids] = noise.to(slot.device)
 
 
 def generate(engine: EngineCore, name: str, prompt: list[int]) -> tuple[list[int], int]:
@@ -63,6 +76,7 @@ def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str) -
     assert device_only < PREFIX <= both, (device_only, both)
 
     promoted = host.counters.promoted
+    scribble_uncached_blocks(engine)
     tokens_b, cached = generate(engine, "b", b)
     assert cached == both and host.counters.promoted > promoted
     assert tokens_b == cold_b
@@ -78,3 +92,43 @@ def test_offload_off_by_default_builds_no_host_tier() -> None:
     engine = EngineCore(load_config("tiny", ["kv_cache.num_blocks=96"]))
     assert engine.coordinator.host is None and engine.runner.host_kv is None
     assert engine.stats()["host_tier"] is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_pd_decode_side_promotes_its_host_hit_and_reads_only_the_rest(preset: str) -> None:
+    """P/D: the decode worker holds A's prefix only in its host tier; B arrives with a prefill
+    worker's handle. Admission claims the device hit, promotes the host part (two-phase, before
+    the blocks for the transferred tokens), and the read brings only the rest: B's tokens are
+    the cold engine's."""
+    a, b, flood = workload()
+    cold = EngineCore(load_config(preset, ["kv_cache.prefix_caching=false"]))
+    cold_b, _ = generate(cold, "b", b)
+    overrides = ["transfer.backend=local", *TIERED]
+    prefill = EngineCore(load_config(preset, overrides), name="prefill", kv_role="prefill")
+    decode = EngineCore(load_config(preset, overrides), name="decode", kv_role="decode")
+    try:
+        generate(decode, "a", a)
+        for i, prompt in enumerate(flood):
+            generate(decode, f"flood{i}", prompt)
+        host = decode.coordinator.host
+        assert host is not None
+        promoted = host.counters.promoted
+        scribble_uncached_blocks(decode)
+        prefill.add_request("b", b, GREEDY, prefill_only=True)
+        handle = next(r.kv_handle for r in run_until_finished(prefill, "b"))
+        request = decode.add_request("b", b, GREEDY, kv_handle=handle)
+        tokens = run_to_end(decode, {"b"})["b"][0]
+        decode.coordinator.check_invariants()
+        assert host.counters.promoted > promoted
+        assert request.num_cached_tokens == len(b) - 1 and decode.transfer_stats.reads == 1
+        assert tokens == cold_b
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def run_until_finished(engine: EngineCore, request_id: str) -> list:
+    while True:
+        done = [r for r in engine.step() if r.request_id == request_id and r.finished]
+        if done:
+            return done
