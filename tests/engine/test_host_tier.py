@@ -54,14 +54,18 @@ def generate(engine: EngineCore, name: str, prompt: list[int]) -> tuple[list[int
     return tokens, request.num_cached_tokens
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-qwen3-next"])
-def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str) -> None:
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [("tiny", ()), ("tiny", ("scheduler.async_scheduling=true",)), ("tiny-hybrid", ()), ("tiny-qwen3-next", ())],
+    ids=["tiny", "tiny-async", "tiny-hybrid", "tiny-qwen3-next"],
+)
+def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str, extra: tuple[str, ...]) -> None:
     a, b, flood = workload()
     cold = EngineCore(load_config(preset, ["kv_cache.prefix_caching=false"]))
     cold_a, _ = generate(cold, "a", a)
     cold_b, _ = generate(cold, "b", b)
 
-    engine = EngineCore(load_config(preset, TIERED))
+    engine = EngineCore(load_config(preset, [*TIERED, *extra]))
     coordinator = engine.coordinator
     host = coordinator.host
     assert host is not None
