@@ -39,7 +39,7 @@ from engine.kv_cache.coordinator_types import (
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.host_tier import HOST_POOL_BASE, HostTier, TierCopy
+from engine.kv_cache.host_tier import HostTier, TierCopy
 from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
@@ -435,14 +435,14 @@ class HybridCoordinator:
         promoted: list[tuple[int, int, Block]] = []
         device: list[list[Block]] = []
         for g, blocks in enumerate(hit_blocks):
-            if not any(block.pool >= HOST_POOL_BASE for block in blocks):
+            if not any(map(HostTier.is_host, blocks)):
                 device.append(blocks)
                 continue
             manager = self.managers[g]
             skipped = manager.skipped_blocks(total)
             mine = list(blocks)
             for i, block in enumerate(blocks):
-                if block.pool >= HOST_POOL_BASE:
+                if HostTier.is_host(block):
                     mine[i] = manager.null
                     if i >= skipped:
                         promoted.append((g, i, block))

@@ -52,7 +52,7 @@ class TierCopy:
 @dataclass
 class TierCounters:
     """Blocks offloaded (copied to the host), refreshed (already there), dropped (no host block
-    free), promoted (copied back), per tier hit tokens are the scheduler's."""
+    free) and promoted (copied back), since the tier was built."""
 
     offloaded: int = 0
     refreshed: int = 0
@@ -79,6 +79,7 @@ class HostTier:
 
     @staticmethod
     def is_host(block: Block) -> bool:
+        """Whether a block of a hit lives in the host tier (else in a device pool)."""
         return block.pool >= HOST_POOL_BASE
 
     # -- offload ------------------------------------------------------------------------------------------
