@@ -232,6 +232,10 @@ def test_reset_clears_both_tiers_and_no_host_tier_means_unchanged_lookups() -> N
 # -- the state machine ----------
 MIX_NAMES = sorted(m for m in MIXES if "chunked" not in m)
 MAX_TOKENS = 40
+BASES = 5
+SUFFIX = st.lists(st.integers(0, 2), max_size=6)
+# small chunks mostly: aligned chunk ends are where recurrent groups cache their states
+CHUNK = st.one_of(st.sampled_from([4, 8, 12, 16]), st.integers(1, MAX_TOKENS))
 
 
 class HostTierMachine(RuleBasedStateMachine):
@@ -243,24 +247,38 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @initialize(
         mix=st.sampled_from(MIX_NAMES),
-        extra=st.integers(0, 24),
+        extra=st.integers(0, 12),
         host=st.integers(2, 40),
         seed=st.integers(0, 1 << 16),
     )
     def setup(self, mix: str, extra: int, host: int, seed: int) -> None:
         specs = MIXES[mix]
-        groups = [KVCacheGroup(spec, pool=p) for spec, p in zip(specs, mix_pools(mix), strict=True)]
-        per_request = [-(-MAX_TOKENS // spec.block_size) + 2 for spec in specs]
-        num_blocks = max(per_request) * len(specs) + 2 + extra
-        self.coord = HybridCoordinator(groups, num_blocks, host_blocks=host)
+        pools = mix_pools(mix)
+        groups = [KVCacheGroup(spec, pool=p) for spec, p in zip(specs, pools, strict=True)]
+        # each pool fits about one request of MAX_TOKENS (+ decode) and ``extra`` blocks: the
+        # device evicts (and offloads) all the time, so hits come from both tiers
+        need = [1] * (max(pools) + 1)
+        for spec, p in zip(specs, pools, strict=True):
+            need[p] += 3 if isinstance(spec, MambaSpec) else -(-(MAX_TOKENS + 8) // spec.block_size) + 1
+        self.coord = HybridCoordinator(groups, [n + extra for n in need], host_blocks=host)
         self.model = ContentModel()
         rng = random.Random(seed)
-        self.bases = [[rng.randrange(3) for _ in range(MAX_TOKENS)] for _ in range(3)]
+        self.bases = [[rng.randrange(3) for _ in range(MAX_TOKENS)] for _ in range(BASES)]
         self.requests: dict[str, CacheRequest] = {}
         self.serial = 0
 
     def _copies(self) -> None:
         self.model.run(self.coord.take_tier_copies())
+
+    def _chunk(self, request: CacheRequest, chunk: int, aligned: bool) -> int:
+        """Tokens of the next chunk; ``aligned``: ending on an alignment boundary where one lies
+        ahead (so recurrent groups cache their state there, as the scheduler's align mode does)."""
+        start = request.num_computed_tokens
+        end = min(start + chunk, request.num_tokens)
+        align = self.coord.alignment
+        if aligned and end < request.num_tokens and end - end % align > start:
+            end -= end % align
+        return end - start
 
     def _compute(self, request: CacheRequest, count: int) -> None:
         start = request.num_computed_tokens
@@ -269,29 +287,52 @@ class HostTierMachine(RuleBasedStateMachine):
         request.num_computed_tokens = start + count
         self.coord.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
-    @rule(base=st.integers(0, 2), cut=st.integers(2, MAX_TOKENS), suffix=st.lists(st.integers(0, 2), max_size=6),
-          chunk=st.integers(1, MAX_TOKENS))  # fmt: skip
-    def admit(self, base: int, cut: int, suffix: list[int], chunk: int) -> None:
+    def _admit(self, base: int, cut: int, suffix: list[int], chunk: int, aligned: bool) -> CacheRequest | None:
         tokens = (self.bases[base][:cut] + suffix)[:MAX_TOKENS]
         if len(tokens) < 2:
-            return
+            return None
         self.serial += 1
         request = CacheRequest(f"r{self.serial}", tokens, self.coord.hash_block_size)
         expected = check_two_tier_hit(self.coord, request.block_hashes, request.num_tokens - 1)
         hit = self.coord.get_computed_blocks(request)
         assert hit.num_tokens == expected
-        count = min(chunk, request.num_tokens - hit.num_tokens)
+        request.num_computed_tokens = hit.num_tokens
+        count = self._chunk(request, chunk, aligned)
+        request.num_computed_tokens = 0
         if self.coord.allocate_slots(request, count, hit) is None:
-            return
+            return None
         self._copies()
         _check_reads(self.coord, self.model, request, hit.num_tokens)
         request.num_computed_tokens = hit.num_tokens
         self._compute(request, count)
+        self.coord.new_step()
         self.requests[request.request_id] = request
+        return request
+
+    @rule(base=st.integers(0, BASES - 1), cut=st.integers(2, MAX_TOKENS), suffix=SUFFIX, chunk=CHUNK,
+          aligned=st.booleans())  # fmt: skip
+    def admit(self, base: int, cut: int, suffix: list[int], chunk: int, aligned: bool) -> None:
+        self._admit(base, cut, suffix, chunk, aligned)
+
+    @rule(base=st.integers(0, BASES - 1), cut=st.integers(2, MAX_TOKENS), suffix=SUFFIX, chunk=CHUNK)
+    def serve(self, base: int, cut: int, suffix: list[int], chunk: int) -> None:
+        """A whole request: admitted, prefilled in aligned chunks (one step each), freed."""
+        request = self._admit(base, cut, suffix, chunk, True)
+        if request is None:
+            return
+        rid = request.request_id
+        while request.num_computed_tokens < request.num_tokens:
+            count = self._chunk(request, chunk, True)
+            if self.coord.allocate_slots(request, count) is None:
+                break
+            self._compute(request, count)
+            self.coord.new_step()
+        self.coord.free(rid)
+        del self.requests[rid]
 
     @precondition(lambda self: bool(self.requests))
-    @rule(index=st.integers(0, 63), chunk=st.integers(1, MAX_TOKENS), token=st.integers(0, 2))
-    def advance(self, index: int, chunk: int, token: int) -> None:
+    @rule(index=st.integers(0, 63), chunk=CHUNK, token=st.integers(0, 2), aligned=st.booleans())
+    def advance(self, index: int, chunk: int, token: int, aligned: bool) -> None:
         rid = sorted(self.requests)[index % len(self.requests)]
         request = self.requests[rid]
         left = request.num_tokens - request.num_computed_tokens
@@ -300,7 +341,7 @@ class HostTierMachine(RuleBasedStateMachine):
                 return
             request.append_token_ids([token])
             left = 1
-        count = min(chunk, left)
+        count = min(left, self._chunk(request, chunk, aligned)) if left > 1 else 1
         if self.coord.allocate_slots(request, count) is None:  # preempt it
             self.coord.free(rid)
             del self.requests[rid]
@@ -318,7 +359,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def new_step(self) -> None:
         self.coord.new_step()
 
-    @rule(base=st.integers(0, 2), length=st.integers(0, MAX_TOKENS), unpin=st.booleans())
+    @rule(base=st.integers(0, BASES - 1), length=st.integers(0, MAX_TOKENS), unpin=st.booleans())
     def pin(self, base: int, length: int, unpin: bool) -> None:
         hashes = CacheRequest("p", self.bases[base], self.coord.hash_block_size).block_hashes
         self.coord.pin_prefix(hashes, length)
@@ -347,6 +388,6 @@ class HostTierMachine(RuleBasedStateMachine):
 
 
 HostTierMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=400, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestHostTierStateful = HostTierMachine.TestCase
