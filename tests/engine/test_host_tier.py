@@ -136,3 +136,18 @@ def run_until_finished(engine: EngineCore, request_id: str) -> list:
         done = [r for r in engine.step() if r.request_id == request_id and r.finished]
         if done:
             return done
+
+
+def test_the_host_tier_splits_its_size_between_pools_as_the_device_memory_is() -> None:
+    engine = EngineCore(load_config("tiny-hybrid", TIERED))
+    layout, device = engine.layout, engine.info.pool_blocks
+    host = [pool.num_blocks for pool in engine.coordinator.host.pools]  # type: ignore[union-attr]
+    size = 16 * 2**20
+    assert len(host) == len(device) == 2
+    for p, pool in enumerate(layout.pools):
+        share = device[p] * pool.block_bytes / layout.pool_bytes(list(device))
+        assert host[p] - 1 == int(size * share) // pool.block_bytes
+    assert engine.runner.host_kv is not None
+    assert engine.runner.host_kv.nbytes == layout.pool_bytes(host) <= size + layout.pool_bytes(1)
+    with pytest.raises(ValueError, match=r"kv_cache\.offload\.size_mib"):
+        layout.host_blocks(list(device), 1)
