@@ -81,6 +81,15 @@ class PinningConfig(_Frozen):
     min_drop_blocks: PositiveInt = 1
 
 
+class OffloadConfig(_Frozen):
+    """The host tier of every worker (off by default): cached blocks the device pools evict are
+    copied to ``size_mib`` of host memory (pinned on CUDA), split between pools as the device
+    KV memory is, and a later hit on them is copied back instead of recomputed."""
+
+    enabled: bool = False
+    size_mib: PositiveFloat = 1024.0
+
+
 class KVCacheConfig(_Frozen):
     """Paged KV-cache sizing and the prefix cache; exactly one of num_blocks / memory_budget_mib /
     gpu_memory_utilization sizes the pools."""
@@ -100,6 +109,7 @@ class KVCacheConfig(_Frozen):
     expected_prefix_tokens: PositiveInt | None = None
     prefix_caching: bool = True
     pinning: PinningConfig = PinningConfig()
+    offload: OffloadConfig = OffloadConfig()
 
     @model_validator(mode="after")
     def _one_size(self) -> KVCacheConfig:

@@ -136,6 +136,9 @@ class EngineCore:
             gpu_budget = gpu_kv_budget_bytes(device, cache.gpu_memory_utilization, reserve)
         num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs, gpu_budget)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        host_blocks = None
+        if cache.offload.enabled and cache.prefix_caching:
+            host_blocks = layout.host_blocks(num_blocks, int(cache.offload.size_mib * 2**20))
         pinning = cache.pinning
         self.coordinator = HybridCoordinator(
             layout.groups,
@@ -146,6 +149,7 @@ class EngineCore:
             ),
             enable_events=True,
             max_model_len=max_model_len,
+            host_blocks=host_blocks,
         )
         self.scheduler = Scheduler(config.scheduler, self.coordinator, max_model_len)
         self.name = name or (kv_role or "engine")
@@ -166,6 +170,7 @@ class EngineCore:
                 # engine) when the first one arrives
                 structured=StructuredOutputs(functools.partial(load_tokenizer, directory, arch.vocab_size),
                                              arch.vocab_size, arch.eos_token_ids, threads=threads or 1),
+                host_blocks=host_blocks,
             )  # fmt: skip
             self._agent_info = (
                 self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None
@@ -183,6 +188,10 @@ class EngineCore:
                 [group.pool for group in layout.groups], self.scheduler, self.coordinator, self.runner,
                 exports_prefills=kv_role != "decode",
             )  # fmt: skip
+        if host_blocks is not None:
+            # an admission whose external tokens a transfer writes: the offloads it queued read
+            # those blocks first, so they run (to completion) before the transfer starts
+            self.coordinator.copy_now = functools.partial(self.runner.copy_tiers, wait=True)
         self.consecutive_failed_steps = 0
         self.async_scheduling = config.scheduler.async_scheduling
         #: the decode step launched but not read yet (``step``); its outputs come with a later step
@@ -367,7 +376,9 @@ class EngineCore:
         cache no longer serves the whole prefix, or the hold does not fit (the reader computes)."""
         handoff = self._handoff_for("export a prefix")
         assert request_id and token_ids, "a pin's copy names its id and a prefix the driver checked"
-        return handoff.export_prefix(request_id, list(token_ids))
+        handle = handoff.export_prefix(request_id, list(token_ids))
+        self._copy_tiers(wait=True)  # a peer reads the blocks promoted for it, by DMA
+        return handle
 
     @property
     def only_awaiting_handles(self) -> bool:
@@ -421,8 +432,10 @@ class EngineCore:
         scheduler = self.scheduler
         if self.in_flight is None:
             if not (scheduler.running or scheduler.waiting):
+                self._copy_tiers()
                 return results
             output = scheduler.schedule()
+            self._copy_tiers()
             if self.on_scheduled is not None:
                 self.on_scheduled()
             if not (self.async_scheduling and self.runner.can_launch(output)):
@@ -440,6 +453,14 @@ class EngineCore:
             results.extend(self._fail_batch(*failed))
         self.in_flight = following
         return results
+
+    def _copy_tiers(self, wait: bool = False) -> None:
+        """Run the host-tier copies the coordinator queued (offloads of the blocks it evicted,
+        promotes of the blocks admissions loaded back), before the next forward touches a block."""
+        if self.coordinator.host is not None:
+            copies = self.coordinator.take_tier_copies()
+            if copies:
+                self.runner.copy_tiers(copies, wait)
 
     def _run_synchronously(self, output: SchedulerOutput) -> list[RequestOutput]:
         try:
@@ -462,6 +483,7 @@ class EngineCore:
         output = self.scheduler.schedule_continuation(previous.output)
         if output is None:
             return None, None
+        self._copy_tiers()
         if self.on_scheduled is not None:
             self.on_scheduled()
         try:
@@ -619,7 +641,7 @@ class EngineCore:
         free queue evicts them last, a prefix's tail before its head), so the hit the router
         predicted for a request routed here survives the allocations of the requests ahead of
         it; returns the tokens that hit covers now (0: nothing to refresh)."""
-        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens)
+        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens, include_host=False)
         if hit.num_tokens <= 0:
             return 0
         for g, manager in enumerate(self.coordinator.managers):
@@ -662,7 +684,25 @@ class EngineCore:
             "failed_steps": self.failed_steps,
             "failed_requests": self.failed_requests,
             "transfer": asdict(self.transfer_stats),
+            "host_tier": self.host_tier_stats(),
         }
+
+    def host_tier_stats(self) -> dict[str, Any] | None:
+        """The host tier (``kv_cache.offload``; None when off): per pool its usable and cached
+        blocks, the blocks offloaded / refreshed (already there) / dropped (no free host block) /
+        promoted, the bytes copied each way and the host-side seconds the copies took."""
+        host, memory = self.coordinator.host, self.runner.host_kv
+        if host is None or memory is None:
+            return None
+        return {
+            "pools": [{"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
+                      for p, pool in enumerate(host.pools)],
+            **asdict(host.counters),
+            "bytes_offloaded": memory.bytes_to_host,
+            "bytes_promoted": memory.bytes_to_device,
+            "copy_seconds": memory.seconds,
+            "host_bytes": memory.nbytes,
+        }  # fmt: skip
 
     def capacity(self) -> dict[str, Any]:
         """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``

@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.host_kv import HostKVMemory
 from engine.kv_cache.coordinator_types import per_pool
+from engine.kv_cache.host_tier import TierCopy
 from engine.kv_cache.spec import MambaSpec
 from engine.logprobs import TokenLogprob
 from engine.model.arch.model_arch import ModelArch
@@ -89,6 +91,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         cuda_graphs: bool = False,
         structured: StructuredOutputs | None = None,
+        host_blocks: Sequence[int] | None = None,
     ):
         """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
         slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's).
@@ -96,7 +99,8 @@ class ModelRunner:
         (``engine.model.decode_step``; without them every step runs eagerly); ``cuda_graphs``
         runs it as captured CUDA graphs, where the device and the model allow it
         (``graphs_supported``). ``structured``: the grammars of constrained requests (their
-        token masks apply to the rows they sample); None: the model constrains nothing."""
+        token masks apply to the rows they sample); None: the model constrains nothing.
+        ``host_blocks``: blocks of each pool's host pool (``kv_cache.offload``; None: no host tier)."""
         layout.check_invariants(arch)
         self.arch = arch
         self.layout = layout
@@ -122,6 +126,7 @@ class ModelRunner:
                     user.bind_state(slot.view(torch.float32))
                 else:
                     user.bind_cache(slot, layout.block_size)
+        self.host_kv = HostKVMemory(layout, self.slots, host_blocks) if host_blocks is not None else None
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
         self.sampler = Sampler(device)
@@ -168,6 +173,16 @@ class ModelRunner:
         self.structured.forget(request_id)
         if self.decode is not None:
             self.decode.release(request_id)
+
+    def copy_tiers(self, copies: list[TierCopy], wait: bool = False) -> None:
+        """Run the host tier's queued copies, in order, before any later forward reads or writes
+        a block (``HostKVMemory.run``); ``wait``: until they are done (a transfer, which no stream
+        orders, may touch those blocks next)."""
+        host_kv = self.host_kv
+        assert host_kv is not None, "copies come only from a coordinator with a host tier"
+        host_kv.run(copies)
+        if wait and host_kv.stream is not None:
+            host_kv.stream.synchronize()
 
     def execute(self, output: SchedulerOutput) -> SampledTokens:
         """Run the scheduled chunks; return the sampled token of every chunk that samples (and

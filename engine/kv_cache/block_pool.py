@@ -18,7 +18,7 @@ release), announcing ``BlockPinned`` / ``BlockUnpinned`` events.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED, Block, BlockQueue
 from engine.kv_cache.events import (
@@ -74,6 +74,9 @@ class BlockPool:
         # The queue an unreferenced block is linked in: the one of its tier.
         self.tiers: tuple[BlockQueue, BlockQueue, BlockQueue] = (self.free_queue, self.retained, self.explicit)
         self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
+        # called with (block id, group, hash) for each cached block ``get_new_blocks`` evicts (the
+        # host tier's offload, ``engine.kv_cache.host_tier``); None: evicted contents are dropped
+        self.offload: Callable[[int, int, bytes], None] | None = None
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -102,6 +105,7 @@ class BlockPool:
         queue = self.free_queue
         cached = self.cached
         removed: list[tuple[int, bytes]] | None = [] if self.enable_events else None
+        offload = self.offload
         blocks = []
         block: Block = queue.head.next  # type: ignore[assignment]  # n <= free size: a real block
         for _ in range(n):  # unlink the first n blocks, uncache them, count the new reference
@@ -112,6 +116,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict it from the prefix cache (``group`` means nothing once unhashed)
                 if removed is not None:
                     removed.append((block.group, block.block_hash))
+                if offload is not None:
+                    offload(block.block_id, block.group, block.block_hash)
                 del cached[block.group][block.block_hash]
                 block.block_hash = None
             block = nxt  # type: ignore[assignment]  # linked, so the next block is set (the tail sentinel at worst)

@@ -12,6 +12,8 @@ Responsibilities, each over all groups (and pools) at once:
 - caching, window maintenance, freeing (per group, tail first; with one pool, every group's
   blocks in as few pool calls as the queue order allows);
 - retention: sliding-window anchors at useful boundaries and explicit prefix pins;
+- the host tier (optional, ``engine.kv_cache.host_tier``): evicted cached blocks offloaded to host
+  pools, hits looked up in both tiers per group, host blocks of a hit promoted at admission;
 - ``check_invariants()`` for tests.
 
 ``HybridCoordinator`` lives whole here: construction, hits, allocation and caching, then its
@@ -23,8 +25,8 @@ explicit tier; pins of one prefix are counted) and block release (``free``,
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections import ChainMap, Counter
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 
 from engine.kv_cache.attention_managers import NEVER_SKIPS, FullAttentionManager, SlidingWindowManager
@@ -37,7 +39,8 @@ from engine.kv_cache.coordinator_types import (
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.invariants import check_coordinator
+from engine.kv_cache.host_tier import HostTier, TierCopy
+from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.managers import MANAGER_FOR_SPEC
@@ -97,7 +100,10 @@ class HybridCoordinator:
         retention: RetentionOptions = RetentionOptions(),  # noqa: B008 (frozen)
         enable_events: bool = False,
         max_model_len: int | None = None,
+        host_blocks: int | Sequence[int] | None = None,
     ):
+        """``host_blocks``: blocks of each pool's host pool (an int: every pool alike; null block
+        included, as ``num_blocks``); None: no host tier."""
         if not groups:
             raise ValueError("groups: need at least one KV-cache group")
         self.groups = groups
@@ -165,10 +171,35 @@ class HybridCoordinator:
         self._prefix_pins: dict[tuple[int, bytes], _PrefixPin] = {}
         self._nothing_allocated: list[tuple[int, int]] = [(0, 0)] * num_pools
         self._last_allocation = self._nothing_allocated
+        # The host tier: per group, the device map and the map over both tiers (device first);
+        # ``find_longest_cache_hit`` points each manager's ``cached`` at the latter for a lookup.
+        self.host: HostTier | None = None
+        #: runs queued copies to completion (the engine's runner); called when an admission with
+        #: transferred tokens queued copies, since a transfer is not ordered after queued copies
+        self.copy_now: Callable[[list[TierCopy]], None] | None = None
+        self._device_maps: list[dict[bytes, Block]] = [pool.cached[g] for g, pool in self._group_pools()]
+        self._tiered_maps: list[Mapping[bytes, Block]] = []
+        if host_blocks is not None and enable_caching:
+            host = HostTier(per_pool("host_blocks", host_blocks, num_pools), len(groups))
+            for p, pool in enumerate(self.pools):
+                pool.offload = host.offloader(p)
+            self._tiered_maps = [
+                ChainMap(pool.cached[g], host.pools[pool.index].cached[g]) for g, pool in self._group_pools()
+            ]
+            self.host = host
+
+    def _group_pools(self) -> list[tuple[int, BlockPool]]:
+        return [(g, self.pools[p]) for g, p in enumerate(self.group_pool)]
 
     # -- hits -----------------------------------------------------------------------------------------
-    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int, skip_mamba: bool = False) -> CacheHit:
+    def find_longest_cache_hit(
+        self, block_hashes: list[bytes], max_length: int, skip_mamba: bool = False, include_host: bool = True
+    ) -> CacheHit:
         """Longest aligned prefix (<= max_length) that every group can serve. Pure lookup.
+
+        With a host tier (and ``include_host``) a group serves a length when each block its rule
+        needs is in either tier; the hit then names host blocks (``HostTier.is_host``) where the
+        device has none, which admission promotes. ``include_host=False``: device blocks only.
 
         A fixed point over the groups: each pass asks every group, in ``_order``, for its longest
         hit at most the running candidate, until no group lowers it. A full-attention group is
@@ -176,6 +207,8 @@ class HybridCoordinator:
         candidate it is asked again with is not asked again (``SingleTypeManager.stable_hits``:
         it would give the same blocks).
         """
+        if include_host and self.host is not None:
+            return self._find_in_both_tiers(block_hashes, max_length, skip_mamba)
         managers = self.managers
         partial = skip_mamba and self._has_mamba
         if not self.enable_caching or max_length <= 0:
@@ -211,6 +244,17 @@ class HybridCoordinator:
             if len(blocks) > keep:
                 del blocks[keep:]
         return CacheHit(tuple(found), length, shared, partial)
+
+    def _find_in_both_tiers(self, block_hashes: list[bytes], max_length: int, skip_mamba: bool) -> CacheHit:
+        """The fixed point with every manager's map pointed at both tiers (device first)."""
+        managers = self.managers
+        for manager, tiered in zip(managers, self._tiered_maps, strict=True):
+            manager.cached = tiered  # type: ignore[assignment]  # the hit rules only read get / [] / in
+        try:
+            return self.find_longest_cache_hit(block_hashes, max_length, skip_mamba, include_host=False)
+        finally:
+            for manager, device in zip(managers, self._device_maps, strict=True):
+                manager.cached = device
 
     def get_computed_blocks(self, request: CacheRequest) -> CacheHit:
         """The local hit for a request not yet admitted (at most N - 1 tokens: the last token is
@@ -350,6 +394,8 @@ class HybridCoordinator:
         self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
         new_ids = tuple([*map(_BLOCK_ID, manager.allocate_new(request_id, need))] for manager in managers)
         self._record_allocation(predicted, free_before)
+        if self.copy_now is not None and (num_external_tokens or partial):
+            self.copy_now(self.take_tier_copies())
 
         if self._windowed:
             if state.shared_prefix:
@@ -369,11 +415,61 @@ class HybridCoordinator:
         free and pinned queues) before any group takes fresh blocks for external tokens; otherwise
         one group's allocation could pop another group's not-yet-claimed hit block."""
         total = num_local + num_external
+        host = self.host
+        promoted: list[tuple[int, int, Block]] = []  # (group, table index, host block)
+        if host is not None:
+            hit_blocks, promoted = self._split_tiers(hit_blocks, total)
         for g, manager in enumerate(self.managers):  # phase 1
             manager.claim_hit(request_id, hit_blocks[g], total)
+        if promoted:
+            self._promote(request_id, promoted)
         for manager in self.managers:  # phase 2
             if num_external > 0 or (partial and isinstance(manager, MambaManager)):
                 manager.allocate_external(request_id, num_local, num_external)
+
+    def _split_tiers(
+        self, hit_blocks: tuple[list[Block], ...], total: int
+    ) -> tuple[tuple[list[Block], ...], list[tuple[int, int, Block]]]:
+        """The hit's device part (host blocks replaced by the null block) and, per host block a
+        claim keeps (at or past the group's skipped blocks), its (group, table index, block)."""
+        promoted: list[tuple[int, int, Block]] = []
+        device: list[list[Block]] = []
+        for g, blocks in enumerate(hit_blocks):
+            if not any(map(HostTier.is_host, blocks)):
+                device.append(blocks)
+                continue
+            manager = self.managers[g]
+            skipped = manager.skipped_blocks(total)
+            mine = list(blocks)
+            for i, block in enumerate(blocks):
+                if HostTier.is_host(block):
+                    mine[i] = manager.null
+                    if i >= skipped:
+                        promoted.append((g, i, block))
+            device.append(mine)
+        return tuple(device), promoted
+
+    def _promote(self, request_id: str, promoted: list[tuple[int, int, Block]]) -> None:
+        """Between the two phases: a fresh device block for each host block of the hit, cached
+        under its hash at once (its copy is queued before any forward can read it). The host
+        blocks stay locked meanwhile, so the offloads these allocations cause cannot reuse them."""
+        host = self.host
+        assert host is not None, "only a coordinator with a host tier promotes"
+        locked = [block for _, _, block in promoted]
+        host.lock(locked)
+        for g, index, block in promoted:
+            manager = self.managers[g]
+            fresh = manager.pool.get_new_blocks(1)
+            host.promote(block, fresh[0].block_id)
+            manager.place(request_id, index, fresh[0])
+            assert block.block_hash is not None, "host blocks of a hit come from the host maps"
+            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1)
+        host.unlock(locked)
+
+    def take_tier_copies(self) -> list[TierCopy]:
+        """The host-tier copies queued since the last call, in the order they must run (before
+        the next forward); empty without a host tier."""
+        return self.host.take_copies() if self.host is not None else []
 
     def cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         """Register the request's full blocks up to ``num_tokens`` (rounded down to the alignment),
@@ -490,8 +586,10 @@ class HybridCoordinator:
     # -- invariants ---------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if any structural invariant of the cache is broken
-        (``engine.kv_cache.invariants`` lists them)."""
+        (``engine.kv_cache.invariants`` lists them), the host tier's included."""
         check_coordinator(self)
+        if self.host is not None:
+            check_host_tier(self, self.host)
 
     # -- read-only views for the router ---------------------------------------------------------------
     @property
@@ -515,7 +613,7 @@ class HybridCoordinator:
         key = self._prefix_key(block_hashes, num_tokens)
         record = self._prefix_pins.setdefault(key, _PrefixPin())
         record.count += 1
-        hit = self.find_longest_cache_hit(block_hashes, num_tokens)
+        hit = self.find_longest_cache_hit(block_hashes, num_tokens, include_host=False)
         if hit.num_tokens == 0:
             return 0
         for g, manager in enumerate(self.managers):
@@ -566,6 +664,8 @@ class HybridCoordinator:
             return False
         for pool in self.pools:
             pool.clear_prefix_cache()
+        if self.host is not None:
+            self.host.clear()
         self.events.emit(AllBlocksCleared(self.events.next_seq()))
         self._explicit_pins.clear()
         self._prefix_pins.clear()

@@ -10,6 +10,11 @@ unreferenced, and its ``prev``/``next`` are None iff it is linked nowhere; the n
 queued, hashed or counted; free + pinned + in use == num_blocks - 1; hash maps hold only blocks
 of groups drawing from the pool, under their own hash; the retained tier is within its budget;
 the last allocation took exactly the predicted number of blocks from every pool.
+
+The host tier (``check_host_tier``), per host pool: the same pool invariants with no block
+referenced (host blocks are locked only inside an admission), hash maps only of the groups of the
+matching device pool; the queued copies name blocks of their pools, one direction per batch, no
+target twice in a batch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.kv_cache.mamba_manager import MambaManager
 
 if TYPE_CHECKING:
     from engine.kv_cache.coordinator import HybridCoordinator
+    from engine.kv_cache.host_tier import HostTier
 
 
 class KVCacheInvariantError(AssertionError):
@@ -95,15 +101,44 @@ def check_coordinator(coord: HybridCoordinator) -> None:
     if unshared_hashless:
         fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
     for pool in coord.pools:
-        _check_pool(coord, pool, refs, fail)
+        _check_pool(coord, pool, pool.index, refs, fail)
     for p, (predicted, taken) in enumerate(coord._last_allocation):
         if predicted != taken:
             fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
 
+
+def check_host_tier(coord: HybridCoordinator, host: HostTier) -> None:
+    """Raise KVCacheInvariantError if an invariant of ``coord``'s host tier is broken."""
+
+    def fail(message: str) -> None:
+        raise KVCacheInvariantError(message)
+
+    if len(host.pools) != len(coord.pools):
+        fail(f"host tier: {len(host.pools)} host pools for {len(coord.pools)} device pools")
+    for p, pool in enumerate(host.pools):
+        _check_pool(coord, pool, p, Counter(), fail)
+    for copy in host.copies:
+        if not 0 <= copy.pool < len(coord.pools) or len(copy.device_ids) != len(copy.host_ids) or not copy.host_ids:
+            fail(f"host tier: malformed copy batch {copy}")
+        device, hosted = coord.pools[copy.pool], host.pools[copy.pool]
+        if not all(0 < d < device.num_blocks for d in copy.device_ids):
+            fail(f"host tier: copy batch names device blocks outside pool {copy.pool}: {copy.device_ids}")
+        if not all(0 < h < hosted.num_blocks for h in copy.host_ids):
+            fail(f"host tier: copy batch names host blocks outside host pool {copy.pool}: {copy.host_ids}")
+        targets = copy.host_ids if copy.to_host else copy.device_ids
+        if len(set(targets)) != len(targets):
+            fail(f"host tier: a copy batch writes one block twice: {copy}")
+
+
 def _check_pool(
-    coord: HybridCoordinator, pool: BlockPool, refs: Counter[tuple[int, int]], fail: Callable[[str], None]
+    coord: HybridCoordinator,
+    pool: BlockPool,
+    device_pool: int,
+    refs: Counter[tuple[int, int]],
+    fail: Callable[[str], None],
 ) -> None:
-    """Queues, ref counts, conservation and hash maps of one pool."""
+    """Queues, ref counts, conservation and hash maps of one pool (a device pool, or the host
+    pool of device pool ``device_pool``: its groups are that device pool's)."""
     p = pool.index
     null = pool.null_block
     queues = {"free": pool.free_queue, "retained": pool.retained, "explicit": pool.explicit}
@@ -145,18 +180,17 @@ def _check_pool(
         if (block.prev is None) == in_queue or (block.next is None) == in_queue:
             fail(f"pool {p}: block {bid} links disagree with the queues (prev/next None iff unlinked)")
         if block.block_hash is not None:
-            if coord.group_pool[block.group] != p:
+            if coord.group_pool[block.group] != device_pool:
                 fail(f"pool {p}: block {bid} cached for group {block.group}, which draws from another pool")
             if pool.cached[block.group].get(block.block_hash) is not block:
                 fail(f"pool {p}: block {bid} carries a hash that does not map to it")
     if len(queued) + in_use != pool.num_blocks - 1:
         fail(f"pool {p}: conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
     for g, table in enumerate(pool.cached):
-        if table and coord.group_pool[g] != p:
+        if table and coord.group_pool[g] != device_pool:
             fail(f"pool {p}: hash map of group {g}, which draws from pool {coord.group_pool[g]}, is not empty")
         for block_hash, block in table.items():
             if block.block_hash != block_hash or block.group != g or block.is_null or block.pool != p:
                 fail(f"pool {p}: hash map entry of group {g} points at {block!r}")
     if pool.retain_budget is not None and pool.retained.size > pool.retain_budget:
         fail(f"pool {p}: retained tier holds {pool.retained.size} > budget {pool.retain_budget}")
-

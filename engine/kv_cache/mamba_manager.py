@@ -28,6 +28,12 @@ class MambaManager(SingleTypeManager):
         table = self.tables[request_id]
         self.live[request_id] = [len(table) - 1] if table and not table[-1].is_null else []
 
+    def place(self, request_id: str, index: int, block: Block) -> None:
+        super().place(request_id, index, block)
+        live = self.live[request_id]
+        live.append(index)
+        live.sort()
+
     def _append_state(self, request_id: str, table: list[Block], needed: int) -> list[Block]:
         table.extend([self.null] * (needed - 1 - len(table)))
         blocks = self.pool.get_new_blocks(1)

@@ -106,6 +106,11 @@ class SingleTypeManager(ABC):
         self.tables[request_id] = table
         self.num_cached[request_id] = len(table)
 
+    def place(self, request_id: str, index: int, block: Block) -> None:
+        """Put a promoted block (``HybridCoordinator._promote``) at ``index`` of the request's
+        table, where the claim left the null block."""
+        self.tables[request_id][index] = block
+
     def allocate_external(self, request_id: str, num_local: int, num_external: int) -> None:
         """Phase 2: fresh blocks for transferred tokens, only where this group needs their KV."""
         total = num_local + num_external

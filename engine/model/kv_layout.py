@@ -22,6 +22,7 @@ page size gave before pools existed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import gcd
 from typing import Literal
@@ -113,6 +114,22 @@ class KVLayout:
         """Memory the slot tensors take for ``num_blocks`` (an int: every pool alike)."""
         counts = per_pool("num_blocks", num_blocks, self.num_pools)
         return sum(n * pool.block_bytes for n, pool in zip(counts, self.pools, strict=True))
+
+    def host_blocks(self, device_blocks: Sequence[int], size_bytes: int) -> list[int]:
+        """Blocks of each pool's host pool (null block included) for a host tier of
+        ``size_bytes``, split between pools as ``device_blocks`` split the device memory; a
+        ValueError naming ``kv_cache.offload.size_mib`` when some pool would get no usable block."""
+        total = self.pool_bytes(list(device_blocks))
+        out = []
+        for p, (n, pool) in enumerate(zip(device_blocks, self.pools, strict=True)):
+            usable = size_bytes * n // total
+            if usable < 1:
+                raise ValueError(
+                    f"kv_cache.offload.size_mib: {size_bytes / 2**20:g} MiB leaves pool {p} ({pool.kind}, "
+                    f"{pool.block_bytes} B per block) no host block; raise it"
+                )
+            out.append(usable + 1)
+        return out
 
     def capacity(self, num_blocks: int | tuple[int, ...] | list[int]) -> dict[str, int]:
         """What ``num_blocks`` per pool hold, with the null block of every pool left out:

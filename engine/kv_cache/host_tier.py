@@ -1,0 +1,153 @@
+"""The host tier: cached blocks the device pools evicted, kept in host memory, per device pool.
+
+A worker with ``kv_cache.offload`` on has, beside each device ``BlockPool``, a host pool of its
+own size (``HostTier.pools[p]`` mirrors device pool ``p``: same page size, same groups). This
+module decides which blocks move where; the copies themselves are the runner's
+(``engine.host_kv.HostKVMemory``): the tier hands them out in order as ``TierCopy`` batches
+(docs/architecture.md, "The hybrid KV cache": the host tier).
+
+- **Offload.** When a device pool evicts a cached block (``BlockPool.get_new_blocks`` reuses it),
+  its (group, hash) and contents go to the host pool: a host block is taken from the head of the
+  host pool's free queue (its least recently used block, whose own entry is dropped) and a copy
+  device -> host is queued. A hash the host tier holds already is only marked as just used.
+- **Promote.** A hit may name host blocks (``HybridCoordinator.find_longest_cache_hit`` looks in
+  both tiers, per group, with each group's own rule); admission claims the device hit blocks
+  first, then gives every host block of the hit a fresh device block and queues a copy
+  host -> device (``HybridCoordinator._promote``). The host copy stays cached.
+
+Copies must run in the order queued, and before the next forward reads or writes any block:
+an offload reads a device block before its new owner writes it, a promote reads a host block
+before a later offload reuses it. The host pools reuse ``BlockPool``: a host block is free (no
+hash) or cached, ref count 0, except while an admission promotes it (``lock`` / ``unlock``:
+a locked block is out of the LRU queue, so no offload of that admission can take it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_pool import Block, BlockPool
+
+#: host pools are numbered from here (``Block.pool`` of a host block: ``HOST_POOL_BASE + p``), so a
+#: hit's blocks say which tier they are in
+HOST_POOL_BASE = 1 << 16
+#: what a device pool calls for each cached block it evicts: (device block id, group, hash)
+Offload = Callable[[int, int, bytes], None]
+
+
+@dataclass(slots=True)
+class TierCopy:
+    """Copies of one direction between device pool ``pool`` and its host pool, to run in list
+    order: ``to_host`` copies device block ``device_ids[i]`` into host block ``host_ids[i]``
+    (offload), otherwise the host block into the device block (promote). Within one batch no
+    target block repeats, so its copies may run in any order."""
+
+    pool: int
+    to_host: bool
+    device_ids: list[int] = field(default_factory=list)
+    host_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TierCounters:
+    """Blocks offloaded (copied to the host), refreshed (already there), dropped (no host block
+    free) and promoted (copied back), since the tier was built."""
+
+    offloaded: int = 0
+    refreshed: int = 0
+    dropped: int = 0
+    promoted: int = 0
+
+
+class HostTier:
+    """One host ``BlockPool`` per device pool and the copies queued for the runner.
+
+    Invariants (``engine.kv_cache.invariants.check_host_tier``): every host pool satisfies the
+    pool invariants with no block referenced outside an admission; its hash maps hold only
+    groups of the matching device pool; ``copies`` lists batches in the order they must run,
+    each naming valid block ids of its pool and no target twice.
+    """
+
+    def __init__(self, num_blocks: Sequence[int], num_groups: int):
+        self.pools = [
+            BlockPool(n, num_groups, enable_caching=True, index=HOST_POOL_BASE + p) for p, n in enumerate(num_blocks)
+        ]
+        self.copies: list[TierCopy] = []
+        self._targets: set[int] = set()  # target ids of the last batch in ``copies``
+        self.counters = TierCounters()
+
+    @staticmethod
+    def is_host(block: Block) -> bool:
+        """Whether a block of a hit lives in the host tier (else in a device pool)."""
+        return block.pool >= HOST_POOL_BASE
+
+    # -- offload ------------------------------------------------------------------------------------------
+    def offload(self, pool: int, device_id: int, group: int, block_hash: bytes) -> None:
+        """Device pool ``pool`` evicts its block ``device_id`` cached as (group, hash): keep a copy."""
+        host = self.pools[pool]
+        existing = host.cached[group].get(block_hash)
+        if existing is not None:
+            if existing.ref_cnt == 0:  # the same contents: mark them just used
+                host.touch((existing,))
+                host.free_blocks([existing])
+            self.counters.refreshed += 1
+            return
+        if host.free_queue.size == 0:  # every host block is locked by the admission under way
+            self.counters.dropped += 1
+            return
+        block = host.get_new_blocks(1)[0]  # the least recently used host block (its entry dropped)
+        host.cache_blocks(group, [block], [block_hash], 0, 1)
+        host.free_blocks([block])  # cached: to the tail, the most recently used end
+        self._queue(pool, True, device_id, block.block_id)
+        self.counters.offloaded += 1
+
+    def offloader(self, pool: int) -> Offload:
+        """The callable device pool ``pool`` calls for each cached block it evicts."""
+
+        def offload(device_id: int, group: int, block_hash: bytes) -> None:
+            self.offload(pool, device_id, group, block_hash)
+
+        return offload
+
+    # -- promote ----------------------------------------------------------------------------------------
+    def lock(self, blocks: list[Block]) -> None:
+        """Take host blocks an admission promotes out of the LRU queue until ``unlock``."""
+        for block in blocks:
+            self.pools[block.pool - HOST_POOL_BASE].touch((block,))
+
+    def unlock(self, blocks: list[Block]) -> None:
+        """Return locked host blocks to their queue, as just used."""
+        for block in blocks:
+            self.pools[block.pool - HOST_POOL_BASE].free_blocks([block])
+
+    def promote(self, host_block: Block, device_id: int) -> None:
+        """Queue the copy of ``host_block`` into device block ``device_id`` (of the same pool)."""
+        self._queue(host_block.pool - HOST_POOL_BASE, False, device_id, host_block.block_id)
+        self.counters.promoted += 1
+
+    def _queue(self, pool: int, to_host: bool, device_id: int, host_id: int) -> None:
+        target = host_id if to_host else device_id
+        copies = self.copies
+        if not copies or copies[-1].pool != pool or copies[-1].to_host != to_host or target in self._targets:
+            copies.append(TierCopy(pool, to_host))
+            self._targets = set()
+        batch = copies[-1]
+        batch.device_ids.append(device_id)
+        batch.host_ids.append(host_id)
+        self._targets.add(target)
+
+    def take_copies(self) -> list[TierCopy]:
+        """The copies queued since the last call, in the order they must run."""
+        copies, self.copies = self.copies, []
+        self._targets = set()
+        return copies
+
+    # -- views and maintenance -----------------------------------------------------------------------------
+    def num_cached_blocks(self, pool: int) -> int:
+        return sum(len(table) for table in self.pools[pool].cached)
+
+    def clear(self) -> None:
+        """Forget every host entry (the prefix cache was reset); queued copies still run."""
+        for pool in self.pools:
+            pool.clear_prefix_cache()

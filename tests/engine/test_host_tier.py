@@ -1,0 +1,153 @@
+"""The host tier through the real EngineCore (``kv_cache.offload``): a prefix the device pools
+evicted is served from host memory, and its greedy tokens are those of a cold engine.
+
+Per preset (tiny: sliding window + full attention; tiny-hybrid: Mamba2 + attention;
+tiny-qwen3-next: Gated DeltaNet + attention), a small device KV: request A is computed, a flood of
+unrelated prompts evicts its blocks from the device (they are offloaded), then B (A's first
+PREFIX tokens + its own suffix) and A again arrive. The device alone has no hit for them, both
+tiers together do; the engine promotes the host part and its tokens must equal, exactly, those of
+an engine with prefix caching off (oracle: the cold computation).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from configs import load_config
+from engine.core import EngineCore
+from engine.kv_cache.hashing import block_hashes
+from engine.sampling_params import SamplingParams
+from tests.engine.test_pd import run_to_end
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PREFIX = 128  # a chunk end (chunk 64), so the recurrent groups cache a state there
+TIERED = ["kv_cache.num_blocks=96", "kv_cache.offload.enabled=true", "kv_cache.offload.size_mib=16"]
+
+
+def workload() -> tuple[list[int], list[int], list[list[int]]]:
+    rng = random.Random(7)
+    a = [rng.randrange(3, 250) for _ in range(150)]
+    b = a[:PREFIX] + [rng.randrange(3, 250) for _ in range(11)]
+    flood = [[rng.randrange(3, 250) for _ in range(150)] for _ in range(4)]
+    return a, b, flood
+
+
+def scribble_uncached_blocks(engine: EngineCore) -> None:
+    """Overwrite every free, uncached device block with random bytes: nothing may read them, so a
+    promoted block whose copy did not run holds garbage rather than a stale, right-looking page."""
+    generator = torch.Generator().manual_seed(0)
+    for p, pool in enumerate(engine.coordinator.pools):
+        ids = [b.block_id for b in pool.blocks if not b.is_null and not b.ref_cnt and b.block_hash is None]
+        for slot, of in zip(engine.runner.slots, engine.layout.slot_pool, strict=True):
+            if of == p and ids:
+                noise = torch.randint(0, 256, (len(ids), slot.shape[1]), dtype=torch.uint8, generator=generator)
+                slot[ids] = noise.to(slot.device)
+
+
+def generate(engine: EngineCore, name: str, prompt: list[int]) -> tuple[list[int], int]:
+    request = engine.add_request(name, prompt, GREEDY)
+    tokens = run_to_end(engine, {name})[name][0]
+    engine.coordinator.check_invariants()
+    return tokens, request.num_cached_tokens
+
+
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [("tiny", ()), ("tiny", ("scheduler.async_scheduling=true",)), ("tiny-hybrid", ()), ("tiny-qwen3-next", ())],
+    ids=["tiny", "tiny-async", "tiny-hybrid", "tiny-qwen3-next"],
+)
+def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str, extra: tuple[str, ...]) -> None:
+    a, b, flood = workload()
+    cold = EngineCore(load_config(preset, ["kv_cache.prefix_caching=false"]))
+    cold_a, _ = generate(cold, "a", a)
+    cold_b, _ = generate(cold, "b", b)
+
+    engine = EngineCore(load_config(preset, [*TIERED, *extra]))
+    coordinator = engine.coordinator
+    host = coordinator.host
+    assert host is not None
+    tokens_a, cached = generate(engine, "a", a)
+    assert (tokens_a, cached) == (cold_a, 0)
+    for i, prompt in enumerate(flood):
+        generate(engine, f"flood{i}", prompt)
+    assert host.counters.offloaded > 0
+    hashes = block_hashes(b, coordinator.hash_block_size)
+    device_only = coordinator.find_longest_cache_hit(hashes, len(b) - 1, include_host=False).num_tokens
+    both = coordinator.find_longest_cache_hit(hashes, len(b) - 1).num_tokens
+    assert device_only < PREFIX <= both, (device_only, both)
+
+    promoted = host.counters.promoted
+    scribble_uncached_blocks(engine)
+    tokens_b, cached = generate(engine, "b", b)
+    assert cached == both and host.counters.promoted > promoted
+    assert tokens_b == cold_b
+    tokens_a, cached = generate(engine, "a2", a)
+    assert cached >= PREFIX
+    assert tokens_a == cold_a
+    stats = engine.stats()["host_tier"]
+    assert stats["promoted"] == host.counters.promoted and stats["bytes_promoted"] > 0
+    assert stats["bytes_offloaded"] > 0 and stats["pools"][0]["cached_blocks"] > 0
+
+
+def test_offload_off_by_default_builds_no_host_tier() -> None:
+    engine = EngineCore(load_config("tiny", ["kv_cache.num_blocks=96"]))
+    assert engine.coordinator.host is None and engine.runner.host_kv is None
+    assert engine.stats()["host_tier"] is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_pd_decode_side_promotes_its_host_hit_and_reads_only_the_rest(preset: str) -> None:
+    """P/D: the decode worker holds A's prefix only in its host tier; B arrives with a prefill
+    worker's handle. Admission claims the device hit, promotes the host part (two-phase, before
+    the blocks for the transferred tokens), and the read brings only the rest: B's tokens are
+    the cold engine's."""
+    a, b, flood = workload()
+    cold = EngineCore(load_config(preset, ["kv_cache.prefix_caching=false"]))
+    cold_b, _ = generate(cold, "b", b)
+    overrides = ["transfer.backend=local", *TIERED]
+    prefill = EngineCore(load_config(preset, overrides), name="prefill", kv_role="prefill")
+    decode = EngineCore(load_config(preset, overrides), name="decode", kv_role="decode")
+    try:
+        generate(decode, "a", a)
+        for i, prompt in enumerate(flood):
+            generate(decode, f"flood{i}", prompt)
+        host = decode.coordinator.host
+        assert host is not None
+        promoted = host.counters.promoted
+        scribble_uncached_blocks(decode)
+        prefill.add_request("b", b, GREEDY, prefill_only=True)
+        handle = next(r.kv_handle for r in run_until_finished(prefill, "b"))
+        request = decode.add_request("b", b, GREEDY, kv_handle=handle)
+        tokens = run_to_end(decode, {"b"})["b"][0]
+        decode.coordinator.check_invariants()
+        assert host.counters.promoted > promoted
+        assert request.num_cached_tokens == len(b) - 1 and decode.transfer_stats.reads == 1
+        assert tokens == cold_b
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def run_until_finished(engine: EngineCore, request_id: str) -> list:
+    while True:
+        done = [r for r in engine.step() if r.request_id == request_id and r.finished]
+        if done:
+            return done
+
+
+def test_the_host_tier_splits_its_size_between_pools_as_the_device_memory_is() -> None:
+    engine = EngineCore(load_config("tiny-hybrid", TIERED))
+    layout, device = engine.layout, engine.info.pool_blocks
+    host = [pool.num_blocks for pool in engine.coordinator.host.pools]  # type: ignore[union-attr]
+    size = 16 * 2**20
+    assert len(host) == len(device) == 2
+    for p, pool in enumerate(layout.pools):
+        share = device[p] * pool.block_bytes / layout.pool_bytes(list(device))
+        assert host[p] - 1 == int(size * share) // pool.block_bytes
+    assert engine.runner.host_kv is not None
+    assert engine.runner.host_kv.nbytes == layout.pool_bytes(host) <= size + layout.pool_bytes(1)
+    with pytest.raises(ValueError, match=r"kv_cache\.offload\.size_mib"):
+        layout.host_blocks(list(device), 1)
