@@ -386,7 +386,7 @@ class RoutingPolicy(PlacementPolicy):
         best: list[WorkerId] = []
         deferred: list[WorkerId] = []
         guarded = False
-        pending_mask = pending.workers if pending is not None else 0
+        pending_workers = pending.workers if pending is not None else ()
         for worker, value in credit.items():
             if worker not in among:
                 continue
@@ -397,7 +397,7 @@ class RoutingPolicy(PlacementPolicy):
             if w_spread < w_uncached and value > 0 and over(worker):
                 spread.add(worker)
                 weight = w_spread
-            if pending_mask and self.index.bit(worker) & pending_mask:
+            if pending_workers and worker in pending_workers:
                 deferred.append(worker)
                 continue
             best_cost, best = _better(worker, load_cost[worker] - weight * value, best_cost, best)
@@ -516,10 +516,7 @@ class RoutingPolicy(PlacementPolicy):
         contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]
         if not contenders:
             return best_cost, best
-        mask = 0
-        for worker in contenders:
-            mask |= self.index.bit(worker)
-        self.index.resolve(pending, hits, mask)
+        self.index.resolve(pending, hits, contenders)
         c = self.config.anchor_credit
         for worker in contenders:
             hit = hits.get(worker, 0)
