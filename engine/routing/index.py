@@ -43,8 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import ne
+from itertools import repeat
 
 from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED
 from engine.kv_cache.events import (
@@ -64,8 +63,9 @@ from engine.routing.hit_rules import (
 )
 
 WorkerId = Hashable
-#: a key's holders: one worker's code ``slot << 2 | level``, or several codes sorted by slot
-Holders = int | tuple[int, ...]
+#: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
+Holders = tuple[int, ...]
+NOBODY: Holders = ()  # what the prediction's walk reads for a key nobody holds
 
 
 @dataclass
@@ -85,17 +85,18 @@ MAX_BUFFERED_EVENTS = 200_000
 
 
 class _Worker:
-    """One tracked worker: its slot, its holder codes per pin level (``codes[level]``, shared int
-    objects, so a key held by one worker costs no int of its own), how many (group, hash) entries
+    """One tracked worker: its slot, its holder value when it holds a key alone, per pin level
+    (``alone[level] == (slot << 2 | level,)``, shared by every such key, so a key held by one
+    worker costs one reference), how many (group, hash) entries
     it holds, and its place in its event stream (``last_seq``; while ``stale``, newer events wait
     in ``buffer`` for the next snapshot, ``overflowed`` once some were dropped)."""
 
-    __slots__ = ("buffer", "codes", "last_seq", "num_cached", "overflowed", "slot", "stale", "worker")
+    __slots__ = ("alone", "buffer", "last_seq", "num_cached", "overflowed", "slot", "stale", "worker")
 
     def __init__(self, worker: WorkerId, slot: int):
         self.worker = worker
         self.slot = slot
-        self.codes = tuple(int.__add__(slot << 2, level) for level in range(3))
+        self.alone = tuple(((slot << 2) | level,) for level in range(3))
         self.num_cached = 0
         self.last_seq = 0
         self.stale = False
@@ -138,8 +139,6 @@ def _level_of(value: Holders | None, slot: int) -> int | None:
     """The pin level ``slot`` holds a key at (None: it does not hold it)."""
     if value is None:
         return None
-    if isinstance(value, int):
-        return value & 3 if value >> 2 == slot else None
     for code in value:
         if code >> 2 == slot:
             return code & 3
@@ -147,8 +146,8 @@ def _level_of(value: Holders | None, slot: int) -> int | None:
 
 
 def _slots(value: Holders) -> set[int]:
-    if isinstance(value, int):
-        return {value >> 2}
+    if len(value) == 1:
+        return {value[0] >> 2}
     return {code >> 2 for code in value}
 
 
@@ -167,17 +166,18 @@ class PrefixIndex:
     """Per group: hash -> the holders that announced it, each with its pin level.
 
     Invariants: a worker's slot is unique among tracked workers and ``_ids[slot]`` names it
-    (None: a free slot). Events: for every group ``g`` and hash ``h``, ``_owners[g][h]`` names exactly the tracked
-    workers whose pool announced ``h`` for ``g`` up to their ``last_seq`` and has not removed it
-    since, with their pin level (0 none, 1 retained, 2 explicit); a single holder is stored as its
-    code ``slot << 2 | level``, several as a tuple of codes in increasing slot order, and no key
-    maps to an empty holder set; ``num_cached`` counts a worker's entries over all groups; a stale
-    worker applies nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events
-    (``overflowed`` past that); events with seq <= ``last_seq`` are ignored. Prediction: a
-    worker's predicted hit equals what its coordinator's ``find_longest_cache_hit`` would return
-    on the index's view of its cache (``HitRules.longest_hit``, the reference path); only
-    non-zero hits are reported, each a multiple of ``rules.alignment`` and <= ``max_length``;
-    ``Pending.workers`` only loses workers as ``resolve`` settles them.
+    (None: a free slot). Events: for every group ``g`` and hash ``h``, ``_owners[g][h]`` names
+    exactly the tracked workers whose pool announced ``h`` for ``g`` up to their ``last_seq`` and
+    has not removed it since, with their pin level (0 none, 1 retained, 2 explicit); a single
+    holder is stored as the worker's ``alone[level]``, several as one shared tuple of codes in
+    increasing slot order (``_tuples``, counted in ``_tuple_uses``), and no key maps to an empty
+    holder set; ``num_cached`` counts a worker's entries over all groups; a stale worker applies
+    nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events (``overflowed``
+    past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted
+    hit equals what its coordinator's ``find_longest_cache_hit`` would return on the index's view
+    of its cache (``HitRules.longest_hit``, the reference path); only non-zero hits are
+    reported, each a multiple of ``rules.alignment`` and <= ``max_length``; ``Pending.workers``
+    only loses workers as ``resolve`` settles them.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup]):
@@ -187,6 +187,9 @@ class PrefixIndex:
         self._ids: list[WorkerId] = []  # the worker in each slot (None: free)
         self._free_slots: list[int] = []
         self._owners: list[dict[bytes, Holders]] = [{} for _ in range(self.num_groups)]
+        # every holder tuple in use: the shared tuple, and how many keys hold it
+        self._tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._tuple_uses: dict[tuple[int, ...], int] = {}
 
     # -- membership ---------------------------------------------------------------------------------
     @property
@@ -350,51 +353,52 @@ class PrefixIndex:
         """Contiguous depths over ``view[:limit]``: ``(n, slots)`` pairs, the holders whose cached
         run is exactly ``n >= 1`` blocks. The holder set only shrinks along the chain and only
         where the stored holder value changes, so sets are intersected at those points alone
-        (found by a C-level comparison of neighbours)."""
-        if limit <= 0:
+        (equal holder values are one object, a worker's shared code or one shared tuple); when the
+        whole run up to the first block nobody holds carries one value, C-level list operations
+        settle it."""
+        values = list(map(owners.get, view[:limit], repeat(NOBODY)))
+        try:
+            end = values.index(NOBODY)  # the first block nobody holds (a quick unequal-length compare)
+        except ValueError:
+            end = limit
+        if end <= 0:
             return []
-        values = list(map(owners.get, view[:limit]))
         first = values[0]
-        if first is None:
-            return []
+        if values[:end].count(first) == end:  # one holder value all along (the common case)
+            return [(end, _slots(first))]
         current = _slots(first)
         stops: list[tuple[int, set[int]]] = []
-        for i in compress(range(1, limit), map(ne, values[1:], values)):
+        last = first
+        for i in range(1, end):
             value = values[i]
-            if value is None:
-                stops.append((i, current))
-                return stops
+            if value is last:
+                continue
+            last = value
             kept = current & _slots(value)
             if len(kept) < len(current):
                 stops.append((i, current - kept))
                 if not kept:
                     return stops
                 current = kept
-        stops.append((limit, current))
+        stops.append((end, current))
         return stops
 
     def _serving(self, slots: set[int], views: list[list[bytes]], checks: list[int], k: int) -> set[int]:
         """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
-        of ``k`` aligned steps needs."""
+        of ``k`` aligned steps needs (per group the distinct holder values of those blocks, taken
+        by identity: a window cached by the same workers is one value)."""
         ranges = self.rules._ranges
         for g in checks:
             start, stop = ranges[g][k]
-            last: Holders | None = None
-            for value in map(self._owners[g].get, views[g][start:stop]):
+            distinct = {id(v): v for v in map(self._owners[g].get, views[g][start:stop])}
+            for value in distinct.values():
                 if value is None:
                     return set()
-                if value == last:
-                    continue
-                last = value
-                if isinstance(value, int):
-                    if value >> 2 not in slots:
-                        return set()
-                    slots = {value >> 2}
-                else:
-                    slots = slots.intersection([code >> 2 for code in value])
-                    if not slots:
-                        return slots
+                slots = slots.intersection([code >> 2 for code in value])
+                if not slots:
+                    return slots
         return slots
+
     # -- events -------------------------------------------------------------------------------------
     def apply_events(
         self, worker: WorkerId, events: Iterable[KVEvent], watched: Mapping[GroupHash, object] | None = None
@@ -489,50 +493,37 @@ class PrefixIndex:
         return False
 
     # -- one holder of one key ----------------------------------------------------------------------
-    @staticmethod
-    def _hold(owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int) -> None:
+    def _hold(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int) -> None:
         """``state`` holds ``block_hash`` (at ``level`` if it did not already; a held key keeps its level)."""
         value = owners.get(block_hash)
-        code = state.codes[level]
         if value is None:
-            owners[block_hash] = code
-        elif isinstance(value, int):
-            if value >> 2 == state.slot:
-                return
-            owners[block_hash] = (value, code) if value < code else (code, value)
+            owners[block_hash] = state.alone[level]
         else:
             slot = state.slot
-            for other in value:
-                if other >> 2 == slot:
+            for code in value:
+                if code >> 2 == slot:
                     return
-            owners[block_hash] = tuple(sorted((*value, code)))
+            owners[block_hash] = self._shared(tuple(sorted((*value, state.alone[level][0]))), value)
         state.num_cached += 1
 
-    @staticmethod
-    def _drop(owners: dict[bytes, Holders], block_hash: bytes, state: _Worker) -> bool:
+    def _drop(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker) -> bool:
         """``state`` no longer holds ``block_hash``; whether it did."""
         value = owners.get(block_hash)
         if value is None:
             return False
         slot = state.slot
-        if isinstance(value, int):
-            if value >> 2 != slot:
-                return False
+        i = next((i for i, code in enumerate(value) if code >> 2 == slot), -1)
+        if i < 0:
+            return False
+        if len(value) == 1:
             del owners[block_hash]
         else:
-            for i, code in enumerate(value):
-                if code >> 2 == slot:
-                    rest = value[:i] + value[i + 1 :]
-                    owners[block_hash] = rest[0] if len(rest) == 1 else rest
-                    break
-            else:
-                return False
+            owners[block_hash] = self._shared(value[:i] + value[i + 1 :], value)
         state.num_cached -= 1
         return True
 
-    @staticmethod
     def _relevel(
-        owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int, raise_only: bool
+        self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int, raise_only: bool
     ) -> int | None:
         """Set the level ``state`` holds ``block_hash`` at (only upwards if ``raise_only``); the
         level it held it at before (None: not held, nothing changes)."""
@@ -540,20 +531,33 @@ class PrefixIndex:
         if value is None:
             return None
         slot = state.slot
-        if isinstance(value, int):
-            if value >> 2 != slot:
-                return None
-            old = value & 3
-            if old < level or (old != level and not raise_only):
-                owners[block_hash] = state.codes[level]
-            return old
         for i, code in enumerate(value):
             if code >> 2 == slot:
                 old = code & 3
                 if old < level or (old != level and not raise_only):
-                    owners[block_hash] = (*value[:i], state.codes[level], *value[i + 1 :])
+                    new = (*value[:i], state.alone[level][0], *value[i + 1 :])
+                    owners[block_hash] = self._shared(new, value)
                 return old
         return None
+
+    def _shared(self, holders: Holders, replaced: Holders) -> Holders:
+        """The shared value equal to ``holders``, the new value of a key that held ``replaced``.
+        One worker: its ``alone`` tuple; several: one tuple per distinct holder set in use (counted,
+        released with the last key), so a chain of blocks held by the same workers costs one
+        reference per block and the prediction's walk compares neighbours by identity."""
+        if len(replaced) > 1:
+            uses = self._tuple_uses[replaced] - 1
+            if uses:
+                self._tuple_uses[replaced] = uses
+            else:
+                del self._tuple_uses[replaced], self._tuples[replaced]
+        if len(holders) == 1:
+            code = holders[0]
+            state = self._workers[self._ids[code >> 2]]
+            return state.alone[code & 3]
+        shared = self._tuples.setdefault(holders, holders)
+        self._tuple_uses[shared] = self._tuple_uses.get(shared, 0) + 1
+        return shared
 
     def _clear(self, state: _Worker) -> None:
         """Forget every key ``state`` holds: one scan of the holder maps."""
