@@ -385,18 +385,24 @@ class PrefixIndex:
 
     def _serving(self, slots: set[int], views: list[list[bytes]], checks: list[int], k: int) -> set[int]:
         """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
-        of ``k`` aligned steps needs (per group the distinct holder values of those blocks, taken
-        by identity: a window cached by the same workers is one value)."""
+        of ``k`` aligned steps needs (a window cached by the same workers is one shared value,
+        recognised by a C-level count; otherwise each distinct value narrows the set)."""
         ranges = self.rules._ranges
         for g in checks:
             start, stop = ranges[g][k]
-            distinct = {id(v): v for v in map(self._owners[g].get, views[g][start:stop])}
-            for value in distinct.values():
-                if value is None:
+            values = list(map(self._owners[g].get, views[g][start:stop], repeat(NOBODY)))
+            if not values:
+                continue
+            first = values[0]
+            if values.count(first) != len(values):
+                if NOBODY in values:
                     return set()
-                slots = slots.intersection([code >> 2 for code in value])
-                if not slots:
-                    return slots
+                for value in set(values):
+                    slots = slots.intersection([code >> 2 for code in value])
+            else:
+                slots = slots.intersection([code >> 2 for code in first])
+            if not slots:
+                return slots
         return slots
 
     # -- events -------------------------------------------------------------------------------------
