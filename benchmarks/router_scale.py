@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The router at fleet scale: decisions per second, their latency, events absorbed and index size
 for W = 64 / 256 / 1,024 / 4,096 workers, with each worker's cache and load held constant (the
 workload grows with the fleet).
@@ -236,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def per_w(router: str) -> dict[str, object]:
         rows = summaries[router]
-        keys = ("decisions_per_s", "p50_us", "p99_us", "wall_p99_us", "events_per_s", "index_mb", "hit_rate", "accuracy")
+        keys = ("decisions_per_s", "p50_us", "p99_us", "wall_p99_us", "events_per_s", "index_mb", "hit_rate",
+                "accuracy")  # fmt: skip
         out: dict[str, object] = {k: {str(w): s[k] for w, s in rows.items()} for k in keys}
         out["bytes_per_block_holder"] = max(s["bytes_per_block_holder"] for s in rows.values())
         return out

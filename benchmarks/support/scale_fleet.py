@@ -125,7 +125,9 @@ class FleetWorker:
         self.queued_at = now
         return self.queued
 
-    def _add(self, key: object, blocks: list[tuple[int, bytes]], events: list[KVEvent], pin_windows: bool = False) -> None:
+    def _add(
+        self, key: object, blocks: list[tuple[int, bytes]], events: list[KVEvent], pin_windows: bool = False
+    ) -> None:
         stored: list[list[bytes]] = [[] for _ in GROUPS]
         for g, block_hash in blocks:
             count = self.refs.get((g, block_hash), 0)
