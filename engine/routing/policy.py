@@ -60,8 +60,11 @@ is chosen as above among prefill-capable workers. The decode worker's transfer h
 remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
 with the transfer (docs/architecture.md, "The hybrid KV cache").
 
-Cost of ``route``: one index walk O(prefix blocks), a cost per worker with a prefix, and C-level
-min/filter passes over the workers' load costs (the time averages are O(1), see ``load``).
+Cost of ``route`` (aggregated workers): one index walk O(prefix blocks + holders met), a cost per
+worker with a prefix, and the least loaded other worker from the load order (``LoadOrder``, a heap
+by load cost then work assigned lately, O(log W) per change and per pick; the time averages are
+O(1), see ``load``): nothing loops over every worker. A pass over the workers remains for a
+sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 """
 
 from __future__ import annotations
