@@ -19,6 +19,13 @@ chosen worker runs the request and its events reach the router before the next d
 decision ``--reports`` workers (round robin) report their load (queued tokens draining at
 ``--drain-tps``, block usage); arrivals come at ``--rate`` requests per second per worker.
 
+Router replicas (``--replicas``, at ``--replica-workers``): N copies of kvfleet's policy, each
+fed every event and load report, each request routed by the copy its first block's hash picks (one
+prefix's decisions stay on one copy; a copy does not see the others' assignments and in-flight
+prefixes except through the workers' later reports). Speedup: one router's busy CPU time over the
+routing phase (decisions plus events absorbed) over the busiest copy's; hit ratio: the copies'
+hit rate over one router's, the one router rerun next to them.
+
 Metrics: decisions/s (decisions / their CPU time), p50 / p99 us, events/s and block hashes/s
 absorbed (events / the CPU time of ``apply_events``), index bytes (a sizing walk over every
 object the index holds except its constant hit rules, each object counted once), bytes per
@@ -49,7 +56,8 @@ workers share a key.
 
 Last line: ``{"decisions_per_s": {W: n}, "p50_us", "p99_us", "events_per_s", "index_mb",
 "bytes_per_block_holder" (the largest over W), "hit_rate_vs_single_policy" (the lowest over W of
-the hit rate over the baseline's), "accuracy", "baseline": {the same for the mask router}}``.
+the hit rate over the baseline's), "accuracy", "baseline": {the same for the mask router},
+"replica_speedup": {N: x}, "replica_hit_ratio": {N: r}}``.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ class Result:
     measured: int = 0
     index_bytes: int = 0
     block_holders: int = 0
+    busy_ns: list[int] = field(default_factory=list)  # per replica: CPU time of its routing phase
 
     def summary(self) -> dict[str, float]:
         cpu = sorted(self.decision_ns)
@@ -148,25 +157,37 @@ def index_bytes(index: object) -> int:
     return sized(index, skip) - sys.getsizeof(index)
 
 
-def run(args: argparse.Namespace, workers: int, router: str) -> Result:
+def run(args: argparse.Namespace, workers: int, router: str, replicas: int = 1) -> Result:
+    """One router (``replicas`` copies of kvfleet's, each fed every event and load report, each
+    request routed by the replica its first block's hash picks) over one fleet size."""
     rng = random.Random(args.seed * 7919 + workers)
     prefixes = make_prefixes(args.prefixes_per_worker * workers, rng, args.prefix_min, args.prefix_max)
     suffix = (args.suffix_min, args.suffix_max)
     warm = warm_requests(prefixes, rng, suffix)
     requests = make_requests(prefixes, args.decisions, args.alpha, rng, suffix)
     config = RouterConfig(seed=args.seed)
-    policy = RoutingPolicy(GROUPS, config) if router == "kvfleet" else MaskRoutingPolicy(GROUPS, config)
+    if router == "kvfleet":
+        copies: list[RoutingPolicy | MaskRoutingPolicy] = [RoutingPolicy(GROUPS, config) for _ in range(replicas)]
+    else:
+        copies = [MaskRoutingPolicy(GROUPS, config)]
+    policy = copies[0]
     rules = HitRules(GROUPS)
     fleet = [FleetWorker(f"w{k}", args.capacity) for k in range(workers)]
     by_name = {w.name: w for w in fleet}
     for w in fleet:
-        policy.add_worker(w.name, "both", args.capacity)
-    result = Result(workers)
+        for copy in copies:
+            copy.add_worker(w.name, "both", args.capacity)
+    result = Result(workers, busy_ns=[0] * len(copies))
+    routing = False
 
     def absorb(worker: FleetWorker, events: list, now: float) -> None:  # type: ignore[type-arg]
-        start = time.thread_time_ns()
-        policy.apply_events(worker.name, events, now)
-        result.event_ns += time.thread_time_ns() - start
+        for k, copy in enumerate(copies):
+            start = time.thread_time_ns()
+            copy.apply_events(worker.name, events, now)
+            spent = time.thread_time_ns() - start
+            result.event_ns += spent
+            if routing:
+                result.busy_ns[k] += spent
         result.events += len(events)
         result.event_hashes += sum(len(getattr(e, "block_hashes", ())) for e in events)
 
@@ -180,17 +201,23 @@ def run(args: argparse.Namespace, workers: int, router: str) -> Result:
     warmup = int(args.warmup * len(requests))
     gc.collect()
     gc.freeze()
+    routing = True
     for i, request in enumerate(requests):
         now += 1.0 / rate
         for _ in range(args.reports):
             w = fleet[report % workers]
             report += 1
-            policy.update_load(w.name, WorkerLoad(w.load(now, args.drain_tps), 0, len(w.refs) / w.capacity))
+            load = WorkerLoad(w.load(now, args.drain_tps), 0, len(w.refs) / w.capacity)
+            for copy in copies:
+                copy.update_load(w.name, load)
         route = RouteRequest(f"r{i}", request.block_hashes, request.num_tokens)
+        k = int.from_bytes(request.block_hashes[0][:8], "big") % len(copies)  # by prefix
         wall = time.perf_counter_ns()
         start = time.thread_time_ns()
-        decision = policy.route(route, now)
-        result.decision_ns.append(time.thread_time_ns() - start)
+        decision = copies[k].route(route, now)
+        spent = time.thread_time_ns() - start
+        result.decision_ns.append(spent)
+        result.busy_ns[k] += spent
         result.decision_wall_ns.append(time.perf_counter_ns() - wall)
         worker = by_name[decision.prefill_worker]
         truth = exact_hit(rules, worker, request)
@@ -225,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second per worker")
     ap.add_argument("--drain-tps", type=float, default=4000.0, help="queued tokens a worker serves per second")
     ap.add_argument("--reports", type=int, default=2, help="load reports per decision")
+    ap.add_argument("--replicas", type=int, nargs="*", default=[4],
+                    help="router replica counts compared with one router (empty: none)")
+    ap.add_argument("--replica-workers", type=int, default=256, help="fleet size of the replica comparison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="W = 64, 256 and 400 decisions")
     args = ap.parse_args(argv)
@@ -233,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("decisions", "prefixes_per_worker", "capacity", "reports"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1 (got {getattr(args, name)})")
+    if any(n < 2 for n in args.replicas):
+        ap.error(f"--replicas: every count must be >= 2 (got {args.replicas})")
     if any(w < 1 for w in args.workers):
         ap.error(f"--workers: every size must be >= 1 (got {args.workers})")
     return args
@@ -265,6 +297,21 @@ def main(argv: list[str] | None = None) -> int:
             min(ours[w]["hit_rate"] / max(1e-9, base[w]["hit_rate"]) for w in ours), 4
         )
         report["baseline"] = per_w(args.routers[1])
+    if args.replicas:
+        speedup: dict[str, float] = {}
+        ratio: dict[str, float] = {}
+        for n in args.replicas:
+            one = run(args, args.replica_workers, "kvfleet", 1)
+            many = run(args, args.replica_workers, "kvfleet", n)
+            # Replicas run in parallel: the fleet routes as fast as its busiest replica, and each
+            # replica also absorbs every event.
+            speedup[str(n)] = round(sum(one.busy_ns) / max(many.busy_ns), 3)
+            ratio[str(n)] = round(many.summary()["hit_rate"] / max(1e-9, one.summary()["hit_rate"]), 4)
+            print(f"replicas={n} W={args.replica_workers}: busy ms one {sum(one.busy_ns) / 1e6:.0f}, per replica "
+                  f"{[round(b / 1e6) for b in many.busy_ns]}; hit rate {one.summary()['hit_rate']} vs "
+                  f"{many.summary()['hit_rate']}")  # fmt: skip
+        report["replica_speedup"] = speedup
+        report["replica_hit_ratio"] = ratio
     print(json.dumps(report))
     return 0
 
