@@ -470,13 +470,27 @@ class PrefixIndex:
         state.last_seq = event.seq
         if isinstance(event, BlockStored):
             owners = self._owners[event.group]
+            get = owners.get
+            alone = state.alone[TIER_NONE]
             for block_hash in event.block_hashes:
-                self._hold(owners, block_hash, state, TIER_NONE)
+                if get(block_hash) is None:  # a key nobody held: the common case, inline
+                    owners[block_hash] = alone
+                    state.num_cached += 1
+                else:
+                    self._hold(owners, block_hash, state, TIER_NONE)
         elif isinstance(event, BlockRemoved):
             g = event.group
             owners = self._owners[g]
+            get = owners.get
+            mine = state.alone
             for block_hash in event.block_hashes:
-                if not self._drop(owners, block_hash, state):
+                value = get(block_hash)
+                if value is None:
+                    continue
+                if value in mine:  # held by this worker alone: the common case, inline
+                    del owners[block_hash]
+                    state.num_cached -= 1
+                elif not self._drop(owners, block_hash, state):
                     continue
                 if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
                     lost.append((g, block_hash))
