@@ -32,8 +32,8 @@ Event stream discipline: a worker's events carry consecutive sequence numbers. A
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
 snapshot. A stale worker keeps predicting from its last known state. Forgetting a worker's
-whole cache (removal, a snapshot, ``AllBlocksCleared``) scans the maps once: rare events, and the
-price of keeping no per-worker copy of the keys.
+whole cache (removal, a snapshot, ``AllBlocksCleared``) walks the keys it announced (a list of
+references per worker, compacted as it grows), not the whole index.
 
 ``PrefixIndex`` lives whole here: membership and per-worker queries, prediction (steps 1-3),
 then event and snapshot application.
@@ -87,17 +87,23 @@ MAX_BUFFERED_EVENTS = 200_000
 class _Worker:
     """One tracked worker: its slot, its holder value when it holds a key alone, per pin level
     (``alone[level] == (slot << 2 | level,)``, shared by every such key, so a key held by one
-    worker costs one reference), how many (group, hash) entries
-    it holds, and its place in its event stream (``last_seq``; while ``stale``, newer events wait
-    in ``buffer`` for the next snapshot, ``overflowed`` once some were dropped)."""
+    worker costs one reference), how many (group, hash) entries it holds, per group the keys it
+    announced (``keys``: every key it holds, and some it no longer holds or twice, ``listed`` in
+    all; what forgetting its cache walks instead of the whole index), and its place in its event
+    stream (``last_seq``; while ``stale``, newer events wait in ``buffer`` for the next snapshot,
+    ``overflowed`` once some were dropped)."""
 
-    __slots__ = ("alone", "buffer", "last_seq", "num_cached", "overflowed", "slot", "stale", "worker")
+    __slots__ = (
+        "alone", "buffer", "keys", "last_seq", "listed", "num_cached", "overflowed", "slot", "stale", "worker",
+    )  # fmt: skip
 
-    def __init__(self, worker: WorkerId, slot: int):
+    def __init__(self, worker: WorkerId, slot: int, num_groups: int):
         self.worker = worker
         self.slot = slot
         self.alone = tuple(((slot << 2) | level,) for level in range(3))
         self.num_cached = 0
+        self.keys: list[list[bytes]] = [[] for _ in range(num_groups)]
+        self.listed = 0
         self.last_seq = 0
         self.stale = False
         self.buffer: list[KVEvent] = []
@@ -171,7 +177,9 @@ class PrefixIndex:
     has not removed it since, with their pin level (0 none, 1 retained, 2 explicit); a single
     holder is stored as the worker's ``alone[level]``, several as one shared tuple of codes in
     increasing slot order (``_tuples``, counted in ``_tuple_uses``), and no key maps to an empty
-    holder set; ``num_cached`` counts a worker's entries over all groups; a stale worker applies
+    holder set; ``num_cached`` counts a worker's entries over all groups and every key it holds in
+    group ``g`` is in its ``keys[g]`` (``listed`` <= 2 * ``num_cached`` + 256 after each stored
+    event); a stale worker applies
     nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events (``overflowed``
     past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted
     hit equals what its coordinator's ``find_longest_cache_hit`` would return on the index's view
@@ -204,7 +212,7 @@ class PrefixIndex:
         if worker in self._workers:
             raise ValueError(f"worker {worker!r} is already in the prefix index")
         slot = self._free_slots.pop() if self._free_slots else len(self._ids)
-        state = _Worker(worker, slot)
+        state = _Worker(worker, slot, self.num_groups)
         if slot == len(self._ids):
             self._ids.append(worker)
         else:
@@ -441,9 +449,9 @@ class PrefixIndex:
             raise ValueError(f"snapshot of {worker!r} has {len(snapshot.groups)} groups, the index {self.num_groups}")
         self._clear(state)
         for g, table in enumerate(snapshot.groups):
-            owners = self._owners[g]
             for block_hash, level in table.items():
-                self._hold(owners, block_hash, state, level)
+                self._hold(g, block_hash, state, level)
+        self._compact(state)
         state.last_seq = snapshot.seq
         buffered, state.buffer = state.buffer, []
         overflowed, state.overflowed = state.overflowed, False
@@ -469,15 +477,21 @@ class PrefixIndex:
     ) -> bool:
         state.last_seq = event.seq
         if isinstance(event, BlockStored):
-            owners = self._owners[event.group]
+            g = event.group
+            owners = self._owners[g]
             get = owners.get
             alone = state.alone[TIER_NONE]
+            listed = state.keys[g]
             for block_hash in event.block_hashes:
                 if get(block_hash) is None:  # a key nobody held: the common case, inline
                     owners[block_hash] = alone
+                    listed.append(block_hash)
                     state.num_cached += 1
+                    state.listed += 1
                 else:
-                    self._hold(owners, block_hash, state, TIER_NONE)
+                    self._hold(g, block_hash, state, TIER_NONE)
+            if state.listed > 2 * state.num_cached + 256:
+                self._compact(state)
         elif isinstance(event, BlockRemoved):
             g = event.group
             owners = self._owners[g]
@@ -513,8 +527,10 @@ class PrefixIndex:
         return False
 
     # -- one holder of one key ----------------------------------------------------------------------
-    def _hold(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int) -> None:
-        """``state`` holds ``block_hash`` (at ``level`` if it did not already; a held key keeps its level)."""
+    def _hold(self, g: int, block_hash: bytes, state: _Worker, level: int) -> None:
+        """``state`` holds ``block_hash`` in group ``g`` (at ``level`` if it did not already; a held
+        key keeps its level)."""
+        owners = self._owners[g]
         value = owners.get(block_hash)
         if value is None:
             owners[block_hash] = state.alone[level]
@@ -524,6 +540,8 @@ class PrefixIndex:
                 if code >> 2 == slot:
                     return
             owners[block_hash] = self._shared(tuple(sorted((*value, state.alone[level][0]))), value)
+        state.keys[g].append(block_hash)
+        state.listed += 1
         state.num_cached += 1
 
     def _drop(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker) -> bool:
@@ -580,13 +598,22 @@ class PrefixIndex:
         return shared
 
     def _clear(self, state: _Worker) -> None:
-        """Forget every key ``state`` holds: one scan of the holder maps."""
-        slot = state.slot
-        for owners in self._owners:
-            held = [h for h, value in owners.items() if _level_of(value, slot) is not None]
-            for block_hash in held:
+        """Forget every key ``state`` holds (a walk over the keys it announced)."""
+        for owners, keys in zip(self._owners, state.keys, strict=True):
+            for block_hash in keys:
                 self._drop(owners, block_hash, state)
+            keys.clear()
+        state.listed = 0
         state.num_cached = 0
+
+    def _compact(self, state: _Worker) -> None:
+        """Keep in ``state.keys`` only the keys it holds, once each (after enough appends that
+        this costs O(1) per append)."""
+        slot = state.slot
+        for g, owners in enumerate(self._owners):
+            get = owners.get
+            state.keys[g] = [h for h in dict.fromkeys(state.keys[g]) if _level_of(get(h), slot) is not None]
+        state.listed = sum(map(len, state.keys))
 
 
 __all__ = [
