@@ -178,7 +178,7 @@ class PrefixIndex:
     holder is stored as the worker's ``alone[level]``, several as one shared tuple of codes in
     increasing slot order (``_tuples``, counted in ``_tuple_uses``), and no key maps to an empty
     holder set; ``num_cached`` counts a worker's entries over all groups and every key it holds in
-    group ``g`` is in its ``keys[g]`` (``listed`` <= 2 * ``num_cached`` + 256 after each stored
+    group ``g`` is in its ``keys[g]`` (``listed`` <= 1.5 * ``num_cached`` + 64 after each stored
     event); a stale worker applies
     nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events (``overflowed``
     past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted
@@ -490,7 +490,7 @@ class PrefixIndex:
                     state.listed += 1
                 else:
                     self._hold(g, block_hash, state, TIER_NONE)
-            if state.listed > 2 * state.num_cached + 256:
+            if 2 * state.listed > 3 * state.num_cached + 128:
                 self._compact(state)
         elif isinstance(event, BlockRemoved):
             g = event.group
