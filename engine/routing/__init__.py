@@ -1,10 +1,10 @@
 """Request placement over a cluster of hybrid-KV workers: pure policy, no I/O, no torch, no ray.
 
-- ``index``: the global prefix index fed by workers' KV events; predicts each worker's hit with
-  the coordinator's own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment),
-  and applies their events and snapshots.
+- ``index``: the global prefix index fed by workers' KV events (per key its few holders, no
+  per-worker mask); predicts the hit of every holder of a prompt's blocks with the coordinator's
+  own hybrid rules (full prefix, sliding-window tail, Mamba state, LCM alignment), and applies
+  their events and snapshots.
 - ``hit_rules``: those rules over any per-group hash sets (``HitRules``), and ``WorkerSnapshot``.
-- ``worker_masks``: the bitmask walks the index answers every worker with at once.
 - ``placement_policy``: ``PlacementPolicy``, the interface every policy offers.
 - ``factory``: ``build_router`` builds the policy a ``RouterConfig`` names.
 - ``policy``: ``RoutingPolicy`` (kvfleet): placement cost, imbalance guard, P/D choice, pins.

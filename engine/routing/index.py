@@ -1,9 +1,10 @@
 """The global prefix index: which worker caches which block, per KV-cache group, fed by KV events.
 
-Per worker and group the index keeps the set of cached block hashes and their pin level (0 none,
-1 retained, 2 explicit), exactly as the worker's block pool announced them. Per group it also
-keeps an inverted map ``hash -> bitmask of workers`` so one walk over a request's hashes answers
-for every worker at once.
+Per group the index keeps one map ``hash -> holders``: the workers whose block pool announced the
+hash, each with its pin level (0 none, 1 retained, 2 explicit). No per-key structure grows with
+the fleet: a key held by one worker stores one shared small int (``slot << 2 | level``), a key held
+by several a tuple of them sorted by slot. A worker's own view of its cache (``cached``,
+``pin_level``, the reference fixed point) is read from the same maps.
 
 Prediction applies the worker coordinator's own hit rules (``HitRules``). Every group's manager
 says which blocks a hit at length L needs (``blocks_needed_at(L)``: the whole prefix for full
@@ -11,16 +12,18 @@ attention, the ``blocks_for_hit`` blocks ending at L for a sliding window, the s
 L for Mamba); a group serves L iff those blocks are cached. ``find_longest_cache_hit`` returns the
 longest aligned L <= max_length that every group serves (each group's own search returns the
 longest length <= its input that it serves, so the coordinator's fixed point over groups stops
-exactly there). The index computes the same length for all workers at once:
+exactly there). The index computes that length for the holders of the prompt's blocks only, so a
+prediction costs O(prefix blocks + holders met), whatever the number of workers:
 
-1. walk the full-attention group's hashes once with worker bitmasks: each worker's contiguous
-   depth D (cost O(prefix blocks), independent of how many prefixes are cached);
-2. per distinct depth D, AND the bitmasks of the blocks the other groups need at D: the workers
-   that pass hit exactly D (the common case);
-3. the workers that fail (a window or a Mamba state is missing at D, e.g. a group lost blocks)
-   are resolved together by walking the aligned lengths below D: per group a range-AND structure
-   over the request's per-block worker masks answers "all of ``blocks_needed_at(L)`` cached" in
-   O(1) after O(prefix blocks) preparation. A worker gets the first length every group serves.
+1. walk the full-attention group's hashes once: the holders of block 0, narrowed where the holder
+   value changes along the chain (consecutive blocks of one cached prefix carry equal values, so
+   the walk intersects sets only at the few change points): each holder's contiguous depth D;
+2. per distinct depth D, the holders that also hold the blocks every other group needs at D hit
+   exactly D (the common case);
+3. the holders that fail (a window or a Mamba state is missing at D, e.g. a group lost blocks)
+   are resolved one by one by the coordinator's unchanged fixed point on the index's view of
+   their cache (``hit``). Without a full-attention group every holder of a block of the first
+   checked group is resolved that way.
 
 ``HitRules.longest_hit`` runs the coordinator's unchanged ``find_longest_cache_hit`` on a shadow
 coordinator whose managers look at one worker's hash sets: the reference the tests compare with.
@@ -28,7 +31,9 @@ coordinator whose managers look at one worker's hash sets: the reference the tes
 Event stream discipline: a worker's events carry consecutive sequence numbers. A gap marks the
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
-snapshot. A stale worker keeps predicting from its last known state.
+snapshot. A stale worker keeps predicting from its last known state. Forgetting a worker's
+whole cache (removal, a snapshot, ``AllBlocksCleared``) walks the keys it announced (a list of
+references per worker, compacted as it grows), not the whole index.
 
 ``PrefixIndex`` lives whole here: membership and per-worker queries, prediction (steps 1-3),
 then event and snapshot application.
@@ -38,9 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
-from itertools import accumulate, repeat
-from operator import and_
+from itertools import repeat
 
 from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED
 from engine.kv_cache.events import (
@@ -53,28 +56,26 @@ from engine.kv_cache.events import (
 )
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hit_rules import (
-    PREFIX,
     GroupHash,
     HitRules,
     WorkerSnapshot,
     snapshot_coordinator,
 )
-from engine.routing.worker_masks import RangeAnd, contiguous_depths, sliding_and
 
 WorkerId = Hashable
-
-FEW_WORKERS = 3  # resolve up to this many workers one by one (reference fixed point)
+#: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
+Holders = tuple[int, ...]
+NOBODY: Holders = ()  # what the prediction's walk reads for a key nobody holds
 
 
 @dataclass
 class Pending:
-    """Workers whose hit is below their full-attention depth, not yet resolved (see ``predict``)."""
+    """Holders whose hit is below their full-attention depth, not yet resolved (see ``predict``):
+    each is resolved by the coordinator's fixed point with ``max_length = length``."""
 
-    workers: int
-    steps: int
-    views: list[list[bytes]]
-    groups: list[int]
-    hashes: Sequence[bytes] = ()
+    workers: set[WorkerId]
+    length: int
+    hashes: Sequence[bytes]
     skip_mamba: bool = False
 
 
@@ -84,21 +85,76 @@ MAX_BUFFERED_EVENTS = 200_000
 
 
 class _Worker:
-    """One tracked worker: its slot (``bit == 1 << slot``), per-group hash -> pin level tables, and
-    its place in its event stream (``last_seq``; while ``stale``, newer events wait in ``buffer``
-    for the next snapshot, ``overflowed`` once some were dropped)."""
+    """One tracked worker: its slot, its holder value when it holds a key alone, per pin level
+    (``alone[level] == (slot << 2 | level,)``, shared by every such key, so a key held by one
+    worker costs one reference), how many (group, hash) entries it holds, per group the keys it
+    announced (``keys``: every key it holds, and some it no longer holds or twice, ``listed`` in
+    all; what forgetting its cache walks instead of the whole index), and its place in its event
+    stream (``last_seq``; while ``stale``, newer events wait in ``buffer`` for the next snapshot,
+    ``overflowed`` once some were dropped)."""
 
-    __slots__ = ("bit", "buffer", "last_seq", "overflowed", "slot", "stale", "tables", "worker")
+    __slots__ = (
+        "alone", "buffer", "keys", "last_seq", "listed", "num_cached", "overflowed", "slot", "stale", "worker",
+    )  # fmt: skip
 
     def __init__(self, worker: WorkerId, slot: int, num_groups: int):
         self.worker = worker
         self.slot = slot
-        self.bit = 1 << slot
-        self.tables: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self.alone = tuple(((slot << 2) | level,) for level in range(3))
+        self.num_cached = 0
+        self.keys: list[list[bytes]] = [[] for _ in range(num_groups)]
+        self.listed = 0
         self.last_seq = 0
         self.stale = False
         self.buffer: list[KVEvent] = []
         self.overflowed = False
+
+
+class _HeldBy(Mapping[bytes, int]):
+    """One worker's cache in one group, read from the index's holder map: hash -> pin level.
+    What the shadow managers of ``HitRules.longest_hit`` read (``get``, ``[]``, ``in``)."""
+
+    __slots__ = ("_holders", "_slot")
+
+    def __init__(self, holders: dict[bytes, Holders], slot: int):
+        self._holders = holders
+        self._slot = slot
+
+    def get(self, key: bytes, default: object = None) -> int | None:  # type: ignore[override]
+        level = _level_of(self._holders.get(key), self._slot)
+        return default if level is None else level  # type: ignore[return-value]
+
+    def __getitem__(self, key: bytes) -> int:
+        level = _level_of(self._holders.get(key), self._slot)
+        if level is None:
+            raise KeyError(key)
+        return level
+
+    def __contains__(self, key: object) -> bool:
+        return _level_of(self._holders.get(key), self._slot) is not None  # type: ignore[call-overload]
+
+    def __iter__(self) -> Iterator[bytes]:
+        slot = self._slot
+        return (h for h, value in self._holders.items() if _level_of(value, slot) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _level_of(value: Holders | None, slot: int) -> int | None:
+    """The pin level ``slot`` holds a key at (None: it does not hold it)."""
+    if value is None:
+        return None
+    for code in value:
+        if code >> 2 == slot:
+            return code & 3
+    return None
+
+
+def _slots(value: Holders) -> set[int]:
+    if len(value) == 1:
+        return {value[0] >> 2}
+    return {code >> 2 for code in value}
 
 
 @dataclass
@@ -113,30 +169,35 @@ class EventOutcome:
 
 
 class PrefixIndex:
-    """Per worker, per group: cached hashes and pin levels; per group: hash -> worker bitmask.
+    """Per group: hash -> the holders that announced it, each with its pin level.
 
-    Invariants: a worker's slot is unique among tracked workers, its bit is ``1 << slot`` and
-    ``all_mask`` is the OR of the tracked workers' bits. Events: per worker, ``tables[g]`` holds
-    exactly the hashes its pool announced for group ``g`` up to ``last_seq``, with their pin level
-    (0 none, 1 retained, 2 explicit); for every group and hash, ``_owners[g][hash]`` is the OR of
-    the bits of the workers whose table holds the hash, and no entry is 0; a stale worker applies
+    Invariants: a worker's slot is unique among tracked workers and ``_ids[slot]`` names it
+    (None: a free slot). Events: for every group ``g`` and hash ``h``, ``_owners[g][h]`` names
+    exactly the tracked workers whose pool announced ``h`` for ``g`` up to their ``last_seq`` and
+    has not removed it since, with their pin level (0 none, 1 retained, 2 explicit); a single
+    holder is stored as the worker's ``alone[level]``, several as one shared tuple of codes in
+    increasing slot order (``_tuples``, counted in ``_tuple_uses``), and no key maps to an empty
+    holder set; ``num_cached`` counts a worker's entries over all groups and every key it holds in
+    group ``g`` is in its ``keys[g]`` (``listed`` <= 1.5 * ``num_cached`` + 64 after each stored
+    event); a stale worker applies
     nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events (``overflowed``
-    past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted hit
-    equals what its coordinator's ``find_longest_cache_hit`` would return on the index's view of
-    its cache (``HitRules.longest_hit``, the reference path); only non-zero hits are reported,
-    each a multiple of ``rules.alignment`` and <= ``max_length``; only workers in ``all_mask``
-    (and in ``mask`` when given) are considered; ``Pending.workers`` only loses workers as
-    ``resolve`` settles them.
+    past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted
+    hit equals what its coordinator's ``find_longest_cache_hit`` would return on the index's view
+    of its cache (``HitRules.longest_hit``, the reference path); only non-zero hits are
+    reported, each a multiple of ``rules.alignment`` and <= ``max_length``; ``Pending.workers``
+    only loses workers as ``resolve`` settles them.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup]):
         self.rules = HitRules(groups)
         self.num_groups = len(self.rules.groups)
         self._workers: dict[WorkerId, _Worker] = {}
-        self._by_slot: list[_Worker | None] = []
+        self._ids: list[WorkerId] = []  # the worker in each slot (None: free)
         self._free_slots: list[int] = []
-        self._owners: list[dict[bytes, int]] = [{} for _ in range(self.num_groups)]
-        self.all_mask = 0
+        self._owners: list[dict[bytes, Holders]] = [{} for _ in range(self.num_groups)]
+        # every holder tuple in use: the shared tuple, and how many keys hold it
+        self._tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._tuple_uses: dict[tuple[int, ...], int] = {}
 
     # -- membership ---------------------------------------------------------------------------------
     @property
@@ -150,14 +211,13 @@ class PrefixIndex:
         """Start tracking ``worker`` (empty, expecting its first event to be seq 1, or from a snapshot)."""
         if worker in self._workers:
             raise ValueError(f"worker {worker!r} is already in the prefix index")
-        slot = self._free_slots.pop() if self._free_slots else len(self._by_slot)
+        slot = self._free_slots.pop() if self._free_slots else len(self._ids)
         state = _Worker(worker, slot, self.num_groups)
-        if slot == len(self._by_slot):
-            self._by_slot.append(state)
+        if slot == len(self._ids):
+            self._ids.append(worker)
         else:
-            self._by_slot[slot] = state
+            self._ids[slot] = worker
         self._workers[worker] = state
-        self.all_mask |= state.bit
         if snapshot is not None:
             self.apply_snapshot(worker, snapshot)
 
@@ -166,21 +226,11 @@ class PrefixIndex:
         if state is None:
             return
         self._clear(state)
-        self.all_mask &= ~state.bit
-        self._by_slot[state.slot] = None
+        self._ids[state.slot] = None
         self._free_slots.append(state.slot)
 
     def slot_of(self, worker: WorkerId) -> int:
         return self._workers[worker].slot
-
-    def workers_in(self, mask: int) -> Iterator[WorkerId]:
-        by_slot = self._by_slot
-        while mask:
-            low = mask & -mask
-            state = by_slot[low.bit_length() - 1]
-            if state is not None:
-                yield state.worker
-            mask ^= low
 
     # -- queries ------------------------------------------------------------------------------------
     def is_stale(self, worker: WorkerId) -> bool:
@@ -190,25 +240,33 @@ class PrefixIndex:
         return self._workers[worker].last_seq
 
     def cached(self, worker: WorkerId, group: int, block_hash: bytes) -> bool:
-        return block_hash in self._workers[worker].tables[group]
+        return self.pin_level(worker, group, block_hash) is not None
 
     def pin_level(self, worker: WorkerId, group: int, block_hash: bytes) -> int | None:
         """The announced pin level of a cached hash (None when not cached)."""
-        return self._workers[worker].tables[group].get(block_hash)
+        return _level_of(self._owners[group].get(block_hash), self._workers[worker].slot)
+
+    def holders(self, group: int, block_hash: bytes) -> list[WorkerId]:
+        """The workers holding ``block_hash`` in ``group``, in slot order."""
+        value = self._owners[group].get(block_hash)
+        if value is None:
+            return []
+        ids = self._ids
+        return [ids[s] for s in sorted(_slots(value))]
 
     def tables(self, worker: WorkerId) -> list[dict[bytes, int]]:
-        """The worker's per-group hash -> pin level maps (read-only view for tests and tools)."""
-        return self._workers[worker].tables
+        """The worker's per-group hash -> pin level maps (a copy, built by a scan: tests and tools)."""
+        slot = self._workers[worker].slot
+        return [dict(_HeldBy(owners, slot).items()) for owners in self._owners]
 
     def num_cached(self, worker: WorkerId) -> int:
-        return sum(len(t) for t in self._workers[worker].tables)
+        return self._workers[worker].num_cached
 
     def hit(self, worker: WorkerId, hashes: Sequence[bytes], max_length: int, skip_mamba: bool = False) -> int:
         """The predicted hit on one worker by the coordinator's own fixed point (reference path)."""
-        return self.rules.longest_hit(self._workers[worker].tables, hashes, max_length, skip_mamba)
-
-    def bit(self, worker: WorkerId) -> int:
-        return self._workers[worker].bit
+        slot = self._workers[worker].slot
+        views = [_HeldBy(owners, slot) for owners in self._owners]
+        return self.rules.longest_hit(views, hashes, max_length, skip_mamba)
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict(
@@ -216,17 +274,16 @@ class PrefixIndex:
         hashes: Sequence[bytes],
         max_length: int,
         skip_mamba: bool = False,
-        mask: int | None = None,
         shared: dict[WorkerId, int] | None = None,
     ) -> dict[WorkerId, int]:
-        """Predicted hit length on every worker with a non-zero hit (``mask``: only these slots).
+        """Predicted hit length on every worker with a non-zero hit.
 
         ``max_length`` is what the coordinator is asked: ``num_tokens - 1`` for a new request.
         ``shared``, if given, receives each worker's aligned full-attention depth where it is
         non-zero: the coordinator's ``CacheHit.shared_prefix_tokens`` there, the boundary whose
         blocks its retention tier keeps when the request is freed.
         """
-        hits, pending = self.predict_partial(hashes, max_length, skip_mamba, mask, shared)
+        hits, pending = self.predict_partial(hashes, max_length, skip_mamba, shared)
         if pending is not None:
             self.resolve(pending, hits)
         return hits
@@ -236,125 +293,125 @@ class PrefixIndex:
         hashes: Sequence[bytes],
         max_length: int,
         skip_mamba: bool = False,
-        mask: int | None = None,
         shared: dict[WorkerId, int] | None = None,
     ) -> tuple[dict[WorkerId, int], Pending | None]:
-        """``predict`` without step 3: the hits known so far, and the workers that cannot serve
+        """``predict`` without step 3: the hits known so far, and the holders that cannot serve
         their full-attention depth (their hit is shorter than ``shared[w]``), to ``resolve`` later
         (all of them, or only those a caller still needs)."""
         rules = self.rules
-        alive = self.all_mask if mask is None else mask & self.all_mask
         align = rules.alignment
         steps = max_length // align if max_length > 0 else 0
-        if steps <= 0 or not alive:
+        if steps <= 0 or not self._workers:
             return {}, None
         views = rules.views(hashes)
         rules.ensure(steps)
         checks = [g for g in rules.order if not (skip_mamba and g in rules.mamba_groups)]
         hits: dict[WorkerId, int] = {}
+        ids = self._ids
         if not rules.full_groups:
-            return hits, Pending(alive, steps, views, checks, hashes, skip_mamba)
-        # 1. The first full-attention group's contiguous depth of every worker, in one walk.
+            first = checks[0]
+            per = align // rules.block_sizes[first]
+            met: set[int] = set()
+            for value in set(map(self._owners[first].get, views[first][: steps * per])):
+                if value is not None:
+                    met |= _slots(value)
+            if not met:
+                return hits, None
+            workers = {ids[s] for s in met}
+            return hits, Pending(workers, steps * align, hashes, skip_mamba)
+        # 1. The first full-attention group's contiguous depth of every holder, in one walk.
         g0 = checks.pop(0)
         per0 = align // rules.block_sizes[g0]
         limit = min(steps * per0, len(views[g0]))
-        stops = contiguous_depths(views[g0], limit - limit % per0, self._owners[g0], alive)
-        failing = 0
+        limit -= limit % per0
+        failing: set[WorkerId] = set()
         deepest = 0
-        for nblocks, workers in reversed(stops):
+        for nblocks, slots in self._depths(views[g0], limit, self._owners[g0]):
             k = nblocks // per0
             if k <= 0:
                 continue
             if shared is not None:
-                for worker in self.workers_in(workers):
-                    shared[worker] = k * align
-            # 2. Workers every other group serves at that depth: the common case.
-            valid = self._serving(workers, views, checks, k)
-            for worker in self.workers_in(valid):
-                hits[worker] = k * align
-            if workers & ~valid:
-                failing |= workers & ~valid
+                for s in slots:
+                    shared[ids[s]] = k * align
+            # 2. Holders every other group serves at that depth: the common case.
+            valid = self._serving(slots, views, checks, k)
+            for s in valid:
+                hits[ids[s]] = k * align
+            if len(valid) < len(slots):
+                failing.update(ids[s] for s in slots - valid)
                 deepest = max(deepest, k)
         if not failing:
             return hits, None
-        return hits, Pending(failing, deepest - 1, views, [g0, *checks], hashes, skip_mamba)
+        return hits, Pending(failing, (deepest - 1) * align, hashes, skip_mamba)
 
-    def resolve(self, pending: Pending, hits: dict[WorkerId, int], mask: int | None = None) -> None:
-        """Step 3 for the pending workers (or those of them in ``mask``): the longest shorter length
-        every group serves, full attention included. Adds non-zero hits to ``hits``."""
-        workers = pending.workers if mask is None else pending.workers & mask
+    def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
+        """Step 3 for the pending holders (or those of them in ``only``): the coordinator's fixed
+        point on each (the longest shorter length every group serves). Adds non-zero hits to ``hits``."""
+        workers = pending.workers if only is None else pending.workers.intersection(only)
         if not workers:
             return
-        pending.workers &= ~workers
-        if workers.bit_count() <= FEW_WORKERS:
-            # A few workers: the coordinator's own fixed point on each is cheaper than the bulk pass.
-            length = pending.steps * self.rules.alignment
-            for worker in self.workers_in(workers):
-                found = self.hit(worker, pending.hashes, length, pending.skip_mamba)
-                if found:
-                    hits[worker] = found
-            return
-        self._resolve(workers, pending.steps, pending.views, pending.groups, hits)
+        for worker in list(workers):
+            pending.workers.discard(worker)
+            found = self.hit(worker, pending.hashes, pending.length, pending.skip_mamba)
+            if found:
+                hits[worker] = found
 
-    def _serving(self, workers: int, views: list[list[bytes]], checks: list[int], k: int) -> int:
-        """The workers among ``workers`` that hold, in every group of ``checks``, the blocks a hit
-        of ``k`` aligned steps needs."""
+    @staticmethod
+    def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:
+        """Contiguous depths over ``view[:limit]``: ``(n, slots)`` pairs, the holders whose cached
+        run is exactly ``n >= 1`` blocks. The holder set only shrinks along the chain and only
+        where the stored holder value changes, so sets are intersected at those points alone
+        (equal holder values are one object, a worker's shared code or one shared tuple); when the
+        whole run up to the first block nobody holds carries one value, C-level list operations
+        settle it."""
+        values = list(map(owners.get, view[:limit], repeat(NOBODY)))
+        try:
+            end = values.index(NOBODY)  # the first block nobody holds (a quick unequal-length compare)
+        except ValueError:
+            end = limit
+        if end <= 0:
+            return []
+        first = values[0]
+        if values[:end].count(first) == end:  # one holder value all along (the common case)
+            return [(end, _slots(first))]
+        current = _slots(first)
+        stops: list[tuple[int, set[int]]] = []
+        last = first
+        for i in range(1, end):
+            value = values[i]
+            if value is last:
+                continue
+            last = value
+            kept = current & _slots(value)
+            if len(kept) < len(current):
+                stops.append((i, current - kept))
+                if not kept:
+                    return stops
+                current = kept
+        stops.append((end, current))
+        return stops
+
+    def _serving(self, slots: set[int], views: list[list[bytes]], checks: list[int], k: int) -> set[int]:
+        """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
+        of ``k`` aligned steps needs (a window cached by the same workers is one shared value,
+        recognised by a C-level count; otherwise each distinct value narrows the set)."""
         ranges = self.rules._ranges
         for g in checks:
             start, stop = ranges[g][k]
-            if stop - start == 1:
-                workers &= self._owners[g].get(views[g][start], 0)
+            values = list(map(self._owners[g].get, views[g][start:stop], repeat(NOBODY)))
+            if not values:
+                continue
+            first = values[0]
+            if values.count(first) != len(values):
+                if NOBODY in values:
+                    return set()
+                for value in set(values):
+                    slots = slots.intersection([code >> 2 for code in value])
             else:
-                workers = reduce(and_, map(self._owners[g].get, views[g][start:stop], repeat(0)), workers)
-            if not workers:
-                return 0
-        return workers
-
-    def _resolve(self, workers: int, steps: int, views: list[list[bytes]], groups: list[int],
-                 hits: dict[WorkerId, int]) -> None:  # fmt: skip
-        """Give each of ``workers`` the longest length <= ``steps`` aligned steps that every group in
-        ``groups`` serves: per group, the servers of every length at once (``_valid_ends``), then
-        one downward scan."""
-        align = self.rules.alignment
-        serving: list[int] | None = None
-        for g in groups:
-            steps = min(steps, len(views[g]) * self.rules.block_sizes[g] // align)
-            if steps <= 0:
-                return
-            ends = self._valid_ends(g, views[g], steps, workers)
-            serving = ends if serving is None else [a & b for a, b in zip(serving, ends, strict=True)]
-        assert serving is not None
-        remaining = workers
-        for k in range(steps, 0, -1):
-            found = serving[k] & remaining
-            if found:
-                for worker in self.workers_in(found):
-                    hits[worker] = k * align
-                remaining &= ~found
-                if not remaining:
-                    return
-
-    def _valid_ends(self, g: int, view: Sequence[bytes], steps: int, alive: int) -> list[int]:
-        """``ends[k]``: the workers (within ``alive``) that hold every block group ``g`` needs for
-        a hit of ``k * alignment`` tokens (``blocks_needed_at``), for k = 0..steps."""
-        rules = self.rules
-        per = rules.alignment // rules.block_sizes[g]
-        blocks = steps * per
-        present = list(map(self._owners[g].get, view[:blocks], repeat(0)))
-        shape = rules.shapes[g]
-        if shape == PREFIX:
-            return list(accumulate(present, and_, initial=alive))[::per]
-        if shape >= 1:  # a window of ``shape`` blocks ending at the hit (fewer near the start)
-            width = shape
-            head = min(steps, width // per)  # steps whose window reaches back to block 0
-            ends = list(accumulate(present[: head * per], and_, initial=alive))[::per]
-            if steps > head:
-                windows = sliding_and(present, width)  # windows[s]: AND of present[s : s + width]
-                ends.extend([alive & w for w in windows[(head + 1) * per - width :: per]])
-            return ends
-        ranges = rules.needed_ranges(g, steps)
-        table = RangeAnd(present)
-        return [alive & table.all_of(a, b) for a, b in ranges]
+                slots = slots.intersection([code >> 2 for code in first])
+            if not slots:
+                return slots
+        return slots
 
     # -- events -------------------------------------------------------------------------------------
     def apply_events(
@@ -392,12 +449,9 @@ class PrefixIndex:
             raise ValueError(f"snapshot of {worker!r} has {len(snapshot.groups)} groups, the index {self.num_groups}")
         self._clear(state)
         for g, table in enumerate(snapshot.groups):
-            owners = self._owners[g]
-            bit = state.bit
-            mine = state.tables[g]
             for block_hash, level in table.items():
-                mine[block_hash] = level
-                owners[block_hash] = owners.get(block_hash, 0) | bit
+                self._hold(g, block_hash, state, level)
+        self._compact(state)
         state.last_seq = snapshot.seq
         buffered, state.buffer = state.buffer, []
         overflowed, state.overflowed = state.overflowed, False
@@ -422,63 +476,147 @@ class PrefixIndex:
         lost: list[GroupHash] | None,
     ) -> bool:
         state.last_seq = event.seq
-        bit = state.bit
         if isinstance(event, BlockStored):
-            table = state.tables[event.group]
-            owners = self._owners[event.group]
+            g = event.group
+            owners = self._owners[g]
+            get = owners.get
+            alone = state.alone[TIER_NONE]
+            listed = state.keys[g]
             for block_hash in event.block_hashes:
-                if block_hash not in table:
-                    table[block_hash] = TIER_NONE
-                    owners[block_hash] = owners.get(block_hash, 0) | bit
+                if get(block_hash) is None:  # a key nobody held: the common case, inline
+                    owners[block_hash] = alone
+                    listed.append(block_hash)
+                    state.num_cached += 1
+                    state.listed += 1
+                else:
+                    self._hold(g, block_hash, state, TIER_NONE)
+            if 2 * state.listed > 3 * state.num_cached + 128:
+                self._compact(state)
         elif isinstance(event, BlockRemoved):
             g = event.group
-            table = state.tables[g]
             owners = self._owners[g]
+            get = owners.get
+            mine = state.alone
             for block_hash in event.block_hashes:
-                if table.pop(block_hash, None) is None:
+                value = get(block_hash)
+                if value is None:
                     continue
-                rest = owners.get(block_hash, 0) & ~bit
-                if rest:
-                    owners[block_hash] = rest
-                else:
-                    owners.pop(block_hash, None)
+                if value in mine:  # held by this worker alone: the common case, inline
+                    del owners[block_hash]
+                    state.num_cached -= 1
+                elif not self._drop(owners, block_hash, state):
+                    continue
                 if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
                     lost.append((g, block_hash))
         elif isinstance(event, BlockPinned):
-            table = state.tables[event.group]
+            owners = self._owners[event.group]
             level = TIER_EXPLICIT if event.explicit else TIER_RETAINED
             for block_hash in event.block_hashes:
-                if table.get(block_hash, level) < level:
-                    table[block_hash] = level
+                self._relevel(owners, block_hash, state, level, raise_only=True)
         elif isinstance(event, BlockUnpinned):
             g = event.group
-            table = state.tables[g]
+            owners = self._owners[g]
             for block_hash in event.block_hashes:
-                if block_hash in table:
-                    table[block_hash] = TIER_NONE
-                    if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
-                        lost.append((g, block_hash))
+                held = self._relevel(owners, block_hash, state, TIER_NONE, raise_only=False) is not None
+                if held and lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
+                    lost.append((g, block_hash))
         elif isinstance(event, AllBlocksCleared):
             self._clear(state)
             state.last_seq = event.seq
             return True
         return False
 
+    # -- one holder of one key ----------------------------------------------------------------------
+    def _hold(self, g: int, block_hash: bytes, state: _Worker, level: int) -> None:
+        """``state`` holds ``block_hash`` in group ``g`` (at ``level`` if it did not already; a held
+        key keeps its level)."""
+        owners = self._owners[g]
+        value = owners.get(block_hash)
+        if value is None:
+            owners[block_hash] = state.alone[level]
+        else:
+            slot = state.slot
+            for code in value:
+                if code >> 2 == slot:
+                    return
+            owners[block_hash] = self._shared(tuple(sorted((*value, state.alone[level][0]))), value)
+        state.keys[g].append(block_hash)
+        state.listed += 1
+        state.num_cached += 1
+
+    def _drop(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker) -> bool:
+        """``state`` no longer holds ``block_hash``; whether it did."""
+        value = owners.get(block_hash)
+        if value is None:
+            return False
+        slot = state.slot
+        i = next((i for i, code in enumerate(value) if code >> 2 == slot), -1)
+        if i < 0:
+            return False
+        if len(value) == 1:
+            del owners[block_hash]
+        else:
+            owners[block_hash] = self._shared(value[:i] + value[i + 1 :], value)
+        state.num_cached -= 1
+        return True
+
+    def _relevel(
+        self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int, raise_only: bool
+    ) -> int | None:
+        """Set the level ``state`` holds ``block_hash`` at (only upwards if ``raise_only``); the
+        level it held it at before (None: not held, nothing changes)."""
+        value = owners.get(block_hash)
+        if value is None:
+            return None
+        slot = state.slot
+        for i, code in enumerate(value):
+            if code >> 2 == slot:
+                old = code & 3
+                if old < level or (old != level and not raise_only):
+                    new = (*value[:i], state.alone[level][0], *value[i + 1 :])
+                    owners[block_hash] = self._shared(new, value)
+                return old
+        return None
+
+    def _shared(self, holders: Holders, replaced: Holders) -> Holders:
+        """The shared value equal to ``holders``, the new value of a key that held ``replaced``.
+        One worker: its ``alone`` tuple; several: one tuple per distinct holder set in use (counted,
+        released with the last key), so a chain of blocks held by the same workers costs one
+        reference per block and the prediction's walk compares neighbours by identity."""
+        if len(replaced) > 1:
+            uses = self._tuple_uses[replaced] - 1
+            if uses:
+                self._tuple_uses[replaced] = uses
+            else:
+                del self._tuple_uses[replaced], self._tuples[replaced]
+        if len(holders) == 1:
+            code = holders[0]
+            state = self._workers[self._ids[code >> 2]]
+            return state.alone[code & 3]
+        shared = self._tuples.setdefault(holders, holders)
+        self._tuple_uses[shared] = self._tuple_uses.get(shared, 0) + 1
+        return shared
+
     def _clear(self, state: _Worker) -> None:
-        keep = ~state.bit
-        for g, table in enumerate(state.tables):
-            owners = self._owners[g]
-            for block_hash in table:
-                rest = owners.get(block_hash, 0) & keep
-                if rest:
-                    owners[block_hash] = rest
-                else:
-                    owners.pop(block_hash, None)
-            table.clear()
+        """Forget every key ``state`` holds (a walk over the keys it announced)."""
+        for owners, keys in zip(self._owners, state.keys, strict=True):
+            for block_hash in keys:
+                self._drop(owners, block_hash, state)
+            keys.clear()
+        state.listed = 0
+        state.num_cached = 0
+
+    def _compact(self, state: _Worker) -> None:
+        """Keep in ``state.keys`` only the keys it holds, once each (after enough appends that
+        this costs O(1) per append)."""
+        slot = state.slot
+        for g, owners in enumerate(self._owners):
+            get = owners.get
+            state.keys[g] = [h for h in dict.fromkeys(state.keys[g]) if _level_of(get(h), slot) is not None]
+        state.listed = sum(map(len, state.keys))
 
 
 __all__ = [
-    "FEW_WORKERS",
     "MAX_BUFFERED_EVENTS",
     "EventOutcome",
     "GroupHash",

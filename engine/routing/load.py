@@ -1,5 +1,6 @@
-"""Time-averaged queue lengths (the sustained-imbalance guard) and decayed assigned work (the work
-guard), O(1) per change and per query.
+"""Time-averaged queue lengths (the sustained-imbalance guard), decayed assigned work (the work
+guard), O(1) per change and per query, and the workers in load order (``LoadOrder``: the least
+loaded in O(log W) per change and per query).
 
 Each worker's queued tokens are piecewise constant between load reports and assignments, so the
 exponential average with half-life h has a closed form: after a change at time t0 with average
@@ -9,6 +10,12 @@ queues (tracked the same way) divided by the number of workers is the mean of th
 """
 
 from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Container
+from heapq import heapify, heappop, heappush
+from itertools import count
 
 from engine.routing.types import WorkerId
 
@@ -117,5 +124,73 @@ class DecayedWork:
     def get(self, worker: WorkerId, now: float) -> float:
         return self._at(self._workers[worker], now)
 
+    def rank(self, worker: WorkerId) -> float:
+        """A key that orders workers by their work at any common time: every value decays by the
+        same factor, so ``log2(value) + at / halflife`` compares like the values (-inf: none)."""
+        value, at = self._workers[worker]
+        return math.log2(value) + at / self.halflife_s if value > 0 else -math.inf
+
     def mean(self, now: float) -> float:
         return self._at(self._total, now) / max(1, len(self._workers))
+
+
+class LoadOrder:
+    """Every worker keyed by (load cost, ``DecayedWork.rank``, a seeded random draw), in a heap.
+
+    ``set`` records a worker's key (a new heap entry; the old one goes stale), ``first`` returns
+    the least worker not excluded and not guarded, looking at a bounded number of the smallest
+    entries. Invariants: ``_entry[w]`` is worker w's live entry and is in the heap; an entry that
+    is not some worker's live entry is stale and is skipped (the heap is rebuilt from the live
+    entries once stale ones outnumber them three to one). The random draw, made at each ``set``,
+    breaks exact ties (idle workers with no work yet) at random.
+    """
+
+    def __init__(self, seed: int = 0):
+        self._heap: list[tuple[float, float, float, int, WorkerId]] = []
+        self._entry: dict[WorkerId, tuple[float, float, float, int, WorkerId]] = {}
+        self._rng = random.Random(seed)
+        self._counter = count()
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def set(self, worker: WorkerId, cost: float, work_rank: float) -> None:
+        old = self._entry.get(worker)
+        if old is not None and old[0] == cost and old[1] == work_rank:
+            return
+        entry = (cost, work_rank, self._rng.random(), next(self._counter), worker)
+        self._entry[worker] = entry
+        heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._entry) + 64:
+            self._heap = list(self._entry.values())
+            heapify(self._heap)
+
+    def remove(self, worker: WorkerId) -> None:
+        self._entry.pop(worker, None)
+
+    def first(
+        self, exclude: Container[WorkerId], ok: Callable[[WorkerId], bool], probes: int
+    ) -> tuple[WorkerId | None, bool]:
+        """The least worker not in ``exclude`` that ``ok`` accepts, among the ``probes`` smallest
+        live entries (None if none is), and whether a smaller one was refused by ``ok``."""
+        heap = self._heap
+        live = self._entry
+        taken: list[tuple[float, float, float, int, WorkerId]] = []
+        found: WorkerId | None = None
+        refused = False
+        while heap and len(taken) < probes:
+            entry = heappop(heap)
+            worker = entry[4]
+            if live.get(worker) is not entry:
+                continue  # stale
+            taken.append(entry)
+            if worker in exclude:
+                continue
+            if not ok(worker):
+                refused = True
+                continue
+            found = worker
+            break
+        for entry in taken:
+            heappush(heap, entry)
+        return found, refused

@@ -60,8 +60,11 @@ is chosen as above among prefill-capable workers. The decode worker's transfer h
 remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
 with the transfer (docs/architecture.md, "The hybrid KV cache").
 
-Cost of ``route``: one index walk O(prefix blocks), a cost per worker with a prefix, and C-level
-min/filter passes over the workers' load costs (the time averages are O(1), see ``load``).
+Cost of ``route`` (aggregated workers): one index walk O(prefix blocks + holders met), a cost per
+worker with a prefix, and the least loaded other worker from the load order (``LoadOrder``, a heap
+by load cost then work assigned lately, O(log W) per change and per pick; the time averages are
+O(1), see ``load``): nothing loops over every worker. A pass over the workers remains for a
+sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
-from engine.routing.load import DecayedWork, SmoothedQueues
+from engine.routing.load import DecayedWork, LoadOrder, SmoothedQueues
 from engine.routing.pins import Pin, PinTable
 from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import (
@@ -89,6 +92,10 @@ from engine.routing.types import (
     WorkerId,
     WorkerLoad,
 )
+
+#: entries of the load order looked at beyond the prompt's holders before ``_pick`` falls back to a
+#: pass over every worker (the least loaded are all guarded: rare)
+LEAST_LOADED_PROBES = 8
 
 
 class RoutingPolicy(PlacementPolicy):
@@ -123,6 +130,8 @@ class RoutingPolicy(PlacementPolicy):
         self._auto_decode_pins: dict[bytes, int] = {}  # the same on decode workers (P/D, on_decode_workers)
         self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
+        self._pool: list[WorkerId] = []  # every worker, in order of arrival (the aggregated pool)
+        self._order = LoadOrder(cfg.seed)  # every worker by (load cost, lately assigned work)
         self._queued: dict[WorkerId, float] = {}
         self._queued_sum = 0.0
         self._disaggregated = False
@@ -138,10 +147,12 @@ class RoutingPolicy(PlacementPolicy):
         replicas on it if it is their best holder."""
         self.index.add_worker(worker, snapshot)
         self._load_cost[worker] = 0.0
+        self._pool = list(self._load_cost)
         self._queued[worker] = 0.0
         if self._smoothed is not None:
             self._smoothed.add(worker)
         self._work.add_worker(worker)
+        self._order.set(worker, 0.0, self._work.rank(worker))
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
@@ -150,6 +161,8 @@ class RoutingPolicy(PlacementPolicy):
         self._queued_sum -= load.queued_tokens
         self.index.remove_worker(worker)
         self._load_cost.pop(worker, None)
+        self._pool = list(self._load_cost)
+        self._order.remove(worker)
         self._queued.pop(worker, None)
         if self._smoothed is not None:
             self._smoothed.remove(worker)
@@ -171,6 +184,7 @@ class RoutingPolicy(PlacementPolicy):
         if self._smoothed is not None:
             self._smoothed.set(worker, load.queued_tokens)
         self._load_cost[worker] = self._cost_of(load)
+        self._order.set(worker, self._load_cost[worker], self._work.rank(worker))
 
     @property
     def w_miss(self) -> float:
@@ -255,7 +269,7 @@ class RoutingPolicy(PlacementPolicy):
         if self.hot is not None:
             self.hot.observe(hashes, now)
         if not self._disaggregated:
-            workers = list(self._load_cost)
+            workers = self._pool
             self._require(workers, "")
             worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead)
             pin_id = pin.pin_id if pin is not None else None
@@ -335,6 +349,7 @@ class RoutingPolicy(PlacementPolicy):
         self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
         for worker in {decision.prefill_worker, decision.decode_worker}:
             self._load_cost[worker] = self._cost_of(self.loads[worker])
+            self._order.set(worker, self._load_cost[worker], self._work.rank(worker))
             self._queued[worker] = self.loads[worker].queued_tokens
             if self._smoothed is not None:
                 self._smoothed.set(worker, self._queued[worker])
@@ -386,7 +401,7 @@ class RoutingPolicy(PlacementPolicy):
         best: list[WorkerId] = []
         deferred: list[WorkerId] = []
         guarded = False
-        pending_mask = pending.workers if pending is not None else 0
+        pending_workers = pending.workers if pending is not None else ()
         for worker, value in credit.items():
             if worker not in among:
                 continue
@@ -397,27 +412,23 @@ class RoutingPolicy(PlacementPolicy):
             if w_spread < w_uncached and value > 0 and over(worker):
                 spread.add(worker)
                 weight = w_spread
-            if pending_mask and self.index.bit(worker) & pending_mask:
+            if pending_workers and worker in pending_workers:
                 deferred.append(worker)
                 continue
             best_cost, best = _better(worker, load_cost[worker] - weight * value, best_cost, best)
-        if reason != "pin":  # workers without any prefix: their load cost alone (a C-level min)
-            rest = min(map(load_cost.__getitem__, workers))
-            if rest <= best_cost + 1e-9:
-                ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
-                if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one tie
-                    pick = ties[0] if len(ties) == 1 else self._least_worked(ties)
-                    allowed = [pick] if ok(pick) else [w for w in ties if ok(w)]
-                else:
-                    allowed = [w for w in ties if ok(w)]
-                if ties and not allowed:  # the least loaded are guarded (rare): every worker
-                    guarded = True
-                    allowed = [w for w in workers if w not in credit and ok(w)]
-                    rest = min(map(load_cost.__getitem__, allowed), default=rest)
-                    allowed = [w for w in allowed if load_cost[w] <= rest + 1e-9]
-                if allowed and rest <= best_cost + 1e-9:
-                    best = best + allowed if rest >= best_cost - 1e-9 else allowed
-                    best_cost = min(best_cost, rest)
+        if reason != "pin":  # workers without any prefix: their load cost alone
+            fresh = None
+            if len(workers) == len(load_cost):  # the whole pool: the load order has its least loaded
+                fresh, refused = self._order.first(credit, ok, len(credit) + LEAST_LOADED_PROBES)
+                guarded = guarded or refused
+            if fresh is not None:
+                rest = load_cost[fresh]
+                if rest < best_cost - 1e-9:
+                    best_cost, best = rest, [fresh]
+                elif rest <= best_cost + 1e-9:
+                    best = [*best, fresh]
+            else:
+                best_cost, best, guarded = self._least_loaded_scan(workers, credit, ok, best_cost, best, guarded)
         if deferred:
             weights = {w: w_spread if w in spread else w_uncached for w in deferred}
             best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, weights, best_cost, best)
@@ -432,6 +443,37 @@ class RoutingPolicy(PlacementPolicy):
             elif ahead and ahead.get(choice, 0) > 0:
                 reason = "inflight"
         return choice, reason
+
+    def _least_loaded_scan(
+        self,
+        workers: list[WorkerId],
+        credit: dict[WorkerId, float],
+        ok: Callable[[WorkerId], bool],
+        best_cost: float,
+        best: list[WorkerId],
+        guarded: bool,
+    ) -> tuple[float, list[WorkerId], bool]:
+        """``_pick``'s workers without a prefix, by a pass over ``workers``: for a sub-pool (the
+        prefill or the decode workers) or when the least loaded of the whole pool are guarded.
+        The least loaded ones tie in (the least worked of them when no prefix worker competes)."""
+        load_cost = self._load_cost
+        rest = min(map(load_cost.__getitem__, workers))
+        if rest <= best_cost + 1e-9:
+            ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
+            if ties and rest < best_cost - 1e-9:  # no prefix worker competes: one tie
+                pick = ties[0] if len(ties) == 1 else self._least_worked(ties)
+                allowed = [pick] if ok(pick) else [w for w in ties if ok(w)]
+            else:
+                allowed = [w for w in ties if ok(w)]
+            if ties and not allowed:  # the least loaded are guarded (rare): every worker
+                guarded = True
+                allowed = [w for w in workers if w not in credit and ok(w)]
+                rest = min(map(load_cost.__getitem__, allowed), default=rest)
+                allowed = [w for w in allowed if load_cost[w] <= rest + 1e-9]
+            if allowed and rest <= best_cost + 1e-9:
+                best = best + allowed if rest >= best_cost - 1e-9 else allowed
+                best_cost = min(best_cost, rest)
+        return best_cost, best, guarded
 
     def _least_worked(self, ties: list[WorkerId]) -> WorkerId:
         """Among equally loaded workers without the prefix, the one assigned the least work lately
@@ -516,10 +558,7 @@ class RoutingPolicy(PlacementPolicy):
         contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]
         if not contenders:
             return best_cost, best
-        mask = 0
-        for worker in contenders:
-            mask |= self.index.bit(worker)
-        self.index.resolve(pending, hits, mask)
+        self.index.resolve(pending, hits, contenders)
         c = self.config.anchor_credit
         for worker in contenders:
             hit = hits.get(worker, 0)
