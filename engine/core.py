@@ -690,7 +690,8 @@ class EngineCore:
     def host_tier_stats(self) -> dict[str, Any] | None:
         """The host tier (``kv_cache.offload``; None when off): per pool its usable and cached
         blocks, the blocks offloaded / refreshed (already there) / dropped (no free host block) /
-        promoted, the bytes copied each way and the host-side seconds the copies took."""
+        promoted, the bytes copied each way and the host-side seconds the copies took (in all and
+        each way)."""
         host, memory = self.coordinator.host, self.runner.host_kv
         if host is None or memory is None:
             return None
@@ -701,6 +702,8 @@ class EngineCore:
             "bytes_offloaded": memory.bytes_to_host,
             "bytes_promoted": memory.bytes_to_device,
             "copy_seconds": memory.seconds,
+            "offload_seconds": memory.seconds_to_host,
+            "promote_seconds": memory.seconds_to_device,
             "host_bytes": memory.nbytes,
         }  # fmt: skip
 

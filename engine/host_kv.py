@@ -38,8 +38,11 @@ class HostKVMemory:
         self.stream = torch.cuda.Stream(device=self.device_slots[0].device) if self.cuda else None
         self.bytes_to_host = 0
         self.bytes_to_device = 0
-        # host-side seconds spent in ``run`` (on CUDA: queueing the copies, not their transfer)
+        # host-side seconds spent in ``run`` (on CUDA: queueing the copies, not their transfer),
+        # in all and per direction (offloads to the host, promotes to the device)
         self.seconds = 0.0
+        self.seconds_to_host = 0.0
+        self.seconds_to_device = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -56,16 +59,24 @@ class HostKVMemory:
             return
         start = time.perf_counter()
         if self.stream is None:
-            for copy in copies:
-                self._copy(copy)
+            self._copy_all(copies)
         else:
             compute = torch.cuda.current_stream(self.stream.device)
             self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
-                for copy in copies:
-                    self._copy(copy)
+                self._copy_all(copies)
             compute.wait_stream(self.stream)
         self.seconds += time.perf_counter() - start
+
+    def _copy_all(self, copies: list[TierCopy]) -> None:
+        """The batches in order, each one's seconds counted to its direction."""
+        for copy in copies:
+            start = time.perf_counter()
+            self._copy(copy)
+            if copy.to_host:
+                self.seconds_to_host += time.perf_counter() - start
+            else:
+                self.seconds_to_device += time.perf_counter() - start
 
     def _copy(self, copy: TierCopy) -> None:
         """One batch, as slice copies over runs of consecutive ids (asynchronous on CUDA: the host

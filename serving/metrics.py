@@ -3,16 +3,24 @@
 Request-level series (requests by endpoint and status, prompt / generated / cached tokens, TTFT,
 inter-token and end-to-end latency histograms, requests in flight) are counted by the ingress replica that
 served the request. Cluster-level gauges (queue depth, running requests, hit rate, free and
-pinned blocks, KV transfer bytes) are read from ``Cluster.astats()`` at scrape time. Every name
-starts with ``kvfleet_``; counters end in ``_total`` in the exposition.
+pinned blocks, KV transfer bytes) are read from ``Cluster.astats()`` at scrape time, and so are
+the KV tier series per worker (labels ``worker_id`` and ``role``, as ``kvfleet_worker_hit_rate``;
+``cluster.tier_stats``): prompt tokens served from each tier (label ``tier``: device / host), and
+for workers with a host tier (``kv_cache.offload``) its blocks and cached blocks per pool, the
+blocks it took, refreshed, dropped and promoted, the bytes and host-side seconds of its copies
+each way (label ``direction``: offload / promote). Every name starts with ``kvfleet_``; counters
+end in ``_total`` in the exposition.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from cluster.tier_stats import BLOCK_MOVES
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
@@ -49,6 +57,7 @@ class ClusterGauges:
         for worker_id, worker in stats["workers"].items():
             per_worker.add_metric([worker_id, worker["role"]], worker["hit_rate"])
         yield per_worker
+        yield from _tier_families(stats["workers"])
 
 
 class ServeMetrics:
@@ -95,6 +104,47 @@ class ServeMetrics:
     def exposition(self, cluster_stats: dict[str, Any] | None) -> bytes:
         self.cluster.snapshot = cluster_stats
         return generate_latest(self.registry)
+
+
+def _tier_families(workers: dict[str, Any]) -> Iterator[Metric]:
+    """The KV tier series of every worker (``cluster.tier_stats`` built the values)."""
+    labels = ["worker_id", "role"]
+    hits = CounterMetricFamily("kvfleet_worker_hit_tokens", "Prompt tokens a worker served from cache, per tier.",
+                               labels=[*labels, "tier"])  # fmt: skip
+    blocks = GaugeMetricFamily("kvfleet_host_tier_blocks", "Usable blocks of a worker's host tier, per pool.",
+                               labels=[*labels, "pool"])  # fmt: skip
+    cached = GaugeMetricFamily("kvfleet_host_tier_cached_blocks",
+                               "Blocks of a worker's host tier holding an evicted block, per pool.",
+                               labels=[*labels, "pool"])  # fmt: skip
+    occupancy = GaugeMetricFamily("kvfleet_host_tier_occupancy", "Cached over usable blocks of a worker's host tier.",
+                                  labels=labels)  # fmt: skip
+    moves = CounterMetricFamily("kvfleet_host_tier_block_moves",
+                                "Blocks a worker's host tier offloaded (took from the device), refreshed (held "
+                                "already), dropped (no free host block) and promoted (copied back).",
+                                labels=[*labels, "move"])  # fmt: skip
+    copied = CounterMetricFamily("kvfleet_host_tier_copy_bytes", "Bytes copied between a worker's two tiers.",
+                                 labels=[*labels, "direction"])  # fmt: skip
+    seconds = CounterMetricFamily("kvfleet_host_tier_copy_seconds",
+                                  "Host-side seconds of a worker's host tier copies (on CUDA: queueing them).",
+                                  labels=[*labels, "direction"])  # fmt: skip
+    for worker_id, worker in workers.items():
+        who = [worker_id, worker["role"]]
+        for tier, tokens in (worker.get("hit_tokens_by_tier") or {}).items():
+            hits.add_metric([*who, tier], float(tokens))
+        host = worker.get("host_tier")
+        if host is None:
+            continue
+        for p, pool in enumerate(host["pools"]):
+            blocks.add_metric([*who, str(p)], pool["num_blocks"])
+            cached.add_metric([*who, str(p)], pool["cached_blocks"])
+        occupancy.add_metric(who, host["occupancy"])
+        for move in BLOCK_MOVES:
+            moves.add_metric([*who, move], float(host[f"{move}_blocks"]))
+        for direction, bytes_key, seconds_key in (("offload", "bytes_offloaded", "offload_seconds"),
+                                                  ("promote", "bytes_promoted", "promote_seconds")):  # fmt: skip
+            copied.add_metric([*who, direction], float(host[bytes_key]))
+            seconds.add_metric([*who, direction], float(host[seconds_key]))
+    yield from (hits, blocks, cached, occupancy, moves, copied, seconds)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
