@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from cluster.driver_loop import DriverLoop
 from cluster.in_flight import InFlight
 from cluster.served_model import same_kv_layout
+from cluster.tier_stats import hit_tokens_by_tier, hit_tokens_by_tier_totals, host_tier_summary, host_tier_totals
 from configs import ClusterConfig
 
 if TYPE_CHECKING:
@@ -378,6 +379,8 @@ class Supervisor:
                 "requests_aborted")  # fmt: skip
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
+        totals["hit_tokens_by_tier"] = hit_tokens_by_tier_totals(workers)
+        totals["host_tier"] = host_tier_totals(workers)
         router = await self.router.stats.remote()
         return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": router}
 
@@ -413,6 +416,8 @@ def worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "explicitly_pinned_blocks": stats["explicitly_pinned_blocks"],
         "hit_rate": stats["hit_rate"],
         "hit_tokens": stats["hit_tokens"],
+        "hit_tokens_by_tier": hit_tokens_by_tier(stats),  # cluster.tier_stats
+        "host_tier": host_tier_summary(stats),
         "queried_tokens": stats["queried_tokens"],
         "num_preemptions": stats["num_preemptions"],
         "transfer": stats["transfer"],
