@@ -143,6 +143,7 @@ class EngineWorker:
             _node_ip(),
             os.getpid(),
             engine.agent_info if engine.transfer is not None else None,
+            eos_token_id=engine.eos_token_id,
         )
 
     async def set_router(self, router: ActorHandle) -> None:
