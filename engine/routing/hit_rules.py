@@ -144,8 +144,8 @@ class HitRules:
         its rule needs is in the device table or the host table, as ``find_longest_cache_hit``
         with a host tier), and the tokens of that hit the host serves (device first, as the
         coordinator takes a block from the device where it has one)."""
-        for manager, device, host in zip(self.managers, tables, host_tables, strict=True):
-            manager.cached = ChainMap(device, host)  # type: ignore[assignment,arg-type]  # membership only
+        for manager, device, hosted in zip(self.managers, tables, host_tables, strict=True):
+            manager.cached = ChainMap(device, hosted)  # type: ignore[assignment,arg-type]  # membership only
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         hit = self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba)
         length = hit.num_tokens
