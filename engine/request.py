@@ -63,6 +63,7 @@ class Request(CacheRequest):
         "kv_loaded_at",
         "num_cached_tokens",
         "num_external_tokens",
+        "num_host_cached_tokens",
         "num_preemptions",
         "prefill_only",
         "prompt_len",
@@ -100,6 +101,7 @@ class Request(CacheRequest):
         self.eos_token_id = eos_token_id
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # hit + external tokens at first admission
+        self.num_host_cached_tokens = 0  # the part of the hit the host tier served (at first admission)
         self.num_external_tokens = 0
         self.chunk_stop = 0
         self.stop_reason: int | str | None = None

@@ -39,7 +39,7 @@ from engine.kv_cache.coordinator_types import (
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.host_tier import HostTier, TierCopy
+from engine.kv_cache.host_tier import HostTier, TierCopy, host_hit_tokens
 from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
@@ -180,7 +180,7 @@ class HybridCoordinator:
         self._device_maps: list[dict[bytes, Block]] = [pool.cached[g] for g, pool in self._group_pools()]
         self._tiered_maps: list[Mapping[bytes, Block]] = []
         if host_blocks is not None and enable_caching:
-            host = HostTier(per_pool("host_blocks", host_blocks, num_pools), len(groups))
+            host = HostTier(per_pool("host_blocks", host_blocks, num_pools), len(groups), self.events)
             for p, pool in enumerate(self.pools):
                 pool.offload = host.offloader(p)
             self._tiered_maps = [
@@ -463,7 +463,7 @@ class HybridCoordinator:
             host.promote(block, fresh[0].block_id)
             manager.place(request_id, index, fresh[0])
             assert block.block_hash is not None, "host blocks of a hit come from the host maps"
-            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1)
+            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1, promoted=True)
         host.unlock(locked)
 
     def take_tier_copies(self) -> list[TierCopy]:
@@ -580,7 +580,10 @@ class HybridCoordinator:
 
     # -- events and maintenance ------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
-        """Drain the KV events of every pool since the last call (one sequence, in order)."""
+        """Drain the KV events of every pool and of the host tier since the last call (one
+        sequence, in order)."""
+        if self.host is not None:
+            self.host.flush_events()
         return self.events.take()
 
     # -- invariants ---------------------------------------------------------------------------------------------
@@ -594,13 +597,33 @@ class HybridCoordinator:
     # -- read-only views for the router ---------------------------------------------------------------
     @property
     def event_seq(self) -> int:
-        """Sequence number of the last KV event this worker emitted (0 before the first)."""
+        """Sequence number of the last KV event this worker emitted (0 before the first; the host
+        tier's changes are numbered first)."""
+        if self.host is not None:
+            self.host.flush_events()
         return self.events.seq
 
-    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
-        """``(event_seq, per-group {hash: pin level})`` of the prefix cache over all pools: what a
-        router resyncs from after a gap in the event stream. The dicts are fresh copies."""
-        return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers)
+    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...], tuple[dict[bytes, int], ...]]:
+        """``(event_seq, per-group {hash: pin level} of the device tier, the same of the host tier)``
+        over all pools (no host tier: empty dicts): what a router resyncs from after a gap in the
+        event stream. The dicts are fresh copies."""
+        host = self.host
+        if host is None:
+            hosted: tuple[dict[bytes, int], ...] = tuple({} for _ in self.managers)
+        else:
+            host.flush_events()
+            hosted = host.snapshot(len(self.managers), self.group_pool)
+        return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers), hosted
+
+    def host_hit_tokens(self, hit: CacheHit) -> int:
+        """Tokens of ``hit`` served from the host tier (``host_tier.host_hit_tokens``: the
+        positions its host blocks cover); the rest are the device's. 0 without a host tier."""
+        if self.host is None or not hit.num_tokens:
+            return 0
+        is_host = HostTier.is_host
+        sizes = [m.block_size for m in self.managers]
+        found = [(i, sizes[g]) for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks) if is_host(b)]
+        return host_hit_tokens(hit.num_tokens, self.hash_block_size, found) if found else 0
 
     # -- explicit prefix pins ------------------------------------------------------------------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:

@@ -20,14 +20,24 @@ an offload reads a device block before its new owner writes it, a promote reads 
 before a later offload reuses it. The host pools reuse ``BlockPool``: a host block is free (no
 hash) or cached, ref count 0, except while an admission promotes it (``lock`` / ``unlock``:
 a locked block is out of the LRU queue, so no offload of that admission can take it).
+
+Events (``engine.kv_cache.events``): with the worker's event log enabled, every hash that enters
+a host pool is announced by ``BlockOffloaded`` and every hash that leaves one (its host block
+reused by the LRU) by ``BlockDropped``, on the worker's one sequence. The tier notes them in
+order as they happen (offloads come one block at a time, from inside a device pool's
+allocation) and ``flush_events`` numbers them, one event per run of one kind, pool and group,
+before anyone reads the log (``HybridCoordinator.take_events`` / ``snapshot``). The host maps
+change only through the host events, so their order among themselves is the order of the changes.
+Promotes change no host entry (the device announces ``BlockPromoted``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import Block, BlockPool
+from engine.kv_cache.events import BlockDropped, BlockOffloaded, EventLog
 
 #: host pools are numbered from here (``Block.pool`` of a host block: ``HOST_POOL_BASE + p``), so a
 #: hit's blocks say which tier they are in
@@ -69,13 +79,17 @@ class HostTier:
     each naming valid block ids of its pool and no target twice.
     """
 
-    def __init__(self, num_blocks: Sequence[int], num_groups: int):
+    def __init__(self, num_blocks: Sequence[int], num_groups: int, events: EventLog | None = None):
+        """``events``: the worker's event log (host events go there when it is enabled)."""
         self.pools = [
             BlockPool(n, num_groups, enable_caching=True, index=HOST_POOL_BASE + p) for p, n in enumerate(num_blocks)
         ]
         self.copies: list[TierCopy] = []
         self._targets: set[int] = set()  # target ids of the last batch in ``copies``
         self.counters = TierCounters()
+        self.log = events if events is not None and events.enabled else None
+        # host entries changed since the last ``flush_events``, in order: (entered?, pool, group, hash)
+        self._changes: list[tuple[bool, int, int, bytes]] = []
 
     @staticmethod
     def is_host(block: Block) -> bool:
@@ -96,6 +110,11 @@ class HostTier:
         if host.free_queue.size == 0:  # every host block is locked by the admission under way
             self.counters.dropped += 1
             return
+        if self.log is not None:
+            victim: Block = host.free_queue.head.next  # type: ignore[assignment]  # size > 0: a real block
+            if victim.block_hash is not None:
+                self._changes.append((False, pool, victim.group, victim.block_hash))
+            self._changes.append((True, pool, group, block_hash))
         block = host.get_new_blocks(1)[0]  # the least recently used host block (its entry dropped)
         host.cache_blocks(group, [block], [block_hash], 0, 1)
         host.free_blocks([block])  # cached: to the tail, the most recently used end
@@ -143,11 +162,50 @@ class HostTier:
         self._targets = set()
         return copies
 
+    # -- events ----------------------------------------------------------------------------------------
+    def flush_events(self) -> None:
+        """Number the host entries' changes noted since the last call and put them on the log:
+        one ``BlockOffloaded`` / ``BlockDropped`` per run of one kind, pool and group, in order."""
+        changes = self._changes
+        log = self.log
+        if not changes or log is None:
+            return
+        self._changes = []
+        run: list[bytes] = []
+        key = changes[0][:3]
+        for entered, pool, group, block_hash in changes:
+            if (entered, pool, group) != key:
+                log.emit((BlockOffloaded if key[0] else BlockDropped)(log.next_seq(), key[2], tuple(run), key[1]))
+                run = []
+                key = (entered, pool, group)
+            run.append(block_hash)
+        log.emit((BlockOffloaded if key[0] else BlockDropped)(log.next_seq(), key[2], tuple(run), key[1]))
+
     # -- views and maintenance -----------------------------------------------------------------------------
     def num_cached_blocks(self, pool: int) -> int:
         return sum(len(table) for table in self.pools[pool].cached)
 
+    def snapshot(self, num_groups: int, group_pool: Sequence[int]) -> tuple[dict[bytes, int], ...]:
+        """Per group, every hash the host tier holds and its pin level (fresh dicts)."""
+        return tuple(
+            {h: block.tier for h, block in self.pools[group_pool[g]].cached[g].items()} for g in range(num_groups)
+        )
+
     def clear(self) -> None:
-        """Forget every host entry (the prefix cache was reset); queued copies still run."""
+        """Forget every host entry (the prefix cache was reset: the caller announces it, so the
+        changes not yet flushed are moot); queued copies still run."""
         for pool in self.pools:
             pool.clear_prefix_cache()
+        self._changes = []
+
+
+def host_hit_tokens(num_tokens: int, unit: int, host_blocks: Iterable[tuple[int, int]]) -> int:
+    """The tokens of a hit of ``num_tokens`` served from the host tier: the positions some group's
+    host block of the hit covers (``host_blocks``: (table index, block size) of each; block sizes
+    are multiples of ``unit``, the hash granularity). The rest of the hit is the device's. One
+    rule for the coordinator's count and the router's prediction."""
+    covered = bytearray(num_tokens // unit)
+    for index, block_size in host_blocks:
+        per = block_size // unit
+        covered[index * per : (index + 1) * per] = b"\x01" * per
+    return covered.count(1) * unit

@@ -38,12 +38,15 @@ class WorkerLoad:
     """A worker's load as its stats report it (the router also adds its own assignments).
 
     ``queued_tokens``: work queued or running there, in prefill-token equivalents;
-    ``running_requests``: requests admitted there; ``used_block_fraction``: KV blocks in use / total.
+    ``running_requests``: requests admitted there; ``used_block_fraction``: KV blocks in use / total;
+    ``promote_s_per_token``: seconds it takes to copy one host-tier hit token's KV back to the
+    device (its KV bytes per token over its measured promote bandwidth; 0: no host tier).
     """
 
     queued_tokens: float = 0.0
     running_requests: int = 0
     used_block_fraction: float = 0.0
+    promote_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ class Decision:
     cached (the router's prediction of its coordinator's ``get_computed_blocks``);
     ``best_hit``: the longest hit the policy predicted on any worker that could have prefilled
     it (kvfleet's policy; 0 where a policy does not know), so ``predicted_hit < best_hit`` marks
-    a request sent away from a worker holding more of its prompt."""
+    a request sent away from a worker holding more of its prompt; ``predicted_host_hit``: the
+    part of ``predicted_hit`` the prefill worker's host tier serves (its coordinator's
+    ``host_hit_tokens``)."""
 
     prefill_worker: WorkerId
     decode_worker: WorkerId
@@ -63,6 +68,7 @@ class Decision:
     pin_id: int | None = None
     predicted_decode_hit: int = 0
     best_hit: int = 0
+    predicted_host_hit: int = 0
 
     @property
     def uncached_tokens(self) -> int:

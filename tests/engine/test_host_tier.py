@@ -6,7 +6,9 @@ tiny-qwen3-next: Gated DeltaNet + attention), a small device KV: request A is co
 unrelated prompts evicts its blocks from the device (they are offloaded), then B (A's first
 PREFIX tokens + its own suffix) and A again arrive. The device alone has no hit for them, both
 tiers together do; the engine promotes the host part and its tokens must equal, exactly, those of
-an engine with prefix caching off (oracle: the cold computation).
+an engine with prefix caching off (oracle: the cold computation). A router index fed only the
+engine's KV events predicts B's hit and its host part: the engine's per-request and total
+per-tier hit counters must say exactly that.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from configs import load_config
 from engine.core import EngineCore
 from engine.kv_cache.hashing import block_hashes
+from engine.routing import PrefixIndex
 from engine.sampling_params import SamplingParams
 from tests.engine.test_pd import run_to_end
 
@@ -78,17 +81,29 @@ def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str, e
     device_only = coordinator.find_longest_cache_hit(hashes, len(b) - 1, include_host=False).num_tokens
     both = coordinator.find_longest_cache_hit(hashes, len(b) - 1).num_tokens
     assert device_only < PREFIX <= both, (device_only, both)
+    index = PrefixIndex(coordinator.groups)
+    index.add_worker("w")
+    assert not index.apply_events("w", engine.take_events()).needs_resync
+    predicted = index.tiered_hit("w", hashes, len(b) - 1)
+    assert predicted.tokens == both and predicted.host_tokens > 0
 
     promoted = host.counters.promoted
     scribble_uncached_blocks(engine)
-    tokens_b, cached = generate(engine, "b", b)
-    assert cached == both and host.counters.promoted > promoted
+    request = engine.add_request("b", b, GREEDY)
+    tokens_b = run_to_end(engine, {"b"})["b"][0]
+    coordinator.check_invariants()
+    assert (request.num_cached_tokens, request.num_host_cached_tokens) == (predicted.tokens, predicted.host_tokens)
+    assert host.counters.promoted > promoted
     assert tokens_b == cold_b
     tokens_a, cached = generate(engine, "a2", a)
     assert cached >= PREFIX
     assert tokens_a == cold_a
     stats = engine.stats()["host_tier"]
     assert stats["promoted"] == host.counters.promoted and stats["bytes_promoted"] > 0
+    tiers = stats["hit_tokens"]
+    assert tiers["device"] + tiers["host"] == engine.stats()["hit_tokens"]
+    assert tiers["host"] >= predicted.host_tokens > 0
+    assert engine.load()[3] > 0  # the promote seconds per token the worker reports to the router
     assert stats["bytes_offloaded"] > 0 and stats["pools"][0]["cached_blocks"] > 0
 
 

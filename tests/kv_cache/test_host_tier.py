@@ -10,7 +10,11 @@ Oracles, none of them the code under test:
   it (a computed block: its chain hash; a block being filled, a recurrent state between
   boundaries: a marker), the coordinator's ``TierCopy`` batches are replayed on it in order, and
   every block a claimed hit reads must hold exactly the hash the hit was found under;
-- ``check_invariants()`` (both tiers) after every operation.
+- ``check_invariants()`` (both tiers) after every operation;
+- the KV events replayed per tier (device: stored - removed; host: offloaded - dropped; a clear
+  empties both) must give exactly the coordinator's device and host maps after every operation,
+  and the host part of every admission's hit (``host_hit_tokens``) must be the positions the
+  oracle's needed blocks cover where the device lacks them.
 A hypothesis state machine drives admissions (with chunks), prefill chunks, decode, preemption,
 frees, window maintenance, pins and resets over every group mix of the simulator.
 """
@@ -24,6 +28,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.kv_cache import CacheRequest, FullAttentionSpec, HybridCoordinator, KVCacheGroup, MambaSpec
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockDropped,
+    BlockOffloaded,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from engine.kv_cache.host_tier import HOST_POOL_BASE, HostTier, TierCopy
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.spec import SlidingWindowSpec
@@ -72,6 +84,55 @@ def two_tier_oracle(coord: HybridCoordinator, hashes: list[bytes], max_length: i
         if ok:
             return length
     return 0
+
+
+def host_tokens_oracle(coord: HybridCoordinator, hashes: list[bytes], length: int) -> int:
+    """Positions of a hit of ``length`` whose needed block (some group) is not on the device."""
+    unit = coord.hash_block_size
+    covered = [False] * (length // unit)
+    for g, manager in enumerate(coord.managers):
+        device = coord.pools[coord.group_pool[g]].cached[g]
+        view = manager.view(hashes)
+        per = manager.block_size // unit
+        for i in HitOracle.needed_blocks(manager, length):
+            if view[i] not in device:
+                covered[i * per : (i + 1) * per] = [True] * per
+    return sum(covered) * unit
+
+
+class TierReplay:
+    """The device and host maps a router rebuilds from the events alone, per group."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.device: list[set[bytes]] = [set() for _ in range(num_groups)]
+        self.host: list[set[bytes]] = [set() for _ in range(num_groups)]
+        self.seq = 0
+
+    def apply(self, events: list[KVEvent]) -> None:
+        for event in events:
+            assert event.seq == self.seq + 1, (event, self.seq)
+            self.seq = event.seq
+            if isinstance(event, AllBlocksCleared):
+                for table in (*self.device, *self.host):
+                    table.clear()
+            elif isinstance(event, BlockStored):
+                self.device[event.group].update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.device[event.group]
+                self.device[event.group].difference_update(event.block_hashes)
+            elif isinstance(event, BlockOffloaded):
+                assert not set(event.block_hashes) & self.host[event.group]
+                self.host[event.group].update(event.block_hashes)
+            elif isinstance(event, BlockDropped):
+                assert set(event.block_hashes) <= self.host[event.group]
+                self.host[event.group].difference_update(event.block_hashes)
+
+    def check(self, coord: HybridCoordinator) -> None:
+        host = coord.host
+        assert host is not None
+        for g, manager in enumerate(coord.managers):
+            assert self.device[g] == set(manager.cached), g
+            assert self.host[g] == set(host.pools[coord.group_pool[g]].cached[g]), g
 
 
 def check_two_tier_hit(coord: HybridCoordinator, hashes: list[bytes], max_length: int) -> int:
@@ -260,8 +321,9 @@ class HostTierMachine(RuleBasedStateMachine):
         need = [1] * (max(pools) + 1)
         for spec, p in zip(specs, pools, strict=True):
             need[p] += 3 if isinstance(spec, MambaSpec) else -(-(MAX_TOKENS + 8) // spec.block_size) + 1
-        self.coord = HybridCoordinator(groups, [n + extra for n in need], host_blocks=host)
+        self.coord = HybridCoordinator(groups, [n + extra for n in need], host_blocks=host, enable_events=True)
         self.model = ContentModel()
+        self.replay = TierReplay(len(groups))
         rng = random.Random(seed)
         self.bases = [[rng.randrange(3) for _ in range(MAX_TOKENS)] for _ in range(BASES)]
         self.requests: dict[str, CacheRequest] = {}
@@ -296,6 +358,7 @@ class HostTierMachine(RuleBasedStateMachine):
         expected = check_two_tier_hit(self.coord, request.block_hashes, request.num_tokens - 1)
         hit = self.coord.get_computed_blocks(request)
         assert hit.num_tokens == expected
+        assert self.coord.host_hit_tokens(hit) == host_tokens_oracle(self.coord, request.block_hashes, expected)
         request.num_computed_tokens = hit.num_tokens
         count = self._chunk(request, chunk, aligned)
         request.num_computed_tokens = 0
@@ -375,6 +438,8 @@ class HostTierMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if hasattr(self, "coord"):
             self.coord.check_invariants()
+            self.replay.apply(self.coord.take_events())
+            self.replay.check(self.coord)
 
     def teardown(self) -> None:
         if not hasattr(self, "coord"):
