@@ -355,7 +355,14 @@ class EngineCore:
         if self.handoff is None:  # nothing is announced on an engine without a kv_role
             return None
         self.drain()  # the read may land in blocks an in-flight step still writes (``drain``)
-        return self.handoff.provide_handle(request_id, handle)
+        try:
+            ended = self.handoff.provide_handle(request_id, handle)
+        except ValueError:  # a handle too late to read with transfer.on_failure=fail: the request ends
+            self.runner.forget(request_id)
+            raise
+        if ended is not None:
+            self.runner.forget(request_id)
+        return ended
 
     def discard_handle(self, handle: KVHandle | None) -> None:
         """A handle nobody will read (its request ended here): let its owner free at once."""
@@ -428,7 +435,10 @@ class EngineCore:
         results, self._drained = self._drained, []
         handoff = self.handoff
         if handoff is not None:
-            results.extend(handoff.progress())
+            for ended in handoff.progress():  # a failed read ends its request: drop its runner state
+                if ended.finished:
+                    self.runner.forget(ended.request_id)
+                results.append(ended)
         scheduler = self.scheduler
         if self.in_flight is None:
             if not (scheduler.running or scheduler.waiting):
