@@ -48,10 +48,19 @@ class Worker:
     """A worker's coordinator driven the way the engine drives it: admission with the local hit,
     prefill in chunks ending on aligned boundaries (Mamba checkpoints), window drops, free."""
 
-    def __init__(self, name: str, specs: Sequence[KVCacheSpec], num_blocks: int, retention: bool = True):
+    def __init__(
+        self,
+        name: str,
+        specs: Sequence[KVCacheSpec],
+        num_blocks: int,
+        retention: bool = True,
+        host_blocks: int | None = None,
+    ):
         self.name = name
         options = RetentionOptions(enabled=retention, min_drop_blocks=1)
-        self.coord = HybridCoordinator(groups_of(specs), num_blocks, retention=options, enable_events=True)
+        self.coord = HybridCoordinator(
+            groups_of(specs), num_blocks, retention=options, enable_events=True, host_blocks=host_blocks
+        )
         self.running: dict[str, CacheRequest] = {}
         self._ids = 0
         self.last_id = ""
@@ -114,7 +123,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
         if isinstance(action, RequestSnapshot):
             queue.extend(policy.apply_snapshot(action.worker, snapshot_coordinator(worker.coord), now))
         elif isinstance(action, Unpin):
-            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens)
+            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens, action.tier)
             queue.extend(sync(policy, workers, now))
         elif isinstance(action, PinOn):
             coord = worker.coord
@@ -124,7 +133,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
                 # warm-up prefill; one extra token so the hit search (N - 1) reaches the whole prefix
                 if worker.run(list(action.token_ids) + [0]) is not None:
                     warm = worker.last_id
-            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
+            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
             if warm is not None:
                 worker.finish(warm)
             queue.extend(sync(policy, workers, now))
