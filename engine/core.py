@@ -26,6 +26,7 @@ from configs.models import SourceKind
 from configs.schema import ClusterConfig
 from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
+from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch.model_arch import ModelArch
@@ -656,12 +657,16 @@ class EngineCore:
         """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
         return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
 
-    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Pin the cached prefix; returns the tokens pinned."""
-        return self.coordinator.pin_prefix(block_hashes, num_tokens)
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:
+        """Pin the cached prefix in ``tier`` ("device": kept on the device, moved to the host tier
+        pinned under pressure; "host": held in the host tier only, ``kv_cache.offload``); returns
+        the tokens pinned (``HybridCoordinator.pin_prefix``). A host-tier pin's copies run before
+        the next forward, with the other queued host-tier copies."""
+        return self.coordinator.pin_prefix(block_hashes, num_tokens, tier)
 
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
-        return self.coordinator.unpin_prefix(block_hashes, num_tokens)
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> bool:
+        """Undo one ``pin_prefix`` with the same arguments; False if no such pin is held."""
+        return self.coordinator.unpin_prefix(block_hashes, num_tokens, tier)
 
     def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's

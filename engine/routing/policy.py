@@ -80,6 +80,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from configs.schema import PinConfig, RouterConfig
+from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
@@ -625,9 +626,11 @@ class RoutingPolicy(PlacementPolicy):
         ttl_s: float | None = None,
         now: float = 0.0,
         pin_id: int | None = None,
+        tier: PinTier = "device",
     ) -> tuple[int, list[Action]]:
         """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds
-        (under ``pin_id`` when restoring a pin a restarted router had).
+        (under ``pin_id`` when restoring a pin a restarted router had), each holder keeping it in
+        ``tier`` (``HybridCoordinator.pin_prefix``).
 
         Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
         holders must already have it or copy it from another holder). Returns the pin id and the
@@ -645,7 +648,7 @@ class RoutingPolicy(PlacementPolicy):
             raise ValueError(
                 f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
             )
-        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id)
+        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id, tier=tier)
         return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
 
     def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:

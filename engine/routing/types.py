@@ -3,12 +3,12 @@
 The router does no I/O. Whatever must happen on a worker comes back as an *action* the caller
 (the Ray router actor, or the simulator) executes:
 
-- ``PinOn(worker, pin_id, block_hashes, num_tokens, token_ids, source)``: make the prefix resident
-  on ``worker`` (compute it from ``token_ids`` or copy it from ``source`` when the worker's own hit
-  is shorter), then ``coordinator.pin_prefix(block_hashes, num_tokens)`` and report the returned
-  length with ``policy.pin_result(worker, pin_id, pinned, now)``.
-- ``Unpin(worker, pin_id, block_hashes, num_tokens)``: ``coordinator.unpin_prefix(block_hashes,
-  num_tokens)``; nothing to report.
+- ``PinOn(worker, pin_id, block_hashes, num_tokens, token_ids, source, tier)``: make the prefix
+  resident on ``worker`` (compute it from ``token_ids`` or copy it from ``source`` when the worker's
+  own hit is shorter), then ``coordinator.pin_prefix(block_hashes, num_tokens, tier)`` and report
+  the returned length with ``policy.pin_result(worker, pin_id, pinned, now)``.
+- ``Unpin(worker, pin_id, block_hashes, num_tokens, tier)``: ``coordinator.unpin_prefix(block_hashes,
+  num_tokens, tier)``; nothing to report.
 - ``RequestSnapshot(worker)``: the index lost events of ``worker``; run
   ``engine.routing.snapshot_coordinator`` there and hand the result to ``policy.apply_snapshot``.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from engine.kv_cache.coordinator_types import PinTier
 
 WorkerId = Hashable
 Role = Literal["both", "prefill", "decode"]
@@ -83,6 +85,7 @@ class PinOn:
     num_tokens: int
     token_ids: tuple[int, ...] | None = None
     source: WorkerId | None = None
+    tier: PinTier = "device"
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Unpin:
     pin_id: int
     block_hashes: list[bytes]
     num_tokens: int
+    tier: PinTier = "device"
 
 
 @dataclass(frozen=True)
@@ -121,3 +125,4 @@ class PinInfo:
     pending: list[WorkerId] = field(default_factory=list)
     expires_at: float | None = None
     auto: bool = False
+    tier: PinTier = "device"  # where each holder keeps it (``HybridCoordinator.pin_prefix``)

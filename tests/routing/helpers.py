@@ -132,7 +132,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
         if isinstance(action, RequestSnapshot):
             queue.extend(policy.apply_snapshot(action.worker, snapshot_coordinator(worker.coord), now))
         elif isinstance(action, Unpin):
-            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens)
+            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens, action.tier)
             queue.extend(sync(policy, workers, now))
         elif isinstance(action, PinOn):
             coord = worker.coord
@@ -142,7 +142,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
                 # warm-up prefill; one extra token so the hit search (N - 1) reaches the whole prefix
                 if worker.run(list(action.token_ids) + [0]) is not None:
                     warm = worker.last_id
-            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
+            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
             if warm is not None:
                 worker.finish(warm)
             queue.extend(sync(policy, workers, now))
