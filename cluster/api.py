@@ -57,13 +57,14 @@ DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GG
 @dataclass(frozen=True)
 class ClusterHandles:
     """Everything another process needs to drive a started cluster (picklable): the config, the
-    worker and router actor handles, what each worker reported at start, the model directory.
+    worker and router actor handles (one per router replica), what each worker reported at
+    start, the model directory.
     The process that started the actors owns them; ``Cluster.attach`` only drives them."""
 
     config: ClusterConfig
     workers: dict[str, WorkerHandle]
     infos: dict[str, WorkerInfo]
-    router: RouterHandle
+    routers: list[RouterHandle]
     model_directory: str
 
 
@@ -108,7 +109,13 @@ class Cluster:
 
     @property
     def router(self) -> RouterHandle:
+        """Router replica 0 (the router, unless ``router.replicas`` > 1)."""
         return self._supervisor.router
+
+    @property
+    def routers(self) -> list[RouterHandle]:
+        """Every router replica, in replica order."""
+        return list(self._supervisor.routers)
 
     @property
     def lost(self) -> dict[str, str]:
@@ -122,6 +129,11 @@ class Cluster:
     @property
     def router_incarnation(self) -> str | None:
         return self._supervisor.router_incarnation
+
+    @property
+    def router_incarnations(self) -> list[str | None]:
+        """The incarnation last seen of each router replica (None: not seen yet)."""
+        return list(self._supervisor.router_incarnations)
 
     @property
     def router_rejoins(self) -> int:
@@ -207,7 +219,11 @@ class Cluster:
         self._require_started()
         supervisor = self._supervisor
         return ClusterHandles(
-            self.config, dict(supervisor.workers), dict(supervisor.infos), supervisor.router, self.model_directory
+            self.config,
+            dict(supervisor.workers),
+            dict(supervisor.infos),
+            list(supervisor.routers),
+            self.model_directory,
         )
 
     @classmethod
@@ -215,7 +231,7 @@ class Cluster:
         """Drive a cluster another process started (its actors stay that process's: ``shutdown``
         here stops only this driver, never the actors or Ray)."""
         cluster = cls(handles.config)
-        cluster._supervisor.attach(handles.workers, handles.infos, handles.router)
+        cluster._supervisor.attach(handles.workers, handles.infos, handles.routers)
         model = ServedModel.from_workers(handles.infos, handles.model_directory)
         cluster._loop.start()
         cluster._runner.start(model)
@@ -374,7 +390,7 @@ class Cluster:
                 raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
             if math.isinf(ttl):
                 raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
-        router = self._supervisor.router
+        router = await self._supervisor.pin_router()
         try:
             pin_id = int(await router.pin.remote(token_ids, replicas, ttl))
         except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
@@ -398,14 +414,14 @@ class Cluster:
 
     async def aunpin(self, pin_id: int) -> bool:
         self._require_started()
-        return bool(await self._supervisor.router.unpin.remote(pin_id))
+        return bool(await (await self._supervisor.pin_router()).unpin.remote(pin_id))
 
     def pins(self) -> list[dict[str, Any]]:
         return self._loop.run(self.apins())
 
     async def apins(self) -> list[dict[str, Any]]:
         self._require_started()
-        return list(await self._supervisor.router.pins.remote())
+        return list(await (await self._supervisor.pin_router()).pins.remote())
 
     # -- stats and health --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
