@@ -14,6 +14,19 @@ fresh cluster per run, alternating 1, N, 1, N, ... ``--replica-trials`` times ea
 is ``{"replicas": N, "hit_rate": {"1": x, "N": y}, "ttft_p90_s": {...}, "hit_rate_ratio": r,
 "p90_ttft_ratio": r}`` (N over one, medians over the trials).
 
+Measured 2026-11-28 (tiny preset, 2P+2D, 128 shared-prefix requests, 4 in flight, load average
+about 30 from other tenants), ``--router-replicas 2 --config tiny``::
+
+    replicas  trial  hit rate  TTFT p50  TTFT p90
+    1         0      0.8824    0.104 s   0.170 s
+    2         0      0.8824    0.103 s   0.199 s
+    1         1      0.8824    0.144 s   0.340 s
+    2         1      0.8676    0.138 s   0.261 s
+    medians: hit rate 0.8824 / 0.875 (ratio 0.992), p90 0.255 / 0.230 s (ratio 0.90)
+
+The hit rates match, except that in one trial two requests took the ``cost`` route instead of
+``prefix``. The p90 moves more between trials of one setting than between settings.
+
 Runs: the shared-prefix workload and the hybrid-pressure workload on ``--config`` (default: the
 local preset, Gemma-3-270M: sliding window + full attention), the hybrid workload on
 ``--hybrid-config`` (default: tiny Bamba, Mamba2 + attention), each under every policy; pins
