@@ -390,9 +390,9 @@ class Cluster:
                 raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
             if math.isinf(ttl):
                 raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
-        router = await self._supervisor.pin_router()
+        supervisor = self._supervisor
         try:
-            pin_id = int(await router.pin.remote(token_ids, replicas, ttl))
+            pin_id = int(await supervisor.on_pin_router("pin", token_ids, replicas, ttl))
         except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
             if isinstance(exc.cause, ValueError):
                 raise ValueError(str(exc.cause)) from None  # noqa: TRY004  (the policy's ValueError, unwrapped)
@@ -400,7 +400,7 @@ class Cluster:
         if wait:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                pin = {p["pin_id"]: p for p in await router.pins.remote()}.get(pin_id)
+                pin = {p["pin_id"]: p for p in await supervisor.on_pin_router("pins")}.get(pin_id)
                 if pin is None or len(pin["active"]) >= pin["replicas"]:
                     break
                 await asyncio.sleep(0.05)
@@ -414,14 +414,14 @@ class Cluster:
 
     async def aunpin(self, pin_id: int) -> bool:
         self._require_started()
-        return bool(await (await self._supervisor.pin_router()).unpin.remote(pin_id))
+        return bool(await self._supervisor.on_pin_router("unpin", pin_id))
 
     def pins(self) -> list[dict[str, Any]]:
         return self._loop.run(self.apins())
 
     async def apins(self) -> list[dict[str, Any]]:
         self._require_started()
-        return list(await (await self._supervisor.pin_router()).pins.remote())
+        return list(await self._supervisor.on_pin_router("pins"))
 
     # -- stats and health --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

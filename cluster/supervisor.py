@@ -450,6 +450,23 @@ class Supervisor:
         merged["replicas"] = [a if isinstance(a, dict) else {"error": describe_failure(a)} for a in answers]
         return merged
 
+    async def on_pin_router(self, method: str, *args: Any) -> Any:
+        """Call ``method`` of the router replica that decides pins; once more when the lease
+        moved between finding its holder and the call (``NotPinLeaderError``)."""
+        from ray.exceptions import RayTaskError
+
+        from actors.router import NotPinLeaderError
+
+        for attempt in range(2):
+            router = await self.pin_router()
+            try:
+                return await getattr(router, method).remote(*args)
+            except RayTaskError as exc:
+                if attempt or not isinstance(exc.cause, NotPinLeaderError):
+                    raise
+                log.warning("pin lease moved (%s); asking its holder", exc.cause)
+        raise AssertionError("unreachable")
+
     async def pin_router(self) -> RouterHandle:
         """The router replica that decides pins (the pin lease's holder; replica 0 claims a free
         lease)."""
