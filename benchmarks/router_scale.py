@@ -64,8 +64,10 @@ baseline, in the same run:
     4096   6,528/1,809     129.4/478.5    377.7/2,534.4   196.8/731.6   118.6/440.7         0.8625/0.8589
 
 Prediction accuracy against the exact oracle 1.0 for both. 4 replicas at W = 256 (2026-11-28,
-replayed alone, load average 30+ from other tenants): speedup 1.2-2.3 across five runs, hit ratio
-0.9993. In every run each replica's event time was about one router's.
+replayed alone, load average 2-35 from other tenants): over seven runs the speedup ranged from
+1.2 to 2.9, with a median of 1.6, and the hit ratio was 0.9993. Identical replays of one router
+took 439-906 ms, so single speedups mostly measure that noise. In every run each replica's event
+time (137-252 ms) matched one router's (151-278 ms).
 The decision cost no longer grows with W, but it stays far from 50,000 decisions/s: about half
 is the index walk (one dict lookup per prompt block per group, each a cache miss on a large map
 and a 32-byte key compare), half the policy's bookkeeping per decision (guards, credit, the
