@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from engine.kv_cache.coordinator_types import PinTier
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "kvfleet"
@@ -21,12 +23,14 @@ NAMESPACE = "kvfleet"
 
 @dataclass(frozen=True)
 class JournaledPin:
-    """One explicit pin as created: its prefix, replicas and wall-clock expiry (None: no TTL)."""
+    """One explicit pin as created: its prefix, replicas, wall-clock expiry (None: no TTL) and the
+    tier its holders keep it in (records written before tiers existed read as "device")."""
 
     pin_id: int
     token_ids: tuple[int, ...]
     replicas: int
     expires_at: float | None
+    tier: PinTier = "device"
 
     def ttl_left(self, now: float | None = None) -> float | None:
         """Seconds left of its TTL (None: none; <= 0: expired)."""
@@ -49,8 +53,11 @@ class PinJournal:
         token_ids: Sequence[int],
         replicas: int,
         ttl_s: float | None,
+        tier: PinTier = "device",
     ) -> None:
-        entry = JournaledPin(pin_id, tuple(token_ids), replicas, time.time() + ttl_s if ttl_s is not None else None)
+        entry = JournaledPin(
+            pin_id, tuple(token_ids), replicas, time.time() + ttl_s if ttl_s is not None else None, tier
+        )
         self._put(f"{self.prefix}{pin_id}", json.dumps(asdict(entry)))
 
     def forget(self, pin_id: int) -> None:

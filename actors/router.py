@@ -32,6 +32,7 @@ import ray
 from actors.pin_journal import JournaledPin, PinJournal
 from actors.pin_lease import PinLease
 from configs.schema import ClusterConfig
+from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing import (
@@ -150,7 +151,12 @@ class Router:
             try:
                 assert self.pin_policy is not None  # journaled pins exist only under a pin policy
                 _, actions = self.pin_policy.pin(
-                    list(entry.token_ids), replicas=entry.replicas, ttl_s=ttl, now=time.monotonic(), pin_id=entry.pin_id
+                    list(entry.token_ids),
+                    replicas=entry.replicas,
+                    ttl_s=ttl,
+                    now=time.monotonic(),
+                    pin_id=entry.pin_id,
+                    tier=entry.tier,
                 )
             except ValueError as exc:  # e.g. not enough workers registered yet
                 log.debug("pin %d not restored yet: %s", entry.pin_id, exc)
@@ -225,14 +231,17 @@ class Router:
             self.metrics.record_request_failed()
 
     # -- pins --------------------------------------------------------------------------------------
-    def pin(self, token_ids: list[int], replicas: int = 1, ttl_s: float | None = None) -> int:
-        """Pin a prefix on ``replicas`` workers (optionally for ``ttl_s``); returns the pin id."""
+    def pin(self, token_ids: list[int], replicas: int = 1, ttl_s: float | None = None, tier: PinTier = "device") -> int:
+        """Pin a prefix on ``replicas`` workers (optionally for ``ttl_s``), each keeping it in
+        ``tier`` (checked by the caller: ``Cluster.pin_prefix``); returns the pin id."""
         if self.pin_policy is None:
             raise ValueError(f"router.policy: {self.policy.name!r} does not support pinned prefixes (use kvfleet)")
         self._require_leading()
-        pin_id, actions = self.pin_policy.pin(token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic())
+        pin_id, actions = self.pin_policy.pin(
+            token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic(), tier=tier
+        )
         if self.journal is not None:
-            self.journal.record(int(pin_id), token_ids, replicas, ttl_s)
+            self.journal.record(int(pin_id), token_ids, replicas, ttl_s, tier)
         self._execute(actions)
         self._update_pin_gauges()
         return int(pin_id)
@@ -252,7 +261,8 @@ class Router:
         return known
 
     def pins(self) -> list[dict[str, Any]]:
-        """Every cluster pin: id, length, replicas, active and pending holders, expiry."""
+        """Every cluster pin: id, length, replicas, active and pending holders, where each active
+        holder keeps it (``holder_tiers``: worker -> "device" / "host"), expiry."""
         now = time.monotonic()
         self._maybe_tick(now)
         if self.pin_policy is None or not self.leading:
@@ -264,6 +274,8 @@ class Router:
                 "replicas": info.replicas,
                 "active": [str(w) for w in info.active],
                 "pending": [str(w) for w in info.pending],
+                "tier": info.tier,
+                "holder_tiers": {str(w): info.tier for w in info.active},
                 "expires_at": info.expires_at,
                 "expires_in_s": None if info.expires_at is None else max(0.0, info.expires_at - now),
                 "auto": info.auto,
@@ -319,7 +331,7 @@ class Router:
                 source = self.handles.get(str(action.source)) if action.source is not None else None
                 handle.pin.remote(action, source)
             elif isinstance(action, Unpin):
-                handle.unpin.remote(action.block_hashes, action.num_tokens)
+                handle.unpin.remote(action.block_hashes, action.num_tokens, action.tier)
             elif isinstance(action, RequestSnapshot):
                 handle.snapshot.remote(self.replica)
         if actions:

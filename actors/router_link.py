@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 from actors.worker_types import TrackedRequest
+from engine.kv_cache.coordinator_types import PinTier
 from engine.routing import PinOn, WorkerLoad, WorkerSnapshot
 from engine.sampling_params import SamplingParams
 
@@ -220,7 +221,7 @@ class RouterLink:
     def finish_pin(self, action: PinOn) -> None:
         """The prefix is resident (its request ended, or it was cached already): pin it, report,
         tell the router the result and answer the pin's waiters."""
-        pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens)
+        pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
         self.report(force=True)  # the pin's events reach the router before its result
         for router in self._connected():  # the replica that decides pins takes it, the others ignore it
             router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
@@ -240,7 +241,7 @@ class RouterLink:
         log.info("%s: pinned %d/%d tokens of pin %d (%s, %.3f s)", self.worker_id, pinned, action.num_tokens,
                  action.pin_id, job.method, record["seconds"])  # fmt: skip
 
-    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        """Release the pin on this prefix (the router's word) and report at once."""
-        self.engine.unpin_prefix(block_hashes, num_tokens)
+    def unpin(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> None:
+        """Release the pin on this prefix in ``tier`` (the router's word) and report at once."""
+        self.engine.unpin_prefix(block_hashes, num_tokens, tier)
         self.report(force=True)

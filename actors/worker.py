@@ -60,6 +60,7 @@ from actors.worker_types import (
     WorkerUnavailableError,
 )
 from configs.schema import ClusterConfig
+from engine.kv_cache.coordinator_types import PinTier
 from engine.request import RequestStatus
 from engine.routing import PinOn
 from engine.sampling_params import SamplingParams
@@ -145,6 +146,7 @@ class EngineWorker:
             _node_ip(),
             os.getpid(),
             engine.agent_info if engine.transfer is not None else None,
+            eos_token_id=engine.eos_token_id,
         )
 
     async def set_router(self, router: ActorHandle, replica: int = 0) -> None:
@@ -282,8 +284,8 @@ class EngineWorker:
         """The last pins placed here: pin id, tokens pinned, method, source, seconds."""
         return self.router_link.pin_log()
 
-    def unpin(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        self._submit(self.router_link.unpin, block_hashes, num_tokens)
+    def unpin(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> None:
+        self._submit(self.router_link.unpin, block_hashes, num_tokens, tier)
 
     def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
         """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep

@@ -45,6 +45,7 @@ class WorkerInfo:
     node_ip: str
     pid: int
     agent: AgentInfo | None = None  # the transfer AgentInfo (P/D workers): decode workers warm a connection to it
+    eos_token_id: int | None = None  # the model's end-of-sequence token (the engine's stop rule, ``stop_status``)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from cluster.request_runner import ClusterCompletion, Delta, RequestFailedError,
 from cluster.served_model import ServedModel
 from cluster.supervisor import RouterHandle, Supervisor, WorkerHandle
 from configs import ClusterConfig, load_config
+from engine.kv_cache.coordinator_types import PIN_TIERS
 from engine.sampling_params import SamplingParams
 from engine.validation import ValidatedPrompt
 
@@ -351,12 +352,15 @@ class Cluster:
         replicas: int = 1,
         ttl: float | None = None,
         *,
+        tier: str = "device",
         wait: bool = True,
         timeout_s: float = 120.0,
     ) -> int:
         """Keep ``prefix`` (text or token ids) resident on ``replicas`` workers, for ``ttl``
-        seconds or until ``unpin``; returns the pin id. ``wait``: until every replica holds it."""
-        return self._loop.run(self.apin_prefix(prefix, replicas, ttl, wait=wait, timeout_s=timeout_s))
+        seconds or until ``unpin``; returns the pin id. ``tier``: "device" (in device memory,
+        moved to the host tier pinned under pressure) or "host" (in the host tier only, promoted
+        on a hit; needs ``kv_cache.offload``). ``wait``: until every replica holds it."""
+        return self._loop.run(self.apin_prefix(prefix, replicas, ttl, tier=tier, wait=wait, timeout_s=timeout_s))
 
     async def apin_prefix(
         self,
@@ -364,6 +368,7 @@ class Cluster:
         replicas: int = 1,
         ttl: float | None = None,
         *,
+        tier: str = "device",
         wait: bool = True,
         timeout_s: float = 120.0,
     ) -> int:
@@ -390,9 +395,16 @@ class Cluster:
                 raise ValueError(f"ttl: must be > 0 seconds (got {ttl})")
             if math.isinf(ttl):
                 raise ValueError(f"ttl: must be finite (got {ttl}); leave it out for a pin without expiry")
+        if tier not in PIN_TIERS:
+            raise ValueError(f"tier: must be one of {', '.join(PIN_TIERS)} (got {tier!r})")
+        cache = self.config.kv_cache
+        if tier == "host" and not (cache.offload.enabled and cache.prefix_caching):
+            raise ValueError(
+                "tier: 'host' needs the host tier (kv_cache.offload.enabled=true with prefix caching; got tier='host')"
+            )
         supervisor = self._supervisor
         try:
-            pin_id = int(await supervisor.on_pin_router("pin", token_ids, replicas, ttl))
+            pin_id = int(await supervisor.on_pin_router("pin", token_ids, replicas, ttl, tier))
         except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
             if isinstance(exc.cause, ValueError):
                 raise ValueError(str(exc.cause)) from None  # noqa: TRY004  (the policy's ValueError, unwrapped)
@@ -417,6 +429,8 @@ class Cluster:
         return bool(await self._supervisor.on_pin_router("unpin", pin_id))
 
     def pins(self) -> list[dict[str, Any]]:
+        """Every cluster pin: id, tokens, replicas, ``tier``, active and pending holders, and per
+        active holder the tier it keeps the pin in (``holder_tiers``: worker id -> tier)."""
         return self._loop.run(self.apins())
 
     async def apins(self) -> list[dict[str, Any]]:

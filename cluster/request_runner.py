@@ -25,6 +25,7 @@ from cluster.supervisor import Supervisor, WorkerHandle, await_ref, describe_fai
 from configs import ClusterConfig
 from engine.llm import Completion
 from engine.logprobs import TokenLogprob
+from engine.request import RequestStatus, stop_status
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_request_id, problem, prompt_batch
@@ -127,13 +128,14 @@ class StreamedOutput:
             self.logprobs.extend(logprobs)
         return Delta(text, len(chunk.token_ids), tuple(chunk.token_ids), logprobs)
 
-    def done_reason(self, sampling: SamplingParams) -> str | None:
-        """Why the request needs no more tokens ("stop": a stop string or stop token came;
-        "length": ``max_tokens`` came), else None."""
+    def done_reason(self, sampling: SamplingParams, eos_token_id: int | None) -> str | None:
+        """Why the request needs no more tokens by the engine's own rule (``stop_status``; "stop"
+        also for a stop string the detokenizer saw), else None."""
         tokens = self.detok.token_ids
-        if self.detok.stopped or (tokens and tokens[-1] in sampling.stop_token_ids):
-            return "stop"
-        return "length" if len(tokens) >= sampling.max_tokens else None
+        if self.detok.stopped:
+            return RequestStatus.FINISHED_STOPPED.value
+        status = stop_status(sampling, tokens[-1], len(tokens), eos_token_id) if tokens else None
+        return status.value if status is not None else None
 
 
 class RequestRunner:
@@ -356,7 +358,7 @@ class RequestRunner:
                         handle.abort.remote(request.engine_id)
                     request.attempt += 1
                     failed = f"{lost.worker_id}: worker failed while running {rid} ({lost.why})"
-                    done = output.done_reason(sampling)
+                    done = output.done_reason(sampling, model.eos_token_id)
                     if done is not None:  # it had all its tokens: nothing to run
                         _flush(output, on_delta)
                         result = self._completion(request, output, done)

@@ -25,8 +25,9 @@ def same_kv_layout(a: WorkerInfo, b: WorkerInfo) -> bool:
 @dataclass(frozen=True)
 class ServedModel:
     """What every worker of the cluster agrees on: its model directory, the tokenizer loaded
-    from it, the vocabulary size, the shortest ``max_model_len`` among the workers and the block
-    size of the prefix hashes (``engine.kv_cache.spec.hash_block_size``).
+    from it, the vocabulary size, the shortest ``max_model_len`` among the workers, the block
+    size of the prefix hashes (``engine.kv_cache.spec.hash_block_size``) and the end-of-sequence
+    token.
 
     Invariants: built only from workers that share one KV layout; ``max_model_len`` bounds a
     prompt on every worker."""
@@ -36,6 +37,7 @@ class ServedModel:
     vocab_size: int
     max_model_len: int
     hash_block_size: int
+    eos_token_id: int | None = None  # ends a request unless it ignores EOS (``engine.request.stop_status``)
 
     @classmethod
     def from_workers(cls, infos: Mapping[str, WorkerInfo], directory: str) -> ServedModel:
@@ -54,6 +56,7 @@ class ServedModel:
             vocab_size=first.vocab_size,
             max_model_len=min(info.max_model_len for info in infos.values()),
             hash_block_size=hash_block_size(list(first.groups)),
+            eos_token_id=first.eos_token_id,
         )
 
     def check_ids(self, name: str, ids: Sequence[int]) -> list[int]:

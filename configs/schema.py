@@ -88,6 +88,9 @@ class OffloadConfig(_Frozen):
 
     enabled: bool = False
     size_mib: PositiveFloat = 1024.0
+    #: host -> device copy bandwidth a worker reports to the router (its cost of a host-tier hit,
+    #: ``WorkerLoad.promote_s_per_token``) until it has measured its own copies
+    promote_gib_s: PositiveFloat = 8.0
 
 
 class KVCacheConfig(_Frozen):
@@ -252,6 +255,10 @@ class RouterWeights(_Frozen):
     #: per uncached token, on top of ``uncached_tokens``: the blocks it writes into the worker's
     #: cache evict other prefixes there (so a miss costs more than its own prefill)
     cache_churn: NonNegativeFloat = 1.0
+    #: per second a worker spends copying a host-tier hit back to its device (a host hit token
+    #: costs this times the worker's ``promote_s_per_token``, at most a miss): about the prefill
+    #: tokens a worker computes in a second
+    promote_seconds: NonNegativeFloat = 20000.0
 
 
 class PinConfig(_Frozen):

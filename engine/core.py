@@ -26,6 +26,7 @@ from configs.models import SourceKind
 from configs.schema import ClusterConfig
 from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
+from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch.model_arch import ModelArch
@@ -355,7 +356,14 @@ class EngineCore:
         if self.handoff is None:  # nothing is announced on an engine without a kv_role
             return None
         self.drain()  # the read may land in blocks an in-flight step still writes (``drain``)
-        return self.handoff.provide_handle(request_id, handle)
+        try:
+            ended = self.handoff.provide_handle(request_id, handle)
+        except ValueError:  # a handle too late to read with transfer.on_failure=fail: the request ends
+            self.runner.forget(request_id)
+            raise
+        if ended is not None:
+            self.runner.forget(request_id)
+        return ended
 
     def discard_handle(self, handle: KVHandle | None) -> None:
         """A handle nobody will read (its request ended here): let its owner free at once."""
@@ -428,7 +436,10 @@ class EngineCore:
         results, self._drained = self._drained, []
         handoff = self.handoff
         if handoff is not None:
-            results.extend(handoff.progress())
+            for ended in handoff.progress():  # a failed read ends its request: drop its runner state
+                if ended.finished:
+                    self.runner.forget(ended.request_id)
+                results.append(ended)
         scheduler = self.scheduler
         if self.in_flight is None:
             if not (scheduler.running or scheduler.waiting):
@@ -599,13 +610,30 @@ class EngineCore:
     # -- what a worker actor reports and asks (it never reaches into the scheduler or the cache) -----
     # Nothing here changes a request; only pins and the eviction order of free cached blocks change
     # (``pin_prefix`` / ``unpin_prefix`` / ``refresh_prefix``).
-    def load(self) -> tuple[float, int, float]:
-        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use)."""
+    def load(self) -> tuple[float, int, float, float]:
+        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use,
+        seconds to promote one host-tier hit token: ``promote_s_per_token``, 0 without a host
+        tier), the fields of ``engine.routing.WorkerLoad``."""
         scheduler = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
         queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
         running = len(scheduler.running) + len(scheduler.waiting_for_kv)
-        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage))
+        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage)), self.promote_s_per_token()
+
+    def promote_s_per_token(self) -> float:
+        """Seconds the host tier takes to copy one hit token's KV back to the device: the bytes a
+        hit token moves (per pool, a block's bytes over the block size of its groups) over the
+        measured copy bandwidth (``kv_cache.offload.promote_gib_s`` until measured); 0 without
+        a host tier."""
+        memory = self.runner.host_kv
+        if memory is None or self.coordinator.host is None:
+            return 0.0
+        coordinator = self.coordinator
+        per_token = 0.0
+        for p in range(coordinator.num_pools):
+            sizes = [g.spec.block_size for g in coordinator.groups if g.pool == p]
+            per_token += memory.block_bytes(p) / min(sizes)
+        return per_token / memory.bandwidth(self.config.kv_cache.offload.promote_gib_s * 2**30)
 
     def cache_gauges(self) -> dict[str, float]:
         """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
@@ -629,12 +657,16 @@ class EngineCore:
         """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
         return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
 
-    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Pin the cached prefix; returns the tokens pinned."""
-        return self.coordinator.pin_prefix(block_hashes, num_tokens)
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:
+        """Pin the cached prefix in ``tier`` ("device": kept on the device, moved to the host tier
+        pinned under pressure; "host": held in the host tier only, ``kv_cache.offload``); returns
+        the tokens pinned (``HybridCoordinator.pin_prefix``). A host-tier pin's copies run before
+        the next forward, with the other queued host-tier copies."""
+        return self.coordinator.pin_prefix(block_hashes, num_tokens, tier)
 
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
-        return self.coordinator.unpin_prefix(block_hashes, num_tokens)
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> bool:
+        """Undo one ``pin_prefix`` with the same arguments; False if no such pin is held."""
+        return self.coordinator.unpin_prefix(block_hashes, num_tokens, tier)
 
     def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
@@ -656,8 +688,9 @@ class EngineCore:
         """Sequence number of the last KV event emitted."""
         return self.coordinator.event_seq
 
-    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
-        """(event seq, per group every cached hash and its pin level): a router resync."""
+    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...], tuple[dict[bytes, int], ...]]:
+        """(event seq, per group every cached hash and its pin level, the same of the host tier):
+        a router resync (the fields of ``engine.routing.WorkerSnapshot``)."""
         return self.coordinator.snapshot()
 
     def stats(self) -> dict[str, Any]:
@@ -690,11 +723,16 @@ class EngineCore:
     def host_tier_stats(self) -> dict[str, Any] | None:
         """The host tier (``kv_cache.offload``; None when off): per pool its usable and cached
         blocks, the blocks offloaded / refreshed (already there) / dropped (no free host block) /
-        promoted, the bytes copied each way and the host-side seconds the copies took."""
+        promoted, the bytes copied each way and the host-side seconds the copies took, and the
+        hit tokens each tier served (``hit_tokens``: device + host == ``stats()["hit_tokens"]``;
+        a request's host part is its ``num_host_cached_tokens``)."""
         host, memory = self.coordinator.host, self.runner.host_kv
         if host is None or memory is None:
             return None
+        scheduler = self.scheduler
         return {
+            "hit_tokens": {"device": scheduler.hit_tokens - scheduler.host_hit_tokens,
+                           "host": scheduler.host_hit_tokens},
             "pools": [{"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
                       for p, pool in enumerate(host.pools)],
             **asdict(host.counters),

@@ -45,6 +45,22 @@ class HostKVMemory:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host)
 
+    def block_bytes(self, pool: int) -> int:
+        """Bytes one block of ``pool`` holds over all its slots (what a copy of it moves)."""
+        return sum(self.host[s].shape[1] * self.host[s].element_size() for s in self._slots_of(pool))
+
+    #: copies measured before the measured bandwidth replaces the default (smaller samples are
+    #: mostly call overhead)
+    MEASURED_BYTES = 1 << 20
+
+    def bandwidth(self, default: float) -> float:
+        """Bytes per second the copies ran at (``default`` until ``MEASURED_BYTES`` were copied;
+        on CUDA host-side seconds, the time to queue them, bound it from above)."""
+        moved = self.bytes_to_host + self.bytes_to_device
+        if moved < self.MEASURED_BYTES or self.seconds <= 0:
+            return default
+        return moved / self.seconds
+
     def _slots_of(self, pool: int) -> range:
         first = self.layout.slot_index(pool, 0)
         return range(first, first + self.layout.pools[pool].num_slots)

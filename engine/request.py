@@ -63,6 +63,7 @@ class Request(CacheRequest):
         "kv_loaded_at",
         "num_cached_tokens",
         "num_external_tokens",
+        "num_host_cached_tokens",
         "num_preemptions",
         "prefill_only",
         "prompt_len",
@@ -100,6 +101,7 @@ class Request(CacheRequest):
         self.eos_token_id = eos_token_id
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # hit + external tokens at first admission
+        self.num_host_cached_tokens = 0  # the part of the hit the host tier served (at first admission)
         self.num_external_tokens = 0
         self.chunk_stop = 0
         self.stop_reason: int | str | None = None
@@ -122,14 +124,22 @@ class Request(CacheRequest):
         return self.sampling.prompt_logprobs is not None and len(self.token_ids) == self.prompt_len
 
     def check_stop_token(self, token_id: int) -> RequestStatus | None:
-        """Finish status after appending ``token_id`` (stop strings are checked by the detokenizer)."""
-        sampling = self.sampling
-        if not sampling.ignore_eos and token_id == self.eos_token_id:
+        """Finish status after appending ``token_id`` (``stop_status``)."""
+        status = stop_status(self.sampling, token_id, self.num_output_tokens, self.eos_token_id)
+        if status is RequestStatus.FINISHED_STOPPED:
             self.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in sampling.stop_token_ids:
-            self.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= sampling.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return status
+
+
+def stop_status(
+    sampling: SamplingParams, last_token: int, num_output_tokens: int, eos_token_id: int | None
+) -> RequestStatus | None:
+    """The engine's stop rule for an output whose last token is ``last_token``: stopped by the
+    end-of-sequence token (unless ``ignore_eos``) or a stop token, else length-finished at
+    ``max_tokens``, else not finished. Stop strings are the detokenizer's
+    (``engine.tokenizer.IncrementalDetokenizer``)."""
+    if (not sampling.ignore_eos and last_token == eos_token_id) or last_token in sampling.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if num_output_tokens >= sampling.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -40,8 +40,6 @@ NO_TOKEN = "sampling failed: no token can be sampled with this request's paramet
 FAILED_NON_FINITE, FAILED_NO_TOKEN = -1, -2
 #: positions of prompt logprobs computed per logits call (bounds the [rows, vocab] temporaries)
 PROMPT_LOGPROBS_ROWS = 256
-#: SamplingParams objects whose flags the sampler caches before it starts over
-FLAG_CACHE_SIZE = 4096
 _MASK64 = (1 << 64) - 1
 
 
@@ -108,28 +106,6 @@ def to_device(values: Sequence[object], device: torch.device, dtype: torch.dtype
     CUDA a pageable copy would: through pinned memory, copied non-blocking)."""
     host = torch.tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-
-def is_plain_greedy(sp: SamplingParams) -> bool:
-    """Greedy with nothing that changes the logits and no logprobs: the argmax of the raw logits."""
-    return sp.temperature == 0.0 and sp.logprobs is None and not changes_logits(sp)
-
-
-def penalises(sp: SamplingParams) -> bool:
-    """Whether a repetition, frequency or presence penalty applies."""
-    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-
-
-def changes_logits(sp: SamplingParams) -> bool:
-    """Whether a penalty, a bias or a structured-output mask applies to the row's logits."""
-    return penalises(sp) or bool(sp.logit_bias) or sp.structured is not None
-
-
-def launchable(sp: SamplingParams) -> bool:
-    """Whether a row can be sampled in a step whose input token the host does not know yet
-    (``Scheduler.schedule_continuation``): nothing reads the output history (penalties) or is
-    reported beside the token (logprobs), and no host-built mask applies."""
-    return not changes_logits(sp) and sp.logprobs is None and sp.prompt_logprobs is None
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -214,26 +190,15 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generator = torch.Generator(device=device)
-        # (is_plain_greedy, launchable) of each SamplingParams seen, keyed by identity (the entry
-        # holds the object, so its id is not reused while cached): checking every row's fields
-        # each step costs more than the plain greedy step's argmax on small vocabularies
-        self._flags: dict[int, tuple[SamplingParams, bool, bool]] = {}
-
-    def _flags_of(self, sp: SamplingParams) -> tuple[SamplingParams, bool, bool]:
-        flags = self._flags.get(id(sp))
-        if flags is None or flags[0] is not sp:
-            if len(self._flags) >= FLAG_CACHE_SIZE:
-                self._flags.clear()
-            flags = self._flags[id(sp)] = (sp, is_plain_greedy(sp), launchable(sp))
-        return flags
 
     def all_plain_greedy(self, rows: Iterable[SamplingRow]) -> bool:
-        """Whether every row is plain greedy (``is_plain_greedy``): the argmax fast path."""
-        return all(self._flags_of(row.sampling)[1] for row in rows)
+        """Whether every row is plain greedy (``SamplingParams.plain_greedy``): the argmax fast path."""
+        return all(row.sampling.plain_greedy for row in rows)
 
     def all_launchable(self, rows: Iterable[SamplingRow]) -> bool:
-        """Whether every row can be sampled before the host knows its last token (``launchable``)."""
-        return all(self._flags_of(row.sampling)[2] for row in rows)
+        """Whether every row can be sampled before the host knows its last token
+        (``SamplingParams.launchable``)."""
+        return all(row.sampling.launchable for row in rows)
 
     # -- the step's samples --------------------------------------------------------------------------
     def sample(
@@ -319,7 +284,7 @@ class Sampler:
         distribution its token is drawn from; a greedy row's argmax is its token."""
         x = logits.float().clone()
         params = [row.sampling for row in rows]
-        penalised = [i for i, sp in enumerate(params) if penalises(sp)]
+        penalised = [i for i, sp in enumerate(params) if sp.penalises]
         if penalised:
             self._apply_penalties(x, rows, penalised)
         vocab = x.shape[1]

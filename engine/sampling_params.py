@@ -11,6 +11,7 @@ Equality and hashing ignore ``extra``, as the dataclass this replaces did.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -130,9 +131,37 @@ class SamplingParams(BaseModel):
             return tuple(tuple(pair) if isinstance(pair, list) else pair for pair in bias)
         raise ValueError(f"must map token ids to biases (got {short_repr(bias)})")
 
+    def model_post_init(self, context: object, /) -> None:
+        # the flags the sampler reads for every row of every step, computed once (a frozen model:
+        # they never change; ``replace`` builds a new instance)
+        for flag in ("penalises", "changes_logits", "plain_greedy", "launchable"):
+            getattr(self, flag)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def penalises(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @cached_property
+    def changes_logits(self) -> bool:
+        """Whether a penalty, a bias or a structured-output mask applies to the row's logits."""
+        return self.penalises or bool(self.logit_bias) or self.structured is not None
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits and no logprobs: the argmax of the raw logits."""
+        return self.temperature == 0.0 and self.logprobs is None and not self.changes_logits
+
+    @cached_property
+    def launchable(self) -> bool:
+        """Whether a row can be sampled in a step whose input token the host does not know yet
+        (``Scheduler.schedule_continuation``): nothing reads the output history (penalties) or is
+        reported beside the token (logprobs), and no host-built mask applies."""
+        return not self.changes_logits and self.logprobs is None and self.prompt_logprobs is None
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied, validated like a new instance."""

@@ -150,7 +150,15 @@ class Scheduler:
         self.mamba_align = coordinator.alignment if mamba else 0
         self.num_preemptions = 0
         self.hit_tokens = 0
+        self.host_hit_tokens = 0  # the part of ``hit_tokens`` the host tier served
         self.queried_tokens = 0
+
+    def _count_hit(self, request: Request, hit: CacheHit) -> None:
+        """Count a first admission's hit, per tier (the request keeps its host part)."""
+        host = self.coordinator.host_hit_tokens(hit)
+        request.num_host_cached_tokens = host
+        self.hit_tokens += hit.num_tokens
+        self.host_hit_tokens += host
 
     # -- intake -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -244,7 +252,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.scheduled_at = time.monotonic()
                 request.num_cached_tokens = hit.num_tokens
-                self.hit_tokens += hit.num_tokens
+                self._count_hit(request, hit)
                 self.queried_tokens += request.num_tokens
             request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
@@ -418,7 +426,7 @@ class Scheduler:
         request.num_computed_tokens = hit.num_tokens
         request.num_external_tokens = num_external
         request.status = RequestStatus.WAITING_FOR_KV
-        self.hit_tokens += hit.num_tokens
+        self._count_hit(request, hit)
         self.queried_tokens += request.num_tokens
         self.waiting_for_kv[request.request_id] = request
         return coord.block_ids(request.request_id)

@@ -117,7 +117,7 @@ def build_api(cluster: Cluster) -> FastAPI:
     async def create_pin(request: Request) -> JSONResponse:
         body = await _parse(request, PinRequest)
         try:
-            pin_id = await cluster.apin_prefix(body.prefix, body.replicas, body.ttl, wait=False)
+            pin_id = await cluster.apin_prefix(body.prefix, body.replicas, body.ttl, tier=body.tier, wait=False)
         except ValueError as exc:
             raise bad_request(leading_field(str(exc)), str(exc)) from None
         record = next((p for p in await cluster.apins() if p["pin_id"] == pin_id), {"pin_id": pin_id})

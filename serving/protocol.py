@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from configs.load import VALIDATION_MESSAGES
+from engine.kv_cache.coordinator_types import PinTier
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from engine.validation import InvalidRequestError, check_cache_salt
 from serving.tools import (
@@ -310,11 +311,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class PinRequest(_Body):
-    """``POST /v1/pins``: keep a prefix (text or token ids) resident on ``replicas`` workers."""
+    """``POST /v1/pins``: keep a prefix (text or token ids) resident on ``replicas`` workers, in
+    device memory or in the host tier only (``tier``, ``Cluster.pin_prefix``)."""
 
     prefix: Any
     replicas: Annotated[int, Field(ge=1)] = 1
     ttl: Annotated[FiniteFloat, Field(gt=0.0)] | None = None
+    tier: PinTier = "device"
 
     @field_validator("prefix", mode="before")
     @classmethod

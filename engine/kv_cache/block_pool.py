@@ -24,6 +24,7 @@ from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED,
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,
+    BlockPromoted,
     BlockRemoved,
     BlockStored,
     BlockUnpinned,
@@ -330,8 +331,11 @@ class BlockPool:
                 self._emit(BlockUnpinned(self._next_seq(), group, tuple(hashes), self.index))
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def cache_blocks(self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int) -> None:
-        """Register ``blocks[start:end]`` of a request's table under ``hashes[start:end]``.
+    def cache_blocks(
+        self, group: int, blocks: list[Block], hashes: list[bytes], start: int, end: int, promoted: bool = False
+    ) -> None:
+        """Register ``blocks[start:end]`` of a request's table under ``hashes[start:end]``
+        (``promoted``: their contents come from the host tier, announced as ``BlockPromoted``).
 
         Null blocks and blocks already cached (prefix hits) are skipped. The map holds one block
         per hash: when the same content was recomputed into a new block, the new block takes over
@@ -357,7 +361,7 @@ class BlockPool:
             block.group = group
             table[block_hash] = block
         if stored:
-            self._emit(BlockStored(self._next_seq(), group, tuple(stored), self.index))
+            self._emit((BlockPromoted if promoted else BlockStored)(self._next_seq(), group, tuple(stored), self.index))
 
     def _uncache(self, block: Block, block_hash: bytes, removed: dict[int, list[bytes]] | None) -> None:
         del self.cached[block.group][block_hash]

@@ -14,12 +14,14 @@ Responsibilities, each over all groups (and pools) at once:
 - retention: sliding-window anchors at useful boundaries and explicit prefix pins;
 - the host tier (optional, ``engine.kv_cache.host_tier``): evicted cached blocks offloaded to host
   pools, hits looked up in both tiers per group, host blocks of a hit promoted at admission;
+  pinned blocks stay pinned in the host tier (``pin_prefix``'s ``tier``);
 - ``check_invariants()`` for tests.
 
 ``HybridCoordinator`` lives whole here: construction, hits, allocation and caching, then its
 read-only views (capacity, block tables, the event feed, invariants), explicit prefix pins (a
-prefix pin keeps, in every group, the blocks a hit at the prefix's end needs in the pool's
-explicit tier; pins of one prefix are counted) and block release (``free``,
+prefix pin keeps, in every group, the blocks a hit at the prefix's end needs in the explicit tier
+of the device pool, or of the host pool for a host-tier pin; pins of one prefix are counted) and
+block release (``free``,
 ``remove_skipped_blocks``, ``discard_uncomputed``).
 """
 
@@ -32,14 +34,16 @@ from operator import attrgetter
 from engine.kv_cache.attention_managers import NEVER_SKIPS, FullAttentionManager, SlidingWindowManager
 from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
 from engine.kv_cache.coordinator_types import (
+    PIN_TIERS,
     CacheHit,
+    PinTier,
     PoolStats,
     RetentionOptions,
     _check_pools,
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.host_tier import HostTier, TierCopy
+from engine.kv_cache.host_tier import HostTier, TierCopy, host_hit_tokens
 from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
@@ -52,7 +56,8 @@ _NO_BLOCKS: list[Block] = []
 
 
 class _PrefixPin:
-    """Explicit pins of one prefix: how many are held, and every (group, hash) they pinned."""
+    """Explicit pins of one prefix in one tier: how many are held, and every (group, hash) they
+    pinned."""
 
     __slots__ = ("blocks", "count")
 
@@ -85,11 +90,13 @@ class HybridCoordinator:
     exactly one free/pinned queue of its pool iff unreferenced; free + pinned + in use ==
     num_blocks - 1; a non-null block lives in one group only, and that group draws from the
     block's pool (a block never moves between pools); the hash maps match the blocks; each
-    allocation took exactly the predicted number of blocks from every pool. Prefix pins: a block
-    is explicitly pinned in its pool while some record of ``_prefix_pins`` lists it, and
-    ``_explicit_pins[key]`` equals the number of records listing ``key`` (``reset_prefix_cache``
-    empties both). Release: a freed request leaves ``_admitted`` and holds no block in any group;
-    ``free`` of an unknown request is a no-op; each group releases its blocks tail first.
+    allocation took exactly the predicted number of blocks from every pool. Prefix pins: a device
+    block is explicitly pinned in its pool only while some device-tier record of ``_prefix_pins``
+    lists it (the pool demotes pins under pressure), a host block exactly while some record of
+    either tier does; ``_explicit_pins[key]`` / ``_host_pins[key]`` equal the number of device- /
+    host-tier records listing ``key`` (``reset_prefix_cache`` empties all three). Release: a freed
+    request leaves ``_admitted`` and holds no block in any group; ``free`` of an unknown request is
+    a no-op; each group releases its blocks tail first.
     """
 
     def __init__(
@@ -167,8 +174,9 @@ class HybridCoordinator:
         self._no_hit: tuple[list[Block], ...] = tuple([] for _ in groups)
         self._no_new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
         self._admitted: dict[str, _Admitted] = {}
-        self._explicit_pins: Counter[tuple[int, bytes]] = Counter()
-        self._prefix_pins: dict[tuple[int, bytes], _PrefixPin] = {}
+        self._explicit_pins: Counter[tuple[int, bytes]] = Counter()  # device-tier pins per (group, hash)
+        self._host_pins: Counter[tuple[int, bytes]] = Counter()  # host-tier pins per (group, hash)
+        self._prefix_pins: dict[tuple[int, bytes, PinTier], _PrefixPin] = {}
         self._nothing_allocated: list[tuple[int, int]] = [(0, 0)] * num_pools
         self._last_allocation = self._nothing_allocated
         # The host tier: per group, the device map and the map over both tiers (device first);
@@ -180,7 +188,7 @@ class HybridCoordinator:
         self._device_maps: list[dict[bytes, Block]] = [pool.cached[g] for g, pool in self._group_pools()]
         self._tiered_maps: list[Mapping[bytes, Block]] = []
         if host_blocks is not None and enable_caching:
-            host = HostTier(per_pool("host_blocks", host_blocks, num_pools), len(groups))
+            host = HostTier(per_pool("host_blocks", host_blocks, num_pools), len(groups), self.events, self.is_pinned)
             for p, pool in enumerate(self.pools):
                 pool.offload = host.offloader(p)
             self._tiered_maps = [
@@ -463,7 +471,9 @@ class HybridCoordinator:
             host.promote(block, fresh[0].block_id)
             manager.place(request_id, index, fresh[0])
             assert block.block_hash is not None, "host blocks of a hit come from the host maps"
-            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1)
+            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1, promoted=True)
+            if (g, block.block_hash) in self._explicit_pins:  # a device-tier pin: pinned on the device again
+                manager.pool.retain(fresh, TIER_EXPLICIT)
         host.unlock(locked)
 
     def take_tier_copies(self) -> list[TierCopy]:
@@ -580,7 +590,10 @@ class HybridCoordinator:
 
     # -- events and maintenance ------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
-        """Drain the KV events of every pool since the last call (one sequence, in order)."""
+        """Drain the KV events of every pool and of the host tier since the last call (one
+        sequence, in order)."""
+        if self.host is not None:
+            self.host.flush_events()
         return self.events.take()
 
     # -- invariants ---------------------------------------------------------------------------------------------
@@ -594,44 +607,127 @@ class HybridCoordinator:
     # -- read-only views for the router ---------------------------------------------------------------
     @property
     def event_seq(self) -> int:
-        """Sequence number of the last KV event this worker emitted (0 before the first)."""
+        """Sequence number of the last KV event this worker emitted (0 before the first; the host
+        tier's changes are numbered first)."""
+        if self.host is not None:
+            self.host.flush_events()
         return self.events.seq
 
-    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...]]:
-        """``(event_seq, per-group {hash: pin level})`` of the prefix cache over all pools: what a
-        router resyncs from after a gap in the event stream. The dicts are fresh copies."""
-        return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers)
+    def snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...], tuple[dict[bytes, int], ...]]:
+        """``(event_seq, per-group {hash: pin level} of the device tier, the same of the host tier)``
+        over all pools (no host tier: empty dicts): what a router resyncs from after a gap in the
+        event stream. The dicts are fresh copies."""
+        host = self.host
+        if host is None:
+            hosted: tuple[dict[bytes, int], ...] = tuple({} for _ in self.managers)
+        else:
+            host.flush_events()
+            hosted = host.snapshot(len(self.managers), self.group_pool)
+        return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers), hosted
+
+    def host_hit_tokens(self, hit: CacheHit) -> int:
+        """Tokens of ``hit`` served from the host tier (``host_tier.host_hit_tokens``: the
+        positions its host blocks cover); the rest are the device's. 0 without a host tier."""
+        if self.host is None or not hit.num_tokens:
+            return 0
+        is_host = HostTier.is_host
+        sizes = [m.block_size for m in self.managers]
+        found = [(i, sizes[g]) for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks) if is_host(b)]
+        return host_hit_tokens(hit.num_tokens, self.hash_block_size, found) if found else 0
 
     # -- explicit prefix pins ------------------------------------------------------------------------------
-    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:
         """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
-        length (the longest aligned cached hit <= num_tokens; 0 if nothing is cached yet).
+        length (the longest aligned cached hit <= num_tokens, over both tiers when there is a host
+        tier; 0 if nothing is cached yet, or if a host-tier pin finds no room).
 
-        Pins of one prefix (same hashes and ``num_tokens``) are counted: the blocks stay pinned
-        until as many ``unpin_prefix`` calls with the same arguments as there were pins.
+        ``tier="device"``: device blocks go to their pool's explicit tier, and host copies of the
+        same (group, hash) to the host pool's; when the device pool must give such a block up
+        (demotion under pressure) it is offloaded pinned, and a hit promotes it back and pins the
+        device copy again. ``tier="host"`` (needs a host tier): the blocks are held pinned in the
+        host tier only (device-only ones are copied there now; nothing on the device is pinned),
+        so the pin costs no device memory and a hit promotes them. A host-tier pin is all or
+        nothing: when the host pools' unpinned blocks cannot take the blocks it must copy, it pins
+        nothing and returns 0 (docs/architecture.md, "The hybrid KV cache": pins in the host tier).
+
+        Pins of one prefix (same hashes, ``num_tokens`` and ``tier``) are counted: the blocks stay
+        pinned until as many ``unpin_prefix`` calls with the same arguments as there were pins.
         """
-        key = self._prefix_key(block_hashes, num_tokens)
+        if tier not in PIN_TIERS:
+            raise ValueError(f"tier: must be one of {', '.join(PIN_TIERS)} (got {tier!r})")
+        host = self.host
+        if tier == "host" and host is None:
+            raise ValueError("tier: 'host' needs a host tier (kv_cache.offload.enabled; got tier='host')")
+        key = self._prefix_key(block_hashes, num_tokens, tier)
         record = self._prefix_pins.setdefault(key, _PrefixPin())
         record.count += 1
-        hit = self.find_longest_cache_hit(block_hashes, num_tokens, include_host=False)
+        hit = self.find_longest_cache_hit(block_hashes, num_tokens)
         if hit.num_tokens == 0:
             return 0
-        for g, manager in enumerate(self.managers):
-            needed = [hit.blocks[g][i] for i in manager.blocks_needed_at(hit.num_tokens)]
-            for block in needed:
-                if block.block_hash is None:  # never: hit blocks come from the prefix-cache maps
-                    continue
-                block_key = (g, block.block_hash)
-                if block_key not in record.blocks:
-                    record.blocks.add(block_key)
-                    self._explicit_pins[block_key] += 1
-            manager.pool.retain(needed, TIER_EXPLICIT)
+        needed = [[hit.blocks[g][i] for i in m.blocks_needed_at(hit.num_tokens)] for g, m in enumerate(self.managers)]
+        if tier == "host":
+            return hit.num_tokens if self._pin_in_host(record, needed) else 0
+        for g, blocks in enumerate(needed):
+            hashes = self._record(record, g, blocks, self._explicit_pins)
+            self.managers[g].pool.retain([b for b in blocks if not HostTier.is_host(b)], TIER_EXPLICIT)
+            if host is not None:
+                host.pin(self.group_pool[g], g, hashes)
         return hit.num_tokens
 
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int) -> bool:
-        """Undo one ``pin_prefix(block_hashes, num_tokens)``; the prefix's blocks are released
+    @staticmethod
+    def _record(record: _PrefixPin, group: int, blocks: list[Block], counts: Counter[tuple[int, bytes]]) -> list[bytes]:
+        """Count the (group, hash) of ``blocks`` the record does not list yet; returns their hashes."""
+        hashes = []
+        for block in blocks:
+            if block.block_hash is None:  # never: hit blocks come from the prefix-cache maps
+                continue
+            block_key = (group, block.block_hash)
+            hashes.append(block.block_hash)
+            if block_key not in record.blocks:
+                record.blocks.add(block_key)
+                counts[block_key] += 1
+        return hashes
+
+    def _pin_in_host(self, record: _PrefixPin, needed: list[list[Block]]) -> bool:
+        """A host-tier pin of the hit's ``needed`` blocks per group: pin the host copies, copy the
+        device-only blocks into unpinned host blocks (pinned at once); False, pinning nothing,
+        when some host pool has too few unpinned blocks for them."""
+        host = self.host
+        assert host is not None, "a host-tier pin needs a host tier"
+        copies = [0] * len(self.pools)  # device-only blocks to copy, per pool
+        held = [0] * len(self.pools)  # needed host copies in the LRU queue now (the copies must not evict them)
+        for g, blocks in enumerate(needed):
+            p = self.group_pool[g]
+            hosted = host.pools[p].cached[g]
+            for block in blocks:
+                copy = block if HostTier.is_host(block) else hosted.get(block.block_hash)  # type: ignore[arg-type]  # hit blocks are cached
+                if copy is None:
+                    copies[p] += 1
+                elif not copy.tier and not copy.ref_cnt:
+                    held[p] += 1
+        if any(copies[p] > host.room(p) - held[p] for p in range(len(self.pools))):
+            return False
+        for g, blocks in enumerate(needed):  # first the copies there (out of the LRU queue), then the rest
+            host.pin(self.group_pool[g], g, self._record(record, g, blocks, self._host_pins))
+        for g, blocks in enumerate(needed):
+            p = self.group_pool[g]
+            hosted = host.pools[p].cached[g]
+            for block in blocks:
+                if not HostTier.is_host(block) and block.block_hash not in hosted:
+                    host.offload(p, block.block_id, g, block.block_hash)  # type: ignore[arg-type]  # cached
+        return True
+
+    def is_pinned(self, group: int, block_hash: bytes) -> bool:
+        """Whether a prefix pin of either tier holds (group, hash) (the host tier pins it there)."""
+        key = (group, block_hash)
+        return key in self._explicit_pins or key in self._host_pins
+
+    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> bool:
+        """Undo one ``pin_prefix(block_hashes, num_tokens, tier)``; the prefix's blocks are released
         with its last pin, and blocks other prefixes' pins need stay pinned. False if not pinned."""
-        key = self._prefix_key(block_hashes, num_tokens)
+        if tier not in PIN_TIERS:
+            raise ValueError(f"tier: must be one of {', '.join(PIN_TIERS)} (got {tier!r})")
+        key = self._prefix_key(block_hashes, num_tokens, tier)
         record = self._prefix_pins.get(key)
         if record is None:
             return False
@@ -639,23 +735,32 @@ class HybridCoordinator:
         if record.count:
             return True
         del self._prefix_pins[key]
+        counts = self._explicit_pins if tier == "device" else self._host_pins
         release: dict[int, list[Block]] = {}
+        release_host: dict[int, list[bytes]] = {}
         for block_key in record.blocks:
-            count = self._explicit_pins[block_key] - 1
+            count = counts[block_key] - 1
             if count > 0:
-                self._explicit_pins[block_key] = count
+                counts[block_key] = count
                 continue
-            del self._explicit_pins[block_key]
-            block = self.managers[block_key[0]].cached.get(block_key[1])
-            if block is not None:
-                release.setdefault(block_key[0], []).append(block)
+            del counts[block_key]
+            g, block_hash = block_key
+            if tier == "device":
+                block = self.managers[g].cached.get(block_hash)
+                if block is not None:
+                    release.setdefault(g, []).append(block)
+            if self.host is not None and not self.is_pinned(g, block_hash):
+                release_host.setdefault(g, []).append(block_hash)
         for g, blocks in release.items():
             self.managers[g].pool.release_tier(blocks, TIER_EXPLICIT)
+        if self.host is not None:
+            for g, hashes in release_host.items():
+                self.host.release(self.group_pool[g], g, hashes)
         return True
 
-    def _prefix_key(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, bytes]:
+    def _prefix_key(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier) -> tuple[int, bytes, PinTier]:
         full = min(num_tokens // self.hash_block_size, len(block_hashes))
-        return num_tokens, block_hashes[full - 1] if full else b""
+        return num_tokens, block_hashes[full - 1] if full else b"", tier
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash and pin in every pool; refused (False) while any pool has a
@@ -668,6 +773,7 @@ class HybridCoordinator:
             self.host.clear()
         self.events.emit(AllBlocksCleared(self.events.next_seq()))
         self._explicit_pins.clear()
+        self._host_pins.clear()
         self._prefix_pins.clear()
         return True
 

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from engine.kv_cache.block_pool import Block
 
 #: a per-pool value: a block count, or a block count that may be None (no cap)
 PoolValue = TypeVar("PoolValue", int, int | None)
+#: where a prefix pin keeps its blocks (``HybridCoordinator.pin_prefix``): ``"device"`` in the device
+#: pools (moved to the host tier, still pinned, when the device must give them up), ``"host"`` in
+#: the host tier only
+PinTier = Literal["device", "host"]
+PIN_TIERS: tuple[PinTier, ...] = ("device", "host")
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,45 @@ an offload reads a device block before its new owner writes it, a promote reads 
 before a later offload reuses it. The host pools reuse ``BlockPool``: a host block is free (no
 hash) or cached, ref count 0, except while an admission promotes it (``lock`` / ``unlock``:
 a locked block is out of the LRU queue, so no offload of that admission can take it).
+
+- **Pins.** A (group, hash) some prefix pin holds (``is_pinned``, the coordinator's pin counts:
+  docs/architecture.md, "The hybrid KV cache": pins in the host tier) sits in its host pool's
+  explicit tier whenever the host tier has it: ``offload`` pins what it stores or refreshes,
+  ``pin`` / ``release`` follow the coordinator's pins. Only unpinned host blocks are ever reused
+  (the free queue's head); a pinned one leaves the tier only when its last pin is released (then
+  it is an ordinary LRU block) or the cache is reset. A host tier full of pins takes no further
+  block, pinned or not: the arriving block is dropped (``TierCounters.dropped``, and
+  ``pins_dropped`` when it was pinned), so the pins already there stay whole.
+
+Events (``engine.kv_cache.events``): with the worker's event log enabled, every hash that enters
+a host pool is announced by ``BlockOffloaded`` and every hash that leaves one (its host block
+reused by the LRU) by ``BlockDropped``, on the worker's one sequence. The tier notes them in
+order as they happen (offloads come one block at a time, from inside a device pool's
+allocation) and ``flush_events`` numbers them, one event per run of one kind, pool and group,
+before anyone reads the log (``HybridCoordinator.take_events`` / ``snapshot``). The host maps
+change only through the host events, so their order among themselves is the order of the changes.
+Promotes change no host entry (the device announces ``BlockPromoted``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_cache.block_pool import Block, BlockPool
+from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
+from engine.kv_cache.events import BlockDropped, BlockOffloaded, EventLog
 
 #: host pools are numbered from here (``Block.pool`` of a host block: ``HOST_POOL_BASE + p``), so a
 #: hit's blocks say which tier they are in
 HOST_POOL_BASE = 1 << 16
 #: what a device pool calls for each cached block it evicts: (device block id, group, hash)
 Offload = Callable[[int, int, bytes], None]
+#: whether some prefix pin holds (group, hash)
+IsPinned = Callable[[int, bytes], bool]
+
+
+def _never_pinned(group: int, block_hash: bytes) -> bool:
+    return False
 
 
 @dataclass(slots=True)
@@ -52,12 +77,13 @@ class TierCopy:
 @dataclass
 class TierCounters:
     """Blocks offloaded (copied to the host), refreshed (already there), dropped (no host block
-    free) and promoted (copied back), since the tier was built."""
+    free; ``pins_dropped`` of them pinned) and promoted (copied back), since the tier was built."""
 
     offloaded: int = 0
     refreshed: int = 0
     dropped: int = 0
     promoted: int = 0
+    pins_dropped: int = 0
 
 
 class HostTier:
@@ -66,16 +92,29 @@ class HostTier:
     Invariants (``engine.kv_cache.invariants.check_host_tier``): every host pool satisfies the
     pool invariants with no block referenced outside an admission; its hash maps hold only
     groups of the matching device pool; ``copies`` lists batches in the order they must run,
-    each naming valid block ids of its pool and no target twice.
+    each naming valid block ids of its pool and no target twice; a cached host block is in its
+    pool's explicit tier iff ``is_pinned`` holds for its (group, hash).
     """
 
-    def __init__(self, num_blocks: Sequence[int], num_groups: int):
+    def __init__(
+        self,
+        num_blocks: Sequence[int],
+        num_groups: int,
+        events: EventLog | None = None,
+        is_pinned: IsPinned = _never_pinned,
+    ):
+        """``events``: the worker's event log (host events go there when it is enabled);
+        ``is_pinned``: whether some prefix pin holds a (group, hash) (the coordinator's pin counts)."""
         self.pools = [
             BlockPool(n, num_groups, enable_caching=True, index=HOST_POOL_BASE + p) for p, n in enumerate(num_blocks)
         ]
         self.copies: list[TierCopy] = []
         self._targets: set[int] = set()  # target ids of the last batch in ``copies``
         self.counters = TierCounters()
+        self.log = events if events is not None and events.enabled else None
+        # host entries changed since the last ``flush_events``, in order: (entered?, pool, group, hash)
+        self._changes: list[tuple[bool, int, int, bytes]] = []
+        self.is_pinned = is_pinned
 
     @staticmethod
     def is_host(block: Block) -> bool:
@@ -86,19 +125,30 @@ class HostTier:
     def offload(self, pool: int, device_id: int, group: int, block_hash: bytes) -> None:
         """Device pool ``pool`` evicts its block ``device_id`` cached as (group, hash): keep a copy."""
         host = self.pools[pool]
+        pinned = self.is_pinned(group, block_hash)
         existing = host.cached[group].get(block_hash)
         if existing is not None:
             if existing.ref_cnt == 0:  # the same contents: mark them just used
                 host.touch((existing,))
                 host.free_blocks([existing])
+            if pinned:
+                host.retain((existing,), TIER_EXPLICIT)
             self.counters.refreshed += 1
             return
-        if host.free_queue.size == 0:  # every host block is locked by the admission under way
+        if host.free_queue.size == 0:  # every host block is pinned, or locked by the admission under way
             self.counters.dropped += 1
+            self.counters.pins_dropped += pinned
             return
-        block = host.get_new_blocks(1)[0]  # the least recently used host block (its entry dropped)
+        if self.log is not None:
+            victim: Block = host.free_queue.head.next  # type: ignore[assignment]  # size > 0: a real block
+            if victim.block_hash is not None:
+                self._changes.append((False, pool, victim.group, victim.block_hash))
+            self._changes.append((True, pool, group, block_hash))
+        block = host.get_new_blocks(1)[0]  # the least recently used unpinned host block (its entry dropped)
         host.cache_blocks(group, [block], [block_hash], 0, 1)
         host.free_blocks([block])  # cached: to the tail, the most recently used end
+        if pinned:
+            host.retain((block,), TIER_EXPLICIT)
         self._queue(pool, True, device_id, block.block_id)
         self.counters.offloaded += 1
 
@@ -109,6 +159,23 @@ class HostTier:
             self.offload(pool, device_id, group, block_hash)
 
         return offload
+
+    # -- pins -------------------------------------------------------------------------------------------
+    def pin(self, pool: int, group: int, hashes: Sequence[bytes]) -> None:
+        """Move the host copies of these (group, hash) entries, where held, to the explicit tier."""
+        host = self.pools[pool]
+        table = host.cached[group]
+        host.retain([block for block in map(table.get, hashes) if block is not None], TIER_EXPLICIT)
+
+    def release(self, pool: int, group: int, hashes: Sequence[bytes]) -> None:
+        """The last pin of these entries is gone: their host copies become ordinary LRU blocks."""
+        host = self.pools[pool]
+        table = host.cached[group]
+        host.release_tier([block for block in map(table.get, hashes) if block is not None], TIER_EXPLICIT)
+
+    def room(self, pool: int) -> int:
+        """Host blocks an offload into ``pool``'s host pool may take now (unpinned, unlocked)."""
+        return self.pools[pool].free_queue.size
 
     # -- promote ----------------------------------------------------------------------------------------
     def lock(self, blocks: list[Block]) -> None:
@@ -143,11 +210,50 @@ class HostTier:
         self._targets = set()
         return copies
 
+    # -- events ----------------------------------------------------------------------------------------
+    def flush_events(self) -> None:
+        """Number the host entries' changes noted since the last call and put them on the log:
+        one ``BlockOffloaded`` / ``BlockDropped`` per run of one kind, pool and group, in order."""
+        changes = self._changes
+        log = self.log
+        if not changes or log is None:
+            return
+        self._changes = []
+        run: list[bytes] = []
+        key = changes[0][:3]
+        for entered, pool, group, block_hash in changes:
+            if (entered, pool, group) != key:
+                log.emit((BlockOffloaded if key[0] else BlockDropped)(log.next_seq(), key[2], tuple(run), key[1]))
+                run = []
+                key = (entered, pool, group)
+            run.append(block_hash)
+        log.emit((BlockOffloaded if key[0] else BlockDropped)(log.next_seq(), key[2], tuple(run), key[1]))
+
     # -- views and maintenance -----------------------------------------------------------------------------
     def num_cached_blocks(self, pool: int) -> int:
         return sum(len(table) for table in self.pools[pool].cached)
 
+    def snapshot(self, num_groups: int, group_pool: Sequence[int]) -> tuple[dict[bytes, int], ...]:
+        """Per group, every hash the host tier holds and its pin level (fresh dicts)."""
+        return tuple(
+            {h: block.tier for h, block in self.pools[group_pool[g]].cached[g].items()} for g in range(num_groups)
+        )
+
     def clear(self) -> None:
-        """Forget every host entry (the prefix cache was reset); queued copies still run."""
+        """Forget every host entry (the prefix cache was reset: the caller announces it, so the
+        changes not yet flushed are moot); queued copies still run."""
         for pool in self.pools:
             pool.clear_prefix_cache()
+        self._changes = []
+
+
+def host_hit_tokens(num_tokens: int, unit: int, host_blocks: Iterable[tuple[int, int]]) -> int:
+    """The tokens of a hit of ``num_tokens`` served from the host tier: the positions some group's
+    host block of the hit covers (``host_blocks``: (table index, block size) of each; block sizes
+    are multiples of ``unit``, the hash granularity). The rest of the hit is the device's. One
+    rule for the coordinator's count and the router's prediction."""
+    covered = bytearray(num_tokens // unit)
+    for index, block_size in host_blocks:
+        per = block_size // unit
+        covered[index * per : (index + 1) * per] = b"\x01" * per
+    return covered.count(1) * unit

@@ -9,12 +9,14 @@ equal table references; a block is linked in exactly one queue (the one of its p
 unreferenced, and its ``prev``/``next`` are None iff it is linked nowhere; the null block is never
 queued, hashed or counted; free + pinned + in use == num_blocks - 1; hash maps hold only blocks
 of groups drawing from the pool, under their own hash; the retained tier is within its budget;
-the last allocation took exactly the predicted number of blocks from every pool.
+the last allocation took exactly the predicted number of blocks from every pool; a block in a
+device pool's explicit tier is held by a device-tier prefix pin.
 
 The host tier (``check_host_tier``), per host pool: the same pool invariants with no block
 referenced (host blocks are locked only inside an admission), hash maps only of the groups of the
-matching device pool; the queued copies name blocks of their pools, one direction per batch, no
-target twice in a batch.
+matching device pool; a cached host block is in the explicit tier exactly while a prefix pin of
+either tier holds its (group, hash), and none is in the retained tier; the queued copies name
+blocks of their pools, one direction per batch, no target twice in a batch.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ def check_coordinator(coord: HybridCoordinator) -> None:
         fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
     for pool in coord.pools:
         _check_pool(coord, pool, pool.index, refs, fail)
+        for block in pool.blocks:
+            if block.tier == TIER_EXPLICIT and (block.group, block.block_hash) not in coord._explicit_pins:
+                fail(f"pool {pool.index}: {block!r} is explicitly pinned but no device-tier prefix pin holds it")
     for p, (predicted, taken) in enumerate(coord._last_allocation):
         if predicted != taken:
             fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
@@ -117,6 +122,13 @@ def check_host_tier(coord: HybridCoordinator, host: HostTier) -> None:
         fail(f"host tier: {len(host.pools)} host pools for {len(coord.pools)} device pools")
     for p, pool in enumerate(host.pools):
         _check_pool(coord, pool, p, Counter(), fail)
+        if pool.retained.size:
+            fail(f"host pool {p}: {pool.retained.size} blocks in the retained tier (host blocks are pinned or not)")
+        for table in pool.cached:
+            for block_hash, block in table.items():
+                if (block.tier == TIER_EXPLICIT) != coord.is_pinned(block.group, block_hash):
+                    fail(f"host pool {p}: {block!r} pinned={block.tier == TIER_EXPLICIT} but pinned by a "
+                         f"prefix pin={coord.is_pinned(block.group, block_hash)}")  # fmt: skip
     for copy in host.copies:
         if not 0 <= copy.pool < len(coord.pools) or len(copy.device_ids) != len(copy.host_ids) or not copy.host_ids:
             fail(f"host tier: malformed copy batch {copy}")

@@ -7,11 +7,14 @@ index predicts every worker's hit at once with these rules.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.kv_cache.attention_managers import FullAttentionManager
 from engine.kv_cache.coordinator import HybridCoordinator
+from engine.kv_cache.host_tier import host_hit_tokens
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.spec import KVCacheGroup
@@ -26,16 +29,28 @@ GENERIC = -1  # needed ranges of no simpler shape: answered range by range
 @dataclass(frozen=True)
 class WorkerSnapshot:
     """A worker's prefix-cache state: per group, every cached hash and its pin level, as of the
-    pool's event sequence number ``seq`` (events with seq <= ``seq`` are already reflected)."""
+    pool's event sequence number ``seq`` (events with seq <= ``seq`` are already reflected);
+    ``host``: the same of its host tier (empty, or one empty dict per group: no host tier)."""
 
     seq: int
     groups: tuple[dict[bytes, int], ...]
+    host: tuple[dict[bytes, int], ...] = ()
 
 
 def snapshot_coordinator(coord: HybridCoordinator) -> WorkerSnapshot:
     """The snapshot a worker returns when the router asks for a resync (runs on the worker)."""
-    seq, groups = coord.snapshot()
-    return WorkerSnapshot(seq, groups)
+    seq, groups, host = coord.snapshot()
+    return WorkerSnapshot(seq, groups, host)
+
+
+class TieredHit(NamedTuple):
+    """A hit over both tiers: its tokens, the part of them served from the host tier
+    (``engine.kv_cache.host_tier.host_hit_tokens``), and the first checked group's depth (the
+    coordinator's ``CacheHit.shared_prefix_tokens``)."""
+
+    tokens: int
+    host_tokens: int
+    shared: int
 
 
 class HitRules:
@@ -101,13 +116,51 @@ class HitRules:
         return [m.view(hashes) for m in self.managers]
 
     def longest_hit(
-        self, tables: Sequence[Mapping[bytes, object]], hashes: Sequence[bytes], max_length: int, skip_mamba: bool
+        self,
+        tables: Sequence[Mapping[bytes, object]],
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool,
+        host_tables: Sequence[Mapping[bytes, object]] | None = None,
     ) -> int:
-        """The coordinator's own fixed point, evaluated on these per-group hash sets."""
+        """The coordinator's own fixed point, evaluated on these per-group hash sets (and, given
+        ``host_tables``, a host tier's: a needed block may be in either)."""
+        if host_tables is not None:
+            return self.tiered_hit(tables, host_tables, hashes, max_length, skip_mamba).tokens
         for manager, table in zip(self.managers, tables, strict=True):
             manager.cached = table  # type: ignore[assignment]  # the shadow managers only test membership
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         return self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba).num_tokens
+
+    def tiered_hit(
+        self,
+        tables: Sequence[Mapping[bytes, object]],
+        host_tables: Sequence[Mapping[bytes, object]],
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool,
+    ) -> TieredHit:
+        """The coordinator's fixed point over both tiers (a group serves a length when each block
+        its rule needs is in the device table or the host table, as ``find_longest_cache_hit``
+        with a host tier), and the tokens of that hit the host serves (device first, as the
+        coordinator takes a block from the device where it has one)."""
+        for manager, device, hosted in zip(self.managers, tables, host_tables, strict=True):
+            manager.cached = ChainMap(device, hosted)  # type: ignore[assignment,arg-type]  # membership only
+        hashes = hashes if isinstance(hashes, list) else list(hashes)
+        hit = self._shadow.find_longest_cache_hit(hashes, max_length, skip_mamba)
+        length = hit.num_tokens
+        if not length:
+            return TieredHit(0, 0, hit.shared_prefix_tokens)
+        found: list[tuple[int, int]] = []
+        for g, manager in enumerate(self.managers):
+            if skip_mamba and g in self.mamba_groups:
+                continue
+            view = manager.view(hashes)
+            device = tables[g]
+            size = manager.block_size
+            found.extend((i, size) for i in manager.blocks_needed_at(length) if view[i] not in device)
+        host = host_hit_tokens(length, self.hash_block_size, found) if found else 0
+        return TieredHit(length, host, hit.shared_prefix_tokens)
 
     def needed(self, hashes: Sequence[bytes], length: int, skip_mamba: bool = False) -> list[GroupHash]:
         """(group, hash) of every block a hit at ``length`` needs (what ``pin_prefix`` pins)."""

@@ -28,6 +28,15 @@ prediction costs O(prefix blocks + holders met), whatever the number of workers:
 ``HitRules.longest_hit`` runs the coordinator's unchanged ``find_longest_cache_hit`` on a shadow
 coordinator whose managers look at one worker's hash sets: the reference the tests compare with.
 
+Host tiers (docs/architecture.md, "The hybrid KV cache": the host tier). A worker with a host tier
+serves a group's needed block from either tier, so its hit may be longer than the device maps
+say. The index keeps the host tiers in ``HostMaps`` (``engine.routing.host_maps``, fed by
+``BlockOffloaded`` / ``BlockDropped``) beside the device maps, and after steps 1-3 re-predicts,
+by the coordinator's fixed point over both tiers (``HitRules.tiered_hit``), only the workers
+that hold one of the prompt's blocks in their host tier; the others' device prediction is already
+exact. That prediction also says how many of the hit's tokens the host tier serves (``host``).
+A fleet without host tiers pays one integer test per prediction.
+
 Event stream discipline: a worker's events carry consecutive sequence numbers. A gap marks the
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
@@ -48,6 +57,8 @@ from itertools import repeat
 from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED
 from engine.kv_cache.events import (
     AllBlocksCleared,
+    BlockDropped,
+    BlockOffloaded,
     BlockPinned,
     BlockRemoved,
     BlockStored,
@@ -58,9 +69,11 @@ from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hit_rules import (
     GroupHash,
     HitRules,
+    TieredHit,
     WorkerSnapshot,
     snapshot_coordinator,
 )
+from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
 #: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
@@ -198,6 +211,8 @@ class PrefixIndex:
         # every holder tuple in use: the shared tuple, and how many keys hold it
         self._tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._tuple_uses: dict[tuple[int, ...], int] = {}
+        # the workers' host tiers (consulted only for workers holding a prompt's block there)
+        self.host = HostMaps(self.num_groups)
 
     # -- membership ---------------------------------------------------------------------------------
     @property
@@ -263,10 +278,25 @@ class PrefixIndex:
         return self._workers[worker].num_cached
 
     def hit(self, worker: WorkerId, hashes: Sequence[bytes], max_length: int, skip_mamba: bool = False) -> int:
-        """The predicted hit on one worker by the coordinator's own fixed point (reference path)."""
+        """The predicted hit on one worker by the coordinator's own fixed point (reference path;
+        over both tiers where the worker has a host tier)."""
         slot = self._workers[worker].slot
         views = [_HeldBy(owners, slot) for owners in self._owners]
+        if self.host.count(slot):
+            return self.rules.tiered_hit(views, self.host.views(slot), hashes, max_length, skip_mamba).tokens
         return self.rules.longest_hit(views, hashes, max_length, skip_mamba)
+
+    def tiered_hit(
+        self, worker: WorkerId, hashes: Sequence[bytes], max_length: int, skip_mamba: bool = False
+    ) -> TieredHit:
+        """The predicted hit on one worker over both of its tiers, with the host tier's part."""
+        slot = self._workers[worker].slot
+        views = [_HeldBy(owners, slot) for owners in self._owners]
+        return self.rules.tiered_hit(views, self.host.views(slot), hashes, max_length, skip_mamba)
+
+    def host_tables(self, worker: WorkerId) -> list[dict[bytes, int]]:
+        """The worker's per-group host-tier hash -> pin level maps (a copy, by a scan: tests)."""
+        return [dict(view.items()) for view in self.host.views(self._workers[worker].slot)]
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict(
@@ -294,10 +324,63 @@ class PrefixIndex:
         max_length: int,
         skip_mamba: bool = False,
         shared: dict[WorkerId, int] | None = None,
+        host: dict[WorkerId, int] | None = None,
     ) -> tuple[dict[WorkerId, int], Pending | None]:
         """``predict`` without step 3: the hits known so far, and the holders that cannot serve
         their full-attention depth (their hit is shorter than ``shared[w]``), to ``resolve`` later
-        (all of them, or only those a caller still needs)."""
+        (all of them, or only those a caller still needs). Workers holding one of the prompt's
+        blocks in their host tier are predicted over both tiers here (never pending); ``host``,
+        if given, receives the host tier's part of each such worker's hit where it is non-zero."""
+        hits, pending = self._predict_device(hashes, max_length, skip_mamba, shared)
+        if self.host.total and max_length > 0:
+            self._predict_tiered(hashes, max_length, skip_mamba, hits, pending, shared, host)
+        return hits, pending
+
+    def _predict_tiered(
+        self,
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool,
+        hits: dict[WorkerId, int],
+        pending: Pending | None,
+        shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None,
+    ) -> None:
+        """Re-predict, over both tiers, the workers holding some block of the prompt (within
+        ``max_length``) in their host tier: for any other worker both tiers give the device hit."""
+        rules = self.rules
+        views = rules.views(hashes)
+        aligned = max_length - max_length % rules.alignment
+        limits = [aligned // size for size in rules.block_sizes]
+        if skip_mamba:
+            limits = [0 if g in rules.mamba_groups else n for g, n in enumerate(limits)]
+        met = self.host.slots_met(views, limits)
+        if not met:
+            return
+        ids = self._ids
+        full = bool(rules.full_groups)
+        for slot in met:
+            worker = ids[slot]
+            found = self.tiered_hit(worker, hashes, max_length, skip_mamba)
+            if pending is not None:
+                pending.workers.discard(worker)
+            if found.tokens:
+                hits[worker] = found.tokens
+            else:
+                hits.pop(worker, None)
+            if host is not None and found.host_tokens:
+                host[worker] = found.host_tokens
+            if shared is not None and full and found.shared:
+                shared[worker] = found.shared
+
+    def _predict_device(
+        self,
+        hashes: Sequence[bytes],
+        max_length: int,
+        skip_mamba: bool = False,
+        shared: dict[WorkerId, int] | None = None,
+    ) -> tuple[dict[WorkerId, int], Pending | None]:
+        """Steps 1-2 on the device maps (``predict_partial`` adds the host tiers)."""
         rules = self.rules
         align = rules.alignment
         steps = max_length // align if max_length > 0 else 0
@@ -452,6 +535,7 @@ class PrefixIndex:
             for block_hash, level in table.items():
                 self._hold(g, block_hash, state, level)
         self._compact(state)
+        self.host.load(state.slot, snapshot.host)
         state.last_seq = snapshot.seq
         buffered, state.buffer = state.buffer, []
         overflowed, state.overflowed = state.overflowed, False
@@ -524,6 +608,10 @@ class PrefixIndex:
             self._clear(state)
             state.last_seq = event.seq
             return True
+        elif isinstance(event, BlockOffloaded):
+            self.host.add(state.slot, event.group, event.block_hashes)
+        elif isinstance(event, BlockDropped):
+            self.host.drop(state.slot, event.group, event.block_hashes)
         return False
 
     # -- one holder of one key ----------------------------------------------------------------------
@@ -598,7 +686,8 @@ class PrefixIndex:
         return shared
 
     def _clear(self, state: _Worker) -> None:
-        """Forget every key ``state`` holds (a walk over the keys it announced)."""
+        """Forget every key ``state`` holds, in both tiers (a walk over the keys it announced)."""
+        self.host.clear(state.slot)
         for owners, keys in zip(self._owners, state.keys, strict=True):
             for block_hash in keys:
                 self._drop(owners, block_hash, state)
@@ -623,6 +712,7 @@ __all__ = [
     "HitRules",
     "Pending",
     "PrefixIndex",
+    "TieredHit",
     "WorkerSnapshot",
     "snapshot_coordinator",
 ]

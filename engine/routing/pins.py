@@ -3,7 +3,11 @@
 A pin names a token prefix by its chained block hashes and a length ``L`` (aligned to the
 coordinators' LCM block size). Holding it costs every holder the blocks a hit at ``L`` needs in
 every group (``blocks_needed_at(L)``: the whole full-attention prefix, one window per sliding
-group, one Mamba state), which is what ``HybridCoordinator.pin_prefix`` pins there.
+group, one Mamba state), which is what ``HybridCoordinator.pin_prefix`` pins there, in the pin's ``tier``: "device" (the
+holder keeps it in device memory; the router watches the holder's events for its loss) or "host"
+(the holder keeps it in its host tier only, where pressure never evicts it; the router has no
+host-tier events to watch, so it trusts the holder's pin result and drops it only with the
+holder's cache or the holder itself).
 
 Holder life cycle (per pin, per worker)::
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.kv_cache.coordinator_types import PinTier
 from engine.routing.index import GroupHash, PrefixIndex
 from engine.routing.types import (
     Action,
@@ -55,8 +60,9 @@ class _Holder:
 @dataclass
 class Pin:
     """A cluster pin: its prefix (chained ``block_hashes``, ``length`` aligned tokens), the keys a
-    holder must keep (``needed``, ``blocks_per_replica`` of them), how many holders it wants, and
-    per worker its holders and recent failures, with the back-off state after losses."""
+    holder must keep (``needed``, ``blocks_per_replica`` of them), how many holders it wants, the
+    tier they keep it in, and per worker its holders and recent failures, with the back-off state
+    after losses."""
 
     pin_id: int
     block_hashes: list[bytes]
@@ -68,6 +74,7 @@ class Pin:
     auto: bool
     needed: list[GroupHash]
     role: Role = "prefill"  # the pool its holders come from (decode: automatic pins in P/D only)
+    tier: PinTier = "device"
     holders: dict[WorkerId, _Holder] = field(default_factory=dict)
     failed: dict[WorkerId, float] = field(default_factory=dict)
     short_since: float | None = None
@@ -92,6 +99,7 @@ class Pin:
             [w for w, h in self.holders.items() if h.state == PENDING],
             self.expires_at,
             self.auto,
+            self.tier,
         )
 
 
@@ -108,7 +116,8 @@ class PinTable:
     ``auto_blocks`` is the sum of ``blocks_per_replica * replicas`` over the explicit / automatic
     pins; ``worker_blocks[w]`` is the sum of ``blocks_per_replica`` over the pins ``w`` holds
     (``auto_worker_blocks[w]``: over the automatic ones); ``watch[w][key]`` holds a pin's id iff
-    ``w`` is an ACTIVE holder of it and ``key`` is in its ``needed``, with no empty entry; a
+    ``w`` is an ACTIVE holder of it, the pin's tier is "device" and ``key`` is in its ``needed``, with
+    no empty entry; a
     dropped holder yields an ``Unpin`` unless nothing can be pinned there (a removed worker, a
     result of 0 tokens); no holder is added before the pin's ``retry_at``.
     """
@@ -139,7 +148,7 @@ class PinTable:
         self.auto_blocks = 0
         self.recoveries: list[tuple[int, float, float]] = []  # (pin_id, short since, full again)
         self._next_id = 1
-        self._retired: dict[int, tuple[list[bytes], int]] = {}  # removed pins, for late PinOn results
+        self._retired: dict[int, tuple[list[bytes], int, PinTier]] = {}  # removed pins, for late PinOn results
 
     # -- creation / removal ---------------------------------------------------------------------------
     def cost_blocks(self, block_hashes: Sequence[bytes], length: int) -> int:
@@ -156,6 +165,7 @@ class PinTable:
         auto: bool = False,
         pin_id: int | None = None,
         role: Role = "prefill",
+        tier: PinTier = "device",
     ) -> Pin:
         """Register a pin (no holders yet; ``fill`` places them). Raises ``PinCapacityError`` when
         ``replicas`` copies would exceed the capacity, ValueError for an empty prefix or a taken
@@ -193,6 +203,7 @@ class PinTable:
             auto,
             needed,
             role,
+            tier,
             short_since=now,
         )
         self._next_id = max(self._next_id, pin.pin_id) + 1
@@ -219,7 +230,7 @@ class PinTable:
         else:
             self.used_blocks -= cost
         if any(h.state == PENDING for h in pin.holders.values()):
-            self._retired[pin.pin_id] = (pin.block_hashes, pin.length)
+            self._retired[pin.pin_id] = (pin.block_hashes, pin.length, pin.tier)
         return [self._drop_holder(pin, worker) for worker in list(pin.holders)]
 
     # -- holders ----------------------------------------------------------------------------------------
@@ -238,7 +249,7 @@ class PinTable:
             source = next(iter(pin.active()), None)
             pin.holders[worker] = _Holder(PENDING, now)
             self._charge(worker, pin, pin.blocks_per_replica)
-            actions.append(PinOn(worker, pin.pin_id, pin.block_hashes, pin.length, pin.token_ids, source))
+            actions.append(PinOn(worker, pin.pin_id, pin.block_hashes, pin.length, pin.token_ids, source, pin.tier))
         return actions
 
     def on_result(self, worker: WorkerId, pin_id: int, pinned: int, now: float, seq: int | None) -> list[Action]:
@@ -250,20 +261,26 @@ class PinTable:
             if pinned <= 0:
                 return []
             if pin is not None:
-                return [Unpin(worker, pin_id, pin.block_hashes, pin.length)]
+                return [Unpin(worker, pin_id, pin.block_hashes, pin.length, pin.tier)]
             retired = self._retired.get(pin_id)
-            return [Unpin(worker, pin_id, retired[0], retired[1])] if retired is not None else []
+            return [Unpin(worker, pin_id, *retired)] if retired is not None else []
         if pinned < pin.length:
             pin.failed[worker] = now
             action = self._drop_holder(pin, worker)
             return [action] if pinned > 0 else []
         holder.state = ACTIVE
         holder.since = now
+        if pin.tier == "host":  # nothing the router sees can show a host-tier pin: nothing to watch
+            return self._settled(pin, now)
         holder.watch = pin.needed
         holder.verify_seq = seq
         watch = self.watch.setdefault(worker, {})
         for key in pin.needed:
             watch.setdefault(key, set()).add(pin.pin_id)
+        return self._settled(pin, now)
+
+    def _settled(self, pin: Pin, now: float) -> list[Action]:
+        """A holder of ``pin`` became ACTIVE: note when the pin has all its replicas again."""
         if len(pin.active()) >= pin.replicas:
             pin.full_since = now
             if pin.short_since is not None:
@@ -351,7 +368,7 @@ class PinTable:
                     ids.discard(pin.pin_id)
                     if not ids:
                         del watch[key]
-        return Unpin(worker, pin.pin_id, pin.block_hashes, pin.length)
+        return Unpin(worker, pin.pin_id, pin.block_hashes, pin.length, pin.tier)
 
     def expire(self, now: float) -> list[Action]:
         """Remove pins past their TTL; time out PENDING holders that never reported."""

@@ -8,8 +8,11 @@ Time is always passed in (``now``, seconds); the policy never reads a clock.
 Placement of one request with N tokens (aggregated workers, role "both")::
 
     hit[w]    = index.predict(hashes, N - 1)[w]        exact: the worker coordinator's hit rules
+                                                        (over both tiers with a host tier)
+    host[w]   = the part of hit[w] w's host tier serves
     shared[w] = full-attention depth on w               the coordinator's shared_prefix_tokens
-    credit[w] = hit[w] + anchor_credit * (shared[w] - hit[w])
+    credit[w] = hit[w] - host[w] * load[w] + anchor_credit * (shared[w] - hit[w])
+    load[w]   = min(1, promote_seconds * promote_s_per_token[w] / (w_uncached + w_churn))
     cost[w]   = (w_uncached + w_churn) * (N - credit[w]) + w_queued * queued_tokens[w]
               + w_running * running_requests[w] + w_used * used_block_fraction[w]
     guard     : skip w when queued_tokens[w] > imbalance_ratio * mean(queued_tokens) + N
@@ -48,6 +51,10 @@ prefix moves only when its holder keeps taking more than its share, and even the
 waiting there costs more than computing the prefix again elsewhere: an idle holder keeps it. (A
 guard that left the holder out whatever its queue sent warmed prefixes to cold prefill workers
 at 1 request/s in serve_bench, where the holder had nothing queued: a second of TTFT each.)
+A host-tier hit token is not recomputed but copied back to the device: it costs the time of
+that copy (the worker's measured seconds per token, weighted by ``promote_seconds``, in prefill
+tokens per second) instead of a miss's prefill (``_credit``, the one place of that rule).
+
 The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
 its end is not, the hit is lower (no false hit), yet running the request there makes the
 coordinator retain the windows at that shared-prefix boundary when the request is freed, so the
@@ -73,6 +80,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from configs.schema import PinConfig, RouterConfig
+from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
@@ -257,7 +265,8 @@ class RoutingPolicy(PlacementPolicy):
         if self._smoothed is not None:
             self._smoothed.now = max(self._smoothed.now, now)
         shared: dict[WorkerId, int] = {}
-        hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared)
+        host: dict[WorkerId, int] = {}
+        hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
@@ -271,12 +280,15 @@ class RoutingPolicy(PlacementPolicy):
         if not self._disaggregated:
             workers = self._pool
             self._require(workers, "")
-            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead)
+            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead, host)
             pin_id = pin.pin_id if pin is not None else None
             best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
-            decision = Decision(worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best)
+            decision = Decision(
+                worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best,
+                predicted_host_hit=host.get(worker, 0),
+            )  # fmt: skip
         else:
-            decision = self._route_disaggregated(request, hits, pin, shared, ahead)
+            decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
         self._record(decision)
         # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
         # part each already holds is the index's business.
@@ -309,6 +321,7 @@ class RoutingPolicy(PlacementPolicy):
         pin: Pin | None,
         shared: dict[WorkerId, int],
         ahead: dict[WorkerId, int],
+        host: dict[WorkerId, int],
     ) -> Decision:
         num_tokens = request.num_tokens
         decoders = self._candidates("decode")
@@ -321,14 +334,16 @@ class RoutingPolicy(PlacementPolicy):
         pin_id = pin.pin_id if pin is not None else None
         if local_uncached < self.config.decode_only_threshold_tokens:
             local = hits.get(decode, 0)
-            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local)
+            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local, host.get(decode, 0))
         prefillers = self._candidates("prefill")
-        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead)
+        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead, host=host)
         predicted = hits.get(prefill, 0)
+        predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
             # A prefill-only request computes the first N - 1 tokens, so its engine looks up at
             # most N - 2 of them: predict exactly what that lookup returns.
-            predicted = self.index.hit(prefill, request.block_hashes, num_tokens - 2)
+            found = self.index.tiered_hit(prefill, request.block_hashes, num_tokens - 2)
+            predicted, predicted_host = found.tokens, found.host_tokens
         best = max((hits.get(w, 0) for w in prefillers), default=0)
         best = predicted if hits.get(prefill, 0) >= best else best  # the same N - 2 rule as predicted
         return Decision(
@@ -340,6 +355,7 @@ class RoutingPolicy(PlacementPolicy):
             pin_id,
             remote_hits.get(decode, 0),
             best,
+            predicted_host,
         )
 
     def _record(self, decision: Decision) -> None:
@@ -365,6 +381,7 @@ class RoutingPolicy(PlacementPolicy):
         shared: dict[WorkerId, int] | None = None,
         pending: Pending | None = None,
         ahead: dict[WorkerId, int] | None = None,
+        host: dict[WorkerId, int] | None = None,
     ) -> tuple[WorkerId, str]:
         """argmin cost over the workers the guards let through (pin holders first).
 
@@ -380,11 +397,12 @@ class RoutingPolicy(PlacementPolicy):
         the best hit they could have (one aligned step below that depth); only those whose bound
         could beat (or tie) the best cost are resolved exactly, so the result equals the fully
         resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
-        (credited where they exceed what the index knows; the caller resolves ``pending`` first)."""
+        (credited where they exceed what the index knows; the caller resolves ``pending`` first).
+        ``host``: the host tier's part of a worker's hit (``_credit`` prices it)."""
         load_cost = self._load_cost
         among = load_cost if len(workers) == len(load_cost) else set(workers)
         ok, over = self._guard(num_tokens, workers)
-        credit = self._credit(hits, shared)
+        credit = self._credit(hits, shared, host)
         if ahead:
             for worker, tokens in ahead.items():
                 if tokens > credit.get(worker, 0):
@@ -528,16 +546,33 @@ class RoutingPolicy(PlacementPolicy):
 
         return ok, over
 
-    def _credit(self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None) -> dict[WorkerId, float]:
-        """Tokens each worker with a prefix saves: its hit, plus ``anchor_credit`` of the part of
-        its full-attention depth that a group cannot serve (running there anchors that depth)."""
+    def _credit(
+        self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None, host: dict[WorkerId, int] | None = None
+    ) -> dict[WorkerId, float]:
+        """Tokens each worker with a prefix saves: its hit, less the load time of the part its
+        host tier serves (``promote_load``), plus ``anchor_credit`` of the part of its
+        full-attention depth that a group cannot serve (running there anchors that depth)."""
         credit: dict[WorkerId, float] = dict(hits)
         if shared:
             c = self.config.anchor_credit
             for worker, depth in shared.items():
                 hit = hits.get(worker, 0)
                 credit[worker] = hit + c * (depth - hit)
+        if host:
+            for worker, tokens in host.items():
+                if worker in credit:
+                    credit[worker] -= tokens * self.promote_load(worker)
         return credit
+
+    def promote_load(self, worker: WorkerId) -> float:
+        """What a host-tier hit token on ``worker`` costs, as a share of a miss's cost: the
+        seconds its copy back to the device takes (``WorkerLoad.promote_s_per_token``, measured
+        by the worker) weighted by ``promote_seconds``, over ``w_miss``; at most 1 (never above a
+        recompute)."""
+        load = self.loads.get(worker)
+        if load is None or load.promote_s_per_token <= 0:
+            return 0.0
+        return min(1.0, self.weights.promote_seconds * load.promote_s_per_token / max(self.w_miss, 1e-9))
 
     def _resolve_deferred(
         self,
@@ -591,9 +626,11 @@ class RoutingPolicy(PlacementPolicy):
         ttl_s: float | None = None,
         now: float = 0.0,
         pin_id: int | None = None,
+        tier: PinTier = "device",
     ) -> tuple[int, list[Action]]:
         """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds
-        (under ``pin_id`` when restoring a pin a restarted router had).
+        (under ``pin_id`` when restoring a pin a restarted router had), each holder keeping it in
+        ``tier`` (``HybridCoordinator.pin_prefix``).
 
         Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
         holders must already have it or copy it from another holder). Returns the pin id and the
@@ -611,7 +648,7 @@ class RoutingPolicy(PlacementPolicy):
             raise ValueError(
                 f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
             )
-        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id)
+        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id, tier=tier)
         return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
 
     def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:

@@ -3,12 +3,12 @@
 The router does no I/O. Whatever must happen on a worker comes back as an *action* the caller
 (the Ray router actor, or the simulator) executes:
 
-- ``PinOn(worker, pin_id, block_hashes, num_tokens, token_ids, source)``: make the prefix resident
-  on ``worker`` (compute it from ``token_ids`` or copy it from ``source`` when the worker's own hit
-  is shorter), then ``coordinator.pin_prefix(block_hashes, num_tokens)`` and report the returned
-  length with ``policy.pin_result(worker, pin_id, pinned, now)``.
-- ``Unpin(worker, pin_id, block_hashes, num_tokens)``: ``coordinator.unpin_prefix(block_hashes,
-  num_tokens)``; nothing to report.
+- ``PinOn(worker, pin_id, block_hashes, num_tokens, token_ids, source, tier)``: make the prefix
+  resident on ``worker`` (compute it from ``token_ids`` or copy it from ``source`` when the worker's
+  own hit is shorter), then ``coordinator.pin_prefix(block_hashes, num_tokens, tier)`` and report
+  the returned length with ``policy.pin_result(worker, pin_id, pinned, now)``.
+- ``Unpin(worker, pin_id, block_hashes, num_tokens, tier)``: ``coordinator.unpin_prefix(block_hashes,
+  num_tokens, tier)``; nothing to report.
 - ``RequestSnapshot(worker)``: the index lost events of ``worker``; run
   ``engine.routing.snapshot_coordinator`` there and hand the result to ``policy.apply_snapshot``.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from engine.kv_cache.coordinator_types import PinTier
 
 WorkerId = Hashable
 Role = Literal["both", "prefill", "decode"]
@@ -38,12 +40,15 @@ class WorkerLoad:
     """A worker's load as its stats report it (the router also adds its own assignments).
 
     ``queued_tokens``: work queued or running there, in prefill-token equivalents;
-    ``running_requests``: requests admitted there; ``used_block_fraction``: KV blocks in use / total.
+    ``running_requests``: requests admitted there; ``used_block_fraction``: KV blocks in use / total;
+    ``promote_s_per_token``: seconds it takes to copy one host-tier hit token's KV back to the
+    device (its KV bytes per token over its measured promote bandwidth; 0: no host tier).
     """
 
     queued_tokens: float = 0.0
     running_requests: int = 0
     used_block_fraction: float = 0.0
+    promote_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class Decision:
     cached (the router's prediction of its coordinator's ``get_computed_blocks``);
     ``best_hit``: the longest hit the policy predicted on any worker that could have prefilled
     it (kvfleet's policy; 0 where a policy does not know), so ``predicted_hit < best_hit`` marks
-    a request sent away from a worker holding more of its prompt."""
+    a request sent away from a worker holding more of its prompt; ``predicted_host_hit``: the
+    part of ``predicted_hit`` the prefill worker's host tier serves (its coordinator's
+    ``host_hit_tokens``)."""
 
     prefill_worker: WorkerId
     decode_worker: WorkerId
@@ -63,6 +70,7 @@ class Decision:
     pin_id: int | None = None
     predicted_decode_hit: int = 0
     best_hit: int = 0
+    predicted_host_hit: int = 0
 
     @property
     def uncached_tokens(self) -> int:
@@ -77,6 +85,7 @@ class PinOn:
     num_tokens: int
     token_ids: tuple[int, ...] | None = None
     source: WorkerId | None = None
+    tier: PinTier = "device"
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class Unpin:
     pin_id: int
     block_hashes: list[bytes]
     num_tokens: int
+    tier: PinTier = "device"
 
 
 @dataclass(frozen=True)
@@ -115,3 +125,4 @@ class PinInfo:
     pending: list[WorkerId] = field(default_factory=list)
     expires_at: float | None = None
     auto: bool = False
+    tier: PinTier = "device"  # where each holder keeps it (``HybridCoordinator.pin_prefix``)

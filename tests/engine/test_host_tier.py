@@ -6,7 +6,11 @@ tiny-qwen3-next: Gated DeltaNet + attention), a small device KV: request A is co
 unrelated prompts evicts its blocks from the device (they are offloaded), then B (A's first
 PREFIX tokens + its own suffix) and A again arrive. The device alone has no hit for them, both
 tiers together do; the engine promotes the host part and its tokens must equal, exactly, those of
-an engine with prefix caching off (oracle: the cold computation).
+an engine with prefix caching off (oracle: the cold computation). A router index fed only the
+engine's KV events predicts B's hit and its host part: the engine's per-request and total
+per-tier hit counters must say exactly that.
+A pinned prefix (either tier) survives a flood that evicts it from the device, in the host tier,
+and is served from there.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 
 from configs import load_config
 from engine.core import EngineCore
+from engine.kv_cache.block_pool import TIER_EXPLICIT, TIER_NONE
 from engine.kv_cache.hashing import block_hashes
+from engine.routing import PrefixIndex
 from engine.sampling_params import SamplingParams
 from tests.engine.test_pd import run_to_end
 
@@ -78,17 +84,29 @@ def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str, e
     device_only = coordinator.find_longest_cache_hit(hashes, len(b) - 1, include_host=False).num_tokens
     both = coordinator.find_longest_cache_hit(hashes, len(b) - 1).num_tokens
     assert device_only < PREFIX <= both, (device_only, both)
+    index = PrefixIndex(coordinator.groups)
+    index.add_worker("w")
+    assert not index.apply_events("w", engine.take_events()).needs_resync
+    predicted = index.tiered_hit("w", hashes, len(b) - 1)
+    assert predicted.tokens == both and predicted.host_tokens > 0
 
     promoted = host.counters.promoted
     scribble_uncached_blocks(engine)
-    tokens_b, cached = generate(engine, "b", b)
-    assert cached == both and host.counters.promoted > promoted
+    request = engine.add_request("b", b, GREEDY)
+    tokens_b = run_to_end(engine, {"b"})["b"][0]
+    coordinator.check_invariants()
+    assert (request.num_cached_tokens, request.num_host_cached_tokens) == (predicted.tokens, predicted.host_tokens)
+    assert host.counters.promoted > promoted
     assert tokens_b == cold_b
     tokens_a, cached = generate(engine, "a2", a)
     assert cached >= PREFIX
     assert tokens_a == cold_a
     stats = engine.stats()["host_tier"]
     assert stats["promoted"] == host.counters.promoted and stats["bytes_promoted"] > 0
+    tiers = stats["hit_tokens"]
+    assert tiers["device"] + tiers["host"] == engine.stats()["hit_tokens"]
+    assert tiers["host"] >= predicted.host_tokens > 0
+    assert engine.load()[3] > 0  # the promote seconds per token the worker reports to the router
     assert stats["bytes_offloaded"] > 0 and stats["pools"][0]["cached_blocks"] > 0
 
 
@@ -151,3 +169,88 @@ def test_the_host_tier_splits_its_size_between_pools_as_the_device_memory_is() -
     assert engine.runner.host_kv.nbytes == layout.pool_bytes(host) <= size + layout.pool_bytes(1)
     with pytest.raises(ValueError, match=r"kv_cache\.offload\.size_mib"):
         layout.host_blocks(list(device), 1)
+
+
+def pinned_keys(engine: EngineCore, hashes: list[bytes], length: int) -> list[tuple[int, int, bytes]]:
+    """(pool, group, hash) of every block a hit of ``length`` tokens needs, where it is cached now."""
+    coordinator = engine.coordinator
+    hit = coordinator.find_longest_cache_hit(hashes, length)
+    assert hit.num_tokens == length
+    keys = []
+    for g, manager in enumerate(coordinator.managers):
+        for i in manager.blocks_needed_at(length):
+            block_hash = hit.blocks[g][i].block_hash
+            assert block_hash is not None
+            keys.append((coordinator.group_pool[g], g, block_hash))
+    return keys
+
+
+def flood(engine: EngineCore, seed: int, rounds: int = 1, until_missed: tuple[list[bytes], int] | None = None) -> None:
+    """Run ``rounds`` rounds of unrelated requests side by side (together more than the device
+    holds, so admissions demote its pins), or, with ``until_missed`` (hashes, length), as many
+    as it takes for the device alone to miss that hit."""
+    rng = random.Random(seed)
+    coordinator = engine.coordinator
+    for round_ in range(12):
+        if until_missed is None and round_ == rounds:
+            return
+        missed = until_missed is not None and (
+            coordinator.find_longest_cache_hit(*until_missed, include_host=False).num_tokens < until_missed[1]
+        )
+        if missed:
+            return
+        names = set()
+        for i in range(6):
+            name = f"flood{seed}-{round_}-{i}"
+            engine.add_request(name, [rng.randrange(3, 250) for _ in range(150)], GREEDY)
+            names.add(name)
+        run_to_end(engine, names)
+        coordinator.check_invariants()
+    raise AssertionError("the flood never evicted the pinned prefix from the device")
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_a_pinned_prefix_survives_a_flood_in_the_host_tier_and_gives_the_cold_tokens(preset: str, tier: str) -> None:
+    """Pin A's first PREFIX tokens (device tier: kept on the device; host tier: kept in host
+    memory only), flood the device with requests that need its blocks: the pinned blocks sit in
+    the host tier, pinned, through the flood; B (the prefix + its own suffix) hits them there, the
+    engine promotes them, and B's greedy tokens are the cold engine's. A device-tier pin is pinned
+    on the device again once promoted; a host-tier pin stays in the host tier only."""
+    a, b, _flood = workload()
+    cold = EngineCore(load_config(preset, ["kv_cache.prefix_caching=false"]))
+    cold_b, _ = generate(cold, "b", b)
+
+    engine = EngineCore(load_config(preset, TIERED))
+    coordinator = engine.coordinator
+    host = coordinator.host
+    assert host is not None
+    generate(engine, "a", a)
+    hashes = block_hashes(b, coordinator.hash_block_size)
+    assert engine.pin_prefix(hashes, PREFIX, tier) == PREFIX  # type: ignore[arg-type]
+    coordinator.check_invariants()
+    keys = pinned_keys(engine, hashes, PREFIX)
+    flood(engine, seed=1, until_missed=(hashes, PREFIX))
+    flood(engine, seed=2)  # and one more round: the host tier takes what the device evicts
+    moved = 0
+    for p, g, h in keys:  # every block the hit needs: in the host tier pinned, or still pinned on the device
+        block = host.pools[p].cached[g].get(h)
+        on_device = coordinator.managers[g].cached.get(h)
+        if tier == "device" and on_device is not None and on_device.tier == TIER_EXPLICIT:
+            continue  # (a pool the flood did not fill, e.g. tiny-hybrid's Mamba pool, kept its pin)
+        assert block is not None and block.tier == TIER_EXPLICIT, (g, block)
+        moved += on_device is None
+    assert moved > 0 and host.counters.pins_dropped == 0
+    assert coordinator.find_longest_cache_hit(hashes, PREFIX, include_host=False).num_tokens < PREFIX
+
+    promoted = host.counters.promoted
+    scribble_uncached_blocks(engine)
+    tokens_b, cached = generate(engine, "b", b)
+    assert cached >= PREFIX and host.counters.promoted - promoted >= moved
+    assert tokens_b == cold_b
+    explicit = {coordinator.managers[g].cached[h].tier == TIER_EXPLICIT for _p, g, h in keys}
+    assert explicit == {tier == "device"}  # (a retention policy may keep them in its own tier)
+    assert engine.unpin_prefix(hashes, PREFIX, tier)  # type: ignore[arg-type]
+    coordinator.check_invariants()
+    assert all(block.tier == TIER_NONE for pool in host.pools for block in pool.blocks)
+    assert all(block.tier != TIER_EXPLICIT for pool in coordinator.pools for block in pool.blocks)

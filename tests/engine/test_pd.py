@@ -313,3 +313,28 @@ def test_bad_handles_and_requests_get_clear_errors():
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_constrained_request_whose_handle_fails_leaves_no_grammar_matcher_behind():
+    """A structured-output request announced on the decode side registers a matcher; a handle
+    that does not fit ends the request there, and the runner forgets its matcher too."""
+    from engine.sampling_params import StructuredOutput
+
+    cfg = config("tiny")
+    prefill, decode = engines(cfg)
+    try:
+        prompt = prompts(9, [20])[0]
+        handle = prefill_in_process(prefill, "r", prompt)
+        constrained = GREEDY.replace(structured=StructuredOutput(kind="choice", spec='["yes", "no"]'))
+        decode.expect_remote_prefill("x", [9] + prompt[1:], constrained)
+        assert "x" in decode.runner.structured
+        ended = decode.provide_handle("x", handle)
+        assert ended is not None and ended.finish_reason == "error" and "kv_handle.token_digest" in (ended.error or "")
+        assert "x" not in decode.runner.structured
+        end = time.monotonic() + 5  # the owner's notification goes out; nothing else runs
+        while decode.has_work and time.monotonic() < end:
+            assert decode.step() == []
+        assert not decode.has_work and decode.coordinator.num_free_blocks == decode.info.num_blocks - 1
+    finally:
+        prefill.close()
+        decode.close()

@@ -48,13 +48,24 @@ class Worker:
     """A worker's coordinator driven the way the engine drives it: admission with the local hit,
     prefill in chunks ending on aligned boundaries (Mamba checkpoints), window drops, free."""
 
-    def __init__(self, name: str, specs: Sequence[KVCacheSpec], num_blocks: int, retention: bool = True):
+    def __init__(
+        self,
+        name: str,
+        specs: Sequence[KVCacheSpec],
+        num_blocks: int,
+        retention: bool = True,
+        host_blocks: int | None = None,
+    ):
+        """``host_blocks``: blocks of each pool's host tier (None: no host tier)."""
         self.name = name
         options = RetentionOptions(enabled=retention, min_drop_blocks=1)
-        self.coord = HybridCoordinator(groups_of(specs), num_blocks, retention=options, enable_events=True)
+        self.coord = HybridCoordinator(
+            groups_of(specs), num_blocks, retention=options, enable_events=True, host_blocks=host_blocks
+        )
         self.running: dict[str, CacheRequest] = {}
         self._ids = 0
         self.last_id = ""
+        self.last_hit = (0, 0)  # (tokens, host tokens) of the last admission's hit
 
     def request(self, tokens: Sequence[int], remote: bool = False) -> CacheRequest:
         self._ids += 1
@@ -62,6 +73,11 @@ class Worker:
 
     def actual_hit(self, tokens: Sequence[int], remote: bool = False) -> int:
         return self.coord.get_computed_blocks(self.request(tokens, remote)).num_tokens
+
+    def actual_tiers(self, tokens: Sequence[int], remote: bool = False) -> tuple[int, int]:
+        """(hit tokens, the host tier's part) the coordinator would serve ``tokens`` now."""
+        hit = self.coord.get_computed_blocks(self.request(tokens, remote))
+        return hit.num_tokens, self.coord.host_hit_tokens(hit)
 
     def run(self, tokens: Sequence[int]) -> int | None:
         """Admit and prefill ``tokens``; returns the hit it got, or None if it did not fit."""
@@ -74,6 +90,8 @@ class Worker:
         first = boundary - start if boundary > start else n - start
         if coord.allocate_slots(req, first, hit) is None:
             return None
+        coord.take_tier_copies()  # the runner would run them before the forward
+        self.last_hit = (hit.num_tokens, coord.host_hit_tokens(hit))
         req.num_computed_tokens = start + first
         coord.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
         self.running[req.request_id] = req
@@ -114,7 +132,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
         if isinstance(action, RequestSnapshot):
             queue.extend(policy.apply_snapshot(action.worker, snapshot_coordinator(worker.coord), now))
         elif isinstance(action, Unpin):
-            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens)
+            worker.coord.unpin_prefix(action.block_hashes, action.num_tokens, action.tier)
             queue.extend(sync(policy, workers, now))
         elif isinstance(action, PinOn):
             coord = worker.coord
@@ -124,7 +142,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
                 # warm-up prefill; one extra token so the hit search (N - 1) reaches the whole prefix
                 if worker.run(list(action.token_ids) + [0]) is not None:
                     warm = worker.last_id
-            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens)
+            pinned = coord.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
             if warm is not None:
                 worker.finish(warm)
             queue.extend(sync(policy, workers, now))

@@ -147,10 +147,11 @@ def test_snapshot_equals_event_replay() -> None:
 def test_coordinator_snapshot_is_a_copy_taken_at_its_event_seq() -> None:
     """The public read-only API the router uses: ``event_seq`` and ``snapshot()``."""
     worker = Worker("w", SPECS, 40)
-    assert worker.coord.event_seq == 0 and worker.coord.snapshot() == (0, ({}, {}, {}))
+    assert worker.coord.event_seq == 0 and worker.coord.snapshot() == (0, ({}, {}, {}), ({}, {}, {}))
     worker.run(tokens(random.Random(1), 20, vocab=4))
     events = worker.coord.take_events()
-    seq, groups = worker.coord.snapshot()
+    seq, groups, host = worker.coord.snapshot()
+    assert host == ({}, {}, {})  # no host tier
     assert seq == worker.coord.event_seq == events[-1].seq
     stored = {(e.group, h) for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
     assert {(g, h) for g, table in enumerate(groups) for h in table} <= stored

@@ -128,6 +128,40 @@ def test_pin_is_re_established_when_a_holder_demotes_it() -> None:
     assert policy.pins.recoveries and policy.pins.recoveries[-1][0] == pin_id
 
 
+def test_a_host_tier_pin_lives_in_the_host_tier_and_survives_device_pressure() -> None:
+    """A host-tier pin: each holder keeps it in its host tier only (no device block pinned), the
+    router reports that per holder, device pressure on the holder does not make the router drop
+    it, its hit comes back from the host tier, and unpin releases it there."""
+    policy = RoutingPolicy(groups_of(SPECS), router_config())
+    workers = {f"w{i}": Worker(f"w{i}", SPECS, 48, host_blocks=40) for i in range(2)}
+    for name in workers:
+        policy.add_worker(name, num_blocks=48)
+    pin_id, actions = policy.pin(PREFIX, replicas=1, tier="host")
+    assert [(type(a), a.tier) for a in actions] == [(PinOn, "host")]  # type: ignore[union-attr]
+    execute(policy, workers, actions)
+    [holder] = holders(policy, pin_id)
+    [info] = policy.pin_info()
+    assert info.tier == "host"
+    worker = workers[holder]
+    host = worker.coord.host
+    assert host is not None
+    assert explicit_pins(worker) == 0
+    assert sum(1 for b in host.pools[0].blocks if b.tier == TIER_EXPLICIT) == 16
+    big = list(range(5000, 5000 + 4 * 12))  # pressure: every free device block taken
+    assert worker.run(big) is not None
+    follow = execute(policy, workers, sync(policy, workers))
+    assert not any(isinstance(a, (Unpin, PinOn)) for a in follow)
+    assert holders(policy, pin_id) == [holder]
+    hashes = block_hashes(PREFIX, 4)
+    assert worker.coord.find_longest_cache_hit(hashes, 40, include_host=False).num_tokens < 40
+    assert worker.actual_hit(PREFIX + [1]) == 40  # with the host tier
+    unpin = policy.unpin(pin_id)
+    assert [(type(a), a.worker, a.tier) for a in unpin] == [(Unpin, holder, "host")]  # type: ignore[union-attr]
+    execute(policy, workers, unpin)
+    assert not any(b.tier == TIER_EXPLICIT for b in host.pools[0].blocks)
+    worker.coord.check_invariants()
+
+
 def test_pin_is_re_established_when_a_holder_disappears() -> None:
     policy, workers = cluster()
     pin_id, actions = policy.pin(PREFIX, replicas=2, now=0.0)

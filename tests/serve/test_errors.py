@@ -182,7 +182,9 @@ def test_unknown_routes_and_pins_are_404_in_openai_shape(server: Server) -> None
                                                ({"prefix": "abc", "replicas": 9}, "replicas"),
                                                ({"prefix": "abc", "ttl": math.nan}, "ttl"),
                                                ({"prefix": "abc", "ttl": -1}, "ttl"),
-                                               ({"prefix": "abc", "ttl": "1"}, "ttl")])  # fmt: skip
+                                               ({"prefix": "abc", "ttl": "1"}, "ttl"),
+                                               ({"prefix": "abc", "tier": "disk"}, "tier"),
+                                               ({"prefix": "abc", "tier": "host"}, "tier")])  # fmt: skip
 def test_bad_pins_are_400_naming_the_field(server: Server, fields: dict[str, Any], param: str) -> None:
     response = server.post("/v1/pins", content=json.dumps(fields), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text

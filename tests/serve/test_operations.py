@@ -68,9 +68,11 @@ def test_pins_and_stats_over_http(server: Server) -> None:
     created = server.post("/v1/pins", json={"prefix": "You are a helpful assistant. " * 3, "replicas": 1, "ttl": 300})
     assert created.status_code == 201, created.text
     pin = created.json()
-    assert pin["object"] == "pin" and pin["replicas"] == 1 and pin["num_tokens"] > 0
+    assert pin["object"] == "pin" and pin["replicas"] == 1 and pin["num_tokens"] > 0 and pin["tier"] == "device"
     wait_for(lambda: any(p["id"] == pin["id"] and p["active"] for p in server.get("/v1/pins").json()["data"]),
              30, "the pin to become active")  # fmt: skip
+    [listed] = [p for p in server.get("/v1/pins").json()["data"] if p["id"] == pin["id"]]
+    assert listed["holder_tiers"] == {worker: "device" for worker in listed["active"]}
     assert server.totals()["explicitly_pinned_blocks"] > 0
     stats = server.get("/v1/stats").json()
     assert set(stats) == {"workers", "unhealthy", "totals", "router"} and stats["unhealthy"] == {}
