@@ -8,6 +8,14 @@ wait for the router (it does, before handing out a finished request) without a d
 
 A plain (non-async) actor with one thread: calls run one at a time in arrival order, and calls
 from one caller in the order that caller made them, so a worker's reports apply in sequence.
+
+Replicas (``router.replicas`` > 1, docs/architecture.md, Router replicas): every replica keeps
+the full index from every worker's reports and routes what the drivers send it (a request goes
+to the replica its first block's hash picks). One replica at a time, the holder of the pin
+lease (``actors.pin_lease``), keeps the pin table: it alone places, re-places, expires and
+journals pins and runs the automatic pins; the others refuse pin calls (``NotPinLeaderError``)
+and see pins as the workers report their pinned blocks. A replica that takes the lease over
+restores the journaled pins, as a restarted single router does.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 import ray
 
 from actors.pin_journal import JournaledPin, PinJournal
+from actors.pin_lease import PinLease
 from configs.schema import ClusterConfig
 from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
@@ -45,6 +54,16 @@ log = logging.getLogger(__name__)
 TICK_INTERVAL_S = 0.5
 
 
+class NotPinLeaderError(RuntimeError):
+    """A pin call reached a router replica that does not decide pins; ``leader``: the one that
+    does (None: none holds the lease now)."""
+
+    def __init__(self, replica: int, leader: int | None):
+        super().__init__(f"router replica {replica} does not decide pins (the pin lease is with {leader})")
+        self.replica = replica
+        self.leader = leader
+
+
 @ray.remote
 class Router:
     """Owns one routing policy and the handles of the workers registered with it.
@@ -54,10 +73,12 @@ class Router:
     (it has the tokenizer), so the policy starts without them; every explicit pin is journaled
     (``cluster_key`` given), so a restarted router (a new ``incarnation``) restores them under
     their ids once enough workers have registered again, while the process that started the
-    cluster registers the workers and has them send full snapshots.
+    cluster registers the workers and has them send full snapshots. Of several replicas only the
+    one ``leading`` (holding the pin lease) ticks the policy and executes pin actions; a replica
+    restores the journal each time it starts leading (a single router leads from its start).
     """
 
-    def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup], cluster_key: str = ""):
+    def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup], cluster_key: str = "", replica: int = 0):
         from cluster.logs import setup_logging
 
         setup_logging(config.logging)
@@ -77,9 +98,28 @@ class Router:
         self.incarnation = uuid.uuid4().hex
         self.journal = PinJournal(cluster_key) if cluster_key else None
         self._to_restore: list[JournaledPin] = []
-        if self.journal is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+        self.replica = replica
+        #: the pin lease, with several replicas (one alone leads: see the module docstring)
+        self.lease = PinLease(cluster_key or "default", replica) if config.router.replicas > 1 else None
+        self.leading = False
+        if self.lease is not None:
+            self.lease.start()
+        self._check_leading()
+
+    def _check_leading(self) -> bool:
+        """Whether this replica decides the pins now; on becoming the leader, restore the
+        journaled pins (a restarted router's, or a lost leader's)."""
+        leads = self.lease is None or self.lease.held()
+        if leads and not self.leading and self.journal is not None:
             self._to_restore = self.journal.load()
-            log.warning("router restarted: %d pins to restore once workers register", len(self._to_restore))
+            if self._to_restore:
+                log.warning("router replica %d leads the pins: %d to restore once workers register", self.replica,
+                            len(self._to_restore))  # fmt: skip
+        elif self.leading and not leads:
+            log.error("router replica %d lost the pin lease; another replica decides the pins", self.replica)
+            self._to_restore = []
+        self.leading = leads
+        return leads
 
     def ready(self) -> str:
         return self.policy.name
@@ -96,7 +136,7 @@ class Router:
         self.handles[worker_id] = handle
         actions = self.policy.add_worker(worker_id, role, num_blocks, now=time.monotonic())
         self._execute(actions)
-        if self._to_restore:
+        if self._to_restore and self._check_leading():
             self._restore_pins()
 
     def _restore_pins(self) -> None:
@@ -153,7 +193,7 @@ class Router:
         self._execute(self.policy.apply_snapshot(worker_id, snapshot, time.monotonic()))
 
     def pin_result(self, worker_id: str, pin_id: int, pinned_tokens: int, seq: int | None = None) -> None:
-        if self.pin_policy is not None:
+        if self.pin_policy is not None and self.leading:  # (every replica hears it; the leader placed it)
             self._execute(self.pin_policy.pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
 
     # -- placement ---------------------------------------------------------------------------------
@@ -196,6 +236,7 @@ class Router:
         ``tier`` (checked by the caller: ``Cluster.pin_prefix``); returns the pin id."""
         if self.pin_policy is None:
             raise ValueError(f"router.policy: {self.policy.name!r} does not support pinned prefixes (use kvfleet)")
+        self._require_leading()
         pin_id, actions = self.pin_policy.pin(
             token_ids, replicas=replicas, ttl_s=ttl_s, now=time.monotonic(), tier=tier
         )
@@ -208,6 +249,7 @@ class Router:
     def unpin(self, pin_id: int) -> bool:
         if self.pin_policy is None:
             return False
+        self._require_leading()
         known = any(info.pin_id == pin_id for info in self.pin_policy.pin_info())
         pending = [entry for entry in self._to_restore if entry.pin_id != pin_id]
         known = known or len(pending) < len(self._to_restore)
@@ -223,7 +265,7 @@ class Router:
         holder keeps it (``holder_tiers``: worker -> "device" / "host"), expiry."""
         now = time.monotonic()
         self._maybe_tick(now)
-        if self.pin_policy is None:
+        if self.pin_policy is None or not self.leading:
             return []
         return [
             {
@@ -241,9 +283,24 @@ class Router:
             for info in self.pin_policy.pin_info()
         ]
 
+    def pin_leader(self) -> int | None:
+        """The replica that decides pins now (claiming the lease first when it is free)."""
+        if self.lease is None:
+            return self.replica
+        self.lease.refresh()
+        self._check_leading()
+        return self.lease.leader()
+
+    def _require_leading(self) -> None:
+        if self.lease is not None and not self.leading:
+            self.lease.refresh()
+        if not self._check_leading():
+            raise NotPinLeaderError(self.replica, self.lease.leader() if self.lease is not None else None)
+
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "replica": self.replica,
             "routed": self.routed,
             "disaggregated": self.disaggregated,
             "reasons": dict(self.reasons),
@@ -258,20 +315,25 @@ class Router:
     def _maybe_tick(self, now: float) -> None:
         if now - self._last_tick >= TICK_INTERVAL_S:
             self._last_tick = now
-            self._execute(self.policy.tick(now))
+            if self._check_leading():
+                if self._to_restore:
+                    self._restore_pins()
+                self._execute(self.policy.tick(now))
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
             handle = self.handles.get(str(action.worker))
             if handle is None:
                 continue
+            if isinstance(action, (PinOn, Unpin)) and not self.leading:
+                continue  # the replica holding the pin lease places pins
             if isinstance(action, PinOn):  # with the holder to copy from, when there is one
                 source = self.handles.get(str(action.source)) if action.source is not None else None
                 handle.pin.remote(action, source)
             elif isinstance(action, Unpin):
                 handle.unpin.remote(action.block_hashes, action.num_tokens, action.tier)
             elif isinstance(action, RequestSnapshot):
-                handle.snapshot.remote()
+                handle.snapshot.remote(self.replica)
         if actions:
             self._update_pin_gauges()
 

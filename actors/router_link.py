@@ -65,18 +65,20 @@ class _PinJob:
 
 
 class RouterLink:
-    """Owns this worker's connection to the router actor: the router handle, the last report
-    sent (its ref is the ack a finished request carries), the last load reported and when, the
-    pins being placed here and the log of placed ones.
+    """Owns this worker's connection to the router replicas (``router.replicas`` actors, each fed
+    every report): their handles by replica, the last report sent to each (the refs are the ack
+    a finished request carries), the last load reported and when, the pins being placed here and
+    the log of placed ones.
 
     Runs a pin's prefix as a request of the worker's engine, registered through ``track`` in the
     worker's request table; the worker calls ``finish_pin`` when that request ends.
     ``run_on_engine_thread(fn, *args)`` enqueues ``fn`` on the engine thread (for callbacks
     that arrive on other threads).
 
-    Invariants: nothing is sent before ``connect``; a report carries every event the engine
-    produced since the previous one (events are taken only here), so the router sees them in
-    order; a pin in ``_pins_placing`` ends in ``finish_pin`` exactly once, which answers all its
+    Invariants: nothing is sent to a replica before its ``connect``; a report carries every
+    event the engine produced since the previous one (events are taken only here) and goes to
+    every connected replica, so each sees them in order (a replica connected late sees a gap and
+    asks for a snapshot); a pin in ``_pins_placing`` ends in ``finish_pin`` exactly once, which answers all its
     waiters and tells the router.
     """
 
@@ -87,37 +89,42 @@ class RouterLink:
         metrics: WorkerMetrics | None,
         run_on_engine_thread: Callable[..., object],
         track: Callable[[str, TrackedRequest], None],
+        replicas: int = 1,
     ):
         self.engine = engine
         self.worker_id = worker_id
         self.metrics = metrics
         self._run_on_engine_thread = run_on_engine_thread
         self._track = track
-        self._router: ActorHandle | None = None
-        self.last_report: ray.ObjectRef[None] | None = None  # the ref of the last report sent
+        self._routers: list[ActorHandle | None] = [None] * replicas  # by replica
+        self.last_report: tuple[ray.ObjectRef[None], ...] = ()  # the refs of the last report sent
         self._last_load: WorkerLoad | None = None
         self._last_report_at = 0.0
         self._pins_placing: dict[int, _PinJob] = {}
         self._pin_log: deque[PinRecord] = deque(maxlen=PIN_LOG_SIZE)
 
     # -- reports to the router ---------------------------------------------------------------------
-    def connect(self, router: ActorHandle) -> None:
-        """Report to ``router`` (a Router actor handle) from now on, starting with the full load."""
-        self._router = router
+    def connect(self, router: ActorHandle, replica: int = 0) -> None:
+        """Report to ``router`` (the Router actor of ``replica``) from now on, starting with the
+        full load."""
+        self._routers[replica] = router
         self.report(force=True)
+
+    def _connected(self) -> list[ActorHandle]:
+        return [router for router in self._routers if router is not None]
 
     def report(self, force: bool = False) -> None:
         """Send the router the engine's new KV events and its load: always when there are events
         or ``force``, else when the load changed and ``LOAD_REPORT_INTERVAL_S`` has passed."""
-        router = self._router
-        if router is None:
+        routers = self._connected()
+        if not routers:
             return
         events = self.engine.take_events()
         load = WorkerLoad(*self.engine.load())
         now = time.monotonic()
         changed = load != self._last_load
         if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
-            self.last_report = router.report.remote(self.worker_id, events, load)
+            self.last_report = tuple(router.report.remote(self.worker_id, events, load) for router in routers)
             self._last_load, self._last_report_at = load, now
             if self.metrics is not None:
                 self._update_gauges(self.metrics)
@@ -127,11 +134,15 @@ class RouterLink:
         before the forward runs, so routing during a long step sees the cache as it is."""
         self.report()
 
-    def send_snapshot(self) -> None:
-        """Send the router a full snapshot of the prefix cache (it lost events)."""
+    def send_snapshot(self, replica: int | None = None) -> None:
+        """Send the router replica ``replica`` (None: every one) a full snapshot of the prefix
+        cache (it lost events)."""
         self.report(force=True)
-        if self._router is not None:
-            self._router.apply_snapshot.remote(self.worker_id, WorkerSnapshot(*self.engine.cache_snapshot()))
+        routers = self._connected() if replica is None else [r for r in self._routers[replica : replica + 1] if r]
+        if routers:
+            snapshot = WorkerSnapshot(*self.engine.cache_snapshot())
+            for router in routers:
+                router.apply_snapshot.remote(self.worker_id, snapshot)
 
     def _update_gauges(self, metrics: WorkerMetrics) -> None:
         gauges = self.engine.cache_gauges()
@@ -212,8 +223,8 @@ class RouterLink:
         tell the router the result and answer the pin's waiters."""
         pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
         self.report(force=True)  # the pin's events reach the router before its result
-        if self._router is not None:
-            self._router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
+        for router in self._connected():  # the replica that decides pins takes it, the others ignore it
+            router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
         job = self._pins_placing.pop(action.pin_id, None) or _PinJob(time.monotonic())
         record = PinRecord(
             pin_id=action.pin_id,

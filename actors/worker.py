@@ -121,7 +121,9 @@ class EngineWorker:
         self._last_loop = time.monotonic()  # when the engine thread last came round its loop
         self._last_sweep = 0.0
         self.metrics = _worker_metrics(worker_id, self.role)
-        self.router_link = RouterLink(self.engine, worker_id, self.metrics, self._submit, self._tracked.__setitem__)
+        self.router_link = RouterLink(
+            self.engine, worker_id, self.metrics, self._submit, self._tracked.__setitem__, config.router.replicas
+        )
         # Each scheduling's cache events (blocks stored and evicted) reach the router before the
         # forward runs; nothing is sent until ``set_router`` connects the link.
         self.engine.on_scheduled = self.router_link.report_scheduled
@@ -147,9 +149,9 @@ class EngineWorker:
             eos_token_id=engine.eos_token_id,
         )
 
-    async def set_router(self, router: ActorHandle) -> None:
-        """Start reporting KV events and load to ``router`` (a Router actor handle)."""
-        await self._call(self.router_link.connect, router)
+    async def set_router(self, router: ActorHandle, replica: int = 0) -> None:
+        """Start reporting KV events and load to ``router`` (the Router actor of ``replica``)."""
+        await self._call(self.router_link.connect, router, replica)
 
     async def health(self, renew: list[str] | None = None) -> dict[str, str | int]:
         """Liveness of the engine thread; raises ``WorkerUnavailableError`` if it stopped or has
@@ -290,9 +292,10 @@ class EngineWorker:
         those blocks the last to be evicted until it arrives (``EngineCore.refresh_prefix``)."""
         self._submit(self.engine.refresh_prefix, block_hashes, num_tokens)
 
-    def snapshot(self) -> None:
-        """Send the router a full snapshot of the prefix cache (it lost events)."""
-        self._submit(self.router_link.send_snapshot)
+    def snapshot(self, replica: int | None = None) -> None:
+        """Send router replica ``replica`` (None: every one) a full snapshot of the prefix cache
+        (it lost events)."""
+        self._submit(self.router_link.send_snapshot, replica)
 
     # -- engine thread -----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
@@ -453,7 +456,7 @@ class EngineWorker:
             self._abort(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        ack = None
+        ack: tuple[ray.ObjectRef[None], ...] = ()
         if any(out.finished for out in outputs):
             self.router_link.report(force=True)  # sent, not awaited: the driver awaits ``ack`` instead
             ack = self.router_link.last_report
@@ -486,7 +489,7 @@ class EngineWorker:
         tracked: TrackedRequest,
         now: float,
         hops: dict[str, float] | None = None,
-        ack: ray.ObjectRef[None] | None = None,
+        ack: tuple[ray.ObjectRef[None], ...] = (),
     ) -> None:
         if self.metrics is not None and out.finish_reason not in ("abort", "error"):
             self.metrics.record_request_finished(

@@ -59,7 +59,8 @@ class TokenChunk:
     error: str | None = None  # why it finished with "error"
     worker_failed: bool = False  # the error is the worker's, not the request's: run it elsewhere
     hops: dict[str, float] | None = None  # on the first tokens' chunk: this worker's hop durations (s)
-    router_ack: ray.ObjectRef[None] | None = None  # on the last chunk: the ref of the router report carrying its blocks
+    #: on the last chunk: the refs (one per router replica) of the report carrying its blocks
+    router_ack: tuple[ray.ObjectRef[None], ...] = ()
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the sampling asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, with ``prompt_logprobs``
 
@@ -89,7 +90,8 @@ class PrefillResult:
     error: str | None = None
     worker_failed: bool = False
     hops: dict[str, float] = field(default_factory=dict)  # prefill_queue, prefill (s, this worker's clock)
-    router_ack: ray.ObjectRef[None] | None = None  # the ref of the router report carrying the prefilled blocks
+    #: the refs (one per router replica) of the report carrying the prefilled blocks
+    router_ack: tuple[ray.ObjectRef[None], ...] = ()
 
 
 @dataclass

@@ -6,6 +6,26 @@ logic lives in ``benchmarks.support.cluster_runs``, ``kvfleet_testing.workloads`
     python -m benchmarks.cluster_bench                     # Gemma-3-270M + tiny Bamba (~25 min here)
     python -m benchmarks.cluster_bench --quick             # small counts, for development
     python -m benchmarks.cluster_bench --config tiny --hybrid-config tiny-hybrid
+    python -m benchmarks.cluster_bench --router-replicas 2 --config tiny --quick   # replicas only
+
+``--router-replicas N``: instead of the suite, kvfleet's router with one replica against N
+replicas (``router.replicas``) on the shared-prefix workload, same sized config and prompts, a
+fresh cluster per run, alternating 1, N, 1, N, ... ``--replica-trials`` times each; the last line
+is ``{"replicas": N, "hit_rate": {"1": x, "N": y}, "ttft_p90_s": {...}, "hit_rate_ratio": r,
+"p90_ttft_ratio": r}`` (N over one, medians over the trials).
+
+Measured 2026-11-28 (tiny preset, 2P+2D, 128 shared-prefix requests, 4 in flight, load average
+about 30 from other tenants), ``--router-replicas 2 --config tiny``::
+
+    replicas  trial  hit rate  TTFT p50  TTFT p90
+    1         0      0.8824    0.104 s   0.170 s
+    2         0      0.8824    0.103 s   0.199 s
+    1         1      0.8824    0.144 s   0.340 s
+    2         1      0.8676    0.138 s   0.261 s
+    medians: hit rate 0.8824 / 0.875 (ratio 0.992), p90 0.255 / 0.230 s (ratio 0.90)
+
+The hit rates match, except that in one trial two requests took the ``cost`` route instead of
+``prefix``. The p90 moves more between trials of one setting than between settings.
 
 Runs: the shared-prefix workload and the hybrid-pressure workload on ``--config`` (default: the
 local preset, Gemma-3-270M: sliding window + full attention), the hybrid workload on
@@ -68,10 +88,12 @@ import argparse
 import json
 import logging
 from dataclasses import replace
+from typing import Any
 
-from benchmarks.support.cluster_runs import POLICIES
+from benchmarks.support.cluster_runs import POLICIES, run_policy
 from benchmarks.support.cluster_suite import SUMMARY_KEYS, Suite, run_suite
-from configs import load_config
+from configs import ClusterConfig, load_config
+from kvfleet_testing.sizing import kv_groups, sized_config
 from kvfleet_testing.workloads import HybridWorkload, SharedPrefixWorkload
 
 log = logging.getLogger("cluster_bench")
@@ -103,6 +125,35 @@ def build_suite(quick: bool, policies: tuple[str, ...]) -> Suite:
     )
 
 
+def compare_replicas(
+    config: ClusterConfig, workload: SharedPrefixWorkload, replicas: int, trials: int
+) -> dict[str, Any]:
+    """One router replica against ``replicas`` on the same sized config and prompts (see the
+    module docstring); the medians of ``trials`` alternating runs each."""
+    import statistics
+
+    sized = sized_config(config, workload, kv_groups(config))
+    runs: dict[str, list[dict[str, Any]]] = {"1": [], str(replicas): []}
+    for trial in range(trials):
+        for n in (1, replicas):
+            cfg = sized.model_copy(update={"router": sized.router.model_copy(update={"replicas": n})})
+            run = run_policy(cfg, "kvfleet", workload)
+            runs[str(n)].append(run)
+            log.info("router replicas %d, trial %d: %s", n, trial, run)
+            print(json.dumps({"workload": "shared_prefix", "router_replicas": n, "trial": trial, **run}))
+    hit = {n: round(statistics.median(r["hit_rate"] for r in rs), 4) for n, rs in runs.items()}
+    p90 = {n: round(statistics.median(r["ttft_p90_s"] for r in rs), 4) for n, rs in runs.items()}
+    many = str(replicas)
+    return {
+        "replicas": replicas,
+        "trials": trials,
+        "hit_rate": hit,
+        "ttft_p90_s": p90,
+        "hit_rate_ratio": round(hit[many] / max(1e-9, hit["1"]), 4),
+        "p90_ttft_ratio": round(p90[many] / max(1e-9, p90["1"]), 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="local", help="main preset or YAML (default: local, Gemma-3-270M)")
@@ -111,12 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="small counts (development)")
     parser.add_argument("--no-auto-pin-compare", action="store_true", help="skip the decode auto-pin runs")
+    parser.add_argument("--router-replicas", type=int, default=0, help="compare 1 router replica with N (only)")
+    parser.add_argument("--replica-trials", type=int, default=2, help="runs per replica count (--router-replicas)")
     args = parser.parse_args(argv)
+    if args.router_replicas == 1 or args.router_replicas < 0:
+        parser.error(f"--router-replicas: must be >= 2 (got {args.router_replicas})")
+    if args.replica_trials < 1:
+        parser.error(f"--replica-trials: must be >= 1 (got {args.replica_trials})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     main_cfg = load_config(args.config, [*BENCH_WORKERS, *args.overrides])
     second = load_config(args.hybrid_config, [*BENCH_WORKERS, *args.overrides]) if args.hybrid_config else None
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     suite = build_suite(args.quick, policies)
+    if args.router_replicas:
+        print(json.dumps(compare_replicas(main_cfg, suite.shared, args.router_replicas, args.replica_trials)))
+        return 0
     if args.no_auto_pin_compare:
         suite = replace(suite, auto_pin_compare=False)
     result = run_suite(main_cfg, second, suite)

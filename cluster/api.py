@@ -58,13 +58,14 @@ DEFAULT_START_TIMEOUT_S = 900.0  # the first use of Gemma-3-270M converts its GG
 @dataclass(frozen=True)
 class ClusterHandles:
     """Everything another process needs to drive a started cluster (picklable): the config, the
-    worker and router actor handles, what each worker reported at start, the model directory.
+    worker and router actor handles (one per router replica), what each worker reported at
+    start, the model directory.
     The process that started the actors owns them; ``Cluster.attach`` only drives them."""
 
     config: ClusterConfig
     workers: dict[str, WorkerHandle]
     infos: dict[str, WorkerInfo]
-    router: RouterHandle
+    routers: list[RouterHandle]
     model_directory: str
 
 
@@ -109,7 +110,13 @@ class Cluster:
 
     @property
     def router(self) -> RouterHandle:
+        """Router replica 0 (the router, unless ``router.replicas`` > 1)."""
         return self._supervisor.router
+
+    @property
+    def routers(self) -> list[RouterHandle]:
+        """Every router replica, in replica order."""
+        return list(self._supervisor.routers)
 
     @property
     def lost(self) -> dict[str, str]:
@@ -123,6 +130,11 @@ class Cluster:
     @property
     def router_incarnation(self) -> str | None:
         return self._supervisor.router_incarnation
+
+    @property
+    def router_incarnations(self) -> list[str | None]:
+        """The incarnation last seen of each router replica (None: not seen yet)."""
+        return list(self._supervisor.router_incarnations)
 
     @property
     def router_rejoins(self) -> int:
@@ -208,7 +220,11 @@ class Cluster:
         self._require_started()
         supervisor = self._supervisor
         return ClusterHandles(
-            self.config, dict(supervisor.workers), dict(supervisor.infos), supervisor.router, self.model_directory
+            self.config,
+            dict(supervisor.workers),
+            dict(supervisor.infos),
+            list(supervisor.routers),
+            self.model_directory,
         )
 
     @classmethod
@@ -216,7 +232,7 @@ class Cluster:
         """Drive a cluster another process started (its actors stay that process's: ``shutdown``
         here stops only this driver, never the actors or Ray)."""
         cluster = cls(handles.config)
-        cluster._supervisor.attach(handles.workers, handles.infos, handles.router)
+        cluster._supervisor.attach(handles.workers, handles.infos, handles.routers)
         model = ServedModel.from_workers(handles.infos, handles.model_directory)
         cluster._loop.start()
         cluster._runner.start(model)
@@ -386,9 +402,9 @@ class Cluster:
             raise ValueError(
                 "tier: 'host' needs the host tier (kv_cache.offload.enabled=true with prefix caching; got tier='host')"
             )
-        router = self._supervisor.router
+        supervisor = self._supervisor
         try:
-            pin_id = int(await router.pin.remote(token_ids, replicas, ttl, tier))
+            pin_id = int(await supervisor.on_pin_router("pin", token_ids, replicas, ttl, tier))
         except RayTaskError as exc:  # the policy's own check (e.g. more replicas than holders)
             if isinstance(exc.cause, ValueError):
                 raise ValueError(str(exc.cause)) from None  # noqa: TRY004  (the policy's ValueError, unwrapped)
@@ -396,7 +412,7 @@ class Cluster:
         if wait:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                pin = {p["pin_id"]: p for p in await router.pins.remote()}.get(pin_id)
+                pin = {p["pin_id"]: p for p in await supervisor.on_pin_router("pins")}.get(pin_id)
                 if pin is None or len(pin["active"]) >= pin["replicas"]:
                     break
                 await asyncio.sleep(0.05)
@@ -410,7 +426,7 @@ class Cluster:
 
     async def aunpin(self, pin_id: int) -> bool:
         self._require_started()
-        return bool(await self._supervisor.router.unpin.remote(pin_id))
+        return bool(await self._supervisor.on_pin_router("unpin", pin_id))
 
     def pins(self) -> list[dict[str, Any]]:
         """Every cluster pin: id, tokens, replicas, ``tier``, active and pending holders, and per
@@ -419,7 +435,7 @@ class Cluster:
 
     async def apins(self) -> list[dict[str, Any]]:
         self._require_started()
-        return list(await self._supervisor.router.pins.remote())
+        return list(await self._supervisor.on_pin_router("pins"))
 
     # -- stats and health --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

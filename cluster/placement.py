@@ -48,7 +48,7 @@ def embedded_init_kwargs(config: ClusterConfig) -> dict[str, Any]:
     """``ray.init`` arguments of an embedded local cluster sized for ``config``'s workers."""
     ray_cfg = config.ray
     num_cpus = ray_cfg.num_cpus if ray_cfg.num_cpus is not None else max(float(os.cpu_count() or 1), 1.0)
-    num_cpus = max(num_cpus, needed_cpus(config) + ROUTER_NUM_CPUS)
+    num_cpus = max(num_cpus, needed_cpus(config) + ROUTER_NUM_CPUS * config.router.replicas)
     workers = config.workers
     num_gpus = workers.num_prefill * workers.prefill.num_gpus + workers.num_decode * workers.decode.num_gpus
     kwargs: dict[str, Any] = {
@@ -106,9 +106,10 @@ def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -
                 f"for an embedded cluster raise ray.num_cpus)"
             )
     need, have = needed_cpus(config), cluster_resources.get("CPU", 0.0)
-    if need + ROUTER_NUM_CPUS > have + 1e-9:
+    routers = ROUTER_NUM_CPUS * config.router.replicas
+    if need + routers > have + 1e-9:
         raise PlacementError(
-            f"workers: the workers need {need:g} CPU and the router {ROUTER_NUM_CPUS:g} beside them but the "
+            f"workers: the workers need {need:g} CPU and the router replicas {routers:g} beside them but the "
             f"Ray cluster has {have:g} (lower workers.*.num_cpus or add capacity; for an embedded cluster "
             f"raise ray.num_cpus)"
         )

@@ -385,7 +385,7 @@ class RequestRunner:
             if request.share_placement is not None:
                 self._placements.leave(request.share_placement)
             router = supervisor.router
-            if router is not None:  # once per request, however many attempts it took
+            if router is not None:  # once per request, however many attempts it took (replica 0's metrics)
                 router.finished.remote(ttft_s, num_out, ok)
 
     async def _attempt_supervised(
@@ -459,7 +459,7 @@ class RequestRunner:
                 prefill = await self._prefill(request, prefiller, prefill_id, decoder)
                 prefill_call_s = time.monotonic() - sent
                 cached = prefill.num_cached_tokens
-                acks.append(prefill.router_ack)
+                acks.extend(prefill.router_ack)
             request.on(decode_id, decoder)
         if not request.aborted:
             try:
@@ -494,7 +494,7 @@ class RequestRunner:
                     if chunk.finished:
                         reason = "stop" if stopped else (chunk.finish_reason or "stop")
                         error = chunk.error
-                        acks.append(chunk.router_ack)
+                        acks.extend(chunk.router_ack)
                         break
             except (RayActorError, RayTaskError) as exc:
                 if not detok.stopped:  # a request that matched its stop string needs nothing more
@@ -557,18 +557,20 @@ class RequestRunner:
         return decision
 
     async def _ask_router(self, request_id: str, hashes: list[bytes], num_tokens: int) -> Decision:
-        """The router's decision, or (router restarting, no workers registered yet) the
-        supervisor's fallback."""
+        """The decision of the router replica the prompt's first block picks, else of the next
+        replica that answers (``Supervisor.route_order``), or (every replica restarting, no
+        workers registered yet) the supervisor's fallback."""
         from ray.exceptions import RayActorError, RayTaskError
 
         supervisor = self._supervisor
-        try:
-            return await asyncio.wait_for(await_ref(supervisor.router.route.remote(request_id, hashes, num_tokens)),
-                                          self.config.workers.health_check_timeout_s)  # fmt: skip
-        except (RayActorError, RayTaskError, TimeoutError) as exc:
-            log.warning("router could not place %s (%s); running it without the router", request_id,
-                        describe_failure(exc))  # fmt: skip
-            return supervisor.fallback_decision(request_id, num_tokens)
+        for router in supervisor.route_order(hashes):
+            try:
+                return await asyncio.wait_for(await_ref(router.route.remote(request_id, hashes, num_tokens)),
+                                              self.config.workers.health_check_timeout_s)  # fmt: skip
+            except (RayActorError, RayTaskError, TimeoutError) as exc:
+                log.warning("router could not place %s (%s)", request_id, describe_failure(exc))
+        log.warning("no router replica placed %s; running it without the router", request_id)
+        return supervisor.fallback_decision(request_id, num_tokens)
 
     async def _prefill(
         self, request: ClusterRequest, prefiller: WorkerHandle, prefill_id: str, decoder: WorkerHandle

@@ -15,6 +15,12 @@ The router is watched too: Ray restarts a router process that dies (its pins com
 journal, see ``actors.pin_journal``), and the process that started the cluster notices the new
 incarnation and registers every live worker with it again, each sending a full snapshot of its
 prefix cache. Meanwhile requests are placed by ``Supervisor.fallback_decision`` instead of failing.
+
+With ``router.replicas`` = N > 1 there are N router actors, each registered with every worker
+(each worker reports to all of them) and each watched and restarted alone the same way; a
+request asks the replica its first block's hash picks (``route_order``), and while that one is
+down the next replica in turn, which holds the same index: only when none answers does the
+fallback place it. Pins go to the replica holding the pin lease (``actors.pin_lease``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from cluster.driver_loop import DriverLoop
@@ -64,17 +70,18 @@ class Supervisor:
     Invariants: a worker id is in at most one of ``workers`` and ``lost``; a lost worker is never
     routed to by this driver; only the process that started the actors replaces, re-registers
     and stops them (an attached driver only drives them); nothing of the health loop runs on
-    after ``stop``.
+    after ``stop``; ``routers`` holds one handle per router replica, in replica order, and
+    ``router_incarnations`` the incarnation last seen of each.
     """
 
     def __init__(self, config: ClusterConfig, loop: DriverLoop, in_flight: InFlight) -> None:
         self.config = config
         self.workers: dict[str, WorkerHandle] = {}
         self.infos: dict[str, WorkerInfo] = {}
-        self.router: RouterHandle = None
+        self.routers: list[RouterHandle] = []
         self.lost: dict[str, str] = {}
         self.replacements = 0
-        self.router_incarnation: str | None = None
+        self.router_incarnations: list[str | None] = []
         self.router_rejoins = 0
         self._loop = loop
         self._in_flight = in_flight
@@ -83,6 +90,23 @@ class Supervisor:
         self._background: set[concurrent.futures.Future[None]] = set()  # the health loop, replacements
         self._closing = False
         self._fallback_turn = 0
+
+    @property
+    def router(self) -> RouterHandle:
+        """Router replica 0 (the only one unless ``router.replicas`` > 1); None when stopped."""
+        return self.routers[0] if self.routers else None
+
+    @property
+    def router_incarnation(self) -> str | None:
+        return self.router_incarnations[0] if self.router_incarnations else None
+
+    def route_order(self, block_hashes: Sequence[bytes]) -> list[RouterHandle]:
+        """The router replicas to ask for a prompt with these block hashes, in order: the one
+        its first block's hash picks (so one prefix's decisions stay on one replica), then the
+        others in turn (they hold the same index) for while it is down."""
+        n = len(self.routers)
+        first = replica_for(block_hashes, n)
+        return [self.routers[(first + k) % n] for k in range(n)]
 
     # -- starting and stopping the actors ----------------------------------------------------------
     def start_workers(self, resources: dict[str, float], start_timeout_s: float) -> dict[str, WorkerInfo]:
@@ -119,8 +143,9 @@ class Supervisor:
         return {wid: ray.get(ref) for wid, ref in refs.items()}
 
     def start_router(self) -> None:
-        """Start the router, register every worker with it (and it with every worker), then have
-        the decode workers open their transfer connections to the prefill workers."""
+        """Start the router replicas, register every worker with each (and each with every
+        worker), then have the decode workers open their transfer connections to the prefill
+        workers."""
         import ray
 
         from actors.router import Router
@@ -128,16 +153,25 @@ class Supervisor:
 
         first = next(iter(self.infos.values()))
         router_class = cast("ActorClass[Router]", Router)  # what @ray.remote made of it (mypy cannot see)
+        cluster_key = uuid.uuid4().hex
         # Ray restarts a router that dies; this process then registers the workers with it again
-        self.router = router_class.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=-1).remote(
-            self.config, first.groups, uuid.uuid4().hex
-        )
-        ray.get(self.router.ready.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
+        self.routers = [
+            router_class.options(num_cpus=ROUTER_NUM_CPUS, max_restarts=-1).remote(
+                self.config, first.groups, cluster_key, replica
+            )
+            for replica in range(self.config.router.replicas)
+        ]
+        self.router_incarnations = [None] * len(self.routers)
+        ray.get([router.ready.remote() for router in self.routers], timeout=ACTOR_CALL_TIMEOUT_S)
         ray.get([
-            self.router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
+            router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
+            for router in self.routers
             for wid, info in self.infos.items()
         ])  # fmt: skip
-        ray.get([w.set_router.remote(self.router) for w in self.workers.values()], timeout=ACTOR_CALL_TIMEOUT_S)
+        ray.get(
+            [w.set_router.remote(router, k) for k, router in enumerate(self.routers) for w in self.workers.values()],
+            timeout=ACTOR_CALL_TIMEOUT_S,
+        )
         self._warm_connections()
 
     def _warm_connections(self) -> None:
@@ -153,14 +187,15 @@ class Supervisor:
             ray.get([d.warm_peers.remote(agents) for d in decoders], timeout=ACTOR_CALL_TIMEOUT_S)
 
     def attach(
-        self, workers: Mapping[str, WorkerHandle], infos: Mapping[str, WorkerInfo], router: RouterHandle
+        self, workers: Mapping[str, WorkerHandle], infos: Mapping[str, WorkerInfo], routers: Sequence[RouterHandle]
     ) -> None:
         """Drive actors another process started: this supervisor never replaces, re-registers
         or stops them."""
         self._owns_actors = False
         self.workers = dict(workers)
         self.infos = dict(infos)
-        self.router = router
+        self.routers = list(routers)
+        self.router_incarnations = [None] * len(self.routers)
 
     def stop_actors(self) -> None:
         """Stop the workers and the router where this process started them, and forget them."""
@@ -173,14 +208,14 @@ class Supervisor:
                     ray.wait(refs, num_returns=len(refs), timeout=30)
                 except Exception as exc:  # noqa: BLE001  (dead actors: nothing to stop)
                     log.debug("worker shutdown: %s", exc)
-            for handle in [*self.workers.values(), self.router]:
+            for handle in [*self.workers.values(), *self.routers]:
                 if handle is not None:
                     try:
                         ray.kill(handle)
                     except Exception as exc:  # noqa: BLE001  (already gone)
                         log.debug("kill: %s", exc)
         self.workers.clear()
-        self.router = None
+        self.routers = []
 
     # -- the health loop -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -241,8 +276,8 @@ class Supervisor:
         del self.workers[worker_id]
         self.lost[worker_id] = why
         log.error("worker %s lost (%s); removing it from the router", worker_id, why)
-        if self.router is not None:
-            self.router.remove_worker.remote(worker_id, current._actor_id.hex())
+        for router in self.routers:
+            router.remove_worker.remote(worker_id, current._actor_id.hex())
         self._in_flight.cut_loose(worker_id)
         replace = self._owns_actors and self.config.workers.replace_failed and self._loop.running
         if replace and worker_id not in self._replacing:
@@ -288,8 +323,9 @@ class Supervisor:
                 raise RuntimeError(f"{worker_id}: the replacement's KV layout differs from the cluster's")
             if self._closing:
                 raise RuntimeError("the cluster is shutting down")
-            await await_ref(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
-            await await_ref(handle.set_router.remote(self.router))
+            for k, router in enumerate(self.routers):
+                await await_ref(router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+                await await_ref(handle.set_router.remote(router, k))
         except BaseException:
             _kill(handle)
             raise
@@ -298,34 +334,41 @@ class Supervisor:
         self.lost.pop(worker_id, None)
 
     async def _watch_router(self) -> None:
-        """Register every live worker again with a router Ray restarted (a new incarnation)."""
+        """Register every live worker again with a router replica Ray restarted (a new
+        incarnation); each replica is watched alone, the others route meanwhile."""
+        await asyncio.gather(*(self._watch_replica(k) for k in range(len(self.routers))))
+
+    async def _watch_replica(self, replica: int) -> None:
+        router = self.routers[replica]
         timeout_s = self.config.workers.health_check_timeout_s
         try:
-            incarnation = await asyncio.wait_for(await_ref(self.router.identity.remote()), timeout_s)
-        except Exception as exc:  # noqa: BLE001  (down or restarting: requests fall back until it is back)
-            log.warning("router did not answer (%s); placing requests without it", describe_failure(exc))
+            incarnation = await asyncio.wait_for(await_ref(router.identity.remote()), timeout_s)
+        except Exception as exc:  # noqa: BLE001  (down or restarting: its requests go elsewhere until it is back)
+            log.warning("router replica %d did not answer (%s); routing without it", replica, describe_failure(exc))
             return
-        if self.router_incarnation is None:
-            self.router_incarnation = incarnation
-        restarted = incarnation != self.router_incarnation
-        registered = await await_ref(self.router.worker_handles.remote())
+        if self.router_incarnations[replica] is None:
+            self.router_incarnations[replica] = incarnation
+        restarted = incarnation != self.router_incarnations[replica]
+        registered = await await_ref(router.worker_handles.remote())
         missing = [w for w, h in self.workers.items() if w not in registered or registered[w]._actor_id != h._actor_id]
         if missing:
-            await self._register_again(missing, "router restarted" if restarted else "router lacks workers")
+            why = f"router replica {replica} " + ("restarted" if restarted else "lacks workers")
+            await self._register_again(replica, missing, why)
         if restarted:
-            self.router_incarnation = incarnation
+            self.router_incarnations[replica] = incarnation
             self.router_rejoins += 1
 
-    async def _register_again(self, missing: list[str], why: str) -> None:
+    async def _register_again(self, replica: int, missing: list[str], why: str) -> None:
         log.warning("%s; registering %s with it again", why, ", ".join(sorted(missing)))
+        router = self.routers[replica]
         for worker_id in missing:  # e.g. a replacement that joined the router just before it died
             handle, info = self.workers.get(worker_id), self.infos[worker_id]
             if handle is None:
                 continue
             try:
-                await await_ref(self.router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
-                await await_ref(handle.set_router.remote(self.router))
-                handle.snapshot.remote()
+                await await_ref(router.add_worker.remote(worker_id, info.router_role, info.num_blocks, handle))
+                await await_ref(handle.set_router.remote(router, replica))
+                handle.snapshot.remote(replica)
             except Exception as exc:  # noqa: BLE001  (it failed since its check: lost, not registered)
                 self.forget_worker(worker_id, describe_failure(exc), handle)
 
@@ -343,7 +386,13 @@ class Supervisor:
 
     async def _adopt_registered(self) -> None:
         """An attached driver takes the replacements the owner registered with the router."""
-        registered = await await_ref(self.router.worker_handles.remote())
+        registered: dict[str, WorkerHandle] = {}
+        for router in self.routers:  # the first replica that answers (each has every worker)
+            try:
+                registered = await await_ref(router.worker_handles.remote())
+                break
+            except Exception as exc:  # noqa: BLE001  (a replica restarting: ask the next)
+                log.debug("router replica did not answer (%s)", describe_failure(exc))
         for worker_id, handle in registered.items():
             current = self.workers.get(worker_id)
             if worker_id in self.infos and (current is None or current._actor_id != handle._actor_id):
@@ -381,8 +430,60 @@ class Supervisor:
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
         totals["hit_tokens_by_tier"] = hit_tokens_by_tier_totals(workers)
         totals["host_tier"] = host_tier_totals(workers)
-        router = await self.router.stats.remote()
-        return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": router}
+        return {"workers": workers, "unhealthy": unhealthy, "totals": totals, "router": await self.router_stats()}
+
+    async def router_stats(self) -> dict[str, Any]:
+        """The router's stats; with replicas, the counts summed over the replicas that answer,
+        the pins of the one that decides them, and each replica's own under ``replicas``."""
+        answers = await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers), return_exceptions=True)
+        each = [a for a in answers if isinstance(a, dict)]
+        if len(self.routers) == 1:
+            if not each:
+                raise cast("BaseException", answers[0])
+            return each[0]
+        merged = dict(each[0]) if each else {"policy": self.config.router.policy}
+        for key in ("routed", "disaggregated", "prompt_tokens", "predicted_hit_tokens"):
+            merged[key] = sum(int(a.get(key, 0)) for a in each)
+        for key in ("reasons", "route_outcomes"):
+            total: dict[str, Any] = {}
+            for a in each:
+                _add_counts(total, a.get(key, {}))
+            merged[key] = total
+        merged["pins"] = [p for a in each for p in a.get("pins", [])]  # only the leader lists pins
+        merged["replicas"] = [a if isinstance(a, dict) else {"error": describe_failure(a)} for a in answers]
+        return merged
+
+    async def on_pin_router(self, method: str, *args: Any) -> Any:
+        """Call ``method`` of the router replica that decides pins; once more when the lease
+        moved between finding its holder and the call (``NotPinLeaderError``)."""
+        from ray.exceptions import RayTaskError
+
+        from actors.router import NotPinLeaderError
+
+        for attempt in range(2):
+            router = await self.pin_router()
+            try:
+                return await getattr(router, method).remote(*args)
+            except RayTaskError as exc:
+                if attempt or not isinstance(exc.cause, NotPinLeaderError):
+                    raise
+                log.warning("pin lease moved (%s); asking its holder", exc.cause)
+        raise AssertionError("unreachable")
+
+    async def pin_router(self) -> RouterHandle:
+        """The router replica that decides pins (the pin lease's holder; replica 0 claims a free
+        lease)."""
+        if len(self.routers) == 1:
+            return self.router
+        for router in self.routers:
+            try:
+                leader = await await_ref(router.pin_leader.remote())
+            except Exception as exc:  # noqa: BLE001  (a replica restarting: ask the next)
+                log.debug("router replica did not answer (%s)", describe_failure(exc))
+                continue
+            if leader is not None:
+                return self.routers[leader]
+        raise RuntimeError("no router replica holds the pin lease (all restarting?); try again")
 
     async def health(self, timeout_s: float) -> dict[str, str]:
         """Every worker this cluster started, with "ok" or why it is not healthy (an engine
@@ -396,6 +497,14 @@ class Supervisor:
             return await probe(handle, timeout_s)
 
         return dict(zip(names, await asyncio.gather(*(one(w) for w in names)), strict=True))
+
+
+def replica_for(block_hashes: Sequence[bytes], replicas: int) -> int:
+    """The router replica (of ``replicas``) that routes a prompt with these block hashes: its
+    first block's hash picks it, so every prompt sharing a first block (a prefix) goes to one."""
+    if replicas <= 1 or not block_hashes:
+        return 0
+    return int.from_bytes(block_hashes[0][:8], "big") % replicas
 
 
 def worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -428,6 +537,15 @@ def worker_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "requests_finished": int(metrics.get("kvfleet_requests_finished_total", 0)),
         "requests_aborted": int(metrics.get("kvfleet_requests_aborted_total", 0)),
     }
+
+
+def _add_counts(total: dict[str, Any], counts: Mapping[str, Any]) -> None:
+    """Add ``counts`` (numbers, or dicts of them, nested) into ``total``."""
+    for name, value in counts.items():
+        if isinstance(value, Mapping):
+            _add_counts(total.setdefault(name, {}), value)
+        else:
+            total[name] = total.get(name, 0) + value
 
 
 def _counter(metrics: dict[str, Any], name: str) -> float:

@@ -327,6 +327,9 @@ class RouterConfig(_Frozen):
     pins: list[PinConfig] = Field(default_factory=list)
     auto_pin: AutoPinConfig = AutoPinConfig()
     seed: int = 0
+    #: router actors, each with the full prefix index and fed every worker report; a request is
+    #: routed by the replica its first block's hash picks (docs/architecture.md, Router replicas)
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
 
     @field_validator("work_imbalance_ratio")
     @classmethod

@@ -3,7 +3,7 @@
 Two deployments:
 
 * ``KvfleetController`` (one replica, no CPU of its own) starts the cluster exactly as
-  ``Cluster`` does (router actor, prefill and decode worker actors) and owns them: when Serve
+  ``Cluster`` does (router actors, prefill and decode worker actors) and owns them: when Serve
   stops it, it waits for the workers to go idle (up to the graceful-shutdown timeout) and stops
   them.
 * ``KvfleetIngress`` (``serve.ingress_replicas`` replicas) serves the OpenAI-compatible API. Each
@@ -56,8 +56,16 @@ class ClusterController:
         return self.cluster.handles()
 
     async def check_health(self) -> None:
-        """Serve's health check: the router must answer (workers are checked by /health)."""
-        await self.cluster.router.ready.remote()
+        """Serve's health check: a router replica must answer (the others route while one
+        restarts; workers are checked by /health)."""
+        routers = self.cluster.routers
+        for router in routers[:-1]:
+            try:
+                await router.ready.remote()
+                return
+            except Exception as exc:  # noqa: BLE001 - this replica is restarting: ask the next
+                log.warning("router replica did not answer the health check (%s)", exc)
+        await routers[-1].ready.remote()
 
     def __del__(self) -> None:
         cluster = getattr(self, "cluster", None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from bisect import bisect
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from engine.kv_cache import KVCacheGroup
@@ -178,6 +178,13 @@ def _entry_blocks(hashes: list[bytes], end: int, start: int = 0) -> list[tuple[i
 def _fresh(hashes: list[bytes]) -> tuple[bytes, ...]:
     """New ``bytes`` objects with the same values (what deserialising an event gives)."""
     return tuple(bytes(bytearray(h)) for h in hashes)
+
+
+def refreshed(event: KVEvent) -> KVEvent:
+    """``event`` with fresh hash objects (what another router replica deserialising the same
+    report holds)."""
+    hashes = getattr(event, "block_hashes", None)
+    return event if hashes is None else replace(event, block_hashes=_fresh(hashes))  # type: ignore[type-var]
 
 
 def exact_hit(rules: HitRules, worker: FleetWorker, request: Request) -> int:

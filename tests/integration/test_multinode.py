@@ -309,7 +309,8 @@ def test_the_router_cpu_is_counted():
 
     config = cluster_config("tiny", 2, 2)  # 4 workers x 0.5 CPU
     assert ROUTER_NUM_CPUS > 0
-    with pytest.raises(PlacementError, match=r"the workers need 2 CPU and the router 0.01 beside them .* has 2"):
+    refused = r"the workers need 2 CPU and the router replicas 0.01 beside them .* has 2"
+    with pytest.raises(PlacementError, match=refused):
         check_capacity(config, {"CPU": 2.0, "prefill": 2.0, "decode": 2.0})
     check_capacity(config, {"CPU": 3.0, "prefill": 2.0, "decode": 2.0})
 

@@ -86,6 +86,8 @@ def _error(preset: str, overrides: list[str]) -> str:
         ("workers.num_decode=-1", "workers.num_decode: must be >= 1 (got -1)"),
         ("kv_cache.block_size=0", "kv_cache.block_size: must be >= 1 (got 0)"),
         ("router.imbalance_ratio=0.5", "router.imbalance_ratio: must be >= 1.0 (got 0.5)"),
+        ("router.replicas=0", "router.replicas: must be >= 1 (got 0)"),
+        ("router.replicas=65", "router.replicas: must be <= 64 (got 65)"),
         ("transfer.read_timeout_s=0", "transfer.read_timeout_s: must be > 0.0 (got 0)"),
         # unknown field
         ("workers.num_decoder=2", "workers.num_decoder: unknown field (got 2)"),
