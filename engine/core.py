@@ -672,12 +672,22 @@ class EngineCore:
         """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
         free queue evicts them last, a prefix's tail before its head), so the hit the router
         predicted for a request routed here survives the allocations of the requests ahead of
-        it; returns the tokens that hit covers now (0: nothing to refresh)."""
-        hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens, include_host=False)
+        it; returns the tokens that hit covers now (0: nothing to refresh). With a host tier the
+        hit's host blocks are refreshed in their host pools alike (the router predicts and prices
+        host hits too)."""
+        coordinator = self.coordinator
+        hit = coordinator.find_longest_cache_hit(block_hashes, num_tokens)
         if hit.num_tokens <= 0:
             return 0
-        for g, manager in enumerate(self.coordinator.managers):
+        host = coordinator.host
+        for g, manager in enumerate(coordinator.managers):
             blocks = [block for block in hit.blocks[g] if not block.is_null]
+            hosted = [block for block in blocks if host is not None and host.is_host(block)]
+            if hosted:
+                assert host is not None, "host blocks come only from a host tier"
+                host.lock(hosted)
+                host.unlock(hosted[::-1])
+                blocks = [block for block in blocks if not host.is_host(block)]
             if blocks:
                 manager.pool.touch(blocks)
                 manager.pool.free_blocks(blocks[::-1])
