@@ -4,8 +4,9 @@
  * Per group one open-addressing table maps a block hash to its holders. An entry stores a
  * 32-byte hash inline (any other length: a reference to the bytes object) and one 32-bit holder
  * value: a single holder's code (slot << 2 | pin level), or, with the MULTI bit, the index of a
- * small array of codes sorted by slot. The hash index is an array of 32-bit entry numbers, so
- * entries never move when it grows. Per slot and group a list of entry numbers records the keys
+ * small array of codes sorted by slot. Entries live in chunks of CHUNK, so they never move and
+ * the tables waste at most one partly used chunk; the hash index is an array of 32-bit entry
+ * numbers. Per slot and group a list of entry numbers records the keys
  * the worker announced (some it no longer holds, or twice; compacted as it grows) so forgetting
  * a worker walks its own keys only. A freed entry number may be reused by another key: every
  * walk of a slot's list checks that the entry is alive and held by that slot.
@@ -17,20 +18,26 @@
 #include <string.h>
 
 #define KEY_BYTES 32
-#define META_FREE 0
-#define META_INLINE 1
-#define META_OBJECT 2
-#define MULTI 0x80000000u
+#define CHUNK_BITS 10
+#define CHUNK (1u << CHUNK_BITS)
+#define MULTI 0x80000000u  /* holder value: the rest is a set number */
+#define OBJKEY 0x40000000u /* entry word: the key is a PyObject * (not 32 bytes long) */
+#define FREE_WORD 0xFFFFFFFFu
+#define MAX_SETS (OBJKEY - 1)
 #define NONE_ID 0xFFFFFFFFu
 #define SLOT_EMPTY 0u
 #define SLOT_DUMMY 1u
-#define MAX_SLOT ((1u << 29) - 1)
+#define MAX_SLOT ((1u << 28) - 1)
 
 typedef struct {
-    unsigned char key[KEY_BYTES]; /* the hash (META_INLINE) or a PyObject * (META_OBJECT) */
-    uint32_t value;               /* holder value; when free: the next free entry */
-    uint32_t meta;
+    unsigned char key[KEY_BYTES]; /* the hash, or a PyObject * (OBJKEY); when free: the next free entry */
+    uint32_t word;                /* FREE_WORD, or OBJKEY if set | the holder value */
 } Entry;
+
+static inline int e_free(const Entry *e) { return e->word == FREE_WORD; }
+static inline int e_object(const Entry *e) { return (e->word & OBJKEY) != 0; }
+static inline uint32_t e_holder(const Entry *e) { return e->word & ~OBJKEY; }
+static inline void e_set_holder(Entry *e, uint32_t value) { e->word = (e->word & OBJKEY) | value; }
 
 typedef struct {
     uint32_t n, cap;
@@ -38,8 +45,8 @@ typedef struct {
 } HSet;
 
 typedef struct {
-    Entry *entries;
-    uint32_t top, cap, free_head, used;
+    Entry **chunks;
+    uint32_t nchunks, top, free_head, used;
     uint32_t *index; /* 0 empty, 1 dummy, else entry + 2 */
     uint32_t mask, filled;
 } Table;
@@ -69,6 +76,8 @@ typedef struct {
     uint32_t *scratch; /* walk buffers */
     size_t scratch_cap;
 } Maps;
+
+static inline Entry *ent(const Table *t, uint32_t id) { return &t->chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
 
 /* -- keys ----------------------------------------------------------------------------------- */
 
@@ -114,21 +123,21 @@ static inline PyObject *entry_object(const Entry *e) {
 }
 
 static inline int entry_eq(const Entry *e, const char *p, Py_ssize_t n) {
-    if (e->meta == META_INLINE)
+    if (!e_object(e))
         return n == KEY_BYTES && memcmp(e->key, p, KEY_BYTES) == 0;
     PyObject *o = entry_object(e);
     return PyBytes_GET_SIZE(o) == n && memcmp(PyBytes_AS_STRING(o), p, (size_t)n) == 0;
 }
 
 static inline uint64_t entry_hash(const Entry *e) {
-    if (e->meta == META_INLINE)
+    if (!e_object(e))
         return hash_key((const char *)e->key, KEY_BYTES);
     PyObject *o = entry_object(e);
     return hash_key(PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
 }
 
 static PyObject *entry_key(const Entry *e) {
-    if (e->meta == META_INLINE)
+    if (!e_object(e))
         return PyBytes_FromStringAndSize((const char *)e->key, KEY_BYTES);
     PyObject *o = entry_object(e);
     Py_INCREF(o);
@@ -145,7 +154,7 @@ static inline int64_t t_find(const Table *t, const char *p, Py_ssize_t n, uint64
         uint32_t s = t->index[i];
         if (s == SLOT_EMPTY)
             return -1;
-        if (s != SLOT_DUMMY && entry_eq(&t->entries[s - 2], p, n))
+        if (s != SLOT_DUMMY && entry_eq(ent(t, s - 2), p, n))
             return (int64_t)(s - 2);
         i = (i + 1) & t->mask;
     }
@@ -162,8 +171,8 @@ static int t_rebuild(Table *t) {
     }
     size_t mask = cap - 1;
     for (uint32_t id = 0; id < t->top; id++) {
-        const Entry *e = &t->entries[id];
-        if (e->meta == META_FREE)
+        const Entry *e = ent(t, id);
+        if (e_free(e))
             continue;
         size_t i = (size_t)entry_hash(e) & mask;
         while (index[i] != SLOT_EMPTY)
@@ -179,42 +188,45 @@ static int t_rebuild(Table *t) {
 
 /* A new entry for a key known to be absent; its number, or -1 on error. */
 static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, uint64_t h, uint32_t value) {
-    if (t->index == NULL || ((size_t)t->filled + 1) * 3 > ((size_t)t->mask + 1) * 2) {
+    if (t->index == NULL || ((size_t)t->filled + 1) * 4 > ((size_t)t->mask + 1) * 3) {
         if (t_rebuild(t) < 0)
             return -1;
     }
     uint32_t id;
     if (t->free_head != NONE_ID) {
         id = t->free_head;
-        t->free_head = t->entries[id].value;
+        memcpy(&t->free_head, ent(t, id)->key, sizeof t->free_head);
     } else {
-        if (t->top == t->cap) {
-            size_t cap = (size_t)t->cap + t->cap / 2 + 16;
-            if (cap >= NONE_ID - 2) {
+        if (t->top == t->nchunks * CHUNK) {
+            if (t->nchunks >= ((NONE_ID - 2) >> CHUNK_BITS) - 1) {
                 PyErr_SetString(PyExc_OverflowError, "holder map: too many keys");
                 return -1;
             }
-            Entry *entries = PyMem_Realloc(t->entries, cap * sizeof(Entry));
-            if (entries == NULL) {
+            Entry **chunks = PyMem_Realloc(t->chunks, ((size_t)t->nchunks + 1) * sizeof(Entry *));
+            if (chunks == NULL) {
                 PyErr_NoMemory();
                 return -1;
             }
-            t->entries = entries;
-            t->cap = (uint32_t)cap;
+            t->chunks = chunks;
+            chunks[t->nchunks] = PyMem_Malloc(CHUNK * sizeof(Entry));
+            if (chunks[t->nchunks] == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->nchunks++;
         }
         id = t->top++;
     }
-    Entry *e = &t->entries[id];
+    Entry *e = ent(t, id);
     if (n == KEY_BYTES) {
         memcpy(e->key, p, KEY_BYTES);
-        e->meta = META_INLINE;
+        e->word = value;
     } else {
         Py_INCREF(obj);
         memset(e->key, 0, KEY_BYTES);
         memcpy(e->key, &obj, sizeof obj);
-        e->meta = META_OBJECT;
+        e->word = OBJKEY | value;
     }
-    e->value = value;
     size_t i = (size_t)h & t->mask;
     while (t->index[i] > SLOT_DUMMY)
         i = (i + 1) & t->mask;
@@ -226,17 +238,17 @@ static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, ui
 }
 
 static void t_delete(Table *t, uint32_t id) {
-    Entry *e = &t->entries[id];
+    Entry *e = ent(t, id);
     size_t i = (size_t)entry_hash(e) & t->mask;
     while (t->index[i] != id + 2)
         i = (i + 1) & t->mask;
     t->index[i] = SLOT_DUMMY;
-    if (e->meta == META_OBJECT) {
+    if (e_object(e)) {
         PyObject *o = entry_object(e);
         Py_DECREF(o);
     }
-    e->meta = META_FREE;
-    e->value = t->free_head;
+    e->word = FREE_WORD;
+    memcpy(e->key, &t->free_head, sizeof t->free_head);
     t->free_head = id;
     t->used--;
 }
@@ -277,6 +289,11 @@ static int64_t set_new(Maps *m, uint32_t a, uint32_t b) {
     s->codes[0] = a < b ? a : b;
     s->codes[1] = a < b ? b : a;
     uint32_t id;
+    if (!m->nfree && m->sets_top >= MAX_SETS) {
+        PyMem_Free(s);
+        PyErr_SetString(PyExc_OverflowError, "holder map: too many shared keys");
+        return -1;
+    }
     if (m->nfree) {
         id = m->sets_free[--m->nfree];
     } else {
@@ -367,15 +384,15 @@ static int hold(Maps *m, int g, PyObject *key, uint32_t slot, uint32_t level) {
         if (id < 0)
             return -1;
     } else {
-        Entry *e = &t->entries[id];
-        uint32_t value = e->value;
+        Entry *e = ent(t, (uint32_t)id);
+        uint32_t value = e_holder(e);
         if (!(value & MULTI)) {
             if ((value >> 2) == slot)
                 return 0;
             int64_t s = set_new(m, value, code);
             if (s < 0)
                 return -1;
-            t->entries[id].value = MULTI | (uint32_t)s;
+            e_set_holder(e, MULTI | (uint32_t)s);
         } else {
             if (v_level(m, value, slot) >= 0)
                 return 0;
@@ -412,10 +429,10 @@ static int hold(Maps *m, int g, PyObject *key, uint32_t slot, uint32_t level) {
 /* ``slot`` no longer holds entry ``id``: 1 if it did, 0 if not, -1 on error. */
 static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
     Table *t = &m->tables[g];
-    Entry *e = &t->entries[id];
-    if (e->meta == META_FREE)
+    Entry *e = ent(t, id);
+    if (e_free(e))
         return 0;
-    uint32_t value = e->value;
+    uint32_t value = e_holder(e);
     if (!(value & MULTI)) {
         if ((value >> 2) != slot)
             return 0;
@@ -431,7 +448,7 @@ static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
         memmove(&s->codes[i], &s->codes[i + 1], (s->n - i - 1) * sizeof(uint32_t));
         s->n--;
         if (s->n == 1) {
-            e->value = s->codes[0];
+            e_set_holder(e, s->codes[0]);
             if (set_free(m, sid) < 0)
                 return -1;
         }
@@ -461,8 +478,8 @@ static void compact_slot(Maps *m, uint32_t slot) {
         const Table *t = &m->tables[g];
         uint32_t kept = 0;
         for (uint32_t i = 0; i < l->n; i++) {
-            const Entry *e = &t->entries[l->ids[i]];
-            if (e->meta != META_FREE && v_level(m, e->value, slot) >= 0)
+            const Entry *e = ent(t, l->ids[i]);
+            if (!e_free(e) && v_level(m, e_holder(e), slot) >= 0)
                 l->ids[kept++] = l->ids[i];
         }
         qsort(l->ids, kept, sizeof(uint32_t), cmp_u32);
@@ -473,6 +490,14 @@ static void compact_slot(Maps *m, uint32_t slot) {
         }
         l->n = unique;
         listed += unique;
+        if (l->cap > unique + unique / 2 + 16) { /* give back what a longer list needed */
+            uint32_t cap = unique + unique / 4 + 8;
+            uint32_t *ids = PyMem_Realloc(l->ids, (size_t)cap * sizeof(uint32_t));
+            if (ids != NULL) {
+                l->ids = ids;
+                l->cap = cap;
+            }
+        }
     }
     st->listed = listed;
 }
@@ -523,12 +548,14 @@ static void Maps_dealloc(Maps *self) {
         for (int g = 0; g < self->ngroups; g++) {
             Table *t = &self->tables[g];
             for (uint32_t id = 0; id < t->top; id++) {
-                if (t->entries[id].meta == META_OBJECT) {
-                    PyObject *o = entry_object(&t->entries[id]);
+                if (!e_free(ent(t, id)) && e_object(ent(t, id))) {
+                    PyObject *o = entry_object(ent(t, id));
                     Py_DECREF(o);
                 }
             }
-            PyMem_Free(t->entries);
+            for (uint32_t c = 0; c < t->nchunks; c++)
+                PyMem_Free(t->chunks[c]);
+            PyMem_Free(t->chunks);
             PyMem_Free(t->index);
         }
         PyMem_Free(self->tables);
@@ -758,15 +785,15 @@ static PyObject *Maps_relevel(Maps *self, PyObject *args) {
         }
         if (id < 0)
             continue;
-        Entry *e = &t->entries[id];
-        int old = v_level(self, e->value, (uint32_t)slot);
+        Entry *e = ent(t, (uint32_t)id);
+        int old = v_level(self, e_holder(e), (uint32_t)slot);
         if (old < 0)
             continue;
         if (old < level || (old != level && !raise_only)) {
-            if (!(e->value & MULTI)) {
-                e->value = code;
+            if (!(e_holder(e) & MULTI)) {
+                e_set_holder(e, code);
             } else {
-                HSet *s = set_of(self, e->value);
+                HSet *s = set_of(self, e_holder(e));
                 for (uint32_t j = 0; j < s->n; j++) {
                     if ((s->codes[j] >> 2) == (uint32_t)slot)
                         s->codes[j] = code;
@@ -799,7 +826,7 @@ static PyObject *Maps_level(Maps *self, PyObject *args) {
         return NULL;
     if (id < 0 || slot < 0)
         Py_RETURN_NONE;
-    int level = v_level(self, self->tables[g].entries[id].value, (uint32_t)slot);
+    int level = v_level(self, e_holder(ent(&self->tables[g], (uint32_t)id)), (uint32_t)slot);
     if (level < 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(level);
@@ -834,7 +861,7 @@ static PyObject *Maps_holders(Maps *self, PyObject *args) {
         return NULL;
     if (id < 0)
         return PyList_New(0);
-    return slots_list(self, self->tables[g].entries[id].value);
+    return slots_list(self, e_holder(ent(&self->tables[g], (uint32_t)id)));
 }
 
 /* table(group, slot): {key: level} of every key the slot holds in the group. */
@@ -851,10 +878,10 @@ static PyObject *Maps_table(Maps *self, PyObject *args) {
     const IdList *l = &self->slots[slot].lists[g];
     const Table *t = &self->tables[g];
     for (uint32_t i = 0; i < l->n; i++) {
-        const Entry *e = &t->entries[l->ids[i]];
-        if (e->meta == META_FREE)
+        const Entry *e = ent(t, l->ids[i]);
+        if (e_free(e))
             continue;
-        int level = v_level(self, e->value, (uint32_t)slot);
+        int level = v_level(self, e_holder(e), (uint32_t)slot);
         if (level < 0)
             continue;
         PyObject *k = entry_key(e);
@@ -901,7 +928,7 @@ static PyObject *Maps_met(Maps *self, PyObject *args) {
         }
         if (id < 0)
             continue;
-        uint32_t value = self->tables[g].entries[id].value;
+        uint32_t value = e_holder(ent(&self->tables[g], (uint32_t)id));
         const uint32_t *codes = &value;
         uint32_t count = 1;
         if (value & MULTI) {
@@ -949,7 +976,7 @@ static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
     Py_ssize_t n = PyBytes_GET_SIZE(key);
     const Table *t = &m->tables[g];
     int64_t id = t_find(t, p, n, hash_key(p, n));
-    return id < 0 ? NONE_ID : t->entries[id].value;
+    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
 }
 
 /* Intersect sorted slots ``a[0..na)`` with value's slots into ``out``; returns the count. */
@@ -1229,12 +1256,13 @@ static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
     size_t total = sizeof(Maps) + (size_t)self->ngroups * sizeof(Table);
     for (int g = 0; g < self->ngroups; g++) {
         const Table *t = &self->tables[g];
-        total += (size_t)t->cap * sizeof(Entry);
+        total += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
         if (t->index != NULL)
             total += ((size_t)t->mask + 1) * sizeof(uint32_t);
         for (uint32_t id = 0; id < t->top; id++) {
-            if (t->entries[id].meta == META_OBJECT)
-                total += (size_t)PyBytes_GET_SIZE(entry_object(&t->entries[id])) + 33;
+            const Entry *e = ent(t, id);
+            if (!e_free(e) && e_object(e))
+                total += (size_t)PyBytes_GET_SIZE(entry_object(e)) + 33;
         }
     }
     total += (size_t)self->sets_cap * sizeof(HSet *) + (size_t)self->free_cap * sizeof(uint32_t);
@@ -1249,6 +1277,33 @@ static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
     }
     total += self->scratch_cap * sizeof(uint32_t);
     return PyLong_FromSize_t(total);
+}
+
+
+/* stats(): bytes per part and counts (what __sizeof__ adds up), for sizing reports. */
+static PyObject *Maps_stats(Maps *self, PyObject *Py_UNUSED(ignored)) {
+    size_t entries = 0, index = 0, keys = 0, entry_cap = 0, lists = 0, listed = 0;
+    for (int g = 0; g < self->ngroups; g++) {
+        const Table *t = &self->tables[g];
+        entries += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
+        entry_cap += (size_t)t->nchunks * CHUNK;
+        keys += t->used;
+        if (t->index != NULL)
+            index += ((size_t)t->mask + 1) * sizeof(uint32_t);
+    }
+    for (uint32_t s = 0; s < self->nslots; s++) {
+        if (self->slots[s].lists == NULL)
+            continue;
+        for (int g = 0; g < self->ngroups; g++) {
+            lists += (size_t)self->slots[s].lists[g].cap * sizeof(uint32_t);
+            listed += self->slots[s].lists[g].n;
+        }
+    }
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n}", "keys", (Py_ssize_t)keys, "entry_capacity",
+                         (Py_ssize_t)entry_cap, "entry_bytes", (Py_ssize_t)entries, "index_bytes", (Py_ssize_t)index,
+                         "set_bytes", (Py_ssize_t)(self->set_bytes + (int64_t)self->sets_cap * (int64_t)sizeof(HSet *)),
+                         "live_sets", (Py_ssize_t)(self->sets_top - self->nfree), "list_bytes", (Py_ssize_t)lists,
+                         "listed", (Py_ssize_t)listed);
 }
 
 static PyMethodDef Maps_methods[] = {
@@ -1268,6 +1323,7 @@ static PyMethodDef Maps_methods[] = {
     {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
     {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
     {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
+    {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},
 };
