@@ -46,12 +46,14 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # Only what the package needs (.dockerignore keeps the rest out of the build context).
 WORKDIR /opt/kvfleet/src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY configs/ configs/
 COPY engine/ engine/
 COPY actors/ actors/
 COPY cluster/ cluster/
 COPY serving/ serving/
+# setup.py builds the routing index's compiled core where the image has a C compiler and Python
+# headers; without them the install goes on and the router uses its pure-Python holder maps.
 RUN pip install . && rm -rf build *.egg-info
 
 # A non-root user. Its group (10001) is the fsGroup of the k8s/ head pods, so it can write the

@@ -1,10 +1,11 @@
 """The global prefix index: which worker caches which block, per KV-cache group, fed by KV events.
 
 Per group the index keeps one map ``hash -> holders``: the workers whose block pool announced the
-hash, each with its pin level (0 none, 1 retained, 2 explicit). No per-key structure grows with
-the fleet: a key held by one worker stores one shared small int (``slot << 2 | level``), a key held
-by several a tuple of them sorted by slot. A worker's own view of its cache (``cached``,
-``pin_level``, the reference fixed point) is read from the same maps.
+hash, each with its pin level (0 none, 1 retained, 2 explicit), in a ``HolderMaps``
+(``engine.routing.holder_maps``: compiled from ``_core.c`` when built, else pure Python; the two
+agree exactly). No per-key structure grows with the fleet: holders are small sets of worker
+slots. A worker's own view of its cache (``cached``, ``pin_level``, the reference fixed point) is
+read from the same maps.
 
 Prediction applies the worker coordinator's own hit rules (``HitRules``). Every group's manager
 says which blocks a hit at length L needs (``blocks_needed_at(L)``: the whole prefix for full
@@ -41,8 +42,8 @@ Event stream discipline: a worker's events carry consecutive sequence numbers. A
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
 snapshot. A stale worker keeps predicting from its last known state. Forgetting a worker's
-whole cache (removal, a snapshot, ``AllBlocksCleared``) walks the keys it announced (a list of
-references per worker, compacted as it grows), not the whole index.
+whole cache (removal, a snapshot, ``AllBlocksCleared``) walks the keys it announced (a list per
+worker in the holder maps, compacted as it grows), not the whole index.
 
 ``PrefixIndex`` lives whole here: membership and per-worker queries, prediction (steps 1-3),
 then event and snapshot application.
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_NONE, TIER_RETAINED
 from engine.kv_cache.events import (
@@ -73,12 +73,10 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
+from engine.routing.holder_maps import HolderMaps, make_holder_maps
 from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
-#: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
-Holders = tuple[int, ...]
-NOBODY: Holders = ()  # what the prediction's walk reads for a key nobody holds
 
 
 @dataclass
@@ -98,25 +96,15 @@ MAX_BUFFERED_EVENTS = 200_000
 
 
 class _Worker:
-    """One tracked worker: its slot, its holder value when it holds a key alone, per pin level
-    (``alone[level] == (slot << 2 | level,)``, shared by every such key, so a key held by one
-    worker costs one reference), how many (group, hash) entries it holds, per group the keys it
-    announced (``keys``: every key it holds, and some it no longer holds or twice, ``listed`` in
-    all; what forgetting its cache walks instead of the whole index), and its place in its event
-    stream (``last_seq``; while ``stale``, newer events wait in ``buffer`` for the next snapshot,
-    ``overflowed`` once some were dropped)."""
+    """One tracked worker: its slot in the holder maps (which keep its keys and their count) and
+    its place in its event stream (``last_seq``; while ``stale``, newer events wait in ``buffer``
+    for the next snapshot, ``overflowed`` once some were dropped)."""
 
-    __slots__ = (
-        "alone", "buffer", "keys", "last_seq", "listed", "num_cached", "overflowed", "slot", "stale", "worker",
-    )  # fmt: skip
+    __slots__ = ("buffer", "last_seq", "overflowed", "slot", "stale", "worker")
 
-    def __init__(self, worker: WorkerId, slot: int, num_groups: int):
+    def __init__(self, worker: WorkerId, slot: int):
         self.worker = worker
         self.slot = slot
-        self.alone = tuple(((slot << 2) | level,) for level in range(3))
-        self.num_cached = 0
-        self.keys: list[list[bytes]] = [[] for _ in range(num_groups)]
-        self.listed = 0
         self.last_seq = 0
         self.stale = False
         self.buffer: list[KVEvent] = []
@@ -124,50 +112,34 @@ class _Worker:
 
 
 class _HeldBy(Mapping[bytes, int]):
-    """One worker's cache in one group, read from the index's holder map: hash -> pin level.
+    """One worker's cache in one group, read from the index's holder maps: hash -> pin level.
     What the shadow managers of ``HitRules.longest_hit`` read (``get``, ``[]``, ``in``)."""
 
-    __slots__ = ("_holders", "_slot")
+    __slots__ = ("_group", "_maps", "_slot")
 
-    def __init__(self, holders: dict[bytes, Holders], slot: int):
-        self._holders = holders
+    def __init__(self, maps: HolderMaps, group: int, slot: int):
+        self._maps = maps
+        self._group = group
         self._slot = slot
 
     def get(self, key: bytes, default: object = None) -> int | None:  # type: ignore[override]
-        level = _level_of(self._holders.get(key), self._slot)
+        level = self._maps.level(self._group, key, self._slot)
         return default if level is None else level  # type: ignore[return-value]
 
     def __getitem__(self, key: bytes) -> int:
-        level = _level_of(self._holders.get(key), self._slot)
+        level = self._maps.level(self._group, key, self._slot)
         if level is None:
             raise KeyError(key)
         return level
 
     def __contains__(self, key: object) -> bool:
-        return _level_of(self._holders.get(key), self._slot) is not None  # type: ignore[call-overload]
+        return isinstance(key, bytes) and self._maps.level(self._group, key, self._slot) is not None
 
     def __iter__(self) -> Iterator[bytes]:
-        slot = self._slot
-        return (h for h, value in self._holders.items() if _level_of(value, slot) is not None)
+        return iter(self._maps.table(self._group, self._slot))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def _level_of(value: Holders | None, slot: int) -> int | None:
-    """The pin level ``slot`` holds a key at (None: it does not hold it)."""
-    if value is None:
-        return None
-    for code in value:
-        if code >> 2 == slot:
-            return code & 3
-    return None
-
-
-def _slots(value: Holders) -> set[int]:
-    if len(value) == 1:
-        return {value[0] >> 2}
-    return {code >> 2 for code in value}
+        return len(self._maps.table(self._group, self._slot))
 
 
 @dataclass
@@ -185,14 +157,11 @@ class PrefixIndex:
     """Per group: hash -> the holders that announced it, each with its pin level.
 
     Invariants: a worker's slot is unique among tracked workers and ``_ids[slot]`` names it
-    (None: a free slot). Events: for every group ``g`` and hash ``h``, ``_owners[g][h]`` names
-    exactly the tracked workers whose pool announced ``h`` for ``g`` up to their ``last_seq`` and
-    has not removed it since, with their pin level (0 none, 1 retained, 2 explicit); a single
-    holder is stored as the worker's ``alone[level]``, several as one shared tuple of codes in
-    increasing slot order (``_tuples``, counted in ``_tuple_uses``), and no key maps to an empty
-    holder set; ``num_cached`` counts a worker's entries over all groups and every key it holds in
-    group ``g`` is in its ``keys[g]`` (``listed`` <= 1.5 * ``num_cached`` + 64 after each stored
-    event); a stale worker applies
+    (None: a free slot); the holder maps have exactly the tracked workers' slots. Events: for
+    every group ``g`` and hash ``h``, the maps' holders of ``h`` in ``g`` are exactly the tracked
+    workers whose pool announced ``h`` for ``g`` up to their ``last_seq`` and has not removed it
+    since, with their pin level (0 none, 1 retained, 2 explicit), and no key has an empty holder
+    set (the maps' own invariants: ``HolderMaps``); a stale worker applies
     nothing until a snapshot, buffering at most ``MAX_BUFFERED_EVENTS`` events (``overflowed``
     past that); events with seq <= ``last_seq`` are ignored. Prediction: a worker's predicted
     hit equals what its coordinator's ``find_longest_cache_hit`` would return on the index's view
@@ -201,16 +170,15 @@ class PrefixIndex:
     only loses workers as ``resolve`` settles them.
     """
 
-    def __init__(self, groups: Sequence[KVCacheGroup]):
+    def __init__(self, groups: Sequence[KVCacheGroup], core: str | None = None):
+        """``core``: which holder maps (``make_holder_maps``: "compiled", "python", "auto";
+        None reads ``KVFLEET_ROUTING_CORE``)."""
         self.rules = HitRules(groups)
         self.num_groups = len(self.rules.groups)
         self._workers: dict[WorkerId, _Worker] = {}
         self._ids: list[WorkerId] = []  # the worker in each slot (None: free)
         self._free_slots: list[int] = []
-        self._owners: list[dict[bytes, Holders]] = [{} for _ in range(self.num_groups)]
-        # every holder tuple in use: the shared tuple, and how many keys hold it
-        self._tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._tuple_uses: dict[tuple[int, ...], int] = {}
+        self._maps: HolderMaps = make_holder_maps(self.num_groups, core)
         # the workers' host tiers (consulted only for workers holding a prompt's block there)
         self.host = HostMaps(self.num_groups)
 
@@ -227,7 +195,8 @@ class PrefixIndex:
         if worker in self._workers:
             raise ValueError(f"worker {worker!r} is already in the prefix index")
         slot = self._free_slots.pop() if self._free_slots else len(self._ids)
-        state = _Worker(worker, slot, self.num_groups)
+        state = _Worker(worker, slot)
+        self._maps.add_slot(slot)
         if slot == len(self._ids):
             self._ids.append(worker)
         else:
@@ -241,6 +210,7 @@ class PrefixIndex:
         if state is None:
             return
         self._clear(state)
+        self._maps.release_slot(state.slot)
         self._ids[state.slot] = None
         self._free_slots.append(state.slot)
 
@@ -259,29 +229,26 @@ class PrefixIndex:
 
     def pin_level(self, worker: WorkerId, group: int, block_hash: bytes) -> int | None:
         """The announced pin level of a cached hash (None when not cached)."""
-        return _level_of(self._owners[group].get(block_hash), self._workers[worker].slot)
+        return self._maps.level(group, block_hash, self._workers[worker].slot)
 
     def holders(self, group: int, block_hash: bytes) -> list[WorkerId]:
         """The workers holding ``block_hash`` in ``group``, in slot order."""
-        value = self._owners[group].get(block_hash)
-        if value is None:
-            return []
         ids = self._ids
-        return [ids[s] for s in sorted(_slots(value))]
+        return [ids[s] for s in self._maps.holders(group, block_hash)]
 
     def tables(self, worker: WorkerId) -> list[dict[bytes, int]]:
         """The worker's per-group hash -> pin level maps (a copy, built by a scan: tests and tools)."""
         slot = self._workers[worker].slot
-        return [dict(_HeldBy(owners, slot).items()) for owners in self._owners]
+        return [self._maps.table(g, slot) for g in range(self.num_groups)]
 
     def num_cached(self, worker: WorkerId) -> int:
-        return self._workers[worker].num_cached
+        return self._maps.num_cached(self._workers[worker].slot)
 
     def hit(self, worker: WorkerId, hashes: Sequence[bytes], max_length: int, skip_mamba: bool = False) -> int:
         """The predicted hit on one worker by the coordinator's own fixed point (reference path;
         over both tiers where the worker has a host tier)."""
         slot = self._workers[worker].slot
-        views = [_HeldBy(owners, slot) for owners in self._owners]
+        views = [_HeldBy(self._maps, g, slot) for g in range(self.num_groups)]
         if self.host.count(slot):
             return self.rules.tiered_hit(views, self.host.views(slot), hashes, max_length, skip_mamba).tokens
         return self.rules.longest_hit(views, hashes, max_length, skip_mamba)
@@ -291,7 +258,7 @@ class PrefixIndex:
     ) -> TieredHit:
         """The predicted hit on one worker over both of its tiers, with the host tier's part."""
         slot = self._workers[worker].slot
-        views = [_HeldBy(owners, slot) for owners in self._owners]
+        views = [_HeldBy(self._maps, g, slot) for g in range(self.num_groups)]
         return self.rules.tiered_hit(views, self.host.views(slot), hashes, max_length, skip_mamba)
 
     def host_tables(self, worker: WorkerId) -> list[dict[bytes, int]]:
@@ -394,34 +361,31 @@ class PrefixIndex:
         if not rules.full_groups:
             first = checks[0]
             per = align // rules.block_sizes[first]
-            met: set[int] = set()
-            for value in set(map(self._owners[first].get, views[first][: steps * per])):
-                if value is not None:
-                    met |= _slots(value)
+            met = self._maps.met(first, views[first][: steps * per])
             if not met:
                 return hits, None
             workers = {ids[s] for s in met}
             return hits, Pending(workers, steps * align, hashes, skip_mamba)
-        # 1. The first full-attention group's contiguous depth of every holder, in one walk.
+        # 1. The first full-attention group's contiguous depth of every holder, in one walk;
+        # 2. per depth, the holders every other group serves there (the common case).
         g0 = checks.pop(0)
         per0 = align // rules.block_sizes[g0]
         limit = min(steps * per0, len(views[g0]))
         limit -= limit % per0
         failing: set[WorkerId] = set()
         deepest = 0
-        for nblocks, slots in self._depths(views[g0], limit, self._owners[g0]):
-            k = nblocks // per0
-            if k <= 0:
-                continue
-            if shared is not None:
-                for s in slots:
-                    shared[ids[s]] = k * align
-            # 2. Holders every other group serves at that depth: the common case.
-            valid = self._serving(slots, views, checks, k)
+        ranges = rules._ranges
+        for k, valid, failed in self._maps.walk(g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks]):
+            tokens = k * align
             for s in valid:
-                hits[ids[s]] = k * align
-            if len(valid) < len(slots):
-                failing.update(ids[s] for s in slots - valid)
+                hits[ids[s]] = tokens
+            if shared is not None:
+                for s in valid:
+                    shared[ids[s]] = tokens
+                for s in failed:
+                    shared[ids[s]] = tokens
+            if failed:
+                failing.update(ids[s] for s in failed)
                 deepest = max(deepest, k)
         if not failing:
             return hits, None
@@ -438,63 +402,6 @@ class PrefixIndex:
             found = self.hit(worker, pending.hashes, pending.length, pending.skip_mamba)
             if found:
                 hits[worker] = found
-
-    @staticmethod
-    def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:
-        """Contiguous depths over ``view[:limit]``: ``(n, slots)`` pairs, the holders whose cached
-        run is exactly ``n >= 1`` blocks. The holder set only shrinks along the chain and only
-        where the stored holder value changes, so sets are intersected at those points alone
-        (equal holder values are one object, a worker's shared code or one shared tuple); when the
-        whole run up to the first block nobody holds carries one value, C-level list operations
-        settle it."""
-        values = list(map(owners.get, view[:limit], repeat(NOBODY)))
-        try:
-            end = values.index(NOBODY)  # the first block nobody holds (a quick unequal-length compare)
-        except ValueError:
-            end = limit
-        if end <= 0:
-            return []
-        first = values[0]
-        if values[:end].count(first) == end:  # one holder value all along (the common case)
-            return [(end, _slots(first))]
-        current = _slots(first)
-        stops: list[tuple[int, set[int]]] = []
-        last = first
-        for i in range(1, end):
-            value = values[i]
-            if value is last:
-                continue
-            last = value
-            kept = current & _slots(value)
-            if len(kept) < len(current):
-                stops.append((i, current - kept))
-                if not kept:
-                    return stops
-                current = kept
-        stops.append((end, current))
-        return stops
-
-    def _serving(self, slots: set[int], views: list[list[bytes]], checks: list[int], k: int) -> set[int]:
-        """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
-        of ``k`` aligned steps needs (a window cached by the same workers is one shared value,
-        recognised by a C-level count; otherwise each distinct value narrows the set)."""
-        ranges = self.rules._ranges
-        for g in checks:
-            start, stop = ranges[g][k]
-            values = list(map(self._owners[g].get, views[g][start:stop], repeat(NOBODY)))
-            if not values:
-                continue
-            first = values[0]
-            if values.count(first) != len(values):
-                if NOBODY in values:
-                    return set()
-                for value in set(values):
-                    slots = slots.intersection([code >> 2 for code in value])
-            else:
-                slots = slots.intersection([code >> 2 for code in first])
-            if not slots:
-                return slots
-        return slots
 
     # -- events -------------------------------------------------------------------------------------
     def apply_events(
@@ -530,11 +437,11 @@ class PrefixIndex:
         state = self._workers[worker]
         if len(snapshot.groups) != self.num_groups:
             raise ValueError(f"snapshot of {worker!r} has {len(snapshot.groups)} groups, the index {self.num_groups}")
+        maps = self._maps
         self._clear(state)
         for g, table in enumerate(snapshot.groups):
-            for block_hash, level in table.items():
-                self._hold(g, block_hash, state, level)
-        self._compact(state)
+            maps.hold(g, table.items(), state.slot)
+        maps.compact(state.slot)
         self.host.load(state.slot, snapshot.host)
         state.last_seq = snapshot.seq
         buffered, state.buffer = state.buffer, []
@@ -560,50 +467,20 @@ class PrefixIndex:
         lost: list[GroupHash] | None,
     ) -> bool:
         state.last_seq = event.seq
+        maps = self._maps
         if isinstance(event, BlockStored):
-            g = event.group
-            owners = self._owners[g]
-            get = owners.get
-            alone = state.alone[TIER_NONE]
-            listed = state.keys[g]
-            for block_hash in event.block_hashes:
-                if get(block_hash) is None:  # a key nobody held: the common case, inline
-                    owners[block_hash] = alone
-                    listed.append(block_hash)
-                    state.num_cached += 1
-                    state.listed += 1
-                else:
-                    self._hold(g, block_hash, state, TIER_NONE)
-            if 2 * state.listed > 3 * state.num_cached + 128:
-                self._compact(state)
+            maps.store(event.group, event.block_hashes, state.slot)
         elif isinstance(event, BlockRemoved):
-            g = event.group
-            owners = self._owners[g]
-            get = owners.get
-            mine = state.alone
-            for block_hash in event.block_hashes:
-                value = get(block_hash)
-                if value is None:
-                    continue
-                if value in mine:  # held by this worker alone: the common case, inline
-                    del owners[block_hash]
-                    state.num_cached -= 1
-                elif not self._drop(owners, block_hash, state):
-                    continue
-                if lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
-                    lost.append((g, block_hash))
+            gone = maps.remove(event.group, event.block_hashes, state.slot, lost is not None)
+            if gone:
+                self._report(event.group, gone, watched, lost)
         elif isinstance(event, BlockPinned):
-            owners = self._owners[event.group]
             level = TIER_EXPLICIT if event.explicit else TIER_RETAINED
-            for block_hash in event.block_hashes:
-                self._relevel(owners, block_hash, state, level, raise_only=True)
+            maps.relevel(event.group, event.block_hashes, state.slot, level, True, False)
         elif isinstance(event, BlockUnpinned):
-            g = event.group
-            owners = self._owners[g]
-            for block_hash in event.block_hashes:
-                held = self._relevel(owners, block_hash, state, TIER_NONE, raise_only=False) is not None
-                if held and lost is not None and (g, block_hash) in watched:  # type: ignore[operator]  # watched is set whenever lost is
-                    lost.append((g, block_hash))
+            held = maps.relevel(event.group, event.block_hashes, state.slot, TIER_NONE, False, lost is not None)
+            if held:
+                self._report(event.group, held, watched, lost)
         elif isinstance(event, AllBlocksCleared):
             self._clear(state)
             state.last_seq = event.seq
@@ -614,95 +491,19 @@ class PrefixIndex:
             self.host.drop(state.slot, event.group, event.block_hashes)
         return False
 
-    # -- one holder of one key ----------------------------------------------------------------------
-    def _hold(self, g: int, block_hash: bytes, state: _Worker, level: int) -> None:
-        """``state`` holds ``block_hash`` in group ``g`` (at ``level`` if it did not already; a held
-        key keeps its level)."""
-        owners = self._owners[g]
-        value = owners.get(block_hash)
-        if value is None:
-            owners[block_hash] = state.alone[level]
-        else:
-            slot = state.slot
-            for code in value:
-                if code >> 2 == slot:
-                    return
-            owners[block_hash] = self._shared(tuple(sorted((*value, state.alone[level][0]))), value)
-        state.keys[g].append(block_hash)
-        state.listed += 1
-        state.num_cached += 1
-
-    def _drop(self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker) -> bool:
-        """``state`` no longer holds ``block_hash``; whether it did."""
-        value = owners.get(block_hash)
-        if value is None:
-            return False
-        slot = state.slot
-        i = next((i for i, code in enumerate(value) if code >> 2 == slot), -1)
-        if i < 0:
-            return False
-        if len(value) == 1:
-            del owners[block_hash]
-        else:
-            owners[block_hash] = self._shared(value[:i] + value[i + 1 :], value)
-        state.num_cached -= 1
-        return True
-
-    def _relevel(
-        self, owners: dict[bytes, Holders], block_hash: bytes, state: _Worker, level: int, raise_only: bool
-    ) -> int | None:
-        """Set the level ``state`` holds ``block_hash`` at (only upwards if ``raise_only``); the
-        level it held it at before (None: not held, nothing changes)."""
-        value = owners.get(block_hash)
-        if value is None:
-            return None
-        slot = state.slot
-        for i, code in enumerate(value):
-            if code >> 2 == slot:
-                old = code & 3
-                if old < level or (old != level and not raise_only):
-                    new = (*value[:i], state.alone[level][0], *value[i + 1 :])
-                    owners[block_hash] = self._shared(new, value)
-                return old
-        return None
-
-    def _shared(self, holders: Holders, replaced: Holders) -> Holders:
-        """The shared value equal to ``holders``, the new value of a key that held ``replaced``.
-        One worker: its ``alone`` tuple; several: one tuple per distinct holder set in use (counted,
-        released with the last key), so a chain of blocks held by the same workers costs one
-        reference per block and the prediction's walk compares neighbours by identity."""
-        if len(replaced) > 1:
-            uses = self._tuple_uses[replaced] - 1
-            if uses:
-                self._tuple_uses[replaced] = uses
-            else:
-                del self._tuple_uses[replaced], self._tuples[replaced]
-        if len(holders) == 1:
-            code = holders[0]
-            state = self._workers[self._ids[code >> 2]]
-            return state.alone[code & 3]
-        shared = self._tuples.setdefault(holders, holders)
-        self._tuple_uses[shared] = self._tuple_uses.get(shared, 0) + 1
-        return shared
-
     def _clear(self, state: _Worker) -> None:
         """Forget every key ``state`` holds, in both tiers (a walk over the keys it announced)."""
         self.host.clear(state.slot)
-        for owners, keys in zip(self._owners, state.keys, strict=True):
-            for block_hash in keys:
-                self._drop(owners, block_hash, state)
-            keys.clear()
-        state.listed = 0
-        state.num_cached = 0
+        self._maps.clear(state.slot)
 
-    def _compact(self, state: _Worker) -> None:
-        """Keep in ``state.keys`` only the keys it holds, once each (after enough appends that
-        this costs O(1) per append)."""
-        slot = state.slot
-        for g, owners in enumerate(self._owners):
-            get = owners.get
-            state.keys[g] = [h for h in dict.fromkeys(state.keys[g]) if _level_of(get(h), slot) is not None]
-        state.listed = sum(map(len, state.keys))
+    @staticmethod
+    def _report(
+        g: int, keys: list[bytes], watched: Mapping[GroupHash, object] | None, lost: list[GroupHash] | None
+    ) -> None:
+        """Add the watched ones of ``keys`` (group ``g``) to ``lost``."""
+        if watched is None or lost is None:
+            return
+        lost.extend((g, block_hash) for block_hash in keys if (g, block_hash) in watched)
 
 
 __all__ = [

@@ -1,0 +1,1360 @@
+/* The compiled holder maps of the prefix index (engine/routing/holder_maps.py describes the
+ * interface; the pure-Python HolderMaps there is the reference this must match exactly).
+ *
+ * Per group one open-addressing table maps a block hash to its holders. An entry stores a
+ * 32-byte hash inline (any other length: a reference to the bytes object) and one 32-bit holder
+ * value: a single holder's code (slot << 2 | pin level), or, with the MULTI bit, the index of a
+ * small array of codes sorted by slot. Entries live in chunks of CHUNK, so they never move and
+ * the tables waste at most one partly used chunk; the hash index is an array of 32-bit entry
+ * numbers. Per slot and group a list of entry numbers records the keys
+ * the worker announced (some it no longer holds, or twice; compacted as it grows) so forgetting
+ * a worker walks its own keys only. A freed entry number may be reused by another key: every
+ * walk of a slot's list checks that the entry is alive and held by that slot.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KEY_BYTES 32
+#define CHUNK_BITS 10
+#define CHUNK (1u << CHUNK_BITS)
+#define MULTI 0x80000000u  /* holder value: the rest is a set number */
+#define OBJKEY 0x40000000u /* entry word: the key is a PyObject * (not 32 bytes long) */
+#define FREE_WORD 0xFFFFFFFFu
+#define MAX_SETS (OBJKEY - 1)
+#define NONE_ID 0xFFFFFFFFu
+#define SLOT_EMPTY 0u
+#define SLOT_DUMMY 1u
+#define MAX_SLOT ((1u << 28) - 1)
+
+typedef struct {
+    unsigned char key[KEY_BYTES]; /* the hash, or a PyObject * (OBJKEY); when free: the next free entry */
+    uint32_t word;                /* FREE_WORD, or OBJKEY if set | the holder value */
+} Entry;
+
+static inline int e_free(const Entry *e) { return e->word == FREE_WORD; }
+static inline int e_object(const Entry *e) { return (e->word & OBJKEY) != 0; }
+static inline uint32_t e_holder(const Entry *e) { return e->word & ~OBJKEY; }
+static inline void e_set_holder(Entry *e, uint32_t value) { e->word = (e->word & OBJKEY) | value; }
+
+typedef struct {
+    uint32_t n, cap;
+    uint32_t codes[];
+} HSet;
+
+typedef struct {
+    Entry **chunks;
+    uint32_t nchunks, top, free_head, used;
+    uint32_t *index; /* 0 empty, 1 dummy, else entry + 2 */
+    uint32_t mask, filled;
+} Table;
+
+typedef struct {
+    uint32_t *ids;
+    uint32_t n, cap;
+} IdList;
+
+typedef struct {
+    IdList *lists; /* per group */
+    int64_t num_cached;
+    int64_t listed;
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    int ngroups;
+    Table *tables;
+    HSet **sets;
+    uint32_t sets_top, sets_cap;
+    uint32_t *sets_free;
+    uint32_t nfree, free_cap;
+    int64_t set_bytes;
+    Slot *slots;
+    uint32_t nslots;
+    uint32_t *scratch; /* walk buffers */
+    size_t scratch_cap;
+} Maps;
+
+static inline Entry *ent(const Table *t, uint32_t id) { return &t->chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
+
+/* -- keys ----------------------------------------------------------------------------------- */
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint64_t hash_key(const char *p, Py_ssize_t n) {
+    if (n == KEY_BYTES) {
+        uint64_t w[4];
+        memcpy(w, p, KEY_BYTES);
+        return mix64(w[0] ^ rotl(w[1], 17) ^ rotl(w[2], 31) ^ rotl(w[3], 47));
+    }
+    uint64_t h = 0xcbf29ce484222325ULL ^ (uint64_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        h ^= (unsigned char)p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return mix64(h);
+}
+
+static inline int key_of(PyObject *o, const char **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "block hash: expected bytes, got %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *p = PyBytes_AS_STRING(o);
+    *n = PyBytes_GET_SIZE(o);
+    return 0;
+}
+
+static inline PyObject *entry_object(const Entry *e) {
+    PyObject *o;
+    memcpy(&o, e->key, sizeof o);
+    return o;
+}
+
+static inline int entry_eq(const Entry *e, const char *p, Py_ssize_t n) {
+    if (!e_object(e))
+        return n == KEY_BYTES && memcmp(e->key, p, KEY_BYTES) == 0;
+    PyObject *o = entry_object(e);
+    return PyBytes_GET_SIZE(o) == n && memcmp(PyBytes_AS_STRING(o), p, (size_t)n) == 0;
+}
+
+static inline uint64_t entry_hash(const Entry *e) {
+    if (!e_object(e))
+        return hash_key((const char *)e->key, KEY_BYTES);
+    PyObject *o = entry_object(e);
+    return hash_key(PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
+}
+
+static PyObject *entry_key(const Entry *e) {
+    if (!e_object(e))
+        return PyBytes_FromStringAndSize((const char *)e->key, KEY_BYTES);
+    PyObject *o = entry_object(e);
+    Py_INCREF(o);
+    return o;
+}
+
+/* -- one group's table ---------------------------------------------------------------------- */
+
+static inline int64_t t_find(const Table *t, const char *p, Py_ssize_t n, uint64_t h) {
+    if (t->index == NULL)
+        return -1;
+    size_t i = (size_t)h & t->mask;
+    for (;;) {
+        uint32_t s = t->index[i];
+        if (s == SLOT_EMPTY)
+            return -1;
+        if (s != SLOT_DUMMY && entry_eq(ent(t, s - 2), p, n))
+            return (int64_t)(s - 2);
+        i = (i + 1) & t->mask;
+    }
+}
+
+static int t_rebuild(Table *t) {
+    size_t cap = 8;
+    while (cap < ((size_t)t->used + 1) * 2)
+        cap <<= 1;
+    uint32_t *index = PyMem_Calloc(cap, sizeof(uint32_t));
+    if (index == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = cap - 1;
+    for (uint32_t id = 0; id < t->top; id++) {
+        const Entry *e = ent(t, id);
+        if (e_free(e))
+            continue;
+        size_t i = (size_t)entry_hash(e) & mask;
+        while (index[i] != SLOT_EMPTY)
+            i = (i + 1) & mask;
+        index[i] = id + 2;
+    }
+    PyMem_Free(t->index);
+    t->index = index;
+    t->mask = (uint32_t)mask;
+    t->filled = t->used;
+    return 0;
+}
+
+/* A new entry for a key known to be absent; its number, or -1 on error. */
+static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, uint64_t h, uint32_t value) {
+    if (t->index == NULL || ((size_t)t->filled + 1) * 4 > ((size_t)t->mask + 1) * 3) {
+        if (t_rebuild(t) < 0)
+            return -1;
+    }
+    uint32_t id;
+    if (t->free_head != NONE_ID) {
+        id = t->free_head;
+        memcpy(&t->free_head, ent(t, id)->key, sizeof t->free_head);
+    } else {
+        if (t->top == t->nchunks * CHUNK) {
+            if (t->nchunks >= ((NONE_ID - 2) >> CHUNK_BITS) - 1) {
+                PyErr_SetString(PyExc_OverflowError, "holder map: too many keys");
+                return -1;
+            }
+            Entry **chunks = PyMem_Realloc(t->chunks, ((size_t)t->nchunks + 1) * sizeof(Entry *));
+            if (chunks == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->chunks = chunks;
+            chunks[t->nchunks] = PyMem_Malloc(CHUNK * sizeof(Entry));
+            if (chunks[t->nchunks] == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->nchunks++;
+        }
+        id = t->top++;
+    }
+    Entry *e = ent(t, id);
+    if (n == KEY_BYTES) {
+        memcpy(e->key, p, KEY_BYTES);
+        e->word = value;
+    } else {
+        Py_INCREF(obj);
+        memset(e->key, 0, KEY_BYTES);
+        memcpy(e->key, &obj, sizeof obj);
+        e->word = OBJKEY | value;
+    }
+    size_t i = (size_t)h & t->mask;
+    while (t->index[i] > SLOT_DUMMY)
+        i = (i + 1) & t->mask;
+    if (t->index[i] == SLOT_EMPTY)
+        t->filled++;
+    t->index[i] = id + 2;
+    t->used++;
+    return id;
+}
+
+static void t_delete(Table *t, uint32_t id) {
+    Entry *e = ent(t, id);
+    size_t i = (size_t)entry_hash(e) & t->mask;
+    while (t->index[i] != id + 2)
+        i = (i + 1) & t->mask;
+    t->index[i] = SLOT_DUMMY;
+    if (e_object(e)) {
+        PyObject *o = entry_object(e);
+        Py_DECREF(o);
+    }
+    e->word = FREE_WORD;
+    memcpy(e->key, &t->free_head, sizeof t->free_head);
+    t->free_head = id;
+    t->used--;
+}
+
+/* -- holder values -------------------------------------------------------------------------- */
+
+static inline HSet *set_of(const Maps *m, uint32_t value) { return m->sets[value & ~MULTI]; }
+
+/* The level ``slot`` holds ``value`` at, or -1. */
+static inline int v_level(const Maps *m, uint32_t value, uint32_t slot) {
+    if (!(value & MULTI))
+        return (value >> 2) == slot ? (int)(value & 3) : -1;
+    const HSet *s = set_of(m, value);
+    uint32_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        uint32_t at = s->codes[mid] >> 2;
+        if (at == slot)
+            return (int)(s->codes[mid] & 3);
+        if (at < slot)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return -1;
+}
+
+static inline size_t hset_bytes(uint32_t cap) { return sizeof(HSet) + (size_t)cap * sizeof(uint32_t); }
+
+static int64_t set_new(Maps *m, uint32_t a, uint32_t b) {
+    HSet *s = PyMem_Malloc(hset_bytes(4));
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->n = 2;
+    s->cap = 4;
+    s->codes[0] = a < b ? a : b;
+    s->codes[1] = a < b ? b : a;
+    uint32_t id;
+    if (!m->nfree && m->sets_top >= MAX_SETS) {
+        PyMem_Free(s);
+        PyErr_SetString(PyExc_OverflowError, "holder map: too many shared keys");
+        return -1;
+    }
+    if (m->nfree) {
+        id = m->sets_free[--m->nfree];
+    } else {
+        if (m->sets_top == m->sets_cap) {
+            size_t cap = (size_t)m->sets_cap * 2 + 16;
+            HSet **sets = PyMem_Realloc(m->sets, cap * sizeof(HSet *));
+            if (sets == NULL) {
+                PyMem_Free(s);
+                PyErr_NoMemory();
+                return -1;
+            }
+            m->sets = sets;
+            m->sets_cap = (uint32_t)cap;
+        }
+        id = m->sets_top++;
+    }
+    m->sets[id] = s;
+    m->set_bytes += (int64_t)hset_bytes(s->cap);
+    return id;
+}
+
+static int set_free(Maps *m, uint32_t id) {
+    HSet *s = m->sets[id];
+    m->set_bytes -= (int64_t)hset_bytes(s->cap);
+    PyMem_Free(s);
+    m->sets[id] = NULL;
+    if (m->nfree == m->free_cap) {
+        size_t cap = (size_t)m->free_cap * 2 + 16;
+        uint32_t *stack = PyMem_Realloc(m->sets_free, cap * sizeof(uint32_t));
+        if (stack == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        m->sets_free = stack;
+        m->free_cap = (uint32_t)cap;
+    }
+    m->sets_free[m->nfree++] = id;
+    return 0;
+}
+
+/* -- per-slot key lists --------------------------------------------------------------------- */
+
+static int list_append(IdList *l, uint32_t id) {
+    if (l->n == l->cap) {
+        size_t cap = (size_t)l->cap + l->cap / 2 + 8;
+        uint32_t *ids = PyMem_Realloc(l->ids, cap * sizeof(uint32_t));
+        if (ids == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        l->ids = ids;
+        l->cap = (uint32_t)cap;
+    }
+    l->ids[l->n++] = id;
+    return 0;
+}
+
+static int check_slot(const Maps *m, long slot) {
+    if (slot < 0 || (unsigned long)slot >= m->nslots || m->slots[slot].lists == NULL) {
+        PyErr_Format(PyExc_ValueError, "slot: %ld is not an added slot", slot);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_group(const Maps *m, long g) {
+    if (g < 0 || g >= m->ngroups) {
+        PyErr_Format(PyExc_ValueError, "group: %ld is not in 0..%d", g, m->ngroups - 1);
+        return -1;
+    }
+    return 0;
+}
+
+/* -- one holder of one key ------------------------------------------------------------------ */
+
+/* ``slot`` holds the key (at ``level`` if it did not already): 1 if newly held, 0, -1 on error. */
+static int hold(Maps *m, int g, PyObject *key, uint32_t slot, uint32_t level) {
+    const char *p;
+    Py_ssize_t n;
+    if (key_of(key, &p, &n) < 0)
+        return -1;
+    Table *t = &m->tables[g];
+    uint64_t h = hash_key(p, n);
+    int64_t id = t_find(t, p, n, h);
+    uint32_t code = (slot << 2) | level;
+    if (id < 0) {
+        id = t_insert(t, key, p, n, h, code);
+        if (id < 0)
+            return -1;
+    } else {
+        Entry *e = ent(t, (uint32_t)id);
+        uint32_t value = e_holder(e);
+        if (!(value & MULTI)) {
+            if ((value >> 2) == slot)
+                return 0;
+            int64_t s = set_new(m, value, code);
+            if (s < 0)
+                return -1;
+            e_set_holder(e, MULTI | (uint32_t)s);
+        } else {
+            if (v_level(m, value, slot) >= 0)
+                return 0;
+            uint32_t sid = value & ~MULTI;
+            HSet *s = m->sets[sid];
+            if (s->n == s->cap) {
+                uint32_t cap = s->cap * 2;
+                HSet *grown = PyMem_Realloc(s, hset_bytes(cap));
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                m->set_bytes += (int64_t)hset_bytes(cap) - (int64_t)hset_bytes(grown->cap);
+                grown->cap = cap;
+                m->sets[sid] = s = grown;
+            }
+            uint32_t i = s->n;
+            while (i > 0 && s->codes[i - 1] > code) {
+                s->codes[i] = s->codes[i - 1];
+                i--;
+            }
+            s->codes[i] = code;
+            s->n++;
+        }
+    }
+    Slot *st = &m->slots[slot];
+    if (list_append(&st->lists[g], (uint32_t)id) < 0)
+        return -1;
+    st->listed++;
+    st->num_cached++;
+    return 1;
+}
+
+/* ``slot`` no longer holds entry ``id``: 1 if it did, 0 if not, -1 on error. */
+static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
+    Table *t = &m->tables[g];
+    Entry *e = ent(t, id);
+    if (e_free(e))
+        return 0;
+    uint32_t value = e_holder(e);
+    if (!(value & MULTI)) {
+        if ((value >> 2) != slot)
+            return 0;
+        t_delete(t, id);
+    } else {
+        uint32_t sid = value & ~MULTI;
+        HSet *s = m->sets[sid];
+        uint32_t i = 0;
+        while (i < s->n && (s->codes[i] >> 2) != slot)
+            i++;
+        if (i == s->n)
+            return 0;
+        memmove(&s->codes[i], &s->codes[i + 1], (s->n - i - 1) * sizeof(uint32_t));
+        s->n--;
+        if (s->n == 1) {
+            e_set_holder(e, s->codes[0]);
+            if (set_free(m, sid) < 0)
+                return -1;
+        }
+    }
+    m->slots[slot].num_cached--;
+    return 1;
+}
+
+static int64_t find_key(Maps *m, int g, PyObject *key) {
+    const char *p;
+    Py_ssize_t n;
+    if (key_of(key, &p, &n) < 0)
+        return -2;
+    return t_find(&m->tables[g], p, n, hash_key(p, n));
+}
+
+static int cmp_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void compact_slot(Maps *m, uint32_t slot) {
+    Slot *st = &m->slots[slot];
+    int64_t listed = 0;
+    for (int g = 0; g < m->ngroups; g++) {
+        IdList *l = &st->lists[g];
+        const Table *t = &m->tables[g];
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < l->n; i++) {
+            const Entry *e = ent(t, l->ids[i]);
+            if (!e_free(e) && v_level(m, e_holder(e), slot) >= 0)
+                l->ids[kept++] = l->ids[i];
+        }
+        qsort(l->ids, kept, sizeof(uint32_t), cmp_u32);
+        uint32_t unique = 0;
+        for (uint32_t i = 0; i < kept; i++) {
+            if (unique == 0 || l->ids[unique - 1] != l->ids[i])
+                l->ids[unique++] = l->ids[i];
+        }
+        l->n = unique;
+        listed += unique;
+        if (l->cap > unique + unique / 2 + 16) { /* give back what a longer list needed */
+            uint32_t cap = unique + unique / 4 + 8;
+            uint32_t *ids = PyMem_Realloc(l->ids, (size_t)cap * sizeof(uint32_t));
+            if (ids != NULL) {
+                l->ids = ids;
+                l->cap = cap;
+            }
+        }
+    }
+    st->listed = listed;
+}
+
+static int clear_slot(Maps *m, uint32_t slot) {
+    Slot *st = &m->slots[slot];
+    for (int g = 0; g < m->ngroups; g++) {
+        IdList *l = &st->lists[g];
+        for (uint32_t i = 0; i < l->n; i++) {
+            if (drop(m, g, l->ids[i], slot) < 0)
+                return -1;
+        }
+        l->n = 0;
+    }
+    st->listed = 0;
+    st->num_cached = 0;
+    return 0;
+}
+
+/* -- Python methods ------------------------------------------------------------------------- */
+
+static int Maps_init(Maps *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"num_groups", NULL};
+    int ngroups;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &ngroups))
+        return -1;
+    if (ngroups < 1 || ngroups > 64) {
+        PyErr_Format(PyExc_ValueError, "num_groups: must be in 1..64 (got %d)", ngroups);
+        return -1;
+    }
+    if (self->tables != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "HolderMaps is already initialised");
+        return -1;
+    }
+    self->tables = PyMem_Calloc((size_t)ngroups, sizeof(Table));
+    if (self->tables == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int g = 0; g < ngroups; g++)
+        self->tables[g].free_head = NONE_ID;
+    self->ngroups = ngroups;
+    return 0;
+}
+
+static void Maps_dealloc(Maps *self) {
+    if (self->tables != NULL) {
+        for (int g = 0; g < self->ngroups; g++) {
+            Table *t = &self->tables[g];
+            for (uint32_t id = 0; id < t->top; id++) {
+                if (!e_free(ent(t, id)) && e_object(ent(t, id))) {
+                    PyObject *o = entry_object(ent(t, id));
+                    Py_DECREF(o);
+                }
+            }
+            for (uint32_t c = 0; c < t->nchunks; c++)
+                PyMem_Free(t->chunks[c]);
+            PyMem_Free(t->chunks);
+            PyMem_Free(t->index);
+        }
+        PyMem_Free(self->tables);
+    }
+    for (uint32_t i = 0; i < self->sets_top; i++)
+        PyMem_Free(self->sets[i]);
+    PyMem_Free(self->sets);
+    PyMem_Free(self->sets_free);
+    for (uint32_t s = 0; s < self->nslots; s++) {
+        if (self->slots[s].lists == NULL)
+            continue;
+        for (int g = 0; g < self->ngroups; g++)
+            PyMem_Free(self->slots[s].lists[g].ids);
+        PyMem_Free(self->slots[s].lists);
+    }
+    PyMem_Free(self->slots);
+    PyMem_Free(self->scratch);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Maps_add_slot(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    if (slot < 0 || (unsigned long)slot > MAX_SLOT) {
+        PyErr_Format(PyExc_ValueError, "slot: must be in 0..%u (got %ld)", MAX_SLOT, slot);
+        return NULL;
+    }
+    if ((uint32_t)slot >= self->nslots) {
+        size_t n = (size_t)slot + 1;
+        size_t cap = self->nslots;
+        while (cap < n)
+            cap = cap * 2 + 8;
+        Slot *slots = PyMem_Realloc(self->slots, cap * sizeof(Slot));
+        if (slots == NULL)
+            return PyErr_NoMemory();
+        memset(slots + self->nslots, 0, (cap - self->nslots) * sizeof(Slot));
+        self->slots = slots;
+        self->nslots = (uint32_t)cap;
+    }
+    Slot *st = &self->slots[slot];
+    if (st->lists != NULL) {
+        PyErr_Format(PyExc_ValueError, "slot: %ld is already added", slot);
+        return NULL;
+    }
+    st->lists = PyMem_Calloc((size_t)self->ngroups, sizeof(IdList));
+    if (st->lists == NULL)
+        return PyErr_NoMemory();
+    st->num_cached = 0;
+    st->listed = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Maps_release_slot(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(self, slot) < 0)
+        return NULL;
+    if (clear_slot(self, (uint32_t)slot) < 0)
+        return NULL;
+    Slot *st = &self->slots[slot];
+    for (int g = 0; g < self->ngroups; g++)
+        PyMem_Free(st->lists[g].ids);
+    PyMem_Free(st->lists);
+    st->lists = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Maps_clear(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(self, slot) < 0)
+        return NULL;
+    if (clear_slot(self, (uint32_t)slot) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Maps_compact(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(self, slot) < 0)
+        return NULL;
+    compact_slot(self, (uint32_t)slot);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Maps_num_cached(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(self, slot) < 0)
+        return NULL;
+    return PyLong_FromLongLong(self->slots[slot].num_cached);
+}
+
+static PyObject *Maps_listed(Maps *self, PyObject *arg) {
+    long slot = PyLong_AsLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(self, slot) < 0)
+        return NULL;
+    return PyLong_FromLongLong(self->slots[slot].listed);
+}
+
+/* store(group, keys, slot): the worker announced ``keys`` (held at level 0 unless already held). */
+static PyObject *Maps_store(Maps *self, PyObject *args) {
+    int g;
+    long slot;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iOl", &g, &keys, &slot))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hold(self, g, items[i], (uint32_t)slot, 0) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Slot *st = &self->slots[slot];
+    if (2 * st->listed > 3 * st->num_cached + 128)
+        compact_slot(self, (uint32_t)slot);
+    Py_RETURN_NONE;
+}
+
+/* hold(group, entries, slot): (key, level) pairs the worker holds (a snapshot). */
+static PyObject *Maps_hold(Maps *self, PyObject *args) {
+    int g;
+    long slot;
+    PyObject *entries;
+    if (!PyArg_ParseTuple(args, "iOl", &g, &entries, &slot))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    PyObject *it = PyObject_GetIter(entries);
+    if (it == NULL)
+        return NULL;
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        PyObject *key;
+        int level;
+        int ok = PyArg_ParseTuple(item, "Oi", &key, &level);
+        if (ok && (level < 0 || level > 3)) {
+            PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
+            ok = 0;
+        }
+        if (!ok || hold(self, g, key, (uint32_t)slot, (uint32_t)level) < 0) {
+            Py_DECREF(item);
+            Py_DECREF(it);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* remove(group, keys, slot, report): drop the keys; the list of those held if ``report``. */
+static PyObject *Maps_remove(Maps *self, PyObject *args) {
+    int g, report;
+    long slot;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iOlp", &g, &keys, &slot, &report))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    PyObject *gone = NULL;
+    if (report && (gone = PyList_New(0)) == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = find_key(self, g, items[i]);
+        int dropped = 0;
+        if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, (uint32_t)slot)) < 0) ||
+            (dropped && gone != NULL && PyList_Append(gone, items[i]) < 0)) {
+            Py_DECREF(seq);
+            Py_XDECREF(gone);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    if (gone != NULL)
+        return gone;
+    Py_RETURN_NONE;
+}
+
+/* relevel(group, keys, slot, level, raise_only, report): set the level the slot holds each key at
+ * (only upwards if raise_only); the list of keys it held if ``report``. */
+static PyObject *Maps_relevel(Maps *self, PyObject *args) {
+    int g, level, raise_only, report;
+    long slot;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iOlipp", &g, &keys, &slot, &level, &raise_only, &report))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    if (level < 0 || level > 3) {
+        PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    PyObject *held = NULL;
+    if (report && (held = PyList_New(0)) == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Table *t = &self->tables[g];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t code = ((uint32_t)slot << 2) | (uint32_t)level;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = find_key(self, g, items[i]);
+        if (id == -2) {
+            Py_DECREF(seq);
+            Py_XDECREF(held);
+            return NULL;
+        }
+        if (id < 0)
+            continue;
+        Entry *e = ent(t, (uint32_t)id);
+        int old = v_level(self, e_holder(e), (uint32_t)slot);
+        if (old < 0)
+            continue;
+        if (old < level || (old != level && !raise_only)) {
+            if (!(e_holder(e) & MULTI)) {
+                e_set_holder(e, code);
+            } else {
+                HSet *s = set_of(self, e_holder(e));
+                for (uint32_t j = 0; j < s->n; j++) {
+                    if ((s->codes[j] >> 2) == (uint32_t)slot)
+                        s->codes[j] = code;
+                }
+            }
+        }
+        if (held != NULL && PyList_Append(held, items[i]) < 0) {
+            Py_DECREF(seq);
+            Py_DECREF(held);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    if (held != NULL)
+        return held;
+    Py_RETURN_NONE;
+}
+
+/* level(group, key, slot): the pin level the slot holds the key at, or None. */
+static PyObject *Maps_level(Maps *self, PyObject *args) {
+    int g;
+    long slot;
+    PyObject *key;
+    if (!PyArg_ParseTuple(args, "iOl", &g, &key, &slot))
+        return NULL;
+    if (check_group(self, g) < 0)
+        return NULL;
+    int64_t id = find_key(self, g, key);
+    if (id == -2)
+        return NULL;
+    if (id < 0 || slot < 0)
+        Py_RETURN_NONE;
+    int level = v_level(self, e_holder(ent(&self->tables[g], (uint32_t)id)), (uint32_t)slot);
+    if (level < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(level);
+}
+
+static PyObject *slots_list(const Maps *m, uint32_t value) {
+    if (!(value & MULTI)) {
+        PyObject *out = PyList_New(1);
+        if (out != NULL)
+            PyList_SET_ITEM(out, 0, PyLong_FromUnsignedLong(value >> 2));
+        return out;
+    }
+    const HSet *s = set_of(m, value);
+    PyObject *out = PyList_New(s->n);
+    if (out == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < s->n; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromUnsignedLong(s->codes[i] >> 2));
+    return out;
+}
+
+/* holders(group, key): the slots holding the key, increasing. */
+static PyObject *Maps_holders(Maps *self, PyObject *args) {
+    int g;
+    PyObject *key;
+    if (!PyArg_ParseTuple(args, "iO", &g, &key))
+        return NULL;
+    if (check_group(self, g) < 0)
+        return NULL;
+    int64_t id = find_key(self, g, key);
+    if (id == -2)
+        return NULL;
+    if (id < 0)
+        return PyList_New(0);
+    return slots_list(self, e_holder(ent(&self->tables[g], (uint32_t)id)));
+}
+
+/* table(group, slot): {key: level} of every key the slot holds in the group. */
+static PyObject *Maps_table(Maps *self, PyObject *args) {
+    int g;
+    long slot;
+    if (!PyArg_ParseTuple(args, "il", &g, &slot))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    const IdList *l = &self->slots[slot].lists[g];
+    const Table *t = &self->tables[g];
+    for (uint32_t i = 0; i < l->n; i++) {
+        const Entry *e = ent(t, l->ids[i]);
+        if (e_free(e))
+            continue;
+        int level = v_level(self, e_holder(e), (uint32_t)slot);
+        if (level < 0)
+            continue;
+        PyObject *k = entry_key(e);
+        PyObject *v = PyLong_FromLong(level);
+        if (k == NULL || v == NULL || PyDict_SetItem(out, k, v) < 0) {
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(k);
+        Py_DECREF(v);
+    }
+    return out;
+}
+
+/* size(group): keys held by anyone in the group. */
+static PyObject *Maps_size(Maps *self, PyObject *arg) {
+    long g = PyLong_AsLong(arg);
+    if ((g == -1 && PyErr_Occurred()) || check_group(self, g) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(self->tables[g].used);
+}
+
+/* met(group, keys): the set of slots holding any of the keys. */
+static PyObject *Maps_met(Maps *self, PyObject *args) {
+    int g;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iO", &g, &keys))
+        return NULL;
+    if (check_group(self, g) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    PyObject *out = PySet_New(NULL);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        int64_t id = find_key(self, g, items[i]);
+        if (id == -2) {
+            Py_CLEAR(out);
+            break;
+        }
+        if (id < 0)
+            continue;
+        uint32_t value = e_holder(ent(&self->tables[g], (uint32_t)id));
+        const uint32_t *codes = &value;
+        uint32_t count = 1;
+        if (value & MULTI) {
+            codes = set_of(self, value)->codes;
+            count = set_of(self, value)->n;
+        }
+        for (uint32_t j = 0; j < count; j++) {
+            PyObject *s = PyLong_FromUnsignedLong(codes[j] >> 2);
+            if (s == NULL || PySet_Add(out, s) < 0) {
+                Py_XDECREF(s);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_DECREF(s);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* -- the prediction's walk ------------------------------------------------------------------ */
+
+static int ensure_scratch(Maps *m, size_t n) {
+    if (n <= m->scratch_cap)
+        return 0;
+    size_t cap = n * 2 + 64;
+    uint32_t *buf = PyMem_Realloc(m->scratch, cap * sizeof(uint32_t));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    m->scratch = buf;
+    m->scratch_cap = cap;
+    return 0;
+}
+
+/* The holder value of a view's key, or NONE_ID (nobody holds it; -2 as error via *err). */
+static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "block hash: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
+        *err = 1;
+        return NONE_ID;
+    }
+    const char *p = PyBytes_AS_STRING(key);
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    const Table *t = &m->tables[g];
+    int64_t id = t_find(t, p, n, hash_key(p, n));
+    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
+}
+
+/* Intersect sorted slots ``a[0..na)`` with value's slots into ``out``; returns the count. */
+static inline uint32_t intersect(const Maps *m, const uint32_t *a, uint32_t na, uint32_t value, uint32_t *out) {
+    if (!(value & MULTI)) {
+        uint32_t s = value >> 2;
+        for (uint32_t i = 0; i < na; i++) {
+            if (a[i] == s) {
+                out[0] = s;
+                return 1;
+            }
+        }
+        return 0;
+    }
+    const HSet *set = set_of(m, value);
+    uint32_t i = 0, j = 0, k = 0;
+    while (i < na && j < set->n) {
+        uint32_t b = set->codes[j] >> 2;
+        if (a[i] == b) {
+            out[k++] = b;
+            i++;
+            j++;
+        } else if (a[i] < b) {
+            i++;
+        } else {
+            j++;
+        }
+    }
+    return k;
+}
+
+static PyObject *u32_list(const uint32_t *a, uint32_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(a[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* ``a`` minus ``b`` (both sorted) into out. */
+static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, uint32_t nb, uint32_t *out) {
+    uint32_t i = 0, j = 0, k = 0;
+    while (i < na) {
+        if (j < nb && b[j] == a[i]) {
+            i++;
+            j++;
+        } else if (j < nb && b[j] < a[i]) {
+            j++;
+        } else {
+            out[k++] = a[i++];
+        }
+    }
+    return k;
+}
+
+/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
+static PyObject *Maps_walk(Maps *self, PyObject *args) {
+    int first;
+    PyObject *view, *checks;
+    Py_ssize_t limit, per;
+    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
+        return NULL;
+    if (check_group(self, first) < 0)
+        return NULL;
+    if (per < 1) {
+        PyErr_Format(PyExc_ValueError, "per: must be >= 1 (got %zd)", per);
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    if (limit > PyList_GET_SIZE(view))
+        limit = PyList_GET_SIZE(view);
+    if (limit <= 0)
+        return out;
+    int err = 0;
+    uint32_t v0 = lookup(self, first, PyList_GET_ITEM(view, 0), &err);
+    if (err)
+        goto fail;
+    if (v0 == NONE_ID)
+        return out;
+    /* Step 1: stops (blocks n, slots whose run is exactly n), kept in the scratch buffer as
+     * [n, count, slots...] records after a working area of 3 * W words. */
+    uint32_t width = (v0 & MULTI) ? set_of(self, v0)->n : 1;
+    if (ensure_scratch(self, (size_t)width * 4 + 16) < 0)
+        goto fail;
+    uint32_t *cur = self->scratch;
+    uint32_t ncur;
+    if (v0 & MULTI) {
+        const HSet *s = set_of(self, v0);
+        for (uint32_t i = 0; i < s->n; i++)
+            cur[i] = s->codes[i] >> 2;
+        ncur = s->n;
+    } else {
+        cur[0] = v0 >> 2;
+        ncur = 1;
+    }
+    /* Stops are few (each removes at least one holder): record them in a Python-free array. */
+    size_t cap_stops = 8, nstops = 0;
+    Py_ssize_t *stop_n = PyMem_Malloc(cap_stops * sizeof(Py_ssize_t));
+    uint32_t **stop_slots = PyMem_Malloc(cap_stops * sizeof(uint32_t *));
+    uint32_t *stop_count = PyMem_Malloc(cap_stops * sizeof(uint32_t));
+    if (stop_n == NULL || stop_slots == NULL || stop_count == NULL) {
+        PyErr_NoMemory();
+        goto fail_stops;
+    }
+    uint32_t *kept = cur + width;
+    uint32_t *tmp = kept + width;
+    uint32_t last = v0;
+    Py_ssize_t end = limit;
+    int emptied = 0;
+    for (Py_ssize_t i = 1; i < limit; i++) {
+        uint32_t v = lookup(self, first, PyList_GET_ITEM(view, i), &err);
+        if (err)
+            goto fail_stops;
+        if (v == NONE_ID) {
+            end = i;
+            break;
+        }
+        if (v == last)
+            continue;
+        last = v;
+        uint32_t nkept = intersect(self, cur, ncur, v, kept);
+        if (nkept < ncur) {
+            if (nstops == cap_stops) {
+                cap_stops *= 2;
+                Py_ssize_t *a = PyMem_Realloc(stop_n, cap_stops * sizeof(Py_ssize_t));
+                if (a != NULL)
+                    stop_n = a;
+                uint32_t **b = PyMem_Realloc(stop_slots, cap_stops * sizeof(uint32_t *));
+                if (b != NULL)
+                    stop_slots = b;
+                uint32_t *c = PyMem_Realloc(stop_count, cap_stops * sizeof(uint32_t));
+                if (c != NULL)
+                    stop_count = c;
+                if (a == NULL || b == NULL || c == NULL) {
+                    PyErr_NoMemory();
+                    goto fail_stops;
+                }
+            }
+            uint32_t nlost = difference(cur, ncur, kept, nkept, tmp);
+            uint32_t *lost = PyMem_Malloc((nlost ? nlost : 1) * sizeof(uint32_t));
+            if (lost == NULL) {
+                PyErr_NoMemory();
+                goto fail_stops;
+            }
+            memcpy(lost, tmp, nlost * sizeof(uint32_t));
+            stop_n[nstops] = i;
+            stop_slots[nstops] = lost;
+            stop_count[nstops] = nlost;
+            nstops++;
+            memcpy(cur, kept, nkept * sizeof(uint32_t));
+            ncur = nkept;
+            if (ncur == 0) {
+                emptied = 1;
+                break;
+            }
+        }
+    }
+    if (!emptied) {
+        if (nstops == cap_stops) {
+            cap_stops += 1;
+            Py_ssize_t *a = PyMem_Realloc(stop_n, cap_stops * sizeof(Py_ssize_t));
+            if (a != NULL)
+                stop_n = a;
+            uint32_t **b = PyMem_Realloc(stop_slots, cap_stops * sizeof(uint32_t *));
+            if (b != NULL)
+                stop_slots = b;
+            uint32_t *c = PyMem_Realloc(stop_count, cap_stops * sizeof(uint32_t));
+            if (c != NULL)
+                stop_count = c;
+            if (a == NULL || b == NULL || c == NULL) {
+                PyErr_NoMemory();
+                goto fail_stops;
+            }
+        }
+        uint32_t *rest = PyMem_Malloc((ncur ? ncur : 1) * sizeof(uint32_t));
+        if (rest == NULL) {
+            PyErr_NoMemory();
+            goto fail_stops;
+        }
+        memcpy(rest, cur, ncur * sizeof(uint32_t));
+        stop_n[nstops] = end;
+        stop_slots[nstops] = rest;
+        stop_count[nstops] = ncur;
+        nstops++;
+    }
+    /* Step 2: per stop, the holders that hold every other group's needed blocks at its depth. */
+    Py_ssize_t nchecks = PyList_GET_SIZE(checks);
+    for (size_t s = 0; s < nstops; s++) {
+        Py_ssize_t k = stop_n[s] / per;
+        if (k <= 0)
+            continue;
+        uint32_t *slots = stop_slots[s];
+        uint32_t nvalid = stop_count[s];
+        uint32_t *valid = cur; /* working area: width words each */
+        memcpy(valid, slots, nvalid * sizeof(uint32_t));
+        for (Py_ssize_t c = 0; c < nchecks && nvalid > 0; c++) {
+            PyObject *check = PyList_GET_ITEM(checks, c);
+            int g;
+            PyObject *gview, *ranges;
+            if (!PyArg_ParseTuple(check, "iO!O!", &g, &PyList_Type, &gview, &PyList_Type, &ranges))
+                goto fail_stops;
+            if (check_group(self, g) < 0)
+                goto fail_stops;
+            if (k >= PyList_GET_SIZE(ranges)) {
+                PyErr_Format(PyExc_IndexError, "checks: group %d has no needed range at step %zd", g, k);
+                goto fail_stops;
+            }
+            Py_ssize_t start, stop;
+            if (!PyArg_ParseTuple(PyList_GET_ITEM(ranges, k), "nn", &start, &stop))
+                goto fail_stops;
+            Py_ssize_t len = PyList_GET_SIZE(gview);
+            if (start < 0 || stop < 0) {
+                PyErr_SetString(PyExc_ValueError, "checks: a needed range is negative");
+                goto fail_stops;
+            }
+            if (stop > len)
+                stop = len;
+            uint32_t prev = NONE_ID;
+            for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
+                uint32_t v = lookup(self, g, PyList_GET_ITEM(gview, i), &err);
+                if (err)
+                    goto fail_stops;
+                if (v == NONE_ID) {
+                    nvalid = 0;
+                    break;
+                }
+                if (v == prev)
+                    continue;
+                prev = v;
+                nvalid = intersect(self, valid, nvalid, v, kept);
+                memcpy(valid, kept, nvalid * sizeof(uint32_t));
+            }
+        }
+        uint32_t nfail = difference(slots, stop_count[s], valid, nvalid, tmp);
+        PyObject *kk = PyLong_FromSsize_t(k);
+        PyObject *lv = u32_list(valid, nvalid);
+        PyObject *lf = u32_list(tmp, nfail);
+        PyObject *row = (kk && lv && lf) ? PyTuple_Pack(3, kk, lv, lf) : NULL;
+        Py_XDECREF(kk);
+        Py_XDECREF(lv);
+        Py_XDECREF(lf);
+        if (row == NULL || PyList_Append(out, row) < 0) {
+            Py_XDECREF(row);
+            goto fail_stops;
+        }
+        Py_DECREF(row);
+    }
+    for (size_t s = 0; s < nstops; s++)
+        PyMem_Free(stop_slots[s]);
+    PyMem_Free(stop_n);
+    PyMem_Free(stop_slots);
+    PyMem_Free(stop_count);
+    return out;
+fail_stops:
+    if (stop_slots != NULL) {
+        for (size_t s = 0; s < nstops; s++)
+            PyMem_Free(stop_slots[s]);
+    }
+    PyMem_Free(stop_n);
+    PyMem_Free(stop_slots);
+    PyMem_Free(stop_count);
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
+    size_t total = sizeof(Maps) + (size_t)self->ngroups * sizeof(Table);
+    for (int g = 0; g < self->ngroups; g++) {
+        const Table *t = &self->tables[g];
+        total += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
+        if (t->index != NULL)
+            total += ((size_t)t->mask + 1) * sizeof(uint32_t);
+        for (uint32_t id = 0; id < t->top; id++) {
+            const Entry *e = ent(t, id);
+            if (!e_free(e) && e_object(e))
+                total += (size_t)PyBytes_GET_SIZE(entry_object(e)) + 33;
+        }
+    }
+    total += (size_t)self->sets_cap * sizeof(HSet *) + (size_t)self->free_cap * sizeof(uint32_t);
+    total += (size_t)self->set_bytes;
+    total += (size_t)self->nslots * sizeof(Slot);
+    for (uint32_t s = 0; s < self->nslots; s++) {
+        if (self->slots[s].lists == NULL)
+            continue;
+        total += (size_t)self->ngroups * sizeof(IdList);
+        for (int g = 0; g < self->ngroups; g++)
+            total += (size_t)self->slots[s].lists[g].cap * sizeof(uint32_t);
+    }
+    total += self->scratch_cap * sizeof(uint32_t);
+    return PyLong_FromSize_t(total);
+}
+
+
+/* stats(): bytes per part and counts (what __sizeof__ adds up), for sizing reports. */
+static PyObject *Maps_stats(Maps *self, PyObject *Py_UNUSED(ignored)) {
+    size_t entries = 0, index = 0, keys = 0, entry_cap = 0, lists = 0, listed = 0;
+    for (int g = 0; g < self->ngroups; g++) {
+        const Table *t = &self->tables[g];
+        entries += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
+        entry_cap += (size_t)t->nchunks * CHUNK;
+        keys += t->used;
+        if (t->index != NULL)
+            index += ((size_t)t->mask + 1) * sizeof(uint32_t);
+    }
+    for (uint32_t s = 0; s < self->nslots; s++) {
+        if (self->slots[s].lists == NULL)
+            continue;
+        for (int g = 0; g < self->ngroups; g++) {
+            lists += (size_t)self->slots[s].lists[g].cap * sizeof(uint32_t);
+            listed += self->slots[s].lists[g].n;
+        }
+    }
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n}", "keys", (Py_ssize_t)keys, "entry_capacity",
+                         (Py_ssize_t)entry_cap, "entry_bytes", (Py_ssize_t)entries, "index_bytes", (Py_ssize_t)index,
+                         "set_bytes", (Py_ssize_t)(self->set_bytes + (int64_t)self->sets_cap * (int64_t)sizeof(HSet *)),
+                         "live_sets", (Py_ssize_t)(self->sets_top - self->nfree), "list_bytes", (Py_ssize_t)lists,
+                         "listed", (Py_ssize_t)listed);
+}
+
+static PyMethodDef Maps_methods[] = {
+    {"add_slot", (PyCFunction)Maps_add_slot, METH_O, "Start an empty slot."},
+    {"release_slot", (PyCFunction)Maps_release_slot, METH_O, "Forget a slot's keys and free the slot."},
+    {"clear", (PyCFunction)Maps_clear, METH_O, "Forget every key the slot holds."},
+    {"compact", (PyCFunction)Maps_compact, METH_O, "Keep in the slot's key lists only keys it holds, once."},
+    {"num_cached", (PyCFunction)Maps_num_cached, METH_O, "(group, key) entries the slot holds."},
+    {"listed", (PyCFunction)Maps_listed, METH_O, "Entries in the slot's key lists."},
+    {"store", (PyCFunction)Maps_store, METH_VARARGS, "store(group, keys, slot)"},
+    {"hold", (PyCFunction)Maps_hold, METH_VARARGS, "hold(group, entries, slot)"},
+    {"remove", (PyCFunction)Maps_remove, METH_VARARGS, "remove(group, keys, slot, report)"},
+    {"relevel", (PyCFunction)Maps_relevel, METH_VARARGS, "relevel(group, keys, slot, level, raise_only, report)"},
+    {"level", (PyCFunction)Maps_level, METH_VARARGS, "level(group, key, slot)"},
+    {"holders", (PyCFunction)Maps_holders, METH_VARARGS, "holders(group, key)"},
+    {"table", (PyCFunction)Maps_table, METH_VARARGS, "table(group, slot)"},
+    {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
+    {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
+    {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
+    {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
+    {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MapsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "engine.routing._core.HolderMaps",
+    .tp_basicsize = sizeof(Maps),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The prefix index's device holder maps, compiled (see engine/routing/holder_maps.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Maps_init,
+    .tp_dealloc = (destructor)Maps_dealloc,
+    .tp_methods = Maps_methods,
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "_core", "Compiled hot path of the routing index.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&MapsType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&MapsType);
+    if (PyModule_AddObject(m, "HolderMaps", (PyObject *)&MapsType) < 0) {
+        Py_DECREF(&MapsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,396 @@
+"""The prefix index's device holder maps: per KV-cache group, block hash -> the worker slots whose
+pool announced it, each with its pin level (0 none, 1 retained, 2 explicit), and the prediction's
+walk over them (``engine.routing.index`` describes the walk's two steps).
+
+Two implementations of one interface (``HolderMaps``):
+
+- ``engine.routing._core.HolderMaps``, compiled from ``_core.c`` at install time (``setup.py``):
+  32-byte hashes stored inline in open-addressing tables, one 32-bit holder value per key;
+- ``PyHolderMaps`` below, pure Python (a dict per group), the reference the compiled maps are
+  tested against, and what runs where the extension was not built.
+
+``make_holder_maps`` picks one: the compiled maps when they import, unless ``KVFLEET_ROUTING_CORE``
+says ``python``; ``compiled`` there makes a missing extension an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Protocol
+
+#: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
+Holders = tuple[int, ...]
+NOBODY: Holders = ()  # what the walk reads for a key nobody holds
+#: one group's part of step 2: (group, the request's hashes in that group, per aligned step k the
+#: range of blocks a hit of k steps needs there)
+Check = tuple[int, list[bytes], list[tuple[int, int]]]
+#: one result of the walk: (aligned steps k, slots that hit k steps, slots whose full-attention
+#: depth is k steps but that miss a block another group needs there)
+Stop = tuple[int, list[int], list[int]]
+
+CORE_ENV = "KVFLEET_ROUTING_CORE"
+
+
+class HolderMaps(Protocol):
+    """Per group, hash -> holders (slot and pin level); per slot, the keys it announced.
+
+    Invariants (both implementations): a key maps to at least one holder; a slot holds a key at
+    most once; ``num_cached(slot)`` counts the (group, key) entries the slot holds; every key the
+    slot holds in a group is in its key list there (``listed`` counts the list entries, some
+    stale or repeated; ``store`` compacts when ``2 * listed > 3 * num_cached + 128``)."""
+
+    def add_slot(self, slot: int) -> None: ...
+    def release_slot(self, slot: int) -> None: ...
+    def clear(self, slot: int) -> None: ...
+    def compact(self, slot: int) -> None: ...
+    def num_cached(self, slot: int) -> int: ...
+    def listed(self, slot: int) -> int: ...
+    def store(self, group: int, keys: Sequence[bytes], slot: int) -> None: ...
+    def hold(self, group: int, entries: Iterable[tuple[bytes, int]], slot: int) -> None: ...
+    def remove(self, group: int, keys: Sequence[bytes], slot: int, report: bool) -> list[bytes] | None: ...
+    def relevel(
+        self, group: int, keys: Sequence[bytes], slot: int, level: int, raise_only: bool, report: bool
+    ) -> list[bytes] | None: ...
+    def level(self, group: int, key: bytes, slot: int) -> int | None: ...
+    def holders(self, group: int, key: bytes) -> list[int]: ...
+    def table(self, group: int, slot: int) -> dict[bytes, int]: ...
+    def size(self, group: int) -> int: ...
+    def met(self, group: int, keys: Sequence[bytes]) -> set[int]: ...
+    def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]: ...
+
+
+def _level_of(value: Holders | None, slot: int) -> int | None:
+    """The pin level ``slot`` holds a key at (None: it does not hold it)."""
+    if value is None:
+        return None
+    for code in value:
+        if code >> 2 == slot:
+            return code & 3
+    return None
+
+
+def _slots(value: Holders) -> set[int]:
+    if len(value) == 1:
+        return {value[0] >> 2}
+    return {code >> 2 for code in value}
+
+
+class _SlotKeys:
+    """One slot's holder value when it holds a key alone, per pin level (``alone[level] ==
+    (slot << 2 | level,)``, shared by every such key), its entry count and, per group, the keys
+    it announced (``listed`` in all)."""
+
+    __slots__ = ("alone", "keys", "listed", "num_cached")
+
+    def __init__(self, slot: int, num_groups: int):
+        self.alone = tuple(((slot << 2) | level,) for level in range(3))
+        self.keys: list[list[bytes]] = [[] for _ in range(num_groups)]
+        self.listed = 0
+        self.num_cached = 0
+
+
+class PyHolderMaps:
+    """``HolderMaps`` in pure Python: per group a dict ``hash -> Holders``. A key held by one
+    slot stores that slot's shared ``alone[level]`` tuple, one held by several a tuple of codes
+    in increasing slot order shared by every key with that holder set (``_tuples``, counted in
+    ``_tuple_uses``), so a chain of blocks held by the same workers costs one reference per block
+    and the walk compares neighbours by identity."""
+
+    def __init__(self, num_groups: int):
+        self.num_groups = num_groups
+        self._owners: list[dict[bytes, Holders]] = [{} for _ in range(num_groups)]
+        self._slots: dict[int, _SlotKeys] = {}
+        self._tuples: dict[Holders, Holders] = {}
+        self._tuple_uses: dict[Holders, int] = {}
+
+    # -- slots --------------------------------------------------------------------------------------
+    def add_slot(self, slot: int) -> None:
+        if slot in self._slots:
+            raise ValueError(f"slot: {slot} is already added")
+        self._slots[slot] = _SlotKeys(slot, self.num_groups)
+
+    def release_slot(self, slot: int) -> None:
+        self.clear(slot)
+        del self._slots[slot]
+
+    def clear(self, slot: int) -> None:
+        """Forget every key ``slot`` holds (a walk over the keys it announced)."""
+        state = self._slots[slot]
+        for owners, keys in zip(self._owners, state.keys, strict=True):
+            for block_hash in keys:
+                self._drop(owners, block_hash, slot)
+            keys.clear()
+        state.listed = 0
+        state.num_cached = 0
+
+    def compact(self, slot: int) -> None:
+        """Keep in the slot's key lists only the keys it holds, once each."""
+        state = self._slots[slot]
+        for g, owners in enumerate(self._owners):
+            get = owners.get
+            state.keys[g] = [h for h in dict.fromkeys(state.keys[g]) if _level_of(get(h), slot) is not None]
+        state.listed = sum(map(len, state.keys))
+
+    def num_cached(self, slot: int) -> int:
+        return self._slots[slot].num_cached
+
+    def listed(self, slot: int) -> int:
+        return self._slots[slot].listed
+
+    # -- events -------------------------------------------------------------------------------------
+    def store(self, group: int, keys: Sequence[bytes], slot: int) -> None:
+        owners = self._owners[group]
+        get = owners.get
+        state = self._slots[slot]
+        alone = state.alone[0]
+        listed = state.keys[group]
+        for block_hash in keys:
+            if get(block_hash) is None:  # a key nobody held: the common case, inline
+                owners[block_hash] = alone
+                listed.append(block_hash)
+                state.num_cached += 1
+                state.listed += 1
+            else:
+                self._hold(group, block_hash, slot, 0)
+        if 2 * state.listed > 3 * state.num_cached + 128:
+            self.compact(slot)
+
+    def hold(self, group: int, entries: Iterable[tuple[bytes, int]], slot: int) -> None:
+        for block_hash, level in entries:
+            self._hold(group, block_hash, slot, level)
+
+    def remove(self, group: int, keys: Sequence[bytes], slot: int, report: bool) -> list[bytes] | None:
+        owners = self._owners[group]
+        get = owners.get
+        state = self._slots[slot]
+        mine = state.alone
+        gone: list[bytes] | None = [] if report else None
+        for block_hash in keys:
+            value = get(block_hash)
+            if value is None:
+                continue
+            if value in mine:  # held by this slot alone: the common case, inline
+                del owners[block_hash]
+                state.num_cached -= 1
+            elif not self._drop(owners, block_hash, slot):
+                continue
+            if gone is not None:
+                gone.append(block_hash)
+        return gone
+
+    def relevel(
+        self, group: int, keys: Sequence[bytes], slot: int, level: int, raise_only: bool, report: bool
+    ) -> list[bytes] | None:
+        owners = self._owners[group]
+        held: list[bytes] | None = [] if report else None
+        for block_hash in keys:
+            if self._relevel(owners, block_hash, slot, level, raise_only) is not None and held is not None:
+                held.append(block_hash)
+        return held
+
+    # -- queries ------------------------------------------------------------------------------------
+    def level(self, group: int, key: bytes, slot: int) -> int | None:
+        return _level_of(self._owners[group].get(key), slot)
+
+    def holders(self, group: int, key: bytes) -> list[int]:
+        value = self._owners[group].get(key)
+        return [] if value is None else sorted(_slots(value))
+
+    def table(self, group: int, slot: int) -> dict[bytes, int]:
+        get = self._owners[group].get
+        out: dict[bytes, int] = {}
+        for block_hash in self._slots[slot].keys[group]:
+            level = _level_of(get(block_hash), slot)
+            if level is not None:
+                out[block_hash] = level
+        return out
+
+    def size(self, group: int) -> int:
+        return len(self._owners[group])
+
+    def met(self, group: int, keys: Sequence[bytes]) -> set[int]:
+        found: set[int] = set()
+        for value in set(map(self._owners[group].get, keys)):
+            if value is not None:
+                found |= _slots(value)
+        return found
+
+    # -- the prediction's walk ----------------------------------------------------------------------
+    def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]:
+        """Step 1 over ``view[:limit]`` (group ``first``): each holder's contiguous depth in
+        blocks; per depth ``n`` with ``k = n // per >= 1`` aligned steps, step 2: which of those
+        holders hold, in every group of ``checks``, the blocks a hit of ``k`` steps needs.
+        Returns ``(k, serving slots, failing slots)`` per depth, deepest last."""
+        out: list[Stop] = []
+        for nblocks, slots in self._depths(view, limit, self._owners[first]):
+            k = nblocks // per
+            if k <= 0:
+                continue
+            valid = self._serving(slots, checks, k)
+            out.append((k, sorted(valid), sorted(slots - valid)))
+        return out
+
+    @staticmethod
+    def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:
+        """Contiguous depths over ``view[:limit]``: ``(n, slots)`` pairs, the holders whose cached
+        run is exactly ``n >= 1`` blocks. The holder set only shrinks along the chain and only
+        where the stored holder value changes, so sets are intersected at those points alone
+        (equal holder values are one object, a slot's shared code or one shared tuple); when the
+        whole run up to the first block nobody holds carries one value, C-level list operations
+        settle it."""
+        values = list(map(owners.get, view[:limit], repeat(NOBODY)))
+        try:
+            end = values.index(NOBODY)  # the first block nobody holds (a quick unequal-length compare)
+        except ValueError:
+            end = min(limit, len(view))
+        if end <= 0:
+            return []
+        first = values[0]
+        if values[:end].count(first) == end:  # one holder value all along (the common case)
+            return [(end, _slots(first))]
+        current = _slots(first)
+        stops: list[tuple[int, set[int]]] = []
+        last = first
+        for i in range(1, end):
+            value = values[i]
+            if value is last:
+                continue
+            last = value
+            kept = current & _slots(value)
+            if len(kept) < len(current):
+                stops.append((i, current - kept))
+                if not kept:
+                    return stops
+                current = kept
+        stops.append((end, current))
+        return stops
+
+    def _serving(self, slots: set[int], checks: list[Check], k: int) -> set[int]:
+        """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
+        of ``k`` aligned steps needs (a window cached by the same slots is one shared value,
+        recognised by a C-level count; otherwise each distinct value narrows the set)."""
+        for g, view, ranges in checks:
+            start, stop = ranges[k]
+            values = list(map(self._owners[g].get, view[start:stop], repeat(NOBODY)))
+            if not values:
+                continue
+            first = values[0]
+            if values.count(first) != len(values):
+                if NOBODY in values:
+                    return set()
+                for value in set(values):
+                    slots = slots.intersection([code >> 2 for code in value])
+            else:
+                slots = slots.intersection([code >> 2 for code in first])
+            if not slots:
+                return slots
+        return slots
+
+    # -- one holder of one key ----------------------------------------------------------------------
+    def _hold(self, group: int, block_hash: bytes, slot: int, level: int) -> None:
+        """``slot`` holds ``block_hash`` (at ``level`` if it did not already; a held key keeps its level)."""
+        owners = self._owners[group]
+        state = self._slots[slot]
+        value = owners.get(block_hash)
+        if value is None:
+            owners[block_hash] = state.alone[level]
+        else:
+            for code in value:
+                if code >> 2 == slot:
+                    return
+            owners[block_hash] = self._shared(tuple(sorted((*value, state.alone[level][0]))), value)
+        state.keys[group].append(block_hash)
+        state.listed += 1
+        state.num_cached += 1
+
+    def _drop(self, owners: dict[bytes, Holders], block_hash: bytes, slot: int) -> bool:
+        """``slot`` no longer holds ``block_hash``; whether it did."""
+        value = owners.get(block_hash)
+        if value is None:
+            return False
+        i = next((i for i, code in enumerate(value) if code >> 2 == slot), -1)
+        if i < 0:
+            return False
+        if len(value) == 1:
+            del owners[block_hash]
+        else:
+            owners[block_hash] = self._shared(value[:i] + value[i + 1 :], value)
+        self._slots[slot].num_cached -= 1
+        return True
+
+    def _relevel(
+        self, owners: dict[bytes, Holders], block_hash: bytes, slot: int, level: int, raise_only: bool
+    ) -> int | None:
+        """Set the level ``slot`` holds ``block_hash`` at (only upwards if ``raise_only``); the
+        level it held it at before (None: not held, nothing changes)."""
+        value = owners.get(block_hash)
+        if value is None:
+            return None
+        for i, code in enumerate(value):
+            if code >> 2 == slot:
+                old = code & 3
+                if old < level or (old != level and not raise_only):
+                    new = (*value[:i], self._slots[slot].alone[level][0], *value[i + 1 :])
+                    owners[block_hash] = self._shared(new, value)
+                return old
+        return None
+
+    def _shared(self, holders: Holders, replaced: Holders) -> Holders:
+        """The shared value equal to ``holders``, the new value of a key that held ``replaced``:
+        one slot's ``alone`` tuple, or one tuple per distinct holder set in use (counted,
+        released with the last key)."""
+        if len(replaced) > 1:
+            uses = self._tuple_uses[replaced] - 1
+            if uses:
+                self._tuple_uses[replaced] = uses
+            else:
+                del self._tuple_uses[replaced], self._tuples[replaced]
+        if len(holders) == 1:
+            code = holders[0]
+            return self._slots[code >> 2].alone[code & 3]
+        shared = self._tuples.setdefault(holders, holders)
+        self._tuple_uses[shared] = self._tuple_uses.get(shared, 0) + 1
+        return shared
+
+
+def compiled_available() -> bool:
+    """Whether the compiled maps (``engine.routing._core``) were built and import."""
+    try:
+        from engine.routing import _core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_holder_maps(num_groups: int, core: str | None = None) -> HolderMaps:
+    """The holder maps for ``num_groups`` groups: ``core`` "compiled", "python" or "auto" (the
+    compiled maps when built); None reads ``KVFLEET_ROUTING_CORE`` (default "auto")."""
+    choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
+    if choice not in ("auto", "compiled", "python"):
+        source = "core" if core is not None else CORE_ENV
+        raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
+    if choice == "python":
+        return PyHolderMaps(num_groups)
+    try:
+        from engine.routing._core import HolderMaps as CompiledHolderMaps
+    except ImportError:
+        if choice == "compiled":
+            raise
+        return PyHolderMaps(num_groups)
+    maps: HolderMaps = CompiledHolderMaps(num_groups)
+    return maps
+
+
+__all__ = [
+    "CORE_ENV",
+    "NOBODY",
+    "Check",
+    "HolderMaps",
+    "Holders",
+    "PyHolderMaps",
+    "Stop",
+    "compiled_available",
+    "make_holder_maps",
+]
