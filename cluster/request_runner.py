@@ -427,8 +427,12 @@ class RequestRunner:
         sent_ids = tuple(output.token_ids)  # what the client has: a migrated request goes on after them
         ids = prompt_ids + list(sent_ids)
         started = time.monotonic()
-        decision = await self._route(request, block_hashes(ids, model.hash_block_size, request.prompt.cache_salt),
-                                     len(ids))  # fmt: skip
+        # a request scoring its prompt (prompt logprobs, nothing sent yet) computes every prompt
+        # position and takes no prefix hit (``Request.scores_prompt``): placed by load alone, with
+        # no hit predicted for it
+        scores_prompt = request.sampling.prompt_logprobs is not None and not sent_ids
+        hashes = [] if scores_prompt else block_hashes(ids, model.hash_block_size, request.prompt.cache_salt)
+        decision = await self._route(request, hashes, len(ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
         whole = len(ids) < 2 or bool(sent_ids) or request.sampling.prompt_logprobs is not None
         if prefill_id != decode_id and whole:  # one token cannot be split; the others run whole on D

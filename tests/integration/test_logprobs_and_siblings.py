@@ -139,3 +139,19 @@ def test_requests_sharing_a_placement_run_on_one_decode_worker(ray_session):
 
         with pytest.raises(ValueError, match="share_placement: must be a non-empty string"):
             asyncio.run(cluster.agenerate(prompt, sampling, share_placement=""))
+
+
+def test_a_request_scoring_its_prompt_is_predicted_no_hit_where_its_prompt_is_cached(ray_session):
+    """A request asking for its prompt's logprobs computes every prompt position, so it takes no
+    prefix hit; the router (kvfleet's policy, which predicts hits) is told so and predicts none."""
+    from cluster.api import Cluster
+
+    config = cluster_config("tiny", 0, 1)
+    (prompt,) = random_prompts(62, [90])
+    with Cluster(config) as cluster:
+        first = cluster.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+        cached = cluster.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+        assert first.cached_tokens == 0 and cached.predicted_hit == cached.cached_tokens > 0
+        scored = cluster.generate([prompt], PROMPT_LOGPROBS)[0]
+        assert scored.prompt_logprobs is not None
+        assert scored.cached_tokens == 0 and scored.predicted_hit == 0
