@@ -34,7 +34,7 @@ RUN export DEBIAN_FRONTEND=noninteractive \
  && apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates wget \
  && if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get install -y --no-install-recommends python3 python3-venv; \
+        apt-get install -y --no-install-recommends python3 python3-venv python3-dev; \
     fi \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -c 'import sys; assert sys.version_info >= (3, 11), "kvfleet needs Python >= 3.11"' \
@@ -52,9 +52,16 @@ COPY engine/ engine/
 COPY actors/ actors/
 COPY cluster/ cluster/
 COPY serving/ serving/
-# setup.py builds the routing index's compiled core where the image has a C compiler and Python
-# headers; without them the install goes on and the router uses its pure-Python holder maps.
-RUN pip install . && rm -rf build *.egg-info
+# setup.py builds the routing index's compiled core (engine/routing/_core.c) with a C compiler
+# installed for this step only and the Python headers (in python:*-slim; python3-dev above for a
+# distribution's python3); without them the install would go on with the pure-Python holder maps.
+RUN export DEBIAN_FRONTEND=noninteractive \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install . \
+ && (cd / && python -c 'import engine.routing._core') \
+ && apt-get purge -y --auto-remove gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* build *.egg-info
 
 # A non-root user. Its group (10001) is the fsGroup of the k8s/ head pods, so it can write the
 # data volume; HOME holds the model cache (~/.cache/kvfleet).
