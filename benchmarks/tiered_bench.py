@@ -32,26 +32,27 @@ higher TTFT ratio); ``false_hit_share`` is pooled over both models' decisions (k
 tiered runs). The rest of the line: per model and run the hit rates, hit rates per tier and
 p90 TTFTs.
 
-Measured 2026-11-28 (12 minutes, 2 shared cores, load average 3-9 from other agents), before
-the router prices host-tier hits (its index sees device hits only)::
+Measured 2026-11-28 (2 shared cores, load average 9-27 from a CI run and other agents), after
+the router learned to predict and price host-tier hits (its index follows the host tier's
+events), before the worker refreshed a predicted hit's host blocks on arrival::
 
-    Gemma-3-270M   kvfleet tiered   hit 0.394  p50 1.98 s  p90 3.90 s   7.1 tok/s  false hits 0
-                   kvfleet no tier  hit 0.196  p50 1.87 s  p90 3.52 s   7.7 tok/s  false hits 0
-                   tree tiered      hit 0.677  p50 0.86 s  p90 2.08 s  12.5 tok/s  false hits 3.1%
-                   round robin      hit 0.333  p50 1.91 s  p90 2.96 s   8.6 tok/s  (bound 0.706)
-    tiny Bamba     kvfleet tiered   hit 0.500  p50 157 ms  p90 276 ms  108 tok/s   false hits 0
-                   kvfleet no tier  hit 0.185  p50 218 ms  p90 332 ms   90 tok/s   false hits 0
-                   tree tiered      hit 0.665  p50 124 ms  p90 212 ms  125 tok/s   false hits 8.8%
-                   round robin      hit 0.400  p50 144 ms  p90 297 ms  112 tok/s   (bound 0.739)
-    promote: Gemma 0.81 GB/s (0.094x memcpy), tiny Bamba 0.033 GB/s (0.0029x; pages of a few
-             hundred bytes, one copy call per block and slot)
+    Gemma-3-270M   kvfleet tiered   hit 0.686 (device 0.105, host 0.318)  p90 7.52 s  3.5 tok/s  false hits 2.1%
+                   kvfleet no tier  hit 0.164                             p90 4.39 s  6.1 tok/s  false hits 0
+                   tree tiered      hit 0.667 (device 0.115, host 0.376)  p90 5.24 s  4.9 tok/s  false hits 4.2%
+                   round robin      hit 0.335                             p90 5.36 s
+    tiny Bamba     kvfleet tiered   hit 0.498  p90 241 ms   tree tiered hit 0.706  p90 237 ms
+                   kvfleet no tier  hit 0.189  p90 218 ms   round robin hit 0.396  p90 349 ms
 
-    {"hit_rate_ratio_vs_no_tier": 2.0153, "p90_ttft_ratio_vs_prefix_tree": 1.876,
-     "false_hit_share": {"kvfleet": 0.0, "prefix_tree": 0.0664}, "promote_bandwidth_over_memcpy": 0.0029, ...}
+    {"hit_rate_ratio_vs_no_tier": 2.6424, "p90_ttft_ratio_vs_prefix_tree": 1.4351,
+     "false_hit_share": {"kvfleet": 0.0117, "prefix_tree": 0.043}, "promote_bandwidth_over_memcpy": 0.004, ...}
 
-The tree keeps each prefix on the worker it first sent it to, whose host tier then holds it;
-kvfleet, predicting device hits only, sends a prefix every device evicted to the least loaded
-worker, which has it in neither tier.
+kvfleet's false hits were host blocks evicted between the route and the request's arrival; the
+worker now refreshes a predicted hit's host blocks too (``EngineCore.refresh_prefix``). Rerun on
+tiny Bamba with that (``--config tiny-hybrid --hybrid-config '' --runs
+kvfleet_tiered,prefix_tree_tiered``): false hits kvfleet 0, tree 2.1%; p90 229 vs 238 ms (0.97x);
+hit rate 0.512 vs 0.686. Promote bandwidth stays far below memcpy: a promote batch is the few
+blocks of one admission, so its copy calls, not its bytes, set the time (tiny Bamba's pages are a
+few hundred bytes; Gemma's 32 KiB pages reached 0.81 GB/s, 0.094x).
 """
 
 from __future__ import annotations
