@@ -275,7 +275,7 @@ class Router:
                 "active": [str(w) for w in info.active],
                 "pending": [str(w) for w in info.pending],
                 "tier": info.tier,
-                "holder_tiers": {str(w): info.tier for w in info.active},
+                "holder_tiers": {str(w): tier for w, tier in info.holder_tiers.items()},
                 "expires_at": info.expires_at,
                 "expires_in_s": None if info.expires_at is None else max(0.0, info.expires_at - now),
                 "auto": info.auto,

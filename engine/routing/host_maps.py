@@ -64,6 +64,10 @@ class HostMaps:
     def count(self, slot: int) -> int:
         return self.counts.get(slot, 0)
 
+    def holds(self, slot: int, group: int, block_hash: bytes) -> bool:
+        """Whether ``slot``'s host tier holds ``block_hash`` in ``group``."""
+        return slot in self.maps[group].get(block_hash, ())
+
     def views(self, slot: int) -> list[HostView]:
         return [HostView(holders, slot) for holders in self.maps]
 

@@ -408,7 +408,8 @@ class PrefixIndex:
         self, worker: WorkerId, events: Iterable[KVEvent], watched: Mapping[GroupHash, object] | None = None
     ) -> EventOutcome:
         """Apply a worker's events in order; duplicates (seq <= last) are ignored, a gap starts a
-        resync. ``watched`` keys that lose their explicit pin or their entry are reported."""
+        resync. ``watched`` keys that lose their explicit pin or their entry in either tier are
+        reported (candidates: the pin table decides, ``PinTable.key_tier``)."""
         state = self._workers.get(worker)
         outcome = EventOutcome()
         if state is None:
@@ -489,6 +490,8 @@ class PrefixIndex:
             self.host.add(state.slot, event.group, event.block_hashes)
         elif isinstance(event, BlockDropped):
             self.host.drop(state.slot, event.group, event.block_hashes)
+            if lost is not None:  # a watched key left the host tier (a pin may live there)
+                self._report(event.group, event.block_hashes, watched, lost)
         return False
 
     def _clear(self, state: _Worker) -> None:
@@ -498,7 +501,7 @@ class PrefixIndex:
 
     @staticmethod
     def _report(
-        g: int, keys: list[bytes], watched: Mapping[GroupHash, object] | None, lost: list[GroupHash] | None
+        g: int, keys: Sequence[bytes], watched: Mapping[GroupHash, object] | None, lost: list[GroupHash] | None
     ) -> None:
         """Add the watched ones of ``keys`` (group ``g``) to ``lost``."""
         if watched is None or lost is None:

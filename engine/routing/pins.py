@@ -3,17 +3,25 @@
 A pin names a token prefix by its chained block hashes and a length ``L`` (aligned to the
 coordinators' LCM block size). Holding it costs every holder the blocks a hit at ``L`` needs in
 every group (``blocks_needed_at(L)``: the whole full-attention prefix, one window per sliding
-group, one Mamba state), which is what ``HybridCoordinator.pin_prefix`` pins there, in the pin's ``tier``: "device" (the
-holder keeps it in device memory; the router watches the holder's events for its loss) or "host"
-(the holder keeps it in its host tier only, where pressure never evicts it; the router has no
-host-tier events to watch, so it trusts the holder's pin result and drops it only with the
-holder's cache or the holder itself).
+group, one Mamba state), which is what ``HybridCoordinator.pin_prefix`` pins there, in the pin's
+``tier``: "device" (the holder keeps it in device memory; under pressure its device gives the
+blocks up into its host tier still pinned, and a hit promotes them and pins them again) or
+"host" (the holder keeps it in its host tier only, where pressure never evicts it).
+
+Whether a holder still holds a pin is one rule, ``PinTable.key_tier``, read from the holder's
+events in both tiers (docs/architecture.md, "The hybrid KV cache": pins in the host tier): a
+needed (group, hash) of a device-tier pin is held on the device while the device pins it
+explicitly, else in the host tier while the host tier has it (where the holder keeps it pinned);
+one of a host-tier pin is held while the host tier has it. A holder holds a pin while every
+needed key is held, and keeps it in the host tier (``holder_tier``) while some key is held only
+there. So a device-tier pin whose holder offloaded it stays on that holder, in its host tier,
+until a hit promotes it back; only a key gone from both tiers loses the holder.
 
 Holder life cycle (per pin, per worker)::
 
     (choose) --PinOn--> PENDING --pin_result(pinned == L)--> ACTIVE
-                           |                                   | events: a needed block of this pin
-                           | pinned < L / timeout               | was unpinned (demoted) or removed,
+                           |                                   | events: a needed key of this pin
+                           | pinned < L / timeout               | is no longer held (key_tier),
                            v                                   | cache cleared, worker removed
                         failed (retry elsewhere; Unpin)  <-----+  (Unpin; re-establish elsewhere)
 
@@ -30,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.kv_cache.block_queue import TIER_EXPLICIT
 from engine.kv_cache.coordinator_types import PinTier
 from engine.routing.index import GroupHash, PrefixIndex
 from engine.routing.types import (
@@ -49,7 +58,8 @@ ACTIVE = "active"
 @dataclass
 class _Holder:
     """One worker holding a pin: PENDING (``PinOn`` sent) or ACTIVE (pinned), since when, the keys
-    watched for it there (the pin's ``needed`` once ACTIVE) and the event seq to verify against."""
+    watched for it there (the pin's ``needed`` once ACTIVE) and the event seq to verify against
+    (None once verified)."""
 
     state: str
     since: float
@@ -89,7 +99,8 @@ class Pin:
     def active(self) -> list[WorkerId]:
         return [w for w, h in self.holders.items() if h.state == ACTIVE]
 
-    def info(self) -> PinInfo:
+    def info(self, holder_tiers: dict[WorkerId, PinTier]) -> PinInfo:
+        """A view of the pin; ``holder_tiers``: where each active holder keeps it now."""
         return PinInfo(
             self.pin_id,
             self.length,
@@ -100,6 +111,7 @@ class Pin:
             self.expires_at,
             self.auto,
             self.tier,
+            holder_tiers,
         )
 
 
@@ -112,12 +124,13 @@ class PinTable:
     from (worker, group, hash) to pins, and the budget accounting (``capacity_blocks`` for explicit
     pins; auto pins have their own budget).
 
-    Invariants: a pin has at most ``replicas`` holders, each PENDING or ACTIVE; ``used_blocks`` /
+    Invariants: a pin has at most ``replicas`` holders, each PENDING or ACTIVE; an ACTIVE holder
+    holds every ``needed`` key of its pin by ``key_tier`` as far as the index has seen (checked
+    when the index reaches its ``verify_seq``, then on each event touching a key); ``used_blocks`` /
     ``auto_blocks`` is the sum of ``blocks_per_replica * replicas`` over the explicit / automatic
     pins; ``worker_blocks[w]`` is the sum of ``blocks_per_replica`` over the pins ``w`` holds
     (``auto_worker_blocks[w]``: over the automatic ones); ``watch[w][key]`` holds a pin's id iff
-    ``w`` is an ACTIVE holder of it, the pin's tier is "device" and ``key`` is in its ``needed``, with
-    no empty entry; a
+    ``w`` is an ACTIVE holder of it and ``key`` is in its ``needed``, with no empty entry; a
     dropped holder yields an ``Unpin`` unless nothing can be pinned there (a removed worker, a
     result of 0 tokens); no holder is added before the pin's ``retry_at``.
     """
@@ -270,8 +283,6 @@ class PinTable:
             return [action] if pinned > 0 else []
         holder.state = ACTIVE
         holder.since = now
-        if pin.tier == "host":  # nothing the router sees can show a host-tier pin: nothing to watch
-            return self._settled(pin, now)
         holder.watch = pin.needed
         holder.verify_seq = seq
         watch = self.watch.setdefault(worker, {})
@@ -289,8 +300,8 @@ class PinTable:
         return []
 
     def verify(self, worker: WorkerId, now: float) -> list[GroupHash]:
-        """Keys of ACTIVE holders on ``worker`` whose pin the index does not show (checked once the
-        index has caught up with the event seq reported with the pin result)."""
+        """Keys of ACTIVE holders on ``worker`` that ``key_tier`` says it does not hold (checked
+        once the index has caught up with the event seq reported with the pin result)."""
         if worker not in self.index:
             return []
         last = self.index.last_seq(worker)
@@ -300,20 +311,60 @@ class PinTable:
             if holder is None or holder.state != ACTIVE or holder.verify_seq is None or holder.verify_seq > last:
                 continue
             holder.verify_seq = None
-            for g, block_hash in pin.needed:
-                if self.index.pin_level(worker, g, block_hash) != 2:
-                    missing.append((g, block_hash))
+            missing.extend(key for key in pin.needed if self.key_tier(worker, pin.tier, key) is None)
         return missing
 
+    # -- the holding rule -------------------------------------------------------------------------------
+    def key_tier(self, worker: WorkerId, tier: PinTier, key: GroupHash) -> PinTier | None:
+        """Where ``worker`` holds ``key`` (one of a pin's ``needed``) for a pin of ``tier``, as its
+        events say; None: not held. A device-tier pin's key is held on the device while the device
+        pins it explicitly, else in the host tier while the host tier has it (the coordinator
+        offloads a device-tier pin's demoted blocks pinned and pins every host copy of a pinned
+        key); a host-tier pin's key only in the host tier."""
+        g, block_hash = key
+        index = self.index
+        if tier == "device" and index.pin_level(worker, g, block_hash) == TIER_EXPLICIT:
+            return "device"
+        if index.host.holds(index.slot_of(worker), g, block_hash):
+            return "host"
+        return None
+
+    def holder_tier(self, worker: WorkerId, pin: Pin) -> PinTier | None:
+        """Where ``worker`` keeps ``pin`` now: "device" when every needed key is held there,
+        "host" when every one is held and some only in the host tier, None when some is not."""
+        if worker not in self.index:
+            return None
+        where: PinTier = "device"
+        for key in pin.needed:
+            tier = self.key_tier(worker, pin.tier, key)
+            if tier is None:
+                return None
+            if tier == "host":
+                where = "host"
+        return where
+
+    def info(self, pin: Pin) -> PinInfo:
+        """A view of ``pin`` with the tier each active holder keeps it in (``holder_tier``; the
+        pin's tier while the index has not yet seen a new holder's blocks)."""
+        tiers: dict[WorkerId, PinTier] = {}
+        for worker in pin.active():
+            tiers[worker] = self.holder_tier(worker, pin) or pin.tier
+        return pin.info(tiers)
+
     def on_lost(self, worker: WorkerId, keys: Sequence[GroupHash], now: float) -> list[Action]:
-        """Watched blocks on ``worker`` lost their pin or their cache entry: every pin needing one
-        of them loses this holder."""
+        """Events on ``worker`` touched these watched keys (a pin or a cache entry left one of its
+        tiers): every pin needing one that ``key_tier`` no longer finds held loses this holder.
+        Called once the whole batch of events is applied, so a block the device gave up and its
+        host tier took in the same batch is still held."""
         watch = self.watch.get(worker)
         if not watch:
             return []
         hit: set[int] = set()
-        for key in keys:
-            hit.update(watch.get(key, ()))
+        for key in set(keys):
+            for pin_id in watch.get(key, ()):
+                pin = self.pins.get(pin_id)
+                if pin is not None and pin_id not in hit and self.key_tier(worker, pin.tier, key) is None:
+                    hit.add(pin_id)
         return self._lose(worker, hit, now)
 
     def on_cleared(self, worker: WorkerId, now: float) -> list[Action]:

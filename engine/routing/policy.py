@@ -209,7 +209,8 @@ class RoutingPolicy(PlacementPolicy):
     # -- events ---------------------------------------------------------------------------------------
     def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
         """Apply a worker's KV events; returns a snapshot request on a sequence gap and pin
-        re-establishment actions when a holder's pinned blocks were demoted or evicted."""
+        re-establishment actions when a holder no longer holds a pin's blocks in either tier
+        (``PinTable.key_tier``: a device-tier pin its device offloaded stays, in the host tier)."""
         if worker not in self.roles:
             return []
         events = events if isinstance(events, list) else list(events)
@@ -234,9 +235,9 @@ class RoutingPolicy(PlacementPolicy):
         self._pending_snapshots.discard(worker)
         self._inflight.forget_worker(worker)
         outcome = self.index.apply_snapshot(worker, snapshot)
-        # Re-check every active holder on this worker against the snapshot.
-        watch = self.pins.watch.get(worker, {})
-        lost = [key for key in watch if self.index.pin_level(worker, key[0], key[1]) != 2]
+        # Re-check every active holder on this worker against the snapshot (``PinTable.on_lost``
+        # keeps the keys still held in either tier).
+        lost = list(self.pins.watch.get(worker, ()))
         lost.extend(outcome.lost or ())
         return self._after_update(worker, outcome.needs_resync, lost, outcome.cleared, now)
 
@@ -676,7 +677,8 @@ class RoutingPolicy(PlacementPolicy):
         return actions
 
     def pin_info(self) -> list[PinInfo]:
-        return [pin.info() for pin in self.pins.pins.values()]
+        """Every pin, with the tier each active holder keeps it in now (``PinTable.info``)."""
+        return [self.pins.info(pin) for pin in self.pins.pins.values()]
 
     def _fill_pins(self, now: float) -> list[Action]:
         actions: list[Action] = []

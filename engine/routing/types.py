@@ -125,4 +125,7 @@ class PinInfo:
     pending: list[WorkerId] = field(default_factory=list)
     expires_at: float | None = None
     auto: bool = False
-    tier: PinTier = "device"  # where each holder keeps it (``HybridCoordinator.pin_prefix``)
+    tier: PinTier = "device"  # the tier each holder pins it in (``HybridCoordinator.pin_prefix``)
+    # where each active holder keeps it now: a device-tier pin its device gave up lives in the
+    # holder's host tier until a hit promotes it (``PinTable.holder_tier``)
+    holder_tiers: dict[WorkerId, PinTier] = field(default_factory=dict)

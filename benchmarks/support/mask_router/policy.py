@@ -600,7 +600,7 @@ class RoutingPolicy(PlacementPolicy):
         return actions
 
     def pin_info(self) -> list[PinInfo]:
-        return [pin.info() for pin in self.pins.pins.values()]
+        return [pin.info({w: pin.tier for w in pin.active()}) for pin in self.pins.pins.values()]  # no host tiers here
 
     def _fill_pins(self, now: float) -> list[Action]:
         actions: list[Action] = []
