@@ -60,6 +60,7 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
+from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
 
@@ -137,6 +138,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._owners: list[dict[bytes, int]] = [{} for _ in range(self.num_groups)]
         self.all_mask = 0
+        # no host tiers here: always empty, so ``engine.routing.pins.PinTable`` reads only the device
+        self.host = HostMaps(self.num_groups)
 
     # -- membership ---------------------------------------------------------------------------------
     @property
