@@ -682,9 +682,8 @@ class EngineCore:
         host = coordinator.host
         for g, manager in enumerate(coordinator.managers):
             blocks = [block for block in hit.blocks[g] if not block.is_null]
-            hosted = [block for block in blocks if host is not None and host.is_host(block)]
-            if hosted:
-                assert host is not None, "host blocks come only from a host tier"
+            if host is not None:
+                hosted = [block for block in blocks if host.is_host(block)]
                 host.lock(hosted)
                 host.unlock(hosted[::-1])
                 blocks = [block for block in blocks if not host.is_host(block)]

@@ -105,25 +105,25 @@ class HostKVMemory:
         pages (``GATHER_BELOW_BYTES``) is one gather and one scatter per slot over rows viewed as
         the widest integers that tile them: there one call per block and slot costs more than
         its bytes, while large pages copy faster in one pass each."""
-        cuda = self.cuda
+        cuda, slots = self.cuda, self._slots_of(copy.pool)
         runs = _runs(copy.device_ids, copy.host_ids)
-        if not cuda and len(runs) > 1 and self.host[self._slots_of(copy.pool)[0]][0].nbytes < GATHER_BELOW_BYTES:
+        if not cuda and len(runs) > 1 and self.host[slots[0]][0].nbytes < GATHER_BELOW_BYTES:
             device_ids, host_ids = torch.tensor(copy.device_ids), torch.tensor(copy.host_ids)
-            for s in self._slots_of(copy.pool):
+            for s in slots:
                 device, host = _wide_rows(self.device_slots[s]), _wide_rows(self.host[s])
                 if copy.to_host:
                     host.index_copy_(0, host_ids, device.index_select(0, device_ids))
                 else:
                     device.index_copy_(0, device_ids, host.index_select(0, host_ids))
-            runs = []
-        for device_start, host_start, n in runs:
-            for s in self._slots_of(copy.pool):
-                device = self.device_slots[s][device_start : device_start + n]
-                host = self.host[s][host_start : host_start + n]
-                if copy.to_host:
-                    host.copy_(device, non_blocking=cuda)
-                else:
-                    device.copy_(host, non_blocking=cuda)
+        else:
+            for device_start, host_start, n in runs:
+                for s in slots:
+                    device = self.device_slots[s][device_start : device_start + n]
+                    host = self.host[s][host_start : host_start + n]
+                    if copy.to_host:
+                        host.copy_(device, non_blocking=cuda)
+                    else:
+                        device.copy_(host, non_blocking=cuda)
         moved = sum(self.host[s].shape[1] for s in self._slots_of(copy.pool)) * len(copy.device_ids)
         if copy.to_host:
             self.bytes_to_host += moved

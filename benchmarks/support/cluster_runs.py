@@ -39,6 +39,26 @@ log = logging.getLogger(__name__)
 POLICIES = ("kvfleet", "prefix_tree", "round_robin")
 
 
+def drive(
+    cluster: Any, prompts: list[list[int]], sampling: SamplingParams, concurrency: int
+) -> tuple[list[Any], float]:
+    """Every prompt through ``cluster`` (a started ``Cluster``), ``concurrency`` in flight: the
+    completions in prompt order and the seconds they took."""
+
+    async def all_of() -> list[Any]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: list[int]) -> Any:
+            async with gate:
+                return await cluster.agenerate(prompt, sampling)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    start = time.monotonic()
+    results = asyncio.run(all_of())
+    return results, time.monotonic() - start
+
+
 def run_policy(config: ClusterConfig, policy: str, workload: Any) -> dict[str, Any]:
     """One policy on a fresh cluster: the workload's latency, throughput and hit numbers.
     ``workload``: a ``SharedPrefixWorkload`` or anything with its ``prompts`` / ``warmup_prompts`` /
@@ -51,20 +71,7 @@ def run_policy(config: ClusterConfig, policy: str, workload: Any) -> dict[str, A
     with Cluster(cfg) as cluster:
         vocab = cluster.vocab_size
         cluster.generate(workload.warmup_prompts(vocab), sampling)  # first-step costs out of the numbers
-        prompts = workload.prompts(vocab)
-
-        async def drive() -> list[Any]:
-            gate = asyncio.Semaphore(workload.concurrency)
-
-            async def one(prompt: list[int]) -> Any:
-                async with gate:
-                    return await cluster.agenerate(prompt, sampling)
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-        start = time.monotonic()
-        results = asyncio.run(drive())
-        elapsed = time.monotonic() - start
+        results, elapsed = drive(cluster, workload.prompts(vocab), sampling, workload.concurrency)
         stats = cluster.stats()
     out = outcome(results, elapsed)
     out.update(

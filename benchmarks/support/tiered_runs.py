@@ -23,7 +23,6 @@ host-side seconds of the promote copies.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import statistics
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.support.cluster_runs import outcome
+from benchmarks.support.cluster_runs import drive, outcome
 from configs import ClusterConfig
 from engine.sampling_params import SamplingParams
 from kvfleet_testing.sizing import blocks_for, kv_groups, vocab_size
@@ -123,19 +122,7 @@ def run_one(config: ClusterConfig, spec: RunSpec, workload: SharedPrefixWorkload
         cluster.generate(workload.warmup_prompts(vocab), sampling)  # first-step costs out of the numbers
         prompts = workload.prompts(vocab)
         before = cluster.stats()["totals"]
-
-        async def drive() -> list[Any]:
-            gate = asyncio.Semaphore(workload.concurrency)
-
-            async def one(prompt: list[int]) -> Any:
-                async with gate:
-                    return await cluster.agenerate(prompt, sampling)
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-        start = time.monotonic()
-        results = asyncio.run(drive())
-        elapsed = time.monotonic() - start
+        results, elapsed = drive(cluster, prompts, sampling, workload.concurrency)
         after = cluster.stats()["totals"]
     out = outcome(results, elapsed)
     out.update(run=spec.name, policy=spec.policy, tiered=spec.host_tier, **tier_numbers(before, after))
