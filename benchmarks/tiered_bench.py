@@ -135,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--working-set: must be positive (got {args.working_set})")
     if args.host_over_device <= 0:
         parser.error(f"--host-over-device: must be positive (got {args.host_over_device})")
-    wanted = {name.strip() for name in args.runs.split(",") if name.strip()}
-    unknown = wanted - {r.name for r in RUNS}
+    wanted = list(dict.fromkeys(name.strip() for name in args.runs.split(",") if name.strip()))
+    by_name = {r.name: r for r in RUNS}
+    unknown = [name for name in wanted if name not in by_name]
     if unknown:
-        parser.error(f"--runs: unknown {sorted(unknown)} (known: {[r.name for r in RUNS]})")
-    runs = tuple(r for r in RUNS if r.name in wanted)
+        parser.error(f"--runs: unknown {unknown} (known: {list(by_name)})")
+    runs = tuple(by_name[name] for name in wanted)  # in the order given: a run's place can be varied
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     main_workload, hybrid_workload = workloads(args.quick)
     plan = [(args.config, main_workload)]

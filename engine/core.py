@@ -197,6 +197,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         #: the decode step launched but not read yet (``step``); its outputs come with a later step
         self.in_flight: LaunchedStep | None = None
+        # prompt tokens of the step being computed synchronously (``load`` counts them as still to
+        # compute: the scheduler advanced their requests when it scheduled them)
+        self.step_prompt_tokens = 0
         #: outputs of an in-flight step read early (``drain``), returned by the next ``step``
         self._drained: list[RequestOutput] = []
         #: called right after each step's scheduling, before the forward (the owner reports the
@@ -446,6 +449,7 @@ class EngineCore:
                 self._copy_tiers()
                 return results
             output = scheduler.schedule()
+            self.step_prompt_tokens = output.prompt_tokens
             self._copy_tiers()
             if self.on_scheduled is not None:
                 self.on_scheduled()
@@ -478,6 +482,8 @@ class EngineCore:
             sampled = self.runner.execute(output)
         except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
             return self._fail_batch(output, exc)
+        finally:
+            self.step_prompt_tokens = 0
         return self._apply(output, sampled)
 
     def _launch_continuation(
@@ -611,12 +617,14 @@ class EngineCore:
     # Nothing here changes a request; only pins and the eviction order of free cached blocks change
     # (``pin_prefix`` / ``unpin_prefix`` / ``refresh_prefix``).
     def load(self) -> tuple[float, int, float, float]:
-        """(tokens still to compute, requests holding KV, fraction of the tightest pool in use,
-        seconds to promote one host-tier hit token: ``promote_s_per_token``, 0 without a host
-        tier), the fields of ``engine.routing.WorkerLoad``."""
+        """(tokens still to compute, with the prompt chunks of the step being computed; requests
+        holding KV; fraction of the tightest pool in use; seconds to promote one host-tier hit
+        token: ``promote_s_per_token``, 0 without a host tier), the fields of
+        ``engine.routing.WorkerLoad``."""
         scheduler = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
         queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
+        queued += self.step_prompt_tokens
         running = len(scheduler.running) + len(scheduler.waiting_for_kv)
         return float(queued), running, min(1.0, max(0.0, self.coordinator.usage)), self.promote_s_per_token()
 

@@ -63,6 +63,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the chunks that are not one decode token."""
+        return sum(c.num_tokens for c in self.chunks if c.num_tokens > 1)
+
 
 @dataclass(slots=True)
 class RequestOutput:

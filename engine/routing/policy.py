@@ -63,7 +63,12 @@ next requests with this prefix hit there; half of the missing part is credited f
 With dedicated prefill workers (P/D): the decode worker D minimises load cost plus a tenth of the
 uncached cost (what it must pull); when D's own uncached part (full hit rules, it would prefill
 locally) is below ``decode_only_threshold_tokens`` it prefills too, otherwise the prefill worker
-is chosen as above among prefill-capable workers. The decode worker's transfer hit uses the
+is chosen as above among prefill-capable workers. D also prefills itself (``decode_local``) when
+the chosen prefill worker is congested (its load cost exceeds ``local_prefill_margin_tokens``
+uncached tokens' cost) and D's load cost plus its own uncached part is below the prefill
+worker's load cost plus its uncached part plus the pull: first requests of new prefixes
+arriving together then spread over every worker instead of queueing two to a prefill worker,
+while an idle prefill pool keeps every long prefill. The decode worker's transfer hit uses the
 remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
 with the transfer (docs/architecture.md, "The hybrid KV cache").
 
@@ -338,6 +343,9 @@ class RoutingPolicy(PlacementPolicy):
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local, host.get(decode, 0))
         prefillers = self._candidates("prefill")
         prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead, host=host)
+        if pin is None and self._prefill_locally(prefill, decode, hits, remote_hits, num_tokens):
+            local = hits.get(decode, 0)
+            return Decision(decode, decode, local, num_tokens, "decode_local", None, local, local, host.get(decode, 0))
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
@@ -358,6 +366,27 @@ class RoutingPolicy(PlacementPolicy):
             best,
             predicted_host,
         )
+
+    def _prefill_locally(
+        self, prefill: WorkerId, decode: WorkerId, hits: dict[WorkerId, int], pulled: dict[WorkerId, int], n: int
+    ) -> bool:
+        """Whether ``decode`` should prefill the request itself although its uncached part is
+        long: when the chosen prefill worker is congested (its load costs more than
+        ``local_prefill_margin_tokens`` uncached tokens) and waiting there, computing there and
+        pulling the KV cost more than computing on ``decode`` (the rule of the module docstring's
+        P/D paragraph; None turns it off). ``pulled``: ``decode``'s hit under the remote-prefill
+        rule."""
+        margin = self.config.local_prefill_margin_tokens
+        if margin is None:
+            return False
+        w_miss = self.w_miss
+        queue = self._load_cost[prefill]
+        if queue <= w_miss * margin:
+            return False
+        pull = 0.1 * self.weights.uncached_tokens * (n - pulled.get(decode, 0))
+        remote = queue + w_miss * (n - hits.get(prefill, 0)) + pull
+        local = self._load_cost[decode] + w_miss * (n - hits.get(decode, 0))
+        return local < remote
 
     def _record(self, decision: Decision) -> None:
         before = self.loads[decision.prefill_worker].queued_tokens

@@ -190,6 +190,37 @@ def test_disaggregated_pair_and_prefill_on_decode_below_threshold() -> None:
     assert (short.prefill_worker, short.decode_worker, short.reason) == ("d0", "d0", "decode_only")
 
 
+def test_a_decode_worker_prefills_a_long_prompt_only_while_the_prefill_pool_is_congested() -> None:
+    """``local_prefill_margin_tokens``: an idle prefill worker keeps every long prefill; once its
+    queue costs more than the margin's uncached tokens, a less loaded decode worker prefills the
+    request itself (``decode_local``); None turns the rule off."""
+    fresh = list(range(1000, 1272))  # 272 tokens nobody holds
+
+    def pool(margin: int | None) -> RoutingPolicy:
+        policy = RoutingPolicy(GROUPS, router_config(local_prefill_margin_tokens=margin))
+        policy.add_worker("p0", role="prefill")
+        policy.add_worker("d0", role="decode")
+        return policy
+
+    idle = pool(64)
+    assert idle.route(request("a", fresh)).reason != "decode_local"
+    busy = pool(64)
+    busy.update_load("p0", WorkerLoad(queued_tokens=272.0, running_requests=1))
+    local = busy.route(request("b", fresh))
+    assert (local.prefill_worker, local.decode_worker, local.reason) == ("d0", "d0", "decode_local")
+    assert local.predicted_hit == 0
+    slightly = pool(64)  # queue cost 0.5 * 200 + 16 = 116 <= 2.0 * 64: not congested
+    slightly.update_load("p0", WorkerLoad(queued_tokens=200.0, running_requests=1))
+    assert slightly.route(request("c", fresh)).prefill_worker == "p0"
+    off = pool(None)
+    off.update_load("p0", WorkerLoad(queued_tokens=272.0, running_requests=1))
+    assert off.route(request("d", fresh)).prefill_worker == "p0"
+    loaded_decode = pool(64)  # the decode worker costs more than the congested prefill worker
+    loaded_decode.update_load("p0", WorkerLoad(queued_tokens=272.0, running_requests=1))
+    loaded_decode.update_load("d0", WorkerLoad(queued_tokens=600.0, running_requests=8))
+    assert loaded_decode.route(request("e", fresh)).prefill_worker == "p0"
+
+
 def test_no_worker_for_a_role_is_a_clear_error() -> None:
     policy = RoutingPolicy(GROUPS)
     policy.add_worker("p0", role="prefill")
