@@ -304,9 +304,12 @@ class RouterConfig(_Frozen):
     policy: Literal["kvfleet", "round_robin", "least_loaded", "prefix_tree"] = "kvfleet"
     weights: RouterWeights = RouterWeights()
     decode_only_threshold_tokens: Annotated[int, Field(ge=0)] = 64
-    #: P/D: a decode worker prefills a long prompt itself when the prefill worker's cost exceeds
-    #: its own by this many uncached tokens (engine/routing/policy.py; None: never)
-    local_prefill_margin_tokens: Annotated[int, Field(ge=0)] | None = 64
+    #: P/D: a decode worker prefills a long prompt itself while the prefill worker chosen for it
+    #: is congested, its load costing more than this many uncached tokens
+    #: (engine/routing/policy.py ``_whole_on_decode``; None: never). Off by default: in the host-tier
+    #: benchmark a prefix first computed on a decode worker is missed again later more often
+    #: (a decode worker's cache also holds every prompt it pulls), which cost more than the wait.
+    local_prefill_margin_tokens: Annotated[int, Field(ge=0)] | None = None
     imbalance_ratio: Annotated[float, Field(ge=1.0)] = 2.0
     #: guard on the queue averaged over time (half-life ``load_halflife_s``; 0 turns it off)
     sustained_imbalance_ratio: Annotated[float, Field(ge=1.0)] = 1.3

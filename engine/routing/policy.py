@@ -63,12 +63,15 @@ next requests with this prefix hit there; half of the missing part is credited f
 With dedicated prefill workers (P/D): the decode worker D minimises load cost plus a tenth of the
 uncached cost (what it must pull); when D's own uncached part (full hit rules, it would prefill
 locally) is below ``decode_only_threshold_tokens`` it prefills too, otherwise the prefill worker
-is chosen as above among prefill-capable workers. D also prefills itself (``decode_local``) when
-the chosen prefill worker is congested (its load cost exceeds ``local_prefill_margin_tokens``
-uncached tokens' cost) and D's load cost plus its own uncached part is below the prefill
-worker's load cost plus its uncached part plus the pull: first requests of new prefixes
-arriving together then spread over every worker instead of queueing two to a prefill worker,
-while an idle prefill pool keeps every long prefill. The decode worker's transfer hit uses the
+is chosen as above among prefill-capable workers. Then the request still runs whole on a decode
+worker where that costs less (load cost plus uncached part at the miss weight) than the remote
+path (the prefill worker's load cost plus its uncached part plus the pull): on any decode
+worker holding all but ``decode_only_threshold_tokens`` of the prompt (``decode_only``: D was
+chosen for its load, another decode worker may hold the prefix), and on D itself while the
+prefill worker is congested, its load cost above ``local_prefill_margin_tokens`` uncached
+tokens' (``decode_local``): first requests of new prefixes arriving together spread over every
+worker instead of queueing two to a prefill worker, while an idle prefill pool keeps every long
+prefill. The decode worker's transfer hit uses the
 remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
 with the transfer (docs/architecture.md, "The hybrid KV cache").
 
@@ -343,9 +346,11 @@ class RoutingPolicy(PlacementPolicy):
             return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local, host.get(decode, 0))
         prefillers = self._candidates("prefill")
         prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead, host=host)
-        if pin is None and self._prefill_locally(prefill, decode, hits, remote_hits, num_tokens):
-            local = hits.get(decode, 0)
-            return Decision(decode, decode, local, num_tokens, "decode_local", None, local, local, host.get(decode, 0))
+        whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
+        if whole is not None:
+            local = hits.get(whole, 0)
+            reason = "decode_only" if num_tokens - local < self.config.decode_only_threshold_tokens else "decode_local"
+            return Decision(whole, whole, local, num_tokens, reason, None, local, local, host.get(whole, 0))
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
@@ -367,26 +372,37 @@ class RoutingPolicy(PlacementPolicy):
             predicted_host,
         )
 
-    def _prefill_locally(
+    def _whole_on_decode(
         self, prefill: WorkerId, decode: WorkerId, hits: dict[WorkerId, int], pulled: dict[WorkerId, int], n: int
-    ) -> bool:
-        """Whether ``decode`` should prefill the request itself although its uncached part is
-        long: when the chosen prefill worker is congested (its load costs more than
-        ``local_prefill_margin_tokens`` uncached tokens) and waiting there, computing there and
-        pulling the KV cost more than computing on ``decode`` (the rule of the module docstring's
-        P/D paragraph; None turns it off). ``pulled``: ``decode``'s hit under the remote-prefill
-        rule."""
-        margin = self.config.local_prefill_margin_tokens
-        if margin is None:
-            return False
+    ) -> WorkerId | None:
+        """A decode worker that should run the request whole instead of the remote prefill on
+        ``prefill`` (then decoding on ``decode``), or None: the cheapest of (a) a decode worker
+        holding all but ``decode_only_threshold_tokens`` of the prompt (another decode worker than
+        the one chosen for decoding may hold it: recomputing it on a prefill worker would waste
+        that hit) and (b) ``decode`` itself while ``prefill`` is congested (its load costs more than
+        ``local_prefill_margin_tokens`` uncached tokens), where its load cost plus its uncached part
+        is below ``prefill``'s plus its uncached part plus the pull (the rule of the module
+        docstring's P/D paragraph). ``pulled``: ``decode``'s hit under the remote-prefill rule."""
         w_miss = self.w_miss
-        queue = self._load_cost[prefill]
-        if queue <= w_miss * margin:
-            return False
-        pull = 0.1 * self.weights.uncached_tokens * (n - pulled.get(decode, 0))
-        remote = queue + w_miss * (n - hits.get(prefill, 0)) + pull
-        local = self._load_cost[decode] + w_miss * (n - hits.get(decode, 0))
-        return local < remote
+        load_cost = self._load_cost
+        queue = load_cost[prefill]
+        best_cost = queue + w_miss * (n - hits.get(prefill, 0))
+        best_cost += 0.1 * self.weights.uncached_tokens * (n - pulled.get(decode, 0))
+        margin = self.config.local_prefill_margin_tokens
+        congested = margin is not None and queue > w_miss * margin
+        threshold = self.config.decode_only_threshold_tokens
+        roles = self.roles
+        best: WorkerId | None = None
+        for worker in (decode, *hits):
+            if roles.get(worker) != "decode":
+                continue
+            uncached = n - hits.get(worker, 0)
+            if uncached >= threshold and not (congested and worker == decode):
+                continue
+            cost = load_cost[worker] + w_miss * uncached
+            if cost < best_cost:
+                best, best_cost = worker, cost
+        return best
 
     def _record(self, decision: Decision) -> None:
         before = self.loads[decision.prefill_worker].queued_tokens

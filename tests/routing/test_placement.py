@@ -202,6 +202,7 @@ def test_a_decode_worker_prefills_a_long_prompt_only_while_the_prefill_pool_is_c
         policy.add_worker("d0", role="decode")
         return policy
 
+    assert RouterConfig().local_prefill_margin_tokens is None  # off unless configured
     idle = pool(64)
     assert idle.route(request("a", fresh)).reason != "decode_local"
     busy = pool(64)
@@ -219,6 +220,24 @@ def test_a_decode_worker_prefills_a_long_prompt_only_while_the_prefill_pool_is_c
     loaded_decode.update_load("p0", WorkerLoad(queued_tokens=272.0, running_requests=1))
     loaded_decode.update_load("d0", WorkerLoad(queued_tokens=600.0, running_requests=8))
     assert loaded_decode.route(request("e", fresh)).prefill_worker == "p0"
+
+
+def test_a_decode_worker_holding_the_prompt_runs_it_whole_though_another_was_chosen_to_decode() -> None:
+    """The decode worker is chosen for its load; when another decode worker holds all but
+    ``decode_only_threshold_tokens`` of the prompt and running it whole there costs less than
+    recomputing it on a prefill worker, it runs there (``decode_only``), not as a miss."""
+    policy = RoutingPolicy(GROUPS, router_config(decode_only_threshold_tokens=64))
+    policy.add_worker("p0", role="prefill")
+    policy.add_worker("d0", role="decode")
+    policy.add_worker("d1", role="decode")
+    cache(policy, "d0", PREFIX)
+    policy.update_load("d0", WorkerLoad(queued_tokens=0.0, running_requests=4))  # d1 idle: D = d1
+    decision = policy.route(request("r", PREFIX + list(range(500, 520))))
+    assert (decision.prefill_worker, decision.decode_worker, decision.reason) == ("d0", "d0", "decode_only")
+    assert decision.predicted_hit == 200  # the 200 tokens d0 holds
+    policy.update_load("d0", WorkerLoad(queued_tokens=2000.0, running_requests=4))  # now a miss is cheaper
+    remote = policy.route(request("s", PREFIX + list(range(600, 620))))
+    assert (remote.prefill_worker, remote.decode_worker) == ("p0", "d1")
 
 
 def test_no_worker_for_a_role_is_a_clear_error() -> None:
