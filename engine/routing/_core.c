@@ -160,6 +160,45 @@ static inline int64_t t_find(const Table *t, const char *p, Py_ssize_t n, uint64
     }
 }
 
+/* Prefetching: a lookup costs about two cache misses (the index word, then the entry), so loops
+ * over a list of keys ask for the index word PREFETCH_FAR keys ahead and, once it has arrived,
+ * for the entry PREFETCH_NEAR keys ahead. Only the first probe position is prefetched. */
+#define PREFETCH_FAR 8
+#define PREFETCH_NEAR 4
+
+static inline void prefetch_index(const Table *t, PyObject *key) {
+    if (t->index == NULL || !PyBytes_Check(key))
+        return;
+    uint64_t h = hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    __builtin_prefetch(&t->index[(size_t)h & t->mask]);
+}
+
+static inline void prefetch_entry(const Table *t, PyObject *key) {
+    if (t->index == NULL || !PyBytes_Check(key))
+        return;
+    uint64_t h = hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    uint32_t s = t->index[(size_t)h & t->mask];
+    if (s > SLOT_DUMMY) {
+        const char *e = (const char *)ent(t, s - 2);
+        __builtin_prefetch(e);
+        __builtin_prefetch(e + sizeof(Entry) - 1);
+    }
+}
+
+/* Both prefetches for the loop position ``i`` over ``items[0..n)``. */
+static inline void prefetch_ahead(const Table *t, PyObject *const *items, Py_ssize_t i, Py_ssize_t n) {
+    if (i + PREFETCH_FAR < n)
+        prefetch_index(t, items[i + PREFETCH_FAR]);
+    if (i + PREFETCH_NEAR < n)
+        prefetch_entry(t, items[i + PREFETCH_NEAR]);
+}
+
+/* The loop's first positions: the index words of the first PREFETCH_FAR keys. */
+static inline void prefetch_start(const Table *t, PyObject *const *items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_FAR; i++)
+        prefetch_index(t, items[i]);
+}
+
 static int t_rebuild(Table *t) {
     size_t cap = 8;
     while (cap < ((size_t)t->used + 1) * 2)
@@ -668,7 +707,10 @@ static PyObject *Maps_store(Maps *self, PyObject *args) {
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
     for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
         if (hold(self, g, items[i], (uint32_t)slot, 0) < 0) {
             Py_DECREF(seq);
             return NULL;
@@ -734,7 +776,10 @@ static PyObject *Maps_remove(Maps *self, PyObject *args) {
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
     for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
         int64_t id = find_key(self, g, items[i]);
         int dropped = 0;
         if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, (uint32_t)slot)) < 0) ||
@@ -1039,32 +1084,84 @@ static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, ui
     return k;
 }
 
-/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
-static PyObject *Maps_walk(Maps *self, PyObject *args) {
-    int first;
-    PyObject *view, *checks;
-    Py_ssize_t limit, per;
-    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
-        return NULL;
+/* Where the walk's results go: ``rows`` (walk: one (k, valid, failed) tuple per depth), or, for
+ * predict, the caller's dicts keyed by worker id (``ids[slot]``): ``hits`` and ``shared`` get
+ * k * align per serving slot (``shared`` also per failing slot; it may be NULL), ``failing``
+ * collects the failing workers and ``deepest`` the largest k with one. */
+typedef struct {
+    PyObject *rows;
+    PyObject *ids, *hits, *shared, *failing;
+    Py_ssize_t align, deepest;
+} Sink;
+
+/* Set ``dict[ids[slot]] = value`` for each slot of ``a``. */
+static int put_slots(PyObject *dict, PyObject *ids, const uint32_t *a, uint32_t n, PyObject *value) {
+    for (uint32_t i = 0; i < n; i++) {
+        if ((Py_ssize_t)a[i] >= PyList_GET_SIZE(ids)) {
+            PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", a[i]);
+            return -1;
+        }
+        if (PyDict_SetItem(dict, PyList_GET_ITEM(ids, a[i]), value) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* One depth's result into the sink: 0, or -1 on error. */
+static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nvalid, const uint32_t *failed,
+                    uint32_t nfail) {
+    if (sink->rows != NULL) {
+        PyObject *kk = PyLong_FromSsize_t(k);
+        PyObject *lv = u32_list(valid, nvalid);
+        PyObject *lf = u32_list(failed, nfail);
+        PyObject *row = (kk && lv && lf) ? PyTuple_Pack(3, kk, lv, lf) : NULL;
+        Py_XDECREF(kk);
+        Py_XDECREF(lv);
+        Py_XDECREF(lf);
+        int rc = (row == NULL || PyList_Append(sink->rows, row) < 0) ? -1 : 0;
+        Py_XDECREF(row);
+        return rc;
+    }
+    PyObject *tokens = PyLong_FromSsize_t(k * sink->align);
+    if (tokens == NULL)
+        return -1;
+    int rc = put_slots(sink->hits, sink->ids, valid, nvalid, tokens);
+    if (rc == 0 && sink->shared != NULL)
+        rc = put_slots(sink->shared, sink->ids, valid, nvalid, tokens);
+    if (rc == 0 && sink->shared != NULL)
+        rc = put_slots(sink->shared, sink->ids, failed, nfail, tokens);
+    Py_DECREF(tokens);
+    for (uint32_t i = 0; rc == 0 && i < nfail; i++) {
+        if ((Py_ssize_t)failed[i] >= PyList_GET_SIZE(sink->ids)) {
+            PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", failed[i]);
+            return -1;
+        }
+        rc = PyList_Append(sink->failing, PyList_GET_ITEM(sink->ids, failed[i]));
+    }
+    if (nfail > 0 && k > sink->deepest)
+        sink->deepest = k;
+    return rc;
+}
+
+/* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. */
+static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py_ssize_t per, PyObject *checks,
+                     Sink *sink) {
     if (check_group(self, first) < 0)
-        return NULL;
+        return -1;
     if (per < 1) {
         PyErr_Format(PyExc_ValueError, "per: must be >= 1 (got %zd)", per);
-        return NULL;
+        return -1;
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
     if (limit > PyList_GET_SIZE(view))
         limit = PyList_GET_SIZE(view);
     if (limit <= 0)
-        return out;
+        return 0;
     int err = 0;
     uint32_t v0 = lookup(self, first, PyList_GET_ITEM(view, 0), &err);
     if (err)
         goto fail;
     if (v0 == NONE_ID)
-        return out;
+        return 0;
     /* Step 1: stops (blocks n, slots whose run is exactly n), kept in the scratch buffer as
      * [n, count, slots...] records after a working area of 3 * W words. */
     uint32_t width = (v0 & MULTI) ? set_of(self, v0)->n : 1;
@@ -1095,8 +1192,12 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
     uint32_t last = v0;
     Py_ssize_t end = limit;
     int emptied = 0;
+    PyObject *const *keys = &PyList_GET_ITEM(view, 0);
+    const Table *t0 = &self->tables[first];
+    prefetch_start(t0, keys, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
-        uint32_t v = lookup(self, first, PyList_GET_ITEM(view, i), &err);
+        prefetch_ahead(t0, keys, i, limit);
+        uint32_t v = lookup(self, first, keys[i], &err);
         if (err)
             goto fail_stops;
         if (v == NONE_ID) {
@@ -1204,8 +1305,13 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
             if (stop > len)
                 stop = len;
             uint32_t prev = NONE_ID;
+            PyObject *const *gkeys = &PyList_GET_ITEM(gview, 0);
+            const Table *tg = &self->tables[g];
+            if (start < stop)
+                prefetch_start(tg, gkeys + start, stop - start);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                uint32_t v = lookup(self, g, PyList_GET_ITEM(gview, i), &err);
+                prefetch_ahead(tg, gkeys, i, stop);
+                uint32_t v = lookup(self, g, gkeys[i], &err);
                 if (err)
                     goto fail_stops;
                 if (v == NONE_ID) {
@@ -1220,25 +1326,15 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
             }
         }
         uint32_t nfail = difference(slots, stop_count[s], valid, nvalid, tmp);
-        PyObject *kk = PyLong_FromSsize_t(k);
-        PyObject *lv = u32_list(valid, nvalid);
-        PyObject *lf = u32_list(tmp, nfail);
-        PyObject *row = (kk && lv && lf) ? PyTuple_Pack(3, kk, lv, lf) : NULL;
-        Py_XDECREF(kk);
-        Py_XDECREF(lv);
-        Py_XDECREF(lf);
-        if (row == NULL || PyList_Append(out, row) < 0) {
-            Py_XDECREF(row);
+        if (sink_row(sink, k, valid, nvalid, tmp, nfail) < 0)
             goto fail_stops;
-        }
-        Py_DECREF(row);
     }
     for (size_t s = 0; s < nstops; s++)
         PyMem_Free(stop_slots[s]);
     PyMem_Free(stop_n);
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
-    return out;
+    return 0;
 fail_stops:
     if (stop_slots != NULL) {
         for (size_t s = 0; s < nstops; s++)
@@ -1248,8 +1344,53 @@ fail_stops:
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
 fail:
-    Py_DECREF(out);
-    return NULL;
+    return -1;
+}
+
+/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
+static PyObject *Maps_walk(Maps *self, PyObject *args) {
+    int first;
+    PyObject *view, *checks;
+    Py_ssize_t limit, per;
+    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
+        return NULL;
+    Sink sink = {0};
+    sink.rows = PyList_New(0);
+    if (sink.rows == NULL)
+        return NULL;
+    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+        Py_DECREF(sink.rows);
+        return NULL;
+    }
+    return sink.rows;
+}
+
+/* predict(first, view, limit, per, checks, align, ids, hits, shared): see HolderMaps.predict. */
+static PyObject *Maps_predict(Maps *self, PyObject *args) {
+    int first;
+    PyObject *view, *checks, *ids, *hits, *shared;
+    Py_ssize_t limit, per, align;
+    if (!PyArg_ParseTuple(args, "iO!nnO!nO!O!O", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks,
+                          &align, &PyList_Type, &ids, &PyDict_Type, &hits, &shared))
+        return NULL;
+    if (shared != Py_None && !PyDict_Check(shared)) {
+        PyErr_Format(PyExc_TypeError, "shared: expected a dict or None, got %.100s", Py_TYPE(shared)->tp_name);
+        return NULL;
+    }
+    Sink sink = {0};
+    sink.ids = ids;
+    sink.hits = hits;
+    sink.shared = shared == Py_None ? NULL : shared;
+    sink.align = align;
+    sink.failing = PyList_New(0);
+    if (sink.failing == NULL)
+        return NULL;
+    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+        Py_DECREF(sink.failing);
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("(Nn)", sink.failing, sink.deepest);
+    return result;
 }
 
 static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
@@ -1323,6 +1464,7 @@ static PyMethodDef Maps_methods[] = {
     {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
     {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
     {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
+    {"predict", (PyCFunction)Maps_predict, METH_VARARGS, "predict(first, view, limit, per, checks, align, ids, hits, shared)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

@@ -1,6 +1,6 @@
 """Types of the compiled holder maps (``_core.c``); ``holder_maps.HolderMaps`` documents them."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 class HolderMaps:
     def __init__(self, num_groups: int) -> None: ...
@@ -30,3 +30,16 @@ class HolderMaps:
         checks: list[tuple[int, list[bytes], list[tuple[int, int]]]],
         /,
     ) -> list[tuple[int, list[int], list[int]]]: ...
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[tuple[int, list[bytes], list[tuple[int, int]]]],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        /,
+    ) -> tuple[list[Hashable], int]: ...

@@ -16,7 +16,7 @@ says ``python``; ``compiled`` there makes a missing extension an error.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from itertools import repeat
 from typing import Protocol
 
@@ -59,6 +59,18 @@ class HolderMaps(Protocol):
     def size(self, group: int) -> int: ...
     def met(self, group: int, keys: Sequence[bytes]) -> set[int]: ...
     def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]: ...
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+    ) -> tuple[list[Hashable], int]: ...
 
 
 def _level_of(value: Holders | None, slot: int) -> int | None:
@@ -231,6 +243,38 @@ class PyHolderMaps:
             valid = self._serving(slots, checks, k)
             out.append((k, sorted(valid), sorted(slots - valid)))
         return out
+
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+    ) -> tuple[list[Hashable], int]:
+        """``walk``'s results written into the caller's maps, keyed by worker (``ids[slot]``): per
+        depth of k steps, ``k * align`` tokens in ``hits`` for each serving slot and in
+        ``shared`` (if given) for each serving then each failing slot. Returns the failing
+        workers, in walk order, and the deepest k with one (0: none)."""
+        failing: list[Hashable] = []
+        deepest = 0
+        for k, valid, failed in self.walk(first, view, limit, per, checks):
+            tokens = k * align
+            for s in valid:
+                hits[ids[s]] = tokens
+            if shared is not None:
+                for s in valid:
+                    shared[ids[s]] = tokens
+                for s in failed:
+                    shared[ids[s]] = tokens
+            if failed:
+                failing.extend(ids[s] for s in failed)
+                deepest = max(deepest, k)
+        return failing, deepest
 
     @staticmethod
     def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:

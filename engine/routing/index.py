@@ -372,24 +372,13 @@ class PrefixIndex:
         per0 = align // rules.block_sizes[g0]
         limit = min(steps * per0, len(views[g0]))
         limit -= limit % per0
-        failing: set[WorkerId] = set()
-        deepest = 0
         ranges = rules._ranges
-        for k, valid, failed in self._maps.walk(g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks]):
-            tokens = k * align
-            for s in valid:
-                hits[ids[s]] = tokens
-            if shared is not None:
-                for s in valid:
-                    shared[ids[s]] = tokens
-                for s in failed:
-                    shared[ids[s]] = tokens
-            if failed:
-                failing.update(ids[s] for s in failed)
-                deepest = max(deepest, k)
+        failing, deepest = self._maps.predict(
+            g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks], align, ids, hits, shared
+        )
         if not failing:
             return hits, None
-        return hits, Pending(failing, (deepest - 1) * align, hashes, skip_mamba)
+        return hits, Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
         """Step 3 for the pending holders (or those of them in ``only``): the coordinator's fixed
