@@ -693,6 +693,29 @@ static PyObject *Maps_listed(Maps *self, PyObject *arg) {
     return PyLong_FromLongLong(self->slots[slot].listed);
 }
 
+/* The worker in ``slot`` announced ``keys`` (held at level 0 unless already held): 0, or -1. */
+static int store_keys(Maps *self, int g, PyObject *keys, uint32_t slot) {
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
+        if (hold(self, g, items[i], slot, 0) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    Slot *st = &self->slots[slot];
+    if (2 * st->listed > 3 * st->num_cached + 128)
+        compact_slot(self, slot);
+    return 0;
+}
+
 /* store(group, keys, slot): the worker announced ``keys`` (held at level 0 unless already held). */
 static PyObject *Maps_store(Maps *self, PyObject *args) {
     int g;
@@ -702,24 +725,8 @@ static PyObject *Maps_store(Maps *self, PyObject *args) {
         return NULL;
     if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
-    if (seq == NULL)
+    if (store_keys(self, g, keys, (uint32_t)slot) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const Table *t = &self->tables[g];
-    prefetch_start(t, items, n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        prefetch_ahead(t, items, i, n);
-        if (hold(self, g, items[i], (uint32_t)slot, 0) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
-    Slot *st = &self->slots[slot];
-    if (2 * st->listed > 3 * st->num_cached + 128)
-        compact_slot(self, (uint32_t)slot);
     Py_RETURN_NONE;
 }
 
@@ -757,6 +764,29 @@ static PyObject *Maps_hold(Maps *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Drop the keys from ``slot``; ``gone`` (NULL: not wanted) gets those it held: 0, or -1. */
+static int remove_keys(Maps *self, int g, PyObject *keys, uint32_t slot, PyObject *gone) {
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
+        int64_t id = find_key(self, g, items[i]);
+        int dropped = 0;
+        if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, slot)) < 0) ||
+            (dropped && gone != NULL && PyList_Append(gone, items[i]) < 0)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
 /* remove(group, keys, slot, report): drop the keys; the list of those held if ``report``. */
 static PyObject *Maps_remove(Maps *self, PyObject *args) {
     int g, report;
@@ -766,30 +796,13 @@ static PyObject *Maps_remove(Maps *self, PyObject *args) {
         return NULL;
     if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
-    if (seq == NULL)
-        return NULL;
     PyObject *gone = NULL;
-    if (report && (gone = PyList_New(0)) == NULL) {
-        Py_DECREF(seq);
+    if (report && (gone = PyList_New(0)) == NULL)
+        return NULL;
+    if (remove_keys(self, g, keys, (uint32_t)slot, gone) < 0) {
+        Py_XDECREF(gone);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const Table *t = &self->tables[g];
-    prefetch_start(t, items, n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        prefetch_ahead(t, items, i, n);
-        int64_t id = find_key(self, g, items[i]);
-        int dropped = 0;
-        if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, (uint32_t)slot)) < 0) ||
-            (dropped && gone != NULL && PyList_Append(gone, items[i]) < 0)) {
-            Py_DECREF(seq);
-            Py_XDECREF(gone);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
     if (gone != NULL)
         return gone;
     Py_RETURN_NONE;
@@ -797,26 +810,10 @@ static PyObject *Maps_remove(Maps *self, PyObject *args) {
 
 /* relevel(group, keys, slot, level, raise_only, report): set the level the slot holds each key at
  * (only upwards if raise_only); the list of keys it held if ``report``. */
-static PyObject *Maps_relevel(Maps *self, PyObject *args) {
-    int g, level, raise_only, report;
-    long slot;
-    PyObject *keys;
-    if (!PyArg_ParseTuple(args, "iOlipp", &g, &keys, &slot, &level, &raise_only, &report))
-        return NULL;
-    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
-        return NULL;
-    if (level < 0 || level > 3) {
-        PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
-        return NULL;
-    }
+static int relevel_keys(Maps *self, int g, PyObject *keys, long slot, int level, int raise_only, PyObject *held) {
     PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
     if (seq == NULL)
-        return NULL;
-    PyObject *held = NULL;
-    if (report && (held = PyList_New(0)) == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
+        return -1;
     Table *t = &self->tables[g];
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -825,8 +822,7 @@ static PyObject *Maps_relevel(Maps *self, PyObject *args) {
         int64_t id = find_key(self, g, items[i]);
         if (id == -2) {
             Py_DECREF(seq);
-            Py_XDECREF(held);
-            return NULL;
+            return -1;
         }
         if (id < 0)
             continue;
@@ -847,11 +843,32 @@ static PyObject *Maps_relevel(Maps *self, PyObject *args) {
         }
         if (held != NULL && PyList_Append(held, items[i]) < 0) {
             Py_DECREF(seq);
-            Py_DECREF(held);
-            return NULL;
+            return -1;
         }
     }
     Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *Maps_relevel(Maps *self, PyObject *args) {
+    int g, level, raise_only, report;
+    long slot;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iOlipp", &g, &keys, &slot, &level, &raise_only, &report))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    if (level < 0 || level > 3) {
+        PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
+        return NULL;
+    }
+    PyObject *held = NULL;
+    if (report && (held = PyList_New(0)) == NULL)
+        return NULL;
+    if (relevel_keys(self, g, keys, slot, level, raise_only, held) < 0) {
+        Py_XDECREF(held);
+        return NULL;
+    }
     if (held != NULL)
         return held;
     Py_RETURN_NONE;
@@ -992,6 +1009,71 @@ static PyObject *Maps_met(Maps *self, PyObject *args) {
     }
     Py_DECREF(seq);
     return out;
+}
+
+/* -- a batch of events ---------------------------------------------------------------------- */
+
+/* An integer attribute of an event: 0, or -1 on error. */
+static int int_attr(PyObject *obj, const char *name, long long *out) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* absorb(events, start, slot, last_seq, kinds): see HolderMaps.absorb in holder_maps.py. */
+static PyObject *Maps_absorb(Maps *self, PyObject *args) {
+    PyObject *events, *stored, *removed, *pinned;
+    Py_ssize_t start;
+    long slot;
+    long long last_seq;
+    if (!PyArg_ParseTuple(args, "O!nlL(OOO)", &PyList_Type, &events, &start, &slot, &last_seq, &stored, &removed,
+                          &pinned))
+        return NULL;
+    if (check_slot(self, slot) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        PyTypeObject *kind = Py_TYPE(event);
+        if (kind != (PyTypeObject *)stored && kind != (PyTypeObject *)removed && kind != (PyTypeObject *)pinned)
+            break;
+        long long seq, group;
+        if (int_attr(event, "seq", &seq) < 0)
+            return NULL;
+        if (seq <= last_seq)
+            continue; /* already applied */
+        if (seq != last_seq + 1)
+            break; /* a gap: the caller starts a resync */
+        if (int_attr(event, "group", &group) < 0)
+            return NULL;
+        if (group < 0 || group >= self->ngroups) {
+            PyErr_Format(PyExc_ValueError, "group: must be in 0..%d (got %lld)", self->ngroups - 1, group);
+            return NULL;
+        }
+        PyObject *keys = PyObject_GetAttrString(event, "block_hashes");
+        if (keys == NULL)
+            return NULL;
+        int rc;
+        if (kind == (PyTypeObject *)stored) {
+            rc = store_keys(self, (int)group, keys, (uint32_t)slot);
+        } else if (kind == (PyTypeObject *)removed) {
+            rc = remove_keys(self, (int)group, keys, (uint32_t)slot, NULL);
+        } else {
+            PyObject *explicit = PyObject_GetAttrString(event, "explicit");
+            int is_explicit = explicit == NULL ? -1 : PyObject_IsTrue(explicit);
+            Py_XDECREF(explicit);
+            rc = is_explicit < 0 ? -1 : relevel_keys(self, (int)group, keys, slot, is_explicit ? 2 : 1, 1, NULL);
+        }
+        Py_DECREF(keys);
+        if (rc < 0)
+            return NULL;
+        last_seq = seq;
+    }
+    return Py_BuildValue("(nL)", i, last_seq);
 }
 
 /* -- the prediction's walk ------------------------------------------------------------------ */
@@ -1463,6 +1545,7 @@ static PyMethodDef Maps_methods[] = {
     {"table", (PyCFunction)Maps_table, METH_VARARGS, "table(group, slot)"},
     {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
     {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
+    {"absorb", (PyCFunction)Maps_absorb, METH_VARARGS, "absorb(events, start, slot, last_seq, kinds)"},
     {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
     {"predict", (PyCFunction)Maps_predict, METH_VARARGS, "predict(first, view, limit, per, checks, align, ids, hits, shared)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},

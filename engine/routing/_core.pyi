@@ -2,6 +2,8 @@
 
 from collections.abc import Hashable, Iterable, Sequence
 
+from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
+
 class HolderMaps:
     def __init__(self, num_groups: int) -> None: ...
     def add_slot(self, slot: int) -> None: ...
@@ -43,3 +45,12 @@ class HolderMaps:
         shared: dict[Hashable, int] | None,
         /,
     ) -> tuple[list[Hashable], int]: ...
+    def absorb(
+        self,
+        events: list[KVEvent],
+        start: int,
+        slot: int,
+        last_seq: int,
+        kinds: tuple[type[BlockStored], type[BlockRemoved], type[BlockPinned]],
+        /,
+    ) -> tuple[int, int]: ...

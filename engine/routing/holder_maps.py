@@ -20,6 +20,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from itertools import repeat
 from typing import Protocol
 
+from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
+
 #: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
 Holders = tuple[int, ...]
 NOBODY: Holders = ()  # what the walk reads for a key nobody holds
@@ -29,6 +31,9 @@ Check = tuple[int, list[bytes], list[tuple[int, int]]]
 #: one result of the walk: (aligned steps k, slots that hit k steps, slots whose full-attention
 #: depth is k steps but that miss a block another group needs there)
 Stop = tuple[int, list[int], list[int]]
+
+#: the event types ``absorb`` applies itself, exactly these classes (not subclasses)
+Absorbed = tuple[type[BlockStored], type[BlockRemoved], type[BlockPinned]]
 
 CORE_ENV = "KVFLEET_ROUTING_CORE"
 
@@ -58,6 +63,9 @@ class HolderMaps(Protocol):
     def table(self, group: int, slot: int) -> dict[bytes, int]: ...
     def size(self, group: int) -> int: ...
     def met(self, group: int, keys: Sequence[bytes]) -> set[int]: ...
+    def absorb(
+        self, events: list[KVEvent], start: int, slot: int, last_seq: int, kinds: Absorbed
+    ) -> tuple[int, int]: ...
     def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]: ...
     def predict(
         self,
@@ -201,6 +209,32 @@ class PyHolderMaps:
             if self._relevel(owners, block_hash, slot, level, raise_only) is not None and held is not None:
                 held.append(block_hash)
         return held
+
+    def absorb(self, events: list[KVEvent], start: int, slot: int, last_seq: int, kinds: Absorbed) -> tuple[int, int]:
+        """Apply ``events[start:]`` of the worker in ``slot`` whose last applied sequence number
+        is ``last_seq``, in one call, while each is of one of ``kinds`` (exactly: stored, removed
+        without reporting, pinned at the level its ``explicit`` says, raising only) and continues
+        the stream: an event with seq <= ``last_seq`` is skipped, one after a gap or of another
+        type stops the batch. Returns (the index of the first event not consumed, the new
+        ``last_seq``): what ``PrefixIndex.apply_events`` does per event, for the common events."""
+        i, n = start, len(events)
+        while i < n:
+            event = events[i]
+            if type(event) not in kinds:
+                break
+            seq = event.seq
+            if seq > last_seq:
+                if seq != last_seq + 1:
+                    break
+                if isinstance(event, BlockRemoved):
+                    self.remove(event.group, event.block_hashes, slot, False)
+                elif isinstance(event, BlockPinned):
+                    self.relevel(event.group, event.block_hashes, slot, 2 if event.explicit else 1, True, False)
+                elif isinstance(event, BlockStored):
+                    self.store(event.group, event.block_hashes, slot)
+                last_seq = seq
+            i += 1
+        return i, last_seq
 
     # -- queries ------------------------------------------------------------------------------------
     def level(self, group: int, key: bytes, slot: int) -> int | None:
@@ -430,6 +464,7 @@ def make_holder_maps(num_groups: int, core: str | None = None) -> HolderMaps:
 __all__ = [
     "CORE_ENV",
     "NOBODY",
+    "Absorbed",
     "Check",
     "HolderMaps",
     "Holders",

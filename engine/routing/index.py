@@ -73,7 +73,7 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
-from engine.routing.holder_maps import HolderMaps, make_holder_maps
+from engine.routing.holder_maps import Absorbed, HolderMaps, make_holder_maps
 from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
@@ -89,6 +89,9 @@ class Pending:
     hashes: Sequence[bytes]
     skip_mamba: bool = False
 
+
+#: the events ``HolderMaps.absorb`` applies in one call (the rest go through ``_apply``)
+ABSORBED: Absorbed = (BlockStored, BlockRemoved, BlockPinned)
 
 #: events buffered for a stale worker before the index gives up on replaying them (then it asks
 #: for another snapshot once the current one is applied).
@@ -404,7 +407,18 @@ class PrefixIndex:
         if state is None:
             return outcome
         lost: list[GroupHash] | None = [] if watched else None
-        for event in events:
+        events = events if isinstance(events, list) else list(events)
+        # Without watched keys the common events go to the maps in one call (``HolderMaps.absorb``);
+        # the loop below takes the others (and everything of a stale worker), one at a time.
+        absorb = self._maps.absorb if lost is None else None
+        i, n = 0, len(events)
+        while i < n:
+            if absorb is not None and not state.stale:
+                i, state.last_seq = absorb(events, i, state.slot, state.last_seq, ABSORBED)
+                if i >= n:
+                    break
+            event = events[i]
+            i += 1
             if event.seq <= state.last_seq:
                 continue
             if state.stale:
