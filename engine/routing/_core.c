@@ -10,6 +10,11 @@
  * the worker announced (some it no longer holds, or twice; compacted as it grows) so forgetting
  * a worker walks its own keys only. A freed entry number may be reused by another key: every
  * walk of a slot's list checks that the entry is alive and held by that slot.
+ *
+ * Loops over a list of keys prefetch the index word and then the entry a few keys ahead (a lookup
+ * in a large table is about two cache misses). ``predict`` writes the walk's results straight
+ * into the caller's dicts and ``absorb`` applies a run of events in one call, so a decision and
+ * a worker's event batch each cross into C once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -38,7 +38,10 @@ that hold one of the prompt's blocks in their host tier; the others' device pred
 exact. That prediction also says how many of the hit's tokens the host tier serves (``host``).
 A fleet without host tiers pays one integer test per prediction.
 
-Event stream discipline: a worker's events carry consecutive sequence numbers. A gap marks the
+Event stream discipline: a worker's events carry consecutive sequence numbers. While a worker is
+not stale and has no watched pin keys, a run of its stored / removed / pinned events continuing
+the stream is applied by the holder maps in one call (``HolderMaps.absorb``); every other event
+goes through the per-event path below, with the same result. A gap marks the
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
 snapshot. A stale worker keeps predicting from its last known state. Forgetting a worker's
