@@ -204,6 +204,50 @@ static inline void prefetch_start(const Table *t, PyObject *const *items, Py_ssi
         prefetch_index(t, items[i]);
 }
 
+/* The same for a lookup loop, each key hashed once: the hashes of the keys ahead wait in a ring
+ * (a key that is not bytes gets 0; its lookup reports the error). */
+#define RING 16 /* a power of two above PREFETCH_FAR */
+
+typedef struct {
+    const Table *t;
+    PyObject *const *items;
+    Py_ssize_t n;
+    uint64_t ring[RING];
+} Ahead;
+
+static inline void ahead_hash(Ahead *a, Py_ssize_t i) {
+    PyObject *key = a->items[i];
+    uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+    a->ring[i & (RING - 1)] = h;
+    if (a->t->index != NULL)
+        __builtin_prefetch(&a->t->index[(size_t)h & a->t->mask]);
+}
+
+/* Start a loop over ``items[from..n)``. */
+static inline void ahead_start(Ahead *a, const Table *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t n) {
+    a->t = t;
+    a->items = items;
+    a->n = n;
+    for (Py_ssize_t i = from; i < n && i < from + PREFETCH_FAR; i++)
+        ahead_hash(a, i);
+}
+
+/* At position ``i``: prefetch ahead, and return key i's hash. */
+static inline uint64_t ahead_step(Ahead *a, Py_ssize_t i) {
+    if (i + PREFETCH_FAR < a->n)
+        ahead_hash(a, i + PREFETCH_FAR);
+    if (i + PREFETCH_NEAR < a->n && a->t->index != NULL) {
+        uint64_t h = a->ring[(i + PREFETCH_NEAR) & (RING - 1)];
+        uint32_t s = a->t->index[(size_t)h & a->t->mask];
+        if (s > SLOT_DUMMY) {
+            const char *e = (const char *)ent(a->t, s - 2);
+            __builtin_prefetch(e);
+            __builtin_prefetch(e + sizeof(Entry) - 1);
+        }
+    }
+    return a->ring[i & (RING - 1)];
+}
+
 static int t_rebuild(Table *t) {
     size_t cap = 8;
     while (cap < ((size_t)t->used + 1) * 2)
@@ -1111,6 +1155,18 @@ static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
     return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
 }
 
+/* ``lookup`` of a key whose hash ``h`` is known (``Ahead``). */
+static inline uint32_t lookup_hashed(const Maps *m, int g, PyObject *key, uint64_t h, int *err) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "block hash: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
+        *err = 1;
+        return NONE_ID;
+    }
+    const Table *t = &m->tables[g];
+    int64_t id = t_find(t, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), h);
+    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
+}
+
 /* Intersect sorted slots ``a[0..na)`` with value's slots into ``out``; returns the count. */
 static inline uint32_t intersect(const Maps *m, const uint32_t *a, uint32_t na, uint32_t value, uint32_t *out) {
     if (!(value & MULTI)) {
@@ -1281,10 +1337,10 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
     int emptied = 0;
     PyObject *const *keys = &PyList_GET_ITEM(view, 0);
     const Table *t0 = &self->tables[first];
-    prefetch_start(t0, keys, limit);
+    Ahead ahead;
+    ahead_start(&ahead, t0, keys, 1, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
-        prefetch_ahead(t0, keys, i, limit);
-        uint32_t v = lookup(self, first, keys[i], &err);
+        uint32_t v = lookup_hashed(self, first, keys[i], ahead_step(&ahead, i), &err);
         if (err)
             goto fail_stops;
         if (v == NONE_ID) {
@@ -1394,11 +1450,10 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
             uint32_t prev = NONE_ID;
             PyObject *const *gkeys = &PyList_GET_ITEM(gview, 0);
             const Table *tg = &self->tables[g];
-            if (start < stop)
-                prefetch_start(tg, gkeys + start, stop - start);
+            Ahead gahead;
+            ahead_start(&gahead, tg, gkeys, start, stop);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                prefetch_ahead(tg, gkeys, i, stop);
-                uint32_t v = lookup(self, g, gkeys[i], &err);
+                uint32_t v = lookup_hashed(self, g, gkeys[i], ahead_step(&gahead, i), &err);
                 if (err)
                     goto fail_stops;
                 if (v == NONE_ID) {
