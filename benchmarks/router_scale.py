@@ -70,7 +70,7 @@ alone): speedup 2.31, hit ratio 0.9989 (one router 326 ms busy, 80 of it events;
 between runs (the mask baseline, unchanged, gave 6,371 and 11,327 decisions/s at W = 256 in two
 runs minutes apart), so the compiled ``predict`` / ``absorb`` and prefetching could not be told
 apart from the code before them in end-to-end runs: the same 4,000 decisions replayed in
-alternation took 42-90 us each with either. The decision cost does not grow with W, but it stays
+alternation took 40-95 us each with either. The decision cost does not grow with W, but it stays
 far from 50,000 decisions/s: per decision about a fifth is the index (the walk in C, about half of
 that, and building the request's per-group views), and the rest is the policy's interpreted
 Python: the pick with its guards (time averages, the load order's heap) about two fifths, the
