@@ -33,17 +33,18 @@ the hashes of shared ``bytes`` already computed. A replayed decision that differ
 one is counted (``replay mismatches``; 0 in every run).
 
 Why 4 replicas give about 2x, not 3.5x (W = 256, 4,000 decisions): one router spends about a
-third of its routing-phase time absorbing events (E) and two thirds deciding (D). Every replica
-keeps the full index, so every replica absorbs every event: E does not shrink with N, and each
-replica's event time was that of one router within the machine's noise. The split by first
-block is fair. Per replica the decision shares were 0.283 / 0.261 / 0.261 / 0.196 (Zipf(1) over
-768 prefixes; the hottest prefix alone is 1/H(768), about 14 % of requests). So the busiest
-replica takes E + 0.28 D, about 0.52 of one router's time, and the speedup is about 1.9. No N
-gets past T / E, about 3x. Reaching 3.5x at N = 4 needs event absorption under about a tenth of
-a router's time, about 3x cheaper than the index's ``apply_events`` is today. The other way is
-for a worker to send each replica only the events of the prefixes it routes, which gives up the
-full index on every replica that lets any replica take over a dead one's prefixes with their
-hits.
+quarter of its routing-phase time absorbing events (E) and three quarters deciding (D). Every
+replica keeps the full index, so every replica absorbs every event: E does not shrink with N, and
+each replica's event time is that of one router within the machine's noise. The split by first
+block follows the prefixes: per replica the decision shares were 0.283 / 0.261 / 0.261 / 0.196
+(Zipf(1) over 768 prefixes; the hottest prefix alone is 1/H(768), about 14 % of requests, and all
+of it goes to one replica). So the busiest replica takes E + 0.28 D, about 0.46 of one router's
+time, and the speedup is about 2.2. Even with free events the busiest replica's share bounds the
+speedup at 1 / 0.283, about 3.5: 3.5x at N = 4 needs event absorption a small fraction of a
+decision's cost (today's ``HolderMaps.absorb`` is bound by the table's cache misses, about
+100-200 ns per stored hash) and a split that spreads the hottest prefix. The other way is for a
+worker to send each replica only the events of the prefixes it routes, which gives up the full
+index on every replica that lets any replica take over a dead one's prefixes with their hits.
 
 Metrics: decisions/s (decisions / their CPU time), p50 / p99 us, events/s and block hashes/s
 absorbed (events / the CPU time of ``apply_events``), index bytes (a sizing walk over every
@@ -53,28 +54,29 @@ hit rate (tokens the chosen worker's coordinator finds cached by its own fixed p
 oracle, over prompt tokens, after the first ``--warmup`` share of decisions) and prediction
 accuracy (decisions whose predicted hit equals that oracle).
 
-Measured 2026-11-28 on the shared 2-core machine (load average about 3-4 from other tenants, so
-single numbers move by 20-40 % between runs), 4,000 decisions per W; holder-set router / mask
-baseline, in the same run:
+Measured 2026-11-28 08:51-08:53 on the shared 2-core machine under heavy load from other tenants
+(load average 6-8: a Ray cluster benchmark ran beside it), 4,000 decisions per W; holder-set
+router / mask baseline, in the same run:
 
     W      decisions/s     p50 us         p99 us          index MB      bytes/block-holder  hit rate
-    64     9,037/7,289     89.1/113.5     808.1/759.7     6.8/9.5       179.5/249.5         0.8571/0.8571
-    256    7,547/6,360     119.8/149.2    394.3/297.3     20.8/31.1     143.8/215.6         0.8704/0.8698
-    1024   5,932/3,964     132.1/223.6    355.4/682.2     53.1/107.6    116.4/235.5         0.8833/0.8830
-    4096   6,528/1,809     129.4/478.5    377.7/2,534.4   196.8/731.6   118.6/440.7         0.8625/0.8589
+    64     13,622/7,667    57.6/109.3     328.8/622.3     2.1/9.5       55.9/249.5          0.8571/0.8571
+    256    14,435/11,327   53.1/80.9      291.0/194.4     7.4/31.1      51.0/215.6          0.8704/0.8698
+    1024   15,315/5,065    49.9/177.4     199.2/558.9     22.6/107.6    49.5/235.5          0.8833/0.8830
+    4096   9,046/1,360     87.4/672.1     431.6/2,950.5   83.4/731.6    50.3/440.7          0.8625/0.8589
 
-Prediction accuracy against the exact oracle 1.0 for both. 4 replicas at W = 256 (2026-11-28,
-replayed alone, load average 2-35 from other tenants): over seven runs the speedup ranged from
-1.2 to 2.9, with a median of 1.6, and the hit ratio was 0.9993. Identical replays of one router
-took 439-906 ms, so single speedups mostly measure that noise. In every run each replica's event
-time (137-252 ms) matched one router's (151-278 ms).
-The decision cost no longer grows with W, but it stays far from 50,000 decisions/s: about half
-is the index walk (one dict lookup per prompt block per group, each a cache miss on a large map
-and a 32-byte key compare), half the policy's bookkeeping per decision (guards, credit, the
-in-flight entry, the load order, the assignment record), a few microseconds each of
-interpreted Python. Per (group, block, holder) the index keeps a dict entry and a 65-byte
-``bytes`` key per key, a shared holder value and a reference in the worker's key list: over 100
-bytes unless many workers share a key.
+Prediction accuracy against the exact oracle 1.0 for both. 4 replicas at W = 256 (replayed
+alone): speedup 2.31, hit ratio 0.9989 (one router 326 ms busy, 80 of it events; replicas 132 /
+111 / 141 / 114 ms, events 61 / 54 / 67 / 61). At that load single numbers move by 30-50 %
+between runs (the mask baseline, unchanged, gave 6,371 and 11,327 decisions/s at W = 256 in two
+runs minutes apart), so the compiled ``predict`` / ``absorb`` and prefetching could not be told
+apart from the code before them in end-to-end runs: the same 4,000 decisions replayed in
+alternation took 40-95 us each with either. The decision cost does not grow with W, but it stays
+far from 50,000 decisions/s: per decision about a fifth is the index (the walk in C, about half of
+that, and building the request's per-group views), and the rest is the policy's interpreted
+Python: the pick with its guards (time averages, the load order's heap) about two fifths, the
+assignment record (work and queue averages, a new load-order entry) about a sixth, and the
+``Decision`` object and in-flight entry. Reaching the target needs that per-worker load state
+and the pick loop in compiled code too, not only the index.
 
     python -m benchmarks.router_scale            # W = 64 .. 4,096 (several minutes)
     python -m benchmarks.router_scale --quick    # W = 64, 256, a few hundred decisions

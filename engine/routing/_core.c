@@ -10,6 +10,11 @@
  * the worker announced (some it no longer holds, or twice; compacted as it grows) so forgetting
  * a worker walks its own keys only. A freed entry number may be reused by another key: every
  * walk of a slot's list checks that the entry is alive and held by that slot.
+ *
+ * Loops over a list of keys prefetch the index word and then the entry a few keys ahead (a lookup
+ * in a large table is about two cache misses). ``predict`` writes the walk's results straight
+ * into the caller's dicts and ``absorb`` applies a run of events in one call, so a decision and
+ * a worker's event batch each cross into C once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -158,6 +163,89 @@ static inline int64_t t_find(const Table *t, const char *p, Py_ssize_t n, uint64
             return (int64_t)(s - 2);
         i = (i + 1) & t->mask;
     }
+}
+
+/* Prefetching: a lookup costs about two cache misses (the index word, then the entry), so loops
+ * over a list of keys ask for the index word PREFETCH_FAR keys ahead and, once it has arrived,
+ * for the entry PREFETCH_NEAR keys ahead. Only the first probe position is prefetched. */
+#define PREFETCH_FAR 8
+#define PREFETCH_NEAR 4
+
+static inline void prefetch_index(const Table *t, PyObject *key) {
+    if (t->index == NULL || !PyBytes_Check(key))
+        return;
+    uint64_t h = hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    __builtin_prefetch(&t->index[(size_t)h & t->mask]);
+}
+
+static inline void prefetch_entry(const Table *t, PyObject *key) {
+    if (t->index == NULL || !PyBytes_Check(key))
+        return;
+    uint64_t h = hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    uint32_t s = t->index[(size_t)h & t->mask];
+    if (s > SLOT_DUMMY) {
+        const char *e = (const char *)ent(t, s - 2);
+        __builtin_prefetch(e);
+        __builtin_prefetch(e + sizeof(Entry) - 1);
+    }
+}
+
+/* Both prefetches for the loop position ``i`` over ``items[0..n)``. */
+static inline void prefetch_ahead(const Table *t, PyObject *const *items, Py_ssize_t i, Py_ssize_t n) {
+    if (i + PREFETCH_FAR < n)
+        prefetch_index(t, items[i + PREFETCH_FAR]);
+    if (i + PREFETCH_NEAR < n)
+        prefetch_entry(t, items[i + PREFETCH_NEAR]);
+}
+
+/* The loop's first positions: the index words of the first PREFETCH_FAR keys. */
+static inline void prefetch_start(const Table *t, PyObject *const *items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_FAR; i++)
+        prefetch_index(t, items[i]);
+}
+
+/* The same for a lookup loop, each key hashed once: the hashes of the keys ahead wait in a ring
+ * (a key that is not bytes gets 0; its lookup reports the error). */
+#define RING 16 /* a power of two above PREFETCH_FAR */
+
+typedef struct {
+    const Table *t;
+    PyObject *const *items;
+    Py_ssize_t n;
+    uint64_t ring[RING];
+} Ahead;
+
+static inline void ahead_hash(Ahead *a, Py_ssize_t i) {
+    PyObject *key = a->items[i];
+    uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+    a->ring[i & (RING - 1)] = h;
+    if (a->t->index != NULL)
+        __builtin_prefetch(&a->t->index[(size_t)h & a->t->mask]);
+}
+
+/* Start a loop over ``items[from..n)``. */
+static inline void ahead_start(Ahead *a, const Table *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t n) {
+    a->t = t;
+    a->items = items;
+    a->n = n;
+    for (Py_ssize_t i = from; i < n && i < from + PREFETCH_FAR; i++)
+        ahead_hash(a, i);
+}
+
+/* At position ``i``: prefetch ahead, and return key i's hash. */
+static inline uint64_t ahead_step(Ahead *a, Py_ssize_t i) {
+    if (i + PREFETCH_FAR < a->n)
+        ahead_hash(a, i + PREFETCH_FAR);
+    if (i + PREFETCH_NEAR < a->n && a->t->index != NULL) {
+        uint64_t h = a->ring[(i + PREFETCH_NEAR) & (RING - 1)];
+        uint32_t s = a->t->index[(size_t)h & a->t->mask];
+        if (s > SLOT_DUMMY) {
+            const char *e = (const char *)ent(a->t, s - 2);
+            __builtin_prefetch(e);
+            __builtin_prefetch(e + sizeof(Entry) - 1);
+        }
+    }
+    return a->ring[i & (RING - 1)];
 }
 
 static int t_rebuild(Table *t) {
@@ -654,6 +742,29 @@ static PyObject *Maps_listed(Maps *self, PyObject *arg) {
     return PyLong_FromLongLong(self->slots[slot].listed);
 }
 
+/* The worker in ``slot`` announced ``keys`` (held at level 0 unless already held): 0, or -1. */
+static int store_keys(Maps *self, int g, PyObject *keys, uint32_t slot) {
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
+        if (hold(self, g, items[i], slot, 0) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    Slot *st = &self->slots[slot];
+    if (2 * st->listed > 3 * st->num_cached + 128)
+        compact_slot(self, slot);
+    return 0;
+}
+
 /* store(group, keys, slot): the worker announced ``keys`` (held at level 0 unless already held). */
 static PyObject *Maps_store(Maps *self, PyObject *args) {
     int g;
@@ -663,21 +774,8 @@ static PyObject *Maps_store(Maps *self, PyObject *args) {
         return NULL;
     if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
-    if (seq == NULL)
+    if (store_keys(self, g, keys, (uint32_t)slot) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (hold(self, g, items[i], (uint32_t)slot, 0) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
-    Slot *st = &self->slots[slot];
-    if (2 * st->listed > 3 * st->num_cached + 128)
-        compact_slot(self, (uint32_t)slot);
     Py_RETURN_NONE;
 }
 
@@ -715,6 +813,29 @@ static PyObject *Maps_hold(Maps *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Drop the keys from ``slot``; ``gone`` (NULL: not wanted) gets those it held: 0, or -1. */
+static int remove_keys(Maps *self, int g, PyObject *keys, uint32_t slot, PyObject *gone) {
+    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const Table *t = &self->tables[g];
+    prefetch_start(t, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_ahead(t, items, i, n);
+        int64_t id = find_key(self, g, items[i]);
+        int dropped = 0;
+        if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, slot)) < 0) ||
+            (dropped && gone != NULL && PyList_Append(gone, items[i]) < 0)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
 /* remove(group, keys, slot, report): drop the keys; the list of those held if ``report``. */
 static PyObject *Maps_remove(Maps *self, PyObject *args) {
     int g, report;
@@ -724,27 +845,13 @@ static PyObject *Maps_remove(Maps *self, PyObject *args) {
         return NULL;
     if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
-    if (seq == NULL)
-        return NULL;
     PyObject *gone = NULL;
-    if (report && (gone = PyList_New(0)) == NULL) {
-        Py_DECREF(seq);
+    if (report && (gone = PyList_New(0)) == NULL)
+        return NULL;
+    if (remove_keys(self, g, keys, (uint32_t)slot, gone) < 0) {
+        Py_XDECREF(gone);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = find_key(self, g, items[i]);
-        int dropped = 0;
-        if (id == -2 || (id >= 0 && (dropped = drop(self, g, (uint32_t)id, (uint32_t)slot)) < 0) ||
-            (dropped && gone != NULL && PyList_Append(gone, items[i]) < 0)) {
-            Py_DECREF(seq);
-            Py_XDECREF(gone);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
     if (gone != NULL)
         return gone;
     Py_RETURN_NONE;
@@ -752,26 +859,10 @@ static PyObject *Maps_remove(Maps *self, PyObject *args) {
 
 /* relevel(group, keys, slot, level, raise_only, report): set the level the slot holds each key at
  * (only upwards if raise_only); the list of keys it held if ``report``. */
-static PyObject *Maps_relevel(Maps *self, PyObject *args) {
-    int g, level, raise_only, report;
-    long slot;
-    PyObject *keys;
-    if (!PyArg_ParseTuple(args, "iOlipp", &g, &keys, &slot, &level, &raise_only, &report))
-        return NULL;
-    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
-        return NULL;
-    if (level < 0 || level > 3) {
-        PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
-        return NULL;
-    }
+static int relevel_keys(Maps *self, int g, PyObject *keys, long slot, int level, int raise_only, PyObject *held) {
     PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
     if (seq == NULL)
-        return NULL;
-    PyObject *held = NULL;
-    if (report && (held = PyList_New(0)) == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
+        return -1;
     Table *t = &self->tables[g];
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -780,8 +871,7 @@ static PyObject *Maps_relevel(Maps *self, PyObject *args) {
         int64_t id = find_key(self, g, items[i]);
         if (id == -2) {
             Py_DECREF(seq);
-            Py_XDECREF(held);
-            return NULL;
+            return -1;
         }
         if (id < 0)
             continue;
@@ -802,11 +892,32 @@ static PyObject *Maps_relevel(Maps *self, PyObject *args) {
         }
         if (held != NULL && PyList_Append(held, items[i]) < 0) {
             Py_DECREF(seq);
-            Py_DECREF(held);
-            return NULL;
+            return -1;
         }
     }
     Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *Maps_relevel(Maps *self, PyObject *args) {
+    int g, level, raise_only, report;
+    long slot;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "iOlipp", &g, &keys, &slot, &level, &raise_only, &report))
+        return NULL;
+    if (check_group(self, g) < 0 || check_slot(self, slot) < 0)
+        return NULL;
+    if (level < 0 || level > 3) {
+        PyErr_Format(PyExc_ValueError, "level: must be in 0..3 (got %d)", level);
+        return NULL;
+    }
+    PyObject *held = NULL;
+    if (report && (held = PyList_New(0)) == NULL)
+        return NULL;
+    if (relevel_keys(self, g, keys, slot, level, raise_only, held) < 0) {
+        Py_XDECREF(held);
+        return NULL;
+    }
     if (held != NULL)
         return held;
     Py_RETURN_NONE;
@@ -949,6 +1060,71 @@ static PyObject *Maps_met(Maps *self, PyObject *args) {
     return out;
 }
 
+/* -- a batch of events ---------------------------------------------------------------------- */
+
+/* An integer attribute of an event: 0, or -1 on error. */
+static int int_attr(PyObject *obj, const char *name, long long *out) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* absorb(events, start, slot, last_seq, kinds): see HolderMaps.absorb in holder_maps.py. */
+static PyObject *Maps_absorb(Maps *self, PyObject *args) {
+    PyObject *events, *stored, *removed, *pinned;
+    Py_ssize_t start;
+    long slot;
+    long long last_seq;
+    if (!PyArg_ParseTuple(args, "O!nlL(OOO)", &PyList_Type, &events, &start, &slot, &last_seq, &stored, &removed,
+                          &pinned))
+        return NULL;
+    if (check_slot(self, slot) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        PyTypeObject *kind = Py_TYPE(event);
+        if (kind != (PyTypeObject *)stored && kind != (PyTypeObject *)removed && kind != (PyTypeObject *)pinned)
+            break;
+        long long seq, group;
+        if (int_attr(event, "seq", &seq) < 0)
+            return NULL;
+        if (seq <= last_seq)
+            continue; /* already applied */
+        if (seq != last_seq + 1)
+            break; /* a gap: the caller starts a resync */
+        if (int_attr(event, "group", &group) < 0)
+            return NULL;
+        if (group < 0 || group >= self->ngroups) {
+            PyErr_Format(PyExc_ValueError, "group: must be in 0..%d (got %lld)", self->ngroups - 1, group);
+            return NULL;
+        }
+        PyObject *keys = PyObject_GetAttrString(event, "block_hashes");
+        if (keys == NULL)
+            return NULL;
+        int rc;
+        if (kind == (PyTypeObject *)stored) {
+            rc = store_keys(self, (int)group, keys, (uint32_t)slot);
+        } else if (kind == (PyTypeObject *)removed) {
+            rc = remove_keys(self, (int)group, keys, (uint32_t)slot, NULL);
+        } else {
+            PyObject *explicit = PyObject_GetAttrString(event, "explicit");
+            int is_explicit = explicit == NULL ? -1 : PyObject_IsTrue(explicit);
+            Py_XDECREF(explicit);
+            rc = is_explicit < 0 ? -1 : relevel_keys(self, (int)group, keys, slot, is_explicit ? 2 : 1, 1, NULL);
+        }
+        Py_DECREF(keys);
+        if (rc < 0)
+            return NULL;
+        last_seq = seq;
+    }
+    return Py_BuildValue("(nL)", i, last_seq);
+}
+
 /* -- the prediction's walk ------------------------------------------------------------------ */
 
 static int ensure_scratch(Maps *m, size_t n) {
@@ -976,6 +1152,18 @@ static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
     Py_ssize_t n = PyBytes_GET_SIZE(key);
     const Table *t = &m->tables[g];
     int64_t id = t_find(t, p, n, hash_key(p, n));
+    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
+}
+
+/* ``lookup`` of a key whose hash ``h`` is known (``Ahead``). */
+static inline uint32_t lookup_hashed(const Maps *m, int g, PyObject *key, uint64_t h, int *err) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "block hash: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
+        *err = 1;
+        return NONE_ID;
+    }
+    const Table *t = &m->tables[g];
+    int64_t id = t_find(t, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), h);
     return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
 }
 
@@ -1039,32 +1227,84 @@ static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, ui
     return k;
 }
 
-/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
-static PyObject *Maps_walk(Maps *self, PyObject *args) {
-    int first;
-    PyObject *view, *checks;
-    Py_ssize_t limit, per;
-    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
-        return NULL;
+/* Where the walk's results go: ``rows`` (walk: one (k, valid, failed) tuple per depth), or, for
+ * predict, the caller's dicts keyed by worker id (``ids[slot]``): ``hits`` and ``shared`` get
+ * k * align per serving slot (``shared`` also per failing slot; it may be NULL), ``failing``
+ * collects the failing workers and ``deepest`` the largest k with one. */
+typedef struct {
+    PyObject *rows;
+    PyObject *ids, *hits, *shared, *failing;
+    Py_ssize_t align, deepest;
+} Sink;
+
+/* Set ``dict[ids[slot]] = value`` for each slot of ``a``. */
+static int put_slots(PyObject *dict, PyObject *ids, const uint32_t *a, uint32_t n, PyObject *value) {
+    for (uint32_t i = 0; i < n; i++) {
+        if ((Py_ssize_t)a[i] >= PyList_GET_SIZE(ids)) {
+            PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", a[i]);
+            return -1;
+        }
+        if (PyDict_SetItem(dict, PyList_GET_ITEM(ids, a[i]), value) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* One depth's result into the sink: 0, or -1 on error. */
+static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nvalid, const uint32_t *failed,
+                    uint32_t nfail) {
+    if (sink->rows != NULL) {
+        PyObject *kk = PyLong_FromSsize_t(k);
+        PyObject *lv = u32_list(valid, nvalid);
+        PyObject *lf = u32_list(failed, nfail);
+        PyObject *row = (kk && lv && lf) ? PyTuple_Pack(3, kk, lv, lf) : NULL;
+        Py_XDECREF(kk);
+        Py_XDECREF(lv);
+        Py_XDECREF(lf);
+        int rc = (row == NULL || PyList_Append(sink->rows, row) < 0) ? -1 : 0;
+        Py_XDECREF(row);
+        return rc;
+    }
+    PyObject *tokens = PyLong_FromSsize_t(k * sink->align);
+    if (tokens == NULL)
+        return -1;
+    int rc = put_slots(sink->hits, sink->ids, valid, nvalid, tokens);
+    if (rc == 0 && sink->shared != NULL)
+        rc = put_slots(sink->shared, sink->ids, valid, nvalid, tokens);
+    if (rc == 0 && sink->shared != NULL)
+        rc = put_slots(sink->shared, sink->ids, failed, nfail, tokens);
+    Py_DECREF(tokens);
+    for (uint32_t i = 0; rc == 0 && i < nfail; i++) {
+        if ((Py_ssize_t)failed[i] >= PyList_GET_SIZE(sink->ids)) {
+            PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", failed[i]);
+            return -1;
+        }
+        rc = PyList_Append(sink->failing, PyList_GET_ITEM(sink->ids, failed[i]));
+    }
+    if (nfail > 0 && k > sink->deepest)
+        sink->deepest = k;
+    return rc;
+}
+
+/* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. */
+static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py_ssize_t per, PyObject *checks,
+                     Sink *sink) {
     if (check_group(self, first) < 0)
-        return NULL;
+        return -1;
     if (per < 1) {
         PyErr_Format(PyExc_ValueError, "per: must be >= 1 (got %zd)", per);
-        return NULL;
+        return -1;
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
     if (limit > PyList_GET_SIZE(view))
         limit = PyList_GET_SIZE(view);
     if (limit <= 0)
-        return out;
+        return 0;
     int err = 0;
     uint32_t v0 = lookup(self, first, PyList_GET_ITEM(view, 0), &err);
     if (err)
         goto fail;
     if (v0 == NONE_ID)
-        return out;
+        return 0;
     /* Step 1: stops (blocks n, slots whose run is exactly n), kept in the scratch buffer as
      * [n, count, slots...] records after a working area of 3 * W words. */
     uint32_t width = (v0 & MULTI) ? set_of(self, v0)->n : 1;
@@ -1095,8 +1335,12 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
     uint32_t last = v0;
     Py_ssize_t end = limit;
     int emptied = 0;
+    PyObject *const *keys = &PyList_GET_ITEM(view, 0);
+    const Table *t0 = &self->tables[first];
+    Ahead ahead;
+    ahead_start(&ahead, t0, keys, 1, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
-        uint32_t v = lookup(self, first, PyList_GET_ITEM(view, i), &err);
+        uint32_t v = lookup_hashed(self, first, keys[i], ahead_step(&ahead, i), &err);
         if (err)
             goto fail_stops;
         if (v == NONE_ID) {
@@ -1204,8 +1448,12 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
             if (stop > len)
                 stop = len;
             uint32_t prev = NONE_ID;
+            PyObject *const *gkeys = &PyList_GET_ITEM(gview, 0);
+            const Table *tg = &self->tables[g];
+            Ahead gahead;
+            ahead_start(&gahead, tg, gkeys, start, stop);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                uint32_t v = lookup(self, g, PyList_GET_ITEM(gview, i), &err);
+                uint32_t v = lookup_hashed(self, g, gkeys[i], ahead_step(&gahead, i), &err);
                 if (err)
                     goto fail_stops;
                 if (v == NONE_ID) {
@@ -1220,25 +1468,15 @@ static PyObject *Maps_walk(Maps *self, PyObject *args) {
             }
         }
         uint32_t nfail = difference(slots, stop_count[s], valid, nvalid, tmp);
-        PyObject *kk = PyLong_FromSsize_t(k);
-        PyObject *lv = u32_list(valid, nvalid);
-        PyObject *lf = u32_list(tmp, nfail);
-        PyObject *row = (kk && lv && lf) ? PyTuple_Pack(3, kk, lv, lf) : NULL;
-        Py_XDECREF(kk);
-        Py_XDECREF(lv);
-        Py_XDECREF(lf);
-        if (row == NULL || PyList_Append(out, row) < 0) {
-            Py_XDECREF(row);
+        if (sink_row(sink, k, valid, nvalid, tmp, nfail) < 0)
             goto fail_stops;
-        }
-        Py_DECREF(row);
     }
     for (size_t s = 0; s < nstops; s++)
         PyMem_Free(stop_slots[s]);
     PyMem_Free(stop_n);
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
-    return out;
+    return 0;
 fail_stops:
     if (stop_slots != NULL) {
         for (size_t s = 0; s < nstops; s++)
@@ -1248,8 +1486,53 @@ fail_stops:
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
 fail:
-    Py_DECREF(out);
-    return NULL;
+    return -1;
+}
+
+/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
+static PyObject *Maps_walk(Maps *self, PyObject *args) {
+    int first;
+    PyObject *view, *checks;
+    Py_ssize_t limit, per;
+    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
+        return NULL;
+    Sink sink = {0};
+    sink.rows = PyList_New(0);
+    if (sink.rows == NULL)
+        return NULL;
+    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+        Py_DECREF(sink.rows);
+        return NULL;
+    }
+    return sink.rows;
+}
+
+/* predict(first, view, limit, per, checks, align, ids, hits, shared): see HolderMaps.predict. */
+static PyObject *Maps_predict(Maps *self, PyObject *args) {
+    int first;
+    PyObject *view, *checks, *ids, *hits, *shared;
+    Py_ssize_t limit, per, align;
+    if (!PyArg_ParseTuple(args, "iO!nnO!nO!O!O", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks,
+                          &align, &PyList_Type, &ids, &PyDict_Type, &hits, &shared))
+        return NULL;
+    if (shared != Py_None && !PyDict_Check(shared)) {
+        PyErr_Format(PyExc_TypeError, "shared: expected a dict or None, got %.100s", Py_TYPE(shared)->tp_name);
+        return NULL;
+    }
+    Sink sink = {0};
+    sink.ids = ids;
+    sink.hits = hits;
+    sink.shared = shared == Py_None ? NULL : shared;
+    sink.align = align;
+    sink.failing = PyList_New(0);
+    if (sink.failing == NULL)
+        return NULL;
+    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+        Py_DECREF(sink.failing);
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("(Nn)", sink.failing, sink.deepest);
+    return result;
 }
 
 static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
@@ -1322,7 +1605,9 @@ static PyMethodDef Maps_methods[] = {
     {"table", (PyCFunction)Maps_table, METH_VARARGS, "table(group, slot)"},
     {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
     {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
+    {"absorb", (PyCFunction)Maps_absorb, METH_VARARGS, "absorb(events, start, slot, last_seq, kinds)"},
     {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
+    {"predict", (PyCFunction)Maps_predict, METH_VARARGS, "predict(first, view, limit, per, checks, align, ids, hits, shared)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

@@ -1,6 +1,8 @@
 """Types of the compiled holder maps (``_core.c``); ``holder_maps.HolderMaps`` documents them."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+
+from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
 
 class HolderMaps:
     def __init__(self, num_groups: int) -> None: ...
@@ -30,3 +32,25 @@ class HolderMaps:
         checks: list[tuple[int, list[bytes], list[tuple[int, int]]]],
         /,
     ) -> list[tuple[int, list[int], list[int]]]: ...
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[tuple[int, list[bytes], list[tuple[int, int]]]],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        /,
+    ) -> tuple[list[Hashable], int]: ...
+    def absorb(
+        self,
+        events: list[KVEvent],
+        start: int,
+        slot: int,
+        last_seq: int,
+        kinds: tuple[type[BlockStored], type[BlockRemoved], type[BlockPinned]],
+        /,
+    ) -> tuple[int, int]: ...

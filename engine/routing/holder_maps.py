@@ -11,14 +11,23 @@ Two implementations of one interface (``HolderMaps``):
 
 ``make_holder_maps`` picks one: the compiled maps when they import, unless ``KVFLEET_ROUTING_CORE``
 says ``python``; ``compiled`` there makes a missing extension an error.
+
+Two calls exist so that the router's two hot paths cross into the maps once, not once per item:
+``predict`` runs the walk and writes its results into the caller's hit maps keyed by worker (a
+decision), and ``absorb`` applies a run of a worker's stored, removed and pinned events (event
+absorption; the index's per-event loop takes any other event, a gap, or a worker with watched
+pin keys). The compiled maps also prefetch the index word and the entry a few keys ahead in every
+loop over a list of keys: a lookup in a large table is about two cache misses.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from itertools import repeat
 from typing import Protocol
+
+from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
 
 #: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
 Holders = tuple[int, ...]
@@ -29,6 +38,9 @@ Check = tuple[int, list[bytes], list[tuple[int, int]]]
 #: one result of the walk: (aligned steps k, slots that hit k steps, slots whose full-attention
 #: depth is k steps but that miss a block another group needs there)
 Stop = tuple[int, list[int], list[int]]
+
+#: the event types ``absorb`` applies itself, exactly these classes (not subclasses)
+Absorbed = tuple[type[BlockStored], type[BlockRemoved], type[BlockPinned]]
 
 CORE_ENV = "KVFLEET_ROUTING_CORE"
 
@@ -58,7 +70,22 @@ class HolderMaps(Protocol):
     def table(self, group: int, slot: int) -> dict[bytes, int]: ...
     def size(self, group: int) -> int: ...
     def met(self, group: int, keys: Sequence[bytes]) -> set[int]: ...
+    def absorb(
+        self, events: list[KVEvent], start: int, slot: int, last_seq: int, kinds: Absorbed
+    ) -> tuple[int, int]: ...
     def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]: ...
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+    ) -> tuple[list[Hashable], int]: ...
 
 
 def _level_of(value: Holders | None, slot: int) -> int | None:
@@ -190,6 +217,32 @@ class PyHolderMaps:
                 held.append(block_hash)
         return held
 
+    def absorb(self, events: list[KVEvent], start: int, slot: int, last_seq: int, kinds: Absorbed) -> tuple[int, int]:
+        """Apply ``events[start:]`` of the worker in ``slot`` whose last applied sequence number
+        is ``last_seq``, in one call, while each is of one of ``kinds`` (exactly: stored, removed
+        without reporting, pinned at the level its ``explicit`` says, raising only) and continues
+        the stream: an event with seq <= ``last_seq`` is skipped, one after a gap or of another
+        type stops the batch. Returns (the index of the first event not consumed, the new
+        ``last_seq``): what ``PrefixIndex.apply_events`` does per event, for the common events."""
+        i, n = start, len(events)
+        while i < n:
+            event = events[i]
+            if type(event) not in kinds:
+                break
+            seq = event.seq
+            if seq > last_seq:
+                if seq != last_seq + 1:
+                    break
+                if isinstance(event, BlockRemoved):
+                    self.remove(event.group, event.block_hashes, slot, False)
+                elif isinstance(event, BlockPinned):
+                    self.relevel(event.group, event.block_hashes, slot, 2 if event.explicit else 1, True, False)
+                elif isinstance(event, BlockStored):
+                    self.store(event.group, event.block_hashes, slot)
+                last_seq = seq
+            i += 1
+        return i, last_seq
+
     # -- queries ------------------------------------------------------------------------------------
     def level(self, group: int, key: bytes, slot: int) -> int | None:
         return _level_of(self._owners[group].get(key), slot)
@@ -231,6 +284,38 @@ class PyHolderMaps:
             valid = self._serving(slots, checks, k)
             out.append((k, sorted(valid), sorted(slots - valid)))
         return out
+
+    def predict(
+        self,
+        first: int,
+        view: list[bytes],
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+    ) -> tuple[list[Hashable], int]:
+        """``walk``'s results written into the caller's maps, keyed by worker (``ids[slot]``): per
+        depth of k steps, ``k * align`` tokens in ``hits`` for each serving slot and in
+        ``shared`` (if given) for each serving then each failing slot. Returns the failing
+        workers, in walk order, and the deepest k with one (0: none)."""
+        failing: list[Hashable] = []
+        deepest = 0
+        for k, valid, failed in self.walk(first, view, limit, per, checks):
+            tokens = k * align
+            for s in valid:
+                hits[ids[s]] = tokens
+            if shared is not None:
+                for s in valid:
+                    shared[ids[s]] = tokens
+                for s in failed:
+                    shared[ids[s]] = tokens
+            if failed:
+                failing.extend(ids[s] for s in failed)
+                deepest = max(deepest, k)
+        return failing, deepest
 
     @staticmethod
     def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:
@@ -386,6 +471,7 @@ def make_holder_maps(num_groups: int, core: str | None = None) -> HolderMaps:
 __all__ = [
     "CORE_ENV",
     "NOBODY",
+    "Absorbed",
     "Check",
     "HolderMaps",
     "Holders",

@@ -38,7 +38,10 @@ that hold one of the prompt's blocks in their host tier; the others' device pred
 exact. That prediction also says how many of the hit's tokens the host tier serves (``host``).
 A fleet without host tiers pays one integer test per prediction.
 
-Event stream discipline: a worker's events carry consecutive sequence numbers. A gap marks the
+Event stream discipline: a worker's events carry consecutive sequence numbers. While a worker is
+not stale and has no watched pin keys, a run of its stored / removed / pinned events continuing
+the stream is applied by the holder maps in one call (``HolderMaps.absorb``); every other event
+goes through the per-event path below, with the same result. A gap marks the
 worker stale: later events are buffered and the caller is asked (``needs_resync``) for a
 ``WorkerSnapshot`` of the worker's pool; applying it replays the buffered events newer than the
 snapshot. A stale worker keeps predicting from its last known state. Forgetting a worker's
@@ -73,7 +76,7 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
-from engine.routing.holder_maps import HolderMaps, make_holder_maps
+from engine.routing.holder_maps import Absorbed, HolderMaps, make_holder_maps
 from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
@@ -89,6 +92,9 @@ class Pending:
     hashes: Sequence[bytes]
     skip_mamba: bool = False
 
+
+#: the events ``HolderMaps.absorb`` applies in one call (the rest go through ``_apply``)
+ABSORBED: Absorbed = (BlockStored, BlockRemoved, BlockPinned)
 
 #: events buffered for a stale worker before the index gives up on replaying them (then it asks
 #: for another snapshot once the current one is applied).
@@ -372,24 +378,13 @@ class PrefixIndex:
         per0 = align // rules.block_sizes[g0]
         limit = min(steps * per0, len(views[g0]))
         limit -= limit % per0
-        failing: set[WorkerId] = set()
-        deepest = 0
         ranges = rules._ranges
-        for k, valid, failed in self._maps.walk(g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks]):
-            tokens = k * align
-            for s in valid:
-                hits[ids[s]] = tokens
-            if shared is not None:
-                for s in valid:
-                    shared[ids[s]] = tokens
-                for s in failed:
-                    shared[ids[s]] = tokens
-            if failed:
-                failing.update(ids[s] for s in failed)
-                deepest = max(deepest, k)
+        failing, deepest = self._maps.predict(
+            g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks], align, ids, hits, shared
+        )
         if not failing:
             return hits, None
-        return hits, Pending(failing, (deepest - 1) * align, hashes, skip_mamba)
+        return hits, Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
         """Step 3 for the pending holders (or those of them in ``only``): the coordinator's fixed
@@ -415,7 +410,18 @@ class PrefixIndex:
         if state is None:
             return outcome
         lost: list[GroupHash] | None = [] if watched else None
-        for event in events:
+        events = events if isinstance(events, list) else list(events)
+        # Without watched keys the common events go to the maps in one call (``HolderMaps.absorb``);
+        # the loop below takes the others (and everything of a stale worker), one at a time.
+        absorb = self._maps.absorb if lost is None else None
+        i, n = 0, len(events)
+        while i < n:
+            if absorb is not None and not state.stale:
+                i, state.last_seq = absorb(events, i, state.slot, state.last_seq, ABSORBED)
+                if i >= n:
+                    break
+            event = events[i]
+            i += 1
             if event.seq <= state.last_seq:
                 continue
             if state.stale:

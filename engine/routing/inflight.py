@@ -107,7 +107,7 @@ class InFlightPrefixes:
         """``worker`` reported these blocks: announcements of it starting at one of them end
         (the index knows those blocks now)."""
         by_start = self._by_start
-        for block_hash in block_hashes:
+        for block_hash in filter(by_start.__contains__, block_hashes):  # most were never announced
             listed = by_start.get(block_hash)
             if listed is not None:
                 kept = [s for s in listed if s.worker != worker]

@@ -69,11 +69,12 @@ class SmoothedQueues:
         state = self._workers.get(worker)
         if state is None:
             return
-        now = self.now if now is None else max(now, self.now)
+        now = self.now if now is None or now < self.now else now
         self.now = now
         total = self._total
-        total.set(total.value + queued - state.value, now, self.halflife_s)
-        state.set(queued, now, self.halflife_s)
+        halflife = self.halflife_s
+        total.set(total.value + queued - state.value, now, halflife)
+        state.set(queued, now, halflife)
 
     def get(self, worker: WorkerId, now: float) -> float:
         return self._workers[worker].get(now, self.halflife_s)

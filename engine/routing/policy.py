@@ -405,16 +405,20 @@ class RoutingPolicy(PlacementPolicy):
         return best
 
     def _record(self, decision: Decision) -> None:
-        before = self.loads[decision.prefill_worker].queued_tokens
-        self._work.add(decision.prefill_worker, decision.uncached_tokens + self.config.request_work_tokens, self._now)
+        prefill, decode = decision.prefill_worker, decision.decode_worker
+        loads = self.loads
+        before = loads[prefill].queued_tokens
+        self._work.add(prefill, decision.uncached_tokens + self.config.request_work_tokens, self._now)
         super()._record(decision)
-        self._queued_sum += self.loads[decision.prefill_worker].queued_tokens - before
-        for worker in {decision.prefill_worker, decision.decode_worker}:
-            self._load_cost[worker] = self._cost_of(self.loads[worker])
-            self._order.set(worker, self._load_cost[worker], self._work.rank(worker))
-            self._queued[worker] = self.loads[worker].queued_tokens
-            if self._smoothed is not None:
-                self._smoothed.set(worker, self._queued[worker])
+        self._queued_sum += loads[prefill].queued_tokens - before
+        smoothed = self._smoothed
+        for worker in (prefill,) if decode == prefill else {prefill, decode}:
+            load = loads[worker]
+            cost = self._load_cost[worker] = self._cost_of(load)
+            self._order.set(worker, cost, self._work.rank(worker))
+            queued = self._queued[worker] = load.queued_tokens
+            if smoothed is not None:
+                smoothed.set(worker, queued)
 
     # -- choosing one worker by cost ------------------------------------------------------------------
     def _pick(
