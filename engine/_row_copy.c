@@ -3,7 +3,10 @@
  * tensor of one pool; done with one tensor operation per row and slot, or a gather and a scatter
  * per slot, its per-call cost rather than its bytes sets the time, for the small pages of
  * recurrent and small attention layers above all. Here one call validates every row index once,
- * then copies each (source row, target row) pair of every slot with memmove, outside the GIL.
+ * then copies each (source row, target row) pair of every slot with memmove. It keeps the GIL: a
+ * batch copies microseconds to a few milliseconds of bytes, and a thread that gave the GIL up
+ * waits for it back behind the worker's other Python threads (up to the switch interval, 5 ms),
+ * which in the tiered bench's workers made the offloads 8x slower than the copies themselves.
  *
  * copy_rows(targets, sources, target_rows, source_rows): ``targets`` and ``sources`` are
  * sequences of the same length of C-contiguous 2-D buffers (numpy views of the slot tensors), the
@@ -101,7 +104,6 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
             check_rows(rows + n, n, source->shape[0], "source_rows", i) < 0)
             goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < num_buffers; i++) {
         const Py_buffer *target = &views[2 * i], *source = &views[2 * i + 1];
         size_t row_bytes = (size_t)(target->shape[1] * target->itemsize);
@@ -110,7 +112,6 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         for (Py_ssize_t j = 0; j < n; j++)
             memmove(to + (size_t)rows[j] * row_bytes, from + (size_t)rows[n + j] * row_bytes, row_bytes);
     }
-    Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:

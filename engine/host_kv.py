@@ -18,6 +18,7 @@ slot (``benchmarks/promote_bandwidth.py`` measures it).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,8 @@ import torch
 
 from engine.kv_cache.host_tier import TierCopy
 from engine.model.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 #: (targets, sources, target rows, source rows): row ``target_rows[j]`` of every target buffer
 #: receives row ``source_rows[j]`` of its source (``engine/_row_copy.c``); None where the
@@ -76,6 +79,8 @@ class HostKVMemory:
         self.seconds = 0.0
         self.seconds_to_host = 0.0
         self.seconds_to_device = 0.0
+        how = "by compiled row copies" if copy_rows is not None else "by numpy row copies (engine._row_copy not built)"
+        log.info("host tier memory: %.1f MiB, copies %s", self.nbytes / 2**20, "on a side stream" if self.cuda else how)
 
     @property
     def nbytes(self) -> int:
