@@ -1,8 +1,10 @@
-"""Build configuration beyond pyproject.toml: the routing index's compiled core.
+"""Build configuration beyond pyproject.toml: the routing index's compiled core and the host
+tier's row copies.
 
 ``engine/routing/_core.c`` (CPython C API, no other dependency) is built at install time. It is
 optional: where no C compiler is available the install still succeeds and ``engine.routing``
-uses its pure-Python holder maps (``engine/routing/holder_maps.py``).
+uses its pure-Python holder maps (``engine/routing/holder_maps.py``). ``engine/_row_copy.c`` is
+optional the same way: without it ``engine.host_kv`` copies rows with numpy.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,7 @@ setup(
             sources=["engine/routing/_core.c"],
             extra_compile_args=["-std=c11"],
             optional=True,
-        )
+        ),
+        Extension("engine._row_copy", sources=["engine/_row_copy.c"], extra_compile_args=["-std=c11"], optional=True),
     ]
 )

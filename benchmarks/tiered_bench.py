@@ -53,6 +53,28 @@ kvfleet_tiered,prefix_tree_tiered``): false hits kvfleet 0, tree 2.1%; p90 229 v
 hit rate 0.512 vs 0.686. Promote bandwidth stays far below memcpy: a promote batch is the few
 blocks of one admission, so its copy calls, not its bytes, set the time (tiny Bamba's pages are a
 few hundred bytes; Gemma's 32 KiB pages reached 0.81 GB/s, 0.094x).
+
+Promote bandwidth after the host tier coalesced a step's copies (one offload and one promote
+batch per pool and phase, ``engine.kv_cache.host_tier``) and the CPU copies became one compiled
+call per batch that keeps the GIL (``engine/_row_copy.c``), kvfleet_tiered alone
+(``--runs kvfleet_tiered``, 2026-11-28, same machine, load average 5-6):
+
+    Gemma-3-270M   514 MB promoted (5234 blocks of 96 KiB) in 0.277 s: 1.86 GB/s = 0.227x memcpy
+                   (8.19 GB/s), up from 0.094x; offloads 817 MB in 0.368 s
+    tiny Bamba     9.2-9.9 MB (4500-4850 blocks of 2 KiB) in 7.6-13.6 ms: 0.065-0.16x over three
+                   runs (two before the copies kept the GIL), up from 0.004x; offloads 12 MB in
+                   0.027 s (0.14-0.23 s while the copies gave up the GIL)
+
+Short of 0.5x, and not because of the copies' own speed: one run with every batch timed inside
+the workers gave tiny Bamba 70 promote batches (median 52 blocks, 28 us), 7.5 MB in 2.2 ms, 3.5
+GB/s = 0.39x that run's memcpy; the summed promote seconds of the other runs hold a few batches
+stalled for milliseconds (4 workers, the driver and Ray on 2 cores: a copy preempted or waiting
+for the GIL counts its wait; the offload batches of the timed run had three of 2.1-3.6 ms, 8 of
+its 16 ms). In one process with no other worker, Gemma-shaped steps of 48-96 blocks from a host
+pool three times the device, caches flushed between steps, run at 3.9-6.2 GB/s, 0.55x memcpy
+(``benchmarks/promote_bandwidth.py`` measures the shapes in-process). The memcpy is measured in
+the idle driver after the runs, the promotes inside busy workers sharing the cores and memory
+bandwidth.
 """
 
 from __future__ import annotations

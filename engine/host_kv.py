@@ -7,22 +7,39 @@ in order. On CUDA the host tensors are pinned and the copies run on a side strea
 waits for the work queued on the compute stream (an offload reads what earlier steps wrote), and
 the compute stream waits for them before the next forward, so the host thread never blocks on
 them; on the CPU they are plain copies (the same bookkeeping, so CI exercises it).
+
+On the CPU a batch is one call that copies its rows of every slot of the pool (``copy_rows`` of
+the compiled ``engine._row_copy``: indices checked once, then one memmove per row and slot),
+else, where that extension was not built, one numpy gather and scatter per slot. The host
+tier's queue makes batches large (one per pool and direction per phase of an engine step), so a
+promote moves its bytes near memcpy speed rather than paying a tensor operation per block and
+slot (``benchmarks/promote_bandwidth.py`` measures it).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.kv_cache.host_tier import TierCopy
 from engine.model.kv_layout import KVLayout
 
-#: pages smaller than this move, on the CPU, by gather and scatter rather than one copy per block
-#: (measured on a 2-core CPU, 256 scattered blocks x 8 slots: 256 B pages 0.03 -> 0.6 GB/s,
-#: 2 KiB 0.12-0.2 -> 0.8-1.0 GB/s; 32 KiB pages 1.9-2.6 GB/s by per-block copies, 0.7-1.8 by gather)
-GATHER_BELOW_BYTES = 16 * 1024
+log = logging.getLogger(__name__)
+
+#: (targets, sources, target rows, source rows): row ``target_rows[j]`` of every target buffer
+#: receives row ``source_rows[j]`` of its source (``engine/_row_copy.c``); None where the
+#: extension was not built (setup.py: optional), and numpy copies the rows
+copy_rows: Callable[[Sequence[np.ndarray], Sequence[np.ndarray], list[int], list[int]], None] | None
+try:
+    from engine._row_copy import copy_rows as _compiled_copy_rows
+
+    copy_rows = _compiled_copy_rows
+except ImportError:
+    copy_rows = None
 
 
 class HostKVMemory:
@@ -41,6 +58,20 @@ class HostKVMemory:
             for p, slot in zip(layout.slot_pool, self.device_slots, strict=True)
         ]
         self.stream = torch.cuda.Stream(device=self.device_slots[0].device) if self.cuda else None
+        # on the CPU: numpy views of each pool's device and host slot tensors, rows as the widest
+        # integers that tile them (the same memory), what the row copies work on
+        self.device_rows: list[list[np.ndarray]] = []
+        self.host_rows: list[list[np.ndarray]] = []
+        # bytes one block of each pool holds over its slots (what copying it moves)
+        self.pool_block_bytes = [
+            sum(self.host[s].shape[1] * self.host[s].element_size() for s in self._slots_of(p))
+            for p in range(layout.num_pools)
+        ]
+        if not self.cuda:
+            for p in range(layout.num_pools):
+                slots = self._slots_of(p)
+                self.device_rows.append([_wide_rows(self.device_slots[s]) for s in slots])
+                self.host_rows.append([_wide_rows(self.host[s]) for s in slots])
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         # host-side seconds spent in ``run`` (on CUDA: queueing the copies, not their transfer),
@@ -48,6 +79,8 @@ class HostKVMemory:
         self.seconds = 0.0
         self.seconds_to_host = 0.0
         self.seconds_to_device = 0.0
+        how = "by compiled row copies" if copy_rows is not None else "by numpy row copies (engine._row_copy not built)"
+        log.info("host tier memory: %.1f MiB, copies %s", self.nbytes / 2**20, "on a side stream" if self.cuda else how)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +88,7 @@ class HostKVMemory:
 
     def block_bytes(self, pool: int) -> int:
         """Bytes one block of ``pool`` holds over all its slots (what a copy of it moves)."""
-        return sum(self.host[s].shape[1] * self.host[s].element_size() for s in self._slots_of(pool))
+        return self.pool_block_bytes[pool]
 
     #: copies measured before the measured bandwidth replaces the default (smaller samples are
     #: mostly call overhead)
@@ -100,35 +133,40 @@ class HostKVMemory:
                 self.seconds_to_device += time.perf_counter() - start
 
     def _copy(self, copy: TierCopy) -> None:
-        """One batch. On CUDA: slice copies over runs of consecutive ids (asynchronous: the host
-        rows are pinned, the stream orders them). On the CPU, a batch of scattered ids on small
-        pages (``GATHER_BELOW_BYTES``) is one gather and one scatter per slot over rows viewed as
-        the widest integers that tile them: there one call per block and slot costs more than
-        its bytes, while large pages copy faster in one pass each."""
-        cuda, slots = self.cuda, self._slots_of(copy.pool)
-        runs = _runs(copy.device_ids, copy.host_ids)
-        if not cuda and len(runs) > 1 and self.host[slots[0]][0].nbytes < GATHER_BELOW_BYTES:
-            device_ids, host_ids = torch.tensor(copy.device_ids), torch.tensor(copy.host_ids)
-            for s in slots:
-                device, host = _wide_rows(self.device_slots[s]), _wide_rows(self.host[s])
-                if copy.to_host:
-                    host.index_copy_(0, host_ids, device.index_select(0, device_ids))
-                else:
-                    device.index_copy_(0, device_ids, host.index_select(0, host_ids))
-        else:
-            for device_start, host_start, n in runs:
+        """One batch: on CUDA, slice copies over runs of consecutive ids (asynchronous: the host
+        rows are pinned, the stream orders them); on the CPU, its rows of every slot at once."""
+        if self.cuda:
+            slots = self._slots_of(copy.pool)
+            for device_start, host_start, n in _runs(copy.device_ids, copy.host_ids):
                 for s in slots:
                     device = self.device_slots[s][device_start : device_start + n]
                     host = self.host[s][host_start : host_start + n]
                     if copy.to_host:
-                        host.copy_(device, non_blocking=cuda)
+                        host.copy_(device, non_blocking=True)
                     else:
-                        device.copy_(host, non_blocking=cuda)
-        moved = sum(self.host[s].shape[1] for s in self._slots_of(copy.pool)) * len(copy.device_ids)
+                        device.copy_(host, non_blocking=True)
+        elif copy.to_host:
+            _copy_rows(self.host_rows[copy.pool], self.device_rows[copy.pool], copy.host_ids, copy.device_ids)
+        else:
+            _copy_rows(self.device_rows[copy.pool], self.host_rows[copy.pool], copy.device_ids, copy.host_ids)
+        moved = self.pool_block_bytes[copy.pool] * len(copy.device_ids)
         if copy.to_host:
             self.bytes_to_host += moved
         else:
             self.bytes_to_device += moved
+
+
+def _copy_rows(
+    targets: list[np.ndarray], sources: list[np.ndarray], target_ids: list[int], source_ids: list[int]
+) -> None:
+    """Row ``target_ids[j]`` of every target receives row ``source_ids[j]`` of its source (no
+    target row repeats, so the order of the copies does not matter)."""
+    if copy_rows is not None:
+        copy_rows(targets, sources, target_ids, source_ids)
+        return
+    target_index, source_index = np.asarray(target_ids), np.asarray(source_ids)
+    for target, source in zip(targets, sources, strict=True):
+        target[target_index] = source[source_index]
 
 
 def _runs(device_ids: list[int], host_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -144,11 +182,12 @@ def _runs(device_ids: list[int], host_ids: list[int]) -> list[tuple[int, int, in
     return runs
 
 
-def _wide_rows(slot: torch.Tensor) -> torch.Tensor:
-    """``slot`` ([blocks, page]) viewed as rows of the widest integer type that tiles a row's bytes
-    (the same memory: a copy of rows is a copy of pages)."""
-    raw = slot.view(torch.uint8)
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if raw.shape[1] % size == 0 and raw.storage_offset() % size == 0:
+def _wide_rows(slot: torch.Tensor) -> np.ndarray:
+    """``slot`` ([blocks, page], on the CPU) as a numpy array of rows of the widest integer type
+    that tiles a row's bytes (the same memory: a copy of rows is a copy of pages)."""
+    raw = slot.view(torch.uint8).numpy()
+    for dtype in (np.int64, np.int32, np.int16):
+        size = np.dtype(dtype).itemsize
+        if raw.shape[1] % size == 0 and raw.ctypes.data % size == 0:
             return raw.view(dtype)
     return raw

@@ -17,7 +17,15 @@ module decides which blocks move where; the copies themselves are the runner's
 
 Copies must run in the order queued, and before the next forward reads or writes any block:
 an offload reads a device block before its new owner writes it, a promote reads a host block
-before a later offload reuses it. The host pools reuse ``BlockPool``: a host block is free (no
+before a later offload reuses it. What the order must keep is only those dependencies, so the
+queue coalesces: copies accumulate in a *phase*, one offload batch and one promote batch per
+pool, whose offloads all run before its promotes; an offload joins the phase unless a promote
+already in it reads the host block the offload writes, writes the device block it reads, or an
+offload in it writes that host block too; a promote joins unless one in it writes the same device
+block. Otherwise a new phase begins. An admission's eviction-then-promote pairs (the fresh
+device block a promote fills is the one just offloaded) and a whole engine step's copies thus
+become a few large batches rather than alternating one-block ones, whose per-call cost, not
+their bytes, would set the copy time. The host pools reuse ``BlockPool``: a host block is free (no
 hash) or cached, ref count 0, except while an admission promotes it (``lock`` / ``unlock``:
 a locked block is out of the LRU queue, so no offload of that admission can take it).
 
@@ -109,7 +117,16 @@ class HostTier:
             BlockPool(n, num_groups, enable_caching=True, index=HOST_POOL_BASE + p) for p, n in enumerate(num_blocks)
         ]
         self.copies: list[TierCopy] = []
-        self._targets: set[int] = set()  # target ids of the last batch in ``copies``
+        # the phase being queued (see the module docstring): its batches by (pool, to_host), where
+        # in ``copies`` it starts, how many offload batches it has (they precede its promotes),
+        # and the (pool, block id) entries its copies touch: host blocks its promotes read and
+        # its offloads write, device blocks its promotes write
+        self._phase: dict[tuple[int, bool], TierCopy] = {}
+        self._phase_start = 0
+        self._phase_offloads = 0
+        self._promote_reads: set[tuple[int, int]] = set()
+        self._promote_writes: set[tuple[int, int]] = set()
+        self._offload_writes: set[tuple[int, int]] = set()
         self.counters = TierCounters()
         self.log = events if events is not None and events.enabled else None
         # host entries changed since the last ``flush_events``, in order: (entered?, pool, group, hash)
@@ -194,20 +211,41 @@ class HostTier:
         self.counters.promoted += 1
 
     def _queue(self, pool: int, to_host: bool, device_id: int, host_id: int) -> None:
-        target = host_id if to_host else device_id
-        copies = self.copies
-        if not copies or copies[-1].pool != pool or copies[-1].to_host != to_host or target in self._targets:
-            copies.append(TierCopy(pool, to_host))
-            self._targets = set()
-        batch = copies[-1]
+        """Add one copy to the current phase, or begin a new phase where running it with the
+        phase's batches (offloads first) would not keep what the queue order means."""
+        device, hosted = (pool, device_id), (pool, host_id)
+        if to_host:
+            if hosted in self._promote_reads or device in self._promote_writes or hosted in self._offload_writes:
+                self._new_phase()
+            self._offload_writes.add(hosted)
+        else:
+            if device in self._promote_writes:
+                self._new_phase()
+            self._promote_reads.add(hosted)
+            self._promote_writes.add(device)
+        batch = self._phase.get((pool, to_host))
+        if batch is None:
+            batch = self._phase[(pool, to_host)] = TierCopy(pool, to_host)
+            if to_host:
+                self.copies.insert(self._phase_start + self._phase_offloads, batch)
+                self._phase_offloads += 1
+            else:
+                self.copies.append(batch)
         batch.device_ids.append(device_id)
         batch.host_ids.append(host_id)
-        self._targets.add(target)
+
+    def _new_phase(self) -> None:
+        self._phase = {}
+        self._phase_start = len(self.copies)
+        self._phase_offloads = 0
+        self._promote_reads = set()
+        self._promote_writes = set()
+        self._offload_writes = set()
 
     def take_copies(self) -> list[TierCopy]:
         """The copies queued since the last call, in the order they must run."""
         copies, self.copies = self.copies, []
-        self._targets = set()
+        self._new_phase()
         return copies
 
     # -- events ----------------------------------------------------------------------------------------
