@@ -75,6 +75,36 @@ pool three times the device, caches flushed between steps, run at 3.9-6.2 GB/s, 
 (``benchmarks/promote_bandwidth.py`` measures the shapes in-process). The memcpy is measured in
 the idle driver after the runs, the promotes inside busy workers sharing the cores and memory
 bandwidth.
+
+All of that together, the full run (``python -m benchmarks.tiered_bench``, 2026-11-28 09:19, code
+of 6fc899f, load average 3-5; also: a request runs whole on any decode worker holding all but
+``decode_only_threshold_tokens`` of it, and a worker's reported queue counts the prompt chunks of
+the step it is computing; benchmarks/results/tiered_bench-cpu-2026-11-28-b.json)::
+
+    Gemma-3-270M   kvfleet tiered   hit 0.686 (device 0.093, host 0.332)  p50 0.62 s  p90 1.74 s  14.3 tok/s  false hits 0
+                   kvfleet no tier  hit 0.184                             p50 1.77 s  p90 2.63 s   9.4 tok/s
+                   tree tiered      hit 0.706 (device 0.122, host 0.384)  p50 0.69 s  p90 1.83 s  14.4 tok/s  false hits 0
+                   round robin      hit 0.335                             p50 1.49 s  p90 2.29 s  10.6 tok/s
+                   (prompt order's hit bound 0.706); promote 3.14 GB/s = 0.31x memcpy
+    tiny Bamba     kvfleet tiered   hit 0.702 (device 0.159, host 0.377)  p50 103 ms  p90 199 ms  false hits 0
+                   kvfleet no tier  hit 0.192                             p50 131 ms  p90 206 ms
+                   tree tiered      hit 0.687 (device 0.163, host 0.342)  p50 117 ms  p90 195 ms  false hits 6.9%
+                   round robin      hit 0.398                             p50 138 ms  p90 214 ms
+                   (bound 0.739); promote 3.46 GB/s = 0.41x memcpy
+
+    {"hit_rate_ratio_vs_no_tier": 3.6634, "p90_ttft_ratio_vs_prefix_tree": 1.019,
+     "false_hit_share": {"kvfleet": 0.0, "prefix_tree": 0.043}, "promote_bandwidth_over_memcpy": 0.3098, ...}
+
+Why p90 stays at the tree's: both routers reach the prompt order's hit bound (within 3%), so what
+is left of p90 is the first request of each prefix, a miss every policy computes (a quarter of
+Gemma's requests, a fifth of Bamba's: p90 falls among them), and on 2 cores the four workers
+share the CPU, so placing a miss on a less loaded worker does not make it compute faster. Per
+request (Gemma, four runs of each, kvfleet then tree): p90 1.69-2.02 s against 1.78-2.10 s, p50
+0.52-0.66 s against 0.80-0.92 s; the misses' TTFT (1.0-2.5 s) is the prefill step itself, not a
+queue. Letting an idle decode worker prefill a new prefix while the prefill workers are busy
+(``router.local_prefill_margin_tokens``) did not help: the prefix then lived only on that decode
+worker, whose cache also holds every prompt it pulls, and was missed again later (4 repeat
+misses in 96).
 """
 
 from __future__ import annotations
