@@ -98,10 +98,11 @@ the step it is computing; benchmarks/results/tiered_bench-cpu-2026-11-28-b.json)
 Why p90 stays at the tree's: both routers reach the prompt order's hit bound (within 3%), so what
 is left of p90 is the first request of each prefix, a miss every policy computes (a quarter of
 Gemma's requests, a fifth of Bamba's: p90 falls among them), and on 2 cores the four workers
-share the CPU, so placing a miss on a less loaded worker does not make it compute faster. Per
-request (Gemma, four runs of each, kvfleet then tree): p90 1.69-2.02 s against 1.78-2.10 s, p50
-0.52-0.66 s against 0.80-0.92 s; the misses' TTFT (1.0-2.5 s) is the prefill step itself, not a
-queue. Letting an idle decode worker prefill a new prefix while the prefill workers are busy
+share the CPU, so placing a miss on a less loaded worker does not make it compute faster. Gemma
+alone, kvfleet then the tree back to back (load average 3-10): with this code p90 1.69 vs 1.78 s,
+p50 0.52 vs 0.80 s; the code before these changes 2.75 vs 3.29 s; in between 2.28 vs 2.11,
+2.02 vs 2.10 and (load average 8-9) 3.98 vs 2.68 s. The misses' TTFT (1.0-2.5 s) is the
+prefill step itself, not a queue. Letting an idle decode worker prefill a new prefix while the prefill workers are busy
 (``router.local_prefill_margin_tokens``) did not help: the prefix then lived only on that decode
 worker, whose cache also holds every prompt it pulls, and was missed again later (4 repeat
 misses in 96).
