@@ -203,6 +203,11 @@ class RoutingPolicy(PlacementPolicy):
         self._order.set(worker, self._load_cost[worker], self._work.rank(worker))
 
     @property
+    def w_pull(self) -> float:
+        """Weight of a token a decode worker pulls from the prefill worker: a tenth of computing it."""
+        return 0.1 * self.weights.uncached_tokens
+
+    @property
     def w_miss(self) -> float:
         """Weight of an uncached prefill token: its compute plus the cache churn it causes."""
         return self.weights.uncached_tokens + self.weights.cache_churn
@@ -338,7 +343,7 @@ class RoutingPolicy(PlacementPolicy):
         remote_hits = hits
         if self.has_mamba:  # the decode side of a remote prefill: Mamba groups do not veto
             remote_hits = self.index.predict(request.block_hashes, num_tokens - 1, skip_mamba=True)
-        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, 0.1 * self.weights.uncached_tokens, ahead=ahead)
+        decode, _ = self._pick(decoders, remote_hits, num_tokens, None, self.w_pull, ahead=ahead)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
         if local_uncached < self.config.decode_only_threshold_tokens:
@@ -387,7 +392,7 @@ class RoutingPolicy(PlacementPolicy):
         load_cost = self._load_cost
         queue = load_cost[prefill]
         best_cost = queue + w_miss * (n - hits.get(prefill, 0))
-        best_cost += 0.1 * self.weights.uncached_tokens * (n - pulled.get(decode, 0))
+        best_cost += self.w_pull * (n - pulled.get(decode, 0))
         margin = self.config.local_prefill_margin_tokens
         congested = margin is not None and queue > w_miss * margin
         threshold = self.config.decode_only_threshold_tokens
