@@ -7,16 +7,23 @@ exponential average with half-life h has a closed form: after a change at time t
 a0 and new value q, the average at t is ``q + (a0 - q) * 0.5 ** ((t - t0) / h)``. The cluster
 mean needs no pass over the workers: averaging is linear, so the average of the sum of the
 queues (tracked the same way) divided by the number of workers is the mean of the averages.
+
+``LoadBook`` bundles the three for the policy, with the pick's loop over a request's candidates;
+``PyLoadBook`` is the reference, ``engine/routing/_load.c`` the compiled book (built at install
+time, optional like the holder maps' core).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable, Container
 from heapq import heapify, heappop, heappush
 from itertools import count
+from typing import Protocol
 
+from engine.routing.holder_maps import CORE_ENV
 from engine.routing.types import WorkerId
 
 
@@ -195,3 +202,189 @@ class LoadOrder:
         for entry in taken:
             heappush(heap, entry)
         return found, refused
+
+
+#: what ``LoadBook.scan`` returns: (best cost, the workers at it, the pending holders left for the
+#: caller to resolve, the holders costed at the spread weight, whether a guard refused a worker,
+#: whether the load order gave a least loaded worker without a prefix)
+Scan = tuple[float, list[WorkerId], list[WorkerId], set[WorkerId], bool, bool]
+
+
+class LoadBook(Protocol):
+    """The routing policy's per-worker load state over time: queued tokens averaged over time
+    (``SmoothedQueues``, absent when ``load_halflife_s`` is 0), work assigned lately
+    (``DecayedWork``) and the load order (``LoadOrder``), with the pick's loop over a request's
+    candidates (``scan``). The policy keeps each worker's queued tokens and load cost in plain
+    dicts and hands them in; the book owns only what changes with time.
+
+    Two implementations with identical results (the same floating-point operations in the same
+    order, the same random draws): ``PyLoadBook`` below, the reference, and the compiled
+    ``engine.routing._load.LoadBook`` (``make_load_book`` picks one like
+    ``holder_maps.make_holder_maps``)."""
+
+    def add(self, worker: WorkerId) -> None: ...
+    def remove(self, worker: WorkerId) -> None: ...
+    def advance(self, now: float) -> None: ...
+    def set_load(self, worker: WorkerId, queued: float, cost: float) -> None: ...
+    def add_work(self, worker: WorkerId, amount: float, now: float) -> None: ...
+    def smoothed(self, worker: WorkerId, now: float) -> float: ...
+    def smoothed_mean(self, now: float) -> float: ...
+    def work(self, worker: WorkerId, now: float) -> float: ...
+    def work_mean(self, now: float) -> float: ...
+    def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool: ...
+    def scan(
+        self,
+        credit: dict[WorkerId, float],
+        among: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        limit: float,
+        now: float,
+        slow: float,
+        cap: float,
+        w_uncached: float,
+        w_spread: float,
+        pending: Container[WorkerId],
+        probes: int,
+    ) -> Scan: ...
+
+
+class PyLoadBook:
+    """``LoadBook`` in Python: a ``SmoothedQueues`` (None when ``load_halflife_s`` is 0), a
+    ``DecayedWork`` and a ``LoadOrder`` over the same workers.
+
+    Invariants: the three track exactly the workers added and not removed; a worker's load-order
+    key is its last ``set_load`` cost and its work rank at that moment."""
+
+    def __init__(self, load_halflife_s: float, work_halflife_s: float, seed: int):
+        self.queues = SmoothedQueues(load_halflife_s) if load_halflife_s > 0 else None
+        self.assigned = DecayedWork(work_halflife_s)
+        self.order = LoadOrder(seed)
+
+    def add(self, worker: WorkerId) -> None:
+        """Track ``worker``: queue and work 0, load cost 0."""
+        if self.queues is not None:
+            self.queues.add(worker)
+        self.assigned.add_worker(worker)
+        self.order.set(worker, 0.0, self.assigned.rank(worker))
+
+    def remove(self, worker: WorkerId) -> None:
+        self.order.remove(worker)
+        if self.queues is not None:
+            self.queues.remove(worker)
+        self.assigned.remove(worker)
+
+    def advance(self, now: float) -> None:
+        """The time of a decision: later queue changes reported without a time happen then."""
+        if self.queues is not None:
+            self.queues.now = max(self.queues.now, now)
+
+    def set_load(self, worker: WorkerId, queued: float, cost: float) -> None:
+        """A new queue length and load cost for ``worker`` (a report, or the router's assignment)."""
+        if self.queues is not None:
+            self.queues.set(worker, queued)
+        self.order.set(worker, cost, self.assigned.rank(worker))
+
+    def add_work(self, worker: WorkerId, amount: float, now: float) -> None:
+        self.assigned.add(worker, amount, now)
+
+    def smoothed(self, worker: WorkerId, now: float) -> float:
+        return self.queues.get(worker, now) if self.queues is not None else 0.0
+
+    def smoothed_mean(self, now: float) -> float:
+        return self.queues.mean(now) if self.queues is not None else 0.0
+
+    def work(self, worker: WorkerId, now: float) -> float:
+        return self.assigned.get(worker, now)
+
+    def work_mean(self, now: float) -> float:
+        return self.assigned.mean(now)
+
+    def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool:
+        """Whether ``worker`` took more than its share lately: its time-averaged queue above
+        ``slow`` or its assigned work above ``cap`` (``RoutingPolicy._guard`` sets both)."""
+        return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(
+            worker, now
+        ) > cap
+
+    def scan(
+        self,
+        credit: dict[WorkerId, float],
+        among: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        limit: float,
+        now: float,
+        slow: float,
+        cap: float,
+        w_uncached: float,
+        w_spread: float,
+        pending: Container[WorkerId],
+        probes: int,
+    ) -> Scan:
+        """The pick's argmin over the workers with a prefix (``credit``: tokens each saves) that
+        are in ``among``, then, when ``probes`` >= 0, over the least loaded worker without one
+        (the load order's first ``probes`` entries); ``RoutingPolicy._pick`` states the rule.
+
+        A worker whose queue exceeds ``limit`` is left out (guarded); a holder over its share
+        (``over``) is costed at ``w_spread`` instead of ``w_uncached``; a holder in ``pending``
+        is deferred to the caller. Cost of a holder: ``load_cost - weight * credit``; of a worker
+        without a prefix: its load cost. Ties within 1e-9 are all kept."""
+        best_cost = math.inf
+        best: list[WorkerId] = []
+        deferred: list[WorkerId] = []
+        spread: set[WorkerId] = set()
+        guarded = False
+        for worker, value in credit.items():
+            if worker not in among:
+                continue
+            if not queued[worker] <= limit:
+                guarded = True
+                continue
+            weight = w_uncached
+            if w_spread < w_uncached and value > 0 and self.over(worker, now, slow, cap):
+                spread.add(worker)
+                weight = w_spread
+            if worker in pending:
+                deferred.append(worker)
+                continue
+            best_cost, best = better(worker, load_cost[worker] - weight * value, best_cost, best)
+        if probes < 0:
+            return best_cost, best, deferred, spread, guarded, False
+        fresh, refused = self.order.first(credit, lambda w: queued[w] <= limit, probes)
+        if fresh is None:
+            return best_cost, best, deferred, spread, guarded or refused, False
+        rest = load_cost[fresh]
+        if rest < best_cost - 1e-9:
+            best_cost, best = rest, [fresh]
+        elif rest <= best_cost + 1e-9:
+            best = [*best, fresh]
+        return best_cost, best, deferred, spread, guarded or refused, True
+
+
+def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:
+    """Fold one (worker, cost) into a running argmin (ties within 1e-9 kept for a random pick)."""
+    if cost < best_cost - 1e-9:
+        return cost, [worker]
+    if cost <= best_cost + 1e-9:
+        best.append(worker)
+    return best_cost, best
+
+
+def make_load_book(load_halflife_s: float, work_halflife_s: float, seed: int, core: str | None = None) -> LoadBook:
+    """The load book: ``core`` "compiled", "python" or "auto" (the compiled book when built);
+    None reads ``KVFLEET_ROUTING_CORE`` (default "auto"), the variable that picks the holder maps."""
+    choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
+    if choice not in ("auto", "compiled", "python"):
+        source = "core" if core is not None else CORE_ENV
+        raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
+    if choice != "python":
+        try:
+            from engine.routing._load import LoadBook as CompiledLoadBook
+        except ImportError:
+            if choice == "compiled":
+                raise
+        else:
+            book: LoadBook = CompiledLoadBook(load_halflife_s, work_halflife_s, seed)
+            return book
+    return PyLoadBook(load_halflife_s, work_halflife_s, seed)

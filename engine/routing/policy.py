@@ -84,6 +84,7 @@ sub-pool (dedicated prefill or decode workers) and when the least loaded are all
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -95,7 +96,7 @@ from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
-from engine.routing.load import DecayedWork, LoadOrder, SmoothedQueues
+from engine.routing.load import LoadBook, better, make_load_book
 from engine.routing.pins import Pin, PinTable
 from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import (
@@ -136,8 +137,8 @@ class RoutingPolicy(PlacementPolicy):
         self.rules = self.index.rules
         self.has_mamba = bool(self.rules.mamba_groups)
         cfg = self.config
-        self._smoothed = SmoothedQueues(cfg.load_halflife_s) if cfg.load_halflife_s > 0 else None
-        self._work = DecayedWork(cfg.work_halflife_s)
+        # time averages of the queues, work assigned lately, the load order (``load.LoadBook``)
+        self._book: LoadBook = make_load_book(cfg.load_halflife_s, cfg.work_halflife_s, cfg.seed)
         self._now = 0.0
         self.pins = PinTable(self.index, cfg.pin_capacity_blocks)
         auto = cfg.auto_pin
@@ -147,7 +148,6 @@ class RoutingPolicy(PlacementPolicy):
         self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
         self._pool: list[WorkerId] = []  # every worker, in order of arrival (the aggregated pool)
-        self._order = LoadOrder(cfg.seed)  # every worker by (load cost, lately assigned work)
         self._queued: dict[WorkerId, float] = {}
         self._queued_sum = 0.0
         self._disaggregated = False
@@ -165,10 +165,7 @@ class RoutingPolicy(PlacementPolicy):
         self._load_cost[worker] = 0.0
         self._pool = list(self._load_cost)
         self._queued[worker] = 0.0
-        if self._smoothed is not None:
-            self._smoothed.add(worker)
-        self._work.add_worker(worker)
-        self._order.set(worker, 0.0, self._work.rank(worker))
+        self._book.add(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self._fill_pins(now)
 
@@ -178,11 +175,8 @@ class RoutingPolicy(PlacementPolicy):
         self.index.remove_worker(worker)
         self._load_cost.pop(worker, None)
         self._pool = list(self._load_cost)
-        self._order.remove(worker)
         self._queued.pop(worker, None)
-        if self._smoothed is not None:
-            self._smoothed.remove(worker)
-        self._work.remove(worker)
+        self._book.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
         self._inflight.forget_worker(worker)
@@ -197,10 +191,8 @@ class RoutingPolicy(PlacementPolicy):
         self._queued_sum += load.queued_tokens - old.queued_tokens
         self.loads[worker] = load
         self._queued[worker] = load.queued_tokens
-        if self._smoothed is not None:
-            self._smoothed.set(worker, load.queued_tokens)
-        self._load_cost[worker] = self._cost_of(load)
-        self._order.set(worker, self._load_cost[worker], self._work.rank(worker))
+        cost = self._load_cost[worker] = self._cost_of(load)
+        self._book.set_load(worker, load.queued_tokens, cost)
 
     @property
     def w_pull(self) -> float:
@@ -276,8 +268,7 @@ class RoutingPolicy(PlacementPolicy):
         hashes = request.block_hashes
         num_tokens = request.num_tokens
         self._now = now
-        if self._smoothed is not None:
-            self._smoothed.now = max(self._smoothed.now, now)
+        self._book.advance(now)
         shared: dict[WorkerId, int] = {}
         host: dict[WorkerId, int] = {}
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
@@ -413,17 +404,15 @@ class RoutingPolicy(PlacementPolicy):
         prefill, decode = decision.prefill_worker, decision.decode_worker
         loads = self.loads
         before = loads[prefill].queued_tokens
-        self._work.add(prefill, decision.uncached_tokens + self.config.request_work_tokens, self._now)
+        book = self._book
+        book.add_work(prefill, decision.uncached_tokens + self.config.request_work_tokens, self._now)
         super()._record(decision)
         self._queued_sum += loads[prefill].queued_tokens - before
-        smoothed = self._smoothed
         for worker in (prefill,) if decode == prefill else {prefill, decode}:
             load = loads[worker]
             cost = self._load_cost[worker] = self._cost_of(load)
-            self._order.set(worker, cost, self._work.rank(worker))
             queued = self._queued[worker] = load.queued_tokens
-            if smoothed is not None:
-                smoothed.set(worker, queued)
+            book.set_load(worker, queued, cost)
 
     # -- choosing one worker by cost ------------------------------------------------------------------
     def _pick(
@@ -455,8 +444,12 @@ class RoutingPolicy(PlacementPolicy):
         (credited where they exceed what the index knows; the caller resolves ``pending`` first).
         ``host``: the host tier's part of a worker's hit (``_credit`` prices it)."""
         load_cost = self._load_cost
-        among = load_cost if len(workers) == len(load_cost) else set(workers)
-        ok, over = self._guard(num_tokens, workers)
+        whole = len(workers) == len(load_cost)
+        among = load_cost if whole else set(workers)
+        limit, slow, cap = self._guard(num_tokens, workers)
+        queued = self._queued
+        book = self._book
+        now = self._now
         credit = self._credit(hits, shared, host)
         if ahead:
             for worker, tokens in ahead.items():
@@ -464,44 +457,24 @@ class RoutingPolicy(PlacementPolicy):
                     credit[worker] = tokens
         reason = "cost"
         if pin is not None:
-            resident = [w for w, h in hits.items() if h >= pin.length and w in among and ok(w) and not over(w)]
+            resident = [
+                w for w, h in hits.items()
+                if h >= pin.length and w in among and queued[w] <= limit and not book.over(w, now, slow, cap)
+            ]  # fmt: skip
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"
         w_spread = min(w_uncached, self.weights.uncached_tokens)
-        spread: set[WorkerId] = set()  # holders over their share: credit at w_spread
-        best_cost = float("inf")
-        best: list[WorkerId] = []
-        deferred: list[WorkerId] = []
-        guarded = False
+        # the argmin over the workers with a prefix, then the load order's least loaded other
+        # worker for the whole pool (``LoadBook.scan``); spread: holders over their share
+        probes = len(credit) + LEAST_LOADED_PROBES if whole and reason != "pin" else -1
         pending_workers = pending.workers if pending is not None else ()
-        for worker, value in credit.items():
-            if worker not in among:
-                continue
-            if not ok(worker):
-                guarded = True
-                continue
-            weight = w_uncached
-            if w_spread < w_uncached and value > 0 and over(worker):
-                spread.add(worker)
-                weight = w_spread
-            if pending_workers and worker in pending_workers:
-                deferred.append(worker)
-                continue
-            best_cost, best = _better(worker, load_cost[worker] - weight * value, best_cost, best)
-        if reason != "pin":  # workers without any prefix: their load cost alone
-            fresh = None
-            if len(workers) == len(load_cost):  # the whole pool: the load order has its least loaded
-                fresh, refused = self._order.first(credit, ok, len(credit) + LEAST_LOADED_PROBES)
-                guarded = guarded or refused
-            if fresh is not None:
-                rest = load_cost[fresh]
-                if rest < best_cost - 1e-9:
-                    best_cost, best = rest, [fresh]
-                elif rest <= best_cost + 1e-9:
-                    best = [*best, fresh]
-            else:
-                best_cost, best, guarded = self._least_loaded_scan(workers, credit, ok, best_cost, best, guarded)
+        best_cost, best, deferred, spread, guarded, fresh = book.scan(
+            credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending_workers, probes
+        )
+        if reason != "pin" and not fresh:  # workers without any prefix: their load cost alone
+            ok = lambda w: queued[w] <= limit  # noqa: E731
+            best_cost, best, guarded = self._least_loaded_scan(workers, credit, ok, best_cost, best, guarded)
         if deferred:
             weights = {w: w_spread if w in spread else w_uncached for w in deferred}
             best_cost, best = self._resolve_deferred(deferred, pending, hits, shared, weights, best_cost, best)
@@ -554,52 +527,44 @@ class RoutingPolicy(PlacementPolicy):
         already took most recent work holds most prefixes, so another one there evicts them);
         equal work is broken at random (seeded)."""
         now = self._now
-        work = {w: self._work.get(w, now) for w in ties}
+        work = {w: self._book.work(w, now) for w in ties}
         least = min(work.values())
         ties = [w for w in ties if work[w] <= least + 1e-6]
         return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
 
-    def _guard(
-        self, num_tokens: int, workers: list[WorkerId]
-    ) -> tuple[Callable[[WorkerId], bool], Callable[[WorkerId], bool]]:
-        """The guards, as (``ok``: may take the request, ``over``: a prefix holder over its share),
-        each against the mean of ``workers`` (the pool the request is placed in: with dedicated
-        prefill and decode workers, the other role's load says nothing about this pool's balance).
+    def _guard(self, num_tokens: int, workers: list[WorkerId]) -> tuple[float, float, float]:
+        """The guards' thresholds, as (``limit``: a worker may take the request while its queued
+        tokens are at most this; ``slow``, ``cap``: a prefix holder is over its share when its
+        time-averaged queue exceeds ``slow`` or its work assigned lately exceeds ``cap``:
+        ``LoadBook.over``), each against the mean of ``workers`` (the pool the request is placed
+        in: with dedicated prefill and decode workers, the other role's load says nothing about
+        this pool's balance).
 
-        ``ok`` fails when a worker's queued tokens exceed ``imbalance_ratio`` times the mean plus
-        this request and ``imbalance_slack_tokens`` (at moderate load a burst should not copy a
-        prefix to a second worker). ``over`` holds when the worker's queue averaged over the last
-        seconds (half-life ``load_halflife_s``) exceeds ``sustained_imbalance_ratio`` times the
-        mean average (plus this request), or when the work assigned to it lately (uncached tokens
-        plus ``request_work_tokens`` per request, half-life ``work_halflife_s``) exceeds
-        ``work_imbalance_ratio`` times the mean (plus this request's): busy time follows that work.
-        What ``over`` does is ``_pick``'s rule (the holder's credit at the compute weight)."""
+        ``limit``: ``imbalance_ratio`` times the mean queue plus this request and
+        ``imbalance_slack_tokens`` (at moderate load a burst should not copy a prefix to a second
+        worker). ``slow``: ``sustained_imbalance_ratio`` times the mean queue averaged over the last
+        seconds (half-life ``load_halflife_s``) plus this request. ``cap``: ``work_imbalance_ratio``
+        times the mean work assigned lately (uncached tokens plus ``request_work_tokens`` per
+        request, half-life ``work_halflife_s``) plus this request's: busy time follows that work.
+        A check that is off (half-life 0, ratio 0) gets an infinite threshold. What ``over`` does is
+        ``_pick``'s rule (the holder's credit at the compute weight)."""
         queued = self._queued
         whole = len(workers) == len(queued)
         count = max(1, len(workers))
         now = self._now
+        book = self._book
+        cfg = self.config
         mean_queued = self._queued_sum / max(1, len(queued)) if whole else sum(map(queued.__getitem__, workers)) / count
-        limit = self.config.imbalance_ratio * mean_queued + num_tokens + self.config.imbalance_slack_tokens
-        smoothed = self._smoothed
-        slow = 0.0
-        if smoothed is not None:
-            mean = smoothed.mean(now) if whole else sum(smoothed.get(w, now) for w in workers) / count
-            slow = self.config.sustained_imbalance_ratio * mean + num_tokens
-        work = self._work if self.config.work_imbalance_ratio else None
-        cap = 0.0
-        if work is not None:
-            mean = work.mean(now) if whole else sum(work.get(w, now) for w in workers) / count
-            cap = self.config.work_imbalance_ratio * mean + num_tokens + self.config.request_work_tokens
-
-        def ok(worker: WorkerId) -> bool:
-            return queued[worker] <= limit
-
-        def over(worker: WorkerId) -> bool:
-            return (smoothed is not None and smoothed.get(worker, now) > slow) or (
-                work is not None and work.get(worker, now) > cap
-            )
-
-        return ok, over
+        limit = cfg.imbalance_ratio * mean_queued + num_tokens + cfg.imbalance_slack_tokens
+        slow = math.inf
+        if cfg.load_halflife_s > 0:
+            mean = book.smoothed_mean(now) if whole else sum(book.smoothed(w, now) for w in workers) / count
+            slow = cfg.sustained_imbalance_ratio * mean + num_tokens
+        cap = math.inf
+        if cfg.work_imbalance_ratio:
+            mean = book.work_mean(now) if whole else sum(book.work(w, now) for w in workers) / count
+            cap = cfg.work_imbalance_ratio * mean + num_tokens + cfg.request_work_tokens
+        return limit, slow, cap
 
     def _credit(
         self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None, host: dict[WorkerId, int] | None = None
@@ -653,7 +618,7 @@ class RoutingPolicy(PlacementPolicy):
         for worker in contenders:
             hit = hits.get(worker, 0)
             cost = load_cost[worker] - weights[worker] * (hit + c * (shared[worker] - hit))
-            best_cost, best = _better(worker, cost, best_cost, best)
+            best_cost, best = better(worker, cost, best_cost, best)
         return best_cost, best
 
     # -- pins: placing, re-placing and revising ---------------------------------------------------------
@@ -831,11 +796,3 @@ class RoutingPolicy(PlacementPolicy):
             actions.extend(self.pins.fill(pin, now, self._choose_holder))
         return actions
 
-
-def _better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:
-    """Fold one (worker, cost) into the running argmin (ties kept for the random pick)."""
-    if cost < best_cost - 1e-9:
-        return cost, [worker]
-    if cost <= best_cost + 1e-9:
-        best.append(worker)
-    return best_cost, best

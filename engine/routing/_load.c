@@ -1,0 +1,662 @@
+/* The routing policy's load book, compiled: the same state and results as ``PyLoadBook`` in
+ * engine/routing/load.py (that module's docstrings state every rule; this file follows them
+ * operation by operation, so the floating-point results are bit-identical, and draws the load
+ * order's tie-breaking numbers from a ``random.Random(seed)`` like ``LoadOrder``).
+ *
+ * One record per worker holds its time-averaged queue (value, average, time of the last change),
+ * its decayed work (value, time) and its live load-order key; a dict maps each worker object to
+ * its record. The load order is a binary heap of keys (cost, work rank, draw, counter) with stale
+ * entries skipped, as in ``LoadOrder``. Built at install time by setup.py; optional.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+
+typedef struct {
+    PyObject *worker;           /* owned; NULL: the record is free */
+    double s_value, s_avg, s_at; /* SmoothedQueues: the queue, its average, when it changed */
+    double w_value, w_at;       /* DecayedWork: the work, when it changed */
+    double cost, rank, draw;    /* the live load-order key */
+    uint64_t counter;           /* the live entry's counter */
+    int has_entry;
+} Rec;
+
+typedef struct {
+    double cost, rank, draw;
+    uint64_t counter;
+    Py_ssize_t rec;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    int smoothed;      /* 0: no time-averaged queues (load_halflife_s == 0) */
+    double s_half, w_half;
+    double s_now;      /* SmoothedQueues.now */
+    double st_value, st_avg, st_at; /* the total queue's average */
+    double w_now;      /* DecayedWork.now */
+    double wt_value, wt_at; /* the total work */
+    Py_ssize_t count;  /* workers tracked */
+    Rec *recs;
+    Py_ssize_t nrecs, caprecs;
+    Py_ssize_t *free_recs;
+    Py_ssize_t nfree;
+    PyObject *index;   /* dict: worker -> record number (int) */
+    Entry *heap;
+    Py_ssize_t nheap, capheap;
+    uint64_t next_counter;
+    PyObject *draw;    /* random.Random(seed).random */
+} Book;
+
+/* -- the averages (``_Average`` and ``DecayedWork._at``) ------------------------------------- */
+
+static inline double avg_get(double value, double avg, double at, double now, double half) {
+    if (now <= at)
+        return avg;
+    return value + (avg - value) * pow(0.5, (now - at) / half);
+}
+
+static inline void avg_set(double *value, double *avg, double *at, double new_value, double now, double half) {
+    *avg = avg_get(*value, *avg, *at, now, half);
+    *at = (now > *at) ? now : *at;
+    *value = new_value;
+}
+
+static inline double decayed(double value, double at, double now, double half) {
+    if (now <= at)
+        return value;
+    return value * pow(0.5, (now - at) / half);
+}
+
+static inline double rank_of(const Book *b, const Rec *r) {
+    return r->w_value > 0 ? log2(r->w_value) + r->w_at / b->w_half : -INFINITY;
+}
+
+/* -- records --------------------------------------------------------------------------------- */
+
+static Py_ssize_t find(Book *b, PyObject *worker) {
+    PyObject *num = PyDict_GetItemWithError(b->index, worker);
+    if (num == NULL)
+        return PyErr_Occurred() ? -2 : -1;
+    return PyLong_AsSsize_t(num);
+}
+
+static Py_ssize_t require(Book *b, PyObject *worker) {
+    Py_ssize_t i = find(b, worker);
+    if (i == -1)
+        PyErr_SetObject(PyExc_KeyError, worker);
+    return i;
+}
+
+/* -- the load order ------------------------------------------------------------------------------ */
+
+static inline int less(const Entry *a, const Entry *b) {
+    if (a->cost != b->cost)
+        return a->cost < b->cost;
+    if (a->rank != b->rank)
+        return a->rank < b->rank;
+    if (a->draw != b->draw)
+        return a->draw < b->draw;
+    return a->counter < b->counter;
+}
+
+static void sift_up(Entry *heap, Py_ssize_t i) {
+    Entry item = heap[i];
+    while (i > 0) {
+        Py_ssize_t parent = (i - 1) >> 1;
+        if (!less(&item, &heap[parent]))
+            break;
+        heap[i] = heap[parent];
+        i = parent;
+    }
+    heap[i] = item;
+}
+
+static void sift_down(Entry *heap, Py_ssize_t n, Py_ssize_t i) {
+    Entry item = heap[i];
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= n)
+            break;
+        if (child + 1 < n && less(&heap[child + 1], &heap[child]))
+            child++;
+        if (!less(&heap[child], &item))
+            break;
+        heap[i] = heap[child];
+        i = child;
+    }
+    heap[i] = item;
+}
+
+static int heap_push(Book *b, Entry e) {
+    if (b->nheap == b->capheap) {
+        Py_ssize_t cap = b->capheap ? 2 * b->capheap : 64;
+        Entry *grown = PyMem_Realloc(b->heap, (size_t)cap * sizeof(Entry));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->heap = grown;
+        b->capheap = cap;
+    }
+    b->heap[b->nheap] = e;
+    sift_up(b->heap, b->nheap);
+    b->nheap++;
+    return 0;
+}
+
+static Entry heap_pop(Book *b) {
+    Entry top = b->heap[0];
+    b->nheap--;
+    if (b->nheap > 0) {
+        b->heap[0] = b->heap[b->nheap];
+        sift_down(b->heap, b->nheap, 0);
+    }
+    return top;
+}
+
+static inline int live(const Book *b, const Entry *e) {
+    const Rec *r = &b->recs[e->rec];
+    return r->worker != NULL && r->has_entry && r->counter == e->counter;
+}
+
+/* ``LoadOrder.set``: a new key for record i (unless it equals the live one). */
+static int order_set(Book *b, Py_ssize_t i, double cost, double rank) {
+    Rec *r = &b->recs[i];
+    if (r->has_entry && r->cost == cost && r->rank == rank)
+        return 0;
+    PyObject *drawn = PyObject_CallNoArgs(b->draw);
+    if (drawn == NULL)
+        return -1;
+    double draw = PyFloat_AsDouble(drawn);
+    Py_DECREF(drawn);
+    if (draw == -1.0 && PyErr_Occurred())
+        return -1;
+    r = &b->recs[i];
+    r->cost = cost;
+    r->rank = rank;
+    r->draw = draw;
+    r->counter = b->next_counter++;
+    r->has_entry = 1;
+    Entry e = {cost, rank, draw, r->counter, i};
+    if (heap_push(b, e) < 0)
+        return -1;
+    if (b->nheap > 4 * b->count + 64) { /* rebuild from the live entries */
+        Py_ssize_t n = 0;
+        for (Py_ssize_t k = 0; k < b->nrecs; k++) {
+            Rec *q = &b->recs[k];
+            if (q->worker != NULL && q->has_entry) {
+                Entry fresh = {q->cost, q->rank, q->draw, q->counter, k};
+                b->heap[n++] = fresh;
+            }
+        }
+        b->nheap = n;
+        for (Py_ssize_t k = n / 2 - 1; k >= 0; k--)
+            sift_down(b->heap, n, k);
+    }
+    return 0;
+}
+
+static double dict_double(PyObject *dict, PyObject *key, int *failed) {
+    PyObject *value = PyDict_GetItemWithError(dict, key);
+    if (value == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        *failed = 1;
+        return 0.0;
+    }
+    double x = PyFloat_AsDouble(value);
+    if (x == -1.0 && PyErr_Occurred())
+        *failed = 1;
+    return x;
+}
+
+/* ``LoadOrder.first``: the least live worker not in ``exclude`` whose queue is within ``limit``,
+ * among the ``probes`` smallest live entries; *refused: a smaller one was over the limit.
+ * Returns a borrowed worker, NULL with no error when none, NULL with an error on failure. */
+static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, double limit, Py_ssize_t probes,
+                             int *refused) {
+    PyObject *found = NULL;
+    Entry *taken = NULL;
+    Py_ssize_t ntaken = 0;
+    int failed = 0;
+    if (probes <= 0)
+        return NULL;
+    taken = PyMem_Malloc((size_t)probes * sizeof(Entry));
+    if (taken == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    while (b->nheap > 0 && ntaken < probes) {
+        Entry e = heap_pop(b);
+        if (!live(b, &e))
+            continue; /* stale */
+        taken[ntaken++] = e;
+        PyObject *worker = b->recs[e.rec].worker;
+        int excluded = PyDict_Contains(exclude, worker);
+        if (excluded < 0) {
+            failed = 1;
+            break;
+        }
+        if (excluded)
+            continue;
+        double q = dict_double(queued, worker, &failed);
+        if (failed)
+            break;
+        if (!(q <= limit)) {
+            *refused = 1;
+            continue;
+        }
+        found = worker;
+        break;
+    }
+    for (Py_ssize_t k = 0; k < ntaken; k++) /* capacity suffices: these were in the heap */
+        (void)heap_push(b, taken[k]);
+    PyMem_Free(taken);
+    return failed ? NULL : found;
+}
+
+/* -- the type ------------------------------------------------------------------------------------ */
+
+static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", NULL};
+    double load_half, work_half;
+    PyObject *seed;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddO", kwlist, &load_half, &work_half, &seed))
+        return -1;
+    if (!(work_half > 0)) {
+        PyObject *got = PyFloat_FromDouble(work_half);
+        if (got != NULL) {
+            PyErr_Format(PyExc_ValueError, "work_halflife_s: must be > 0 (got %R)", got);
+            Py_DECREF(got);
+        }
+        return -1;
+    }
+    if (self->index != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "LoadBook: already initialised");
+        return -1;
+    }
+    self->smoothed = load_half > 0;
+    self->s_half = load_half;
+    self->w_half = work_half;
+    self->index = PyDict_New();
+    if (self->index == NULL)
+        return -1;
+    PyObject *random = PyImport_ImportModule("random");
+    if (random == NULL)
+        return -1;
+    PyObject *rng = PyObject_CallMethod(random, "Random", "O", seed);
+    Py_DECREF(random);
+    if (rng == NULL)
+        return -1;
+    self->draw = PyObject_GetAttrString(rng, "random");
+    Py_DECREF(rng);
+    return self->draw == NULL ? -1 : 0;
+}
+
+static void Book_dealloc(Book *self) {
+    for (Py_ssize_t k = 0; k < self->nrecs; k++)
+        Py_XDECREF(self->recs[k].worker);
+    PyMem_Free(self->recs);
+    PyMem_Free(self->free_recs);
+    PyMem_Free(self->heap);
+    Py_XDECREF(self->index);
+    Py_XDECREF(self->draw);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Book_add(Book *self, PyObject *worker) {
+    Py_ssize_t i = find(self, worker);
+    if (i == -2)
+        return NULL;
+    if (i >= 0) {
+        PyErr_Format(PyExc_ValueError, "worker %R is already in the load book", worker);
+        return NULL;
+    }
+    if (self->nfree > 0) {
+        i = self->free_recs[--self->nfree];
+    } else {
+        if (self->nrecs == self->caprecs) {
+            Py_ssize_t cap = self->caprecs ? 2 * self->caprecs : 64;
+            Rec *grown = PyMem_Realloc(self->recs, (size_t)cap * sizeof(Rec));
+            Py_ssize_t *free_grown = PyMem_Realloc(self->free_recs, (size_t)cap * sizeof(Py_ssize_t));
+            if (grown != NULL)
+                self->recs = grown;
+            if (free_grown != NULL)
+                self->free_recs = free_grown;
+            if (grown == NULL || free_grown == NULL)
+                return PyErr_NoMemory();
+            self->caprecs = cap;
+        }
+        i = self->nrecs++;
+    }
+    PyObject *num = PyLong_FromSsize_t(i);
+    if (num == NULL || PyDict_SetItem(self->index, worker, num) < 0) {
+        Py_XDECREF(num);
+        self->free_recs[self->nfree++] = i;
+        return NULL;
+    }
+    Py_DECREF(num);
+    Rec *r = &self->recs[i];
+    memset(r, 0, sizeof(Rec));
+    Py_INCREF(worker);
+    r->worker = worker;
+    r->s_at = self->s_now;
+    r->w_at = self->w_now;
+    self->count++;
+    if (order_set(self, i, 0.0, rank_of(self, r)) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Book_remove(Book *self, PyObject *worker) {
+    Py_ssize_t i = find(self, worker);
+    if (i == -2)
+        return NULL;
+    if (i == -1)
+        Py_RETURN_NONE;
+    if (PyDict_DelItem(self->index, worker) < 0)
+        return NULL;
+    Rec *r = &self->recs[i];
+    if (self->smoothed) { /* ``SmoothedQueues.remove`` */
+        double total = self->st_value - r->s_value;
+        avg_set(&self->st_value, &self->st_avg, &self->st_at, total, self->s_now, self->s_half);
+        self->st_avg -= avg_get(r->s_value, r->s_avg, r->s_at, self->s_now, self->s_half);
+    }
+    /* ``DecayedWork.remove`` */
+    double left = decayed(self->wt_value, self->wt_at, self->w_now, self->w_half) -
+                  decayed(r->w_value, r->w_at, self->w_now, self->w_half);
+    self->wt_value = left > 0.0 ? left : 0.0;
+    self->wt_at = self->w_now;
+    Py_CLEAR(r->worker);
+    r->has_entry = 0;
+    self->free_recs[self->nfree++] = i;
+    self->count--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Book_advance(Book *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (self->smoothed && now > self->s_now)
+        self->s_now = now;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Book_set_load(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_load(worker, queued, cost)");
+        return NULL;
+    }
+    double queued = PyFloat_AsDouble(args[1]);
+    if (queued == -1.0 && PyErr_Occurred())
+        return NULL;
+    double cost = PyFloat_AsDouble(args[2]);
+    if (cost == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t i = require(self, args[0]);
+    if (i < 0)
+        return NULL;
+    Rec *r = &self->recs[i];
+    if (self->smoothed) { /* ``SmoothedQueues.set`` without a time: at ``now`` */
+        double now = self->s_now;
+        double total = self->st_value + queued - r->s_value;
+        avg_set(&self->st_value, &self->st_avg, &self->st_at, total, now, self->s_half);
+        avg_set(&r->s_value, &r->s_avg, &r->s_at, queued, now, self->s_half);
+    }
+    if (order_set(self, i, cost, rank_of(self, r)) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Book_add_work(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add_work(worker, amount, now)");
+        return NULL;
+    }
+    double amount = PyFloat_AsDouble(args[1]);
+    if (amount == -1.0 && PyErr_Occurred())
+        return NULL;
+    double now = PyFloat_AsDouble(args[2]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t i = find(self, args[0]);
+    if (i == -2)
+        return NULL;
+    if (i == -1)
+        Py_RETURN_NONE;
+    Rec *r = &self->recs[i];
+    if (!(now >= self->w_now))
+        now = self->w_now;
+    self->w_now = now;
+    r->w_value = decayed(r->w_value, r->w_at, now, self->w_half) + amount;
+    r->w_at = now;
+    self->wt_value = decayed(self->wt_value, self->wt_at, now, self->w_half) + amount;
+    self->wt_at = now;
+    Py_RETURN_NONE;
+}
+
+static int worker_and_now(Book *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *i, double *now) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "expected (worker, now)");
+        return -1;
+    }
+    *now = PyFloat_AsDouble(args[1]);
+    if (*now == -1.0 && PyErr_Occurred())
+        return -1;
+    *i = require(self, args[0]);
+    return *i < 0 ? -1 : 0;
+}
+
+static PyObject *Book_smoothed(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t i;
+    double now;
+    if (worker_and_now(self, args, nargs, &i, &now) < 0)
+        return NULL;
+    if (!self->smoothed)
+        return PyFloat_FromDouble(0.0);
+    Rec *r = &self->recs[i];
+    return PyFloat_FromDouble(avg_get(r->s_value, r->s_avg, r->s_at, now, self->s_half));
+}
+
+static PyObject *Book_work(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t i;
+    double now;
+    if (worker_and_now(self, args, nargs, &i, &now) < 0)
+        return NULL;
+    Rec *r = &self->recs[i];
+    return PyFloat_FromDouble(decayed(r->w_value, r->w_at, now, self->w_half));
+}
+
+static PyObject *Book_smoothed_mean(Book *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!self->smoothed)
+        return PyFloat_FromDouble(0.0);
+    double total = avg_get(self->st_value, self->st_avg, self->st_at, now, self->s_half);
+    return PyFloat_FromDouble(total / (double)(self->count > 1 ? self->count : 1));
+}
+
+static PyObject *Book_work_mean(Book *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    double total = decayed(self->wt_value, self->wt_at, now, self->w_half);
+    return PyFloat_FromDouble(total / (double)(self->count > 1 ? self->count : 1));
+}
+
+static inline int is_over(const Book *self, const Rec *r, double now, double slow, double cap) {
+    return (self->smoothed && avg_get(r->s_value, r->s_avg, r->s_at, now, self->s_half) > slow) ||
+           decayed(r->w_value, r->w_at, now, self->w_half) > cap;
+}
+
+static PyObject *Book_over(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "over(worker, now, slow, cap)");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[1]), slow = PyFloat_AsDouble(args[2]), cap = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t i = require(self, args[0]);
+    if (i < 0)
+        return NULL;
+    return PyBool_FromLong(is_over(self, &self->recs[i], now, slow, cap));
+}
+
+/* ``scan``: see ``PyLoadBook.scan``. */
+static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "scan(credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending, "
+                        "probes)");
+        return NULL;
+    }
+    PyObject *credit = args[0], *among = args[1], *load_cost = args[2], *queued = args[3], *pending = args[10];
+    if (!PyDict_CheckExact(credit) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
+        PyErr_SetString(PyExc_TypeError, "scan: credit, load_cost and queued must be dicts");
+        return NULL;
+    }
+    double limit = PyFloat_AsDouble(args[4]), now = PyFloat_AsDouble(args[5]), slow = PyFloat_AsDouble(args[6]),
+           cap = PyFloat_AsDouble(args[7]), w_uncached = PyFloat_AsDouble(args[8]),
+           w_spread = PyFloat_AsDouble(args[9]);
+    Py_ssize_t probes = PyLong_AsSsize_t(args[11]);
+    if (PyErr_Occurred())
+        return NULL;
+    int among_is_dict = PyDict_Check(among);
+    int check_pending = PyObject_Length(pending) > 0;
+    if (PyErr_Occurred())
+        return NULL;
+    double best_cost = INFINITY;
+    int guarded = 0, failed = 0, refused = 0, fresh_found = 0;
+    PyObject *best = PyList_New(0), *deferred = PyList_New(0), *spread = PySet_New(NULL);
+    if (best == NULL || deferred == NULL || spread == NULL)
+        goto error;
+    Py_ssize_t pos = 0;
+    PyObject *worker, *value;
+    while (PyDict_Next(credit, &pos, &worker, &value)) {
+        int in = among_is_dict ? PyDict_Contains(among, worker) : PySequence_Contains(among, worker);
+        if (in < 0)
+            goto error;
+        if (!in)
+            continue;
+        double q = dict_double(queued, worker, &failed);
+        if (failed)
+            goto error;
+        if (!(q <= limit)) {
+            guarded = 1;
+            continue;
+        }
+        double v = PyFloat_AsDouble(value);
+        if (v == -1.0 && PyErr_Occurred())
+            goto error;
+        double weight = w_uncached;
+        if (w_spread < w_uncached && v > 0) {
+            Py_ssize_t i = require(self, worker);
+            if (i < 0)
+                goto error;
+            if (is_over(self, &self->recs[i], now, slow, cap)) {
+                if (PySet_Add(spread, worker) < 0)
+                    goto error;
+                weight = w_spread;
+            }
+        }
+        if (check_pending) {
+            int is_pending = PySequence_Contains(pending, worker);
+            if (is_pending < 0)
+                goto error;
+            if (is_pending) {
+                if (PyList_Append(deferred, worker) < 0)
+                    goto error;
+                continue;
+            }
+        }
+        double lc = dict_double(load_cost, worker, &failed);
+        if (failed)
+            goto error;
+        double product = weight * v;
+        double cost = lc - product;
+        if (cost < best_cost - 1e-9) {
+            best_cost = cost;
+            if (PyList_SetSlice(best, 0, PyList_GET_SIZE(best), NULL) < 0 || PyList_Append(best, worker) < 0)
+                goto error;
+        } else if (cost <= best_cost + 1e-9) {
+            if (PyList_Append(best, worker) < 0)
+                goto error;
+        }
+    }
+    if (probes >= 0) {
+        PyObject *fresh = order_first(self, credit, queued, limit, probes, &refused);
+        if (fresh == NULL && PyErr_Occurred())
+            goto error;
+        guarded = guarded || refused;
+        if (fresh != NULL) {
+            fresh_found = 1;
+            double rest = dict_double(load_cost, fresh, &failed);
+            if (failed)
+                goto error;
+            if (rest < best_cost - 1e-9) {
+                best_cost = rest;
+                if (PyList_SetSlice(best, 0, PyList_GET_SIZE(best), NULL) < 0 || PyList_Append(best, fresh) < 0)
+                    goto error;
+            } else if (rest <= best_cost + 1e-9) {
+                if (PyList_Append(best, fresh) < 0)
+                    goto error;
+            }
+        }
+    }
+    return Py_BuildValue("(dNNNNN)", best_cost, best, deferred, spread, PyBool_FromLong(guarded),
+                         PyBool_FromLong(fresh_found));
+error:
+    Py_XDECREF(best);
+    Py_XDECREF(deferred);
+    Py_XDECREF(spread);
+    return NULL;
+}
+
+static PyMethodDef Book_methods[] = {
+    {"add", (PyCFunction)Book_add, METH_O, "Track a worker: queue and work 0, load cost 0."},
+    {"remove", (PyCFunction)Book_remove, METH_O, "Forget a worker (unknown ones are ignored)."},
+    {"advance", (PyCFunction)Book_advance, METH_O, "The time of a decision."},
+    {"set_load", (PyCFunction)(void (*)(void))Book_set_load, METH_FASTCALL, "set_load(worker, queued, cost)"},
+    {"add_work", (PyCFunction)(void (*)(void))Book_add_work, METH_FASTCALL, "add_work(worker, amount, now)"},
+    {"smoothed", (PyCFunction)(void (*)(void))Book_smoothed, METH_FASTCALL, "smoothed(worker, now)"},
+    {"smoothed_mean", (PyCFunction)Book_smoothed_mean, METH_O, "smoothed_mean(now)"},
+    {"work", (PyCFunction)(void (*)(void))Book_work, METH_FASTCALL, "work(worker, now)"},
+    {"work_mean", (PyCFunction)Book_work_mean, METH_O, "work_mean(now)"},
+    {"over", (PyCFunction)(void (*)(void))Book_over, METH_FASTCALL, "over(worker, now, slow, cap)"},
+    {"scan", (PyCFunction)(void (*)(void))Book_scan, METH_FASTCALL, "The pick's argmin: see PyLoadBook.scan."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "engine.routing._load.LoadBook",
+    .tp_doc = "The routing policy's load book (see engine.routing.load.PyLoadBook, the reference).",
+    .tp_basicsize = sizeof(Book),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Book_init,
+    .tp_dealloc = (destructor)Book_dealloc,
+    .tp_methods = Book_methods,
+};
+
+static struct PyModuleDef load_module = {
+    PyModuleDef_HEAD_INIT, "engine.routing._load", "The routing policy's compiled load book.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__load(void) {
+    if (PyType_Ready(&BookType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&load_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&BookType);
+    if (PyModule_AddObject(m, "LoadBook", (PyObject *)&BookType) < 0) {
+        Py_DECREF(&BookType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

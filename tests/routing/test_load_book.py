@@ -1,0 +1,130 @@
+"""The compiled load book (``engine/routing/_load.c``) against ``PyLoadBook``, call by call: random
+sequences of workers joining and leaving, load reports, assigned work, clock advances, guard
+queries and scans must give bit-identical floats, identical workers and identical random draws
+(the load order's tie-breaking), and ``PyLoadBook.scan`` against a brute-force argmin."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from engine.routing.load import LoadBook, PyLoadBook, make_load_book
+
+
+def compiled_book(load_halflife_s: float, work_halflife_s: float, seed: int) -> LoadBook:
+    return make_load_book(load_halflife_s, work_halflife_s, seed, core="compiled")
+
+
+def test_the_compiled_book_is_built() -> None:
+    book = make_load_book(5.0, 10.0, 0)
+    assert type(book).__module__ == "engine.routing._load", (
+        "engine.routing._load is not built: run `python setup.py build_ext --inplace`"
+    )
+
+
+def test_bad_knobs_name_the_field() -> None:
+    for make in (PyLoadBook, compiled_book):
+        with pytest.raises(ValueError, match="work_halflife_s"):
+            make(5.0, 0.0, 0)
+    with pytest.raises(ValueError, match="core"):
+        make_load_book(5.0, 10.0, 0, core="fast")
+
+
+@pytest.mark.parametrize("load_halflife_s", [0.0, 2.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_and_python_books_agree_call_by_call(seed: int, load_halflife_s: float) -> None:
+    rng = random.Random(seed)
+    ref = PyLoadBook(load_halflife_s, 3.0, seed)
+    fast = compiled_book(load_halflife_s, 3.0, seed)
+    queued: dict[str, float] = {}
+    cost: dict[str, float] = {}
+    now = 0.0
+    scans = 0
+    for step in range(3000):
+        worker = f"w{rng.randrange(40)}"
+        op = rng.random()
+        if rng.random() < 0.3:
+            now += rng.random() * 0.5
+        if worker not in queued:
+            for book in (ref, fast):
+                book.add(worker)
+            queued[worker] = 0.0
+            cost[worker] = 0.0
+            continue
+        if op < 0.03:
+            for book in (ref, fast):
+                book.remove(worker)
+            del queued[worker], cost[worker]
+        elif op < 0.35:
+            queued[worker] = float(rng.choice([0, 0, 16, 64, rng.randrange(500)]))
+            cost[worker] = float(rng.randrange(4)) if rng.random() < 0.5 else 0.5 * queued[worker]
+            for book in (ref, fast):
+                book.set_load(worker, queued[worker], cost[worker])
+        elif op < 0.55:
+            amount = float(rng.choice([0, 40, rng.randrange(1, 300)]))
+            at = now - rng.random() if rng.random() < 0.1 else now  # a late time is clamped
+            for book in (ref, fast):
+                book.add_work(worker, amount, at)
+        elif op < 0.65:
+            for book in (ref, fast):
+                book.advance(now)
+        elif op < 0.75:
+            slow, cap = rng.choice([math.inf, 10.0, 100.0]), rng.choice([math.inf, 20.0, 200.0])
+            assert ref.smoothed(worker, now) == fast.smoothed(worker, now)
+            assert ref.work(worker, now) == fast.work(worker, now)
+            assert ref.smoothed_mean(now) == fast.smoothed_mean(now)
+            assert ref.work_mean(now) == fast.work_mean(now)
+            assert ref.over(worker, now, slow, cap) == fast.over(worker, now, slow, cap)
+        else:
+            names = sorted(queued)
+            credit: dict[str, float] = {
+                w: rng.choice([0, 16, 32, 48.5, 200]) for w in rng.sample(names, min(len(names), rng.randrange(6)))
+            }
+            among: object = queued if rng.random() < 0.7 else set(rng.sample(names, max(1, len(names) // 2)))
+            pending = set(rng.sample(sorted(credit), min(len(credit), 1))) if rng.random() < 0.2 else ()
+            limit = rng.choice([math.inf, 100.0, 300.0])
+            slow, cap = rng.choice([math.inf, 10.0]), rng.choice([math.inf, 50.0])
+            w_uncached = rng.choice([2.0, 0.1])
+            probes = rng.choice([-1, len(credit) + 1, len(credit) + 8])
+            args = (credit, among, cost, queued, limit, now, slow, cap, w_uncached, 1.0, pending, probes)
+            a, b = ref.scan(*args), fast.scan(*args)  # type: ignore[arg-type]
+            assert a == b, (step, a, b)
+            scans += 1
+    assert scans > 500
+
+
+@pytest.mark.parametrize("core", ["python", "compiled"])
+def test_scan_is_the_brute_force_argmin(core: str) -> None:
+    rng = random.Random(11)
+    book = make_load_book(0.0, 5.0, 3, core=core)
+    queued: dict[str, float] = {}
+    cost: dict[str, float] = {}
+    for k in range(30):
+        name = f"w{k}"
+        book.add(name)
+        queued[name] = float(rng.randrange(0, 400))
+        cost[name] = float(rng.randrange(0, 6))
+        book.set_load(name, queued[name], cost[name])
+    for _ in range(300):
+        credit: dict[str, float] = {w: float(rng.randrange(1, 5)) for w in rng.sample(sorted(queued), 4)}
+        limit = rng.choice([150.0, 300.0, math.inf])
+        best_cost, best, deferred, spread, guarded, fresh = book.scan(
+            credit, queued, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), len(queued)
+        )
+        allowed = {w: cost[w] - 2.0 * credit.get(w, 0.0) for w in queued if queued[w] <= limit}
+        assert not deferred and not spread
+        if all(q <= limit for q in queued.values()):
+            assert not guarded
+        if any(queued[w] > limit for w in credit):
+            assert guarded
+        assert best_cost == min(allowed.values())
+        # every holder at the minimum is kept; of the workers without a prefix, the least loaded
+        assert {w for w in credit if w in allowed and allowed[w] <= best_cost + 1e-9} <= set(best)
+        assert all(allowed[w] <= best_cost + 1e-9 for w in best)
+        others = [w for w in allowed if w not in credit]
+        assert fresh == bool(others)
+        assert len([w for w in best if w not in credit]) <= 1
+        if others and min(cost[w] for w in others) <= best_cost + 1e-9:
+            assert any(w not in credit for w in best)
