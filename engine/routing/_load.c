@@ -32,6 +32,8 @@ typedef struct {
     PyObject_HEAD
     int smoothed;      /* 0: no time-averaged queues (load_halflife_s == 0) */
     double s_half, w_half;
+    /* ``Knobs``: the guards' ratios and slack, the work per request, the anchor credit */
+    double imbalance_ratio, imbalance_slack, sustained_ratio, work_ratio, request_work, anchor;
     double s_now;      /* SmoothedQueues.now */
     double st_value, st_avg, st_at; /* the total queue's average */
     double w_now;      /* DecayedWork.now */
@@ -259,10 +261,14 @@ static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, doubl
 /* -- the type ------------------------------------------------------------------------------------ */
 
 static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", NULL};
+    static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", "imbalance_ratio",
+                             "imbalance_slack_tokens", "sustained_imbalance_ratio", "work_imbalance_ratio",
+                             "request_work_tokens", "anchor_credit", NULL};
     double load_half, work_half;
     PyObject *seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddO", kwlist, &load_half, &work_half, &seed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOdddddd", kwlist, &load_half, &work_half, &seed,
+                                     &self->imbalance_ratio, &self->imbalance_slack, &self->sustained_ratio,
+                                     &self->work_ratio, &self->request_work, &self->anchor))
         return -1;
     if (!(work_half > 0)) {
         PyObject *got = PyFloat_FromDouble(work_half);
@@ -506,6 +512,110 @@ static PyObject *Book_over(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyBool_FromLong(is_over(self, &self->recs[i], now, slow, cap));
 }
 
+/* ``thresholds``: see ``PyLoadBook.thresholds``. */
+static PyObject *Book_thresholds(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)");
+        return NULL;
+    }
+    double n = PyFloat_AsDouble(args[0]), now = PyFloat_AsDouble(args[1]), mean_queued = PyFloat_AsDouble(args[2]);
+    double mean_smoothed = args[3] == Py_None ? 0.0 : PyFloat_AsDouble(args[3]);
+    double mean_work = args[4] == Py_None ? 0.0 : PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    double count = (double)(self->count > 1 ? self->count : 1);
+    double limit = self->imbalance_ratio * mean_queued + n + self->imbalance_slack;
+    double slow = INFINITY, cap = INFINITY;
+    if (self->smoothed) {
+        double mean = args[3] == Py_None
+                          ? avg_get(self->st_value, self->st_avg, self->st_at, now, self->s_half) / count
+                          : mean_smoothed;
+        slow = self->sustained_ratio * mean + n;
+    }
+    if (self->work_ratio != 0.0) {
+        double mean =
+            args[4] == Py_None ? decayed(self->wt_value, self->wt_at, now, self->w_half) / count : mean_work;
+        cap = self->work_ratio * mean + n + self->request_work;
+    }
+    return Py_BuildValue("(ddd)", limit, slow, cap);
+}
+
+/* ``credit``: see ``PyLoadBook.credit``. Works on Python numbers as it does, so an int hit stays
+ * an int where nothing changes it. */
+static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "credit(hits: dict, shared, deduct, ahead)");
+        return NULL;
+    }
+    PyObject *hits = args[0], *shared = args[1], *deduct = args[2], *ahead = args[3];
+    PyObject *credit = PyDict_Copy(hits);
+    if (credit == NULL)
+        return NULL;
+    PyObject *worker, *value;
+    Py_ssize_t pos = 0;
+    if (shared != Py_None && PyDict_Check(shared)) {
+        while (PyDict_Next(shared, &pos, &worker, &value)) {
+            PyObject *hit = PyDict_GetItemWithError(hits, worker);
+            if (hit == NULL && PyErr_Occurred())
+                goto error;
+            double h = hit == NULL ? 0.0 : PyFloat_AsDouble(hit);
+            double depth = PyFloat_AsDouble(value);
+            if (PyErr_Occurred())
+                goto error;
+            /* hit + c * (depth - hit), each operand a double as Python converts it */
+            PyObject *got = PyFloat_FromDouble(h + self->anchor * (depth - h));
+            if (got == NULL || PyDict_SetItem(credit, worker, got) < 0) {
+                Py_XDECREF(got);
+                goto error;
+            }
+            Py_DECREF(got);
+        }
+    }
+    if (deduct != Py_None && PyDict_Check(deduct)) {
+        pos = 0;
+        while (PyDict_Next(deduct, &pos, &worker, &value)) {
+            PyObject *have = PyDict_GetItemWithError(credit, worker);
+            if (have == NULL) {
+                if (PyErr_Occurred())
+                    goto error;
+                continue;
+            }
+            PyObject *less = PyNumber_Subtract(have, value);
+            if (less == NULL || PyDict_SetItem(credit, worker, less) < 0) {
+                Py_XDECREF(less);
+                goto error;
+            }
+            Py_DECREF(less);
+        }
+    }
+    if (ahead != Py_None && PyDict_Check(ahead)) {
+        pos = 0;
+        while (PyDict_Next(ahead, &pos, &worker, &value)) {
+            PyObject *have = PyDict_GetItemWithError(credit, worker);
+            if (have == NULL && PyErr_Occurred())
+                goto error;
+            int more;
+            if (have == NULL) {
+                PyObject *zero = PyLong_FromLong(0);
+                if (zero == NULL)
+                    goto error;
+                more = PyObject_RichCompareBool(value, zero, Py_GT);
+                Py_DECREF(zero);
+            } else {
+                more = PyObject_RichCompareBool(value, have, Py_GT);
+            }
+            if (more < 0)
+                goto error;
+            if (more && PyDict_SetItem(credit, worker, value) < 0)
+                goto error;
+        }
+    }
+    return credit;
+error:
+    Py_DECREF(credit);
+    return NULL;
+}
+
 /* ``scan``: see ``PyLoadBook.scan``. */
 static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 12) {
@@ -627,6 +737,9 @@ static PyMethodDef Book_methods[] = {
     {"work", (PyCFunction)(void (*)(void))Book_work, METH_FASTCALL, "work(worker, now)"},
     {"work_mean", (PyCFunction)Book_work_mean, METH_O, "work_mean(now)"},
     {"over", (PyCFunction)(void (*)(void))Book_over, METH_FASTCALL, "over(worker, now, slow, cap)"},
+    {"thresholds", (PyCFunction)(void (*)(void))Book_thresholds, METH_FASTCALL,
+     "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)"},
+    {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, deduct, ahead)"},
     {"scan", (PyCFunction)(void (*)(void))Book_scan, METH_FASTCALL, "The pick's argmin: see PyLoadBook.scan."},
     {NULL, NULL, 0, NULL},
 };

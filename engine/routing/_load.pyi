@@ -3,7 +3,18 @@
 from collections.abc import Container, Hashable
 
 class LoadBook:
-    def __init__(self, load_halflife_s: float, work_halflife_s: float, seed: int) -> None: ...
+    def __init__(
+        self,
+        load_halflife_s: float,
+        work_halflife_s: float,
+        seed: int,
+        imbalance_ratio: float,
+        imbalance_slack_tokens: float,
+        sustained_imbalance_ratio: float,
+        work_imbalance_ratio: float,
+        request_work_tokens: float,
+        anchor_credit: float,
+    ) -> None: ...
     def add(self, worker: Hashable, /) -> None: ...
     def remove(self, worker: Hashable, /) -> None: ...
     def advance(self, now: float, /) -> None: ...
@@ -14,6 +25,17 @@ class LoadBook:
     def work(self, worker: Hashable, now: float, /) -> float: ...
     def work_mean(self, now: float, /) -> float: ...
     def over(self, worker: Hashable, now: float, slow: float, cap: float, /) -> bool: ...
+    def thresholds(
+        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None, /
+    ) -> tuple[float, float, float]: ...
+    def credit(
+        self,
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        deduct: dict[Hashable, float] | None,
+        ahead: dict[Hashable, int] | None,
+        /,
+    ) -> dict[Hashable, float]: ...
     def scan(
         self,
         credit: dict[Hashable, float],

@@ -21,8 +21,9 @@ import random
 from collections.abc import Callable, Container
 from heapq import heapify, heappop, heappush
 from itertools import count
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from configs.schema import RouterConfig
 from engine.routing.holder_maps import CORE_ENV
 from engine.routing.types import WorkerId
 
@@ -204,6 +205,35 @@ class LoadOrder:
         return found, refused
 
 
+class Knobs(NamedTuple):
+    """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios and anchor
+    credit, and the load order's seed (``knobs_of``)."""
+
+    load_halflife_s: float
+    work_halflife_s: float
+    seed: int
+    imbalance_ratio: float
+    imbalance_slack_tokens: float
+    sustained_imbalance_ratio: float
+    work_imbalance_ratio: float
+    request_work_tokens: float
+    anchor_credit: float
+
+
+def knobs_of(config: RouterConfig) -> Knobs:
+    return Knobs(
+        config.load_halflife_s,
+        config.work_halflife_s,
+        config.seed,
+        config.imbalance_ratio,
+        config.imbalance_slack_tokens,
+        config.sustained_imbalance_ratio,
+        config.work_imbalance_ratio,
+        config.request_work_tokens,
+        config.anchor_credit,
+    )
+
+
 #: what ``LoadBook.scan`` returns: (best cost, the workers at it, the pending holders left for the
 #: caller to resolve, the holders costed at the spread weight, whether a guard refused a worker,
 #: whether the load order gave a least loaded worker without a prefix)
@@ -232,6 +262,16 @@ class LoadBook(Protocol):
     def work(self, worker: WorkerId, now: float) -> float: ...
     def work_mean(self, now: float) -> float: ...
     def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool: ...
+    def thresholds(
+        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None
+    ) -> tuple[float, float, float]: ...
+    def credit(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        deduct: dict[WorkerId, float] | None,
+        ahead: dict[WorkerId, int] | None,
+    ) -> dict[WorkerId, float]: ...
     def scan(
         self,
         credit: dict[WorkerId, float],
@@ -256,10 +296,11 @@ class PyLoadBook:
     Invariants: the three track exactly the workers added and not removed; a worker's load-order
     key is its last ``set_load`` cost and its work rank at that moment."""
 
-    def __init__(self, load_halflife_s: float, work_halflife_s: float, seed: int):
-        self.queues = SmoothedQueues(load_halflife_s) if load_halflife_s > 0 else None
-        self.assigned = DecayedWork(work_halflife_s)
-        self.order = LoadOrder(seed)
+    def __init__(self, knobs: Knobs):
+        self.knobs = knobs
+        self.queues = SmoothedQueues(knobs.load_halflife_s) if knobs.load_halflife_s > 0 else None
+        self.assigned = DecayedWork(knobs.work_halflife_s)
+        self.order = LoadOrder(knobs.seed)
 
     def add(self, worker: WorkerId) -> None:
         """Track ``worker``: queue and work 0, load cost 0."""
@@ -306,6 +347,62 @@ class PyLoadBook:
         return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(
             worker, now
         ) > cap
+
+    def thresholds(
+        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None
+    ) -> tuple[float, float, float]:
+        """The guards' thresholds for a request of ``num_tokens`` against its pool's means (the
+        mean queue; the mean time-averaged queue and mean recent work, None: the book's own, over
+        every worker), as (``limit``, ``slow``, ``cap``): a worker may take the request while its
+        queued tokens are at most ``limit``; a prefix holder is over its share (``over``) when its
+        time-averaged queue exceeds ``slow`` or its work assigned lately exceeds ``cap``.
+
+        ``limit``: ``imbalance_ratio`` times the mean queue plus this request and
+        ``imbalance_slack_tokens`` (at moderate load a burst should not copy a prefix to a second
+        worker). ``slow``: ``sustained_imbalance_ratio`` times the mean time-averaged queue
+        (half-life ``load_halflife_s``) plus this request. ``cap``: ``work_imbalance_ratio`` times
+        the mean work assigned lately (uncached tokens plus ``request_work_tokens`` per request,
+        half-life ``work_halflife_s``) plus this request's: busy time follows that work. A check
+        that is off (half-life 0, ratio 0) has an infinite threshold."""
+        knobs = self.knobs
+        limit = knobs.imbalance_ratio * mean_queued + num_tokens + knobs.imbalance_slack_tokens
+        slow = math.inf
+        if self.queues is not None:
+            mean = self.queues.mean(now) if mean_smoothed is None else mean_smoothed
+            slow = knobs.sustained_imbalance_ratio * mean + num_tokens
+        cap = math.inf
+        if knobs.work_imbalance_ratio:
+            mean = self.assigned.mean(now) if mean_work is None else mean_work
+            cap = knobs.work_imbalance_ratio * mean + num_tokens + knobs.request_work_tokens
+        return limit, slow, cap
+
+    def credit(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        deduct: dict[WorkerId, float] | None,
+        ahead: dict[WorkerId, int] | None,
+    ) -> dict[WorkerId, float]:
+        """Tokens each worker with a prefix saves: its hit (``hits``), plus ``anchor_credit`` of
+        the part of its full-attention depth (``shared``) that a group cannot serve (running there
+        anchors that depth), less ``deduct`` (the load time of the part its host tier serves,
+        ``RoutingPolicy._credit``), raised to the tokens routed to it and not yet reported
+        (``ahead``) where those are more. Keys in the order hits, shared, ahead."""
+        credit: dict[WorkerId, float] = dict(hits)
+        if shared:
+            c = self.knobs.anchor_credit
+            for worker, depth in shared.items():
+                hit = hits.get(worker, 0)
+                credit[worker] = hit + c * (depth - hit)
+        if deduct:
+            for worker, amount in deduct.items():
+                if worker in credit:
+                    credit[worker] -= amount
+        if ahead:
+            for worker, tokens in ahead.items():
+                if tokens > credit.get(worker, 0):
+                    credit[worker] = tokens
+        return credit
 
     def scan(
         self,
@@ -371,7 +468,7 @@ def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]
     return best_cost, best
 
 
-def make_load_book(load_halflife_s: float, work_halflife_s: float, seed: int, core: str | None = None) -> LoadBook:
+def make_load_book(knobs: Knobs, core: str | None = None) -> LoadBook:
     """The load book: ``core`` "compiled", "python" or "auto" (the compiled book when built);
     None reads ``KVFLEET_ROUTING_CORE`` (default "auto"), the variable that picks the holder maps."""
     choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
@@ -385,6 +482,6 @@ def make_load_book(load_halflife_s: float, work_halflife_s: float, seed: int, co
             if choice == "compiled":
                 raise
         else:
-            book: LoadBook = CompiledLoadBook(load_halflife_s, work_halflife_s, seed)
+            book: LoadBook = CompiledLoadBook(*knobs)
             return book
-    return PyLoadBook(load_halflife_s, work_halflife_s, seed)
+    return PyLoadBook(knobs)

@@ -84,7 +84,6 @@ sub-pool (dedicated prefill or decode workers) and when the least loaded are all
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -96,7 +95,7 @@ from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
 from engine.routing.inflight import InFlightPrefixes
-from engine.routing.load import LoadBook, better, make_load_book
+from engine.routing.load import LoadBook, better, knobs_of, make_load_book
 from engine.routing.pins import Pin, PinTable
 from engine.routing.placement_policy import PlacementPolicy
 from engine.routing.types import (
@@ -138,7 +137,7 @@ class RoutingPolicy(PlacementPolicy):
         self.has_mamba = bool(self.rules.mamba_groups)
         cfg = self.config
         # time averages of the queues, work assigned lately, the load order (``load.LoadBook``)
-        self._book: LoadBook = make_load_book(cfg.load_halflife_s, cfg.work_halflife_s, cfg.seed)
+        self._book: LoadBook = make_load_book(knobs_of(cfg))
         self._now = 0.0
         self.pins = PinTable(self.index, cfg.pin_capacity_blocks)
         auto = cfg.auto_pin
@@ -450,11 +449,7 @@ class RoutingPolicy(PlacementPolicy):
         queued = self._queued
         book = self._book
         now = self._now
-        credit = self._credit(hits, shared, host)
-        if ahead:
-            for worker, tokens in ahead.items():
-                if tokens > credit.get(worker, 0):
-                    credit[worker] = tokens
+        credit = self._credit(hits, shared, host, ahead)
         reason = "cost"
         if pin is not None:
             resident = [
@@ -533,56 +528,34 @@ class RoutingPolicy(PlacementPolicy):
         return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
 
     def _guard(self, num_tokens: int, workers: list[WorkerId]) -> tuple[float, float, float]:
-        """The guards' thresholds, as (``limit``: a worker may take the request while its queued
-        tokens are at most this; ``slow``, ``cap``: a prefix holder is over its share when its
-        time-averaged queue exceeds ``slow`` or its work assigned lately exceeds ``cap``:
-        ``LoadBook.over``), each against the mean of ``workers`` (the pool the request is placed
-        in: with dedicated prefill and decode workers, the other role's load says nothing about
-        this pool's balance).
-
-        ``limit``: ``imbalance_ratio`` times the mean queue plus this request and
-        ``imbalance_slack_tokens`` (at moderate load a burst should not copy a prefix to a second
-        worker). ``slow``: ``sustained_imbalance_ratio`` times the mean queue averaged over the last
-        seconds (half-life ``load_halflife_s``) plus this request. ``cap``: ``work_imbalance_ratio``
-        times the mean work assigned lately (uncached tokens plus ``request_work_tokens`` per
-        request, half-life ``work_halflife_s``) plus this request's: busy time follows that work.
-        A check that is off (half-life 0, ratio 0) gets an infinite threshold. What ``over`` does is
-        ``_pick``'s rule (the holder's credit at the compute weight)."""
+        """The guards' thresholds (``LoadBook.thresholds`` states them), each against the mean of
+        ``workers`` (the pool the request is placed in: with dedicated prefill and decode workers,
+        the other role's load says nothing about this pool's balance). What a holder over its
+        share gets is ``_pick``'s rule (its credit at the compute weight)."""
         queued = self._queued
-        whole = len(workers) == len(queued)
+        book = self._book
+        if len(workers) == len(queued):
+            return book.thresholds(num_tokens, self._now, self._queued_sum / max(1, len(queued)), None, None)
         count = max(1, len(workers))
         now = self._now
-        book = self._book
-        cfg = self.config
-        mean_queued = self._queued_sum / max(1, len(queued)) if whole else sum(map(queued.__getitem__, workers)) / count
-        limit = cfg.imbalance_ratio * mean_queued + num_tokens + cfg.imbalance_slack_tokens
-        slow = math.inf
-        if cfg.load_halflife_s > 0:
-            mean = book.smoothed_mean(now) if whole else sum(book.smoothed(w, now) for w in workers) / count
-            slow = cfg.sustained_imbalance_ratio * mean + num_tokens
-        cap = math.inf
-        if cfg.work_imbalance_ratio:
-            mean = book.work_mean(now) if whole else sum(book.work(w, now) for w in workers) / count
-            cap = cfg.work_imbalance_ratio * mean + num_tokens + cfg.request_work_tokens
-        return limit, slow, cap
+        mean_queued = sum(map(queued.__getitem__, workers)) / count
+        mean_smoothed = sum(book.smoothed(w, now) for w in workers) / count
+        mean_work = sum(book.work(w, now) for w in workers) / count
+        return book.thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)
 
     def _credit(
-        self, hits: dict[WorkerId, int], shared: dict[WorkerId, int] | None, host: dict[WorkerId, int] | None = None
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None = None,
+        ahead: dict[WorkerId, int] | None = None,
     ) -> dict[WorkerId, float]:
-        """Tokens each worker with a prefix saves: its hit, less the load time of the part its
-        host tier serves (``promote_load``), plus ``anchor_credit`` of the part of its
-        full-attention depth that a group cannot serve (running there anchors that depth)."""
-        credit: dict[WorkerId, float] = dict(hits)
-        if shared:
-            c = self.config.anchor_credit
-            for worker, depth in shared.items():
-                hit = hits.get(worker, 0)
-                credit[worker] = hit + c * (depth - hit)
-        if host:
-            for worker, tokens in host.items():
-                if worker in credit:
-                    credit[worker] -= tokens * self.promote_load(worker)
-        return credit
+        """Tokens each worker with a prefix saves (``LoadBook.credit``): its hit, less the load
+        time of the part its host tier serves (``promote_load``: the one place a host-tier hit is
+        priced), plus ``anchor_credit`` of the part of its full-attention depth that a group
+        cannot serve, raised to what was routed to it and not yet reported (``ahead``)."""
+        deduct = {w: tokens * self.promote_load(w) for w, tokens in host.items()} if host else None
+        return self._book.credit(hits, shared, deduct, ahead)
 
     def promote_load(self, worker: WorkerId) -> float:
         """What a host-tier hit token on ``worker`` costs, as a share of a miss's cost: the

@@ -10,15 +10,21 @@ import random
 
 import pytest
 
-from engine.routing.load import LoadBook, PyLoadBook, make_load_book
+from configs.schema import RouterConfig
+from engine.routing.load import Knobs, LoadBook, PyLoadBook, knobs_of, make_load_book
 
 
-def compiled_book(load_halflife_s: float, work_halflife_s: float, seed: int) -> LoadBook:
-    return make_load_book(load_halflife_s, work_halflife_s, seed, core="compiled")
+def knobs(load_halflife_s: float, work_halflife_s: float, seed: int, **changes: float) -> Knobs:
+    base = knobs_of(RouterConfig(seed=seed, load_halflife_s=load_halflife_s))
+    return base._replace(work_halflife_s=work_halflife_s, **changes)
+
+
+def compiled_book(knobs: Knobs) -> LoadBook:
+    return make_load_book(knobs, core="compiled")
 
 
 def test_the_compiled_book_is_built() -> None:
-    book = make_load_book(5.0, 10.0, 0)
+    book = make_load_book(knobs(5.0, 10.0, 0))
     assert type(book).__module__ == "engine.routing._load", (
         "engine.routing._load is not built: run `python setup.py build_ext --inplace`"
     )
@@ -27,17 +33,20 @@ def test_the_compiled_book_is_built() -> None:
 def test_bad_knobs_name_the_field() -> None:
     for make in (PyLoadBook, compiled_book):
         with pytest.raises(ValueError, match="work_halflife_s"):
-            make(5.0, 0.0, 0)
+            make(knobs(5.0, 0.0, 0))
     with pytest.raises(ValueError, match="core"):
-        make_load_book(5.0, 10.0, 0, core="fast")
+        make_load_book(knobs(5.0, 10.0, 0), core="fast")
 
 
+@pytest.mark.parametrize("work_imbalance_ratio", [0.0, 1.3])
 @pytest.mark.parametrize("load_halflife_s", [0.0, 2.0])
-@pytest.mark.parametrize("seed", range(6))
-def test_compiled_and_python_books_agree_call_by_call(seed: int, load_halflife_s: float) -> None:
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_and_python_books_agree_call_by_call(
+    seed: int, load_halflife_s: float, work_imbalance_ratio: float
+) -> None:
     rng = random.Random(seed)
-    ref = PyLoadBook(load_halflife_s, 3.0, seed)
-    fast = compiled_book(load_halflife_s, 3.0, seed)
+    ref = PyLoadBook(knobs(load_halflife_s, 3.0, seed, work_imbalance_ratio=work_imbalance_ratio))
+    fast = compiled_book(knobs(load_halflife_s, 3.0, seed, work_imbalance_ratio=work_imbalance_ratio))
     queued: dict[str, float] = {}
     cost: dict[str, float] = {}
     now = 0.0
@@ -77,11 +86,20 @@ def test_compiled_and_python_books_agree_call_by_call(seed: int, load_halflife_s
             assert ref.smoothed_mean(now) == fast.smoothed_mean(now)
             assert ref.work_mean(now) == fast.work_mean(now)
             assert ref.over(worker, now, slow, cap) == fast.over(worker, now, slow, cap)
+            n = rng.randrange(1, 3000)
+            means = (rng.random() * 500, rng.choice([None, rng.random() * 400]), rng.choice([None, rng.random() * 900]))
+            assert ref.thresholds(n, now, *means) == fast.thresholds(n, now, *means)
         else:
             names = sorted(queued)
-            credit: dict[str, float] = {
-                w: rng.choice([0, 16, 32, 48.5, 200]) for w in rng.sample(names, min(len(names), rng.randrange(6)))
-            }
+            hits = {w: rng.choice([16, 32, 48, 200]) for w in rng.sample(names, min(len(names), rng.randrange(5)))}
+            shared = {w: hits.get(w, 0) + rng.choice([0, 16, 64]) for w in rng.sample(names, min(len(names), 2))}
+            deduct = {w: rng.random() * 20 for w in rng.sample(names, min(len(names), 2))}
+            ahead = {w: rng.choice([0, 16, 100, 400]) for w in rng.sample(names, min(len(names), 2))}
+            parts = (hits, rng.choice([None, shared]), rng.choice([None, deduct]), rng.choice([None, {}, ahead]))
+            credit = ref.credit(*parts)  # type: ignore[arg-type]
+            other = fast.credit(*parts)  # type: ignore[arg-type]
+            assert credit == other and list(credit) == list(other)  # the same keys, values and order
+            assert all(type(credit[w]) is type(other[w]) for w in credit)
             among: object = queued if rng.random() < 0.7 else set(rng.sample(names, max(1, len(names) // 2)))
             pending = set(rng.sample(sorted(credit), min(len(credit), 1))) if rng.random() < 0.2 else ()
             limit = rng.choice([math.inf, 100.0, 300.0])
@@ -98,7 +116,7 @@ def test_compiled_and_python_books_agree_call_by_call(seed: int, load_halflife_s
 @pytest.mark.parametrize("core", ["python", "compiled"])
 def test_scan_is_the_brute_force_argmin(core: str) -> None:
     rng = random.Random(11)
-    book = make_load_book(0.0, 5.0, 3, core=core)
+    book = make_load_book(knobs(0.0, 5.0, 3), core=core)
     queued: dict[str, float] = {}
     cost: dict[str, float] = {}
     for k in range(30):

@@ -21,7 +21,7 @@ from engine.routing import (
     WorkerLoad,
     build_router,
 )
-from engine.routing.load import DecayedWork, PyLoadBook, SmoothedQueues
+from engine.routing.load import DecayedWork, PyLoadBook, SmoothedQueues, knobs_of
 from tests.routing.helpers import CONFIGS, groups_of, router_config
 
 SPECS = CONFIGS["full+2swa"]
@@ -152,12 +152,13 @@ def test_new_router_knobs_come_from_config_and_are_validated() -> None:
     assert isinstance(policy, RoutingPolicy)
     assert policy.config is cfg  # the policy reads its knobs from the config, no copies
     assert (policy.weights.cache_churn, policy.w_miss) == (0.25, 1.25)
-    book = PyLoadBook(2.0, 10.0, 0)
+    book = PyLoadBook(knobs_of(cfg))
+    assert book.knobs.anchor_credit == 0.75 and book.knobs.sustained_imbalance_ratio == 1.6
     assert book.queues is not None and book.queues.halflife_s == 2.0 and book.assigned.halflife_s == 10.0
     defaults = build_router(RouterConfig(), GROUPS)
     assert isinstance(defaults, RoutingPolicy) and defaults.w_miss == 2.0
     assert (defaults.config.load_halflife_s, defaults.config.work_halflife_s) == (5.0, 10.0)
-    assert PyLoadBook(0.0, 10.0, 0).queues is None
+    assert PyLoadBook(knobs_of(RouterConfig(load_halflife_s=0.0))).queues is None
     for bad, field in (
         ({"sustained_imbalance_ratio": 0.9}, "sustained_imbalance_ratio"),
         ({"anchor_credit": 1.5}, "anchor_credit"),
