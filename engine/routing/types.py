@@ -51,7 +51,7 @@ class WorkerLoad:
     promote_s_per_token: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Decision:
     """Where a request runs. ``prefill_worker == decode_worker`` means no transfer (aggregated,
     or prefill on the decode worker); ``predicted_hit``: tokens the prefill worker will find
@@ -71,6 +71,32 @@ class Decision:
     predicted_decode_hit: int = 0
     best_hit: int = 0
     predicted_host_hit: int = 0
+
+    def __init__(
+        self,
+        prefill_worker: WorkerId,
+        decode_worker: WorkerId,
+        predicted_hit: int,
+        num_tokens: int,
+        reason: str = "cost",
+        pin_id: int | None = None,
+        predicted_decode_hit: int = 0,
+        best_hit: int = 0,
+        predicted_host_hit: int = 0,
+    ):
+        # One decision per request: the fields go straight into the instance dict (the frozen
+        # dataclass's generated __init__ sets each through object.__setattr__, twice as slow);
+        # equality, hashing, repr, replace() and the frozen __setattr__ stay the dataclass's.
+        fields = self.__dict__
+        fields["prefill_worker"] = prefill_worker
+        fields["decode_worker"] = decode_worker
+        fields["predicted_hit"] = predicted_hit
+        fields["num_tokens"] = num_tokens
+        fields["reason"] = reason
+        fields["pin_id"] = pin_id
+        fields["predicted_decode_hit"] = predicted_decode_hit
+        fields["best_hit"] = best_hit
+        fields["predicted_host_hit"] = predicted_host_hit
 
     @property
     def uncached_tokens(self) -> int:
