@@ -204,36 +204,53 @@ static inline void prefetch_start(const Table *t, PyObject *const *items, Py_ssi
         prefetch_index(t, items[i]);
 }
 
-/* The same for a lookup loop, each key hashed once: the hashes of the keys ahead wait in a ring
- * (a key that is not bytes gets 0; its lookup reports the error). */
+/* The same for a lookup loop over a group's view of the request's hashes, each key hashed once:
+ * view position i is ``items[i * stride]`` (a coarser group's view of the fine hashes: every
+ * stride-th). The hashes of the keys ahead wait in a ring (a key that is not bytes gets 0; its
+ * lookup reports the error); the key objects themselves are prefetched PREFETCH_KEY positions
+ * ahead, before they are hashed (a request's hash objects need not be in cache). */
 #define RING 16 /* a power of two above PREFETCH_FAR */
+#define PREFETCH_KEY 12
 
 typedef struct {
     const Table *t;
     PyObject *const *items;
+    Py_ssize_t stride;
     Py_ssize_t n;
     uint64_t ring[RING];
 } Ahead;
 
 static inline void ahead_hash(Ahead *a, Py_ssize_t i) {
-    PyObject *key = a->items[i];
+    PyObject *key = a->items[i * a->stride];
     uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
     a->ring[i & (RING - 1)] = h;
     if (a->t->index != NULL)
         __builtin_prefetch(&a->t->index[(size_t)h & a->t->mask]);
 }
 
-/* Start a loop over ``items[from..n)``. */
-static inline void ahead_start(Ahead *a, const Table *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t n) {
+static inline void prefetch_key(const Ahead *a, Py_ssize_t i) {
+    const char *o = (const char *)a->items[i * a->stride];
+    __builtin_prefetch(o);
+    __builtin_prefetch(o + 63);
+}
+
+/* Start a loop over view positions ``from..n``. */
+static inline void ahead_start(Ahead *a, const Table *t, PyObject *const *items, Py_ssize_t stride, Py_ssize_t from,
+                               Py_ssize_t n) {
     a->t = t;
     a->items = items;
+    a->stride = stride;
     a->n = n;
+    for (Py_ssize_t i = from + PREFETCH_FAR; i < n && i < from + PREFETCH_KEY; i++)
+        prefetch_key(a, i);
     for (Py_ssize_t i = from; i < n && i < from + PREFETCH_FAR; i++)
         ahead_hash(a, i);
 }
 
 /* At position ``i``: prefetch ahead, and return key i's hash. */
 static inline uint64_t ahead_step(Ahead *a, Py_ssize_t i) {
+    if (i + PREFETCH_KEY < a->n)
+        prefetch_key(a, i + PREFETCH_KEY);
     if (i + PREFETCH_FAR < a->n)
         ahead_hash(a, i + PREFETCH_FAR);
     if (i + PREFETCH_NEAR < a->n && a->t->index != NULL) {
@@ -1286,25 +1303,103 @@ static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nv
     return rc;
 }
 
-/* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. */
-static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py_ssize_t per, PyObject *checks,
-                     Sink *sink) {
+/* One group of step 2, read once per walk from a ``checks`` item (group, hash factor, ranges). */
+typedef struct {
+    int g;
+    Py_ssize_t factor;
+    PyObject *ranges; /* list: per aligned step k, the (start, stop) blocks a hit of k steps needs */
+} CheckSpec;
+
+#define SMALL_CHECKS 8
+
+static int parse_check(const Maps *m, PyObject *item, CheckSpec *out) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_SetString(PyExc_TypeError, "checks: each item must be a (group, factor, ranges) tuple");
+        return -1;
+    }
+    long g = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+    Py_ssize_t factor = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 1));
+    if (PyErr_Occurred())
+        return -1;
+    if (check_group(m, g) < 0)
+        return -1;
+    if (factor < 1) {
+        PyErr_Format(PyExc_ValueError, "checks: group %ld has hash factor %zd (must be >= 1)", g, factor);
+        return -1;
+    }
+    PyObject *ranges = PyTuple_GET_ITEM(item, 2);
+    if (!PyList_Check(ranges)) {
+        PyErr_Format(PyExc_TypeError, "checks: group %ld's ranges must be a list", g);
+        return -1;
+    }
+    out->g = (int)g;
+    out->factor = factor;
+    out->ranges = ranges;
+    return 0;
+}
+
+/* ``ranges[k]`` as (start, stop): 0, or -1 on error. */
+static int needed_range(PyObject *ranges, int g, Py_ssize_t k, Py_ssize_t *start, Py_ssize_t *stop) {
+    if (k >= PyList_GET_SIZE(ranges)) {
+        PyErr_Format(PyExc_IndexError, "checks: group %d has no needed range at step %zd", g, k);
+        return -1;
+    }
+    PyObject *range = PyList_GET_ITEM(ranges, k);
+    if (!PyTuple_Check(range) || PyTuple_GET_SIZE(range) != 2) {
+        PyErr_Format(PyExc_TypeError, "checks: group %d's range at step %zd must be a (start, stop) tuple", g, k);
+        return -1;
+    }
+    *start = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 0));
+    *stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 1));
+    if (PyErr_Occurred())
+        return -1;
+    if (*start < 0 || *stop < 0) {
+        PyErr_SetString(PyExc_ValueError, "checks: a needed range is negative");
+        return -1;
+    }
+    return 0;
+}
+
+/* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. Group
+ * ``first``'s view of ``hashes`` is every ``factor``-th hash (``coarse_view``), read in place. */
+static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor, Py_ssize_t limit, Py_ssize_t per,
+                     PyObject *checks, Sink *sink) {
     if (check_group(self, first) < 0)
         return -1;
     if (per < 1) {
         PyErr_Format(PyExc_ValueError, "per: must be >= 1 (got %zd)", per);
         return -1;
     }
-    if (limit > PyList_GET_SIZE(view))
-        limit = PyList_GET_SIZE(view);
+    if (factor < 1) {
+        PyErr_Format(PyExc_ValueError, "factor: must be >= 1 (got %zd)", factor);
+        return -1;
+    }
+    Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
+    if (limit > nhashes / factor)
+        limit = nhashes / factor;
     if (limit <= 0)
         return 0;
+    PyObject *const *items = &PyList_GET_ITEM(hashes, 0);
     int err = 0;
-    uint32_t v0 = lookup(self, first, PyList_GET_ITEM(view, 0), &err);
+    uint32_t v0 = lookup(self, first, items[factor - 1], &err);
     if (err)
-        goto fail;
+        return -1;
     if (v0 == NONE_ID)
         return 0;
+    Py_ssize_t nchecks = PyList_GET_SIZE(checks);
+    CheckSpec small[SMALL_CHECKS];
+    CheckSpec *specs = small;
+    if (nchecks > SMALL_CHECKS) {
+        specs = PyMem_Malloc((size_t)nchecks * sizeof(CheckSpec));
+        if (specs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (Py_ssize_t c = 0; c < nchecks; c++) {
+        if (parse_check(self, PyList_GET_ITEM(checks, c), &specs[c]) < 0)
+            goto fail;
+    }
     /* Step 1: stops (blocks n, slots whose run is exactly n), kept in the scratch buffer as
      * [n, count, slots...] records after a working area of 3 * W words. */
     uint32_t width = (v0 & MULTI) ? set_of(self, v0)->n : 1;
@@ -1335,12 +1430,11 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
     uint32_t last = v0;
     Py_ssize_t end = limit;
     int emptied = 0;
-    PyObject *const *keys = &PyList_GET_ITEM(view, 0);
-    const Table *t0 = &self->tables[first];
+    PyObject *const *keys = items + (factor - 1);
     Ahead ahead;
-    ahead_start(&ahead, t0, keys, 1, limit);
+    ahead_start(&ahead, &self->tables[first], keys, factor, 1, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
-        uint32_t v = lookup_hashed(self, first, keys[i], ahead_step(&ahead, i), &err);
+        uint32_t v = lookup_hashed(self, first, keys[i * factor], ahead_step(&ahead, i), &err);
         if (err)
             goto fail_stops;
         if (v == NONE_ID) {
@@ -1416,7 +1510,6 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
         nstops++;
     }
     /* Step 2: per stop, the holders that hold every other group's needed blocks at its depth. */
-    Py_ssize_t nchecks = PyList_GET_SIZE(checks);
     for (size_t s = 0; s < nstops; s++) {
         Py_ssize_t k = stop_n[s] / per;
         if (k <= 0)
@@ -1426,34 +1519,20 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
         uint32_t *valid = cur; /* working area: width words each */
         memcpy(valid, slots, nvalid * sizeof(uint32_t));
         for (Py_ssize_t c = 0; c < nchecks && nvalid > 0; c++) {
-            PyObject *check = PyList_GET_ITEM(checks, c);
-            int g;
-            PyObject *gview, *ranges;
-            if (!PyArg_ParseTuple(check, "iO!O!", &g, &PyList_Type, &gview, &PyList_Type, &ranges))
-                goto fail_stops;
-            if (check_group(self, g) < 0)
-                goto fail_stops;
-            if (k >= PyList_GET_SIZE(ranges)) {
-                PyErr_Format(PyExc_IndexError, "checks: group %d has no needed range at step %zd", g, k);
-                goto fail_stops;
-            }
+            const CheckSpec *spec = &specs[c];
+            int g = spec->g;
             Py_ssize_t start, stop;
-            if (!PyArg_ParseTuple(PyList_GET_ITEM(ranges, k), "nn", &start, &stop))
+            if (needed_range(spec->ranges, g, k, &start, &stop) < 0)
                 goto fail_stops;
-            Py_ssize_t len = PyList_GET_SIZE(gview);
-            if (start < 0 || stop < 0) {
-                PyErr_SetString(PyExc_ValueError, "checks: a needed range is negative");
-                goto fail_stops;
-            }
-            if (stop > len)
-                stop = len;
+            Py_ssize_t gf = spec->factor;
+            if (stop > nhashes / gf)
+                stop = nhashes / gf;
             uint32_t prev = NONE_ID;
-            PyObject *const *gkeys = &PyList_GET_ITEM(gview, 0);
-            const Table *tg = &self->tables[g];
+            PyObject *const *gkeys = items + (gf - 1);
             Ahead gahead;
-            ahead_start(&gahead, tg, gkeys, start, stop);
+            ahead_start(&gahead, &self->tables[g], gkeys, gf, start, stop);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                uint32_t v = lookup_hashed(self, g, gkeys[i], ahead_step(&gahead, i), &err);
+                uint32_t v = lookup_hashed(self, g, gkeys[i * gf], ahead_step(&gahead, i), &err);
                 if (err)
                     goto fail_stops;
                 if (v == NONE_ID) {
@@ -1476,6 +1555,8 @@ static int walk_impl(Maps *self, int first, PyObject *view, Py_ssize_t limit, Py
     PyMem_Free(stop_n);
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
+    if (specs != small)
+        PyMem_Free(specs);
     return 0;
 fail_stops:
     if (stop_slots != NULL) {
@@ -1486,39 +1567,54 @@ fail_stops:
     PyMem_Free(stop_slots);
     PyMem_Free(stop_count);
 fail:
+    if (specs != small)
+        PyMem_Free(specs);
     return -1;
 }
 
-/* walk(first, view, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
+/* walk(first, hashes, factor, limit, per, checks): see HolderMaps.walk in holder_maps.py. */
 static PyObject *Maps_walk(Maps *self, PyObject *args) {
     int first;
-    PyObject *view, *checks;
-    Py_ssize_t limit, per;
-    if (!PyArg_ParseTuple(args, "iO!nnO!", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks))
+    PyObject *hashes, *checks;
+    Py_ssize_t factor, limit, per;
+    if (!PyArg_ParseTuple(args, "iO!nnnO!", &first, &PyList_Type, &hashes, &factor, &limit, &per, &PyList_Type,
+                          &checks))
         return NULL;
     Sink sink = {0};
     sink.rows = PyList_New(0);
     if (sink.rows == NULL)
         return NULL;
-    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+    if (walk_impl(self, first, hashes, factor, limit, per, checks, &sink) < 0) {
         Py_DECREF(sink.rows);
         return NULL;
     }
     return sink.rows;
 }
 
-/* predict(first, view, limit, per, checks, align, ids, hits, shared): see HolderMaps.predict. */
-static PyObject *Maps_predict(Maps *self, PyObject *args) {
-    int first;
-    PyObject *view, *checks, *ids, *hits, *shared;
-    Py_ssize_t limit, per, align;
-    if (!PyArg_ParseTuple(args, "iO!nnO!nO!O!O", &first, &PyList_Type, &view, &limit, &per, &PyList_Type, &checks,
-                          &align, &PyList_Type, &ids, &PyDict_Type, &hits, &shared))
+/* predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared): see HolderMaps.predict. */
+static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "predict: expected 10 arguments, got %zd", nargs);
         return NULL;
+    }
+    long first = PyLong_AsLong(args[0]);
+    Py_ssize_t factor = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t per = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *hashes = args[1], *checks = args[5], *ids = args[7], *hits = args[8], *shared = args[9];
+    if (!PyList_Check(hashes) || !PyList_Check(checks) || !PyList_Check(ids) || !PyDict_Check(hits)) {
+        PyErr_SetString(PyExc_TypeError, "predict: hashes, checks and ids must be lists, hits a dict");
+        return NULL;
+    }
     if (shared != Py_None && !PyDict_Check(shared)) {
         PyErr_Format(PyExc_TypeError, "shared: expected a dict or None, got %.100s", Py_TYPE(shared)->tp_name);
         return NULL;
     }
+    if (check_group(self, first) < 0)
+        return NULL;
     Sink sink = {0};
     sink.ids = ids;
     sink.hits = hits;
@@ -1527,12 +1623,11 @@ static PyObject *Maps_predict(Maps *self, PyObject *args) {
     sink.failing = PyList_New(0);
     if (sink.failing == NULL)
         return NULL;
-    if (walk_impl(self, first, view, limit, per, checks, &sink) < 0) {
+    if (walk_impl(self, (int)first, hashes, factor, limit, per, checks, &sink) < 0) {
         Py_DECREF(sink.failing);
         return NULL;
     }
-    PyObject *result = Py_BuildValue("(Nn)", sink.failing, sink.deepest);
-    return result;
+    return Py_BuildValue("(Nn)", sink.failing, sink.deepest);
 }
 
 static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
@@ -1606,8 +1701,9 @@ static PyMethodDef Maps_methods[] = {
     {"size", (PyCFunction)Maps_size, METH_O, "size(group)"},
     {"met", (PyCFunction)Maps_met, METH_VARARGS, "met(group, keys)"},
     {"absorb", (PyCFunction)Maps_absorb, METH_VARARGS, "absorb(events, start, slot, last_seq, kinds)"},
-    {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, view, limit, per, checks)"},
-    {"predict", (PyCFunction)Maps_predict, METH_VARARGS, "predict(first, view, limit, per, checks, align, ids, hits, shared)"},
+    {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, hashes, factor, limit, per, checks)"},
+    {"predict", (PyCFunction)(void (*)(void))Maps_predict, METH_FASTCALL,
+     "predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

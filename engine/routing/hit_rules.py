@@ -53,6 +53,19 @@ class TieredHit(NamedTuple):
     shared: int
 
 
+class WalkPlan(NamedTuple):
+    """What the index's walk (``HolderMaps.predict``) needs of the rules, fixed by the groups:
+    the first checked group (full attention first), its hash factor (its view of the request's
+    hashes is every ``factor``-th one: ``coarse_view``) and blocks per aligned step, and every
+    other checked group as ``(group, hash factor, needed ranges)``; the ranges are the live
+    lists ``HitRules.ensure`` extends, so one plan serves every request."""
+
+    first: int
+    factor: int
+    per: int
+    checks: list[tuple[int, int, list[tuple[int, int]]]]
+
+
 class HitRules:
     """The coordinator's hit rules over arbitrary per-group hash sets.
 
@@ -76,6 +89,16 @@ class HitRules:
         # Per group, the needed block range at each aligned length k * alignment, and its shape.
         self._ranges: list[list[tuple[int, int]]] = [[(0, 0)] for _ in self.managers]
         self.shapes: list[int] = [PREFIX for _ in self.managers]
+        # The walk's plan without and with skip_mamba (index 0 and 1; None: no group is checked).
+        self.walk_plans = (self._walk_plan(False), self._walk_plan(True))
+
+    def _walk_plan(self, skip_mamba: bool) -> WalkPlan | None:
+        checked = [g for g in self.order if not (skip_mamba and g in self.mamba_groups)]
+        if not checked:
+            return None
+        first, factors = checked[0], [m.hash_factor for m in self.managers]
+        per = self.alignment // self.block_sizes[first]
+        return WalkPlan(first, factors[first], per, [(g, factors[g], self._ranges[g]) for g in checked[1:]])
 
     def ensure(self, steps: int) -> None:
         """Know ``blocks_needed_at(k * alignment)`` for k <= steps in every group, classified as

@@ -28,13 +28,15 @@ from itertools import repeat
 from typing import Protocol
 
 from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.hashing import coarse_view
 
 #: a key's holders: their codes ``slot << 2 | level`` in increasing slot order (never empty)
 Holders = tuple[int, ...]
 NOBODY: Holders = ()  # what the walk reads for a key nobody holds
-#: one group's part of step 2: (group, the request's hashes in that group, per aligned step k the
-#: range of blocks a hit of k steps needs there)
-Check = tuple[int, list[bytes], list[tuple[int, int]]]
+#: one group's part of step 2: (group, its hash factor: its view of the request's hashes is every
+#: factor-th one (``coarse_view``), per aligned step k the range of blocks a hit of k steps needs
+#: there)
+Check = tuple[int, int, list[tuple[int, int]]]
 #: one result of the walk: (aligned steps k, slots that hit k steps, slots whose full-attention
 #: depth is k steps but that miss a block another group needs there)
 Stop = tuple[int, list[int], list[int]]
@@ -73,11 +75,14 @@ class HolderMaps(Protocol):
     def absorb(
         self, events: list[KVEvent], start: int, slot: int, last_seq: int, kinds: Absorbed
     ) -> tuple[int, int]: ...
-    def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]: ...
+    def walk(
+        self, first: int, hashes: list[bytes], factor: int, limit: int, per: int, checks: list[Check]
+    ) -> list[Stop]: ...
     def predict(
         self,
         first: int,
-        view: list[bytes],
+        hashes: list[bytes],
+        factor: int,
         limit: int,
         per: int,
         checks: list[Check],
@@ -271,24 +276,28 @@ class PyHolderMaps:
         return found
 
     # -- the prediction's walk ----------------------------------------------------------------------
-    def walk(self, first: int, view: list[bytes], limit: int, per: int, checks: list[Check]) -> list[Stop]:
-        """Step 1 over ``view[:limit]`` (group ``first``): each holder's contiguous depth in
-        blocks; per depth ``n`` with ``k = n // per >= 1`` aligned steps, step 2: which of those
-        holders hold, in every group of ``checks``, the blocks a hit of ``k`` steps needs.
-        Returns ``(k, serving slots, failing slots)`` per depth, deepest last."""
+    def walk(
+        self, first: int, hashes: list[bytes], factor: int, limit: int, per: int, checks: list[Check]
+    ) -> list[Stop]:
+        """Step 1 over ``view[:limit]``, group ``first``'s view of the request's ``hashes``
+        (``coarse_view(hashes, factor)``): each holder's contiguous depth in blocks; per depth
+        ``n`` with ``k = n // per >= 1`` aligned steps, step 2: which of those holders hold, in
+        every group of ``checks``, the blocks a hit of ``k`` steps needs. Returns ``(k, serving
+        slots, failing slots)`` per depth, deepest last."""
         out: list[Stop] = []
-        for nblocks, slots in self._depths(view, limit, self._owners[first]):
+        for nblocks, slots in self._depths(coarse_view(hashes, factor), limit, self._owners[first]):
             k = nblocks // per
             if k <= 0:
                 continue
-            valid = self._serving(slots, checks, k)
+            valid = self._serving(slots, hashes, checks, k)
             out.append((k, sorted(valid), sorted(slots - valid)))
         return out
 
     def predict(
         self,
         first: int,
-        view: list[bytes],
+        hashes: list[bytes],
+        factor: int,
         limit: int,
         per: int,
         checks: list[Check],
@@ -303,7 +312,7 @@ class PyHolderMaps:
         workers, in walk order, and the deepest k with one (0: none)."""
         failing: list[Hashable] = []
         deepest = 0
-        for k, valid, failed in self.walk(first, view, limit, per, checks):
+        for k, valid, failed in self.walk(first, hashes, factor, limit, per, checks):
             tokens = k * align
             for s in valid:
                 hits[ids[s]] = tokens
@@ -352,13 +361,14 @@ class PyHolderMaps:
         stops.append((end, current))
         return stops
 
-    def _serving(self, slots: set[int], checks: list[Check], k: int) -> set[int]:
+    def _serving(self, slots: set[int], hashes: list[bytes], checks: list[Check], k: int) -> set[int]:
         """The holders among ``slots`` that hold, in every group of ``checks``, the blocks a hit
         of ``k`` aligned steps needs (a window cached by the same slots is one shared value,
         recognised by a C-level count; otherwise each distinct value narrows the set)."""
-        for g, view, ranges in checks:
+        for g, factor, ranges in checks:
             start, stop = ranges[k]
-            values = list(map(self._owners[g].get, view[start:stop], repeat(NOBODY)))
+            needed = hashes[start * factor + factor - 1 : stop * factor : factor]  # coarse_view(...)[start:stop]
+            values = list(map(self._owners[g].get, needed, repeat(NOBODY)))
             if not values:
                 continue
             first = values[0]

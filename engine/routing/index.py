@@ -68,6 +68,7 @@ from engine.kv_cache.events import (
     BlockUnpinned,
     KVEvent,
 )
+from engine.kv_cache.hashing import coarse_view
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hit_rules import (
     GroupHash,
@@ -359,28 +360,27 @@ class PrefixIndex:
         steps = max_length // align if max_length > 0 else 0
         if steps <= 0 or not self._workers:
             return {}, None
-        views = rules.views(hashes)
         rules.ensure(steps)
-        checks = [g for g in rules.order if not (skip_mamba and g in rules.mamba_groups)]
+        plan = rules.walk_plans[1 if skip_mamba else 0]
         hits: dict[WorkerId, int] = {}
+        if plan is None:
+            return hits, None
         ids = self._ids
+        view = hashes if isinstance(hashes, list) else list(hashes)
         if not rules.full_groups:
-            first = checks[0]
-            per = align // rules.block_sizes[first]
-            met = self._maps.met(first, views[first][: steps * per])
+            met = self._maps.met(plan.first, coarse_view(view, plan.factor)[: steps * plan.per])
             if not met:
                 return hits, None
             workers = {ids[s] for s in met}
             return hits, Pending(workers, steps * align, hashes, skip_mamba)
         # 1. The first full-attention group's contiguous depth of every holder, in one walk;
-        # 2. per depth, the holders every other group serves there (the common case).
-        g0 = checks.pop(0)
-        per0 = align // rules.block_sizes[g0]
-        limit = min(steps * per0, len(views[g0]))
-        limit -= limit % per0
-        ranges = rules._ranges
+        # 2. per depth, the holders every other group serves there (the common case). The maps
+        # read each group's view of the request's hashes in place (``WalkPlan``).
+        per = plan.per
+        limit = min(steps * per, len(view) // plan.factor)
+        limit -= limit % per
         failing, deepest = self._maps.predict(
-            g0, views[g0], limit, per0, [(g, views[g], ranges[g]) for g in checks], align, ids, hits, shared
+            plan.first, view, plan.factor, limit, per, plan.checks, align, ids, hits, shared
         )
         if not failing:
             return hits, None
