@@ -23,7 +23,8 @@ from engine.routing.types import WorkerId
 
 
 class _Sent:
-    """Blocks ``hashes[start:end]`` of one routed prompt, announced for ``worker``."""
+    """Blocks [start, end) of one routed prompt, announced for ``worker``: ``hashes`` holds their
+    hashes (block i's at ``hashes[i - start]``)."""
 
     __slots__ = ("end", "expiry", "hashes", "start", "worker")
 
@@ -41,8 +42,8 @@ class InFlightPrefixes:
     Owns the announcements, keyed by the hash of their first block, and a FIFO of them by expiry
     (the TTL is fixed, so adding in time order keeps it sorted). Invariants: every keyed
     announcement is in the FIFO; none is keyed once ``expire`` ran past its expiry; none of a
-    worker is keyed under a hash that worker has since reported (``discard``). ``add`` is O(1)
-    (the caller hands over the hash list and does not change it), ``depths`` O(log blocks) per
+    worker is keyed under a hash that worker has since reported (``discard``). ``add`` is
+    O(announced blocks) (it keeps a copy of their hashes only), ``depths`` O(log blocks) per
     announcement met, ``discard`` O(reported blocks).
     """
 
@@ -65,7 +66,7 @@ class InFlightPrefixes:
         end = min(end, len(block_hashes))
         if self.ttl_s == 0 or start >= end:
             return
-        sent = _Sent(worker, block_hashes, start, end, now + self.ttl_s)
+        sent = _Sent(worker, block_hashes[start:end], start, end, now + self.ttl_s)
         key = block_hashes[start]
         listed = self._by_start.get(key)
         if listed is None:
@@ -122,7 +123,7 @@ class InFlightPrefixes:
             self.discard(worker, (key,))
 
     def _unkey(self, sent: _Sent) -> None:
-        key = sent.hashes[sent.start]
+        key = sent.hashes[0]
         listed = self._by_start.get(key)
         if listed is None:
             return
@@ -136,11 +137,12 @@ class InFlightPrefixes:
 
 def _deepen(depth: dict[WorkerId, int], sent: _Sent, block_hashes: Sequence[bytes], n: int) -> None:
     """Fold in how far ``sent`` agrees with ``block_hashes`` (chained: agreement is a prefix)."""
-    lo, hi = sent.start + 1, min(sent.end, n)  # agreement is known at sent.start
+    start = sent.start
+    lo, hi = start + 1, min(sent.end, n)  # agreement is known at sent.start
     mine = sent.hashes
     while lo < hi:  # first position in [lo, hi) where they differ, else hi
         mid = (lo + hi) // 2
-        if mine[mid] == block_hashes[mid]:
+        if mine[mid - start] == block_hashes[mid]:
             lo = mid + 1
         else:
             hi = mid

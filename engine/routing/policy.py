@@ -296,12 +296,14 @@ class RoutingPolicy(PlacementPolicy):
         self._record(decision)
         # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
         # part each already holds is the index's business.
-        block = self._inflight_block
-        end = (num_tokens - 1) // block
-        if self._inflight.ttl_s > 0:
-            kept = tuple(view)  # the request's list is the caller's
-            for worker in {decision.prefill_worker, decision.decode_worker}:
-                self._inflight.add(worker, kept, shared.get(worker, 0) // block, end, now)
+        inflight = self._inflight
+        if inflight.ttl_s > 0:  # (``add`` copies the announced blocks' hashes: the list is the caller's)
+            block = self._inflight_block
+            end = (num_tokens - 1) // block
+            prefill, decode = decision.prefill_worker, decision.decode_worker
+            inflight.add(prefill, view, shared.get(prefill, 0) // block, end, now)
+            if decode != prefill:
+                inflight.add(decode, view, shared.get(decode, 0) // block, end, now)
         return decision
 
     def _ahead(
