@@ -74,6 +74,7 @@ from engine.routing.hit_rules import (
     GroupHash,
     HitRules,
     TieredHit,
+    WalkPlan,
     WorkerSnapshot,
     snapshot_coordinator,
 )
@@ -304,11 +305,47 @@ class PrefixIndex:
         their full-attention depth (their hit is shorter than ``shared[w]``), to ``resolve`` later
         (all of them, or only those a caller still needs). Workers holding one of the prompt's
         blocks in their host tier are predicted over both tiers here (never pending); ``host``,
-        if given, receives the host tier's part of each such worker's hit where it is non-zero."""
-        hits, pending = self._predict_device(hashes, max_length, skip_mamba, shared)
+        if given, receives the host tier's part of each such worker's hit where it is non-zero.
+
+        Steps 1-2 run inline on the device maps (one decision, one call: the router's hot path)."""
+        hits: dict[WorkerId, int] = {}
+        pending: Pending | None = None
+        rules = self.rules
+        align = rules.alignment
+        steps = max_length // align if max_length > 0 else 0
+        if steps > 0 and self._workers:
+            rules.ensure(steps)
+            plan = rules.walk_plans[1 if skip_mamba else 0]
+            if plan is not None and not rules.full_groups:
+                pending = self._pending_without_full(plan, hashes, steps, skip_mamba)
+            elif plan is not None:
+                # 1. The first full-attention group's contiguous depth of every holder, in one
+                # walk; 2. per depth, the holders every other group serves there (the common
+                # case). The maps read each group's view of the request's hashes in place.
+                view = hashes if isinstance(hashes, list) else list(hashes)
+                per = plan.per
+                limit = min(steps * per, len(view) // plan.factor)
+                limit -= limit % per
+                failing, deepest = self._maps.predict(
+                    plan.first, view, plan.factor, limit, per, plan.checks, align, self._ids, hits, shared
+                )
+                if failing:
+                    pending = Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
         if self.host.total and max_length > 0:
             self._predict_tiered(hashes, max_length, skip_mamba, hits, pending, shared, host)
         return hits, pending
+
+    def _pending_without_full(
+        self, plan: WalkPlan, hashes: Sequence[bytes], steps: int, skip_mamba: bool
+    ) -> Pending | None:
+        """Without a full-attention group: every holder of a block of the first checked group
+        (within ``steps`` aligned steps) is resolved by the fixed point (step 3)."""
+        view = coarse_view(hashes if isinstance(hashes, list) else list(hashes), plan.factor)
+        met = self._maps.met(plan.first, view[: steps * plan.per])
+        if not met:
+            return None
+        ids = self._ids
+        return Pending({ids[s] for s in met}, steps * self.rules.alignment, hashes, skip_mamba)
 
     def _predict_tiered(
         self,
@@ -346,45 +383,6 @@ class PrefixIndex:
                 host[worker] = found.host_tokens
             if shared is not None and full and found.shared:
                 shared[worker] = found.shared
-
-    def _predict_device(
-        self,
-        hashes: Sequence[bytes],
-        max_length: int,
-        skip_mamba: bool = False,
-        shared: dict[WorkerId, int] | None = None,
-    ) -> tuple[dict[WorkerId, int], Pending | None]:
-        """Steps 1-2 on the device maps (``predict_partial`` adds the host tiers)."""
-        rules = self.rules
-        align = rules.alignment
-        steps = max_length // align if max_length > 0 else 0
-        if steps <= 0 or not self._workers:
-            return {}, None
-        rules.ensure(steps)
-        plan = rules.walk_plans[1 if skip_mamba else 0]
-        hits: dict[WorkerId, int] = {}
-        if plan is None:
-            return hits, None
-        ids = self._ids
-        view = hashes if isinstance(hashes, list) else list(hashes)
-        if not rules.full_groups:
-            met = self._maps.met(plan.first, coarse_view(view, plan.factor)[: steps * plan.per])
-            if not met:
-                return hits, None
-            workers = {ids[s] for s in met}
-            return hits, Pending(workers, steps * align, hashes, skip_mamba)
-        # 1. The first full-attention group's contiguous depth of every holder, in one walk;
-        # 2. per depth, the holders every other group serves there (the common case). The maps
-        # read each group's view of the request's hashes in place (``WalkPlan``).
-        per = plan.per
-        limit = min(steps * per, len(view) // plan.factor)
-        limit -= limit % per
-        failing, deepest = self._maps.predict(
-            plan.first, view, plan.factor, limit, per, plan.checks, align, ids, hits, shared
-        )
-        if not failing:
-            return hits, None
-        return hits, Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
         """Step 3 for the pending holders (or those of them in ``only``): the coordinator's fixed
