@@ -12,9 +12,10 @@
  * walk of a slot's list checks that the entry is alive and held by that slot.
  *
  * Loops over a list of keys prefetch the index word and then the entry a few keys ahead (a lookup
- * in a large table is about two cache misses). ``predict`` writes the walk's results straight
- * into the caller's dicts and ``absorb`` applies a run of events in one call, so a decision and
- * a worker's event batch each cross into C once.
+ * in a large table is about two cache misses; the prediction's walk also prefetches the key
+ * objects, and reads every group's view of the request's hashes in place, by stride).
+ * ``predict`` writes the walk's results straight into the caller's dicts and ``absorb`` applies a
+ * run of events in one call, so a decision and a worker's event batch each cross into C once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
