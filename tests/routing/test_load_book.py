@@ -24,7 +24,7 @@ def compiled_book(knobs: Knobs) -> LoadBook:
 
 
 def test_the_compiled_book_is_built() -> None:
-    book = make_load_book(knobs(5.0, 10.0, 0))
+    book = make_load_book(knobs(5.0, 10.0, 0), core="auto")
     assert type(book).__module__ == "engine.routing._load", (
         "engine.routing._load is not built: run `python setup.py build_ext --inplace`"
     )
