@@ -512,7 +512,26 @@ static PyObject *Book_over(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyBool_FromLong(is_over(self, &self->recs[i], now, slow, cap));
 }
 
-/* ``thresholds``: see ``PyLoadBook.thresholds``. */
+/* ``thresholds``: see ``PyLoadBook.thresholds``. ``mean_smoothed`` / ``mean_work`` NULL: the
+ * book's own means over every worker. */
+static void thresholds_of(const Book *self, double n, double now, double mean_queued, const double *mean_smoothed,
+                          const double *mean_work, double *limit, double *slow, double *cap) {
+    double count = (double)(self->count > 1 ? self->count : 1);
+    *limit = self->imbalance_ratio * mean_queued + n + self->imbalance_slack;
+    *slow = INFINITY;
+    *cap = INFINITY;
+    if (self->smoothed) {
+        double mean = mean_smoothed == NULL
+                          ? avg_get(self->st_value, self->st_avg, self->st_at, now, self->s_half) / count
+                          : *mean_smoothed;
+        *slow = self->sustained_ratio * mean + n;
+    }
+    if (self->work_ratio != 0.0) {
+        double mean = mean_work == NULL ? decayed(self->wt_value, self->wt_at, now, self->w_half) / count : *mean_work;
+        *cap = self->work_ratio * mean + n + self->request_work;
+    }
+}
+
 static PyObject *Book_thresholds(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)");
@@ -523,37 +542,21 @@ static PyObject *Book_thresholds(Book *self, PyObject *const *args, Py_ssize_t n
     double mean_work = args[4] == Py_None ? 0.0 : PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    double count = (double)(self->count > 1 ? self->count : 1);
-    double limit = self->imbalance_ratio * mean_queued + n + self->imbalance_slack;
-    double slow = INFINITY, cap = INFINITY;
-    if (self->smoothed) {
-        double mean = args[3] == Py_None
-                          ? avg_get(self->st_value, self->st_avg, self->st_at, now, self->s_half) / count
-                          : mean_smoothed;
-        slow = self->sustained_ratio * mean + n;
-    }
-    if (self->work_ratio != 0.0) {
-        double mean =
-            args[4] == Py_None ? decayed(self->wt_value, self->wt_at, now, self->w_half) / count : mean_work;
-        cap = self->work_ratio * mean + n + self->request_work;
-    }
+    double limit, slow, cap;
+    thresholds_of(self, n, now, mean_queued, args[3] == Py_None ? NULL : &mean_smoothed,
+                  args[4] == Py_None ? NULL : &mean_work, &limit, &slow, &cap);
     return Py_BuildValue("(ddd)", limit, slow, cap);
 }
 
 /* ``credit``: see ``PyLoadBook.credit``. Works on Python numbers as it does, so an int hit stays
- * an int where nothing changes it. */
-static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyDict_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "credit(hits: dict, shared, deduct, ahead)");
-        return NULL;
-    }
-    PyObject *hits = args[0], *shared = args[1], *deduct = args[2], *ahead = args[3];
+ * an int where nothing changes it. ``shared``, ``deduct``, ``ahead``: dicts or NULL. */
+static PyObject *credit_of(const Book *self, PyObject *hits, PyObject *shared, PyObject *deduct, PyObject *ahead) {
     PyObject *credit = PyDict_Copy(hits);
     if (credit == NULL)
         return NULL;
     PyObject *worker, *value;
     Py_ssize_t pos = 0;
-    if (shared != Py_None && PyDict_Check(shared)) {
+    if (shared != NULL) {
         while (PyDict_Next(shared, &pos, &worker, &value)) {
             PyObject *hit = PyDict_GetItemWithError(hits, worker);
             if (hit == NULL && PyErr_Occurred())
@@ -571,7 +574,7 @@ static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs
             Py_DECREF(got);
         }
     }
-    if (deduct != Py_None && PyDict_Check(deduct)) {
+    if (deduct != NULL) {
         pos = 0;
         while (PyDict_Next(deduct, &pos, &worker, &value)) {
             PyObject *have = PyDict_GetItemWithError(credit, worker);
@@ -588,7 +591,7 @@ static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs
             Py_DECREF(less);
         }
     }
-    if (ahead != Py_None && PyDict_Check(ahead)) {
+    if (ahead != NULL) {
         pos = 0;
         while (PyDict_Next(ahead, &pos, &worker, &value)) {
             PyObject *have = PyDict_GetItemWithError(credit, worker);
@@ -616,6 +619,121 @@ error:
     return NULL;
 }
 
+static PyObject *dict_or_null(PyObject *o) { return (o != Py_None && PyDict_Check(o)) ? o : NULL; }
+
+static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "credit(hits: dict, shared, deduct, ahead)");
+        return NULL;
+    }
+    return credit_of(self, args[0], dict_or_null(args[1]), dict_or_null(args[2]), dict_or_null(args[3]));
+}
+
+/* Fold (worker, cost) into the running argmin: ``load.better``. */
+static int fold(PyObject *best, double *best_cost, PyObject *worker, double cost) {
+    if (cost < *best_cost - 1e-9) {
+        *best_cost = cost;
+        if (PyList_SetSlice(best, 0, PyList_GET_SIZE(best), NULL) < 0)
+            return -1;
+        return PyList_Append(best, worker);
+    }
+    if (cost <= *best_cost + 1e-9)
+        return PyList_Append(best, worker);
+    return 0;
+}
+
+typedef struct {
+    double best_cost;
+    PyObject *best, *deferred, *spread; /* owned */
+    int guarded, fresh;
+} ScanOut;
+
+static void scan_clear(ScanOut *out) {
+    Py_CLEAR(out->best);
+    Py_CLEAR(out->deferred);
+    Py_CLEAR(out->spread);
+}
+
+/* ``PyLoadBook.scan``; on failure returns -1 with ``out`` cleared. */
+static int scan_core(Book *self, PyObject *credit, PyObject *among, PyObject *load_cost, PyObject *queued,
+                     double limit, double now, double slow, double cap, double w_uncached, double w_spread,
+                     PyObject *pending, Py_ssize_t probes, ScanOut *out) {
+    int among_is_dict = PyDict_Check(among);
+    Py_ssize_t pending_size = PyObject_Length(pending);
+    if (pending_size < 0)
+        return -1;
+    int failed = 0, refused = 0;
+    out->best_cost = INFINITY;
+    out->guarded = out->fresh = 0;
+    out->best = PyList_New(0);
+    out->deferred = PyList_New(0);
+    out->spread = PySet_New(NULL);
+    if (out->best == NULL || out->deferred == NULL || out->spread == NULL)
+        goto error;
+    Py_ssize_t pos = 0;
+    PyObject *worker, *value;
+    while (PyDict_Next(credit, &pos, &worker, &value)) {
+        int in = among_is_dict ? PyDict_Contains(among, worker) : PySequence_Contains(among, worker);
+        if (in < 0)
+            goto error;
+        if (!in)
+            continue;
+        double q = dict_double(queued, worker, &failed);
+        if (failed)
+            goto error;
+        if (!(q <= limit)) {
+            out->guarded = 1;
+            continue;
+        }
+        double v = PyFloat_AsDouble(value);
+        if (v == -1.0 && PyErr_Occurred())
+            goto error;
+        double weight = w_uncached;
+        if (w_spread < w_uncached && v > 0) {
+            Py_ssize_t i = require(self, worker);
+            if (i < 0)
+                goto error;
+            if (is_over(self, &self->recs[i], now, slow, cap)) {
+                if (PySet_Add(out->spread, worker) < 0)
+                    goto error;
+                weight = w_spread;
+            }
+        }
+        if (pending_size > 0) {
+            int is_pending = PySequence_Contains(pending, worker);
+            if (is_pending < 0)
+                goto error;
+            if (is_pending) {
+                if (PyList_Append(out->deferred, worker) < 0)
+                    goto error;
+                continue;
+            }
+        }
+        double lc = dict_double(load_cost, worker, &failed);
+        if (failed)
+            goto error;
+        double product = weight * v;
+        if (fold(out->best, &out->best_cost, worker, lc - product) < 0)
+            goto error;
+    }
+    if (probes >= 0) {
+        PyObject *fresh = order_first(self, credit, queued, limit, probes, &refused);
+        if (fresh == NULL && PyErr_Occurred())
+            goto error;
+        out->guarded = out->guarded || refused;
+        if (fresh != NULL) {
+            out->fresh = 1;
+            double rest = dict_double(load_cost, fresh, &failed);
+            if (failed || fold(out->best, &out->best_cost, fresh, rest) < 0)
+                goto error;
+        }
+    }
+    return 0;
+error:
+    scan_clear(out);
+    return -1;
+}
+
 /* ``scan``: see ``PyLoadBook.scan``. */
 static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 12) {
@@ -635,94 +753,105 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_ssize_t probes = PyLong_AsSsize_t(args[11]);
     if (PyErr_Occurred())
         return NULL;
-    int among_is_dict = PyDict_Check(among);
-    int check_pending = PyObject_Length(pending) > 0;
+    ScanOut out;
+    if (scan_core(self, credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending,
+                  probes, &out) < 0)
+        return NULL;
+    return Py_BuildValue("(dNNNNN)", out.best_cost, out.best, out.deferred, out.spread, PyBool_FromLong(out.guarded),
+                         PyBool_FromLong(out.fresh));
+}
+
+/* ``choose``: ``RoutingPolicy._pick`` over the whole pool for a request without a pin or a host
+ * tier hit, in one call: the thresholds, the credit, the scan, the random tie-break (``randrange``:
+ * the policy's ``rng.randrange``) and the reason. Returns None, having changed nothing, where
+ * ``_pick`` has more to do (pending holders to resolve, no least loaded worker in the load order's
+ * first entries, nobody allowed): the policy then runs ``_pick`` itself. */
+static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError,
+                        "choose(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
+                        "w_uncached, w_spread, extra_probes, randrange)");
+        return NULL;
+    }
+    PyObject *hits = args[0], *shared = dict_or_null(args[1]), *ahead = dict_or_null(args[2]), *pending = args[3];
+    PyObject *load_cost = args[4], *queued = args[5], *randrange = args[12];
+    if (!PyDict_Check(hits) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
+        PyErr_SetString(PyExc_TypeError, "choose: hits, load_cost and queued must be dicts");
+        return NULL;
+    }
+    double mean_queued = PyFloat_AsDouble(args[6]), n = PyFloat_AsDouble(args[7]), now = PyFloat_AsDouble(args[8]),
+           w_uncached = PyFloat_AsDouble(args[9]), w_spread = PyFloat_AsDouble(args[10]);
+    Py_ssize_t extra = PyLong_AsSsize_t(args[11]);
     if (PyErr_Occurred())
         return NULL;
-    double best_cost = INFINITY;
-    int guarded = 0, failed = 0, refused = 0, fresh_found = 0;
-    PyObject *best = PyList_New(0), *deferred = PyList_New(0), *spread = PySet_New(NULL);
-    if (best == NULL || deferred == NULL || spread == NULL)
-        goto error;
-    Py_ssize_t pos = 0;
-    PyObject *worker, *value;
-    while (PyDict_Next(credit, &pos, &worker, &value)) {
-        int in = among_is_dict ? PyDict_Contains(among, worker) : PySequence_Contains(among, worker);
-        if (in < 0)
-            goto error;
-        if (!in)
-            continue;
-        double q = dict_double(queued, worker, &failed);
-        if (failed)
-            goto error;
-        if (!(q <= limit)) {
-            guarded = 1;
-            continue;
+    double limit, slow, cap;
+    thresholds_of(self, n, now, mean_queued, NULL, NULL, &limit, &slow, &cap);
+    PyObject *credit = credit_of(self, hits, shared, NULL, ahead);
+    if (credit == NULL)
+        return NULL;
+    ScanOut out;
+    PyObject *choice = NULL;
+    int rc = scan_core(self, credit, load_cost, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread,
+                       pending, PyDict_GET_SIZE(credit) + extra, &out);
+    Py_DECREF(credit);
+    if (rc < 0)
+        return NULL;
+    Py_ssize_t size = PyList_GET_SIZE(out.best);
+    if (PyList_GET_SIZE(out.deferred) > 0 || !out.fresh || size == 0) {
+        scan_clear(&out);
+        Py_RETURN_NONE;
+    }
+    if (size == 1) {
+        choice = PyList_GET_ITEM(out.best, 0);
+    } else {
+        PyObject *num = PyLong_FromSsize_t(size);
+        if (num == NULL)
+            goto fail;
+        PyObject *drawn = PyObject_CallOneArg(randrange, num);
+        Py_DECREF(num);
+        if (drawn == NULL)
+            goto fail;
+        Py_ssize_t k = PyLong_AsSsize_t(drawn);
+        Py_DECREF(drawn);
+        if (k < 0 || k >= size) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "choose: randrange gave an index out of range");
+            goto fail;
         }
-        double v = PyFloat_AsDouble(value);
-        if (v == -1.0 && PyErr_Occurred())
-            goto error;
-        double weight = w_uncached;
-        if (w_spread < w_uncached && v > 0) {
-            Py_ssize_t i = require(self, worker);
-            if (i < 0)
-                goto error;
-            if (is_over(self, &self->recs[i], now, slow, cap)) {
-                if (PySet_Add(spread, worker) < 0)
-                    goto error;
-                weight = w_spread;
-            }
-        }
-        if (check_pending) {
-            int is_pending = PySequence_Contains(pending, worker);
-            if (is_pending < 0)
-                goto error;
-            if (is_pending) {
-                if (PyList_Append(deferred, worker) < 0)
-                    goto error;
-                continue;
-            }
-        }
-        double lc = dict_double(load_cost, worker, &failed);
-        if (failed)
-            goto error;
-        double product = weight * v;
-        double cost = lc - product;
-        if (cost < best_cost - 1e-9) {
-            best_cost = cost;
-            if (PyList_SetSlice(best, 0, PyList_GET_SIZE(best), NULL) < 0 || PyList_Append(best, worker) < 0)
-                goto error;
-        } else if (cost <= best_cost + 1e-9) {
-            if (PyList_Append(best, worker) < 0)
-                goto error;
+        choice = PyList_GET_ITEM(out.best, k);
+    }
+    Py_INCREF(choice);
+    const char *reason = "cost";
+    int in_spread = PySet_Contains(out.spread, choice);
+    if (in_spread < 0)
+        goto fail;
+    if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread) {
+        reason = "guard";
+    } else {
+        PyObject *hit = PyDict_GetItemWithError(hits, choice);
+        if (hit == NULL && PyErr_Occurred())
+            goto fail;
+        double h = hit == NULL ? 0.0 : PyFloat_AsDouble(hit);
+        if (h == -1.0 && PyErr_Occurred())
+            goto fail;
+        if (h > 0) {
+            reason = "prefix";
+        } else if (ahead != NULL) {
+            PyObject *routed = PyDict_GetItemWithError(ahead, choice);
+            if (routed == NULL && PyErr_Occurred())
+                goto fail;
+            double a = routed == NULL ? 0.0 : PyFloat_AsDouble(routed);
+            if (a == -1.0 && PyErr_Occurred())
+                goto fail;
+            if (a > 0)
+                reason = "inflight";
         }
     }
-    if (probes >= 0) {
-        PyObject *fresh = order_first(self, credit, queued, limit, probes, &refused);
-        if (fresh == NULL && PyErr_Occurred())
-            goto error;
-        guarded = guarded || refused;
-        if (fresh != NULL) {
-            fresh_found = 1;
-            double rest = dict_double(load_cost, fresh, &failed);
-            if (failed)
-                goto error;
-            if (rest < best_cost - 1e-9) {
-                best_cost = rest;
-                if (PyList_SetSlice(best, 0, PyList_GET_SIZE(best), NULL) < 0 || PyList_Append(best, fresh) < 0)
-                    goto error;
-            } else if (rest <= best_cost + 1e-9) {
-                if (PyList_Append(best, fresh) < 0)
-                    goto error;
-            }
-        }
-    }
-    return Py_BuildValue("(dNNNNN)", best_cost, best, deferred, spread, PyBool_FromLong(guarded),
-                         PyBool_FromLong(fresh_found));
-error:
-    Py_XDECREF(best);
-    Py_XDECREF(deferred);
-    Py_XDECREF(spread);
+    scan_clear(&out);
+    return Py_BuildValue("(Ns)", choice, reason);
+fail:
+    Py_XDECREF(choice);
+    scan_clear(&out);
     return NULL;
 }
 
@@ -740,6 +869,7 @@ static PyMethodDef Book_methods[] = {
     {"thresholds", (PyCFunction)(void (*)(void))Book_thresholds, METH_FASTCALL,
      "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)"},
     {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, deduct, ahead)"},
+    {"choose", (PyCFunction)(void (*)(void))Book_choose, METH_FASTCALL, "The pick over the whole pool: see _load.c."},
     {"scan", (PyCFunction)(void (*)(void))Book_scan, METH_FASTCALL, "The pick's argmin: see PyLoadBook.scan."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,6 @@
 """Types of the compiled load book (``_load.c``); ``load.PyLoadBook`` documents it."""
 
-from collections.abc import Container, Hashable
+from collections.abc import Callable, Container, Hashable
 
 class LoadBook:
     def __init__(
@@ -52,3 +52,20 @@ class LoadBook:
         probes: int,
         /,
     ) -> tuple[float, list[Hashable], list[Hashable], set[Hashable], bool, bool]: ...
+    def choose(
+        self,
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        ahead: dict[Hashable, int] | None,
+        pending: Container[Hashable],
+        load_cost: dict[Hashable, float],
+        queued: dict[Hashable, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+        /,
+    ) -> tuple[Hashable, str] | None: ...

@@ -287,6 +287,22 @@ class LoadBook(Protocol):
         pending: Container[WorkerId],
         probes: int,
     ) -> Scan: ...
+    def choose(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        ahead: dict[WorkerId, int] | None,
+        pending: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+    ) -> tuple[WorkerId, str] | None: ...
 
 
 class PyLoadBook:
@@ -457,6 +473,29 @@ class PyLoadBook:
         elif rest <= best_cost + 1e-9:
             best = [*best, fresh]
         return best_cost, best, deferred, spread, guarded or refused, True
+
+
+    def choose(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        ahead: dict[WorkerId, int] | None,
+        pending: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+    ) -> tuple[WorkerId, str] | None:
+        """The compiled book's shortcut for ``RoutingPolicy._pick`` over the whole pool (no pin,
+        no host-tier hit): the same choice and reason in one call, or None where ``_pick`` has
+        more to do. Here always None: ``_pick`` itself is the reference the shortcut is tested
+        against (tests/routing/test_core_parity.py)."""
+        return None
 
 
 def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:

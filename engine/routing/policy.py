@@ -284,7 +284,15 @@ class RoutingPolicy(PlacementPolicy):
         if not self._disaggregated:
             workers = self._pool
             self._require(workers, "")
-            worker, reason = self._pick(workers, hits, num_tokens, pin, self.w_miss, shared, pending, ahead, host)
+            w_miss = self.w_miss
+            chosen = None
+            if pin is None and not host:  # the compiled book's shortcut for ``_pick`` (``LoadBook.choose``)
+                chosen = self._book.choose(
+                    hits, shared, ahead, pending.workers if pending is not None else (), self._load_cost,
+                    self._queued, self._queued_sum / max(1, len(self._queued)), num_tokens, now, w_miss,
+                    min(w_miss, self.weights.uncached_tokens), LEAST_LOADED_PROBES, self.rng.randrange,
+                )  # fmt: skip
+            worker, reason = chosen or self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
             pin_id = pin.pin_id if pin is not None else None
             best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
             decision = Decision(
