@@ -34,6 +34,7 @@ typedef struct {
     double s_half, w_half;
     /* ``Knobs``: the guards' ratios and slack, the work per request, the anchor credit */
     double imbalance_ratio, imbalance_slack, sustained_ratio, work_ratio, request_work, anchor;
+    double w_queued, w_running, w_used; /* the load cost's weights (``RoutingPolicy._cost_of``) */
     double s_now;      /* SmoothedQueues.now */
     double st_value, st_avg, st_at; /* the total queue's average */
     double w_now;      /* DecayedWork.now */
@@ -263,12 +264,13 @@ static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, doubl
 static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", "imbalance_ratio",
                              "imbalance_slack_tokens", "sustained_imbalance_ratio", "work_imbalance_ratio",
-                             "request_work_tokens", "anchor_credit", NULL};
+                             "request_work_tokens", "anchor_credit", "w_queued", "w_running", "w_used", NULL};
     double load_half, work_half;
     PyObject *seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOdddddd", kwlist, &load_half, &work_half, &seed,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOddddddddd", kwlist, &load_half, &work_half, &seed,
                                      &self->imbalance_ratio, &self->imbalance_slack, &self->sustained_ratio,
-                                     &self->work_ratio, &self->request_work, &self->anchor))
+                                     &self->work_ratio, &self->request_work, &self->anchor, &self->w_queued,
+                                     &self->w_running, &self->w_used))
         return -1;
     if (!(work_half > 0)) {
         PyObject *got = PyFloat_FromDouble(work_half);
@@ -390,6 +392,30 @@ static PyObject *Book_advance(Book *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* ``PyLoadBook.set_load`` on record i. */
+static int set_load_core(Book *self, Py_ssize_t i, double queued, double cost) {
+    Rec *r = &self->recs[i];
+    if (self->smoothed) { /* ``SmoothedQueues.set`` without a time: at ``now`` */
+        double now = self->s_now;
+        double total = self->st_value + queued - r->s_value;
+        avg_set(&self->st_value, &self->st_avg, &self->st_at, total, now, self->s_half);
+        avg_set(&r->s_value, &r->s_avg, &r->s_at, queued, now, self->s_half);
+    }
+    return order_set(self, i, cost, rank_of(self, r));
+}
+
+/* ``DecayedWork.add`` on record i. */
+static void add_work_core(Book *self, Py_ssize_t i, double amount, double now) {
+    Rec *r = &self->recs[i];
+    if (!(now >= self->w_now))
+        now = self->w_now;
+    self->w_now = now;
+    r->w_value = decayed(r->w_value, r->w_at, now, self->w_half) + amount;
+    r->w_at = now;
+    self->wt_value = decayed(self->wt_value, self->wt_at, now, self->w_half) + amount;
+    self->wt_at = now;
+}
+
 static PyObject *Book_set_load(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "set_load(worker, queued, cost)");
@@ -402,16 +428,7 @@ static PyObject *Book_set_load(Book *self, PyObject *const *args, Py_ssize_t nar
     if (cost == -1.0 && PyErr_Occurred())
         return NULL;
     Py_ssize_t i = require(self, args[0]);
-    if (i < 0)
-        return NULL;
-    Rec *r = &self->recs[i];
-    if (self->smoothed) { /* ``SmoothedQueues.set`` without a time: at ``now`` */
-        double now = self->s_now;
-        double total = self->st_value + queued - r->s_value;
-        avg_set(&self->st_value, &self->st_avg, &self->st_at, total, now, self->s_half);
-        avg_set(&r->s_value, &r->s_avg, &r->s_at, queued, now, self->s_half);
-    }
-    if (order_set(self, i, cost, rank_of(self, r)) < 0)
+    if (i < 0 || set_load_core(self, i, queued, cost) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -430,17 +447,60 @@ static PyObject *Book_add_work(Book *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t i = find(self, args[0]);
     if (i == -2)
         return NULL;
-    if (i == -1)
-        Py_RETURN_NONE;
-    Rec *r = &self->recs[i];
-    if (!(now >= self->w_now))
-        now = self->w_now;
-    self->w_now = now;
-    r->w_value = decayed(r->w_value, r->w_at, now, self->w_half) + amount;
-    r->w_at = now;
-    self->wt_value = decayed(self->wt_value, self->wt_at, now, self->w_half) + amount;
-    self->wt_at = now;
+    if (i >= 0)
+        add_work_core(self, i, amount, now);
     Py_RETURN_NONE;
+}
+
+static PyObject *str_queued_tokens, *str_running_requests, *str_used_block_fraction; /* interned at import */
+
+/* ``assign``: ``RoutingPolicy._record`` (and ``PlacementPolicy._record``) of a request running
+ * whole on one worker, operation by operation: the work, the load copy's queued tokens and
+ * running requests, the load cost (``_cost_of``), the policy's dicts, the book's queue and order.
+ * Returns the change of the worker's queued tokens. */
+static PyObject *Book_assign(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "assign(worker, load, uncached, now, load_cost: dict, queued: dict)");
+        return NULL;
+    }
+    PyObject *worker = args[0], *load = args[1], *uncached = args[2];
+    double now = PyFloat_AsDouble(args[3]);
+    double amount = PyFloat_AsDouble(uncached);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t i = require(self, worker);
+    if (i < 0)
+        return NULL;
+    PyObject *before = NULL, *after = NULL, *running = NULL, *more = NULL, *used = NULL, *cost = NULL,
+             *delta = NULL;
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL || (before = PyObject_GetAttr(load, str_queued_tokens)) == NULL)
+        goto done;
+    add_work_core(self, i, amount + self->request_work, now);
+    if ((after = PyNumber_Add(before, uncached)) == NULL || PyObject_SetAttr(load, str_queued_tokens, after) < 0)
+        goto done;
+    if ((running = PyObject_GetAttr(load, str_running_requests)) == NULL ||
+        (more = PyNumber_Add(running, one)) == NULL || PyObject_SetAttr(load, str_running_requests, more) < 0)
+        goto done;
+    if ((used = PyObject_GetAttr(load, str_used_block_fraction)) == NULL)
+        goto done;
+    double q = PyFloat_AsDouble(after), r = PyFloat_AsDouble(more), u = PyFloat_AsDouble(used);
+    if (PyErr_Occurred())
+        goto done;
+    double value = self->w_queued * q + self->w_running * r + self->w_used * u;
+    if ((cost = PyFloat_FromDouble(value)) == NULL || PyDict_SetItem(args[4], worker, cost) < 0 ||
+        PyDict_SetItem(args[5], worker, after) < 0 || set_load_core(self, i, q, value) < 0)
+        goto done;
+    delta = PyNumber_Subtract(after, before);
+done:
+    Py_XDECREF(one);
+    Py_XDECREF(before);
+    Py_XDECREF(after);
+    Py_XDECREF(running);
+    Py_XDECREF(more);
+    Py_XDECREF(used);
+    Py_XDECREF(cost);
+    return delta;
 }
 
 static int worker_and_now(Book *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *i, double *now) {
@@ -869,6 +929,7 @@ static PyMethodDef Book_methods[] = {
     {"thresholds", (PyCFunction)(void (*)(void))Book_thresholds, METH_FASTCALL,
      "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)"},
     {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, deduct, ahead)"},
+    {"assign", (PyCFunction)(void (*)(void))Book_assign, METH_FASTCALL, "The record of a decision: see _load.c."},
     {"choose", (PyCFunction)(void (*)(void))Book_choose, METH_FASTCALL, "The pick over the whole pool: see _load.c."},
     {"scan", (PyCFunction)(void (*)(void))Book_scan, METH_FASTCALL, "The pick's argmin: see PyLoadBook.scan."},
     {NULL, NULL, 0, NULL},
@@ -890,6 +951,11 @@ static struct PyModuleDef load_module = {
 };
 
 PyMODINIT_FUNC PyInit__load(void) {
+    str_queued_tokens = PyUnicode_InternFromString("queued_tokens");
+    str_running_requests = PyUnicode_InternFromString("running_requests");
+    str_used_block_fraction = PyUnicode_InternFromString("used_block_fraction");
+    if (str_queued_tokens == NULL || str_running_requests == NULL || str_used_block_fraction == NULL)
+        return NULL;
     if (PyType_Ready(&BookType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&load_module);

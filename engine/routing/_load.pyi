@@ -2,6 +2,8 @@
 
 from collections.abc import Callable, Container, Hashable
 
+from engine.routing.types import WorkerLoad
+
 class LoadBook:
     def __init__(
         self,
@@ -14,6 +16,9 @@ class LoadBook:
         work_imbalance_ratio: float,
         request_work_tokens: float,
         anchor_credit: float,
+        w_queued: float,
+        w_running: float,
+        w_used: float,
     ) -> None: ...
     def add(self, worker: Hashable, /) -> None: ...
     def remove(self, worker: Hashable, /) -> None: ...
@@ -69,3 +74,13 @@ class LoadBook:
         randrange: Callable[[int], int],
         /,
     ) -> tuple[Hashable, str] | None: ...
+    def assign(
+        self,
+        worker: Hashable,
+        load: WorkerLoad,
+        uncached: int,
+        now: float,
+        load_cost: dict[Hashable, float],
+        queued: dict[Hashable, float],
+        /,
+    ) -> float | None: ...

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 from configs.schema import RouterConfig
 from engine.routing.holder_maps import CORE_ENV
-from engine.routing.types import WorkerId
+from engine.routing.types import WorkerId, WorkerLoad
 
 
 class _Average:
@@ -206,8 +206,8 @@ class LoadOrder:
 
 
 class Knobs(NamedTuple):
-    """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios and anchor
-    credit, and the load order's seed (``knobs_of``)."""
+    """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios, anchor credit
+    and load weights, and the load order's seed (``knobs_of``)."""
 
     load_halflife_s: float
     work_halflife_s: float
@@ -218,6 +218,9 @@ class Knobs(NamedTuple):
     work_imbalance_ratio: float
     request_work_tokens: float
     anchor_credit: float
+    w_queued: float  # ``RouterWeights``: a worker's load cost per queued token,
+    w_running: float  # per running request,
+    w_used: float  # per used share of its blocks (``RoutingPolicy._cost_of``)
 
 
 def knobs_of(config: RouterConfig) -> Knobs:
@@ -231,6 +234,9 @@ def knobs_of(config: RouterConfig) -> Knobs:
         config.work_imbalance_ratio,
         config.request_work_tokens,
         config.anchor_credit,
+        config.weights.queued_tokens,
+        config.weights.running_requests,
+        config.weights.used_block_fraction,
     )
 
 
@@ -303,6 +309,15 @@ class LoadBook(Protocol):
         extra_probes: int,
         randrange: Callable[[int], int],
     ) -> tuple[WorkerId, str] | None: ...
+    def assign(
+        self,
+        worker: WorkerId,
+        load: WorkerLoad,
+        uncached: int,
+        now: float,
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+    ) -> float | None: ...
 
 
 class PyLoadBook:
@@ -495,6 +510,23 @@ class PyLoadBook:
         no host-tier hit): the same choice and reason in one call, or None where ``_pick`` has
         more to do. Here always None: ``_pick`` itself is the reference the shortcut is tested
         against (tests/routing/test_core_parity.py)."""
+        return None
+
+    def assign(
+        self,
+        worker: WorkerId,
+        load: WorkerLoad,
+        uncached: int,
+        now: float,
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+    ) -> float | None:
+        """The compiled book's shortcut for ``RoutingPolicy._record`` of a request running whole
+        on ``worker`` (its ``load``, the router's copy; ``uncached``: the decision's uncached
+        tokens): the work, the load copy, the policy's ``load_cost`` / ``queued`` entries and the
+        book's own state updated in one call; returns the change of the worker's queued tokens
+        (for the policy's sum), or None where the policy records it itself. Here always None:
+        ``_record`` is the reference (tests/routing/test_core_parity.py)."""
         return None
 
 

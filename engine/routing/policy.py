@@ -412,6 +412,13 @@ class RoutingPolicy(PlacementPolicy):
     def _record(self, decision: Decision) -> None:
         prefill, decode = decision.prefill_worker, decision.decode_worker
         loads = self.loads
+        if prefill == decode:  # the compiled book's shortcut for what follows (``LoadBook.assign``)
+            delta = self._book.assign(
+                prefill, loads[prefill], decision.uncached_tokens, self._now, self._load_cost, self._queued
+            )
+            if delta is not None:
+                self._queued_sum += delta
+                return
         before = loads[prefill].queued_tokens
         book = self._book
         book.add_work(prefill, decision.uncached_tokens + self.config.request_work_tokens, self._now)
