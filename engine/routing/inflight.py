@@ -40,11 +40,14 @@ class InFlightPrefixes:
     """Announcements "worker w will hold blocks [start, end) of this prompt", with an expiry.
 
     Owns the announcements, keyed by the hash of their first block, and a FIFO of them by expiry
-    (the TTL is fixed, so adding in time order keeps it sorted). Invariants: every keyed
-    announcement is in the FIFO; none is keyed once ``expire`` ran past its expiry; none of a
-    worker is keyed under a hash that worker has since reported (``discard``). ``add`` is
-    O(announced blocks) (it keeps a copy of their hashes only), ``depths`` O(log blocks) per
-    announcement met, ``discard`` O(reported blocks).
+    (the TTL is fixed, so adding in time order keeps it sorted), and per worker the keys of its
+    announcements with their counts. Invariants: every keyed announcement is in the FIFO; none is
+    keyed once ``expire`` ran past its expiry; none of a worker is keyed under a hash that worker
+    has since reported (``discard``); ``_keys[w][k]`` is the number of w's announcements keyed
+    under k (absent: none). ``add`` is O(announced blocks) (it keeps a copy of their hashes only),
+    ``depths`` O(log blocks) per announcement met, ``discard`` O(the worker's announcement keys x
+    reported blocks): a reported hash is compared, never hashed (a worker's report holds fresh
+    hash objects whose hashes nobody computed yet).
     """
 
     def __init__(self, ttl_s: float):
@@ -53,6 +56,7 @@ class InFlightPrefixes:
         self.ttl_s = ttl_s
         self._by_start: dict[bytes, list[_Sent]] = {}
         self._fifo: deque[_Sent] = deque()
+        self._keys: dict[WorkerId, dict[bytes, int]] = {}
 
     def __len__(self) -> int:
         """Announcements still keyed (expired ones count until ``expire`` runs)."""
@@ -74,6 +78,15 @@ class InFlightPrefixes:
         else:
             listed.append(sent)
         self._fifo.append(sent)
+        keys = self._keys.get(worker)
+        if keys is None:
+            self._keys[worker] = {key: 1}
+        else:
+            keys[key] = keys.get(key, 0) + 1
+
+    def announced(self, worker: WorkerId) -> bool:
+        """Whether ``worker`` has an announcement keyed (expired ones count until ``expire`` runs)."""
+        return worker in self._keys
 
     def expire(self, now: float) -> None:
         """Drop the announcements whose expiry has passed."""
@@ -107,20 +120,29 @@ class InFlightPrefixes:
     def discard(self, worker: WorkerId, block_hashes: Sequence[bytes]) -> None:
         """``worker`` reported these blocks: announcements of it starting at one of them end
         (the index knows those blocks now)."""
-        by_start = self._by_start
-        for block_hash in filter(by_start.__contains__, block_hashes):  # most were never announced
-            listed = by_start.get(block_hash)
-            if listed is not None:
-                kept = [s for s in listed if s.worker != worker]
-                if not kept:
-                    del by_start[block_hash]
-                elif len(kept) != len(listed):
-                    by_start[block_hash] = kept
+        keys = self._keys.get(worker)
+        if keys:
+            for key in [k for k in keys if k in block_hashes]:
+                self._end(worker, key)
 
     def forget_worker(self, worker: WorkerId) -> None:
         """Drop every announcement of ``worker`` (it left, or its cache was cleared)."""
-        for key in list(self._by_start):
-            self.discard(worker, (key,))
+        for key in list(self._keys.get(worker, ())):
+            self._end(worker, key)
+
+    def _end(self, worker: WorkerId, key: bytes) -> None:
+        """Unkey every announcement of ``worker`` under ``key``."""
+        listed = self._by_start.get(key)
+        if listed is not None:
+            kept = [s for s in listed if s.worker != worker]
+            if not kept:
+                del self._by_start[key]
+            elif len(kept) != len(listed):
+                self._by_start[key] = kept
+        keys = self._keys[worker]
+        del keys[key]
+        if not keys:
+            del self._keys[worker]
 
     def _unkey(self, sent: _Sent) -> None:
         key = sent.hashes[0]
@@ -132,6 +154,12 @@ class InFlightPrefixes:
                 del listed[i]
                 if not listed:
                     del self._by_start[key]
+                keys = self._keys[sent.worker]
+                keys[key] -= 1
+                if not keys[key]:
+                    del keys[key]
+                    if not keys:
+                        del self._keys[sent.worker]
                 return
 
 

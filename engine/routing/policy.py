@@ -226,12 +226,15 @@ class RoutingPolicy(PlacementPolicy):
     def _forget_reported(self, worker: WorkerId, events: list[KVEvent]) -> None:
         """Blocks a worker reports are the index's business from now on (so an in-flight entry
         never outlives the blocks it announced); a cleared cache drops them all."""
+        inflight = self._inflight
         group = self._inflight_group
         for event in events:
+            if not inflight.announced(worker):
+                return  # nothing (left) to end
             if isinstance(event, BlockStored) and event.group == group:
-                self._inflight.discard(worker, event.block_hashes)
+                inflight.discard(worker, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self._inflight.forget_worker(worker)
+                inflight.forget_worker(worker)
 
     def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
         if worker not in self.roles:

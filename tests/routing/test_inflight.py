@@ -63,8 +63,11 @@ def test_depths_match_a_brute_force_model(ops: list[tuple[tuple[str, str, list[i
                 if depth > begin:
                     expected[w] = max(expected.get(w, 0), depth)
             assert tracker.depths(hashes, now, known) == expected
+            for w in WORKERS:  # the per-worker keys discard reads, after depths expired the old ones
+                assert tracker.announced(w) == any(m[0] == w and m[3] > now for m in model)
     tracker.expire(now + TTL + 1)
     assert len(tracker) == 0 and not tracker  # nothing outlives its expiry
+    assert not any(tracker.announced(w) for w in WORKERS)
 
 
 def test_a_negative_ttl_is_refused() -> None:
