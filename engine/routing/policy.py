@@ -80,6 +80,11 @@ worker with a prefix, and the least loaded other worker from the load order (``L
 by load cost then work assigned lately, O(log W) per change and per pick; the time averages are
 O(1), see ``load``): nothing loops over every worker. A pass over the workers remains for a
 sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
+The per-worker load state (time averages, work, load order) and the pick's argmin live in a
+``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin, no
+host-tier hit, nothing pending) is chosen and recorded by two calls into it (``LoadBook.choose``,
+``LoadBook.assign``), and ``_pick`` / ``_record`` below are the reference those calls are tested
+against (tests/routing/test_core_parity.py).
 """
 
 from __future__ import annotations
