@@ -375,9 +375,7 @@ class PyLoadBook:
     def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool:
         """Whether ``worker`` took more than its share lately: its time-averaged queue above
         ``slow`` or its assigned work above ``cap`` (``RoutingPolicy._guard`` sets both)."""
-        return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(
-            worker, now
-        ) > cap
+        return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(worker, now) > cap
 
     def thresholds(
         self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None
@@ -488,7 +486,6 @@ class PyLoadBook:
         elif rest <= best_cost + 1e-9:
             best = [*best, fresh]
         return best_cost, best, deferred, spread, guarded or refused, True
-
 
     def choose(
         self,

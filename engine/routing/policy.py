@@ -355,15 +355,12 @@ class RoutingPolicy(PlacementPolicy):
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
         if local_uncached < self.config.decode_only_threshold_tokens:
-            local = hits.get(decode, 0)
-            return Decision(decode, decode, local, num_tokens, "decode_only", pin_id, local, local, host.get(decode, 0))
+            return self._whole_decision(decode, hits, host, num_tokens, pin_id)
         prefillers = self._candidates("prefill")
         prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead, host=host)
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
-            local = hits.get(whole, 0)
-            reason = "decode_only" if num_tokens - local < self.config.decode_only_threshold_tokens else "decode_local"
-            return Decision(whole, whole, local, num_tokens, reason, None, local, local, host.get(whole, 0))
+            return self._whole_decision(whole, hits, host, num_tokens, None)
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
@@ -384,6 +381,16 @@ class RoutingPolicy(PlacementPolicy):
             best,
             predicted_host,
         )
+
+    def _whole_decision(
+        self, worker: WorkerId, hits: dict[WorkerId, int], host: dict[WorkerId, int], n: int, pin_id: int | None
+    ) -> Decision:
+        """The request runs whole on decode worker ``worker`` (its prefill there, no transfer):
+        "decode_only" when it holds all but ``decode_only_threshold_tokens`` of the prompt, else
+        "decode_local" (it prefills a long prompt itself, ``_whole_on_decode``)."""
+        local = hits.get(worker, 0)
+        reason = "decode_only" if n - local < self.config.decode_only_threshold_tokens else "decode_local"
+        return Decision(worker, worker, local, n, reason, pin_id, local, local, host.get(worker, 0))
 
     def _whole_on_decode(
         self, prefill: WorkerId, decode: WorkerId, hits: dict[WorkerId, int], pulled: dict[WorkerId, int], n: int
@@ -633,7 +640,6 @@ class RoutingPolicy(PlacementPolicy):
                 tokens = tokenize(pin.text or "")
             self.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
 
-
     def pin(
         self,
         token_ids: Sequence[int] | None = None,
@@ -793,4 +799,3 @@ class RoutingPolicy(PlacementPolicy):
             pinned[key] = pin.pin_id
             actions.extend(self.pins.fill(pin, now, self._choose_holder))
         return actions
-
