@@ -1081,8 +1081,12 @@ static PyObject *Maps_met(Maps *self, PyObject *args) {
 /* -- a batch of events ---------------------------------------------------------------------- */
 
 /* An integer attribute of an event: 0, or -1 on error. */
-static int int_attr(PyObject *obj, const char *name, long long *out) {
-    PyObject *v = PyObject_GetAttrString(obj, name);
+/* An event's attribute names, interned at import (``PyInit__core``): a report's events are read
+ * by name, and a name made per read costs an allocation and a hash each time. */
+static PyObject *str_seq, *str_group, *str_block_hashes, *str_explicit;
+
+static int int_attr(PyObject *obj, PyObject *name, long long *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL)
         return -1;
     *out = PyLong_AsLongLong(v);
@@ -1109,19 +1113,19 @@ static PyObject *Maps_absorb(Maps *self, PyObject *args) {
         if (kind != (PyTypeObject *)stored && kind != (PyTypeObject *)removed && kind != (PyTypeObject *)pinned)
             break;
         long long seq, group;
-        if (int_attr(event, "seq", &seq) < 0)
+        if (int_attr(event, str_seq, &seq) < 0)
             return NULL;
         if (seq <= last_seq)
             continue; /* already applied */
         if (seq != last_seq + 1)
             break; /* a gap: the caller starts a resync */
-        if (int_attr(event, "group", &group) < 0)
+        if (int_attr(event, str_group, &group) < 0)
             return NULL;
         if (group < 0 || group >= self->ngroups) {
             PyErr_Format(PyExc_ValueError, "group: must be in 0..%d (got %lld)", self->ngroups - 1, group);
             return NULL;
         }
-        PyObject *keys = PyObject_GetAttrString(event, "block_hashes");
+        PyObject *keys = PyObject_GetAttr(event, str_block_hashes);
         if (keys == NULL)
             return NULL;
         int rc;
@@ -1130,7 +1134,7 @@ static PyObject *Maps_absorb(Maps *self, PyObject *args) {
         } else if (kind == (PyTypeObject *)removed) {
             rc = remove_keys(self, (int)group, keys, (uint32_t)slot, NULL);
         } else {
-            PyObject *explicit = PyObject_GetAttrString(event, "explicit");
+            PyObject *explicit = PyObject_GetAttr(event, str_explicit);
             int is_explicit = explicit == NULL ? -1 : PyObject_IsTrue(explicit);
             Py_XDECREF(explicit);
             rc = is_explicit < 0 ? -1 : relevel_keys(self, (int)group, keys, slot, is_explicit ? 2 : 1, 1, NULL);
@@ -1727,6 +1731,12 @@ static struct PyModuleDef core_module = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
+    str_seq = PyUnicode_InternFromString("seq");
+    str_group = PyUnicode_InternFromString("group");
+    str_block_hashes = PyUnicode_InternFromString("block_hashes");
+    str_explicit = PyUnicode_InternFromString("explicit");
+    if (str_seq == NULL || str_group == NULL || str_block_hashes == NULL || str_explicit == NULL)
+        return NULL;
     if (PyType_Ready(&MapsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
