@@ -160,6 +160,9 @@ class RoutingPolicy(PlacementPolicy):
         self._inflight = InFlightPrefixes(cfg.inflight_ttl_s)
         self._inflight_group = self.rules.order[0]
         self._inflight_block = self.rules.block_sizes[self._inflight_group]
+        self._inflight_view = self.rules.managers[self._inflight_group].view  # a prompt's hashes there
+        # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
+        self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
 
     # -- membership and loads -------------------------------------------------------------------------
     def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
@@ -282,7 +285,7 @@ class RoutingPolicy(PlacementPolicy):
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
-        view = self.rules.managers[self._inflight_group].view(hashes if isinstance(hashes, list) else list(hashes))
+        view = self._inflight_view(hashes if isinstance(hashes, list) else list(hashes))
         ahead = self._ahead(view, num_tokens, shared, now) if self._inflight else {}
         if pending is not None and (pin is not None or self._disaggregated or ahead):
             self.index.resolve(pending, hits)
@@ -291,14 +294,15 @@ class RoutingPolicy(PlacementPolicy):
             self.hot.observe(hashes, now)
         if not self._disaggregated:
             workers = self._pool
-            self._require(workers, "")
-            w_miss = self.w_miss
+            if not workers:
+                self._require(workers, "")
+            w_miss, w_spread = self._shortcut_weights
             chosen = None
             if pin is None and not host:  # the compiled book's shortcut for ``_pick`` (``LoadBook.choose``)
                 chosen = self._book.choose(
                     hits, shared, ahead, pending.workers if pending is not None else (), self._load_cost,
                     self._queued, self._queued_sum / max(1, len(self._queued)), num_tokens, now, w_miss,
-                    min(w_miss, self.weights.uncached_tokens), LEAST_LOADED_PROBES, self.rng.randrange,
+                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange,
                 )  # fmt: skip
             worker, reason = chosen or self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
             pin_id = pin.pin_id if pin is not None else None
