@@ -458,13 +458,8 @@ static PyObject *str_queued_tokens, *str_running_requests, *str_used_block_fract
  * whole on one worker, operation by operation: the work, the load copy's queued tokens and
  * running requests, the load cost (``_cost_of``), the policy's dicts, the book's queue and order.
  * Returns the change of the worker's queued tokens. */
-static PyObject *Book_assign(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "assign(worker, load, uncached, now, load_cost: dict, queued: dict)");
-        return NULL;
-    }
-    PyObject *worker = args[0], *load = args[1], *uncached = args[2];
-    double now = PyFloat_AsDouble(args[3]);
+static PyObject *assign_core(Book *self, PyObject *worker, PyObject *load, PyObject *uncached, double now,
+                             PyObject *load_cost, PyObject *queued) {
     double amount = PyFloat_AsDouble(uncached);
     if (PyErr_Occurred())
         return NULL;
@@ -488,8 +483,8 @@ static PyObject *Book_assign(Book *self, PyObject *const *args, Py_ssize_t nargs
     if (PyErr_Occurred())
         goto done;
     double value = self->w_queued * q + self->w_running * r + self->w_used * u;
-    if ((cost = PyFloat_FromDouble(value)) == NULL || PyDict_SetItem(args[4], worker, cost) < 0 ||
-        PyDict_SetItem(args[5], worker, after) < 0 || set_load_core(self, i, q, value) < 0)
+    if ((cost = PyFloat_FromDouble(value)) == NULL || PyDict_SetItem(load_cost, worker, cost) < 0 ||
+        PyDict_SetItem(queued, worker, after) < 0 || set_load_core(self, i, q, value) < 0)
         goto done;
     delta = PyNumber_Subtract(after, before);
 done:
@@ -501,6 +496,17 @@ done:
     Py_XDECREF(used);
     Py_XDECREF(cost);
     return delta;
+}
+
+static PyObject *Book_assign(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "assign(worker, load, uncached, now, load_cost: dict, queued: dict)");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    return assign_core(self, args[0], args[1], args[2], now, args[4], args[5]);
 }
 
 static int worker_and_now(Book *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *i, double *now) {
@@ -826,40 +832,34 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
  * the policy's ``rng.randrange``) and the reason. Returns None, having changed nothing, where
  * ``_pick`` has more to do (pending holders to resolve, no least loaded worker in the load order's
  * first entries, nobody allowed): the policy then runs ``_pick`` itself. */
-static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError,
-                        "choose(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
-                        "w_uncached, w_spread, extra_probes, randrange)");
-        return NULL;
-    }
+static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, const char **why) {
     PyObject *hits = args[0], *shared = dict_or_null(args[1]), *ahead = dict_or_null(args[2]), *pending = args[3];
     PyObject *load_cost = args[4], *queued = args[5], *randrange = args[12];
     if (!PyDict_Check(hits) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
         PyErr_SetString(PyExc_TypeError, "choose: hits, load_cost and queued must be dicts");
-        return NULL;
+        return -1;
     }
     double mean_queued = PyFloat_AsDouble(args[6]), n = PyFloat_AsDouble(args[7]), now = PyFloat_AsDouble(args[8]),
            w_uncached = PyFloat_AsDouble(args[9]), w_spread = PyFloat_AsDouble(args[10]);
     Py_ssize_t extra = PyLong_AsSsize_t(args[11]);
     if (PyErr_Occurred())
-        return NULL;
+        return -1;
     double limit, slow, cap;
     thresholds_of(self, n, now, mean_queued, NULL, NULL, &limit, &slow, &cap);
     PyObject *credit = credit_of(self, hits, shared, NULL, ahead);
     if (credit == NULL)
-        return NULL;
+        return -1;
     ScanOut out;
     PyObject *choice = NULL;
     int rc = scan_core(self, credit, load_cost, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread,
                        pending, PyDict_GET_SIZE(credit) + extra, &out);
     Py_DECREF(credit);
     if (rc < 0)
-        return NULL;
+        return -1;
     Py_ssize_t size = PyList_GET_SIZE(out.best);
     if (PyList_GET_SIZE(out.deferred) > 0 || !out.fresh || size == 0) {
         scan_clear(&out);
-        Py_RETURN_NONE;
+        return 0;
     }
     if (size == 1) {
         choice = PyList_GET_ITEM(out.best, 0);
@@ -908,12 +908,87 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
         }
     }
     scan_clear(&out);
-    return Py_BuildValue("(Ns)", choice, reason);
+    *chosen = choice;
+    *why = reason;
+    return 1;
 fail:
     Py_XDECREF(choice);
     scan_clear(&out);
-    return NULL;
+    return -1;
 }
+
+static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError,
+                        "choose(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
+                        "w_uncached, w_spread, extra_probes, randrange)");
+        return NULL;
+    }
+    PyObject *choice;
+    const char *reason;
+    int rc = choose_core(self, args, &choice, &reason);
+    if (rc < 0)
+        return NULL;
+    if (rc == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(Ns)", choice, reason);
+}
+
+/* ``place``: ``choose`` and, when it chooses, ``assign`` of the request running whole on the chosen
+ * worker (``loads``: the policy's load copies; its uncached tokens: ``num_tokens`` less its hit), in
+ * one call. Returns (worker, reason, its hit, the best hit over ``hits`` (``max(hits.values(),
+ * default=0)``), the change of its queued tokens), or None, having changed nothing, where ``choose``
+ * gives None. */
+static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 14 || !PyDict_Check(args[13])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "place(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
+                        "w_uncached, w_spread, extra_probes, randrange, loads: dict)");
+        return NULL;
+    }
+    PyObject *choice;
+    const char *reason;
+    int rc = choose_core(self, args, &choice, &reason);
+    if (rc < 0)
+        return NULL;
+    if (rc == 0)
+        Py_RETURN_NONE;
+    PyObject *hits = args[0], *result = NULL, *uncached = NULL, *delta = NULL, *hit = NULL, *best = NULL;
+    PyObject *found = PyDict_GetItemWithError(hits, choice), *top = NULL, *key, *value; /* borrowed */
+    if (found == NULL && PyErr_Occurred())
+        goto done;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(hits, &pos, &key, &value)) { /* max keeps the first of equal values */
+        int greater = top == NULL ? 1 : PyObject_RichCompareBool(value, top, Py_GT);
+        if (greater < 0)
+            goto done;
+        if (greater)
+            top = value;
+    }
+    if ((hit = found != NULL ? Py_NewRef(found) : PyLong_FromLong(0)) == NULL ||
+        (best = top != NULL ? Py_NewRef(top) : PyLong_FromLong(0)) == NULL)
+        goto done;
+    PyObject *load = PyDict_GetItemWithError(args[13], choice);
+    if (load == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, choice);
+        goto done;
+    }
+    double now = PyFloat_AsDouble(args[8]);
+    if ((now == -1.0 && PyErr_Occurred()) || (uncached = PyNumber_Subtract(args[7], hit)) == NULL)
+        goto done;
+    if ((delta = assign_core(self, choice, load, uncached, now, args[4], args[5])) == NULL)
+        goto done;
+    result = Py_BuildValue("(OsOOO)", choice, reason, hit, best, delta);
+done:
+    Py_DECREF(choice);
+    Py_XDECREF(hit);
+    Py_XDECREF(best);
+    Py_XDECREF(uncached);
+    Py_XDECREF(delta);
+    return result;
+}
+
 
 static PyMethodDef Book_methods[] = {
     {"add", (PyCFunction)Book_add, METH_O, "Track a worker: queue and work 0, load cost 0."},
@@ -931,6 +1006,7 @@ static PyMethodDef Book_methods[] = {
     {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, deduct, ahead)"},
     {"assign", (PyCFunction)(void (*)(void))Book_assign, METH_FASTCALL, "The record of a decision: see _load.c."},
     {"choose", (PyCFunction)(void (*)(void))Book_choose, METH_FASTCALL, "The pick over the whole pool: see _load.c."},
+    {"place", (PyCFunction)(void (*)(void))Book_place, METH_FASTCALL, "choose, then assign the choice: see _load.c."},
     {"scan", (PyCFunction)(void (*)(void))Book_scan, METH_FASTCALL, "The pick's argmin: see PyLoadBook.scan."},
     {NULL, NULL, 0, NULL},
 };

@@ -84,3 +84,21 @@ class LoadBook:
         queued: dict[Hashable, float],
         /,
     ) -> float | None: ...
+    def place(
+        self,
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        ahead: dict[Hashable, int] | None,
+        pending: Container[Hashable],
+        load_cost: dict[Hashable, float],
+        queued: dict[Hashable, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+        loads: dict[Hashable, WorkerLoad],
+        /,
+    ) -> tuple[Hashable, str, int, int, float] | None: ...

@@ -246,6 +246,11 @@ def knobs_of(config: RouterConfig) -> Knobs:
 Scan = tuple[float, list[WorkerId], list[WorkerId], set[WorkerId], bool, bool]
 
 
+#: what ``LoadBook.place`` returns: (the worker, the reason, its hit, the best hit of any worker,
+#: the change of its queued tokens)
+Placed = tuple[WorkerId, str, int, int, float]
+
+
 class LoadBook(Protocol):
     """The routing policy's per-worker load state over time: queued tokens averaged over time
     (``SmoothedQueues``, absent when ``load_halflife_s`` is 0), work assigned lately
@@ -318,6 +323,23 @@ class LoadBook(Protocol):
         load_cost: dict[WorkerId, float],
         queued: dict[WorkerId, float],
     ) -> float | None: ...
+    def place(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        ahead: dict[WorkerId, int] | None,
+        pending: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+        loads: dict[WorkerId, WorkerLoad],
+    ) -> Placed | None: ...
 
 
 class PyLoadBook:
@@ -524,6 +546,30 @@ class PyLoadBook:
         book's own state updated in one call; returns the change of the worker's queued tokens
         (for the policy's sum), or None where the policy records it itself. Here always None:
         ``_record`` is the reference (tests/routing/test_core_parity.py)."""
+        return None
+
+    def place(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        ahead: dict[WorkerId, int] | None,
+        pending: Container[WorkerId],
+        load_cost: dict[WorkerId, float],
+        queued: dict[WorkerId, float],
+        mean_queued: float,
+        num_tokens: int,
+        now: float,
+        w_uncached: float,
+        w_spread: float,
+        extra_probes: int,
+        randrange: Callable[[int], int],
+        loads: dict[WorkerId, WorkerLoad],
+    ) -> Placed | None:
+        """The compiled book's shortcut for ``choose`` then ``assign`` of the request running whole
+        on the chosen worker (``loads[worker]``, uncached tokens ``num_tokens - hits.get(worker,
+        0)``) in one call, for ``RoutingPolicy.route``: (worker, reason, its hit, ``max(hits.values(),
+        default=0)``, the change of its queued tokens), or None, having changed nothing, where
+        ``choose`` gives None. Here always None: ``_pick`` and ``_record`` are the reference."""
         return None
 
 

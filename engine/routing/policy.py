@@ -297,23 +297,29 @@ class RoutingPolicy(PlacementPolicy):
             if not workers:
                 self._require(workers, "")
             w_miss, w_spread = self._shortcut_weights
-            chosen = None
-            if pin is None and not host:  # the compiled book's shortcut for ``_pick`` (``LoadBook.choose``)
-                chosen = self._book.choose(
+            placed = None
+            if pin is None and not host:  # the compiled book's ``_pick`` and ``_record`` (``LoadBook.place``)
+                placed = self._book.place(
                     hits, shared, ahead, pending.workers if pending is not None else (), self._load_cost,
                     self._queued, self._queued_sum / max(1, len(self._queued)), num_tokens, now, w_miss,
-                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange,
+                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange, self.loads,
                 )  # fmt: skip
-            worker, reason = chosen or self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
-            pin_id = pin.pin_id if pin is not None else None
-            best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
-            decision = Decision(
-                worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best,
-                predicted_host_hit=host.get(worker, 0),
-            )  # fmt: skip
+            if placed is not None:
+                worker, reason, hit, best, delta = placed
+                self._queued_sum += delta
+                decision = Decision(worker, worker, hit, num_tokens, reason, None, 0, best, 0)
+            else:
+                worker, reason = self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
+                pin_id = pin.pin_id if pin is not None else None
+                best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
+                decision = Decision(
+                    worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best,
+                    predicted_host_hit=host.get(worker, 0),
+                )  # fmt: skip
+                self._record(decision)
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
-        self._record(decision)
+            self._record(decision)
         # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
         # part each already holds is the index's business.
         inflight = self._inflight

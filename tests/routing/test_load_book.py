@@ -12,6 +12,7 @@ import pytest
 
 from configs.schema import RouterConfig
 from engine.routing.load import Knobs, LoadBook, PyLoadBook, knobs_of, make_load_book
+from engine.routing.types import WorkerLoad
 
 
 def knobs(load_halflife_s: float, work_halflife_s: float, seed: int, **changes: float) -> Knobs:
@@ -146,3 +147,63 @@ def test_scan_is_the_brute_force_argmin(core: str) -> None:
         assert len([w for w in best if w not in credit]) <= 1
         if others and min(cost[w] for w in others) <= best_cost + 1e-9:
             assert any(w not in credit for w in best)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_place_is_choose_then_assign(seed: int) -> None:
+    """The compiled ``place`` against the compiled ``choose`` then ``assign`` on a twin book (each
+    checked against the Python reference elsewhere: ``choose`` and ``assign`` in
+    test_core_parity.py, the book's state call by call above): the same worker, reason, hit, best
+    hit and queue change, and afterwards the same loads, policy dicts, book state and draws."""
+    rng = random.Random(seed)
+    made = knobs(2.0, 3.0, seed, work_imbalance_ratio=1.3)
+    assert PyLoadBook(made).place({}, None, None, (), {}, {}, 0.0, 10, 0.0, 2.0, 1.0, 2, rng.randrange, {}) is None
+    books = (compiled_book(made), compiled_book(made))
+    draws = (random.Random(seed), random.Random(seed))
+    names = [f"w{k}" for k in range(12)]
+    states = []
+    for _ in books:
+        loads = {w: WorkerLoad(float(k % 3) * 40, k % 2, 0.1 * k) for k, w in enumerate(names)}
+        states.append((loads, {w: 0.0 for w in names}, {w: 0.0 for w in names}))
+    for book in books:
+        for w in names:
+            book.add(w)
+    placed_some = False
+    now = 0.0
+    for _ in range(400):
+        now += rng.random() * 0.2
+        hits = {w: rng.choice([0, 16, 48, 200]) for w in rng.sample(names, rng.randrange(4))}
+        shared = rng.choice([None, {w: hits.get(w, 0) + 16 for w in rng.sample(names, 2)}])
+        ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, 2)}])
+        pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
+        n = rng.randrange(1, 600)
+        mean = rng.random() * 100
+        out = []
+        for book, draw, (loads, cost, queued) in zip(books, draws, states, strict=True):
+            common = (hits, shared, ahead, pending, cost, queued, mean, n, now, 2.0, 1.0, 2, draw.randrange)
+            if book is books[0]:
+                out.append(book.place(*common, loads))
+                continue
+            chosen = book.choose(*common)
+            if chosen is None:
+                out.append(None)
+                continue
+            worker, reason = chosen
+            hit = hits.get(worker, 0)
+            delta = book.assign(worker, loads[worker], n - hit, now, cost, queued)
+            out.append((worker, reason, hit, max(hits.values(), default=0), delta))
+        assert out[0] == out[1]
+        placed_some |= out[0] is not None
+        assert states[0][1] == states[1][1] and states[0][2] == states[1][2]
+        assert states[0][0] == states[1][0]
+        for w in names:
+            assert books[0].work(w, now) == books[1].work(w, now)
+            assert books[0].smoothed(w, now) == books[1].smoothed(w, now)
+        if rng.random() < 0.3:  # a load report
+            w, q, c = rng.choice(names), float(rng.randrange(300)), float(rng.randrange(5))
+            for book, (loads, cost, queued) in zip(books, states, strict=True):
+                loads[w] = WorkerLoad(q, 1, 0.5)
+                cost[w], queued[w] = c, q
+                book.set_load(w, queued[w], cost[w])
+    assert placed_some
+    assert draws[0].random() == draws[1].random()  # the same tie draws were made
