@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef struct {
     PyObject *worker;           /* owned; NULL: the record is free */
@@ -453,6 +454,12 @@ static PyObject *Book_add_work(Book *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *str_queued_tokens, *str_running_requests, *str_used_block_fraction; /* interned at import */
+/* ``Decision``'s fields in declaration order (engine/routing/types.py), interned at import */
+static const char *const decision_fields[9] = {"prefill_worker", "decode_worker", "predicted_hit",
+                                               "num_tokens",     "reason",        "pin_id",
+                                               "predicted_decode_hit", "best_hit", "predicted_host_hit"};
+static PyObject *str_decision[9];
+static PyObject *str_reasons[4]; /* "cost", "guard", "prefix", "inflight" */
 
 /* ``assign``: ``RoutingPolicy._record`` (and ``PlacementPolicy._record``) of a request running
  * whole on one worker, operation by operation: the work, the load copy's queued tokens and
@@ -936,14 +943,15 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ``place``: ``choose`` and, when it chooses, ``assign`` of the request running whole on the chosen
  * worker (``loads``: the policy's load copies; its uncached tokens: ``num_tokens`` less its hit), in
- * one call. Returns (worker, reason, its hit, the best hit over ``hits`` (``max(hits.values(),
- * default=0)``), the change of its queued tokens), or None, having changed nothing, where ``choose``
- * gives None. */
+ * one call. Returns (the ``Decision``, made as an instance of ``decision`` with its fields written
+ * like ``Decision.__init__`` does: the worker both ways, its hit, ``num_tokens``, the reason, no pin,
+ * no decode or host hit, the best hit ``max(hits.values(), default=0)``; the change of the worker's
+ * queued tokens), or None, having changed nothing, where ``choose`` gives None. */
 static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 14 || !PyDict_Check(args[13])) {
+    if (nargs != 15 || !PyDict_Check(args[13]) || !PyType_Check(args[14])) {
         PyErr_SetString(PyExc_TypeError,
                         "place(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
-                        "w_uncached, w_spread, extra_probes, randrange, loads: dict)");
+                        "w_uncached, w_spread, extra_probes, randrange, loads: dict, decision: type)");
         return NULL;
     }
     PyObject *choice;
@@ -979,7 +987,30 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if ((delta = assign_core(self, choice, load, uncached, now, args[4], args[5])) == NULL)
         goto done;
-    result = Py_BuildValue("(OsOOO)", choice, reason, hit, best, delta);
+    PyObject *why = NULL;
+    for (int k = 0; k < 4; k++)
+        if (strcmp(reason, PyUnicode_AsUTF8(str_reasons[k])) == 0)
+            why = str_reasons[k];
+    PyTypeObject *type = (PyTypeObject *)args[14];
+    PyObject *decision = type->tp_alloc(type, 0), *zero = PyLong_FromLong(0);
+    if (why == NULL || decision == NULL || zero == NULL) {
+        if (why == NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "place: unknown reason");
+        Py_XDECREF(decision);
+        Py_XDECREF(zero);
+        goto done;
+    }
+    PyObject *values[9] = {choice, choice, hit, args[7], why, Py_None, zero, best, zero};
+    for (int k = 0; k < 9; k++) {
+        if (PyObject_GenericSetAttr(decision, str_decision[k], values[k]) < 0) {
+            Py_DECREF(decision);
+            Py_DECREF(zero);
+            goto done;
+        }
+    }
+    Py_DECREF(zero);
+    result = PyTuple_Pack(2, decision, delta);
+    Py_DECREF(decision);
 done:
     Py_DECREF(choice);
     Py_XDECREF(hit);
@@ -1032,6 +1063,13 @@ PyMODINIT_FUNC PyInit__load(void) {
     str_used_block_fraction = PyUnicode_InternFromString("used_block_fraction");
     if (str_queued_tokens == NULL || str_running_requests == NULL || str_used_block_fraction == NULL)
         return NULL;
+    for (int k = 0; k < 9; k++)
+        if ((str_decision[k] = PyUnicode_InternFromString(decision_fields[k])) == NULL)
+            return NULL;
+    const char *const reasons[4] = {"cost", "guard", "prefix", "inflight"};
+    for (int k = 0; k < 4; k++)
+        if ((str_reasons[k] = PyUnicode_InternFromString(reasons[k])) == NULL)
+            return NULL;
     if (PyType_Ready(&BookType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&load_module);

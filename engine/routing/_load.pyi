@@ -2,7 +2,7 @@
 
 from collections.abc import Callable, Container, Hashable
 
-from engine.routing.types import WorkerLoad
+from engine.routing.types import Decision, WorkerLoad
 
 class LoadBook:
     def __init__(
@@ -100,5 +100,6 @@ class LoadBook:
         extra_probes: int,
         randrange: Callable[[int], int],
         loads: dict[Hashable, WorkerLoad],
+        decision: type[Decision],
         /,
-    ) -> tuple[Hashable, str, int, int, float] | None: ...
+    ) -> tuple[Decision, float] | None: ...

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 from configs.schema import RouterConfig
 from engine.routing.holder_maps import CORE_ENV
-from engine.routing.types import WorkerId, WorkerLoad
+from engine.routing.types import Decision, WorkerId, WorkerLoad
 
 
 class _Average:
@@ -246,9 +246,8 @@ def knobs_of(config: RouterConfig) -> Knobs:
 Scan = tuple[float, list[WorkerId], list[WorkerId], set[WorkerId], bool, bool]
 
 
-#: what ``LoadBook.place`` returns: (the worker, the reason, its hit, the best hit of any worker,
-#: the change of its queued tokens)
-Placed = tuple[WorkerId, str, int, int, float]
+#: what ``LoadBook.place`` returns: (the decision, the change of its worker's queued tokens)
+Placed = tuple[Decision, float]
 
 
 class LoadBook(Protocol):
@@ -339,6 +338,7 @@ class LoadBook(Protocol):
         extra_probes: int,
         randrange: Callable[[int], int],
         loads: dict[WorkerId, WorkerLoad],
+        decision: type[Decision],
     ) -> Placed | None: ...
 
 
@@ -564,12 +564,14 @@ class PyLoadBook:
         extra_probes: int,
         randrange: Callable[[int], int],
         loads: dict[WorkerId, WorkerLoad],
+        decision: type[Decision],
     ) -> Placed | None:
         """The compiled book's shortcut for ``choose`` then ``assign`` of the request running whole
         on the chosen worker (``loads[worker]``, uncached tokens ``num_tokens - hits.get(worker,
-        0)``) in one call, for ``RoutingPolicy.route``: (worker, reason, its hit, ``max(hits.values(),
-        default=0)``, the change of its queued tokens), or None, having changed nothing, where
-        ``choose`` gives None. Here always None: ``_pick`` and ``_record`` are the reference."""
+        0)``) in one call, for ``RoutingPolicy.route``: (the ``decision`` it makes: the worker both
+        ways, its hit, the reason, no pin, best hit ``max(hits.values(), default=0)``; the change of
+        the worker's queued tokens), or None, having changed nothing, where ``choose`` gives None.
+        Here always None: ``_pick`` and ``_record`` are the reference."""
         return None
 
 

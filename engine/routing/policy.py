@@ -302,12 +302,11 @@ class RoutingPolicy(PlacementPolicy):
                 placed = self._book.place(
                     hits, shared, ahead, pending.workers if pending is not None else (), self._load_cost,
                     self._queued, self._queued_sum / max(1, len(self._queued)), num_tokens, now, w_miss,
-                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange, self.loads,
+                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange, self.loads, Decision,
                 )  # fmt: skip
             if placed is not None:
-                worker, reason, hit, best, delta = placed
+                decision, delta = placed
                 self._queued_sum += delta
-                decision = Decision(worker, worker, hit, num_tokens, reason, None, 0, best, 0)
             else:
                 worker, reason = self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
                 pin_id = pin.pin_id if pin is not None else None

@@ -5,6 +5,7 @@ queries and scans must give bit-identical floats, identical workers and identica
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -12,7 +13,7 @@ import pytest
 
 from configs.schema import RouterConfig
 from engine.routing.load import Knobs, LoadBook, PyLoadBook, knobs_of, make_load_book
-from engine.routing.types import WorkerLoad
+from engine.routing.types import Decision, WorkerLoad
 
 
 def knobs(load_halflife_s: float, work_halflife_s: float, seed: int, **changes: float) -> Knobs:
@@ -157,7 +158,10 @@ def test_place_is_choose_then_assign(seed: int) -> None:
     hit and queue change, and afterwards the same loads, policy dicts, book state and draws."""
     rng = random.Random(seed)
     made = knobs(2.0, 3.0, seed, work_imbalance_ratio=1.3)
-    assert PyLoadBook(made).place({}, None, None, (), {}, {}, 0.0, 10, 0.0, 2.0, 1.0, 2, rng.randrange, {}) is None
+    assert (
+        PyLoadBook(made).place({}, None, None, (), {}, {}, 0.0, 10, 0.0, 2.0, 1.0, 2, rng.randrange, {}, Decision)
+        is None
+    )
     books = (compiled_book(made), compiled_book(made))
     draws = (random.Random(seed), random.Random(seed))
     names = [f"w{k}" for k in range(12)]
@@ -182,7 +186,22 @@ def test_place_is_choose_then_assign(seed: int) -> None:
         for book, draw, (loads, cost, queued) in zip(books, draws, states, strict=True):
             common = (hits, shared, ahead, pending, cost, queued, mean, n, now, 2.0, 1.0, 2, draw.randrange)
             if book is books[0]:
-                out.append(book.place(*common, loads))
+                placed = book.place(*common, loads, Decision)
+                if placed is not None:
+                    decision, delta = placed
+                    assert type(decision) is Decision and type(decision.reason) is str
+                    assert dataclasses.replace(decision) == decision and hash(decision) == hash(
+                        dataclasses.replace(decision)
+                    )
+                    placed = (
+                        decision.prefill_worker,
+                        decision.reason,
+                        decision.predicted_hit,
+                        decision.best_hit,
+                        delta,
+                    )
+                    assert decision == Decision(placed[0], placed[0], placed[2], n, placed[1], None, 0, placed[3], 0)
+                out.append(placed)
                 continue
             chosen = book.choose(*common)
             if chosen is None:
