@@ -32,15 +32,15 @@ copies would evict each other's index from the CPU cache, and copies after the f
 the hashes of shared ``bytes`` already computed. A replayed decision that differs from the live
 one is counted (``replay mismatches``; 0 in every run).
 
-Why 4 replicas give about 1.5-1.9x, not 3.5x (W = 256, 4,000 decisions): every replica keeps
+Why 4 replicas give about 1.5-1.8x, not 3.5x (W = 256, 4,000 decisions): every replica keeps
 the full index, so every replica absorbs every event (E), which does not shrink with N; only the
 decisions (D) are split. The split by first block follows the prefixes: per replica the decision
 shares were 0.283 / 0.261 / 0.261 / 0.196 (Zipf(1) over 768 prefixes; the hottest prefix alone is
 1/H(768), about 14 % of requests, and all of it goes to one replica), so the busiest replica takes
-E + 0.28 D. With the compiled pick (``LoadBook``) a decision costs about half what it did, and E
-is now 40-45 % of one router's routing-phase time (2026-11-28 12:38: one router 198 ms busy, 85
-of it events; replicas 103 / 107 / 105 / 91 ms, events 67 / 70 / 69 / 65): the speedup fell from
-about 2.3 to 1.8 as decisions got cheaper. Even with free events the busiest replica's share
+E + 0.28 D. With the compiled pick (``LoadBook``) a decision costs about a third of what it did, and E
+is now 40-45 % of one router's routing-phase time (2026-11-28 13:16: one router 138 ms busy, 61
+of it events; replicas 63 / 63 / 81 / 92 ms, events 42 / 42 / 54 / 65): the speedup fell from
+about 2.3 to 1.5-1.7 as decisions got cheaper. Even with free events the busiest replica's share
 bounds it at 1 / 0.283, about 3.5: 3.5x at N = 4 needs both event absorption a small fraction of
 a decision (``HolderMaps.absorb`` is bound by the table's cache misses, about 100-200 ns per
 stored hash) and a split that spreads the hottest prefix, against one prefix's decisions staying
@@ -56,28 +56,28 @@ hit rate (tokens the chosen worker's coordinator finds cached by its own fixed p
 oracle, over prompt tokens, after the first ``--warmup`` share of decisions) and prediction
 accuracy (decisions whose predicted hit equals that oracle).
 
-Measured 2026-11-28 12:34-12:39 on the shared 2-core machine (load average 0.4-1; a helper's
-tests ran at times), 4,000 decisions per W; holder-set router / mask baseline, in the same run
+Measured 2026-11-28 13:15-13:16 on the shared 2-core machine (load average 1-2), 4,000 decisions
+per W, the last of three runs in a row; holder-set router / mask baseline, in the same run
 (benchmarks/results/router_scale-cpu-2026-11-28.json):
 
     W      decisions/s     p50 us         p99 us          index MB      bytes/block-holder  hit rate
-    64     29,901/6,936    29.7/122.2     98.8/645.1      2.1/9.5       55.9/249.5          0.8571/0.8571
-    256    25,045/5,815    37.5/156.3     69.9/446.7      7.4/31.1      51.0/215.6          0.8704/0.8698
-    1024   22,135/3,447    41.1/268.9     100.7/731.6     22.6/107.6    49.5/235.5          0.8833/0.8830
-    4096   18,007/1,272    45.7/698.1     175.3/3,275.1   83.4/731.6    50.3/440.7          0.8625/0.8589
+    64     41,669/9,426    23.3/97.1      45.5/183.0      2.1/9.5       55.9/249.5          0.8571/0.8571
+    256    32,950/6,959    26.7/136.4     86.5/266.1      7.4/31.1      51.0/215.6          0.8704/0.8698
+    1024   30,259/6,176    33.3/144.9     65.8/516.9      22.6/107.6    49.5/235.5          0.8833/0.8830
+    4096   31,872/2,369    26.9/352.6     82.9/1,896.9    83.4/731.6    50.3/440.7          0.8625/0.8589
 
-Prediction accuracy against the exact oracle 1.0 for both; 4 replicas at W = 256: speedup 1.85,
-hit ratio 0.9989. Single numbers move by 30-50 % between runs on this machine: the same code gave
-28,134 / 31,149 decisions/s and p99 62 / 66 us at W = 256 / 4,096 in a run minutes earlier, and
-30-45k at W = 256 in back-to-back runs against the code before the compiled pick (13-17k there).
-Where a decision's time goes now (W = 256, timers between the statements of ``route``, so each
-part a little high): the index walk about 12 us (about 116 hash-table lookups, bound by memory
-latency: the request's hash objects and the table entries are cold, as after a deserialisation),
-the compiled pick (``LoadBook.choose``) about 5 us, the ``Decision`` about 4 us, the compiled
-record (``LoadBook.assign``) about 3 us, the in-flight announcement about 4 us and the rest of
-``route``'s Python about 3 us. 50,000 decisions/s is 20 us per decision: beyond the walk, that
-leaves 8 us for what takes about 19 now, which needs ``route``'s common path as one compiled
-call (the ``Decision`` and the in-flight entry built there), not more pieces of it.
+Prediction accuracy against the exact oracle 1.0 for both; 4 replicas at W = 256: speedup 1.49,
+hit ratio 0.9989. Single numbers move by 30-50 % between runs on this machine: the three runs gave
+31,890 / 47,807 / 32,950 decisions/s at W = 256 (p99 111.7 / 53.0 / 86.5 us), 27,646 / 31,075 /
+31,872 at W = 4,096, replica speedups 1.73 / 1.59 / 1.49; the router before the compiled pick gave
+13-17k at W = 256 in back-to-back runs.
+Where a decision's time goes now (W = 256, timers between the statements of ``route``): the index
+walk about 9-12 us (about 116 hash-table lookups, bound by memory latency: the request's hash
+objects and the table entries are cold, as after a deserialisation), the compiled choice, record
+and ``Decision`` (``LoadBook.place``) about 5 us, the in-flight announcement about 3.4 us
+(``InFlightPrefixes.add``, Python) and the rest of ``route``'s Python about 2 us (``_ahead``).
+50,000 decisions/s is 20 us per decision; the next steps are the in-flight announcements in
+compiled code and a quieter measurement (the best run already reached 47.8k).
 
     python -m benchmarks.router_scale            # W = 64 .. 4,096 (several minutes)
     python -m benchmarks.router_scale --quick    # W = 64, 256, a few hundred decisions

@@ -82,8 +82,8 @@ O(1), see ``load``): nothing loops over every worker. A pass over the workers re
 sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 The per-worker load state (time averages, work, load order) and the pick's argmin live in a
 ``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin, no
-host-tier hit, nothing pending) is chosen and recorded by two calls into it (``LoadBook.choose``,
-``LoadBook.assign``), and ``_pick`` / ``_record`` below are the reference those calls are tested
+host-tier hit, nothing pending) is chosen, recorded and made a ``Decision`` by one call into it
+(``LoadBook.place``), and ``_pick`` / ``_record`` below are the reference that call is tested
 against (tests/routing/test_core_parity.py).
 """
 
