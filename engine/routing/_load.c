@@ -459,7 +459,8 @@ static const char *const decision_fields[9] = {"prefill_worker", "decode_worker"
                                                "num_tokens",     "reason",        "pin_id",
                                                "predicted_decode_hit", "best_hit", "predicted_host_hit"};
 static PyObject *str_decision[9];
-static PyObject *str_reasons[4]; /* "cost", "guard", "prefix", "inflight" */
+static PyObject *str_reasons[4]; /* "cost", "guard", "prefix", "inflight": ``REASON_*`` */
+enum { REASON_COST, REASON_GUARD, REASON_PREFIX, REASON_INFLIGHT };
 
 /* ``assign``: ``RoutingPolicy._record`` (and ``PlacementPolicy._record``) of a request running
  * whole on one worker, operation by operation: the work, the load copy's queued tokens and
@@ -839,7 +840,7 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
  * the policy's ``rng.randrange``) and the reason. Returns None, having changed nothing, where
  * ``_pick`` has more to do (pending holders to resolve, no least loaded worker in the load order's
  * first entries, nobody allowed): the policy then runs ``_pick`` itself. */
-static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, const char **why) {
+static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyObject **why) {
     PyObject *hits = args[0], *shared = dict_or_null(args[1]), *ahead = dict_or_null(args[2]), *pending = args[3];
     PyObject *load_cost = args[4], *queued = args[5], *randrange = args[12];
     if (!PyDict_Check(hits) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
@@ -888,12 +889,12 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, con
         choice = PyList_GET_ITEM(out.best, k);
     }
     Py_INCREF(choice);
-    const char *reason = "cost";
+    int reason = REASON_COST;
     int in_spread = PySet_Contains(out.spread, choice);
     if (in_spread < 0)
         goto fail;
     if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread) {
-        reason = "guard";
+        reason = REASON_GUARD;
     } else {
         PyObject *hit = PyDict_GetItemWithError(hits, choice);
         if (hit == NULL && PyErr_Occurred())
@@ -902,7 +903,7 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, con
         if (h == -1.0 && PyErr_Occurred())
             goto fail;
         if (h > 0) {
-            reason = "prefix";
+            reason = REASON_PREFIX;
         } else if (ahead != NULL) {
             PyObject *routed = PyDict_GetItemWithError(ahead, choice);
             if (routed == NULL && PyErr_Occurred())
@@ -911,12 +912,12 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, con
             if (a == -1.0 && PyErr_Occurred())
                 goto fail;
             if (a > 0)
-                reason = "inflight";
+                reason = REASON_INFLIGHT;
         }
     }
     scan_clear(&out);
     *chosen = choice;
-    *why = reason;
+    *why = str_reasons[reason]; /* borrowed: interned at import */
     return 1;
 fail:
     Py_XDECREF(choice);
@@ -931,14 +932,13 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
                         "w_uncached, w_spread, extra_probes, randrange)");
         return NULL;
     }
-    PyObject *choice;
-    const char *reason;
-    int rc = choose_core(self, args, &choice, &reason);
+    PyObject *choice, *why;
+    int rc = choose_core(self, args, &choice, &why);
     if (rc < 0)
         return NULL;
     if (rc == 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("(Ns)", choice, reason);
+    return Py_BuildValue("(NO)", choice, why);
 }
 
 /* ``place``: ``choose`` and, when it chooses, ``assign`` of the request running whole on the chosen
@@ -954,9 +954,8 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
                         "w_uncached, w_spread, extra_probes, randrange, loads: dict, decision: type)");
         return NULL;
     }
-    PyObject *choice;
-    const char *reason;
-    int rc = choose_core(self, args, &choice, &reason);
+    PyObject *choice, *why;
+    int rc = choose_core(self, args, &choice, &why);
     if (rc < 0)
         return NULL;
     if (rc == 0)
@@ -987,15 +986,9 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if ((delta = assign_core(self, choice, load, uncached, now, args[4], args[5])) == NULL)
         goto done;
-    PyObject *why = NULL;
-    for (int k = 0; k < 4; k++)
-        if (strcmp(reason, PyUnicode_AsUTF8(str_reasons[k])) == 0)
-            why = str_reasons[k];
     PyTypeObject *type = (PyTypeObject *)args[14];
     PyObject *decision = type->tp_alloc(type, 0), *zero = PyLong_FromLong(0);
-    if (why == NULL || decision == NULL || zero == NULL) {
-        if (why == NULL && !PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "place: unknown reason");
+    if (decision == NULL || zero == NULL) {
         Py_XDECREF(decision);
         Py_XDECREF(zero);
         goto done;

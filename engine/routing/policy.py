@@ -579,9 +579,11 @@ class RoutingPolicy(PlacementPolicy):
             return book.thresholds(num_tokens, self._now, self._queued_sum / max(1, len(queued)), None, None)
         count = max(1, len(workers))
         now = self._now
+        cfg = self.config
         mean_queued = sum(map(queued.__getitem__, workers)) / count
-        mean_smoothed = sum(book.smoothed(w, now) for w in workers) / count
-        mean_work = sum(book.work(w, now) for w in workers) / count
+        # a mean the thresholds do not read (its check is off) is not computed
+        mean_smoothed = sum(book.smoothed(w, now) for w in workers) / count if cfg.load_halflife_s > 0 else 0.0
+        mean_work = sum(book.work(w, now) for w in workers) / count if cfg.work_imbalance_ratio else 0.0
         return book.thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)
 
     def _credit(
