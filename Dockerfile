@@ -53,16 +53,16 @@ COPY actors/ actors/
 COPY cluster/ cluster/
 COPY serving/ serving/
 # setup.py builds the routing index's compiled core (engine/routing/_core.c), the routing
-# policy's load book (engine/routing/_load.c) and the host tier's row copies (engine/_row_copy.c)
-# with a C compiler
+# policy's load book (engine/routing/_load.c) and in-flight prefixes (engine/routing/_inflight.c)
+# and the host tier's row copies (engine/_row_copy.c) with a C compiler
 # installed for this step only and the Python headers (in python:*-slim; python3-dev above for a
 # distribution's python3); without them the install would go on with the pure-Python holder maps,
-# load book and numpy row copies.
+# load book, in-flight prefixes and numpy row copies.
 RUN export DEBIAN_FRONTEND=noninteractive \
  && apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && pip install . \
- && (cd / && python -c 'import engine.routing._core, engine.routing._load, engine._row_copy') \
+ && (cd / && python -c 'import engine.routing._core, engine.routing._load, engine.routing._inflight, engine._row_copy') \
  && apt-get purge -y --auto-remove gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* build *.egg-info
 

@@ -108,6 +108,7 @@ from benchmarks.support.scale_fleet import (
     exact_hit,
     make_prefixes,
     make_requests,
+    received,
     refreshed,
     warm_requests,
 )
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace, workers: int, router: str, replicas: int = 1, 
                 copy.update_load(w.name, load)
             if replays:
                 calls.append(("load", w.name, load))
-        route = RouteRequest(f"r{i}", request.block_hashes, request.num_tokens)
+        route = RouteRequest(f"r{i}", received(request.block_hashes), request.num_tokens)
         k = int.from_bytes(request.block_hashes[0][:8], "big") % len(copies)  # by prefix
         wall = time.perf_counter_ns()
         start = time.thread_time_ns()
@@ -321,7 +322,8 @@ def replay_alone(
         elif call[0] == "load":
             copy.update_load(call[1], call[2])
         elif call[1] == k:
-            _, _, route, now, worker = call
+            _, _, recorded, now, worker = call
+            route = RouteRequest(recorded.request_id, received(recorded.block_hashes), recorded.num_tokens)
             start = time.thread_time_ns()
             decision = copy.route(route, now)
             busy += time.thread_time_ns() - start

@@ -24,6 +24,7 @@ reports (each worker reports about as often whatever W is).
 
 from __future__ import annotations
 
+import pickle
 import random
 from bisect import bisect
 from collections import OrderedDict
@@ -178,6 +179,13 @@ def _entry_blocks(hashes: list[bytes], end: int, start: int = 0) -> list[tuple[i
 def _fresh(hashes: list[bytes]) -> tuple[bytes, ...]:
     """New ``bytes`` objects with the same values (what deserialising an event gives)."""
     return tuple(bytes(bytearray(h)) for h in hashes)
+
+
+def received(hashes: list[bytes]) -> list[bytes]:
+    """A request's hashes as the router actor's ``route`` receives them: deserialised by Ray
+    (pickled) right before the call, so the objects are new and in the CPU cache, as in a router."""
+    fresh: list[bytes] = pickle.loads(pickle.dumps(hashes, protocol=pickle.HIGHEST_PROTOCOL))
+    return fresh
 
 
 def refreshed(event: KVEvent) -> KVEvent:

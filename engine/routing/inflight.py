@@ -12,13 +12,20 @@ or after ``ttl_s`` (the request failed, or waited that long).
 Block hashes are chained (a block's hash commits to every token before it), so two hash lists
 that agree at position i agree everywhere before it: the blocks two prompts share are found by a
 binary search, and an announcement is stored once, under the hash of its first block.
+
+``InFlightPrefixes`` is the interface; ``PyInFlightPrefixes`` the reference, and
+``engine/routing/_inflight.c`` the compiled one (built at install time, optional like the holder
+maps' core; ``make_inflight`` picks one by ``KVFLEET_ROUTING_CORE``).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+from engine.routing.holder_maps import CORE_ENV
 from engine.routing.types import WorkerId
 
 
@@ -36,7 +43,34 @@ class _Sent:
         self.expiry = expiry
 
 
-class InFlightPrefixes:
+class InFlightPrefixes(Protocol):
+    """Announcements "worker w will hold blocks [start, end) of this prompt", with an expiry:
+    ``PyInFlightPrefixes`` documents each call; the compiled tracker answers every call alike
+    (the order of a ``depths`` result included: the pick's ties read it)."""
+
+    @property
+    def ttl_s(self) -> float: ...
+
+    def __len__(self) -> int: ...
+
+    def __bool__(self) -> bool: ...
+
+    def add(self, worker: WorkerId, block_hashes: Sequence[bytes], start: int, end: int, now: float) -> None: ...
+
+    def announced(self, worker: WorkerId) -> bool: ...
+
+    def expire(self, now: float) -> None: ...
+
+    def depths(
+        self, block_hashes: Sequence[bytes], now: float, known: Mapping[WorkerId, int] | None = None
+    ) -> dict[WorkerId, int]: ...
+
+    def discard(self, worker: WorkerId, block_hashes: Sequence[bytes]) -> None: ...
+
+    def forget_worker(self, worker: WorkerId) -> None: ...
+
+
+class PyInFlightPrefixes:
     """Announcements "worker w will hold blocks [start, end) of this prompt", with an expiry.
 
     Owns the announcements, keyed by the hash of their first block, and a FIFO of them by expiry
@@ -67,6 +101,8 @@ class InFlightPrefixes:
 
     def add(self, worker: WorkerId, block_hashes: Sequence[bytes], start: int, end: int, now: float) -> None:
         """``worker`` will hold ``block_hashes[start:end]`` soon (it holds the blocks before)."""
+        if start < 0:
+            raise ValueError(f"start: must be >= 0 (got {start})")
         end = min(end, len(block_hashes))
         if self.ttl_s == 0 or start >= end:
             return
@@ -161,6 +197,26 @@ class InFlightPrefixes:
                     if not keys:
                         del self._keys[sent.worker]
                 return
+
+
+def make_inflight(ttl_s: float, core: str | None = None) -> InFlightPrefixes:
+    """The in-flight prefixes: ``core`` "compiled", "python" or "auto" (the compiled tracker when
+    built); None reads ``KVFLEET_ROUTING_CORE`` (default "auto"), the variable that picks the
+    holder maps."""
+    choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
+    if choice not in ("auto", "compiled", "python"):
+        source = "core" if core is not None else CORE_ENV
+        raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
+    if choice != "python":
+        try:
+            from engine.routing._inflight import InFlightPrefixes as CompiledInFlightPrefixes
+        except ImportError:
+            if choice == "compiled":
+                raise
+        else:
+            tracker: InFlightPrefixes = CompiledInFlightPrefixes(ttl_s)
+            return tracker
+    return PyInFlightPrefixes(ttl_s)
 
 
 def _deepen(depth: dict[WorkerId, int], sent: _Sent, block_hashes: Sequence[bytes], n: int) -> None:

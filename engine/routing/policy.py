@@ -99,7 +99,7 @@ from engine.kv_cache.hashing import block_hashes as hash_tokens
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.inflight import InFlightPrefixes
+from engine.routing.inflight import make_inflight
 from engine.routing.load import LoadBook, better, knobs_of, make_load_book
 from engine.routing.pins import Pin, PinTable
 from engine.routing.placement_policy import PlacementPolicy
@@ -157,7 +157,7 @@ class RoutingPolicy(PlacementPolicy):
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
         # Prefixes routed but not yet reported, in the hash space of the first checked group.
-        self._inflight = InFlightPrefixes(cfg.inflight_ttl_s)
+        self._inflight = make_inflight(cfg.inflight_ttl_s)
         self._inflight_group = self.rules.order[0]
         self._inflight_block = self.rules.block_sizes[self._inflight_group]
         self._inflight_view = self.rules.managers[self._inflight_group].view  # a prompt's hashes there

@@ -1,7 +1,11 @@
 """In-flight prefixes: a prefix routed to a worker counts as held there until the worker reports
-its blocks (or the entry expires). Property test against a brute-force model, then the policy."""
+its blocks (or the entry expires). Property test of both trackers (``PyInFlightPrefixes`` and the
+compiled ``engine/routing/_inflight.c``) against a brute-force model, the two against each other
+call by call, then the policy."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +14,8 @@ from hypothesis import strategies as st
 from engine.kv_cache.events import AllBlocksCleared, BlockStored
 from engine.kv_cache.hashing import block_hashes
 from engine.routing import RouteRequest, RoutingPolicy, WorkerLoad
-from engine.routing.inflight import InFlightPrefixes
+from engine.routing.holder_maps import CORE_ENV
+from engine.routing.inflight import InFlightPrefixes, PyInFlightPrefixes, make_inflight
 from tests.routing.helpers import CONFIGS, groups_of, router_config
 
 WORKERS = ["a", "b", "c"]
@@ -32,10 +37,32 @@ operation = st.one_of(
 known_blocks = st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 8), max_size=3)
 
 
-@settings(max_examples=400, deadline=None)
+CORES = ("python", "compiled")
+
+
+def test_the_compiled_tracker_is_built() -> None:
+    tracker = make_inflight(TTL, core="auto")
+    assert type(tracker).__module__ == "engine.routing._inflight", (
+        "engine.routing._inflight is not built: run `python setup.py build_ext --inplace`"
+    )
+    with pytest.raises(ValueError, match="core: must be"):
+        make_inflight(TTL, core="fast")
+
+
+def test_the_policy_takes_the_tracker_the_core_variable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    for core, module in (("python", "engine.routing.inflight"), ("compiled", "engine.routing._inflight")):
+        monkeypatch.setenv(CORE_ENV, core)
+        policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0))
+        assert type(policy._inflight).__module__ == module
+
+
+@pytest.mark.parametrize("core", CORES)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(operation, known_blocks), max_size=40))
-def test_depths_match_a_brute_force_model(ops: list[tuple[tuple[str, str, list[int], int, float], dict[str, int]]]) -> None:
-    tracker = InFlightPrefixes(TTL)
+def test_depths_match_a_brute_force_model(
+    core: str, ops: list[tuple[tuple[str, str, list[int], int, float], dict[str, int]]]
+) -> None:
+    tracker = make_inflight(TTL, core=core)
     model: list[tuple[str, list[bytes], int, float]] = []  # (worker, hashes, start, expiry), end = len
     now = 0.0
     for (kind, worker, tokens, start, step), known in ops:
@@ -70,9 +97,95 @@ def test_depths_match_a_brute_force_model(ops: list[tuple[tuple[str, str, list[i
     assert not any(tracker.announced(w) for w in WORKERS)
 
 
-def test_a_negative_ttl_is_refused() -> None:
+TRACKED = [*WORKERS, "d"]  # one more worker than the model test's
+fresh = st.booleans()  # hand the tracker new hash objects (equal bytes, not the same objects)
+call = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(TRACKED), prompt, st.integers(0, 9), st.floats(0, 3), fresh),
+    st.tuples(st.just("discard"), st.sampled_from(TRACKED), prompt, st.integers(0, 8), st.just(0.0), fresh),
+    st.tuples(st.just("forget"), st.sampled_from(TRACKED), prompt, st.just(0), st.just(0.0), fresh),
+    st.tuples(st.just("expire"), st.just(""), prompt, st.just(0), st.floats(0, 6), fresh),
+    st.tuples(st.just("query"), st.just(""), prompt, st.just(0), st.floats(0, 2), fresh),
+)
+
+
+def renewed(hashes: list[bytes]) -> list[bytes]:
+    return [bytes(bytearray(h)) for h in hashes]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(call, known_blocks), max_size=50), st.floats(0, 4))
+def test_compiled_and_python_trackers_agree_call_by_call(
+    ops: list[tuple[tuple[str, str, list[int], int, float, bool], dict[str, int]]], ttl: float
+) -> None:
+    """Every answer alike, the order of a ``depths`` result's workers included (the pick's ties
+    read it), over adds with an ``end`` short of the prompt, expiries and a TTL of 0."""
+    ttl = 0.0 if ttl < 0.5 else ttl
+    ref, fast = PyInFlightPrefixes(ttl), make_inflight(ttl, core="compiled")
+    assert fast.ttl_s == ref.ttl_s == ttl
+    now = 0.0
+    for (kind, worker, tokens, start, step, new), known in ops:
+        now += step
+        hashes = chain(tokens)
+        other = renewed(hashes) if new else hashes
+        if kind == "add":
+            end = len(hashes) - start % 3
+            ref.add(worker, hashes, start, end, now)
+            fast.add(worker, other, start, end, now)
+        elif kind == "discard":
+            ref.discard(worker, hashes[start:])
+            fast.discard(worker, tuple(other[start:]))
+        elif kind == "forget":
+            ref.forget_worker(worker)
+            fast.forget_worker(worker)
+        elif kind == "expire":
+            ref.expire(now)
+            fast.expire(now)
+        else:
+            assert list(fast.depths(other, now, known).items()) == list(ref.depths(hashes, now, known).items())
+            assert fast.depths(other, now) == ref.depths(hashes, now)
+        assert len(fast) == len(ref) and bool(fast) == bool(ref)
+        for w in TRACKED:
+            assert fast.announced(w) == ref.announced(w)
+
+
+def test_many_announcements_grow_the_compiled_tables_and_all_expire() -> None:
+    """Thousands of announcements over a hundred workers (the key table and the FIFO grow many
+    times), queried against the reference, then reported, forgotten or expired to nothing."""
+    rng = random.Random(7)
+    ref, fast = PyInFlightPrefixes(10.0), make_inflight(10.0, core="compiled")
+    workers = [f"w{k}" for k in range(100)]
+    prompts = [chain([rng.randrange(4) for _ in range(rng.randrange(1, 12))]) for _ in range(3000)]
+    for i, hashes in enumerate(prompts):
+        worker, start, now = rng.choice(workers), rng.randrange(3), i * 0.001
+        ref.add(worker, hashes, start, len(hashes), now)
+        fast.add(worker, renewed(hashes), start, len(hashes), now)
+    assert len(fast) == len(ref) > 2000
+    for hashes in prompts[:300]:
+        known = {w: rng.randrange(3) for w in rng.sample(workers, 5)}
+        assert list(fast.depths(hashes, 3.0, known).items()) == list(ref.depths(hashes, 3.0, known).items())
+    for worker in workers[:30]:
+        ref.forget_worker(worker)
+        fast.forget_worker(worker)
+    for worker, hashes in zip(workers[30:60], prompts, strict=False):
+        ref.discard(worker, hashes)
+        fast.discard(worker, renewed(hashes))
+    assert len(fast) == len(ref) and [fast.announced(w) for w in workers] == [ref.announced(w) for w in workers]
+    ref.expire(12.0)
+    fast.expire(12.0)  # those added in the last second stay
+    assert len(fast) == len(ref) > 0 and [fast.announced(w) for w in workers] == [ref.announced(w) for w in workers]
+    ref.expire(20.0)
+    fast.expire(20.0)
+    assert len(fast) == len(ref) == 0 and not fast and not any(fast.announced(w) for w in workers)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_negative_ttl_or_start_is_refused(core: str) -> None:
     with pytest.raises(ValueError, match="inflight_ttl_s"):
-        InFlightPrefixes(-1.0)
+        make_inflight(-1.0, core=core)
+    tracker: InFlightPrefixes = make_inflight(TTL, core=core)
+    with pytest.raises(ValueError, match="start: must be >= 0"):
+        tracker.add("a", chain([1, 2, 3]), -1, 3, 0.0)
+    assert len(tracker) == 0
 
 
 SPECS = CONFIGS["full+2swa"]
