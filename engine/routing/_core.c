@@ -1,12 +1,16 @@
 /* The compiled holder maps of the prefix index (engine/routing/holder_maps.py describes the
  * interface; the pure-Python HolderMaps there is the reference this must match exactly).
  *
- * Per group one open-addressing table maps a block hash to its holders. An entry stores a
- * 32-byte hash inline (any other length: a reference to the bytes object) and one 32-bit holder
- * value: a single holder's code (slot << 2 | pin level), or, with the MULTI bit, the index of a
- * small array of codes sorted by slot. Entries live in chunks of CHUNK, so they never move and
- * the tables waste at most one partly used chunk; the hash index is an array of 32-bit entry
- * numbers. Per slot and group a list of entry numbers records the keys
+ * One open-addressing table maps a block hash to its holders in every group. An entry stores a
+ * 32-byte hash inline (any other length: a reference to the bytes object) and per group one
+ * 32-bit holder value: NONE_ID (nobody holds the key in that group), a single holder's code
+ * (slot << 2 | pin level), or, with the MULTI bit, the index of a small array of codes sorted by
+ * slot; the entry goes when no group holds its key. One entry for all groups, because a prompt's
+ * blocks are the same hashes in every group (a coarser group's view takes every k-th): the
+ * prediction's checks of the other groups read the entries its first group's walk just brought
+ * into the cache, a worker's report of the same blocks in several groups finds them warm, and the
+ * key is stored once. Entries live in chunks of CHUNK, so they never move and the table wastes at
+ * most one partly used chunk; the hash index is an array of 32-bit entry numbers. Per slot and group a list of entry numbers records the keys
  * the worker announced (some it no longer holds, or twice; compacted as it grows) so forgetting
  * a worker walks its own keys only. A freed entry number may be reused by another key: every
  * walk of a slot's list checks that the entry is alive and held by that slot.
@@ -37,13 +41,12 @@
 
 typedef struct {
     unsigned char key[KEY_BYTES]; /* the hash, or a PyObject * (OBJKEY); when free: the next free entry */
-    uint32_t word;                /* FREE_WORD, or OBJKEY if set | the holder value */
+    uint32_t flags;               /* FREE_WORD, or OBJKEY if the key is an object, else 0 */
+    uint32_t words[];             /* per group: the holder value, or NONE_ID (nobody holds it there) */
 } Entry;
 
-static inline int e_free(const Entry *e) { return e->word == FREE_WORD; }
-static inline int e_object(const Entry *e) { return (e->word & OBJKEY) != 0; }
-static inline uint32_t e_holder(const Entry *e) { return e->word & ~OBJKEY; }
-static inline void e_set_holder(Entry *e, uint32_t value) { e->word = (e->word & OBJKEY) | value; }
+static inline int e_free(const Entry *e) { return e->flags == FREE_WORD; }
+static inline int e_object(const Entry *e) { return (e->flags & OBJKEY) != 0; }
 
 typedef struct {
     uint32_t n, cap;
@@ -51,10 +54,12 @@ typedef struct {
 } HSet;
 
 typedef struct {
-    Entry **chunks;
+    char **chunks;   /* CHUNK entries of ``stride`` bytes each */
     uint32_t nchunks, top, free_head, used;
     uint32_t *index; /* 0 empty, 1 dummy, else entry + 2 */
     uint32_t mask, filled;
+    size_t stride;   /* an entry's bytes: the key, the flags and a word per group */
+    int nwords;
 } Table;
 
 typedef struct {
@@ -71,7 +76,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int ngroups;
-    Table *tables;
+    Table table;          /* every group's keys: one entry per key, a holder word per group */
+    uint32_t *group_used; /* per group: keys held by anyone in it */
     HSet **sets;
     uint32_t sets_top, sets_cap;
     uint32_t *sets_free;
@@ -83,7 +89,18 @@ typedef struct {
     size_t scratch_cap;
 } Maps;
 
-static inline Entry *ent(const Table *t, uint32_t id) { return &t->chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
+static inline Entry *ent(const Table *t, uint32_t id) {
+    return (Entry *)(t->chunks[id >> CHUNK_BITS] + (size_t)(id & (CHUNK - 1)) * t->stride);
+}
+
+/* Whether no group holds the entry's key (it can go). */
+static inline int e_unheld(const Table *t, const Entry *e) {
+    for (int g = 0; g < t->nwords; g++) {
+        if (e->words[g] != NONE_ID)
+            return 0;
+    }
+    return 1;
+}
 
 /* -- keys ----------------------------------------------------------------------------------- */
 
@@ -187,7 +204,7 @@ static inline void prefetch_entry(const Table *t, PyObject *key) {
     if (s > SLOT_DUMMY) {
         const char *e = (const char *)ent(t, s - 2);
         __builtin_prefetch(e);
-        __builtin_prefetch(e + sizeof(Entry) - 1);
+        __builtin_prefetch(e + t->stride - 1);
     }
 }
 
@@ -260,7 +277,7 @@ static inline uint64_t ahead_step(Ahead *a, Py_ssize_t i) {
         if (s > SLOT_DUMMY) {
             const char *e = (const char *)ent(a->t, s - 2);
             __builtin_prefetch(e);
-            __builtin_prefetch(e + sizeof(Entry) - 1);
+            __builtin_prefetch(e + a->t->stride - 1);
         }
     }
     return a->ring[i & (RING - 1)];
@@ -292,8 +309,8 @@ static int t_rebuild(Table *t) {
     return 0;
 }
 
-/* A new entry for a key known to be absent; its number, or -1 on error. */
-static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, uint64_t h, uint32_t value) {
+/* A new entry, held in no group yet, for a key known to be absent; its number, or -1 on error. */
+static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, uint64_t h) {
     if (t->index == NULL || ((size_t)t->filled + 1) * 4 > ((size_t)t->mask + 1) * 3) {
         if (t_rebuild(t) < 0)
             return -1;
@@ -308,13 +325,13 @@ static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, ui
                 PyErr_SetString(PyExc_OverflowError, "holder map: too many keys");
                 return -1;
             }
-            Entry **chunks = PyMem_Realloc(t->chunks, ((size_t)t->nchunks + 1) * sizeof(Entry *));
+            char **chunks = PyMem_Realloc(t->chunks, ((size_t)t->nchunks + 1) * sizeof(char *));
             if (chunks == NULL) {
                 PyErr_NoMemory();
                 return -1;
             }
             t->chunks = chunks;
-            chunks[t->nchunks] = PyMem_Malloc(CHUNK * sizeof(Entry));
+            chunks[t->nchunks] = PyMem_Malloc(CHUNK * t->stride);
             if (chunks[t->nchunks] == NULL) {
                 PyErr_NoMemory();
                 return -1;
@@ -326,13 +343,15 @@ static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, ui
     Entry *e = ent(t, id);
     if (n == KEY_BYTES) {
         memcpy(e->key, p, KEY_BYTES);
-        e->word = value;
+        e->flags = 0;
     } else {
         Py_INCREF(obj);
         memset(e->key, 0, KEY_BYTES);
         memcpy(e->key, &obj, sizeof obj);
-        e->word = OBJKEY | value;
+        e->flags = OBJKEY;
     }
+    for (int g = 0; g < t->nwords; g++)
+        e->words[g] = NONE_ID;
     size_t i = (size_t)h & t->mask;
     while (t->index[i] > SLOT_DUMMY)
         i = (i + 1) & t->mask;
@@ -353,7 +372,7 @@ static void t_delete(Table *t, uint32_t id) {
         PyObject *o = entry_object(e);
         Py_DECREF(o);
     }
-    e->word = FREE_WORD;
+    e->flags = FREE_WORD;
     memcpy(e->key, &t->free_head, sizeof t->free_head);
     t->free_head = id;
     t->used--;
@@ -481,24 +500,25 @@ static int hold(Maps *m, int g, PyObject *key, uint32_t slot, uint32_t level) {
     Py_ssize_t n;
     if (key_of(key, &p, &n) < 0)
         return -1;
-    Table *t = &m->tables[g];
+    Table *t = &m->table;
     uint64_t h = hash_key(p, n);
     int64_t id = t_find(t, p, n, h);
     uint32_t code = (slot << 2) | level;
-    if (id < 0) {
-        id = t_insert(t, key, p, n, h, code);
-        if (id < 0)
-            return -1;
+    if (id < 0 && (id = t_insert(t, key, p, n, h)) < 0)
+        return -1;
+    Entry *e = ent(t, (uint32_t)id);
+    uint32_t value = e->words[g];
+    if (value == NONE_ID) {
+        e->words[g] = code;
+        m->group_used[g]++;
     } else {
-        Entry *e = ent(t, (uint32_t)id);
-        uint32_t value = e_holder(e);
         if (!(value & MULTI)) {
             if ((value >> 2) == slot)
                 return 0;
             int64_t s = set_new(m, value, code);
             if (s < 0)
                 return -1;
-            e_set_holder(e, MULTI | (uint32_t)s);
+            e->words[g] = MULTI | (uint32_t)s;
         } else {
             if (v_level(m, value, slot) >= 0)
                 return 0;
@@ -534,15 +554,20 @@ static int hold(Maps *m, int g, PyObject *key, uint32_t slot, uint32_t level) {
 
 /* ``slot`` no longer holds entry ``id``: 1 if it did, 0 if not, -1 on error. */
 static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
-    Table *t = &m->tables[g];
+    Table *t = &m->table;
     Entry *e = ent(t, id);
     if (e_free(e))
         return 0;
-    uint32_t value = e_holder(e);
+    uint32_t value = e->words[g];
+    if (value == NONE_ID)
+        return 0;
     if (!(value & MULTI)) {
         if ((value >> 2) != slot)
             return 0;
-        t_delete(t, id);
+        e->words[g] = NONE_ID;
+        m->group_used[g]--;
+        if (e_unheld(t, e))
+            t_delete(t, id);
     } else {
         uint32_t sid = value & ~MULTI;
         HSet *s = m->sets[sid];
@@ -554,7 +579,7 @@ static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
         memmove(&s->codes[i], &s->codes[i + 1], (s->n - i - 1) * sizeof(uint32_t));
         s->n--;
         if (s->n == 1) {
-            e_set_holder(e, s->codes[0]);
+            e->words[g] = s->codes[0];
             if (set_free(m, sid) < 0)
                 return -1;
         }
@@ -563,12 +588,14 @@ static int drop(Maps *m, int g, uint32_t id, uint32_t slot) {
     return 1;
 }
 
+/* The entry of a key group ``g`` holds, -1 if it does not, -2 on error. */
 static int64_t find_key(Maps *m, int g, PyObject *key) {
     const char *p;
     Py_ssize_t n;
     if (key_of(key, &p, &n) < 0)
         return -2;
-    return t_find(&m->tables[g], p, n, hash_key(p, n));
+    int64_t id = t_find(&m->table, p, n, hash_key(p, n));
+    return id >= 0 && ent(&m->table, (uint32_t)id)->words[g] == NONE_ID ? -1 : id;
 }
 
 static int cmp_u32(const void *a, const void *b) {
@@ -581,11 +608,11 @@ static void compact_slot(Maps *m, uint32_t slot) {
     int64_t listed = 0;
     for (int g = 0; g < m->ngroups; g++) {
         IdList *l = &st->lists[g];
-        const Table *t = &m->tables[g];
+        const Table *t = &m->table;
         uint32_t kept = 0;
         for (uint32_t i = 0; i < l->n; i++) {
             const Entry *e = ent(t, l->ids[i]);
-            if (!e_free(e) && v_level(m, e_holder(e), slot) >= 0)
+            if (!e_free(e) && e->words[g] != NONE_ID && v_level(m, e->words[g], slot) >= 0)
                 l->ids[kept++] = l->ids[i];
         }
         qsort(l->ids, kept, sizeof(uint32_t), cmp_u32);
@@ -634,38 +661,35 @@ static int Maps_init(Maps *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "num_groups: must be in 1..64 (got %d)", ngroups);
         return -1;
     }
-    if (self->tables != NULL) {
+    if (self->group_used != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "HolderMaps is already initialised");
         return -1;
     }
-    self->tables = PyMem_Calloc((size_t)ngroups, sizeof(Table));
-    if (self->tables == NULL) {
+    self->group_used = PyMem_Calloc((size_t)ngroups, sizeof(uint32_t));
+    if (self->group_used == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (int g = 0; g < ngroups; g++)
-        self->tables[g].free_head = NONE_ID;
+    self->table.free_head = NONE_ID;
+    self->table.nwords = ngroups;
+    self->table.stride = sizeof(Entry) + (size_t)ngroups * sizeof(uint32_t);
     self->ngroups = ngroups;
     return 0;
 }
 
 static void Maps_dealloc(Maps *self) {
-    if (self->tables != NULL) {
-        for (int g = 0; g < self->ngroups; g++) {
-            Table *t = &self->tables[g];
-            for (uint32_t id = 0; id < t->top; id++) {
-                if (!e_free(ent(t, id)) && e_object(ent(t, id))) {
-                    PyObject *o = entry_object(ent(t, id));
-                    Py_DECREF(o);
-                }
-            }
-            for (uint32_t c = 0; c < t->nchunks; c++)
-                PyMem_Free(t->chunks[c]);
-            PyMem_Free(t->chunks);
-            PyMem_Free(t->index);
+    Table *t = &self->table;
+    for (uint32_t id = 0; id < t->top; id++) {
+        if (!e_free(ent(t, id)) && e_object(ent(t, id))) {
+            PyObject *o = entry_object(ent(t, id));
+            Py_DECREF(o);
         }
-        PyMem_Free(self->tables);
     }
+    for (uint32_t c = 0; c < t->nchunks; c++)
+        PyMem_Free(t->chunks[c]);
+    PyMem_Free(t->chunks);
+    PyMem_Free(t->index);
+    PyMem_Free(self->group_used);
     for (uint32_t i = 0; i < self->sets_top; i++)
         PyMem_Free(self->sets[i]);
     PyMem_Free(self->sets);
@@ -767,7 +791,7 @@ static int store_keys(Maps *self, int g, PyObject *keys, uint32_t slot) {
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    const Table *t = &self->tables[g];
+    const Table *t = &self->table;
     prefetch_start(t, items, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         prefetch_ahead(t, items, i, n);
@@ -838,7 +862,7 @@ static int remove_keys(Maps *self, int g, PyObject *keys, uint32_t slot, PyObjec
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    const Table *t = &self->tables[g];
+    const Table *t = &self->table;
     prefetch_start(t, items, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         prefetch_ahead(t, items, i, n);
@@ -881,7 +905,7 @@ static int relevel_keys(Maps *self, int g, PyObject *keys, long slot, int level,
     PyObject *seq = PySequence_Fast(keys, "keys: expected a sequence of bytes");
     if (seq == NULL)
         return -1;
-    Table *t = &self->tables[g];
+    Table *t = &self->table;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint32_t code = ((uint32_t)slot << 2) | (uint32_t)level;
@@ -894,14 +918,14 @@ static int relevel_keys(Maps *self, int g, PyObject *keys, long slot, int level,
         if (id < 0)
             continue;
         Entry *e = ent(t, (uint32_t)id);
-        int old = v_level(self, e_holder(e), (uint32_t)slot);
+        int old = v_level(self, e->words[g], (uint32_t)slot);
         if (old < 0)
             continue;
         if (old < level || (old != level && !raise_only)) {
-            if (!(e_holder(e) & MULTI)) {
-                e_set_holder(e, code);
+            if (!(e->words[g] & MULTI)) {
+                e->words[g] = code;
             } else {
-                HSet *s = set_of(self, e_holder(e));
+                HSet *s = set_of(self, e->words[g]);
                 for (uint32_t j = 0; j < s->n; j++) {
                     if ((s->codes[j] >> 2) == (uint32_t)slot)
                         s->codes[j] = code;
@@ -955,7 +979,7 @@ static PyObject *Maps_level(Maps *self, PyObject *args) {
         return NULL;
     if (id < 0 || slot < 0)
         Py_RETURN_NONE;
-    int level = v_level(self, e_holder(ent(&self->tables[g], (uint32_t)id)), (uint32_t)slot);
+    int level = v_level(self, ent(&self->table, (uint32_t)id)->words[g], (uint32_t)slot);
     if (level < 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(level);
@@ -990,7 +1014,7 @@ static PyObject *Maps_holders(Maps *self, PyObject *args) {
         return NULL;
     if (id < 0)
         return PyList_New(0);
-    return slots_list(self, e_holder(ent(&self->tables[g], (uint32_t)id)));
+    return slots_list(self, ent(&self->table, (uint32_t)id)->words[g]);
 }
 
 /* table(group, slot): {key: level} of every key the slot holds in the group. */
@@ -1005,12 +1029,12 @@ static PyObject *Maps_table(Maps *self, PyObject *args) {
     if (out == NULL)
         return NULL;
     const IdList *l = &self->slots[slot].lists[g];
-    const Table *t = &self->tables[g];
+    const Table *t = &self->table;
     for (uint32_t i = 0; i < l->n; i++) {
         const Entry *e = ent(t, l->ids[i]);
-        if (e_free(e))
+        if (e_free(e) || e->words[g] == NONE_ID)
             continue;
-        int level = v_level(self, e_holder(e), (uint32_t)slot);
+        int level = v_level(self, e->words[g], (uint32_t)slot);
         if (level < 0)
             continue;
         PyObject *k = entry_key(e);
@@ -1032,7 +1056,7 @@ static PyObject *Maps_size(Maps *self, PyObject *arg) {
     long g = PyLong_AsLong(arg);
     if ((g == -1 && PyErr_Occurred()) || check_group(self, g) < 0)
         return NULL;
-    return PyLong_FromUnsignedLong(self->tables[g].used);
+    return PyLong_FromUnsignedLong(self->group_used[g]);
 }
 
 /* met(group, keys): the set of slots holding any of the keys. */
@@ -1057,7 +1081,7 @@ static PyObject *Maps_met(Maps *self, PyObject *args) {
         }
         if (id < 0)
             continue;
-        uint32_t value = e_holder(ent(&self->tables[g], (uint32_t)id));
+        uint32_t value = ent(&self->table, (uint32_t)id)->words[g];
         const uint32_t *codes = &value;
         uint32_t count = 1;
         if (value & MULTI) {
@@ -1172,9 +1196,9 @@ static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
     }
     const char *p = PyBytes_AS_STRING(key);
     Py_ssize_t n = PyBytes_GET_SIZE(key);
-    const Table *t = &m->tables[g];
+    const Table *t = &m->table;
     int64_t id = t_find(t, p, n, hash_key(p, n));
-    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
+    return id < 0 ? NONE_ID : ent(t, (uint32_t)id)->words[g];
 }
 
 /* ``lookup`` of a key whose hash ``h`` is known (``Ahead``). */
@@ -1184,9 +1208,9 @@ static inline uint32_t lookup_hashed(const Maps *m, int g, PyObject *key, uint64
         *err = 1;
         return NONE_ID;
     }
-    const Table *t = &m->tables[g];
+    const Table *t = &m->table;
     int64_t id = t_find(t, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), h);
-    return id < 0 ? NONE_ID : e_holder(ent(t, (uint32_t)id));
+    return id < 0 ? NONE_ID : ent(t, (uint32_t)id)->words[g];
 }
 
 /* Intersect sorted slots ``a[0..na)`` with value's slots into ``out``; returns the count. */
@@ -1437,7 +1461,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     int emptied = 0;
     PyObject *const *keys = items + (factor - 1);
     Ahead ahead;
-    ahead_start(&ahead, &self->tables[first], keys, factor, 1, limit);
+    ahead_start(&ahead, &self->table, keys, factor, 1, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
         uint32_t v = lookup_hashed(self, first, keys[i * factor], ahead_step(&ahead, i), &err);
         if (err)
@@ -1535,7 +1559,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
             uint32_t prev = NONE_ID;
             PyObject *const *gkeys = items + (gf - 1);
             Ahead gahead;
-            ahead_start(&gahead, &self->tables[g], gkeys, gf, start, stop);
+            ahead_start(&gahead, &self->table, gkeys, gf, start, stop);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
                 uint32_t v = lookup_hashed(self, g, gkeys[i * gf], ahead_step(&gahead, i), &err);
                 if (err)
@@ -1636,17 +1660,15 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 }
 
 static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
-    size_t total = sizeof(Maps) + (size_t)self->ngroups * sizeof(Table);
-    for (int g = 0; g < self->ngroups; g++) {
-        const Table *t = &self->tables[g];
-        total += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
-        if (t->index != NULL)
-            total += ((size_t)t->mask + 1) * sizeof(uint32_t);
-        for (uint32_t id = 0; id < t->top; id++) {
-            const Entry *e = ent(t, id);
-            if (!e_free(e) && e_object(e))
-                total += (size_t)PyBytes_GET_SIZE(entry_object(e)) + 33;
-        }
+    size_t total = sizeof(Maps) + (size_t)self->ngroups * sizeof(uint32_t);
+    const Table *t = &self->table;
+    total += (size_t)t->nchunks * (CHUNK * t->stride + sizeof(char *));
+    if (t->index != NULL)
+        total += ((size_t)t->mask + 1) * sizeof(uint32_t);
+    for (uint32_t id = 0; id < t->top; id++) {
+        const Entry *e = ent(t, id);
+        if (!e_free(e) && e_object(e))
+            total += (size_t)PyBytes_GET_SIZE(entry_object(e)) + 33;
     }
     total += (size_t)self->sets_cap * sizeof(HSet *) + (size_t)self->free_cap * sizeof(uint32_t);
     total += (size_t)self->set_bytes;
@@ -1666,14 +1688,12 @@ static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
 /* stats(): bytes per part and counts (what __sizeof__ adds up), for sizing reports. */
 static PyObject *Maps_stats(Maps *self, PyObject *Py_UNUSED(ignored)) {
     size_t entries = 0, index = 0, keys = 0, entry_cap = 0, lists = 0, listed = 0;
-    for (int g = 0; g < self->ngroups; g++) {
-        const Table *t = &self->tables[g];
-        entries += (size_t)t->nchunks * (CHUNK * sizeof(Entry) + sizeof(Entry *));
-        entry_cap += (size_t)t->nchunks * CHUNK;
-        keys += t->used;
-        if (t->index != NULL)
-            index += ((size_t)t->mask + 1) * sizeof(uint32_t);
-    }
+    const Table *t = &self->table;
+    entries += (size_t)t->nchunks * (CHUNK * t->stride + sizeof(char *));
+    entry_cap += (size_t)t->nchunks * CHUNK;
+    keys += t->used;
+    if (t->index != NULL)
+        index += ((size_t)t->mask + 1) * sizeof(uint32_t);
     for (uint32_t s = 0; s < self->nslots; s++) {
         if (self->slots[s].lists == NULL)
             continue;

@@ -5,7 +5,9 @@ walk over them (``engine.routing.index`` describes the walk's two steps).
 Two implementations of one interface (``HolderMaps``):
 
 - ``engine.routing._core.HolderMaps``, compiled from ``_core.c`` at install time (``setup.py``):
-  32-byte hashes stored inline in open-addressing tables, one 32-bit holder value per key;
+  32-byte hashes stored inline in one open-addressing table for every group, one 32-bit holder
+  value per key and group (a prompt's blocks are the same hashes in every group, so the walk's
+  checks of the other groups read entries its first group's walk just brought into the cache);
 - ``PyHolderMaps`` below, pure Python (a dict per group), the reference the compiled maps are
   tested against, and what runs where the extension was not built.
 
