@@ -87,6 +87,8 @@ typedef struct {
     uint32_t nslots;
     uint32_t *scratch; /* walk buffers */
     size_t scratch_cap;
+    uint32_t *walked; /* the walk's step 1: the entry of each position it met (NONE_ID: none) */
+    size_t walked_cap;
 } Maps;
 
 static inline Entry *ent(const Table *t, uint32_t id) {
@@ -703,6 +705,7 @@ static void Maps_dealloc(Maps *self) {
     }
     PyMem_Free(self->slots);
     PyMem_Free(self->scratch);
+    PyMem_Free(self->walked);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1173,6 +1176,20 @@ static PyObject *Maps_absorb(Maps *self, PyObject *args) {
 
 /* -- the prediction's walk ------------------------------------------------------------------ */
 
+static int ensure_walked(Maps *m, size_t n) {
+    if (n <= m->walked_cap)
+        return 0;
+    size_t cap = n * 2 + 64;
+    uint32_t *buf = PyMem_Realloc(m->walked, cap * sizeof(uint32_t));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    m->walked = buf;
+    m->walked_cap = cap;
+    return 0;
+}
+
 static int ensure_scratch(Maps *m, size_t n) {
     if (n <= m->scratch_cap)
         return 0;
@@ -1187,18 +1204,16 @@ static int ensure_scratch(Maps *m, size_t n) {
     return 0;
 }
 
-/* The holder value of a view's key, or NONE_ID (nobody holds it; -2 as error via *err). */
-static inline uint32_t lookup(const Maps *m, int g, PyObject *key, int *err) {
+/* The entry of a view's key whose hash ``h`` is known (``Ahead``), or NONE_ID (no group holds
+ * it; NONE_ID with *err set on error). */
+static inline uint32_t find_hashed(const Maps *m, PyObject *key, uint64_t h, int *err) {
     if (!PyBytes_Check(key)) {
         PyErr_Format(PyExc_TypeError, "block hash: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
         *err = 1;
         return NONE_ID;
     }
-    const char *p = PyBytes_AS_STRING(key);
-    Py_ssize_t n = PyBytes_GET_SIZE(key);
-    const Table *t = &m->table;
-    int64_t id = t_find(t, p, n, hash_key(p, n));
-    return id < 0 ? NONE_ID : ent(t, (uint32_t)id)->words[g];
+    int64_t id = t_find(&m->table, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), h);
+    return id < 0 ? NONE_ID : (uint32_t)id;
 }
 
 /* ``lookup`` of a key whose hash ``h`` is known (``Ahead``). */
@@ -1410,11 +1425,18 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
         return 0;
     PyObject *const *items = &PyList_GET_ITEM(hashes, 0);
     int err = 0;
-    uint32_t v0 = lookup(self, first, items[factor - 1], &err);
+    if (ensure_walked(self, (size_t)limit) < 0)
+        return -1;
+    uint32_t *walked = self->walked;
+    PyObject *key0 = items[factor - 1];
+    walked[0] = find_hashed(self, key0, PyBytes_Check(key0) ? hash_key(PyBytes_AS_STRING(key0), PyBytes_GET_SIZE(key0)) : 0,
+                            &err);
     if (err)
         return -1;
+    uint32_t v0 = walked[0] == NONE_ID ? NONE_ID : ent(&self->table, walked[0])->words[first];
     if (v0 == NONE_ID)
         return 0;
+    Py_ssize_t nwalked = 1; /* positions of ``walked`` filled */
     Py_ssize_t nchecks = PyList_GET_SIZE(checks);
     CheckSpec small[SMALL_CHECKS];
     CheckSpec *specs = small;
@@ -1463,9 +1485,12 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     Ahead ahead;
     ahead_start(&ahead, &self->table, keys, factor, 1, limit);
     for (Py_ssize_t i = 1; i < limit; i++) {
-        uint32_t v = lookup_hashed(self, first, keys[i * factor], ahead_step(&ahead, i), &err);
+        uint32_t id = find_hashed(self, keys[i * factor], ahead_step(&ahead, i), &err);
         if (err)
             goto fail_stops;
+        walked[i] = id;
+        nwalked = i + 1;
+        uint32_t v = id == NONE_ID ? NONE_ID : ent(&self->table, id)->words[first];
         if (v == NONE_ID) {
             end = i;
             break;
@@ -1557,6 +1582,22 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
             if (stop > nhashes / gf)
                 stop = nhashes / gf;
             uint32_t prev = NONE_ID;
+            if (gf == factor && stop <= nwalked) {
+                /* the same view as the first group's: its entries are the ones step 1 met */
+                for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
+                    uint32_t v = walked[i] == NONE_ID ? NONE_ID : ent(&self->table, walked[i])->words[g];
+                    if (v == NONE_ID) {
+                        nvalid = 0;
+                        break;
+                    }
+                    if (v == prev)
+                        continue;
+                    prev = v;
+                    nvalid = intersect(self, valid, nvalid, v, kept);
+                    memcpy(valid, kept, nvalid * sizeof(uint32_t));
+                }
+                continue;
+            }
             PyObject *const *gkeys = items + (gf - 1);
             Ahead gahead;
             ahead_start(&gahead, &self->table, gkeys, gf, start, stop);
@@ -1680,7 +1721,7 @@ static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
         for (int g = 0; g < self->ngroups; g++)
             total += (size_t)self->slots[s].lists[g].cap * sizeof(uint32_t);
     }
-    total += self->scratch_cap * sizeof(uint32_t);
+    total += (self->scratch_cap + self->walked_cap) * sizeof(uint32_t);
     return PyLong_FromSize_t(total);
 }
 
