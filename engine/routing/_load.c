@@ -5,8 +5,11 @@
  *
  * One record per worker holds its time-averaged queue (value, average, time of the last change),
  * its decayed work (value, time) and its live load-order key; a dict maps each worker object to
- * its record. The load order is a binary heap of keys (cost, work rank, draw, counter) with stale
- * entries skipped, as in ``LoadOrder``. Built at install time by setup.py; optional.
+ * its record. The load order is a binary heap of keys (cost, work rank, draw, counter) holding
+ * each worker's live key once (a record knows its key's position, so a new key moves it in place:
+ * ``LoadOrder`` pushes a new entry and skips the stale ones, which orders the live keys alike,
+ * as the keys are distinct); the least few are read by a best-first walk down the heap, which
+ * leaves it untouched. Built at install time by setup.py; optional.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +24,7 @@ typedef struct {
     double cost, rank, draw;    /* the live load-order key */
     uint64_t counter;           /* the live entry's counter */
     int has_entry;
+    Py_ssize_t pos;             /* the live entry's position in the heap (while has_entry) */
 } Rec;
 
 typedef struct {
@@ -104,32 +108,35 @@ static inline int less(const Entry *a, const Entry *b) {
     return a->counter < b->counter;
 }
 
-static void sift_up(Entry *heap, Py_ssize_t i) {
+/* Put ``e`` at heap position i, telling its record. */
+static inline void heap_place(Book *b, Py_ssize_t i, Entry e) {
+    b->heap[i] = e;
+    b->recs[e.rec].pos = i;
+}
+
+/* Move the entry at i up, then down, to where the heap order puts it. */
+static void heap_fix(Book *b, Py_ssize_t i) {
+    Entry *heap = b->heap;
     Entry item = heap[i];
     while (i > 0) {
         Py_ssize_t parent = (i - 1) >> 1;
         if (!less(&item, &heap[parent]))
             break;
-        heap[i] = heap[parent];
+        heap_place(b, i, heap[parent]);
         i = parent;
     }
-    heap[i] = item;
-}
-
-static void sift_down(Entry *heap, Py_ssize_t n, Py_ssize_t i) {
-    Entry item = heap[i];
     for (;;) {
         Py_ssize_t child = 2 * i + 1;
-        if (child >= n)
+        if (child >= b->nheap)
             break;
-        if (child + 1 < n && less(&heap[child + 1], &heap[child]))
+        if (child + 1 < b->nheap && less(&heap[child + 1], &heap[child]))
             child++;
         if (!less(&heap[child], &item))
             break;
-        heap[i] = heap[child];
+        heap_place(b, i, heap[child]);
         i = child;
     }
-    heap[i] = item;
+    heap_place(b, i, item);
 }
 
 static int heap_push(Book *b, Entry e) {
@@ -143,25 +150,18 @@ static int heap_push(Book *b, Entry e) {
         b->heap = grown;
         b->capheap = cap;
     }
-    b->heap[b->nheap] = e;
-    sift_up(b->heap, b->nheap);
-    b->nheap++;
+    heap_place(b, b->nheap++, e);
+    heap_fix(b, b->nheap - 1);
     return 0;
 }
 
-static Entry heap_pop(Book *b) {
-    Entry top = b->heap[0];
+/* Take the entry at i out of the heap. */
+static void heap_remove(Book *b, Py_ssize_t i) {
     b->nheap--;
-    if (b->nheap > 0) {
-        b->heap[0] = b->heap[b->nheap];
-        sift_down(b->heap, b->nheap, 0);
+    if (i < b->nheap) {
+        heap_place(b, i, b->heap[b->nheap]);
+        heap_fix(b, i);
     }
-    return top;
-}
-
-static inline int live(const Book *b, const Entry *e) {
-    const Rec *r = &b->recs[e->rec];
-    return r->worker != NULL && r->has_entry && r->counter == e->counter;
 }
 
 /* ``LoadOrder.set``: a new key for record i (unless it equals the live one). */
@@ -181,23 +181,15 @@ static int order_set(Book *b, Py_ssize_t i, double cost, double rank) {
     r->rank = rank;
     r->draw = draw;
     r->counter = b->next_counter++;
-    r->has_entry = 1;
     Entry e = {cost, rank, draw, r->counter, i};
+    if (r->has_entry) { /* the key moves in place */
+        b->heap[r->pos] = e;
+        heap_fix(b, r->pos);
+        return 0;
+    }
     if (heap_push(b, e) < 0)
         return -1;
-    if (b->nheap > 4 * b->count + 64) { /* rebuild from the live entries */
-        Py_ssize_t n = 0;
-        for (Py_ssize_t k = 0; k < b->nrecs; k++) {
-            Rec *q = &b->recs[k];
-            if (q->worker != NULL && q->has_entry) {
-                Entry fresh = {q->cost, q->rank, q->draw, q->counter, k};
-                b->heap[n++] = fresh;
-            }
-        }
-        b->nheap = n;
-        for (Py_ssize_t k = n / 2 - 1; k >= 0; k--)
-            sift_down(b->heap, n, k);
-    }
+    b->recs[i].has_entry = 1;
     return 0;
 }
 
@@ -215,28 +207,56 @@ static double dict_double(PyObject *dict, PyObject *key, int *failed) {
     return x;
 }
 
+#define SMALL_FRONTIER 64
+
 /* ``LoadOrder.first``: the least live worker not in ``exclude`` whose queue is within ``limit``,
  * among the ``probes`` smallest live entries; *refused: a smaller one was over the limit.
- * Returns a borrowed worker, NULL with no error when none, NULL with an error on failure. */
+ * Returns a borrowed worker, NULL with no error when none, NULL with an error on failure.
+ * The entries are met in increasing order by a best-first walk down the heap: a frontier of
+ * positions (itself a small heap, at most one more than the entries met) starts at the root,
+ * and each position taken from it adds its children. */
 static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, double limit, Py_ssize_t probes,
                              int *refused) {
     PyObject *found = NULL;
-    Entry *taken = NULL;
-    Py_ssize_t ntaken = 0;
+    Py_ssize_t small[SMALL_FRONTIER], *frontier = small, nfront = 0, met = 0;
     int failed = 0;
-    if (probes <= 0)
+    if (probes <= 0 || b->nheap == 0)
         return NULL;
-    taken = PyMem_Malloc((size_t)probes * sizeof(Entry));
-    if (taken == NULL) {
-        PyErr_NoMemory();
-        return NULL;
+    if (probes + 2 > SMALL_FRONTIER) {
+        frontier = PyMem_Malloc((size_t)(probes + 2) * sizeof(Py_ssize_t));
+        if (frontier == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
     }
-    while (b->nheap > 0 && ntaken < probes) {
-        Entry e = heap_pop(b);
-        if (!live(b, &e))
-            continue; /* stale */
-        taken[ntaken++] = e;
-        PyObject *worker = b->recs[e.rec].worker;
+    const Entry *heap = b->heap;
+    frontier[nfront++] = 0;
+    while (nfront > 0 && met < probes) {
+        Py_ssize_t at = frontier[0]; /* the least position of the frontier: take it out */
+        Py_ssize_t last = frontier[--nfront], i = 0;
+        for (;;) {
+            Py_ssize_t child = 2 * i + 1;
+            if (child >= nfront)
+                break;
+            if (child + 1 < nfront && less(&heap[frontier[child + 1]], &heap[frontier[child]]))
+                child++;
+            if (!less(&heap[frontier[child]], &heap[last]))
+                break;
+            frontier[i] = frontier[child];
+            i = child;
+        }
+        if (nfront > 0)
+            frontier[i] = last;
+        for (Py_ssize_t c = 2 * at + 1; c <= 2 * at + 2 && c < b->nheap; c++) { /* its children join */
+            Py_ssize_t j = nfront++;
+            while (j > 0 && less(&heap[c], &heap[frontier[(j - 1) >> 1]])) {
+                frontier[j] = frontier[(j - 1) >> 1];
+                j = (j - 1) >> 1;
+            }
+            frontier[j] = c;
+        }
+        met++;
+        PyObject *worker = b->recs[heap[at].rec].worker;
         int excluded = PyDict_Contains(exclude, worker);
         if (excluded < 0) {
             failed = 1;
@@ -254,9 +274,8 @@ static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, doubl
         found = worker;
         break;
     }
-    for (Py_ssize_t k = 0; k < ntaken; k++) /* capacity suffices: these were in the heap */
-        (void)heap_push(b, taken[k]);
-    PyMem_Free(taken);
+    if (frontier != small)
+        PyMem_Free(frontier);
     return failed ? NULL : found;
 }
 
@@ -378,6 +397,8 @@ static PyObject *Book_remove(Book *self, PyObject *worker) {
     self->wt_value = left > 0.0 ? left : 0.0;
     self->wt_at = self->w_now;
     Py_CLEAR(r->worker);
+    if (r->has_entry)
+        heap_remove(self, r->pos);
     r->has_entry = 0;
     self->free_recs[self->nfree++] = i;
     self->count--;

@@ -104,10 +104,10 @@ def test_compiled_and_python_books_agree_call_by_call(
             assert all(type(credit[w]) is type(other[w]) for w in credit)
             among: object = queued if rng.random() < 0.7 else set(rng.sample(names, max(1, len(names) // 2)))
             pending = set(rng.sample(sorted(credit), min(len(credit), 1))) if rng.random() < 0.2 else ()
-            limit = rng.choice([math.inf, 100.0, 300.0])
+            limit = rng.choice([math.inf, 100.0, 300.0, 0.0, 16.0])  # (low: the load order is probed deep)
             slow, cap = rng.choice([math.inf, 10.0]), rng.choice([math.inf, 50.0])
             w_uncached = rng.choice([2.0, 0.1])
-            probes = rng.choice([-1, len(credit) + 1, len(credit) + 8])
+            probes = rng.choice([-1, len(credit) + 1, len(credit) + 8, 30, 70])
             args = (credit, among, cost, queued, limit, now, slow, cap, w_uncached, 1.0, pending, probes)
             a, b = ref.scan(*args), fast.scan(*args)  # type: ignore[arg-type]
             assert a == b, (step, a, b)
@@ -148,6 +148,45 @@ def test_scan_is_the_brute_force_argmin(core: str) -> None:
         assert len([w for w in best if w not in credit]) <= 1
         if others and min(cost[w] for w in others) <= best_cost + 1e-9:
             assert any(w not in credit for w in best)
+
+
+@pytest.mark.parametrize("core", ["python", "compiled"])
+def test_the_load_order_is_probed_in_increasing_order(core: str) -> None:
+    """The least loaded worker within the limit among the ``probes`` least loaded, found deep in
+    the load order (most workers over the limit) after many workers moved, left and came back:
+    against a sort of the costs (distinct, no work: the order is by cost alone)."""
+    rng = random.Random(5)
+    book = make_load_book(knobs(0.0, 5.0, 7), core=core)
+    queued: dict[str, float] = {}
+    cost: dict[str, float] = {}
+    for step in range(4000):
+        name = f"w{rng.randrange(120)}"
+        if name not in queued:
+            book.add(name)
+            queued[name], cost[name] = 0.0, 0.0
+        elif rng.random() < 0.05:
+            book.remove(name)
+            del queued[name], cost[name]
+            continue
+        queued[name] = float(rng.randrange(1000))
+        cost[name] = rng.random() * 100
+        book.set_load(name, queued[name], cost[name])
+        if step % 10:
+            continue
+        limit = float(rng.choice([20, 100, 400]))
+        probes = rng.choice([1, 5, 40, 90])
+        exclude = {w: 1.0 for w in rng.sample(sorted(queued), min(len(queued), 3))}
+        ordered = sorted(queued, key=cost.__getitem__)[:probes]
+        candidates = [w for w in ordered if w not in exclude]
+        allowed = [w for w in candidates if queued[w] <= limit]
+        # ``exclude`` plays the prefix holders (the credit: the load order skips them), none of
+        # them a candidate here (``among`` is empty)
+        _, best, _, _, guarded, fresh = book.scan(
+            exclude, {}, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), probes
+        )
+        assert fresh == bool(allowed) and best == allowed[:1], (step, probes, best, allowed[:1])
+        refused = candidates[: candidates.index(allowed[0])] if allowed else candidates
+        assert guarded == any(queued[w] > limit for w in refused)
 
 
 @pytest.mark.parametrize("seed", range(3))
