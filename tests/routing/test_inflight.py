@@ -254,7 +254,9 @@ def test_the_credit_expires() -> None:
 def test_the_credit_is_held_to_the_imbalance_guard() -> None:
     """A hot new prefix does not pile onto the worker computing it once that worker is overloaded."""
     prefix = list(range(100, 300))
-    policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0, imbalance_slack_tokens=0.0, work_imbalance_ratio=0.0))
+    policy = RoutingPolicy(
+        groups_of(SPECS), router_config(seed=0, imbalance_slack_tokens=0.0, work_imbalance_ratio=0.0)
+    )
     for i in range(2):
         policy.add_worker(f"w{i}")
     first = str(policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0).prefill_worker)
