@@ -406,9 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[int, dict[str, float]]] = {r: {} for r in args.routers}
     for workers in args.workers:
         for router in args.routers:
-            replays = args.replays if router == "kvfleet" else 0  # (the replay is kvfleet's policy)
-            summaries[router][workers] = run(args, workers, router, 1, replays).summary()
+            summary = run(args, workers, router).summary()
             gc.collect()
+            if router == "kvfleet":  # alone: a second run that records what it feeds the router
+                # (not the first: what it keeps for the replays would stay alive through the
+                # routing phase, and the router's allocations would pay for collecting it)
+                alone = run(args, workers, router, 1, args.replays).summary()
+                summary.update({k: v for k, v in alone.items() if k.startswith("alone_")})
+                gc.collect()
+            summaries[router][workers] = summary
     for router in args.routers:
         for workers, s in summaries[router].items():
             print(f"{router:<14} W={workers:<5} " + " ".join(f"{k}={v}" for k, v in s.items()))

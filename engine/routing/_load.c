@@ -54,6 +54,9 @@ typedef struct {
     Py_ssize_t nheap, capheap;
     uint64_t next_counter;
     PyObject *draw;    /* random.Random(seed).random */
+    /* ``scan``'s results, kept between calls and emptied at the start of each (no containers
+     * made per decision): the argmin's ties, the pending holders, the holders over their share */
+    PyObject *scan_best, *scan_deferred, *scan_spread;
 } Book;
 
 /* -- the averages (``_Average`` and ``DecayedWork._at``) ------------------------------------- */
@@ -319,7 +322,12 @@ static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
         return -1;
     self->draw = PyObject_GetAttrString(rng, "random");
     Py_DECREF(rng);
-    return self->draw == NULL ? -1 : 0;
+    self->scan_best = PyList_New(0);
+    self->scan_deferred = PyList_New(0);
+    self->scan_spread = PySet_New(NULL);
+    return self->draw == NULL || self->scan_best == NULL || self->scan_deferred == NULL || self->scan_spread == NULL
+               ? -1
+               : 0;
 }
 
 static void Book_dealloc(Book *self) {
@@ -330,6 +338,9 @@ static void Book_dealloc(Book *self) {
     PyMem_Free(self->heap);
     Py_XDECREF(self->index);
     Py_XDECREF(self->draw);
+    Py_XDECREF(self->scan_best);
+    Py_XDECREF(self->scan_deferred);
+    Py_XDECREF(self->scan_spread);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -739,14 +750,18 @@ static int fold(PyObject *best, double *best_cost, PyObject *worker, double cost
 
 typedef struct {
     double best_cost;
-    PyObject *best, *deferred, *spread; /* owned */
+    PyObject *best, *deferred, *spread; /* the book's scan_* containers (borrowed) */
     int guarded, fresh;
 } ScanOut;
 
+/* Empty the book's scan containers (they keep their objects for the next scan). */
 static void scan_clear(ScanOut *out) {
-    Py_CLEAR(out->best);
-    Py_CLEAR(out->deferred);
-    Py_CLEAR(out->spread);
+    if (out->best != NULL && PyList_GET_SIZE(out->best) > 0)
+        (void)PyList_SetSlice(out->best, 0, PyList_GET_SIZE(out->best), NULL);
+    if (out->deferred != NULL && PyList_GET_SIZE(out->deferred) > 0)
+        (void)PyList_SetSlice(out->deferred, 0, PyList_GET_SIZE(out->deferred), NULL);
+    if (out->spread != NULL && PySet_GET_SIZE(out->spread) > 0)
+        (void)PySet_Clear(out->spread);
 }
 
 /* ``PyLoadBook.scan``; on failure returns -1 with ``out`` cleared. */
@@ -760,11 +775,14 @@ static int scan_core(Book *self, PyObject *credit, PyObject *among, PyObject *lo
     int failed = 0, refused = 0;
     out->best_cost = INFINITY;
     out->guarded = out->fresh = 0;
-    out->best = PyList_New(0);
-    out->deferred = PyList_New(0);
-    out->spread = PySet_New(NULL);
-    if (out->best == NULL || out->deferred == NULL || out->spread == NULL)
-        goto error;
+    if (self->scan_best == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "LoadBook: __init__ was not called");
+        return -1;
+    }
+    out->best = self->scan_best;
+    out->deferred = self->scan_deferred;
+    out->spread = self->scan_spread;
+    scan_clear(out); /* (empty already unless a scan failed half way) */
     Py_ssize_t pos = 0;
     PyObject *worker, *value;
     while (PyDict_Next(credit, &pos, &worker, &value)) {
@@ -852,8 +870,12 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     if (scan_core(self, credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending,
                   probes, &out) < 0)
         return NULL;
-    return Py_BuildValue("(dNNNNN)", out.best_cost, out.best, out.deferred, out.spread, PyBool_FromLong(out.guarded),
-                         PyBool_FromLong(out.fresh));
+    PyObject *result = Py_BuildValue("(dNNNNN)", out.best_cost, PyList_GetSlice(out.best, 0, PyList_GET_SIZE(out.best)),
+                                     PyList_GetSlice(out.deferred, 0, PyList_GET_SIZE(out.deferred)),
+                                     PySet_New(out.spread), PyBool_FromLong(out.guarded),
+                                     PyBool_FromLong(out.fresh));
+    scan_clear(&out);
+    return result;
 }
 
 /* ``choose``: ``RoutingPolicy._pick`` over the whole pool for a request without a pin or a host

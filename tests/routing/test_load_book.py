@@ -127,12 +127,16 @@ def test_scan_is_the_brute_force_argmin(core: str) -> None:
         queued[name] = float(rng.randrange(0, 400))
         cost[name] = float(rng.randrange(0, 6))
         book.set_load(name, queued[name], cost[name])
+    previous: tuple[object, ...] = ()
+    copied: tuple[object, ...] = ()
     for _ in range(300):
         credit: dict[str, float] = {w: float(rng.randrange(1, 5)) for w in rng.sample(sorted(queued), 4)}
         limit = rng.choice([150.0, 300.0, math.inf])
-        best_cost, best, deferred, spread, guarded, fresh = book.scan(
-            credit, queued, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), len(queued)
-        )
+        result = book.scan(credit, queued, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), len(queued))
+        if previous:  # each result is the caller's: a later scan leaves it as it was
+            assert previous == copied
+        previous, copied = result, tuple(type(x)(x) if isinstance(x, (list, set)) else x for x in result)
+        best_cost, best, deferred, spread, guarded, fresh = result
         allowed = {w: cost[w] - 2.0 * credit.get(w, 0.0) for w in queued if queued[w] <= limit}
         assert not deferred and not spread
         if all(q <= limit for q in queued.values()):
