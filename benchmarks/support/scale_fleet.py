@@ -95,15 +95,18 @@ class FleetWorker:
     """One simulated worker's prefix cache (see the module docstring) and its event counter.
 
     Invariants: ``tables[g]`` holds exactly the blocks of group ``g`` some entry holds;
-    ``refs[(g, h)]`` counts those entries; ``used`` is the number of (group, hash) blocks cached
-    and stays <= ``capacity`` after each run; events are numbered 1, 2, ... without gaps."""
+    ``refs[block(g, h)]`` counts those entries; ``len(refs)``, the number of (group, hash) blocks
+    cached, stays <= ``capacity`` after each run; events are numbered 1, 2, ... without gaps.
+    A cached block is one ``bytes`` key (``block``), not a tuple: the simulated caches live in the
+    router's process only because this is a simulation, and what they keep must not be objects the
+    router's garbage collector traverses (a real router's is not burdened with its workers' caches)."""
 
     def __init__(self, name: str, capacity: int):
         self.name = name
         self.capacity = capacity
         self.tables: list[dict[bytes, int]] = [{} for _ in GROUPS]
-        self.refs: dict[tuple[int, bytes], int] = {}
-        self.entries: OrderedDict[object, list[tuple[int, bytes]]] = OrderedDict()
+        self.refs: dict[bytes, int] = {}
+        self.entries: OrderedDict[object, list[bytes]] = OrderedDict()
         self.seq = 0
         self.queued = 0.0  # prefill-token equivalents waiting on this worker
         self.queued_at = 0.0
@@ -126,14 +129,13 @@ class FleetWorker:
         self.queued_at = now
         return self.queued
 
-    def _add(
-        self, key: object, blocks: list[tuple[int, bytes]], events: list[KVEvent], pin_windows: bool = False
-    ) -> None:
+    def _add(self, key: object, blocks: list[bytes], events: list[KVEvent], pin_windows: bool = False) -> None:
         stored: list[list[bytes]] = [[] for _ in GROUPS]
-        for g, block_hash in blocks:
-            count = self.refs.get((g, block_hash), 0)
-            self.refs[(g, block_hash)] = count + 1
+        for cached in blocks:
+            count = self.refs.get(cached, 0)
+            self.refs[cached] = count + 1
             if count == 0:
+                g, block_hash = cached[0], cached[1:]
                 self.tables[g][block_hash] = 0
                 stored[g].append(block_hash)
         self.entries[key] = blocks
@@ -143,7 +145,7 @@ class FleetWorker:
                 events.append(BlockStored(self.seq, g, _fresh(new)))
         if pin_windows:
             for g in range(1, len(GROUPS)):
-                window = [h for grp, h in blocks if grp == g and self.tables[g][h] == 0]
+                window = [c[1:] for c in blocks if c[0] == g and self.tables[g][c[1:]] == 0]
                 if window:
                     for h in window:
                         self.tables[g][h] = 1
@@ -154,12 +156,13 @@ class FleetWorker:
         while len(self.refs) > self.capacity and len(self.entries) > 1:
             _, blocks = self.entries.popitem(last=False)
             removed: list[list[bytes]] = [[] for _ in GROUPS]
-            for g, block_hash in blocks:
-                count = self.refs[(g, block_hash)] - 1
+            for cached in blocks:
+                count = self.refs[cached] - 1
                 if count:
-                    self.refs[(g, block_hash)] = count
+                    self.refs[cached] = count
                 else:
-                    del self.refs[(g, block_hash)]
+                    g, block_hash = cached[0], cached[1:]
+                    del self.refs[cached]
                     del self.tables[g][block_hash]
                     removed[g].append(block_hash)
             for g, gone in enumerate(removed):
@@ -168,11 +171,16 @@ class FleetWorker:
                     events.append(BlockRemoved(self.seq, g, _fresh(gone)))
 
 
-def _entry_blocks(hashes: list[bytes], end: int, start: int = 0) -> list[tuple[int, bytes]]:
+def block(group: int, block_hash: bytes) -> bytes:
+    """A cached (group, hash) block as one key: the group's byte, then the hash."""
+    return bytes((group,)) + block_hash
+
+
+def _entry_blocks(hashes: list[bytes], end: int, start: int = 0) -> list[bytes]:
     """Full-attention blocks [start, end) and each window ending at ``end``."""
-    blocks = [(0, h) for h in hashes[start:end]]
+    blocks = [block(0, h) for h in hashes[start:end]]
     for g in range(1, len(GROUPS)):
-        blocks.extend((g, h) for h in hashes[max(0, end - WINDOW_BLOCKS[g]) : end])
+        blocks.extend(block(g, h) for h in hashes[max(0, end - WINDOW_BLOCKS[g]) : end])
     return blocks
 
 
