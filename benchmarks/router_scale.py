@@ -17,7 +17,19 @@ on worker ``rank % W`` (events applied to the router, timed as absorption), then
 clock, so other tenants of a shared machine stay out; the wall clock's p99 is printed too), the
 chosen worker runs the request and its events reach the router before the next decision. Per
 decision ``--reports`` workers (round robin) report their load (queued tokens draining at
-``--drain-tps``, block usage); arrivals come at ``--rate`` requests per second per worker.
+``--drain-tps``, block usage); arrivals come at ``--rate`` requests per second per worker. A
+request's hashes reach ``route`` as the router actor receives them: unpickled right before the
+call (``scale_fleet.received``), new objects. The simulated caches keep each block as one
+``bytes`` key, so the router's garbage collector does not traverse them (it did, as tuples: 220
+young-generation collections in one routing phase at W = 256, 44 ms; now about 25, 11 ms).
+
+Each W and router runs ``--repeats`` times on the same trace and the fastest run counts (every
+run's decisions/s is printed as ``runs_decisions_per_s``: the other tenants of a shared machine
+move one run by 30-50 %). kvfleet's router is also replayed alone: a second run records what
+the router is fed and replays it ``--replays`` times into a fresh router (the least decision
+time counts); ``alone_*`` are its decisions/s and p50/p99 without the simulated fleet's own work
+between two decisions (its caches, the exact oracle), which in the interleaved run evicts the
+router's index and books from the CPU cache (a router actor runs in its own process).
 
 Router replicas (``--replicas``, at ``--replica-workers``): N copies of kvfleet's policy, each
 fed every event and load report, each request routed by the copy its first block's hash picks (one
@@ -32,21 +44,21 @@ copies would evict each other's index from the CPU cache, and copies after the f
 the hashes of shared ``bytes`` already computed. A replayed decision that differs from the live
 one is counted (``replay mismatches``; 0 in every run).
 
-Why 4 replicas give about 1.5-1.8x, not 3.5x (W = 256, 4,000 decisions): every replica keeps
+Why 4 replicas give about 1.2-1.9x, not 3.5x (W = 256, 4,000 decisions): every replica keeps
 the full index, so every replica absorbs every event (E), which does not shrink with N; only the
 decisions (D) are split. The split by first block follows the prefixes: per replica the decision
-shares were 0.283 / 0.261 / 0.261 / 0.196 (Zipf(1) over 768 prefixes; the hottest prefix alone is
+shares are 0.283 / 0.261 / 0.261 / 0.196 (Zipf(1) over 768 prefixes; the hottest prefix alone is
 1/H(768), about 14 % of requests, and all of it goes to one replica), so the busiest replica takes
-E + 0.28 D. With the compiled pick (``LoadBook``) a decision costs about a third of what it did, and E
-is now 40-45 % of one router's routing-phase time (2026-11-28 13:16: one router 138 ms busy, 61
-of it events; replicas 63 / 63 / 81 / 92 ms, events 42 / 42 / 54 / 65): the speedup fell from
-about 2.3 to 1.5-1.7 as decisions got cheaper. Even with free events the busiest replica's share
-bounds it at 1 / 0.283, about 3.5: 3.5x at N = 4 needs both event absorption a small fraction of
-a decision (``HolderMaps.absorb`` is bound by the table's cache misses, about 100-200 ns per
-stored hash) and a split that spreads the hottest prefix, against one prefix's decisions staying
-on one replica. The other way is for a worker to send each replica only the events of the
-prefixes it routes, which gives up the full index on every replica that lets any replica take
-over a dead one's prefixes with their hits.
+E + 0.28 D. As decisions got cheaper E became the larger part: 2026-11-28 15:50-15:57, one
+router 94-118 ms busy, 40-50 ms of it events (about 10 us of absorption per routed request,
+200-250 ns per stored hash: the table's cache misses); replicas 47-81 ms, events 32-52 ms. The
+speedup is (D + E) / (0.283 D + E); 3.5x at N = 4 needs E below 0.4 % of D with this split, and
+below 5 % of D even with a perfect one (0.25 D per replica): absorbing a request's events in under
+half a microsecond, each stored hash in a few nanoseconds. No router that applies every event to
+its own full index gets there; the ways that would are outside this design: one index shared by
+the replicas of a node (one absorber, N readers), or each replica fed only the events of the
+prefixes it routes (giving up the full index that lets any replica take over a dead one's
+prefixes with their hits).
 
 Metrics: decisions/s (decisions / their CPU time), p50 / p99 us, events/s and block hashes/s
 absorbed (events / the CPU time of ``apply_events``), index bytes (a sizing walk over every
@@ -56,33 +68,35 @@ hit rate (tokens the chosen worker's coordinator finds cached by its own fixed p
 oracle, over prompt tokens, after the first ``--warmup`` share of decisions) and prediction
 accuracy (decisions whose predicted hit equals that oracle).
 
-Measured 2026-11-28 13:15-13:16 on the shared 2-core machine (load average 1-2), 4,000 decisions
-per W, the last of three runs in a row; holder-set router / mask baseline, in the same run
-(benchmarks/results/router_scale-cpu-2026-11-28.json):
+Measured 2026-11-28 15:55-15:57 on the shared 2-core machine, 4,000 decisions per W, the fastest
+of 3 runs each, the last of three full runs in a row; holder-set router / mask baseline, in the
+same run (benchmarks/results/router_scale-cpu-2026-11-28.json):
 
     W      decisions/s     p50 us         p99 us          index MB      bytes/block-holder  hit rate
-    64     41,669/9,426    23.3/97.1      45.5/183.0      2.1/9.5       55.9/249.5          0.8571/0.8571
-    256    32,950/6,959    26.7/136.4     86.5/266.1      7.4/31.1      51.0/215.6          0.8704/0.8698
-    1024   30,259/6,176    33.3/144.9     65.8/516.9      22.6/107.6    49.5/235.5          0.8833/0.8830
-    4096   31,872/2,369    26.9/352.6     82.9/1,896.9    83.4/731.6    50.3/440.7          0.8625/0.8589
+    64     56,306/11,866   15.4/77.0      59.8/184.4      1.5/9.5       38.7/249.5          0.8571/0.8571
+    256    57,093/8,612    15.7/99.3      38.6/507.7      5.0/31.1      34.5/215.6          0.8704/0.8698
+    1024   54,328/5,145    17.2/160.5     34.9/624.3      17.0/107.6    37.2/235.5          0.8833/0.8830
+    4096   39,648/2,374    20.9/348.6     75.0/1,785.3    64.4/731.6    38.8/440.7          0.8625/0.8589
 
-Prediction accuracy against the exact oracle 1.0 for both; 4 replicas at W = 256: speedup 1.49,
-hit ratio 0.9989. Single numbers move by 30-50 % between runs on this machine: the three runs gave
-31,890 / 47,807 / 32,950 decisions/s at W = 256 (p99 111.7 / 53.0 / 86.5 us), 27,646 / 31,075 /
-31,872 at W = 4,096, replica speedups 1.73 / 1.59 / 1.49; the router before the compiled pick gave
-13-17k at W = 256 in back-to-back runs.
-Where a decision's time goes now (W = 256, timers between the statements of ``route``): the index
-walk about 9-12 us (about 116 hash-table lookups, bound by memory latency: the request's hash
-objects and the table entries are cold, as after a deserialisation), the compiled choice, record
-and ``Decision`` (``LoadBook.place``) about 5 us, the in-flight announcement about 3.4 us
-(``InFlightPrefixes.add``, Python) and the rest of ``route``'s Python about 2 us (``_ahead``).
-50,000 decisions/s is 20 us per decision; the next steps are the in-flight announcements in
-compiled code and a quieter measurement (the best run already reached 47.8k).
+Prediction accuracy against the exact oracle 1.0 for both; alone at W = 256: 54,609 decisions/s,
+p99 37.4 us (W = 4,096: 53,810, 46.9 us); 4 replicas at W = 256: speedup 1.17, hit ratio 0.9989.
+The machine's speed drifts over minutes: at W = 256 the three full runs' fastest runs were
+46,930 / 42,881 / 57,093 decisions/s (their single runs 37,842-57,093; p99 38.6-52.5 us), alone
+55,588 / 93,359 / 54,609; three runs at 15:15-15:18 (before ``--repeats``) gave 53,963 / 48,725 /
+51,033 (p99 40.7 / 43.0 / 42.6 us), alone 90,749 / 100,325 / 59,421. The router before the
+compiled pick gave 13-17k at W = 256, the mask router 6-11k.
+Where a decision's time goes (W = 256, cycle counters in the compiled code, interleaved run): the
+index walk about 5-6k cycles at 2.1 GHz (69 lookups of the full-attention group, bound by memory
+latency; the sliding windows' checks read the entries that walk met, about 1k more), the compiled
+choice, record and ``Decision`` (``LoadBook.place``) 8-12k (the candidates' dicts, the load copy,
+the ``Decision``: cold Python objects, and a young-generation collection now and then), the
+in-flight announcement and the rest of ``route`` a few hundred nanoseconds each.
 
     python -m benchmarks.router_scale            # W = 64 .. 4,096 (several minutes)
     python -m benchmarks.router_scale --quick    # W = 64, 256, a few hundred decisions
 
-Last line: ``{"decisions_per_s": {W: n}, "p50_us", "p99_us", "events_per_s", "index_mb",
+Last line: ``{"decisions_per_s": {W: n}, "runs_decisions_per_s": {W: [n, ...]}, "p50_us", "p99_us",
+"alone_decisions_per_s", "alone_p50_us", "alone_p99_us", "events_per_s", "index_mb",
 "bytes_per_block_holder" (the largest over W), "hit_rate_vs_single_policy" (the lowest over W of
 the hit rate over the baseline's), "accuracy", "baseline": {the same for the mask router},
 "replica_speedup": {N: x}, "replica_hit_ratio": {N: r}}``.
