@@ -85,12 +85,13 @@ The machine's speed drifts over minutes: at W = 256 the three full runs' fastest
 55,588 / 93,359 / 54,609; three runs at 15:15-15:18 (before ``--repeats``) gave 53,963 / 48,725 /
 51,033 (p99 40.7 / 43.0 / 42.6 us), alone 90,749 / 100,325 / 59,421. The router before the
 compiled pick gave 13-17k at W = 256, the mask router 6-11k.
-Where a decision's time goes (W = 256, cycle counters in the compiled code, interleaved run): the
-index walk about 5-6k cycles at 2.1 GHz (69 lookups of the full-attention group, bound by memory
-latency; the sliding windows' checks read the entries that walk met, about 1k more), the compiled
-choice, record and ``Decision`` (``LoadBook.place``) 8-12k (the candidates' dicts, the load copy,
-the ``Decision``: cold Python objects, and a young-generation collection now and then), the
-in-flight announcement and the rest of ``route`` a few hundred nanoseconds each.
+Where a decision's time goes (W = 256, interleaved run; timers between the statements of
+``route``, 48-58k decisions/s): ``predict_partial`` 6.8-8.2 us, of which the compiled walk about
+5-6k cycles at 2.1 GHz (69 lookups of the full-attention group, bound by memory latency; the
+sliding windows' checks read the entries that walk met, about 1k cycles more); ``LoadBook.place``
+4.0-5.0 us (the candidates' dicts, the load copy and the ``Decision`` are cold Python objects,
+and a young-generation collection lands there now and then); the in-flight announcement 1.6-1.9
+us; the rest of ``route`` about 1.5 us.
 
     python -m benchmarks.router_scale            # W = 64 .. 4,096 (several minutes)
     python -m benchmarks.router_scale --quick    # W = 64, 256, a few hundred decisions
