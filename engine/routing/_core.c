@@ -1176,31 +1176,18 @@ static PyObject *Maps_absorb(Maps *self, PyObject *args) {
 
 /* -- the prediction's walk ------------------------------------------------------------------ */
 
-static int ensure_walked(Maps *m, size_t n) {
-    if (n <= m->walked_cap)
+/* Grow ``*buf`` (``*cap`` words) to hold at least n words: 0, or -1 on error. */
+static int ensure_words(uint32_t **buf, size_t *cap, size_t n) {
+    if (n <= *cap)
         return 0;
-    size_t cap = n * 2 + 64;
-    uint32_t *buf = PyMem_Realloc(m->walked, cap * sizeof(uint32_t));
-    if (buf == NULL) {
+    size_t want = n * 2 + 64;
+    uint32_t *grown = PyMem_Realloc(*buf, want * sizeof(uint32_t));
+    if (grown == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    m->walked = buf;
-    m->walked_cap = cap;
-    return 0;
-}
-
-static int ensure_scratch(Maps *m, size_t n) {
-    if (n <= m->scratch_cap)
-        return 0;
-    size_t cap = n * 2 + 64;
-    uint32_t *buf = PyMem_Realloc(m->scratch, cap * sizeof(uint32_t));
-    if (buf == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    m->scratch = buf;
-    m->scratch_cap = cap;
+    *buf = grown;
+    *cap = want;
     return 0;
 }
 
@@ -1425,7 +1412,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
         return 0;
     PyObject *const *items = &PyList_GET_ITEM(hashes, 0);
     int err = 0;
-    if (ensure_walked(self, (size_t)limit) < 0)
+    if (ensure_words(&self->walked, &self->walked_cap, (size_t)limit) < 0)
         return -1;
     uint32_t *walked = self->walked;
     PyObject *key0 = items[factor - 1];
@@ -1454,7 +1441,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     /* Step 1: stops (blocks n, slots whose run is exactly n), kept in the scratch buffer as
      * [n, count, slots...] records after a working area of 3 * W words. */
     uint32_t width = (v0 & MULTI) ? set_of(self, v0)->n : 1;
-    if (ensure_scratch(self, (size_t)width * 4 + 16) < 0)
+    if (ensure_words(&self->scratch, &self->scratch_cap, (size_t)width * 4 + 16) < 0)
         goto fail;
     uint32_t *cur = self->scratch;
     uint32_t ncur;

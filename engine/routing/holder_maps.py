@@ -24,6 +24,7 @@ loop over a list of keys: a lookup in a large table is about two cache misses.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import repeat
@@ -461,22 +462,32 @@ def compiled_available() -> bool:
     return True
 
 
-def make_holder_maps(num_groups: int, core: str | None = None) -> HolderMaps:
-    """The holder maps for ``num_groups`` groups: ``core`` "compiled", "python" or "auto" (the
-    compiled maps when built); None reads ``KVFLEET_ROUTING_CORE`` (default "auto")."""
+def compiled_core(module: str, name: str, core: str | None) -> type | None:
+    """The compiled class ``name`` of ``engine.routing.<module>`` where ``core`` asks for it and it
+    is built, else None (the caller's pure-Python class): ``core`` "compiled", "python" or "auto"
+    (the compiled one when it imports); None reads ``KVFLEET_ROUTING_CORE`` (default "auto").
+    "compiled" makes a missing extension an error. The one rule for every compiled routing part."""
     choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
     if choice not in ("auto", "compiled", "python"):
         source = "core" if core is not None else CORE_ENV
         raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
     if choice == "python":
-        return PyHolderMaps(num_groups)
+        return None
     try:
-        from engine.routing._core import HolderMaps as CompiledHolderMaps
+        found: type = getattr(importlib.import_module(f"engine.routing.{module}"), name)
     except ImportError:
         if choice == "compiled":
             raise
+        return None
+    return found
+
+
+def make_holder_maps(num_groups: int, core: str | None = None) -> HolderMaps:
+    """The holder maps for ``num_groups`` groups, compiled or not as ``compiled_core`` says."""
+    compiled = compiled_core("_core", "HolderMaps", core)
+    if compiled is None:
         return PyHolderMaps(num_groups)
-    maps: HolderMaps = CompiledHolderMaps(num_groups)
+    maps: HolderMaps = compiled(num_groups)
     return maps
 
 
@@ -490,5 +501,6 @@ __all__ = [
     "PyHolderMaps",
     "Stop",
     "compiled_available",
+    "compiled_core",
     "make_holder_maps",
 ]

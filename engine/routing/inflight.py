@@ -20,12 +20,11 @@ maps' core; ``make_inflight`` picks one by ``KVFLEET_ROUTING_CORE``).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from engine.routing.holder_maps import CORE_ENV
+from engine.routing.holder_maps import compiled_core
 from engine.routing.types import WorkerId
 
 
@@ -200,23 +199,13 @@ class PyInFlightPrefixes:
 
 
 def make_inflight(ttl_s: float, core: str | None = None) -> InFlightPrefixes:
-    """The in-flight prefixes: ``core`` "compiled", "python" or "auto" (the compiled tracker when
-    built); None reads ``KVFLEET_ROUTING_CORE`` (default "auto"), the variable that picks the
-    holder maps."""
-    choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
-    if choice not in ("auto", "compiled", "python"):
-        source = "core" if core is not None else CORE_ENV
-        raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
-    if choice != "python":
-        try:
-            from engine.routing._inflight import InFlightPrefixes as CompiledInFlightPrefixes
-        except ImportError:
-            if choice == "compiled":
-                raise
-        else:
-            tracker: InFlightPrefixes = CompiledInFlightPrefixes(ttl_s)
-            return tracker
-    return PyInFlightPrefixes(ttl_s)
+    """The in-flight prefixes, compiled or not as ``holder_maps.compiled_core`` says
+    (``KVFLEET_ROUTING_CORE`` by default, the variable that picks the holder maps)."""
+    compiled = compiled_core("_inflight", "InFlightPrefixes", core)
+    if compiled is None:
+        return PyInFlightPrefixes(ttl_s)
+    tracker: InFlightPrefixes = compiled(ttl_s)
+    return tracker
 
 
 def _deepen(depth: dict[WorkerId, int], sent: _Sent, block_hashes: Sequence[bytes], n: int) -> None:

@@ -16,7 +16,6 @@ time, optional like the holder maps' core).
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Callable, Container
 from heapq import heapify, heappop, heappush
@@ -24,7 +23,7 @@ from itertools import count
 from typing import NamedTuple, Protocol
 
 from configs.schema import RouterConfig
-from engine.routing.holder_maps import CORE_ENV
+from engine.routing.holder_maps import compiled_core
 from engine.routing.types import Decision, WorkerId, WorkerLoad
 
 
@@ -585,19 +584,10 @@ def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]
 
 
 def make_load_book(knobs: Knobs, core: str | None = None) -> LoadBook:
-    """The load book: ``core`` "compiled", "python" or "auto" (the compiled book when built);
-    None reads ``KVFLEET_ROUTING_CORE`` (default "auto"), the variable that picks the holder maps."""
-    choice = core if core is not None else os.environ.get(CORE_ENV, "auto")
-    if choice not in ("auto", "compiled", "python"):
-        source = "core" if core is not None else CORE_ENV
-        raise ValueError(f"{source}: must be 'auto', 'compiled' or 'python' (got {choice!r})")
-    if choice != "python":
-        try:
-            from engine.routing._load import LoadBook as CompiledLoadBook
-        except ImportError:
-            if choice == "compiled":
-                raise
-        else:
-            book: LoadBook = CompiledLoadBook(*knobs)
-            return book
-    return PyLoadBook(knobs)
+    """The load book, compiled or not as ``holder_maps.compiled_core`` says (``KVFLEET_ROUTING_CORE``
+    by default, the variable that picks the holder maps)."""
+    compiled = compiled_core("_load", "LoadBook", core)
+    if compiled is None:
+        return PyLoadBook(knobs)
+    book: LoadBook = compiled(*knobs)
+    return book
