@@ -1569,28 +1569,16 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
             if (stop > nhashes / gf)
                 stop = nhashes / gf;
             uint32_t prev = NONE_ID;
-            if (gf == factor && stop <= nwalked) {
-                /* the same view as the first group's: its entries are the ones step 1 met */
-                for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                    uint32_t v = walked[i] == NONE_ID ? NONE_ID : ent(&self->table, walked[i])->words[g];
-                    if (v == NONE_ID) {
-                        nvalid = 0;
-                        break;
-                    }
-                    if (v == prev)
-                        continue;
-                    prev = v;
-                    nvalid = intersect(self, valid, nvalid, v, kept);
-                    memcpy(valid, kept, nvalid * sizeof(uint32_t));
-                }
-                continue;
-            }
+            int same_view = gf == factor && stop <= nwalked; /* the first group's: step 1 met its entries */
             PyObject *const *gkeys = items + (gf - 1);
-            Ahead gahead;
-            ahead_start(&gahead, &self->table, gkeys, gf, start, stop);
+            Ahead gahead = {0};
+            if (!same_view)
+                ahead_start(&gahead, &self->table, gkeys, gf, start, stop);
             for (Py_ssize_t i = start; i < stop && nvalid > 0; i++) {
-                uint32_t v = lookup_hashed(self, g, gkeys[i * gf], ahead_step(&gahead, i), &err);
-                if (err)
+                uint32_t v;
+                if (same_view)
+                    v = walked[i] == NONE_ID ? NONE_ID : ent(&self->table, walked[i])->words[g];
+                else if ((v = lookup_hashed(self, g, gkeys[i * gf], ahead_step(&gahead, i), &err)), err)
                     goto fail_stops;
                 if (v == NONE_ID) {
                     nvalid = 0;
