@@ -36,13 +36,13 @@ fed every event and load report, each request routed by the copy its first block
 prefix's decisions stay on one copy; a copy does not see the others' assignments and in-flight
 prefixes except through the workers' later reports). Speedup: one router's busy CPU time over the
 routing phase (decisions plus events absorbed) over the busiest copy's; hit ratio: the copies'
-hit rate over one router's, the one router rerun next to them. Each copy's busy time is measured
-as a replica runs, alone in its own process: what it was fed is recorded and replayed into a
-fresh copy (``--replays`` times, the least time counts; the one router the same way), each
-replay on its own hash objects (a replica deserialises its own). Interleaved on one thread, the
-copies would evict each other's index from the CPU cache, and copies after the first would find
-the hashes of shared ``bytes`` already computed. A replayed decision that differs from the live
-one is counted (``replay mismatches``; 0 in every run).
+hit rate over one router's (the one router: the recording run of that W, or one made for it).
+Each copy's busy time is measured as a replica runs, alone in its own process: what it was fed
+is recorded and replayed into a fresh copy (``--replays`` times, the least time counts; the one
+router the same way), each replay on its own hash objects (a replica deserialises its own).
+Interleaved on one thread, the copies would evict each other's index from the CPU cache, and
+copies after the first would find the hashes of shared ``bytes`` already computed. A replayed
+decision that differs from the live one is counted (``replay mismatches``; 0 in every run).
 
 Why 4 replicas give about 1.2-1.9x, not 3.5x (W = 256, 4,000 decisions): every replica keeps
 the full index, so every replica absorbs every event (E), which does not shrink with N; only the
@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     summaries: dict[str, dict[int, dict[str, float]]] = {r: {} for r in args.routers}
+    recorded: dict[int, Result] = {}  # per W: kvfleet's recording run, replayed alone
     for workers in args.workers:
         for router in args.routers:
             runs = []
@@ -436,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             if router == "kvfleet":  # alone: a second run that records what it feeds the router
                 # (not the first: what it keeps for the replays would stay alive through the
                 # routing phase, and the router's allocations would pay for collecting it)
-                alone = run(args, workers, router, 1, args.replays).summary()
-                summary.update({k: v for k, v in alone.items() if k.startswith("alone_")})
+                recorded[workers] = run(args, workers, router, 1, args.replays)
+                summary.update({k: v for k, v in recorded[workers].summary().items() if k.startswith("alone_")})
                 gc.collect()
             summaries[router][workers] = summary
     for router in args.routers:
@@ -463,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas:
         speedup: dict[str, float] = {}
         ratio: dict[str, float] = {}
+        one = recorded.get(args.replica_workers) or run(args, args.replica_workers, "kvfleet", 1, args.replays)
         for n in args.replicas:
-            one = run(args, args.replica_workers, "kvfleet", 1, args.replays)
             many = run(args, args.replica_workers, "kvfleet", n, args.replays)
             # Replicas run in parallel: the fleet routes as fast as its busiest replica, and each
             # replica also absorbs every event.

@@ -213,7 +213,7 @@ static int expire_core(Tracker *t, double now) {
     return rc;
 }
 
-/* Unkey every keyed announcement of ``worker`` whose key ``wanted`` accepts (NULL: all). */
+/* Unkey the keyed announcements of ``worker``: all of them, or those whose key is one of ``items[0..n)``. */
 static int end_where(Tracker *t, PyObject *worker, PyObject *const *items, Py_ssize_t n, int all) {
     Py_ssize_t r = rec_of(t, worker);
     if (r == -2)

@@ -455,11 +455,7 @@ class PyHolderMaps:
 
 def compiled_available() -> bool:
     """Whether the compiled maps (``engine.routing._core``) were built and import."""
-    try:
-        from engine.routing import _core  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return compiled_core("_core", "HolderMaps", "auto") is not None
 
 
 def compiled_core(module: str, name: str, core: str | None) -> type | None:
