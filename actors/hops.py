@@ -85,7 +85,7 @@ def pd_breakdown(
     retry_s: float = 0.0,
 ) -> dict[str, float]:
     """The hops of a P/D request from the driver's intervals (``prefill_call_s``: prefill sent ->
-    its result; ``after_prefill_s``: result -> first token) and the workers' durations."""  # fmt: skip
+    its result; ``after_prefill_s``: result -> first token) and the workers' durations."""
     call_legs = max(0.0, prefill_call_s - prefill["since_arrival"])  # driver <-> prefill worker, both ways
     relay_legs = max(0.0, after_prefill_s - decode["since_handle"])  # handle to D, first token back
     hops = {

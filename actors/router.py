@@ -113,8 +113,11 @@ class Router:
         if leads and not self.leading and self.journal is not None:
             self._to_restore = self.journal.load()
             if self._to_restore:
-                log.warning("router replica %d leads the pins: %d to restore once workers register", self.replica,
-                            len(self._to_restore))  # fmt: skip
+                log.warning(
+                    "router replica %d leads the pins: %d to restore once workers register",
+                    self.replica,
+                    len(self._to_restore),
+                )
         elif self.leading and not leads:
             log.error("router replica %d lost the pin lease; another replica decides the pins", self.replica)
             self._to_restore = []
@@ -206,9 +209,15 @@ class Router:
         self.reasons[decision.reason] += 1
         self.outcomes.record(decision)
         log.debug(
-            "route %s: %s -> %s/%s, hit %d of %d (best %d)", request_id, decision.reason, decision.prefill_worker,
-            decision.decode_worker, decision.predicted_hit, num_tokens, decision.best_hit,
-        )  # fmt: skip
+            "route %s: %s -> %s/%s, hit %d of %d (best %d)",
+            request_id,
+            decision.reason,
+            decision.prefill_worker,
+            decision.decode_worker,
+            decision.predicted_hit,
+            num_tokens,
+            decision.best_hit,
+        )
         if decision.predicted_hit > 0:  # keep the predicted hit there until the request arrives
             handle = self.handles.get(str(decision.prefill_worker))
             if handle is not None:

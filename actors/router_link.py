@@ -175,8 +175,9 @@ class RouterLink:
             try:
                 ref: ray.ObjectRef[KVHandle | None] = source.export_prefix.remote(copy_id, list(action.token_ids))
             except Exception as exc:  # noqa: BLE001 - the holder's handle is unusable: compute here
-                log.warning("%s: cannot ask %s for pin %d (%s); computing it", self.worker_id, action.source,
-                            action.pin_id, exc)  # fmt: skip
+                log.warning(
+                    "%s: cannot ask %s for pin %d (%s); computing it", self.worker_id, action.source, action.pin_id, exc
+                )
             else:
                 ref.future().add_done_callback(
                     lambda exported: self._run_on_engine_thread(self._pin_copy, action, copy_id, exported)
@@ -189,8 +190,9 @@ class RouterLink:
         try:
             handle = exported.result()
         except Exception as exc:  # noqa: BLE001 - the holder died or failed: compute here
-            log.warning("%s: %s could not export pin %d (%s); computing it", self.worker_id, action.source,
-                        action.pin_id, exc)  # fmt: skip
+            log.warning(
+                "%s: %s could not export pin %d (%s); computing it", self.worker_id, action.source, action.pin_id, exc
+            )
             handle = None
         if handle is None:
             self._pin_compute(action)
@@ -200,8 +202,9 @@ class RouterLink:
         try:
             self.engine.add_request(copy_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True), kv_handle=handle)
         except ValueError as exc:  # e.g. a handle that does not fit this engine: compute here
-            log.warning("%s: cannot load pin %d from %s (%s); computing it", self.worker_id, action.pin_id,
-                        action.source, exc)  # fmt: skip
+            log.warning(
+                "%s: cannot load pin %d from %s (%s); computing it", self.worker_id, action.pin_id, action.source, exc
+            )
             self._pin_compute(action)
             return
         self._track(copy_id, TrackedRequest(None, None, len(tokens), pin=action))
@@ -238,8 +241,15 @@ class RouterLink:
         for waiter in job.waiters:
             if not waiter.done():
                 waiter.set_result(record)
-        log.info("%s: pinned %d/%d tokens of pin %d (%s, %.3f s)", self.worker_id, pinned, action.num_tokens,
-                 action.pin_id, job.method, record["seconds"])  # fmt: skip
+        log.info(
+            "%s: pinned %d/%d tokens of pin %d (%s, %.3f s)",
+            self.worker_id,
+            pinned,
+            action.num_tokens,
+            action.pin_id,
+            job.method,
+            record["seconds"],
+        )
 
     def unpin(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> None:
         """Release the pin on this prefix in ``tier`` (the router's word) and report at once."""

@@ -209,8 +209,19 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         tracked = TrackedRequest(loop, chunks, len(prompt_token_ids))
-        await self._call(self._add, request_id, prompt_token_ids, sampling, tracked, kv_handle, False,
-                         expect_handle, peer, cache_salt, output_token_ids)  # fmt: skip
+        await self._call(
+            self._add,
+            request_id,
+            prompt_token_ids,
+            sampling,
+            tracked,
+            kv_handle,
+            False,
+            expect_handle,
+            peer,
+            cache_salt,
+            output_token_ids,
+        )
         finished = False
         try:
             while not finished:
@@ -231,8 +242,18 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         tracked = TrackedRequest(loop, done, len(prompt_token_ids))
-        await self._call(self._add, request_id, prompt_token_ids, SamplingParams(max_tokens=1), tracked, None, True,
-                         False, None, cache_salt)  # fmt: skip
+        await self._call(
+            self._add,
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=1),
+            tracked,
+            None,
+            True,
+            False,
+            None,
+            cache_salt,
+        )
         try:
             return await done
         except asyncio.CancelledError:
@@ -394,16 +415,24 @@ class EngineWorker:
             return
         engine = self.engine
         if expect_handle:
-            tracked.request = engine.expect_remote_prefill(request_id, prompt_token_ids, sampling, peer,
-                                                           cache_salt=cache_salt)  # fmt: skip
+            tracked.request = engine.expect_remote_prefill(
+                request_id, prompt_token_ids, sampling, peer, cache_salt=cache_salt
+            )
             if engine.is_reserved(request_id):
                 tracked.reserved_at = time.monotonic()
         elif output_token_ids:  # a migrated request goes on after the tokens it generated elsewhere
-            tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
-                                                 output_token_ids=output_token_ids)  # fmt: skip
+            tracked.request = engine.add_request(
+                request_id, prompt_token_ids, sampling, cache_salt=cache_salt, output_token_ids=output_token_ids
+            )
         else:
-            tracked.request = engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                                                 kv_handle=kv_handle, cache_salt=cache_salt)  # fmt: skip
+            tracked.request = engine.add_request(
+                request_id,
+                prompt_token_ids,
+                sampling,
+                prefill_only=prefill_only,
+                kv_handle=kv_handle,
+                cache_salt=cache_salt,
+            )
         self._tracked[request_id] = tracked
         self._leases[request_id] = time.monotonic()
         early = self._early_handles.pop(request_id, None)
@@ -433,8 +462,12 @@ class EngineWorker:
         lease_s = self.config.workers.request_lease_s
         for request_id, renewed in list(self._leases.items()):
             if now - renewed > lease_s:
-                log.warning("%s: %s not renewed for %.0f s (its driver or client is gone); aborting it",
-                            self.worker_id, request_id, now - renewed)  # fmt: skip
+                log.warning(
+                    "%s: %s not renewed for %.0f s (its driver or client is gone); aborting it",
+                    self.worker_id,
+                    request_id,
+                    now - renewed,
+                )
                 self._leases.pop(request_id, None)
                 self._abort(request_id)
 
@@ -474,14 +507,25 @@ class EngineWorker:
                     hops = token_hops(tracked, now)
                 tracked.output_tokens += len(out.new_token_ids)
             if out.finish_reason == REMOTE_DECODE:
-                result = PrefillResult(out.kv_handle, tracked.cached_tokens, REMOTE_DECODE,
-                                       hops=prefill_hops(tracked, now), router_ack=ack)  # fmt: skip
+                result = PrefillResult(
+                    out.kv_handle, tracked.cached_tokens, REMOTE_DECODE, hops=prefill_hops(tracked, now), router_ack=ack
+                )
                 self._answer(out.request_id, result)
             elif out.finished:
                 self._finished(out, tracked, now, hops, ack)
             elif tracked.sink is not None:
-                self._put(tracked, TokenChunk(list(out.new_token_ids), False, None, tracked.cached_tokens, hops=hops,
-                                              logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))  # fmt: skip
+                self._put(
+                    tracked,
+                    TokenChunk(
+                        list(out.new_token_ids),
+                        False,
+                        None,
+                        tracked.cached_tokens,
+                        hops=hops,
+                        logprobs=out.logprobs,
+                        prompt_logprobs=out.prompt_logprobs,
+                    ),
+                )
 
     def _finished(
         self,
@@ -502,9 +546,17 @@ class EngineWorker:
             del self._tracked[out.request_id]
             self.router_link.finish_pin(tracked.pin)
             return
-        chunk = TokenChunk(list(out.new_token_ids), True, out.finish_reason, tracked.cached_tokens, error=out.error,
-                           hops=hops, router_ack=ack, logprobs=out.logprobs,
-                           prompt_logprobs=out.prompt_logprobs)  # fmt: skip
+        chunk = TokenChunk(
+            list(out.new_token_ids),
+            True,
+            out.finish_reason,
+            tracked.cached_tokens,
+            error=out.error,
+            hops=hops,
+            router_ack=ack,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+        )
         self._answer(out.request_id, chunk)
 
     def _answer(self, request_id: str, result: TokenChunk | PrefillResult) -> None:
@@ -515,13 +567,15 @@ class EngineWorker:
             return
         if isinstance(tracked.sink, asyncio.Queue):
             if isinstance(result, PrefillResult):
-                result = TokenChunk([], True, result.finish_reason, error=result.error,
-                                    worker_failed=result.worker_failed)  # fmt: skip
+                result = TokenChunk(
+                    [], True, result.finish_reason, error=result.error, worker_failed=result.worker_failed
+                )
             self._put(tracked, result)
             return
         if isinstance(result, TokenChunk):  # a prefill that ended without a handle
-            result = PrefillResult(None, tracked.cached_tokens, result.finish_reason or "abort", result.error,
-                                   result.worker_failed)  # fmt: skip
+            result = PrefillResult(
+                None, tracked.cached_tokens, result.finish_reason or "abort", result.error, result.worker_failed
+            )
         future = tracked.sink
         assert tracked.loop is not None
         tracked.loop.call_soon_threadsafe(_resolve, future, result)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Chaos at scale: shared-prefix requests at a steady rate on a 2P+2D cluster while decode workers,
 prefill workers and the router are killed in turn at seeded random moments
 (``kvfleet_testing/chaos.py``; ``tests/integration/test_chaos.py`` is its bounded CI version).
@@ -45,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet_testing.chaos import run_chaos
 
     result = run_chaos(
-        requests=args.requests, rate=args.rate, kills=args.kills, seed=args.seed, preset=args.preset,
+        requests=args.requests,
+        rate=args.rate,
+        kills=args.kills,
+        seed=args.seed,
+        preset=args.preset,
         backend=args.backend,
-    )  # fmt: skip
+    )
     report = {key: value for key, value in result.as_dict().items() if key != "errors"}
     report.update(preset=args.preset, backend=args.backend, rate=args.rate, first_errors=result.errors[:5])
     print(json.dumps(report), flush=True)

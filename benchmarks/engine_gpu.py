@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """kvfleet's EngineCore on one GPU against Hugging Face ``generate``, and its decode step against
 the memory-bandwidth bound, same device, same dtype (bfloat16 on CUDA), one run.
 
@@ -107,7 +106,6 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger("engine_gpu")
 
 
-
 # -- kvfleet ----------------------------------------------------------------------------------------------
 def make_engine(run: Run, directory: Path, graphs: bool = True) -> EngineCore:
     """The benchmark's engine; ``graphs``: ``model.cuda_graphs`` (static, padded decode steps,
@@ -165,8 +163,10 @@ def warmup_kvfleet(run: Run, engine: EngineCore, vocab: int) -> None:
     """Short requests of other tokens than the measured ones (no prefix hits carry over)."""
     sizes = run.sizes
     rng = random.Random(run.args.seed + 1)
-    prompts = [([rng.randrange(3, vocab) for _ in range(sizes.warmup_prompt_len)], sizes.warmup_tokens)
-               for _ in range(sizes.warmup_requests)]  # fmt: skip
+    prompts = [
+        ([rng.randrange(3, vocab) for _ in range(sizes.warmup_prompt_len)], sizes.warmup_tokens)
+        for _ in range(sizes.warmup_requests)
+    ]
     run_kvfleet(run, engine, prompts, "warmup")
 
 
@@ -177,14 +177,22 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
         run.result["weight_bytes"][name] = weight_bytes(engine.runner.model)
         decode = engine.runner.decode
         if decode is not None and decode.captured:
-            run.result["graph_capture"][name] = {"seconds": round(decode.capture_seconds, 3),
-                                                 "mib": round(decode.capture_bytes / 2**20, 1),
-                                                 "buckets": len(decode.buckets)}  # fmt: skip
+            run.result["graph_capture"][name] = {
+                "seconds": round(decode.capture_seconds, 3),
+                "mib": round(decode.capture_bytes / 2**20, 1),
+                "buckets": len(decode.buckets),
+            }
         warmup_kvfleet(run, engine, vocab)
         timed = run_kvfleet(run, engine, requests, "r")
         run.result["preemptions"][name] = engine.scheduler.num_preemptions
-        log.info("%s kvfleet: %d tokens in %.2f s (%d steps, %.1f tok/s)", name, timed["tokens"], timed["wall_s"],
-                 timed["steps"], timed["tokens"] / timed["wall_s"])  # fmt: skip
+        log.info(
+            "%s kvfleet: %d tokens in %.2f s (%d steps, %.1f tok/s)",
+            name,
+            timed["tokens"],
+            timed["wall_s"],
+            timed["steps"],
+            timed["tokens"] / timed["wall_s"],
+        )
         if name == DECODE_MODEL and run.args.decode:
             for batch in run.sizes.decode_batches:
                 run.attempt(f"decode batch {batch}", lambda b=batch, e=engine: record_decode(run, e, name, b, vocab))
@@ -274,8 +282,13 @@ def bench_model(run: Run, name: str, directory: Path) -> None:
         result["ttft_s"][name]["hf"]["batch_prefill_mean"] = round(statistics.fmean(hf["batch_prefill_s"]), 4)
     if len(rates) == 2:
         result["throughput_ratio_vs_hf"][name] = round(rates["kvfleet"] / rates["hf"], 3)
-        log.info("%s: kvfleet %.1f tok/s, hf %.1f tok/s, ratio %.3f", name, rates["kvfleet"], rates["hf"],
-                 result["throughput_ratio_vs_hf"][name])  # fmt: skip
+        log.info(
+            "%s: kvfleet %.1f tok/s, hf %.1f tok/s, ratio %.3f",
+            name,
+            rates["kvfleet"],
+            rates["hf"],
+            result["throughput_ratio_vs_hf"][name],
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -291,8 +304,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int)
     ap.add_argument("--kv-budget-mib", type=int)
     ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode-step measurement")
-    ap.add_argument("--no-eager-decode", dest="eager_decode", action="store_false",
-                    help="CUDA: skip the decode steps with model.cuda_graphs=false")
+    ap.add_argument(
+        "--no-eager-decode",
+        dest="eager_decode",
+        action="store_false",
+        help="CUDA: skip the decode steps with model.cuda_graphs=false",
+    )
     ap.add_argument("--max-seconds", type=float, default=180.0, help="skip phases that would run past this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -328,14 +345,31 @@ def main() -> None:
         "decode_step_over_bound": {},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
-        "tokens_per_s": {}, "wall_s": {}, "output_tokens": {}, "ttft_s": {}, "preemptions": {},
-        "decode_step_ms": {}, "decode_bound_ms": {}, "decode_kv_bytes_per_step": {}, "weight_bytes": {},
-        "host_step_ms": {}, "host_phases_ms": {}, "kernels_per_step": {}, "kernel_ms_per_step": {},
-        "output_tokens_per_s": {}, "graph_capture": {}, "decode_step_ms_eager": {}, "host_phases_ms_eager": {},
+        "tokens_per_s": {},
+        "wall_s": {},
+        "output_tokens": {},
+        "ttft_s": {},
+        "preemptions": {},
+        "decode_step_ms": {},
+        "decode_bound_ms": {},
+        "decode_kv_bytes_per_step": {},
+        "weight_bytes": {},
+        "host_step_ms": {},
+        "host_phases_ms": {},
+        "kernels_per_step": {},
+        "kernel_ms_per_step": {},
+        "output_tokens_per_s": {},
+        "graph_capture": {},
+        "decode_step_ms_eager": {},
+        "host_phases_ms_eager": {},
         "kernels_per_step_eager": {},
-        "num_requests": sizes.num_requests, "hf_batch": sizes.hf_batch, "quick": args.quick,
-        "torch": torch.__version__, "transformers": transformers.__version__, "errors": {},
-    }  # fmt: skip
+        "num_requests": sizes.num_requests,
+        "hf_batch": sizes.hf_batch,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "errors": {},
+    }
     run = Run(args, sizes, device, start + args.max_seconds, result)
     bandwidth = run.attempt("copy bandwidth", lambda: copy_bandwidth(run))
     if bandwidth:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """kvfleet's EngineCore against Hugging Face ``generate`` on the same checkpoint, same run.
 
 (1) Serving throughput on a realistic mix: ``--num-requests`` (64) requests, prompt lengths
@@ -47,18 +46,18 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_vs_hf")
 
-LLAMA_30M = dict(
-    vocab_size=32000,
-    hidden_size=384,
-    intermediate_size=1024,
-    num_attention_heads=6,
-    num_key_value_heads=6,
-    num_hidden_layers=6,
-    max_position_embeddings=4096,
-    initializer_range=0.05,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+LLAMA_30M = {
+    "vocab_size": 32000,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "num_hidden_layers": 6,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def build_llama(directory: Path) -> Path:
@@ -116,7 +115,9 @@ def run_hf(directory: Path, requests: list[tuple[list[int], int]], threads: int,
         group = requests[lo : lo + batch]
         generate_batch(model, group, pad)
         useful += sum(m for _, m in group)
-        log.info("hf: batch %d/%d done, %.1f s", lo // batch + 1, -(-len(requests) // batch), time.perf_counter() - start)
+        log.info(
+            "hf: batch %d/%d done, %.1f s", lo // batch + 1, -(-len(requests) // batch), time.perf_counter() - start
+        )
     return time.perf_counter() - start, useful
 
 
@@ -124,9 +125,13 @@ def ttft(directory: Path, threads: int, prefix_len: int = 2048) -> tuple[float, 
     """Seconds to the first token of a request with a cached ``prefix_len``-token prefix, vs cold."""
     config = load_config(
         "local",
-        [f"model.source={directory}", "kv_cache.memory_budget_mib=1024", "scheduler.prefill_chunk_size=512",
-         "scheduler.max_num_batched_tokens=512"],
-    )  # fmt: skip
+        [
+            f"model.source={directory}",
+            "kv_cache.memory_budget_mib=1024",
+            "scheduler.prefill_chunk_size=512",
+            "scheduler.max_num_batched_tokens=512",
+        ],
+    )
     engine = EngineCore(config, threads=threads)
     rng = random.Random(7)
     prefix = [rng.randrange(3, 32000) for _ in range(prefix_len)]
@@ -138,8 +143,8 @@ def ttft(directory: Path, threads: int, prefix_len: int = 2048) -> tuple[float, 
             engine.step()
         return time.perf_counter() - start
 
-    cold = first_token(prefix + [5, 6, 7, 8], "cold")
-    warm = first_token(prefix + [9, 10, 11, 12], "warm")
+    cold = first_token([*prefix, 5, 6, 7, 8], "cold")
+    warm = first_token([*prefix, 9, 10, 11, 12], "warm")
     return warm, cold
 
 

@@ -97,7 +97,6 @@ log = logging.getLogger("hybrid_capacity")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 # -- the other two numbers ----------------------------------------------------------------------------
 def mamba_decode(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.mamba_decode_json:  # e.g. a GPU run: where production workers decode
@@ -128,24 +127,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=32, help="running requests whose states are reserved")
     ap.add_argument("--hit-budget-gib", type=float, default=8.0, help="KV memory of the hit-rate runs")
     ap.add_argument("--hit-max-num-seqs", type=int, default=4)
-    ap.add_argument("--hit-state-fraction", type=float, default=0.5,
-                    help="kvfleet's kv_cache.state_cache_fraction in the hit-rate runs (expected_prefix_tokens is "
-                         "the swept shared length); the config defaults are reported as kvfleet_defaults")
+    ap.add_argument(
+        "--hit-state-fraction",
+        type=float,
+        default=0.5,
+        help="kvfleet's kv_cache.state_cache_fraction in the hit-rate runs (expected_prefix_tokens is "
+        "the swept shared length); the config defaults are reported as kvfleet_defaults",
+    )
     ap.add_argument("--splits", type=int, default=8, help="shared lengths in the sweep")
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--reuse", type=int, default=4, help="requests per prefix")
     ap.add_argument("--unique-tokens", type=int, default=200)
-    ap.add_argument("--chunk-tokens", type=int, default=512,
-                    help="prefill chunk (scheduler.prefill_chunk_size) of both layouts, rounded down to a multiple "
-                         "of vLLM's block (at least one block)")
-    ap.add_argument("--kvfleet-chunk-tokens", type=int, default=None,
-                    help="kvfleet's own prefill chunk instead (rounded down to 16): e.g. 512, its default")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=512,
+        help="prefill chunk (scheduler.prefill_chunk_size) of both layouts, rounded down to a multiple "
+        "of vLLM's block (at least one block)",
+    )
+    ap.add_argument(
+        "--kvfleet-chunk-tokens",
+        type=int,
+        default=None,
+        help="kvfleet's own prefill chunk instead (rounded down to 16): e.g. 512, its default",
+    )
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-decode", action="store_true", help="mamba_decode_speedup: null")
-    ap.add_argument("--mamba-decode-json",
-                    help="a file whose last line is benchmarks/mamba_decode.py's JSON (e.g. its --device cuda run "
-                         "on a GPU machine) instead of measuring it here on the CPU")
+    ap.add_argument(
+        "--mamba-decode-json",
+        help="a file whose last line is benchmarks/mamba_decode.py's JSON (e.g. its --device cuda run "
+        "on a GPU machine) instead of measuring it here on the CPU",
+    )
     ap.add_argument("--coordinator-json", help="a file whose last line is kv_cache_vs_vllm.py's JSON")
     ap.add_argument("--run-coordinator", action="store_true", help="run kv_cache_vs_vllm.py for the speedups")
     ap.add_argument("--coordinator-args", default="--runs 1 --num-requests 1000")
@@ -161,9 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.budget_gib * GIB)
     caps = {name: capacity(arch, vllm[name], budget, args.max_num_seqs) for name, arch in archs.items()}
     for name, cap in caps.items():
-        log.info("%s: tokens/GiB ideal %.0f, kvfleet %.0f, padded %.0f, vLLM unified %.0f (block %d)", name,
-                 *(cap["tokens_per_gib"][k] for k in ("ideal", "kvfleet", "padded", "vllm_unified")),
-                 cap["vllm_block_size"]["kvfleet_state"])  # fmt: skip
+        log.info(
+            "%s: tokens/GiB ideal %.0f, kvfleet %.0f, padded %.0f, vLLM unified %.0f (block %d)",
+            name,
+            *(cap["tokens_per_gib"][k] for k in ("ideal", "kvfleet", "padded", "vllm_unified")),
+            cap["vllm_block_size"]["kvfleet_state"],
+        )
     hits = hit_sweep(archs[names[0]], caps[names[0]], vllm[names[0]], args)
     decode = mamba_decode(args)
     coordinator = coordinator_speedup(args)
@@ -174,9 +190,16 @@ def main(argv: list[str] | None = None) -> None:
         "hit_rate_vs_vllm_unified": hits["boundary"]["ratio"],
         "mamba_decode_speedup": decode.get("mamba_decode_speedup") if decode else None,
         "coordinator_min_speedup": coordinator,
-        "details": {"budget_gib": args.budget_gib, "max_num_seqs": args.max_num_seqs, "dtype": DTYPE,
-                    "block_size": BLOCK, "capacity": caps, "hit_rate": hits, "mamba_decode": decode},
-    }  # fmt: skip
+        "details": {
+            "budget_gib": args.budget_gib,
+            "max_num_seqs": args.max_num_seqs,
+            "dtype": DTYPE,
+            "block_size": BLOCK,
+            "capacity": caps,
+            "hit_rate": hits,
+            "mamba_decode": decode,
+        },
+    }
     print(json.dumps(report), flush=True)
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Long-running random-operation fuzzer for the hybrid KV-cache coordinator.
 
 What it does
@@ -51,9 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="master seed (segment seeds are drawn from it)")
     ap.add_argument("--segment-ops", type=int, default=2000, help="operations per configuration (default 2000)")
     ap.add_argument(
-        "--segment-seed", type=int, default=None,
+        "--segment-seed",
+        type=int,
+        default=None,
         help="replay the single segment with this seed (as printed by a violation), for --ops operations",
-    )  # fmt: skip
+    )
     ap.add_argument("--multi-pool", action="store_true", help="only mixes with several block pools")
     ap.add_argument("--trace", type=int, default=40, help="recent operations printed with a violation")
     args = ap.parse_args(argv)
@@ -87,16 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sim = Sim(cfg, trace_len=max(args.trace, 1))
             driver = RandomDriver(sim, rng)
-            for seg_index in range(seg_ops):
+            for seg_index in range(seg_ops):  # noqa: B007 - read by the failure report below
                 kind = driver.pick()
                 driver.step(kind)
                 counts[kind] += 1
                 done += 1
                 if done * 10 >= next_report * args.ops:
                     LOG.info(
-                        "%3d%%  %d ops, %d segments, %.1f s", 100 * done // args.ops, done, segments,
+                        "%3d%%  %d ops, %d segments, %.1f s",
+                        100 * done // args.ops,
+                        done,
+                        segments,
                         time.perf_counter() - start,
-                    )  # fmt: skip
+                    )
                     next_report = done * 10 // args.ops + 1
             kind = "drain"
             seg_index = seg_ops

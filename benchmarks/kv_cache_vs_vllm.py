@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """kvfleet's hybrid KV-cache coordinator against vLLM's own KVCacheManager, same trace, same run.
 
 What it measures
@@ -97,9 +96,12 @@ from engine.kv_cache import RetentionOptions
 LOG = logging.getLogger("kv_cache_vs_vllm")
 
 
-
 def compare_config(
-    kind: str, concurrency: int, args: argparse.Namespace, prefixes: list[list[int]], trace: Trace,
+    kind: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    prefixes: list[list[int]],
+    trace: Trace,
     anchor: VllmAnchor | None,
 ) -> tuple[ConfigResult, ConfigResult, ConfigResult | None]:
     """kvfleet (retention off, then on) and vLLM runs of one configuration, interleaved run by run
@@ -154,8 +156,8 @@ def compare_hits(ours: list[int] | None, theirs: list[int] | None) -> dict[str, 
     if ours is None or theirs is None or len(theirs) != len(ours):
         return None
     return {
-        "lower": sum(1 for a, b in zip(ours, theirs) if a < b),
-        "higher": sum(1 for a, b in zip(ours, theirs) if a > b),
+        "lower": sum(1 for a, b in zip(ours, theirs, strict=False) if a < b),
+        "higher": sum(1 for a, b in zip(ours, theirs, strict=False) if a > b),
     }
 
 
@@ -240,21 +242,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,16", help="comma list of concurrency levels")
     ap.add_argument("--skip-vllm", action="store_true", help="kvfleet only (vLLM fields are null)")
     ap.add_argument(
-        "--clock", choices=sorted(CLOCKS), default="wall",
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
         help="per-call clock on both sides: wall (perf_counter_ns) or cpu (thread_time_ns)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--check-invariants", type=int, default=0, metavar="N",
+        "--check-invariants",
+        type=int,
+        default=0,
+        metavar="N",
         help="call coord.check_invariants() every N steps (untimed; 0: never)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--retention-budget", type=int, default=RETENTION.budget_blocks,
+        "--retention-budget",
+        type=int,
+        default=RETENTION.budget_blocks,
         help="budget_blocks of the pinned_hit_rate runs (default: the documented RETENTION, no cap)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--retention-min-drop-blocks", type=int, default=RETENTION.min_drop_blocks,
+        "--retention-min-drop-blocks",
+        type=int,
+        default=RETENTION.min_drop_blocks,
         help="min_drop_blocks of the pinned_hit_rate runs (default: the documented RETENTION)",
-    )  # fmt: skip
+    )
     args = ap.parse_args(argv)
     if args.runs < 1 or args.num_requests < 1:
         ap.error("--runs and --num-requests must be >= 1")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Decode tokens/s of a Bamba-shaped random model at N running requests, through EngineCore:
 the per-request Mamba2 loop ("before", ``engine.model.layers.mamba2_reference.forward_per_request`` in
 place of each mixer's forward) against the batched path ("after", ``Mamba2Mixer.forward``), same
@@ -53,14 +52,42 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("mamba_decode")
 
-BAMBA_9B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, attn_layer_indices=[9, 18, 27],
-                num_attention_heads=32, num_key_value_heads=8, mamba_n_heads=128, mamba_d_head=64,
-                mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, vocab_size=128256)  # fmt: skip
-BAMBA_SCALED = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, attn_layer_indices=[4],
-                    num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=32, mamba_d_head=64,
-                    mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
-                    vocab_size=32000, max_position_embeddings=4096, initializer_range=0.02,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+BAMBA_9B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "attn_layer_indices": [9, 18, 27],
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_n_heads": 128,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "vocab_size": 128256,
+}
+BAMBA_SCALED = {
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 8,
+    "attn_layer_indices": [4],
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "mamba_n_heads": 32,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def build_bamba(directory: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -95,8 +122,11 @@ class _MixerClock:
         self.mixers = [m for m in engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
         self.seconds = 0.0
         self._entered = 0.0
-        self._hooks = [h for m in self.mixers for h in (m.register_forward_pre_hook(self._enter),
-                                                         m.register_forward_hook(self._leave))]  # fmt: skip
+        self._hooks = [
+            h
+            for m in self.mixers
+            for h in (m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._leave))
+        ]
 
     def _enter(self, *_: Any) -> None:
         self._entered = time.perf_counter()
@@ -172,8 +202,17 @@ def measure_decode(
     """
     if model_directory is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return measure_decode(build_bamba(Path(tmp) / "bamba", seed), num_requests, prompt_len,
-                                  decode_steps, rounds, threads, seed, device, dtype)  # fmt: skip
+            return measure_decode(
+                build_bamba(Path(tmp) / "bamba", seed),
+                num_requests,
+                prompt_len,
+                decode_steps,
+                rounds,
+                threads,
+                seed,
+                device,
+                dtype,
+            )
     config = load_config(
         "tiny",
         [
@@ -205,9 +244,13 @@ def measure_decode(
                 getattr(steps[name], attribute).extend(getattr(timed, attribute))
             log.info(
                 "round %d %s: median step %.3f s wall, %.3f s CPU, %.3f s in %d Mamba mixers",
-                r, name, timed.per_step("wall_s"), timed.per_step("cpu_s"), timed.per_step("mixer_s"),
+                r,
+                name,
+                timed.per_step("wall_s"),
+                timed.per_step("cpu_s"),
+                timed.per_step("mixer_s"),
                 len(clock.mixers),
-            )  # fmt: skip
+            )
     clock.close()
     engine.close()
     before, after = steps["before"], steps["after"]
@@ -247,8 +290,17 @@ def main() -> None:
     directory = args.model_dir
     if directory is not None and not (directory / "config.json").is_file():
         build_bamba(directory, args.seed)
-    result = measure_decode(directory, args.num_requests, args.prompt_len, args.decode_steps, args.rounds, args.threads,
-                            args.seed, args.device, args.dtype)  # fmt: skip
+    result = measure_decode(
+        directory,
+        args.num_requests,
+        args.prompt_len,
+        args.decode_steps,
+        args.rounds,
+        args.threads,
+        args.seed,
+        args.device,
+        args.dtype,
+    )
     print(json.dumps(result))
 
 

@@ -67,7 +67,9 @@ def _shape(config: ClusterConfig, num_prefill: int, num_decode: int) -> ClusterC
     return config.model_copy(update={"workers": workers, "router": router})
 
 
-def _measure(pd_config: ClusterConfig, single_config: ClusterConfig, workload: OverheadWorkload) -> tuple[list[Any], list[Any]]:
+def _measure(
+    pd_config: ClusterConfig, single_config: ClusterConfig, workload: OverheadWorkload
+) -> tuple[list[Any], list[Any]]:
     """Both clusters up at once; the prompts one at a time, each on both in turn (which goes
     first alternates), so drifting machine load hits both alike."""
     from cluster.api import Cluster

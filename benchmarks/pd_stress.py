@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """P/D stress: every request's greedy tokens against a single engine that ran the prompt alone.
 
 Two levels (both by default):
@@ -102,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                         name = f"cluster/{preset}/{backend}/{num_prefill}P{num_decode}D"
                         log.info("%s: %d requests, %d busy processes", name, args.requests, args.busy)
                         result = run_cluster_stress(
-                            preset, backend, num_prefill, num_decode, requests=args.requests, wave=args.wave,
+                            preset,
+                            backend,
+                            num_prefill,
+                            num_decode,
+                            requests=args.requests,
+                            wave=args.wave,
                             seed=args.seed,
-                        )  # fmt: skip
+                        )
                         entry = result.as_dict()
                         entry.pop("config")
                         configs[name] = entry
@@ -112,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "requests": sum(c["requests"] for c in configs.values()),
         "wrong_tokens": sum(c["wrong_tokens"] for c in configs.values()),
-        "configs": {name: {"requests": c["requests"], "wrong_tokens": c["wrong_tokens"]}
-                    for name, c in configs.items()},
+        "configs": {
+            name: {"requests": c["requests"], "wrong_tokens": c["wrong_tokens"]} for name, c in configs.items()
+        },
         "seconds": round(time.monotonic() - start, 1),
     }
     print(json.dumps(report), flush=True)

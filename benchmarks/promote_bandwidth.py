@@ -82,8 +82,9 @@ def preset_layout(preset: str) -> tuple[str, KVLayout]:
     return config.model.source, build_kv_layout(arch, config.kv_cache.block_size, config.model.resolved_dtype)
 
 
-def step_copies(blocks: tuple[int, ...], mode: str, device_blocks: int, host_blocks: int,
-                rng: random.Random) -> list[TierCopy]:  # fmt: skip
+def step_copies(
+    blocks: tuple[int, ...], mode: str, device_blocks: int, host_blocks: int, rng: random.Random
+) -> list[TierCopy]:
     """One step's copies: per pool, ``blocks[p]`` offloads (device d -> a free host block) each
     followed by a promote (a cached host block -> the same d), in ``mode``'s queue shape."""
     copies: list[TierCopy] = []
@@ -106,8 +107,10 @@ def measure(layout: KVLayout, blocks: tuple[int, ...], mode: str, steps: int, se
     device_blocks = 4 * max(blocks) + 8
     host_blocks = 3 * device_blocks
     generator = torch.Generator().manual_seed(seed)
-    slots = [torch.randint(0, 256, (device_blocks, page), dtype=torch.uint8, generator=generator)
-             for page in layout.slot_page_bytes]  # fmt: skip
+    slots = [
+        torch.randint(0, 256, (device_blocks, page), dtype=torch.uint8, generator=generator)
+        for page in layout.slot_page_bytes
+    ]
     memory = HostKVMemory(layout, slots, [host_blocks] * layout.num_pools)
     for host in memory.host:
         host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8, generator=generator))

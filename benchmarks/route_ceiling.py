@@ -72,16 +72,14 @@ def grid(preset: str, workers: int) -> tuple[list[dict[str, Any]], dict[str, dic
     base = BASES.get(preset, BASES["tiny-hybrid"])
     rows = []
     for values in itertools.product(*GRID.values()):
-        point = dict(zip(GRID, values))
+        point = dict(zip(GRID, values, strict=False))
         workload = replace(base, **point)
         prepared = Replay(config, workload)
         hits = {p: prepared.run(p, workers)["hit_rate"] for p in PLACEMENTS}
         rows.append({**point, **hits})
         log.info("%s %s: %s", preset, point, hits)
     usable = [r for r in rows if r["prefix_tree"] > 0]
-    return rows, {
-        name: summarise([r[name] / r["prefix_tree"] for r in usable]) for name in ("exact_oracle", "kvfleet")
-    }
+    return rows, {name: summarise([r[name] / r["prefix_tree"] for r in usable]) for name in ("exact_oracle", "kvfleet")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -447,8 +447,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def per_w(router: str) -> dict[str, object]:
         rows = summaries[router]
-        keys = ("decisions_per_s", "runs_decisions_per_s", "p50_us", "p99_us", "wall_p99_us", "alone_decisions_per_s",
-                "alone_p50_us", "alone_p99_us", "events_per_s", "index_mb", "hit_rate", "accuracy")  # fmt: skip
+        keys = (
+            "decisions_per_s",
+            "runs_decisions_per_s",
+            "p50_us",
+            "p99_us",
+            "wall_p99_us",
+            "alone_decisions_per_s",
+            "alone_p50_us",
+            "alone_p99_us",
+            "events_per_s",
+            "index_mb",
+            "hit_rate",
+            "accuracy",
+        )
         out: dict[str, object] = {k: {str(w): s[k] for w, s in rows.items() if k in s} for k in keys}
         out = {k: v for k, v in out.items() if v}
         out["bytes_per_block_holder"] = max(s["bytes_per_block_holder"] for s in rows.values())
@@ -471,12 +483,14 @@ def main(argv: list[str] | None = None) -> int:
             # replica also absorbs every event.
             speedup[str(n)] = round(sum(one.busy_ns) / max(many.busy_ns), 3)
             ratio[str(n)] = round(many.summary()["hit_rate"] / max(1e-9, one.summary()["hit_rate"]), 4)
-            print(f"replicas={n} W={args.replica_workers}: busy ms one {sum(one.busy_ns) / 1e6:.0f} (events "
-                  f"{sum(one.absorb_ns) / 1e6:.0f}), per replica {[round(b / 1e6) for b in many.busy_ns]} (events "
-                  f"{[round(b / 1e6) for b in many.absorb_ns]}, decision share "
-                  f"{[round(r / len(many.decision_ns), 3) for r in many.routed]}, replay mismatches "
-                  f"{many.replay_mismatches}); hit rate "
-                  f"{one.summary()['hit_rate']} vs {many.summary()['hit_rate']}")  # fmt: skip
+            print(
+                f"replicas={n} W={args.replica_workers}: busy ms one {sum(one.busy_ns) / 1e6:.0f} (events "
+                f"{sum(one.absorb_ns) / 1e6:.0f}), per replica {[round(b / 1e6) for b in many.busy_ns]} (events "
+                f"{[round(b / 1e6) for b in many.absorb_ns]}, decision share "
+                f"{[round(r / len(many.decision_ns), 3) for r in many.routed]}, replay mismatches "
+                f"{many.replay_mismatches}); hit rate "
+                f"{one.summary()['hit_rate']} vs {many.summary()['hit_rate']}"
+            )
         report["replica_speedup"] = speedup
         report["replica_hit_ratio"] = ratio
     print(json.dumps(report))

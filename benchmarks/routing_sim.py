@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Discrete-event simulation of request placement over W hybrid-KV workers.
 
 What it models
@@ -43,9 +42,10 @@ What it models
     0.702; before the guards kept an idle holder's credit and new prefixes went to the
     least-worked of equally loaded workers: 0.892 vs 0.879 and 0.747 vs 0.701). Nearly all the
     hits the router alone cannot win back are prefixes evicted from every worker by one-off prompt
-    tails between two requests for them; pinning the recurring ones halves that loss. (The presets leave it off: they split prefill and decode, and automatic
-    pins go on prefill workers only, while a repeated prompt is mostly served from the decode
-    worker's cache; in the 2P+2D cluster benchmark it brought no gain.)
+    tails between two requests for them; pinning the recurring ones halves that loss. (The presets
+    leave it off: they split prefill and decode, and automatic pins go on prefill workers only,
+    while a repeated prompt is mostly served from the decode worker's cache; in the 2P+2D cluster
+    benchmark it brought no gain.)
 
     The router: every arrival is routed with the worker loads of that instant (queued work in
     prefill-token equivalents, admitted + waiting requests, used block fraction); KV events reach
@@ -120,7 +120,6 @@ LOG = logging.getLogger("routing_sim")
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_tree", "kvfleet")
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
@@ -134,28 +133,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of prefix popularity")
     ap.add_argument("--requests-w8", type=int, default=10000)
     ap.add_argument("--requests-w64", type=int, default=9600)
-    ap.add_argument("--load", type=float, default=0.5,
-                    help="arrival rate / the rate that saturates a static-oracle cluster")  # fmt: skip
-    ap.add_argument("--sweep", type=float, nargs="*", default=[0.35, 0.65],
-                    help="extra loads for a W=8 0.5x comparison of round robin, prefix tree and kvfleet")
+    ap.add_argument(
+        "--load", type=float, default=0.5, help="arrival rate / the rate that saturates a static-oracle cluster"
+    )
+    ap.add_argument(
+        "--sweep",
+        type=float,
+        nargs="*",
+        default=[0.35, 0.65],
+        help="extra loads for a W=8 0.5x comparison of round robin, prefix tree and kvfleet",
+    )
     ap.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second per worker")
     ap.add_argument("--decode-tps", type=float, default=4000.0, help="amortised decode tokens per second per worker")
     ap.add_argument("--event-lag-ms", type=float, default=0.0, help="KV event delivery delay to the router")
     ap.add_argument("--lag-check-ms", type=float, default=20.0, help="extra kvfleet run at W=8 0.5x with this lag")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="requests a worker admits (holding KV) at once")
-    ap.add_argument("--warmup", type=float, default=0.3,
-                    help="fraction of arrivals left out of the steady-state metrics (the same for every policy)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=0.3,
+        help="fraction of arrivals left out of the steady-state metrics (the same for every policy)",
+    )
     ap.add_argument("--pins", type=int, default=10, help="prefixes pinned in the pinned scenarios")
     ap.add_argument("--pin-replicas", type=int, default=2)
     ap.add_argument("--skip-w64-2x", action="store_true", help="leave out the W=64 2x scenario")
-    ap.add_argument("--decision-replays", type=int, default=3,
-                    help="W=64 kvfleet runs whose per-decision minimum CPU time gives decision_p99_us_w64")
+    ap.add_argument(
+        "--decision-replays",
+        type=int,
+        default=3,
+        help="W=64 kvfleet runs whose per-decision minimum CPU time gives decision_p99_us_w64",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.prefixes, args.requests_w8, args.requests_w64 = 40, 600, 640
         args.prefix_max, args.pins = 1024, 4
     return args
+
 
 # -- driver -----------------------------------------------------------------------------------------------------
 def table_row(result: Result) -> str:
@@ -189,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(trace: Trace, policy: str, **kwargs: object) -> Result:
         label = str(kwargs.pop("label", policy))
-        LOG.info("W=%d ws=%.1fx %s: %d requests at %.1f req/s", trace.workers, trace.ratio, label,
-                 len(trace.arrivals), trace.rate)  # fmt: skip
+        LOG.info(
+            "W=%d ws=%.1fx %s: %d requests at %.1f req/s",
+            trace.workers,
+            trace.ratio,
+            label,
+            len(trace.arrivals),
+            trace.rate,
+        )
         result = Simulation(args, trace, policy, label=label, **kwargs).run()  # type: ignore[arg-type]
         rows.append(table_row(result))
         LOG.info("  %s", rows[-1])
@@ -218,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     pins = run(trace, "kvfleet", pinned=pinned, label="kvfleet+pins")
     middle = trace.arrivals[len(trace.arrivals) // 2].time
     removal = run(trace, "kvfleet", pinned=pinned, remove_at=middle, label="kvfleet+pins-worker")
-    manual = {ratio: run(traces[(8, ratio)], "kvfleet", auto_pin=False, label="kvfleet no-auto-pin")
-              for ratio in (0.5, 2.0)}  # fmt: skip
+    manual = {
+        ratio: run(traces[(8, ratio)], "kvfleet", auto_pin=False, label="kvfleet no-auto-pin") for ratio in (0.5, 2.0)
+    }
     for ratio in (0.5, 2.0) if not args.skip_w64_2x else (0.5,):
         for policy in POLICY_NAMES:
             results[(policy, 64, ratio)] = run(traces[(64, ratio)], policy)
@@ -228,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         first = results[("kvfleet", 64, ratio)]
         replays = [Simulation(args, traces[(64, ratio)], "kvfleet").run() for _ in range(args.decision_replays - 1)]
         decision_min[ratio] = min_decision_p99(first, replays)
-        LOG.info("  W=64 ws=%.1fx kvfleet decision p99 over %d replays: %.1f us (single run %.1f us)",
-                 ratio, args.decision_replays, decision_min[ratio], first.decision_us()[1])  # fmt: skip
+        LOG.info(
+            "  W=64 ws=%.1fx kvfleet decision p99 over %d replays: %.1f us (single run %.1f us)",
+            ratio,
+            args.decision_replays,
+            decision_min[ratio],
+            first.decision_us()[1],
+        )
     for load in args.sweep:
         swept = argparse.Namespace(**{**vars(args), "load": load})
         trace = make_trace(swept, 8, 0.5, args.requests_w8, prefixes, prefix_hashes)
@@ -255,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{control.prefix_hit_rate(ranks, False, aligned):.3f}; with a worker removed: pinned "
         f"{removal.prefix_hit_rate(ranks, True, aligned):.3f}, recovery {removal.recovery_s}"
     )
-    print("lost prefix hits at W=8 0.5x, as shares of prompt tokens (static oracle "
-          f"{traces[(8, 0.5)].oracle_hit_rate:.3f} = hit + these + warm-up/alignment differences):")  # fmt: skip
+    print(
+        "lost prefix hits at W=8 0.5x, as shares of prompt tokens (static oracle "
+        f"{traces[(8, 0.5)].oracle_hit_rate:.3f} = hit + these + warm-up/alignment differences):"
+    )
     for policy in POLICY_NAMES:
         print(f"  {policy:<13} hit {main8[policy].hit_rate():.3f} lost {main8[policy].lost_hits(aligned)}")
     print(
@@ -267,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     for (policy, workers, ratio), result in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if policy == "kvfleet":
             oracle_rate = traces[(workers, ratio)].oracle_hit_rate
-            print(f"kvfleet W={workers} ws={ratio}: hit rate {result.hit_rate():.3f} = "
-                  f"{result.hit_rate() / oracle_rate:.3f} of the static oracle's {oracle_rate:.3f}")  # fmt: skip
+            print(
+                f"kvfleet W={workers} ws={ratio}: hit rate {result.hit_rate():.3f} = "
+                f"{result.hit_rate() / oracle_rate:.3f} of the static oracle's {oracle_rate:.3f}"
+            )
     report = {
         "hit_ratio_vs_round_robin": round(kv.hit_rate() / max(1e-9, main8["round_robin"].hit_rate()), 3),
         "hit_ratio_vs_approx_tree": round(kv.hit_rate() / max(1e-9, main8["prefix_tree"].hit_rate()), 3),

@@ -116,7 +116,6 @@ POLICIES = ("kvfleet", "prefix_tree", "round_robin")
 BENCH_WORKERS = ("workers.num_prefill=2", "workers.num_decode=2")
 
 
-
 def summary(runs: dict[str, dict[str, dict[str, Any]]], rate: float) -> dict[str, Any]:
     """kvfleet's p90 TTFT over each baseline's at ``rate`` (and at every rate, under ``by_rate``)."""
     key = f"{rate:g}"
@@ -124,8 +123,9 @@ def summary(runs: dict[str, dict[str, dict[str, Any]]], rate: float) -> dict[str
     out: dict[str, Any] = {}
     for base in ("round_robin", "prefix_tree"):
         theirs = runs.get(base, {})
-        out[f"p90_ttft_ratio_vs_{base}"] = ratio((ours.get(key) or {}).get("ttft_p90_s"),
-                                                 (theirs.get(key) or {}).get("ttft_p90_s"))  # fmt: skip
+        out[f"p90_ttft_ratio_vs_{base}"] = ratio(
+            (ours.get(key) or {}).get("ttft_p90_s"), (theirs.get(key) or {}).get("ttft_p90_s")
+        )
         out[f"p90_ttft_ratio_vs_{base}_by_rate"] = {
             r: ratio(ours[r]["ttft_p90_s"], theirs[r]["ttft_p90_s"]) for r in ours if r in theirs
         }
@@ -134,10 +134,18 @@ def summary(runs: dict[str, dict[str, dict[str, Any]]], rate: float) -> dict[str
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d = Workload()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default="local", help="preset name or YAML path (default: local)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every server and the driver cluster (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every server and the driver cluster (repeatable)",
+    )
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated router policies")
     p.add_argument("--rates", default="0.5,1.0", help="comma-separated request rates (requests/s), low to high")
     p.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
@@ -146,40 +154,61 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--in-flight", type=int, default=d.in_flight, help="requests in flight the pools leave room for")
-    p.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
-                   help="each worker's pool as a share of the prefix set (0: the config's own size)")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=d.cache_fraction,
+        help="each worker's pool as a share of the prefix set (0: the config's own size)",
+    )
     p.add_argument("--warmup", type=int, default=d.warmup, help="short unrelated requests before each run")
-    p.add_argument("--no-warm-prefixes", dest="warm_prefixes", action="store_false",
-                   help="do not send each prefix once before each run (first sights land in the measured run)")
+    p.add_argument(
+        "--no-warm-prefixes",
+        dest="warm_prefixes",
+        action="store_false",
+        help="do not send each prefix once before each run (first sights land in the measured run)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--overhead-requests", type=int, default=24,
-                   help="sequential requests for the HTTP-vs-driver TTFT (0: skip)")
+    p.add_argument(
+        "--overhead-requests", type=int, default=24, help="sequential requests for the HTTP-vs-driver TTFT (0: skip)"
+    )
     p.add_argument("--guidellm", default=None, help="guidellm executable (default: $KVFLEET_GUIDELLM, then PATH)")
     p.add_argument("--kvfleet", default=None, help="kvfleet executable (default: next to this Python, then PATH)")
     p.add_argument("--out-dir", default=None, help="where reports and server logs go (default: a new temp dir)")
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s",
-                        datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
     args = parse_args(argv)
     started, load_start = time.monotonic(), round(os.getloadavg()[0], 2)
     from configs import load_config
     from engine.core import resolve_model_directory
     from engine.tokenizer import load_tokenizer
 
-    workload = Workload(args.num_prefixes, args.requests_per_prefix, args.prefix_tokens, args.suffix_tokens,
-                        args.max_tokens, args.in_flight, args.cache_fraction, args.warmup, args.warm_prefixes,
-                        args.seed)  # fmt: skip
+    workload = Workload(
+        args.num_prefixes,
+        args.requests_per_prefix,
+        args.prefix_tokens,
+        args.suffix_tokens,
+        args.max_tokens,
+        args.in_flight,
+        args.cache_fraction,
+        args.warmup,
+        args.warm_prefixes,
+        args.seed,
+    )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
     tool = find_tool(args.guidellm)
     version, pinned = tool_version(tool), pinned_version()
     if pinned and version != pinned:
         log.warning("%s %s at %s, but pyproject.toml's bench extra pins %s", TOOL, version, tool, pinned)
-    kvfleet = args.kvfleet or next((c for c in (str(Path(sys.executable).parent / "kvfleet"), shutil.which("kvfleet"))
-                                    if c and Path(c).is_file()), "kvfleet")  # fmt: skip
+    kvfleet = args.kvfleet or next(
+        (c for c in (str(Path(sys.executable).parent / "kvfleet"), shutil.which("kvfleet")) if c and Path(c).is_file()),
+        "kvfleet",
+    )
     overrides = [*BENCH_WORKERS, *args.overrides]
     config = load_config(args.config, overrides)
     model_dir = resolve_model_directory(config)
@@ -193,10 +222,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     with (out_dir / "prompts.jsonl").open("w") as f:
         for prompt in prompts:
             f.write(json.dumps({"prompt": prompt, "output_tokens_count": workload.max_tokens}) + "\n")
-    log.info("%s %s (%s); %d prompts of %d-%d tokens (prefixes %d); overrides %s; output in %s",
-             TOOL, version, tool, len(prompts), min(lengths), max(lengths), prefix_len, overrides, out_dir)  # fmt: skip
-    bench = Bench(kvfleet, args.config, overrides, tool, model_dir, workload, prompts,
-                  warmup_prompts(workload, tokenizer, prefixes), out_dir)  # fmt: skip
+    log.info(
+        "%s %s (%s); %d prompts of %d-%d tokens (prefixes %d); overrides %s; output in %s",
+        TOOL,
+        version,
+        tool,
+        len(prompts),
+        min(lengths),
+        max(lengths),
+        prefix_len,
+        overrides,
+        out_dir,
+    )
+    bench = Bench(
+        kvfleet,
+        args.config,
+        overrides,
+        tool,
+        model_dir,
+        workload,
+        prompts,
+        warmup_prompts(workload, tokenizer, prefixes),
+        out_dir,
+    )
 
     runs: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in policies}
     for rate in rates:  # policies interleaved at each rate, so a drift in the machine's load hits all alike
@@ -227,11 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lost": bench.lost,
         "runs": runs,
         "http_overhead": overhead,
-        "workload": {**asdict(workload), "prompt_tokens": [min(lengths), max(lengths)], "prefix_tokens_measured": prefix_len},
+        "workload": {
+            **asdict(workload),
+            "prompt_tokens": [min(lengths), max(lengths)],
+            "prefix_tokens_measured": prefix_len,
+        },
         "config": {"preset": args.config, "overrides": overrides},
         "loadavg_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.monotonic() - started, 1),
-    }  # fmt: skip
+    }
     print(json.dumps(final), flush=True)
     return 0
 

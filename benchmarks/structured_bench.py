@@ -165,10 +165,11 @@ def main() -> None:
 
     def constrained(round_index: int) -> list[SamplingParams]:
         return [
-            SamplingParams(max_tokens=CONSTRAINED_MAX_TOKENS, temperature=1.0, seed=round_index * 1000 + i,
-                           structured=STRUCTURED)
+            SamplingParams(
+                max_tokens=CONSTRAINED_MAX_TOKENS, temperature=1.0, seed=round_index * 1000 + i, structured=STRUCTURED
+            )
             for i in range(args.batch)
-        ]  # fmt: skip
+        ]
 
     def unconstrained(round_index: int, max_tokens: int) -> list[SamplingParams]:
         return [
@@ -210,9 +211,14 @@ def main() -> None:
                 round_ratios.append((with_w / without_w, with_c / without_c))
             log.info(
                 "round %d %s: %d tokens in %d steps, %.2f s wall, %.2f s cpu (%.0f tok/s)",
-                round_index, which, result.tokens, result.steps, result.wall_s, result.cpu_s,
+                round_index,
+                which,
+                result.tokens,
+                result.steps,
+                result.wall_s,
+                result.cpu_s,
                 result.tokens / result.wall_s,
-            )  # fmt: skip
+            )
     # a decode step of the batch: the median over every step of every round (the steps of one
     # batch all decode 32 rows but the first and the last few); the median shrugs off the
     # steps other processes on the machine stretched, which a run's total time does not

@@ -81,10 +81,10 @@ of 6fc899f, load average 3-5; also: a request runs whole on any decode worker ho
 ``decode_only_threshold_tokens`` of it, and a worker's reported queue counts the prompt chunks of
 the step it is computing; benchmarks/results/tiered_bench-cpu-2026-11-28-b.json)::
 
-    Gemma-3-270M   kvfleet tiered   hit 0.686 (device 0.093, host 0.332)  p50 0.62 s  p90 1.74 s  14.3 tok/s  false hits 0
-                   kvfleet no tier  hit 0.184                             p50 1.77 s  p90 2.63 s   9.4 tok/s
-                   tree tiered      hit 0.706 (device 0.122, host 0.384)  p50 0.69 s  p90 1.83 s  14.4 tok/s  false hits 0
-                   round robin      hit 0.335                             p50 1.49 s  p90 2.29 s  10.6 tok/s
+    Gemma-3-270M   kvfleet tiered   hit 0.686 (device 0.093, host 0.332) p50 0.62 s  p90 1.74 s  14.3 tok/s false hits 0
+                   kvfleet no tier  hit 0.184                            p50 1.77 s  p90 2.63 s   9.4 tok/s
+                   tree tiered      hit 0.706 (device 0.122, host 0.384) p50 0.69 s  p90 1.83 s  14.4 tok/s false hits 0
+                   round robin      hit 0.335                            p50 1.49 s  p90 2.29 s  10.6 tok/s
                    (prompt order's hit bound 0.706); promote 3.14 GB/s = 0.31x memcpy
     tiny Bamba     kvfleet tiered   hit 0.702 (device 0.159, host 0.377)  p50 103 ms  p90 199 ms  false hits 0
                    kvfleet no tier  hit 0.192                             p50 131 ms  p90 206 ms
@@ -127,8 +127,9 @@ BENCH_WORKERS = ["workers.num_prefill=2", "workers.num_decode=2"]
 def workloads(quick: bool) -> tuple[SharedPrefixWorkload, SharedPrefixWorkload]:
     """(main model's, hybrid model's) workload: long shared prefixes, short questions."""
     if quick:
-        small = SharedPrefixWorkload(num_prefixes=16, requests_per_prefix=3, prefix_tokens=128, max_tokens=4,
-                                     concurrency=2)  # fmt: skip
+        small = SharedPrefixWorkload(
+            num_prefixes=16, requests_per_prefix=3, prefix_tokens=128, max_tokens=4, concurrency=2
+        )
         return small, small
     # Gemma-3-270M on two shared CPU cores: 256-token prefixes keep a run in minutes
     main = SharedPrefixWorkload(num_prefixes=24, requests_per_prefix=4, prefix_tokens=256, suffix_tokens=16)
@@ -177,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="local", help="main preset or YAML (default: local, Gemma-3-270M)")
     parser.add_argument("--hybrid-config", default="tiny-hybrid", help="second, hybrid preset ('' to skip)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="dotted override (both)")
-    parser.add_argument("--working-set", type=float, default=3.0,
-                        help="prefix set over the prefill workers' device KV (default 3)")  # fmt: skip
-    parser.add_argument("--host-over-device", type=float, default=3.0,
-                        help="host tier size over one worker's device KV (default 3)")  # fmt: skip
+    parser.add_argument(
+        "--working-set", type=float, default=3.0, help="prefix set over the prefill workers' device KV (default 3)"
+    )
+    parser.add_argument(
+        "--host-over-device", type=float, default=3.0, help="host tier size over one worker's device KV (default 3)"
+    )
     parser.add_argument("--runs", default=",".join(r.name for r in RUNS), help="configurations to run")
     parser.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
     args = parser.parse_args(argv)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """NIXL KV-transfer bandwidth against an in-process copy of the same bytes, in the same run.
 
 What it measures

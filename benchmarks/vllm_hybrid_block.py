@@ -42,9 +42,14 @@ def ask(shape: dict, state: str) -> dict:
     conv_dim = shape["intermediate_size"] + 2 * shape["n_groups"] * shape["d_state"]
     if state == "vllm_state":
         shapes = MambaStateShapeCalculator.mamba2_state_shape(
-            1, shape["intermediate_size"], shape["n_groups"], shape["num_heads"], shape["mamba_head_dim"],
-            shape["d_state"], shape["d_conv"],
-        )  # fmt: skip
+            1,
+            shape["intermediate_size"],
+            shape["n_groups"],
+            shape["num_heads"],
+            shape["mamba_head_dim"],
+            shape["d_state"],
+            shape["d_conv"],
+        )
         dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "auto")
     else:
         shapes = ((conv_dim, shape["d_conv"]), (shape["num_heads"], shape["mamba_head_dim"], shape["d_state"]))
@@ -68,20 +73,29 @@ def ask(shape: dict, state: str) -> dict:
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
             return [MultipleOf(16)]
 
-    cache = SimpleNamespace(cache_dtype="auto", block_size=16, mamba_cache_mode="align", mamba_page_size_padded=None,
-                            mamba_block_size=None, user_specified_block_size=False, kv_cache_dtype_skip_layers=None)  # fmt: skip
+    cache = SimpleNamespace(
+        cache_dtype="auto",
+        block_size=16,
+        mamba_cache_mode="align",
+        mamba_page_size_padded=None,
+        mamba_block_size=None,
+        user_specified_block_size=False,
+        kv_cache_dtype_skip_layers=None,
+    )
     model = SimpleNamespace(
-        dtype=torch.bfloat16, use_mla=False, architecture="Stub", is_hybrid=True,
-        get_num_kv_heads=lambda _p: shape["num_kv_heads"], get_head_size=lambda: shape["head_dim"],
-    )  # fmt: skip
+        dtype=torch.bfloat16,
+        use_mla=False,
+        architecture="Stub",
+        is_hybrid=True,
+        get_num_kv_heads=lambda _p: shape["num_kv_heads"],
+        get_head_size=lambda: shape["head_dim"],
+    )
     config = SimpleNamespace(cache_config=cache, model_config=model, parallel_config=SimpleNamespace())
     with (
         mock.patch.object(ModelRegistry, "resolve_model_cls", lambda *a, **k: (Model, "Stub")),
         mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: [FlashAttentionKernelSizes])),
         mock.patch("vllm.config.vllm.set_current_vllm_config", lambda c: mock.MagicMock()),
-        mock.patch(
-            "vllm.model_executor.layers.mamba.abstract.get_mamba_prefill_checkpoint_alignment", lambda c: None
-        ),
+        mock.patch("vllm.model_executor.layers.mamba.abstract.get_mamba_prefill_checkpoint_alignment", lambda c: None),
     ):
         Platform._align_hybrid_block_size(config, FlashAttentionKernelSizes)
     one_token = 2 * shape["num_kv_heads"] * shape["head_dim"] * 2

@@ -204,15 +204,19 @@ class Cluster:
             self._runner.start(model)
             self._supervisor.start()
             for pin in config.router.pins:
-                self.pin_prefix(pin.text if pin.text is not None else list(pin.token_ids or []), pin.replicas,
-                                pin.ttl_s, wait=False)  # fmt: skip
+                self.pin_prefix(
+                    pin.text if pin.text is not None else list(pin.token_ids or []), pin.replicas, pin.ttl_s, wait=False
+                )
         except BaseException:
             self.shutdown()
             raise
         log.info(
             "cluster ready: %d prefill + %d decode workers, router policy %s, %s",
-            config.workers.num_prefill, config.workers.num_decode, config.router.policy, config.model.source,
-        )  # fmt: skip
+            config.workers.num_prefill,
+            config.workers.num_decode,
+            config.router.policy,
+            config.model.source,
+        )
         return self
 
     def handles(self) -> ClusterHandles:

@@ -202,8 +202,9 @@ def run_items(
                     if isinstance(outcome, Exception):
                         if entries[index].line is None:  # a command-line prompt: the run failed
                             raise outcome
-                        entries[index] = report_line_errors(prog, [entries[index].rejected(
-                            f"request failed: {outcome}")])[0]  # fmt: skip
+                        entries[index] = report_line_errors(
+                            prog, [entries[index].rejected(f"request failed: {outcome}")]
+                        )[0]
     except ValueError as exc:  # a bad prompt or sampling value: named field and value
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -223,8 +224,9 @@ def run_items(
     failed = sum(isinstance(entry, LineError) for entry in entries)
     if failed:
         lines = sum(entry.line is not None for entry in entries)
-        print(f"{prog}: {failed} of {lines} input lines failed; each has an error record in the output",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{prog}: {failed} of {lines} input lines failed; each has an error record in the output", file=sys.stderr
+        )
         return EXIT_PARTIAL
     return 0
 

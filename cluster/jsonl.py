@@ -39,9 +39,22 @@ from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_cache_salt, check_prompt, problem
 
 SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs", "structured",
-)  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "prompt_logprobs",
+    "structured",
+)
 LINE_FIELDS = ("prompt", "id", "cache_salt", *SAMPLING_FIELDS)
 
 

@@ -341,8 +341,9 @@ class RequestRunner:
         supervisor = self._supervisor
         limit = self.config.serve.migration_limit
         sampling = request.sampling
-        output = StreamedOutput(IncrementalDetokenizer(model.tokenizer, sampling.stop,
-                                                       sampling.include_stop_str_in_output), sampling)  # fmt: skip
+        output = StreamedOutput(
+            IncrementalDetokenizer(model.tokenizer, sampling.stop, sampling.include_stop_str_in_output), sampling
+        )
         self._in_flight.add(request)
         if request.share_placement is not None:
             self._placements.join(request.share_placement)
@@ -366,16 +367,24 @@ class RequestRunner:
                         raise RuntimeError(failed) from lost.__cause__
                     elif output.token_ids:
                         if output.migrations >= limit:
-                            raise RuntimeError(f"{failed} after streaming output; not migrated again "
-                                               f"(serve.migration_limit={limit})") from lost.__cause__  # fmt: skip
+                            raise RuntimeError(
+                                f"{failed} after streaming output; not migrated again (serve.migration_limit={limit})"
+                            ) from lost.__cause__
                         output.migrations += 1
-                        log.warning("%s failed after %s streamed %d tokens (%s); migrating it (%d of at most %d)",
-                                    lost.worker_id, rid, len(output.token_ids), lost.why, output.migrations,
-                                    limit)  # fmt: skip
+                        log.warning(
+                            "%s failed after %s streamed %d tokens (%s); migrating it (%d of at most %d)",
+                            lost.worker_id,
+                            rid,
+                            len(output.token_ids),
+                            lost.why,
+                            output.migrations,
+                            limit,
+                        )
                         continue
                     else:
-                        log.warning("%s failed before %s produced a token (%s); routing it again",
-                                    lost.worker_id, rid, lost.why)  # fmt: skip
+                        log.warning(
+                            "%s failed before %s produced a token (%s); routing it again", lost.worker_id, rid, lost.why
+                        )
                         continue
                 ok, ttft_s, num_out = True, result.ttft_s, len(result.token_ids)
                 return result
@@ -469,9 +478,12 @@ class RequestRunner:
             try:
                 if stream is None:
                     stream = decoder.generate.options(num_returns="streaming").remote(
-                        rid, prompt_ids, request.sampling, cache_salt=request.prompt.cache_salt,
+                        rid,
+                        prompt_ids,
+                        request.sampling,
+                        cache_salt=request.prompt.cache_salt,
                         output_token_ids=sent_ids,
-                    )  # fmt: skip
+                    )
                 async for ref in stream:
                     chunk: TokenChunk = await ref
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
@@ -486,8 +498,13 @@ class RequestRunner:
                             now = time.monotonic()
                             hops = _hops(request, started, sent, now, prefill, prefill_call_s, chunk.hops)
                             output.first(now, hops, cached)
-                            log.debug("hops %s (%s -> %s): %s", rid, prefill_id, decode_id,
-                                      " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()))  # fmt: skip
+                            log.debug(
+                                "hops %s (%s -> %s): %s",
+                                rid,
+                                prefill_id,
+                                decode_id,
+                                " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in hops.items()),
+                            )
                         request.streamed = True
                         delta = output.add(chunk)
                         if on_delta is not None:
@@ -569,8 +586,10 @@ class RequestRunner:
         supervisor = self._supervisor
         for router in supervisor.route_order(hashes):
             try:
-                return await asyncio.wait_for(await_ref(router.route.remote(request_id, hashes, num_tokens)),
-                                              self.config.workers.health_check_timeout_s)  # fmt: skip
+                return await asyncio.wait_for(
+                    await_ref(router.route.remote(request_id, hashes, num_tokens)),
+                    self.config.workers.health_check_timeout_s,
+                )
             except (RayActorError, RayTaskError, TimeoutError) as exc:
                 log.warning("router could not place %s (%s)", request_id, describe_failure(exc))
         log.warning("no router replica placed %s; running it without the router", request_id)
@@ -641,8 +660,9 @@ def _hops(
     retry_s = started - request.submitted if request.attempt else 0.0
     route_s = sent - (started if request.attempt else request.submitted)
     if prefill is not None and "since_handle" in worker_hops:
-        return pd_breakdown(route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops, worker_hops,
-                            retry_s)  # fmt: skip
+        return pd_breakdown(
+            route_s, prefill_call_s, first_token - sent - prefill_call_s, prefill.hops, worker_hops, retry_s
+        )
     if "since_arrival" in worker_hops:
         return whole_breakdown(route_s, first_token - sent, worker_hops, retry_s)
     return {}

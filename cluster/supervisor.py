@@ -163,11 +163,13 @@ class Supervisor:
         ]
         self.router_incarnations = [None] * len(self.routers)
         ray.get([router.ready.remote() for router in self.routers], timeout=ACTOR_CALL_TIMEOUT_S)
-        ray.get([
-            router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
-            for router in self.routers
-            for wid, info in self.infos.items()
-        ])  # fmt: skip
+        ray.get(
+            [
+                router.add_worker.remote(wid, info.router_role, info.num_blocks, self.workers[wid])
+                for router in self.routers
+                for wid, info in self.infos.items()
+            ]
+        )
         ray.get(
             [w.set_router.remote(router, k) for k, router in enumerate(self.routers) for w in self.workers.values()],
             timeout=ACTOR_CALL_TIMEOUT_S,
@@ -421,11 +423,24 @@ class Supervisor:
                 if isinstance(exc, RayActorError):
                     self.forget_worker(worker_id, unhealthy[worker_id], handles[worker_id])
         workers = {stats["worker_id"]: worker_summary(stats) for stats in raw}
-        keys = ("running", "queued", "held_for_transfer", "free_blocks", "num_blocks", "pinned_blocks",
-                "capacity_tokens", "capacity_recurrent_states",
-                "explicitly_pinned_blocks", "hit_tokens", "queried_tokens", "transfer_bytes", "transfers",
-                "transfer_seconds", "requests_finished",
-                "requests_aborted")  # fmt: skip
+        keys = (
+            "running",
+            "queued",
+            "held_for_transfer",
+            "free_blocks",
+            "num_blocks",
+            "pinned_blocks",
+            "capacity_tokens",
+            "capacity_recurrent_states",
+            "explicitly_pinned_blocks",
+            "hit_tokens",
+            "queried_tokens",
+            "transfer_bytes",
+            "transfers",
+            "transfer_seconds",
+            "requests_finished",
+            "requests_aborted",
+        )
         totals: dict[str, Any] = {k: sum(w[k] for w in workers.values()) for k in keys}
         totals["hit_rate"] = totals["hit_tokens"] / totals["queried_tokens"] if totals["queried_tokens"] else 0.0
         totals["hit_tokens_by_tier"] = hit_tokens_by_tier_totals(workers)

@@ -18,8 +18,13 @@ TIERS = ("device", "host")
 BLOCK_MOVES = ("offloaded", "refreshed", "dropped", "promoted")
 #: byte and second counters of the host tier, summed as they are
 COPY_COUNTERS = (
-    "bytes_offloaded", "bytes_promoted", "offload_seconds", "promote_seconds", "copy_seconds", "host_bytes",
-)  # fmt: skip
+    "bytes_offloaded",
+    "bytes_promoted",
+    "offload_seconds",
+    "promote_seconds",
+    "copy_seconds",
+    "host_bytes",
+)
 
 
 def hit_tokens_by_tier(stats: dict[str, Any]) -> dict[str, int] | None:

@@ -72,11 +72,13 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def render_byte_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     add_generation_prompt: bool) -> str:  # fmt: skip
+def render_byte_chat(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+) -> str:
     """``messages`` (and ``tools``, OpenAI's shape) in kvfleet's byte-level chat format."""
-    return _byte_chat_template().render(messages=messages, tools=tools or [], preamble=TOOLS_PREAMBLE,
-                                        add_generation_prompt=add_generation_prompt)  # fmt: skip
+    return _byte_chat_template().render(
+        messages=messages, tools=tools or [], preamble=TOOLS_PREAMBLE, add_generation_prompt=add_generation_prompt
+    )
 
 
 @lru_cache(maxsize=1)

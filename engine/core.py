@@ -132,8 +132,12 @@ class EngineCore:
         del weights
         gpu_budget = None
         if cache.gpu_memory_utilization is not None:
-            reserve = activation_reserve_bytes(arch, config.scheduler.max_num_batched_tokens,
-                                               config.scheduler.max_num_seqs, TORCH_DTYPES[dtype].itemsize)  # fmt: skip
+            reserve = activation_reserve_bytes(
+                arch,
+                config.scheduler.max_num_batched_tokens,
+                config.scheduler.max_num_seqs,
+                TORCH_DTYPES[dtype].itemsize,
+            )
             gpu_budget = gpu_kv_budget_bytes(device, cache.gpu_memory_utilization, reserve)
         num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs, gpu_budget)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -162,17 +166,28 @@ class EngineCore:
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(
-                arch, layout, model, num_blocks, device, dtype, allocate_slots=allocate,
+                arch,
+                layout,
+                model,
+                num_blocks,
+                device,
+                dtype,
+                allocate_slots=allocate,
                 # model.cuda_graphs=false: no static decode step, every step eager and unpadded; a
                 # prefill worker never decodes, so it has none either
                 max_num_seqs=config.scheduler.max_num_seqs if decodes else None,
-                max_model_len=max_model_len, cuda_graphs=config.model.cuda_graphs,
+                max_model_len=max_model_len,
+                cuda_graphs=config.model.cuda_graphs,
                 # the grammars of structured-output requests: the tokenizer is loaded (once per
                 # engine) when the first one arrives
-                structured=StructuredOutputs(functools.partial(load_tokenizer, directory, arch.vocab_size),
-                                             arch.vocab_size, arch.eos_token_ids, threads=threads or 1),
+                structured=StructuredOutputs(
+                    functools.partial(load_tokenizer, directory, arch.vocab_size),
+                    arch.vocab_size,
+                    arch.eos_token_ids,
+                    threads=threads or 1,
+                ),
                 host_blocks=host_blocks,
-            )  # fmt: skip
+            )
             self._agent_info = (
                 self.transfer.register(self.runner.slots, layout.slot_pool) if self.transfer is not None else None
             )
@@ -185,10 +200,17 @@ class EngineCore:
         self.handoff: PDHandoff | None = None
         if self.transfer is not None and self._agent_info is not None:
             self.handoff = PDHandoff(
-                self.name, config.transfer, self.transfer, self._agent_info, self.layout_key,
-                [group.pool for group in layout.groups], self.scheduler, self.coordinator, self.runner,
+                self.name,
+                config.transfer,
+                self.transfer,
+                self._agent_info,
+                self.layout_key,
+                [group.pool for group in layout.groups],
+                self.scheduler,
+                self.coordinator,
+                self.runner,
                 exports_prefills=kv_role != "decode",
-            )  # fmt: skip
+            )
         if host_blocks is not None:
             # an admission whose external tokens a transfer writes: the offloads it queued read
             # those blocks first, so they run (to completion) before the transfer starts
@@ -213,10 +235,15 @@ class EngineCore:
         self.eos_token_id = eos[0] if eos else None
         log.info(
             "engine %s ready: %s, %d layers, %d KV groups, blocks per pool %s (%s), %d-token pages%s",
-            self.name, arch.architecture, arch.num_layers, len(layout.groups), list(num_blocks),
-            ", ".join(f"{p.kind} {p.page_bytes} B x {p.num_slots}" for p in layout.pools), cache.block_size,
+            self.name,
+            arch.architecture,
+            arch.num_layers,
+            len(layout.groups),
+            list(num_blocks),
+            ", ".join(f"{p.kind} {p.page_bytes} B x {p.num_slots}" for p in layout.pools),
+            cache.block_size,
             f", kv_role={kv_role} ({config.transfer.backend})" if kv_role else "",
-        )  # fmt: skip
+        )
 
     @property
     def agent_info(self) -> AgentInfo:
@@ -262,8 +289,14 @@ class EngineCore:
             request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, prefill_only=True)
             self.scheduler.add_request(request)
             return request
-        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt,
-                                    remote_prefill=kv_handle is not None, outputs=output_token_ids)  # fmt: skip
+        request = self._new_request(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            cache_salt,
+            remote_prefill=kv_handle is not None,
+            outputs=output_token_ids,
+        )
         if kv_handle is None:
             self.scheduler.add_request(request)
         else:
@@ -312,9 +345,17 @@ class EngineCore:
                     f"prompt_token_ids: a prefill-only request needs >= 2 tokens (got {len(prompt)}); run it colocated"
                 )
             prompt = prompt[:-1]
-        return Request(request_id, list(prompt), sampling, self.coordinator.hash_block_size, self.eos_token_id,
-                       cache_salt, remote_prefill=remote_prefill, prefill_only=prefill_only,
-                       output_token_ids=outputs)  # fmt: skip
+        return Request(
+            request_id,
+            list(prompt),
+            sampling,
+            self.coordinator.hash_block_size,
+            self.eos_token_id,
+            cache_salt,
+            remote_prefill=remote_prefill,
+            prefill_only=prefill_only,
+            output_token_ids=outputs,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (once any read into them has ended).
@@ -748,10 +789,14 @@ class EngineCore:
             return None
         scheduler = self.scheduler
         return {
-            "hit_tokens": {"device": scheduler.hit_tokens - scheduler.host_hit_tokens,
-                           "host": scheduler.host_hit_tokens},
-            "pools": [{"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
-                      for p, pool in enumerate(host.pools)],
+            "hit_tokens": {
+                "device": scheduler.hit_tokens - scheduler.host_hit_tokens,
+                "host": scheduler.host_hit_tokens,
+            },
+            "pools": [
+                {"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
+                for p, pool in enumerate(host.pools)
+            ],
             **asdict(host.counters),
             "bytes_offloaded": memory.bytes_to_host,
             "bytes_promoted": memory.bytes_to_device,
@@ -759,19 +804,27 @@ class EngineCore:
             "offload_seconds": memory.seconds_to_host,
             "promote_seconds": memory.seconds_to_device,
             "host_bytes": memory.nbytes,
-        }  # fmt: skip
+        }
 
     def capacity(self) -> dict[str, Any]:
         """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``
         (requests' full recurrent states), and per pool its kind, page size and blocks."""
         coordinator, layout = self.coordinator, self.layout
         pools = [
-            {"kind": pool.kind, "page_bytes": pool.page_bytes, "slots": pool.num_slots,
-             "num_blocks": coordinator.num_blocks_in(p), "free_blocks": coordinator.num_free_blocks_in(p)}
+            {
+                "kind": pool.kind,
+                "page_bytes": pool.page_bytes,
+                "slots": pool.num_slots,
+                "num_blocks": coordinator.num_blocks_in(p),
+                "free_blocks": coordinator.num_free_blocks_in(p),
+            }
             for p, pool in enumerate(layout.pools)
-        ]  # fmt: skip
-        return {**layout.capacity(self.info.pool_blocks), "bytes": layout.pool_bytes(self.info.pool_blocks),
-                "pools": pools}  # fmt: skip
+        ]
+        return {
+            **layout.capacity(self.info.pool_blocks),
+            "bytes": layout.pool_bytes(self.info.pool_blocks),
+            "pools": pools,
+        }
 
     def close(self) -> None:
         """Release the decode graphs and the transfer registration (pending reads are cancelled).

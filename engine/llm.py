@@ -84,8 +84,14 @@ class LLM:
                     d.flush()
                     reasons[out.request_id] = out.finish_reason or "stop"
         return [
-            Completion(self._text(prompt), detok[rid].text, list(detok[rid].token_ids), reasons.get(rid, "abort"),
-                       logprobs.get(rid), prompt_logprobs.get(rid))
+            Completion(
+                self._text(prompt),
+                detok[rid].text,
+                list(detok[rid].token_ids),
+                reasons.get(rid, "abort"),
+                logprobs.get(rid),
+                prompt_logprobs.get(rid),
+            )
             for prompt, rid in zip(prepared, order, strict=True)
         ]
 

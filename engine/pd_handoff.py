@@ -225,8 +225,12 @@ class PDHandoff:
                     f"kv_handle.expires_at: handle of {request_id!r} arrived {late:.1f} s after its export; "
                     f"its owner frees the blocks {cfg.release_timeout_s:g} s after it (transfer.on_failure=fail)"
                 )
-            log.warning("%s: handle of %s arrived %.1f s after its export, too late to read; recomputing",
-                        self.name, request_id, late)  # fmt: skip
+            log.warning(
+                "%s: handle of %s arrived %.1f s after its export, too late to read; recomputing",
+                self.name,
+                request_id,
+                late,
+            )
             request.remote_prefill = False
             self.scheduler.add_request(request)
             return
@@ -273,8 +277,9 @@ class PDHandoff:
         tid = transfer.warm_up(peer)
         self.loads.notify_only.add(tid)
         self.stats.warm_ups += 1
-        log.debug("%s: warmed the connection to %s in %.1f ms", self.name, peer.name,
-                  1e3 * (time.perf_counter() - started))  # fmt: skip
+        log.debug(
+            "%s: warmed the connection to %s in %.1f ms", self.name, peer.name, 1e3 * (time.perf_counter() - started)
+        )
         return True
 
     # -- prefill side: exports -----------------------------------------------------------------------
@@ -331,8 +336,12 @@ class PDHandoff:
             for request_id in notified:
                 self.scheduler.release_held(request_id)
             for request_id in expired:
-                log.warning("%s: no reader for %s within %.1f s; freeing its blocks", self.name, request_id,
-                            self.held.release_timeout_s)  # fmt: skip
+                log.warning(
+                    "%s: no reader for %s within %.1f s; freeing its blocks",
+                    self.name,
+                    request_id,
+                    self.held.release_timeout_s,
+                )
                 self.scheduler.release_held(request_id)
             self.stats.released_by_notification += len(notified)
             self.stats.released_by_timeout += len(expired)
@@ -372,8 +381,13 @@ class PDHandoff:
         if self.config.on_failure == "fail":
             log.error("%s: KV read for %s failed (%s); failing the request", self.name, request_id, record.error)
             self.scheduler.abort(request_id)
-            return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value,
-                                 error=f"KV read from the prefill worker failed ({record.error})")  # fmt: skip
+            return RequestOutput(
+                request_id,
+                [],
+                True,
+                RequestStatus.FINISHED_ERROR.value,
+                error=f"KV read from the prefill worker failed ({record.error})",
+            )
         log.warning("%s: KV read for %s failed (%s); recomputing locally", self.name, request_id, record.error)
         self.scheduler.finish_kv_load(request_id, ok=False)
         return None

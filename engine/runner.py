@@ -150,9 +150,14 @@ class ModelRunner:
             if device.type == "cuda":
                 self._sampled_hosts = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self.decode = DecodeStep(
-                decode_groups(self.windows, self.is_mamba), layout.block_size, max_num_seqs, max_model_len, device,
-                self.paged_attention, model,
-            )  # fmt: skip
+                decode_groups(self.windows, self.is_mamba),
+                layout.block_size,
+                max_num_seqs,
+                max_model_len,
+                device,
+                self.paged_attention,
+                model,
+            )
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
                 try:
                     self.decode.capture()

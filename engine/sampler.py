@@ -145,9 +145,7 @@ class PendingTokens:
     or one named in ``failures`` (sampling raised) fails its request, every other row is its
     token."""
 
-    def __init__(
-        self, request_ids: list[str], ids: torch.Tensor, failures: dict[str, str], host: torch.Tensor | None
-    ):
+    def __init__(self, request_ids: list[str], ids: torch.Tensor, failures: dict[str, str], host: torch.Tensor | None):
         """``host``: a pinned buffer of at least ``len(request_ids)`` int64 (CUDA), else None
         (the ids are on the CPU already)."""
         self.request_ids = request_ids
@@ -302,8 +300,9 @@ class Sampler:
             temperature = [sp.temperature or 1.0 for sp in params]
             x.div_(to_device(temperature, x.device, x.dtype)[:, None])
         if any(sp.min_p > 0.0 for sp in params):
-            log_min_p = to_device([math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params],
-                                  x.device, x.dtype)  # fmt: skip
+            log_min_p = to_device(
+                [math.log(sp.min_p) if sp.min_p > 0 else -math.inf for sp in params], x.device, x.dtype
+            )
             # p < min_p * p_max  <=>  logit < max logit + log(min_p) (softmax shares the denominator)
             x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + log_min_p[:, None], -math.inf)
         top_k = [sp.top_k if 0 < sp.top_k < x.shape[1] else 0 for sp in params]
@@ -348,8 +347,11 @@ class Sampler:
         x[at, seen_ids] = torch.where(values > 0, values / repetition, values * repetition)
         output_ids = torch.from_numpy(outputs).to(device)
         frequency = to_device([sp.frequency_penalty for sp in params], device, dtype)[:, None]
-        x.index_put_((at.expand_as(output_ids), output_ids), torch.from_numpy(occurrences).to(device) * -frequency,
-                     accumulate=True)  # fmt: skip
+        x.index_put_(
+            (at.expand_as(output_ids), output_ids),
+            torch.from_numpy(occurrences).to(device) * -frequency,
+            accumulate=True,
+        )
         presence = to_device([sp.presence_penalty for sp in params], device, dtype)[:, None]
         x[at, output_ids] = x[at, output_ids] - presence * torch.from_numpy(has_output).to(device)
 

@@ -240,12 +240,7 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; later ones were popped already
 
-        while (
-            self.waiting
-            and not preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # a request reporting prompt logprobs computes every prompt position (no prefix hit)
             hit = coord.find_longest_cache_hit([], 0) if request.scores_prompt else coord.get_computed_blocks(request)

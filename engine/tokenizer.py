@@ -17,8 +17,12 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]: ...  # fmt: skip
+    def chat_token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -30,8 +34,12 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    def chat_token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The tiny models' own chat format (``engine.chat_templates.BYTE_CHAT_TEMPLATE``):
         ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n`` when a reply is wanted;
         tools in a system turn first, tool calls as ``<tool_call>`` blocks."""
@@ -61,8 +69,12 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]  # one id list: one string
 
-    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    def chat_token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """``messages`` (and ``tools``, OpenAI's shape) rendered by the checkpoint's own chat
         template and tokenized (the template writes the special tokens, BOS included);
         ValueError if it has none."""
@@ -70,8 +82,12 @@ class HFTokenizer:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         from transformers import BatchEncoding
 
-        ids = self._tok.apply_chat_template(messages, tools=tools or None, tokenize=True,  # type: ignore[arg-type]  # a list of tool dicts, as it takes
-                                            add_generation_prompt=add_generation_prompt)  # fmt: skip
+        ids = self._tok.apply_chat_template(
+            messages,
+            tools=tools or None,  # type: ignore[arg-type]  # a list of tool dicts, as it takes
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+        )
         if isinstance(ids, BatchEncoding):  # some transformers versions return one
             ids = ids["input_ids"]
         return [int(t) for t in ids]  # type: ignore[arg-type]  # tokenize=True: a flat list of ids

@@ -168,7 +168,7 @@ async def _drive(
             if "worker" not in str(exc) and "router" not in str(exc):
                 result.unclear_errors += 1
                 result.errors.append(f"unclear error: {exc}")
-        except Exception as exc:  # anything else is not a clear error
+        except Exception as exc:  # noqa: BLE001 - anything else is not a clear error: counted
             result.errored += 1
             result.unclear_errors += 1
             result.errors.append(f"unexpected {type(exc).__name__}: {exc}")

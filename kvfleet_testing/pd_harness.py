@@ -149,7 +149,9 @@ def run_engine_stress(
             want, got = oracle[tuple(prompt)], tokens[request_id]
             if got != want:
                 result.wrong_tokens += 1
-                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+                )
                 result.mismatches.append({"request": request_id, "prompt_tokens": len(prompt), "diverged_at": at})
         result.preemptions = sum(e.scheduler.num_preemptions for e in engines)
         result.read_failures = sum(e.transfer_stats.failures for e in decode)
@@ -214,7 +216,9 @@ def run_duplicate_waves(
                     for _ in range(min(len(pending), rng.randrange(1, 17))):
                         request_id, index = pending.pop(0)
                         prompt = prompts[index]
-                        hit = decode.coordinator.find_longest_cache_hit(block_hashes(prompt, block_size), len(prompt) - 1)
+                        hit = decode.coordinator.find_longest_cache_hit(
+                            block_hashes(prompt, block_size), len(prompt) - 1
+                        )
                         if len(prompt) - hit.num_tokens < decode_only_below:
                             decode.add_request(request_id, prompt, sampling)
                             tokens[request_id] = []
@@ -234,7 +238,9 @@ def run_duplicate_waves(
                     for out in engine.step():
                         if out.kv_handle is not None:
                             index = prefilling.pop(out.request_id)
-                            handles.append((iteration + rng.choice([0, 0, 1, 2, 5]), out.request_id, index, out.kv_handle))
+                            handles.append(
+                                (iteration + rng.choice([0, 0, 1, 2, 5]), out.request_id, index, out.kv_handle)
+                            )
                         elif out.request_id in tokens:
                             tokens[out.request_id] += out.new_token_ids
             for request_id, index in ((f"w{wave}-{n}", index) for n, index in enumerate(order)):
@@ -242,8 +248,12 @@ def run_duplicate_waves(
                 want, got = oracle[index], tokens[request_id]
                 if got != want:
                     result.wrong_tokens += 1
-                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    result.mismatches.append({"request": request_id, "prompt_tokens": len(prompts[index]), "diverged_at": at})
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+                    )
+                    result.mismatches.append(
+                        {"request": request_id, "prompt_tokens": len(prompts[index]), "diverged_at": at}
+                    )
         result.preemptions = prefill.scheduler.num_preemptions + decode.scheduler.num_preemptions
         result.read_failures = decode.transfer_stats.failures
         for engine in (prefill, decode):

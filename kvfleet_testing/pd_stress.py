@@ -84,9 +84,13 @@ def run_cluster_stress(
     from kvfleet_testing.pd_harness import alone_tokens
 
     config = cluster_config(
-        preset, num_prefill, num_decode, f"transfer.backend={backend}", "router.decode_only_threshold_tokens=16",
+        preset,
+        num_prefill,
+        num_decode,
+        f"transfer.backend={backend}",
+        "router.decode_only_threshold_tokens=16",
         *overrides,
-    )  # fmt: skip
+    )
     prompts = shared_prefix_prompts(seed, requests)
     expected = alone_tokens(load_config(preset), prompts, sampling)
     result = StressResult(f"{preset}/{backend}/{num_prefill}P{num_decode}D")
@@ -99,12 +103,19 @@ def run_cluster_stress(
                 want = expected[tuple(done.prompt_token_ids)]
                 if done.token_ids != want:
                     result.wrong_tokens += 1
-                    at = next((i for i, (a, b) in enumerate(zip(done.token_ids, want)) if a != b), len(want))
-                    result.mismatches.append({
-                        "prompt_tokens": len(done.prompt_token_ids), "diverged_at": at,
-                        "prefill": done.prefill_worker, "decode": done.decode_worker,
-                        "cached_tokens": done.cached_tokens, "predicted_hit": done.predicted_hit,
-                    })  # fmt: skip
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(done.token_ids, want, strict=False)) if a != b), len(want)
+                    )
+                    result.mismatches.append(
+                        {
+                            "prompt_tokens": len(done.prompt_token_ids),
+                            "diverged_at": at,
+                            "prefill": done.prefill_worker,
+                            "decode": done.decode_worker,
+                            "cached_tokens": done.cached_tokens,
+                            "predicted_hit": done.predicted_hit,
+                        }
+                    )
         totals: dict[str, int] = {}
         for worker in cluster.stats()["workers"].values():
             for key, value in worker.get("transfer", {}).items():

@@ -76,8 +76,14 @@ def build_api(cluster: Cluster) -> FastAPI:
         return await _answer(generation, generation.prepare_chat(body))
 
     def card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvfleet",
-                "root": cluster.config.model.source, "max_model_len": cluster.max_model_len}  # fmt: skip
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvfleet",
+            "root": cluster.config.model.source,
+            "max_model_len": cluster.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -95,8 +101,11 @@ def build_api(cluster: Cluster) -> FastAPI:
         bad = {w: why for w, why in workers.items() if why != "ok"}
         if bad:
             message = "unhealthy workers: " + "; ".join(f"{w}: {why}" for w, why in bad.items())
-            body = {"status": "unhealthy", "workers": workers, "error": {"message": message,
-                    "type": "service_unavailable", "param": None, "code": "worker_unhealthy"}}  # fmt: skip
+            body = {
+                "status": "unhealthy",
+                "workers": workers,
+                "error": {"message": message, "type": "service_unavailable", "param": None, "code": "worker_unhealthy"},
+            }
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "workers": workers})
 
@@ -162,8 +171,11 @@ async def _answer(generation: Generation, prepared: Any) -> Response:
 
 def _pin_json(record: dict[str, Any]) -> dict[str, Any]:
     """A pin as the API shows it (the router's clock-local ``expires_at`` left out)."""
-    return {"id": record["pin_id"], "object": "pin", **{k: v for k, v in record.items()
-                                                        if k not in ("pin_id", "expires_at")}}  # fmt: skip
+    return {
+        "id": record["pin_id"],
+        "object": "pin",
+        **{k: v for k, v in record.items() if k not in ("pin_id", "expires_at")},
+    }
 
 
 class AuthAndCount:

@@ -156,4 +156,3 @@ def build_app(args: Mapping[str, Any]) -> Application:
     if isinstance(overrides, str):
         overrides = [o for o in overrides.replace(",", " ").split() if o]
     return kvfleet_app(load_config(str(args.get("config") or "local"), list(overrides)))
-

@@ -117,18 +117,27 @@ class Generation:
         self._check_model(body.model)
         ids = [self._prompt_ids(p, "prompt") for p in body.prompts]
         max_tokens = self._max_tokens(ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-        prompts = [ValidatedPrompt(tuple(i), p if isinstance(p, str) else None, body.cache_salt)
-                   for p, i in zip(body.prompts, ids, strict=True)]  # fmt: skip
-        return Prepared("text_completion", prompts, self._sampling(body, max_tokens), body.stream,
-                        body.include_usage, f"cmpl-{uuid.uuid4().hex}")  # fmt: skip
+        prompts = [
+            ValidatedPrompt(tuple(i), p if isinstance(p, str) else None, body.cache_salt)
+            for p, i in zip(body.prompts, ids, strict=True)
+        ]
+        return Prepared(
+            "text_completion",
+            prompts,
+            self._sampling(body, max_tokens),
+            body.stream,
+            body.include_usage,
+            f"cmpl-{uuid.uuid4().hex}",
+        )
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         self._check_model(body.model)
         messages = [m.for_template() for m in body.messages]
         tools = body.tool_calling
         try:
-            ids = self.cluster.model.tokenizer.chat_token_ids(messages, body.add_generation_prompt,
-                                                              tools.template_tools() if tools else None)  # fmt: skip
+            ids = self.cluster.model.tokenizer.chat_token_ids(
+                messages, body.add_generation_prompt, tools.template_tools() if tools else None
+            )
         except ValueError as exc:
             raise bad_request("messages", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the template refused the conversation (jinja's TemplateError)
@@ -145,8 +154,15 @@ class Generation:
             if samples[0].structured is not None:
                 _check_structured(samples[0].structured, "tool_choice")
             plan = replace(plan, samples=samples)
-        return Prepared("chat.completion", [prompt], plan, body.stream, body.include_usage,
-                        f"chatcmpl-{uuid.uuid4().hex}", tool_calling=tools)  # fmt: skip
+        return Prepared(
+            "chat.completion",
+            [prompt],
+            plan,
+            body.stream,
+            body.include_usage,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            tool_calling=tools,
+        )
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -172,14 +188,19 @@ class Generation:
         limit = self.cluster.model.max_model_len
         longest = max(len(ids) for ids in prompts)
         if not leaves_room(longest, limit):
-            raise bad_request("prompt" if default is not None else "messages",
-                              f"prompt: {longest} tokens; the model's context is {limit} tokens, leaving no room "
-                              f"to generate", code="context_length_exceeded")  # fmt: skip
+            raise bad_request(
+                "prompt" if default is not None else "messages",
+                f"prompt: {longest} tokens; the model's context is {limit} tokens, leaving no room to generate",
+                code="context_length_exceeded",
+            )
         max_tokens = requested if requested is not None else (default or limit - longest)
         if longest + max_tokens > limit:
-            raise bad_request("max_tokens", f"max_tokens: {max_tokens} + the prompt's {longest} tokens exceed the "
-                              f"model's context of {limit} tokens (got {max_tokens})",
-                              code="context_length_exceeded")  # fmt: skip
+            raise bad_request(
+                "max_tokens",
+                f"max_tokens: {max_tokens} + the prompt's {longest} tokens exceed the "
+                f"model's context of {limit} tokens (got {max_tokens})",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplePlan:
@@ -197,8 +218,9 @@ class Generation:
         if count > body.n and base.logprobs is None:  # best_of ranks the samples by their logprobs
             base = base.replace(logprobs=0)
         seeded = base.seed
-        samples = tuple(base if j == 0 or seeded is None else base.replace(seed=(seeded + j) % 2**63)
-                        for j in range(count))  # fmt: skip
+        samples = tuple(
+            base if j == 0 or seeded is None else base.replace(seed=(seeded + j) % 2**63) for j in range(count)
+        )
         echo = isinstance(body, CompletionRequest) and body.echo
         return SamplePlan(samples, body.n, echo, body.output_logprobs, body.prompt_logprobs is not None)
 
@@ -209,9 +231,12 @@ class Generation:
         samples = len(prepared.plan.samples)
         if samples > 1 and prepared.num_requests > self.admission.limit:
             field_name = "n" if samples == prepared.plan.n else "best_of"
-            raise bad_request(field_name, f"{field_name}: {len(prepared.prompts)} prompt(s) x {samples} samples = "
-                              f"{prepared.num_requests} requests exceed the server's queue bound of "
-                              f"{self.admission.limit} (got {samples})")  # fmt: skip
+            raise bad_request(
+                field_name,
+                f"{field_name}: {len(prepared.prompts)} prompt(s) x {samples} samples = "
+                f"{prepared.num_requests} requests exceed the server's queue bound of "
+                f"{self.admission.limit} (got {samples})",
+            )
         if prepared.stream:
             events = self._sse(prepared)
             await anext(events)  # admission happens here; the generator now owns the release
@@ -260,13 +285,18 @@ class Generation:
             try:
                 # the samples of one prompt run where its first was placed: they share its cached prefix
                 group = f"{prepared.request_id}-p{index // len(prepared.plan.samples)}"
-                completion = await self.cluster.agenerate(prompt, sampling, request_id=request_id, on_delta=on_delta,
-                                                          share_placement=group if len(prepared.plan.samples) > 1
-                                                          else None)  # fmt: skip
+                completion = await self.cluster.agenerate(
+                    prompt,
+                    sampling,
+                    request_id=request_id,
+                    on_delta=on_delta,
+                    share_placement=group if len(prepared.plan.samples) > 1 else None,
+                )
                 # arrival to the last token: the cluster's TTFT (from arrival) plus the stream after it
                 tokens_s = last - first if first is not None and last is not None else None
-                self.metrics.e2e_latency.observe(completion.ttft_s + tokens_s if tokens_s is not None
-                                                 else completion.latency_s)  # fmt: skip
+                self.metrics.e2e_latency.observe(
+                    completion.ttft_s + tokens_s if tokens_s is not None else completion.latency_s
+                )
                 queue.put_nowait((index, completion))
             except asyncio.CancelledError:
                 raise
@@ -276,8 +306,11 @@ class Generation:
                 queue.put_nowait((index, None))
 
         samples = prepared.plan.samples
-        tasks = [asyncio.ensure_future(one(p * len(samples) + j, prompt, sampling))
-                 for p, prompt in enumerate(prepared.prompts) for j, sampling in enumerate(samples)]  # fmt: skip
+        tasks = [
+            asyncio.ensure_future(one(p * len(samples) + j, prompt, sampling))
+            for p, prompt in enumerate(prepared.prompts)
+            for j, sampling in enumerate(samples)
+        ]
         remaining = len(tasks)
         try:
             while remaining:
@@ -385,8 +418,9 @@ class Generation:
         yield "data: [DONE]\n\n"
 
     def _record(self, completion: ClusterCompletion) -> None:
-        self.metrics.record_completion(len(completion.prompt_token_ids), len(completion.token_ids),
-                                       completion.cached_tokens, completion.ttft_s)  # fmt: skip
+        self.metrics.record_completion(
+            len(completion.prompt_token_ids), len(completion.token_ids), completion.cached_tokens, completion.ttft_s
+        )
 
     # -- formatting ---------------------------------------------------------------------------------
     @property
@@ -407,8 +441,11 @@ class Generation:
             choice["text"] = completion.prompt + choice["text"]
         if plan.logprobs is not None:
             builder = CompletionLogprobs(self.strings)
-            prompt_piece = builder.prompt(completion.prompt_token_ids, _required(completion.prompt_logprobs)) \
-                if plan.prompt_logprobs else None  # fmt: skip
+            prompt_piece = (
+                builder.prompt(completion.prompt_token_ids, _required(completion.prompt_logprobs))
+                if plan.prompt_logprobs
+                else None
+            )
             builder.offsets.position = len(completion.prompt) if plan.echo else 0
             output_piece = builder.output(_required(completion.logprobs))
             choice["logprobs"] = join_completion_pieces(*(p for p in (prompt_piece, output_piece) if p is not None))
@@ -458,8 +495,12 @@ class Generation:
 
     def _chunk(self, prepared: Prepared, index: int, delta: Any, reason: str | None) -> dict[str, Any]:
         chat = prepared.kind == "chat.completion"
-        choice: dict[str, Any] = {"index": index, ("delta" if chat else "text"): delta, "logprobs": None,
-                                  "finish_reason": reason}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": index,
+            ("delta" if chat else "text"): delta,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
         return {
             "id": prepared.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",

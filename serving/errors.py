@@ -65,8 +65,12 @@ def bad_request(param: str, message: str, code: str | None = None) -> APIError:
 
 def model_not_found(model: str, served: str) -> APIError:
     """404 for a model this server does not serve (as OpenAI's and vLLM's: the client's NotFoundError)."""
-    return APIError(404, f"model: the model {model!r} does not exist (this server serves {served!r})",
-                    param="model", code="model_not_found")  # fmt: skip
+    return APIError(
+        404,
+        f"model: the model {model!r} does not exist (this server serves {served!r})",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def leading_field(message: str) -> str:
@@ -101,8 +105,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))  # fmt: skip
+        return JSONResponse(
+            error_body(exc.status_code, message), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

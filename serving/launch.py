@@ -53,8 +53,9 @@ def start_serving(config: ClusterConfig) -> Serving:
             ray.init(**kwargs)
             owns_ray = True
     try:
-        serve.start(http_options={"host": config.serve.host, "port": config.serve.port},
-                    logging_config=serve_logging(config))  # the proxy's access lines too
+        serve.start(
+            http_options={"host": config.serve.host, "port": config.serve.port}, logging_config=serve_logging(config)
+        )  # the proxy's access lines too
         serve.run(kvfleet_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     except BaseException:
         stop_serving(owns_ray)

@@ -133,8 +133,9 @@ def chat_logprobs(strings: TokenStrings, logprobs: Sequence[TokenLogprob], top: 
 
 def _chat_entry(strings: TokenStrings, entry: TokenLogprob, top: int) -> dict[str, Any]:
     text, raw = strings.of(entry.token_id)
-    alternatives = [{"token": strings.text(t), "logprob": clamp(lp), "bytes": list(strings.raw(t))}
-                    for t, lp in entry.top[:top]]  # fmt: skip
+    alternatives = [
+        {"token": strings.text(t), "logprob": clamp(lp), "bytes": list(strings.raw(t))} for t, lp in entry.top[:top]
+    ]
     return {"token": text, "logprob": clamp(entry.logprob), "bytes": list(raw), "top_logprobs": alternatives}
 
 

@@ -39,21 +39,31 @@ class ClusterGauges:
         if stats is None:
             return
         totals = stats["totals"]
-        yield _gauge("kvfleet_queue_depth", "Requests waiting on the workers (queued or waiting for KV).",
-                     totals["queued"])  # fmt: skip
+        yield _gauge(
+            "kvfleet_queue_depth", "Requests waiting on the workers (queued or waiting for KV).", totals["queued"]
+        )
         yield _gauge("kvfleet_running_requests", "Requests running on the workers.", totals["running"])
-        yield _gauge("kvfleet_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, share.",
-                     totals["hit_rate"])  # fmt: skip
+        yield _gauge(
+            "kvfleet_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, share.", totals["hit_rate"]
+        )
         yield _gauge("kvfleet_free_blocks", "Free KV blocks over every worker.", totals["free_blocks"])
         yield _gauge("kvfleet_pinned_blocks", "Pinned KV blocks over every worker.", totals["pinned_blocks"])
-        yield _gauge("kvfleet_kv_transfer_bytes", "KV bytes decode workers pulled from prefill workers (so far).",
-                     totals["transfer_bytes"])  # fmt: skip
-        yield CounterMetricFamily("kvfleet_kv_transfers", "KV reads decode workers finished (so far).",
-                                  value=float(totals["transfers"]))  # fmt: skip
-        yield CounterMetricFamily("kvfleet_kv_transfer_seconds", "Seconds decode workers spent in finished KV reads.",
-                                  value=float(totals["transfer_seconds"]))  # fmt: skip
-        per_worker = GaugeMetricFamily("kvfleet_worker_hit_rate", "Prefix cache hit rate per worker.",
-                                       labels=["worker_id", "role"])  # fmt: skip
+        yield _gauge(
+            "kvfleet_kv_transfer_bytes",
+            "KV bytes decode workers pulled from prefill workers (so far).",
+            totals["transfer_bytes"],
+        )
+        yield CounterMetricFamily(
+            "kvfleet_kv_transfers", "KV reads decode workers finished (so far).", value=float(totals["transfers"])
+        )
+        yield CounterMetricFamily(
+            "kvfleet_kv_transfer_seconds",
+            "Seconds decode workers spent in finished KV reads.",
+            value=float(totals["transfer_seconds"]),
+        )
+        per_worker = GaugeMetricFamily(
+            "kvfleet_worker_hit_rate", "Prefix cache hit rate per worker.", labels=["worker_id", "role"]
+        )
         for worker_id, worker in stats["workers"].items():
             per_worker.add_metric([worker_id, worker["role"]], worker["hit_rate"])
         yield per_worker
@@ -66,23 +76,38 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvfleet_http_requests", "HTTP requests by endpoint and status code.",
-                                ["endpoint", "status"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            "kvfleet_http_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("kvfleet_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("kvfleet_generation_tokens", "Generated tokens.", registry=r)
-        self.cached_tokens = Counter("kvfleet_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
-                                     registry=r)  # fmt: skip
-        self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "Time to first token, from arrival.",
-                              buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
-        self.itl = Histogram("kvfleet_inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
-        self.e2e_latency = Histogram("kvfleet_e2e_request_latency_seconds",
-                                     "Request latency from arrival to its last token, per finished request.",
-                                     buckets=E2E_BUCKETS_S, registry=r)  # fmt: skip
-        self.in_flight = Gauge("kvfleet_http_requests_in_flight", "Generation requests admitted, not finished.",
-                               registry=r)  # fmt: skip
-        self.rejected = Counter("kvfleet_http_requests_rejected", "Requests refused with 429 (queue bound full).",
-                                registry=r)  # fmt: skip
+        self.cached_tokens = Counter(
+            "kvfleet_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.ttft = Histogram(
+            "kvfleet_time_to_first_token_seconds",
+            "Time to first token, from arrival.",
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvfleet_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            buckets=ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "kvfleet_e2e_request_latency_seconds",
+            "Request latency from arrival to its last token, per finished request.",
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvfleet_http_requests_in_flight", "Generation requests admitted, not finished.", registry=r
+        )
+        self.rejected = Counter(
+            "kvfleet_http_requests_rejected", "Requests refused with 429 (queue bound full).", registry=r
+        )
         self.cluster = ClusterGauges()
         r.register(self.cluster)
 
@@ -109,24 +134,34 @@ class ServeMetrics:
 def _tier_families(workers: dict[str, Any]) -> Iterator[Metric]:
     """The KV tier series of every worker (``cluster.tier_stats`` built the values)."""
     labels = ["worker_id", "role"]
-    hits = CounterMetricFamily("kvfleet_worker_hit_tokens", "Prompt tokens a worker served from cache, per tier.",
-                               labels=[*labels, "tier"])  # fmt: skip
-    blocks = GaugeMetricFamily("kvfleet_host_tier_blocks", "Usable blocks of a worker's host tier, per pool.",
-                               labels=[*labels, "pool"])  # fmt: skip
-    cached = GaugeMetricFamily("kvfleet_host_tier_cached_blocks",
-                               "Blocks of a worker's host tier holding an evicted block, per pool.",
-                               labels=[*labels, "pool"])  # fmt: skip
-    occupancy = GaugeMetricFamily("kvfleet_host_tier_occupancy", "Cached over usable blocks of a worker's host tier.",
-                                  labels=labels)  # fmt: skip
-    moves = CounterMetricFamily("kvfleet_host_tier_block_moves",
-                                "Blocks a worker's host tier offloaded (took from the device), refreshed (held "
-                                "already), dropped (no free host block) and promoted (copied back).",
-                                labels=[*labels, "move"])  # fmt: skip
-    copied = CounterMetricFamily("kvfleet_host_tier_copy_bytes", "Bytes copied between a worker's two tiers.",
-                                 labels=[*labels, "direction"])  # fmt: skip
-    seconds = CounterMetricFamily("kvfleet_host_tier_copy_seconds",
-                                  "Host-side seconds of a worker's host tier copies (on CUDA: queueing them).",
-                                  labels=[*labels, "direction"])  # fmt: skip
+    hits = CounterMetricFamily(
+        "kvfleet_worker_hit_tokens", "Prompt tokens a worker served from cache, per tier.", labels=[*labels, "tier"]
+    )
+    blocks = GaugeMetricFamily(
+        "kvfleet_host_tier_blocks", "Usable blocks of a worker's host tier, per pool.", labels=[*labels, "pool"]
+    )
+    cached = GaugeMetricFamily(
+        "kvfleet_host_tier_cached_blocks",
+        "Blocks of a worker's host tier holding an evicted block, per pool.",
+        labels=[*labels, "pool"],
+    )
+    occupancy = GaugeMetricFamily(
+        "kvfleet_host_tier_occupancy", "Cached over usable blocks of a worker's host tier.", labels=labels
+    )
+    moves = CounterMetricFamily(
+        "kvfleet_host_tier_block_moves",
+        "Blocks a worker's host tier offloaded (took from the device), refreshed (held "
+        "already), dropped (no free host block) and promoted (copied back).",
+        labels=[*labels, "move"],
+    )
+    copied = CounterMetricFamily(
+        "kvfleet_host_tier_copy_bytes", "Bytes copied between a worker's two tiers.", labels=[*labels, "direction"]
+    )
+    seconds = CounterMetricFamily(
+        "kvfleet_host_tier_copy_seconds",
+        "Host-side seconds of a worker's host tier copies (on CUDA: queueing them).",
+        labels=[*labels, "direction"],
+    )
     for worker_id, worker in workers.items():
         who = [worker_id, worker["role"]]
         for tier, tokens in (worker.get("hit_tokens_by_tier") or {}).items():
@@ -140,8 +175,10 @@ def _tier_families(workers: dict[str, Any]) -> Iterator[Metric]:
         occupancy.add_metric(who, host["occupancy"])
         for move in BLOCK_MOVES:
             moves.add_metric([*who, move], float(host[f"{move}_blocks"]))
-        for direction, bytes_key, seconds_key in (("offload", "bytes_offloaded", "offload_seconds"),
-                                                  ("promote", "bytes_promoted", "promote_seconds")):  # fmt: skip
+        for direction, bytes_key, seconds_key in (
+            ("offload", "bytes_offloaded", "offload_seconds"),
+            ("promote", "bytes_promoted", "promote_seconds"),
+        ):
             copied.add_metric([*who, direction], float(host[bytes_key]))
             seconds.add_metric([*who, direction], float(host[seconds_key]))
     yield from (hits, blocks, cached, occupancy, moves, copied, seconds)

@@ -43,8 +43,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES = 128  # the most samples (``n``, ``best_of``) per prompt, OpenAI's bound on ``n``
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value (either sign)
 #: the fields that constrain the output, in the order a conflict between two is reported
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs")  # fmt: skip
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 #: OpenAI's rule for ``response_format.json_schema.name``
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -171,11 +177,15 @@ class _Sampling(_Body):
     def structured(self) -> StructuredOutput | None:
         """The one output constraint the body asks for; ValueError-like pydantic errors naming the
         field (the first field set wins the name when two are set)."""
-        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None
-                 and getattr(self, name) != {"type": "text"}]  # fmt: skip
+        given = [
+            name
+            for name in STRUCTURED_FIELDS
+            if getattr(self, name) is not None and getattr(self, name) != {"type": "text"}
+        ]
         if len(given) > 1:
-            raise _field_error(given[1], f"only one structured-output field at a time (also got {given[0]})",
-                               getattr(self, given[1]))  # fmt: skip
+            raise _field_error(
+                given[1], f"only one structured-output field at a time (also got {given[0]})", getattr(self, given[1])
+            )
         if not given:
             return None
         name = given[0]
@@ -437,8 +447,9 @@ def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
             raise _field_error(param, "must be a non-empty list of non-empty strings", value)
         return StructuredOutput(kind="choice", spec=json.dumps(value))
     if not isinstance(value, str) or not value:
-        raise _field_error(param, f"must be a non-empty {'regular expression' if kind == 'regex' else 'grammar'}",
-                           value)  # fmt: skip
+        raise _field_error(
+            param, f"must be a non-empty {'regular expression' if kind == 'regex' else 'grammar'}", value
+        )
     return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
 
 
@@ -482,8 +493,9 @@ def _kind(value: Any) -> str:
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"}
-                                      or part.startswith("function-"))  # fmt: skip
+    return isinstance(part, str) and (
+        "[" in part or part in {"str", "int", "float", "bool", "list", "dict"} or part.startswith("function-")
+    )
 
 
 _MESSAGES = {

@@ -138,36 +138,44 @@ def check_tool_fields(tools: list[ToolDefinition] | None, tool_choice: ToolChoic
     for i, tool in enumerate(tools or []):
         name = tool.function.name
         if name in seen:
-            raise ToolFieldError(f"tools.{i}.function.name", f"repeats the name of tools.{seen[name]} (got {name!r})",
-                                 name)  # fmt: skip
+            raise ToolFieldError(
+                f"tools.{i}.function.name", f"repeats the name of tools.{seen[name]} (got {name!r})", name
+            )
         seen[name] = i
     if tool_choice == "required" and not tools:
         raise ToolFieldError("tool_choice", "'required' needs tools (got 'required' and no tools)", tool_choice)
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in seen:
         known = ", ".join(repr(n) for n in seen) or "no tools"
-        raise ToolFieldError("tool_choice.function.name", f"names no tool of the request ({known}) "
-                             f"(got {tool_choice.function.name!r})", tool_choice.function.name)  # fmt: skip
+        raise ToolFieldError(
+            "tool_choice.function.name",
+            f"names no tool of the request ({known}) (got {tool_choice.function.name!r})",
+            tool_choice.function.name,
+        )
 
 
-def check_message_fields(index: int, role: str, has_content: bool, tool_calls: list[ToolCall] | None,
-                         tool_call_id: str | None) -> None:  # fmt: skip
+def check_message_fields(
+    index: int, role: str, has_content: bool, tool_calls: list[ToolCall] | None, tool_call_id: str | None
+) -> None:
     """Content is missing only from an assistant message with tool calls; ``tool_calls`` belong
     to assistant messages, ``tool_call_id`` to tool messages, which need one."""
     where = f"messages.{index}"
     if tool_calls is not None and role != "assistant":
-        raise ToolFieldError(f"{where}.tool_calls", f"only assistant messages carry tool calls (got role {role!r})",
-                             role)  # fmt: skip
+        raise ToolFieldError(
+            f"{where}.tool_calls", f"only assistant messages carry tool calls (got role {role!r})", role
+        )
     if not has_content and not (role == "assistant" and tool_calls):
         raise ToolFieldError(f"{where}.content", f"required field is missing for a {role} message (got null)", None)
     if role == "tool" and not tool_call_id:
-        raise ToolFieldError(f"{where}.tool_call_id", f"a tool message needs the id of its call (got {tool_call_id!r})",
-                             tool_call_id)  # fmt: skip
+        raise ToolFieldError(
+            f"{where}.tool_call_id", f"a tool message needs the id of its call (got {tool_call_id!r})", tool_call_id
+        )
     if role != "tool" and tool_call_id is not None:
         raise ToolFieldError(f"{where}.tool_call_id", f"only tool messages carry one (got role {role!r})", role)
 
 
-def template_message(role: str, text: str | None, name: str | None, tool_calls: list[ToolCall] | None,
-                     tool_call_id: str | None) -> dict[str, Any]:  # fmt: skip
+def template_message(
+    role: str, text: str | None, name: str | None, tool_calls: list[ToolCall] | None, tool_call_id: str | None
+) -> dict[str, Any]:
     """One history message as chat templates take it: ``developer`` is ``system``, and a call's
     arguments are an object (transformers' convention), not JSON text."""
     message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
@@ -175,10 +183,13 @@ def template_message(role: str, text: str | None, name: str | None, tool_calls: 
         message["name"] = name
     if tool_calls:
         message["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+            }
             for c in tool_calls
-        ]  # fmt: skip
+        ]
     if tool_call_id is not None:
         message["tool_call_id"] = tool_call_id
     return message
@@ -212,8 +223,9 @@ class ToolCalling:
             self.mode = tool_choice
 
     @classmethod
-    def of(cls, tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None,
-           parallel_tool_calls: bool) -> ToolCalling | None:  # fmt: skip
+    def of(
+        cls, tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool
+    ) -> ToolCalling | None:
         """The request's tool calling, or None when it has no tools."""
         return cls(tools, tool_choice, parallel_tool_calls) if tools else None
 
@@ -227,10 +239,15 @@ class ToolCalling:
             return next(t.function.parameters_schema for t in self.tools if t.function.name == self.forced_name)
         if self.mode != "required":
             return None
-        one_call = [{"type": "object",
-                     "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters_schema},
-                     "required": ["name", "arguments"], "additionalProperties": False}
-                    for t in self.tools]  # fmt: skip
+        one_call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters_schema},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
         if not self.parallel_tool_calls:
             array["maxItems"] = 1
@@ -245,8 +262,11 @@ class ToolCalling:
             return sampling
         if sampling.structured is not None:
             choice = self.forced_name or self.mode
-            raise ToolFieldError("tool_choice", f"cannot force a call ({choice!r}) together with response_format "
-                                 f"(got {sampling.structured.kind!r})", choice)  # fmt: skip
+            raise ToolFieldError(
+                "tool_choice",
+                f"cannot force a call ({choice!r}) together with response_format (got {sampling.structured.kind!r})",
+                choice,
+            )
         return sampling.replace(structured=StructuredOutput(kind="json_schema", spec=json.dumps(schema)))
 
     def stream(self) -> ToolCallStream:
@@ -278,8 +298,9 @@ def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     calls: dict[int, dict[str, Any]] = {}
     for delta in deltas:
         for part in delta.get("tool_calls", ()):
-            call = calls.setdefault(part["index"], {"id": "", "type": "function",
-                                                    "function": {"name": "", "arguments": ""}})  # fmt: skip
+            call = calls.setdefault(
+                part["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             call["id"] = part.get("id", call["id"])
             call["function"]["name"] += part.get("function", {}).get("name", "")
             call["function"]["arguments"] += part.get("function", {}).get("arguments", "")
@@ -291,8 +312,11 @@ def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _call_start(index: int, name: str, arguments: str = "") -> dict[str, Any]:
     call_id = f"call_{uuid.uuid4().hex[:24]}"
-    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                            "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+    return {
+        "tool_calls": [
+            {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        ]
+    }
 
 
 def _arguments(index: int, text: str) -> dict[str, Any]:

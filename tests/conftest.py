@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # is no GPU. Triton reads TRITON_INTERPRET when its language module is first imported, and test
 # modules import transformers' modeling code at collection time, which may import triton first:
 # so it is set here, before any test module is collected.
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

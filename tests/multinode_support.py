@@ -159,15 +159,17 @@ class LocalMultiNodeRay:
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HEALTH_CHECK_ENV)
-        env.update({
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # else `ray start --address` refuses
-            "UCX_NET_DEVICES": "lo",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
-            TAG_VARIABLE: self.tag,
-        })  # fmt: skip
+        env.update(
+            {
+                "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # else `ray start --address` refuses
+                "UCX_NET_DEVICES": "lo",
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+                TAG_VARIABLE: self.tag,
+            }
+        )
         # The driver's token mode, else none: with RAY_AUTH_MODE unset, `ray start --head` turns
         # token auth on when ~/.ray/auth_token exists (any local ray.init on this machine writes
         # one) but `ray start --address` and a driver given an address do not, and cannot join.
@@ -182,29 +184,45 @@ class LocalMultiNodeRay:
         self._next_ip += 1
         head = not self.nodes
         args = [
-            _ray_executable(), "start", "--block", f"--node-ip-address={ip}",
-            f"--num-cpus={self.num_cpus_per_node}", f"--resources={json.dumps(resources)}",
-            f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats",
+            _ray_executable(),
+            "start",
+            "--block",
+            f"--node-ip-address={ip}",
+            f"--num-cpus={self.num_cpus_per_node}",
+            f"--resources={json.dumps(resources)}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            "--disable-usage-stats",
             "--include-log-monitor=false",
             # 0: the OS picks each port when it binds, so no two nodes (or Rays) can clash
-            "--node-manager-port=0", "--object-manager-port=0", "--min-worker-port=0", "--max-worker-port=0",
+            "--node-manager-port=0",
+            "--object-manager-port=0",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
             f"--dashboard-agent-listen-port={free_port(ip)}",  # Ray's default is one fixed port
-        ]  # fmt: skip
+        ]
         if head:
             port = free_port(ip)
             self.address = f"{ip}:{port}"
             args += [
-                "--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={free_port(ip)}",
-                f"--ray-client-server-port={free_port(ip)}", f"--temp-dir={self.temp_dir}",
-            ]  # fmt: skip
+                "--head",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--dashboard-port={free_port(ip)}",
+                f"--ray-client-server-port={free_port(ip)}",
+                f"--temp-dir={self.temp_dir}",
+            ]
         else:
             args.append(f"--address={self.address}")
         log_path = self.temp_dir / f"{name}.log"
         with log_path.open("wb") as out:
             process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=self._environment(), cwd=REPO_ROOT,
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self._environment(),
+                cwd=REPO_ROOT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         node = RayNode(name, ip, dict(resources), process, log_path)
         self.nodes[name] = node
         self._wait_started(node)

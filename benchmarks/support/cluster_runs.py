@@ -106,8 +106,14 @@ def outcome(results: list[Any], elapsed: float) -> dict[str, Any]:
         "disaggregated": sum(r.disaggregated for r in results),
         "hops": hop_summary(results),
         "mispredictions": [
-            {"reason": r.route_reason, "worker": r.prefill_worker, "decode": r.decode_worker,
-             "prompt": len(r.prompt_token_ids), "predicted": r.predicted_hit, "found": r.cached_tokens}
+            {
+                "reason": r.route_reason,
+                "worker": r.prefill_worker,
+                "decode": r.decode_worker,
+                "prompt": len(r.prompt_token_ids),
+                "predicted": r.predicted_hit,
+                "found": r.cached_tokens,
+            }
             for r in results
             if r.predicted_hit != r.cached_tokens
         ][:12],

@@ -75,8 +75,11 @@ def pd_overhead(config: ClusterConfig) -> dict[str, Any]:
     from benchmarks.pd_overhead import measure_pd_overhead
 
     result = measure_pd_overhead(config)
-    return {"pd_ttft_overhead_ratio": result.get("pd_ttft_overhead_ratio"),
-            "source": "benchmarks.pd_overhead.measure_pd_overhead", "detail": result}  # fmt: skip
+    return {
+        "pd_ttft_overhead_ratio": result.get("pd_ttft_overhead_ratio"),
+        "source": "benchmarks.pd_overhead.measure_pd_overhead",
+        "detail": result,
+    }
 
 
 def run_suite(main: ClusterConfig, hybrid_second: ClusterConfig | None, suite: Suite) -> dict[str, Any]:

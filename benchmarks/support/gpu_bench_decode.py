@@ -78,8 +78,13 @@ def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> di
         engine.abort(rid)
     while engine.has_work:
         engine.step()
-    return {"step_ms": step_s * 1e3, "kv_bytes": kv, "context_start": min(lengths), "phases": phases.summary(),
-            **kernels}  # fmt: skip
+    return {
+        "step_ms": step_s * 1e3,
+        "kv_bytes": kv,
+        "context_start": min(lengths),
+        "phases": phases.summary(),
+        **kernels,
+    }
 
 
 def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, float]:
@@ -101,7 +106,7 @@ def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, float]
 def _is_kernel(name: str) -> bool:
     """Device events that are kernels (not memcpy / memset records)."""
     lowered = name.lower()
-    return not (lowered.startswith("memcpy") or lowered.startswith("memset") or "cudamemcpy" in lowered)
+    return not (lowered.startswith(("memcpy", "memset")) or "cudamemcpy" in lowered)
 
 
 def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: int) -> None:
@@ -129,9 +134,15 @@ def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: in
         bound_ms = (result["weight_bytes"][name] + timed["kv_bytes"]) / (bandwidth * 1e9) * 1e3
         result["decode_bound_ms"][key] = round(bound_ms, 5)
         result["decode_step_over_bound"][key] = round(timed["step_ms"] / bound_ms, 3)
-    log.info("decode batch %d: %.3f ms/step (context from %d), bound %s ms, host phases %s, kernels %s",
-             batch, timed["step_ms"], timed["context_start"], result["decode_bound_ms"].get(key), timed["phases"],
-             timed.get("kernels_per_step"))  # fmt: skip
+    log.info(
+        "decode batch %d: %.3f ms/step (context from %d), bound %s ms, host phases %s, kernels %s",
+        batch,
+        timed["step_ms"],
+        timed["context_start"],
+        result["decode_bound_ms"].get(key),
+        timed["phases"],
+        timed.get("kernels_per_step"),
+    )
 
 
 def copy_bandwidth(run: Run) -> float:

@@ -31,21 +31,61 @@ log = logging.getLogger("engine_gpu")  # the script's logger: progress reads as 
 _GEMMA_PUBLISHED = {k: v for k, v in NAMED_MODELS["gemma-3-270m"].expected_config.items() if k != "architectures"}
 # name -> (config class, model class, fields): the full shapes and the --quick ones
 MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "gemma": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        **_GEMMA_PUBLISHED, "intermediate_size": 2048, "query_pre_attn_scalar": 256, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
-    "bamba": ("BambaConfig", "BambaForCausalLM", {
-        **BAMBA_SCALED, "hidden_size": 1536, "intermediate_size": 5376, "num_hidden_layers": 10,
-        "attn_layer_indices": [3, 7], "num_attention_heads": 12, "num_key_value_heads": 3, "mamba_n_heads": 48}),
-}  # fmt: skip
+    "gemma": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **_GEMMA_PUBLISHED,
+            "intermediate_size": 2048,
+            "query_pre_attn_scalar": 256,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        {
+            **BAMBA_SCALED,
+            "hidden_size": 1536,
+            "intermediate_size": 5376,
+            "num_hidden_layers": 10,
+            "attn_layer_indices": [3, 7],
+            "num_attention_heads": 12,
+            "num_key_value_heads": 3,
+            "mamba_n_heads": 48,
+        },
+    ),
+}
 QUICK_MODELS: dict[str, dict[str, Any]] = {
-    "gemma": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "head_dim": 32, "sliding_window": 32, "query_pre_attn_scalar": 32, "max_position_embeddings": 4096,
-              "layer_types": ["sliding_attention", "full_attention"]},
-    "bamba": {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "attn_layer_indices": [1], "num_attention_heads": 4, "num_key_value_heads": 1, "mamba_n_heads": 4,
-              "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16},
-}  # fmt: skip
+    "gemma": {
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "sliding_window": 32,
+        "query_pre_attn_scalar": 32,
+        "max_position_embeddings": 4096,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "bamba": {
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "attn_layer_indices": [1],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+    },
+}
 DECODE_MODEL = "gemma"
 
 
@@ -73,9 +113,22 @@ class Sizes:
     copy_reps: int = 20
 
 
-QUICK = Sizes(num_requests=8, prompt_lens=(16, 64), output_lens=(4, 16), hf_batch=4, kv_budget_mib=64,
-              warmup_requests=2, warmup_prompt_len=16, warmup_tokens=2, decode_batches=(1, 8, 64), decode_prompt_len=48,
-              decode_warmup_steps=3, decode_steps=32, copy_mib=64, copy_reps=5)  # fmt: skip
+QUICK = Sizes(
+    num_requests=8,
+    prompt_lens=(16, 64),
+    output_lens=(4, 16),
+    hf_batch=4,
+    kv_budget_mib=64,
+    warmup_requests=2,
+    warmup_prompt_len=16,
+    warmup_tokens=2,
+    decode_batches=(1, 8, 64),
+    decode_prompt_len=48,
+    decode_warmup_steps=3,
+    decode_steps=32,
+    copy_mib=64,
+    copy_reps=5,
+)
 
 
 class OutOfTime(RuntimeError):
@@ -114,7 +167,7 @@ class Run:
         except OutOfTime as exc:
             log.warning("%s skipped: %s", phase, exc)
             self.result["errors"][phase] = f"OutOfTime: {exc}"
-        except Exception as exc:  # noqa: BLE001 - one phase failing must not lose the others' numbers
+        except Exception as exc:
             log.exception("%s failed", phase)
             self.result["errors"][phase] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return None
@@ -131,16 +184,23 @@ def build_checkpoint(run: Run, name: str, directory: Path) -> Path:
     for build_device in dict.fromkeys([run.device, torch.device("cpu")]):
         try:
             with torch.device(build_device):
-                write_random_checkpoint(config_cls, model_cls, shape, directory, run.args.seed,
-                                        finish=lambda model: model.to(device="cpu", dtype=dtype))  # fmt: skip
+                write_random_checkpoint(
+                    config_cls,
+                    model_cls,
+                    shape,
+                    directory,
+                    run.args.seed,
+                    finish=lambda model: model.to(device="cpu", dtype=dtype),
+                )
             break
-        except Exception as exc:  # noqa: BLE001 - e.g. a device-side init failure: build on the CPU
+        except Exception as exc:
             if build_device.type == "cpu":
                 raise
             log.warning("%s: building on %s failed (%s); building on the CPU", name, build_device, exc)
         finally:
             run.release_memory()
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    log.info("%s: random checkpoint, %.0f MiB %s, in %.1f s", name, size / 2**20, run.args.dtype,
-             time.perf_counter() - start)  # fmt: skip
+    log.info(
+        "%s: random checkpoint, %.0f MiB %s, in %.1f s", name, size / 2**20, run.args.dtype, time.perf_counter() - start
+    )
     return directory

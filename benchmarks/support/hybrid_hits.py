@@ -81,7 +81,9 @@ def drive(
         while scheduler.has_work:
             out = scheduler.schedule()
             if not out.chunks:
-                raise RuntimeError(f"request {i} not scheduled at {request.num_computed_tokens} tokens: raise the budget")
+                raise RuntimeError(
+                    f"request {i} not scheduled at {request.num_computed_tokens} tokens: raise the budget"
+                )
             step += 1
             scheduler.update(out, {request.request_id: (i * 7 + step) % 30000})
         hits += request.num_cached_tokens
@@ -104,12 +106,20 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
     block_v = cap["vllm_block_size"]["kvfleet_state"]
     page_v = max(vllm["kvfleet_state"]["page_bytes"], cap["state_bytes"])
     budget = int(args.hit_budget_gib * GIB)
-    out: dict[str, Any] = {"budget_gib": args.hit_budget_gib, "vllm_block_size": block_v,
-                           "max_num_seqs": args.hit_max_num_seqs, "state_cache_fraction": args.hit_state_fraction,
-                           "kvfleet_defaults": {"state_cache_fraction": DEFAULTS.state_cache_fraction,
-                                                "expected_prefix_tokens": DEFAULTS.expected_prefix_tokens}}
+    out: dict[str, Any] = {
+        "budget_gib": args.hit_budget_gib,
+        "vllm_block_size": block_v,
+        "max_num_seqs": args.hit_max_num_seqs,
+        "state_cache_fraction": args.hit_state_fraction,
+        "kvfleet_defaults": {
+            "state_cache_fraction": DEFAULTS.state_cache_fraction,
+            "expected_prefix_tokens": DEFAULTS.expected_prefix_tokens,
+        },
+    }
     chunk_theirs = max(block_v, args.chunk_tokens // block_v * block_v)
-    chunk_ours = chunk_theirs if args.kvfleet_chunk_tokens is None else max(BLOCK, args.kvfleet_chunk_tokens // BLOCK * BLOCK)
+    chunk_ours = (
+        chunk_theirs if args.kvfleet_chunk_tokens is None else max(BLOCK, args.kvfleet_chunk_tokens // BLOCK * BLOCK)
+    )
     out["chunk_tokens"] = {"kvfleet": chunk_ours, "vllm_unified": chunk_theirs}
     for policy in ("boundary", "plain"):
         rows = []
@@ -118,21 +128,43 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
             t0 = time.perf_counter()
             hit, total = {}, 0
             for name, coord, chunk in (
-                ("kvfleet", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, args.hit_state_fraction,
-                                                shared), chunk_ours),
-                ("kvfleet_defaults", kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, DEFAULTS.state_cache_fraction,
-                                                         DEFAULTS.expected_prefix_tokens), chunk_ours),
+                (
+                    "kvfleet",
+                    kvfleet_coordinator(layout, budget, args.hit_max_num_seqs, args.hit_state_fraction, shared),
+                    chunk_ours,
+                ),
+                (
+                    "kvfleet_defaults",
+                    kvfleet_coordinator(
+                        layout,
+                        budget,
+                        args.hit_max_num_seqs,
+                        DEFAULTS.state_cache_fraction,
+                        DEFAULTS.expected_prefix_tokens,
+                    ),
+                    chunk_ours,
+                ),
                 ("vllm_unified", unified_coordinator(arch, block_v, page_v, budget), chunk_theirs),
-            ):  # fmt: skip
+            ):
                 hit[name], total = drive(coord, prompts, chunk, args.decode_tokens, policy == "boundary")
             best = shared * args.prefixes * (args.reuse - 1)
-            rows.append({"shared_tokens": shared, "inside_vllm_block": shared % block_v != 0,
-                         "hit_rate": {**{k: v / total for k, v in hit.items()}, "best": best / total},
-                         "hit_tokens": hit,
-                         "ratio": hit["kvfleet"] / hit["vllm_unified"] if hit["vllm_unified"] else None})  # fmt: skip
-            log.info("%s: shared %5d: kvfleet %.3f (defaults %.3f) vs unified %.3f (best %.3f) [%.1f s]", policy,
-                     shared, *(hit[k] / total for k in ("kvfleet", "kvfleet_defaults", "vllm_unified")), best / total,
-                     time.perf_counter() - t0)  # fmt: skip
+            rows.append(
+                {
+                    "shared_tokens": shared,
+                    "inside_vllm_block": shared % block_v != 0,
+                    "hit_rate": {**{k: v / total for k, v in hit.items()}, "best": best / total},
+                    "hit_tokens": hit,
+                    "ratio": hit["kvfleet"] / hit["vllm_unified"] if hit["vllm_unified"] else None,
+                }
+            )
+            log.info(
+                "%s: shared %5d: kvfleet %.3f (defaults %.3f) vs unified %.3f (best %.3f) [%.1f s]",
+                policy,
+                shared,
+                *(hit[k] / total for k in ("kvfleet", "kvfleet_defaults", "vllm_unified")),
+                best / total,
+                time.perf_counter() - t0,
+            )
         ours_total = sum(r["hit_tokens"]["kvfleet"] for r in rows)
         theirs_total = sum(r["hit_tokens"]["vllm_unified"] for r in rows)
         out[policy] = {
@@ -143,9 +175,12 @@ def hit_sweep(arch: ModelArch, cap: dict[str, Any], vllm: dict[str, Any], args: 
                 r["hit_tokens"]["kvfleet"] > r["hit_tokens"]["vllm_unified"] for r in rows if r["inside_vllm_block"]
             ),
             "kvfleet_higher_below_first_block": all(
-                r["hit_tokens"]["kvfleet"] > r["hit_tokens"]["vllm_unified"] for r in rows if r["shared_tokens"] < block_v
+                r["hit_tokens"]["kvfleet"] > r["hit_tokens"]["vllm_unified"]
+                for r in rows
+                if r["shared_tokens"] < block_v
             ),
-            "points_lower": [r["shared_tokens"] for r in rows
-                             if r["hit_tokens"]["kvfleet"] < r["hit_tokens"]["vllm_unified"]],
-        }  # fmt: skip
+            "points_lower": [
+                r["shared_tokens"] for r in rows if r["hit_tokens"]["kvfleet"] < r["hit_tokens"]["vllm_unified"]
+            ],
+        }
     return out

@@ -26,8 +26,9 @@ def vllm_group_size(bucket_sizes: list[int]) -> int:
     return largest if largest < smallest * 1.5 else smallest
 
 
-def one_pool_tokens(budget: int, page: int, group_size: int, attn_groups: int, rec_groups: int,
-                    block_tokens: int, max_num_seqs: int) -> int:  # fmt: skip
+def one_pool_tokens(
+    budget: int, page: int, group_size: int, attn_groups: int, rec_groups: int, block_tokens: int, max_num_seqs: int
+) -> int:
     """Attention tokens of a one-pool layout once the running requests' states are reserved."""
     blocks = budget // (page * group_size)
     reserved = max_num_seqs * rec_groups * STATES_PER_RUNNING_REQUEST + 1
@@ -47,8 +48,15 @@ def capacity(arch: ModelArch, vllm: dict[str, Any], budget: int, max_num_seqs: i
     ours = layout.capacity(split.num_blocks)["tokens"]
 
     g_old = min(n_attn, n_rec)  # the old rule: cut every bucket by the smallest bucket's size
-    padded = one_pool_tokens(budget, padded_page_bytes(arch, BLOCK, DTYPE), g_old, -(-n_attn // g_old),
-                             -(-n_rec // g_old), BLOCK, max_num_seqs)  # fmt: skip
+    padded = one_pool_tokens(
+        budget,
+        padded_page_bytes(arch, BLOCK, DTYPE),
+        g_old,
+        -(-n_attn // g_old),
+        -(-n_rec // g_old),
+        BLOCK,
+        max_num_seqs,
+    )
     g_v = vllm_group_size([n_attn, n_rec])
     block_v = vllm["kvfleet_state"]["block_size"]
     page_v = max(vllm["kvfleet_state"]["page_bytes"], state)
@@ -59,13 +67,19 @@ def capacity(arch: ModelArch, vllm: dict[str, Any], budget: int, max_num_seqs: i
         "attention_bytes_per_token": token_bytes,
         "ideal_tokens": int(ideal),
         "tokens": {"kvfleet": ours, "padded": padded, "vllm_unified": unified},
-        "tokens_per_gib": {"ideal": ideal / (budget / GIB), "kvfleet": ours / (budget / GIB),
-                           "padded": padded / (budget / GIB), "vllm_unified": unified / (budget / GIB)},
+        "tokens_per_gib": {
+            "ideal": ideal / (budget / GIB),
+            "kvfleet": ours / (budget / GIB),
+            "padded": padded / (budget / GIB),
+            "vllm_unified": unified / (budget / GIB),
+        },
         "over_ideal": {"kvfleet": ours / ideal, "padded": padded / ideal, "vllm_unified": unified / ideal},
-        "kvfleet_pools": [{"kind": p.kind, "page_bytes": p.page_bytes, "slots": p.num_slots, "blocks": n}
-                          for p, n in zip(layout.pools, split.num_blocks, strict=True)],
+        "kvfleet_pools": [
+            {"kind": p.kind, "page_bytes": p.page_bytes, "slots": p.num_slots, "blocks": n}
+            for p, n in zip(layout.pools, split.num_blocks, strict=True)
+        ],
         "kvfleet_cached_states": split.cached_states,
         "vllm_block_size": {"kvfleet_state": block_v, "vllm_state": vllm["vllm_state"]["block_size"]},
         "vllm_group_size": g_v,
         "padded_page_bytes": padded_page_bytes(arch, BLOCK, DTYPE),
-    }  # fmt: skip
+    }

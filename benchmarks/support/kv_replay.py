@@ -261,10 +261,19 @@ def run_kvfleet_once(
     LOG.info(
         "[kvfleet %s C=%d retention=%s run%d] wall=%.2fs lookup=%.1fus prefill=%.1fus decode=%.2fus "
         "free=%.1fus mkreq=%.1fus hit=%.4f preempt=%d admfail=%d steps=%d endfree=%d",
-        kind, concurrency, "on" if retention.enabled else "off", run, res.wall_s,
-        *(res.mean_us[c] for c in CALLS), res.make_request_us, res.token_hit_rate,
-        res.preemptions, res.admission_failures, res.steps, res.end_free_blocks,
-    )  # fmt: skip
+        kind,
+        concurrency,
+        "on" if retention.enabled else "off",
+        run,
+        res.wall_s,
+        *(res.mean_us[c] for c in CALLS),
+        res.make_request_us,
+        res.token_hit_rate,
+        res.preemptions,
+        res.admission_failures,
+        res.steps,
+        res.end_free_blocks,
+    )
     return res
 
 

@@ -70,9 +70,17 @@ def measure_repin(config: ClusterConfig, prefix_tokens: int = 512, trials: int =
                 pin_id = PIN_ID_BASE + 100 + t
                 computed = place(a, pin_id, tokens, None)
                 copied = place(b, pin_id, tokens, a)
-                rows.append({"holder": a, "target": b, "compute_s": round(computed["seconds"], 4),
-                             "copy_s": round(copied["seconds"], 4), "compute_method": computed["method"],
-                             "copy_method": copied["method"], "pinned": [computed["pinned"], copied["pinned"]]})  # fmt: skip
+                rows.append(
+                    {
+                        "holder": a,
+                        "target": b,
+                        "compute_s": round(computed["seconds"], 4),
+                        "copy_s": round(copied["seconds"], 4),
+                        "compute_method": computed["method"],
+                        "copy_method": copied["method"],
+                        "pinned": [computed["pinned"], copied["pinned"]],
+                    }
+                )
                 log.info("repin trial %d: %s", t, rows[-1])
         finally:
             for worker, action in placed:

@@ -34,8 +34,8 @@ from configs import ClusterConfig
 from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
 from engine.kv_cache.spec import MambaSpec, alignment_tokens
 from engine.routing.baselines import PrefixTreePolicy, RoundRobinPolicy
-from engine.routing.policy import RoutingPolicy
 from engine.routing.placement_policy import PlacementPolicy
+from engine.routing.policy import RoutingPolicy
 from engine.routing.types import RouteRequest, WorkerLoad
 from engine.scheduler import aligned_chunk, recurrent_checkpoint
 from kvfleet_testing.sizing import kv_groups, sized_config, vocab_size

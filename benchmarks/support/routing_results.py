@@ -142,4 +142,4 @@ def min_decision_p99(first: Result, replays: list[Result]) -> float:
     if any([rec.worker for rec in r.records] != placed for r in replays):
         raise RuntimeError("decision replays placed requests differently: the simulation is not deterministic")
     least = [min(r.records[i].decision_cpu_ns for r in runs) / 1000 for i in range(len(first.records))]
-    return percentile(sorted(v for v, rec in zip(least, first.records) if rec.decision_ns), 0.99)
+    return percentile(sorted(v for v, rec in zip(least, first.records, strict=False) if rec.decision_ns), 0.99)

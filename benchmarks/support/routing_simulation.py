@@ -47,9 +47,18 @@ class Simulation:
 
     ARRIVE, DONE, DELIVER, TICK, REMOVE = range(5)
 
-    def __init__(self, args: argparse.Namespace, trace: Trace, policy: str, pinned: list[int] | None = None,
-                 remove_at: float | None = None, event_lag_s: float = 0.0, label: str = "",
-                 auto_pin: bool = True, diagnose: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        trace: Trace,
+        policy: str,
+        pinned: list[int] | None = None,
+        remove_at: float | None = None,
+        event_lag_s: float = 0.0,
+        label: str = "",
+        auto_pin: bool = True,
+        diagnose: bool = False,
+    ):
         self.args = args
         self.trace = trace
         self.label = label or policy
@@ -88,9 +97,10 @@ class Simulation:
             return PrefixTreePolicy(GROUPS, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * 0.6))
         capacity = None
         if self.pinned:
-            capacity = sum(
-                len(HitRules(GROUPS).needed(self.trace.prefix_hashes[r], self._aligned(r))) for r in self.pinned
-            ) * self.args.pin_replicas  # fmt: skip
+            capacity = (
+                sum(len(HitRules(GROUPS).needed(self.trace.prefix_hashes[r], self._aligned(r))) for r in self.pinned)
+                * self.args.pin_replicas
+            )
         # kvfleet: RouterConfig defaults, automatic pinning on unless the run says otherwise
         config = RouterConfig(seed=seed, pin_capacity_blocks=capacity, auto_pin=AutoPinConfig(enabled=self.auto_pin))
         return build_router(config, GROUPS)
@@ -192,8 +202,14 @@ class Simulation:
         record.worker = str(decision.prefill_worker)
         chosen = self.workers[record.worker].coord
         record.hit_at_route = chosen.find_longest_cache_hit(hashes, len(tokens) - 1).num_tokens
-        job = Job(f"r{index}-{next(self.jobs)}", CacheRequest(f"r{index}", tokens, BLOCK, block_hashes=hashes),
-                  arrival.time, arrival.output, index, decision.predicted_hit)  # fmt: skip
+        job = Job(
+            f"r{index}-{next(self.jobs)}",
+            CacheRequest(f"r{index}", tokens, BLOCK, block_hashes=hashes),
+            arrival.time,
+            arrival.output,
+            index,
+            decision.predicted_hit,
+        )
         self.submit(self.workers[str(decision.prefill_worker)], job)
 
     def submit(self, worker: SimWorker, job: Job, front: bool = False) -> None:
@@ -323,7 +339,7 @@ class Simulation:
             self.execute(self.router.pin_result(worker.name, action.pin_id, pinned, self.now, coord.event_seq))
             return
         # Warm-up prefill of the prefix (+1 token: the hit search stops at N - 1), then pin.
-        tokens = list(action.token_ids) + [0]
+        tokens = [*list(action.token_ids), 0]
         rid = f"pin{action.pin_id}-{next(self.jobs)}"
         job = Job(rid, CacheRequest(rid, tokens, BLOCK), self.now, 1, None, pin=action)
         self.submit(worker, job, front=True)

@@ -65,8 +65,14 @@ def make_prefixes(args: argparse.Namespace) -> tuple[list[list[int]], list[list[
     return prefixes, [extend_block_hashes([], p, BLOCK) for p in prefixes]
 
 
-def make_trace(args: argparse.Namespace, workers: int, ratio: float, count: int, prefixes: list[list[int]],
-               prefix_hashes: list[list[bytes]]) -> Trace:  # fmt: skip
+def make_trace(
+    args: argparse.Namespace,
+    workers: int,
+    ratio: float,
+    count: int,
+    prefixes: list[list[int]],
+    prefix_hashes: list[list[bytes]],
+) -> Trace:
     """The requests of one (W, ratio) scenario: the same picks for both ratios of a W, arrival
     times scaled to the scenario's rate; the per-worker cache size; the static oracle."""
     rng = random.Random(args.seed * 1000 + workers)
@@ -77,11 +83,12 @@ def make_trace(args: argparse.Namespace, workers: int, ratio: float, count: int,
         suffix = tuple(rng.randrange(50_000, 100_000) for _ in range(rng.randint(args.suffix_min, args.suffix_max)))
         picks.append((rank, suffix, rng.randint(args.output_min, args.output_max), rng.expovariate(1.0)))
     rules = HitRules(GROUPS)
-    needed = [len(rules.needed(h, rules.aligned(len(p)))) for p, h in zip(prefixes, prefix_hashes)]
+    needed = [len(rules.needed(h, rules.aligned(len(p)))) for p, h in zip(prefixes, prefix_hashes, strict=False)]
     working_set = sum(needed)
     # Blocks one longest request holds while its prompt is built (full prefix, the windows, a chunk).
     longest = (args.prefix_max + args.suffix_max) // BLOCK + sum(
-        g.spec.blocks_for_hit + CHUNK // BLOCK for g in GROUPS[1:]  # type: ignore[union-attr]
+        g.spec.blocks_for_hit + CHUNK // BLOCK
+        for g in GROUPS[1:]  # type: ignore[union-attr]
     )
     num_blocks = max(math.ceil(working_set / (ratio * workers)), 2 * longest)
     # Static oracle: the most requested prefixes that fit the cluster's cache are always hit.

@@ -49,8 +49,10 @@ def cluster_stats(url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | Non
     to a worker predicted to hold less of the prompt than another one; kvfleet's policy only)."""
     try:
         stats = get_json(url, "/v1/stats")
-        workers = {w: {"finished": s.get("requests_finished"), "hit_rate": round(s.get("hit_rate") or 0.0, 4)}
-                   for w, s in sorted(stats["workers"].items())}  # fmt: skip
+        workers = {
+            w: {"finished": s.get("requests_finished"), "hit_rate": round(s.get("hit_rate") or 0.0, 4)}
+            for w, s in sorted(stats["workers"].items())
+        }
         return workers, (stats.get("router") or {}).get("route_outcomes")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("no /v1/stats: %s", exc)
@@ -61,8 +63,15 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeou
     """One streamed ``/v1/completions`` request; its TTFT (to the first chunk with text), latency
     and usage. Raises RuntimeError on an HTTP error or an error event."""
     parts = urlsplit(url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     try:
         start = time.perf_counter()
@@ -75,7 +84,7 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeou
             line = raw.decode().strip()
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)

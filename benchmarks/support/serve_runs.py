@@ -60,16 +60,36 @@ class Bench:
             model = served_model(server.url)
             self.warm(server, model)
             log.info("%s: %d requests at %g req/s", name, len(self.prompts), rate)
-            report = run_tool(self.tool, server.url, model, self.out_dir / "prompts.jsonl", self.tokenizer_dir,
-                              rate, len(self.prompts), run_dir)  # fmt: skip
+            report = run_tool(
+                self.tool,
+                server.url,
+                model,
+                self.out_dir / "prompts.jsonl",
+                self.tokenizer_dir,
+                rate,
+                len(self.prompts),
+                run_dir,
+            )
             workers, routes = cluster_stats(server.url)
-        result = {"policy": policy, "rate_rps": rate, **summarize_report(report, len(self.prompts)),
-                  "server_start_s": round(server.start_s, 1), "loadavg_1m": round(os.getloadavg()[0], 2),
-                  "workers": workers, "route_outcomes": routes}  # fmt: skip
+        result = {
+            "policy": policy,
+            "rate_rps": rate,
+            **summarize_report(report, len(self.prompts)),
+            "server_start_s": round(server.start_s, 1),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "workers": workers,
+            "route_outcomes": routes,
+        }
         self.sent += result["sent"]
         self.lost += result["lost"]
-        log.info("%s: TTFT p50 %.3f s p90 %.3f s, hit rate %s, %d lost", name, result["ttft_p50_s"],
-                 result["ttft_p90_s"], result["hit_rate"], result["lost"])  # fmt: skip
+        log.info(
+            "%s: TTFT p50 %.3f s p90 %.3f s, hit rate %s, %d lost",
+            name,
+            result["ttft_p50_s"],
+            result["ttft_p90_s"],
+            result["hit_rate"],
+            result["lost"],
+        )
         return result
 
     def http_overhead(self, count: int) -> dict[str, Any]:
@@ -92,7 +112,7 @@ class Bench:
                 self.sent += 1
                 try:
                     out.append(await call)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - a failed request is counted and logged, the run goes on
                     self.lost += 1
                     log.warning("%s request failed: %s", side, exc)
 
@@ -102,8 +122,9 @@ class Bench:
                     await cluster.agenerate(prompt, sampling)
                 for prompt in self.prompts[:count]:
                     await timed("driver", first_text_s(cluster, prompt, sampling), driver)
-                    await timed("HTTP", http_first_text_s(server.url, model, prompt, self.workload.max_tokens),
-                                http_ttfts)  # fmt: skip
+                    await timed(
+                        "HTTP", http_first_text_s(server.url, model, prompt, self.workload.max_tokens), http_ttfts
+                    )
 
             asyncio.run(drive())
         driver_p50, http_p50 = percentile(driver, 0.5), percentile(http_ttfts, 0.5)

@@ -29,8 +29,15 @@ class Server:
     """``kvfleet serve`` as a subprocess on a free loopback port: started, ready (its URL printed
     and /health 200), stopped with SIGINT (SIGKILL to its process group if it does not exit)."""
 
-    def __init__(self, kvfleet: str, config: str, overrides: Sequence[str], log_path: Path,
-                 start_timeout_s: float = 900.0, stop_timeout_s: float = 90.0):  # fmt: skip
+    def __init__(
+        self,
+        kvfleet: str,
+        config: str,
+        overrides: Sequence[str],
+        log_path: Path,
+        start_timeout_s: float = 900.0,
+        stop_timeout_s: float = 90.0,
+    ):
         self.port = free_port()
         self.cmd = [kvfleet, "serve", "--config", config]
         for override in [*overrides, f"serve.port={self.port}"]:
@@ -45,15 +52,18 @@ class Server:
     def __enter__(self) -> Self:
         started = time.monotonic()
         log_file = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True
+        )
         log_file.close()
         found = threading.Event()
         threading.Thread(target=self._read_stdout, args=(found,), daemon=True).start()
         try:
             while not found.wait(0.5):
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready; see {self.log_path}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode} before it was ready; see {self.log_path}"
+                    )
                 if time.monotonic() - started > self.start_timeout_s:
                     raise TimeoutError(f"server not ready after {self.start_timeout_s:.0f} s; see {self.log_path}")
             while get_status(self.url, "/health") != 200:

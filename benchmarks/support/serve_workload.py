@@ -12,8 +12,32 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-SYLLABLES = ("ka", "lo", "mi", "ten", "ra", "vo", "sel", "dun", "pa", "ri", "ost", "eh", "ul", "bor",
-             "fi", "gan", "te", "zu", "ni", "mar", "so", "quil", "ad", "nor")  # fmt: skip
+SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ten",
+    "ra",
+    "vo",
+    "sel",
+    "dun",
+    "pa",
+    "ri",
+    "ost",
+    "eh",
+    "ul",
+    "bor",
+    "fi",
+    "gan",
+    "te",
+    "zu",
+    "ni",
+    "mar",
+    "so",
+    "quil",
+    "ad",
+    "nor",
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +68,9 @@ def build_prompts(workload: Workload, tokenizer: Any) -> tuple[list[str], list[s
     """The prefixes, and every prefix asked ``requests_per_prefix`` distinct questions, shuffled
     once (seeded)."""
     rng = random.Random(workload.seed)
-    prefixes = [_words(rng, tokenizer, f"Document {i}.", workload.prefix_tokens) + "\n"
-                for i in range(workload.num_prefixes)]  # fmt: skip
+    prefixes = [
+        _words(rng, tokenizer, f"Document {i}.", workload.prefix_tokens) + "\n" for i in range(workload.num_prefixes)
+    ]
     prompts = [
         prefix + _words(rng, tokenizer, f"Question {j}:", workload.suffix_tokens) + "?"
         for prefix in prefixes
@@ -62,8 +87,9 @@ def warmup_prompts(workload: Workload, tokenizer: Any, prefixes: list[str]) -> l
     rng = random.Random(workload.seed + 1)
     prompts = [_words(rng, tokenizer, f"Warm-up {i}:", workload.suffix_tokens + 4) for i in range(workload.warmup)]
     if workload.warm_prefixes:
-        prompts += [prefix + _words(rng, tokenizer, "Warm-up question:", workload.suffix_tokens) + "?"
-                    for prefix in prefixes]  # fmt: skip
+        prompts += [
+            prefix + _words(rng, tokenizer, "Warm-up question:", workload.suffix_tokens) + "?" for prefix in prefixes
+        ]
     return prompts
 
 

@@ -105,8 +105,15 @@ def configured(config: ClusterConfig, sizing: TierSizing, spec: RunSpec) -> Clus
     if pinning.budget_blocks is not None and pinning.budget_blocks > sizing.device_blocks:
         pinning = pinning.model_copy(update={"budget_blocks": sizing.device_blocks})
     offload = cache.offload.model_copy(update={"enabled": spec.host_tier, "size_mib": sizing.host_mib})
-    kv = cache.model_copy(update={"num_blocks": sizing.device_blocks, "memory_budget_mib": None,
-                                  "gpu_memory_utilization": None, "pinning": pinning, "offload": offload})  # fmt: skip
+    kv = cache.model_copy(
+        update={
+            "num_blocks": sizing.device_blocks,
+            "memory_budget_mib": None,
+            "gpu_memory_utilization": None,
+            "pinning": pinning,
+            "offload": offload,
+        }
+    )
     router = config.router.model_copy(update={"policy": spec.policy, "pins": []})
     return config.model_copy(update={"kv_cache": kv, "router": router})
 
@@ -132,8 +139,9 @@ def run_one(config: ClusterConfig, spec: RunSpec, workload: SharedPrefixWorkload
 def tier_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the workers' tiers did between two ``Cluster.stats()`` totals."""
     queried = after["queried_tokens"] - before["queried_tokens"]
-    out: dict[str, Any] = {"worker_hit_rate": round((after["hit_tokens"] - before["hit_tokens"]) / queried, 4)
-                           if queried else 0.0}  # fmt: skip
+    out: dict[str, Any] = {
+        "worker_hit_rate": round((after["hit_tokens"] - before["hit_tokens"]) / queried, 4) if queried else 0.0
+    }
     split_after, split_before = after.get("hit_tokens_by_tier"), before.get("hit_tokens_by_tier")
     if split_after is None or split_before is None or not queried:
         out["hit_rate_by_tier"] = None
@@ -143,8 +151,16 @@ def tier_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     if host_after is None or host_before is None:
         out["host_tier"] = None
         return out
-    keys = ("offloaded_blocks", "refreshed_blocks", "dropped_blocks", "promoted_blocks", "bytes_offloaded",
-            "bytes_promoted", "offload_seconds", "promote_seconds")  # fmt: skip
+    keys = (
+        "offloaded_blocks",
+        "refreshed_blocks",
+        "dropped_blocks",
+        "promoted_blocks",
+        "bytes_offloaded",
+        "bytes_promoted",
+        "offload_seconds",
+        "promote_seconds",
+    )
     moved = {k: host_after[k] - host_before[k] for k in keys}
     moved["offload_seconds"] = round(moved["offload_seconds"], 4)
     moved["promote_seconds"] = round(moved["promote_seconds"], 4)
@@ -187,16 +203,25 @@ def run_model(
     for spec in runs:
         start = time.monotonic()
         out["runs"][spec.name] = run_one(configured(config, sizing, spec), spec, workload)
-        log.info("%s %s done in %.0f s: %s", config.model.source, spec.name, time.monotonic() - start,
-                 {k: v for k, v in out["runs"][spec.name].items() if k != "mispredictions"})  # fmt: skip
+        log.info(
+            "%s %s done in %.0f s: %s",
+            config.model.source,
+            spec.name,
+            time.monotonic() - start,
+            {k: v for k, v in out["runs"][spec.name].items() if k != "mispredictions"},
+        )
     bound = hit_rate_bound(workload.prompts(vocab_size(config)), alignment_tokens(kv_groups(config)))
     out["hit_rate_bound"] = round(bound, 4)
     tiered = out["runs"].get("kvfleet_tiered", {}).get("host_tier") or {}
     promote = tiered.get("promote_bytes_per_s")
     if promote:
         memcpy = memcpy_bytes_per_s(int(tiered["bytes_promoted"]))
-        out["promote"] = {"bytes": tiered["bytes_promoted"], "bytes_per_s": promote,
-                          "memcpy_bytes_per_s": round(memcpy), "over_memcpy": round(promote / memcpy, 4)}  # fmt: skip
+        out["promote"] = {
+            "bytes": tiered["bytes_promoted"],
+            "bytes_per_s": promote,
+            "memcpy_bytes_per_s": round(memcpy),
+            "over_memcpy": round(promote / memcpy, 4),
+        }
     else:
         out["promote"] = None
     return out

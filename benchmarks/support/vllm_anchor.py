@@ -43,18 +43,14 @@ VLLM_CALL = {
 ANCHOR_DIR = Path(
     os.environ.get("VLLM_KV_ANCHOR_DIR", Path(__file__).resolve().parents[3] / "shared" / "bench" / "vllm_kv_anchor")
 )
-ANCHOR_VENV = Path(
-    os.environ.get("VLLM_ANCHOR_VENV", str(Path.home() / ".cache" / "kvfleet-anchors" / "vllm-venv"))
-)
+ANCHOR_VENV = Path(os.environ.get("VLLM_ANCHOR_VENV", str(Path.home() / ".cache" / "kvfleet-anchors" / "vllm-venv")))
 
 
 # -- vLLM side ------------------------------------------------------------------------------------------
 class VllmAnchor:
     """vLLM's KVCacheManager driven by the anchor's drive.py, one subprocess per run."""
 
-    def __init__(
-        self, num_requests: int, anchor_dir: Path = ANCHOR_DIR, venv: Path = ANCHOR_VENV, clock: str = "wall"
-    ):
+    def __init__(self, num_requests: int, anchor_dir: Path = ANCHOR_DIR, venv: Path = ANCHOR_VENV, clock: str = "wall"):
         self.num_requests = num_requests
         self.clock = clock
         self.anchor_dir = anchor_dir
@@ -75,20 +71,33 @@ class VllmAnchor:
             cmd = [
                 str(self.venv / "bin" / "python"),
                 *launcher,
-                "--kinds", kind,
-                "--concurrency", str(concurrency),
-                "--runs", "1",
-                "--num-requests", str(self.num_requests),
-                "--num-prefixes", str(NUM_PREFIXES),
-                "--prefix-len", str(PREFIX_LEN),
-                "--suffix-len", str(SUFFIX_LEN),
-                "--decode-steps", str(DECODE_STEPS),
-                "--block-size", str(BLOCK_SIZE),
-                "--window", str(WINDOW),
-                "--num-blocks", str(NUM_BLOCKS),
-                "--seed", str(SEED),
-                "--out", out,
-            ]  # fmt: skip
+                "--kinds",
+                kind,
+                "--concurrency",
+                str(concurrency),
+                "--runs",
+                "1",
+                "--num-requests",
+                str(self.num_requests),
+                "--num-prefixes",
+                str(NUM_PREFIXES),
+                "--prefix-len",
+                str(PREFIX_LEN),
+                "--suffix-len",
+                str(SUFFIX_LEN),
+                "--decode-steps",
+                str(DECODE_STEPS),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--window",
+                str(WINDOW),
+                "--num-blocks",
+                str(NUM_BLOCKS),
+                "--seed",
+                str(SEED),
+                "--out",
+                out,
+            ]
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
                 assert proc.stdout is not None
                 for line in proc.stdout:

@@ -127,8 +127,10 @@ def check_host_tier(coord: HybridCoordinator, host: HostTier) -> None:
         for table in pool.cached:
             for block_hash, block in table.items():
                 if (block.tier == TIER_EXPLICIT) != coord.is_pinned(block.group, block_hash):
-                    fail(f"host pool {p}: {block!r} pinned={block.tier == TIER_EXPLICIT} but pinned by a "
-                         f"prefix pin={coord.is_pinned(block.group, block_hash)}")  # fmt: skip
+                    fail(
+                        f"host pool {p}: {block!r} pinned={block.tier == TIER_EXPLICIT} but pinned by a "
+                        f"prefix pin={coord.is_pinned(block.group, block_hash)}"
+                    )
     for copy in host.copies:
         if not 0 <= copy.pool < len(coord.pools) or len(copy.device_ids) != len(copy.host_ids) or not copy.host_ids:
             fail(f"host tier: malformed copy batch {copy}")

@@ -88,9 +88,7 @@ def build_group_index(
     """Index tensors for one group; ``tables[i]`` is chunk i's block table in this group. With
     ``paged`` only the writes and the Triton path's ``PagedMeta`` are built."""
     table_tensors = [torch.tensor(table, dtype=torch.long) for table in tables]
-    writes = [
-        torch.arange(chunk.start, chunk.start + chunk.num_tokens) for chunk in chunks
-    ]
+    writes = [torch.arange(chunk.start, chunk.start + chunk.num_tokens) for chunk in chunks]
     write_block = torch.cat([t[pos // block_size] for t, pos in zip(table_tensors, writes, strict=True)])
     write_offset = torch.cat([pos % block_size for pos in writes])
     index = GroupIndex(write_block.to(device), write_offset.to(device))

@@ -342,8 +342,12 @@ class DecodeStep:
             read = self._states + 2 * r * rows
             write = read + rows
             index = indices[g]
-            index.derived[DECODE_INDEX] = (self._rows[:size], staging[read : read + size], None,
-                                           staging[write : write + size])  # fmt: skip
+            index.derived[DECODE_INDEX] = (
+                self._rows[:size],
+                staging[read : read + size],
+                None,
+                staging[write : write + size],
+            )
         batch = ForwardBatch(
             input_ids=staging[self._ids : self._ids + size],
             positions=staging[self._positions : self._positions + size],
@@ -380,8 +384,13 @@ class DecodeStep:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.info("captured %d decode graphs (batch 1..%d) in %.2f s, %.1f MiB", len(self._graphs), self.max_bucket,
-                 self.capture_seconds, self.capture_bytes / 2**20)  # fmt: skip
+        log.info(
+            "captured %d decode graphs (batch 1..%d) in %.2f s, %.1f MiB",
+            len(self._graphs),
+            self.max_bucket,
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )
 
     def drop_graphs(self) -> None:
         """Forget every captured graph (after a failed capture, or at close): steps then run the

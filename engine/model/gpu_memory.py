@@ -36,8 +36,12 @@ def gpu_kv_budget_bytes(device: torch.device, utilization: float, reserve_bytes:
     budget = int(utilization * total) - (total - free) - reserve_bytes
     log.info(
         "GPU KV budget: %.1f GiB of %.1f GiB (utilization %.2f, %.1f GiB in use, %.1f GiB activation reserve)",
-        budget / 2**30, total / 2**30, utilization, (total - free) / 2**30, reserve_bytes / 2**30,
-    )  # fmt: skip
+        budget / 2**30,
+        total / 2**30,
+        utilization,
+        (total - free) / 2**30,
+        reserve_bytes / 2**30,
+    )
     if budget <= 0:
         raise ValueError(
             f"kv_cache.gpu_memory_utilization: {utilization} of {total / 2**30:.1f} GiB leaves no KV memory"

@@ -300,10 +300,22 @@ class RoutingPolicy(PlacementPolicy):
             placed = None
             if pin is None and not host:  # the compiled book's ``_pick`` and ``_record`` (``LoadBook.place``)
                 placed = self._book.place(
-                    hits, shared, ahead, pending.workers if pending is not None else (), self._load_cost,
-                    self._queued, self._queued_sum / max(1, len(self._queued)), num_tokens, now, w_miss,
-                    w_spread, LEAST_LOADED_PROBES, self.rng.randrange, self.loads, Decision,
-                )  # fmt: skip
+                    hits,
+                    shared,
+                    ahead,
+                    pending.workers if pending is not None else (),
+                    self._load_cost,
+                    self._queued,
+                    self._queued_sum / max(1, len(self._queued)),
+                    num_tokens,
+                    now,
+                    w_miss,
+                    w_spread,
+                    LEAST_LOADED_PROBES,
+                    self.rng.randrange,
+                    self.loads,
+                    Decision,
+                )
             if placed is not None:
                 decision, delta = placed
                 self._queued_sum += delta
@@ -312,9 +324,15 @@ class RoutingPolicy(PlacementPolicy):
                 pin_id = pin.pin_id if pin is not None else None
                 best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
                 decision = Decision(
-                    worker, worker, hits.get(worker, 0), num_tokens, reason, pin_id, best_hit=best,
+                    worker,
+                    worker,
+                    hits.get(worker, 0),
+                    num_tokens,
+                    reason,
+                    pin_id,
+                    best_hit=best,
                     predicted_host_hit=host.get(worker, 0),
-                )  # fmt: skip
+                )
                 self._record(decision)
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
@@ -494,9 +512,10 @@ class RoutingPolicy(PlacementPolicy):
         reason = "cost"
         if pin is not None:
             resident = [
-                w for w, h in hits.items()
+                w
+                for w, h in hits.items()
                 if h >= pin.length and w in among and queued[w] <= limit and not book.over(w, now, slow, cap)
-            ]  # fmt: skip
+            ]
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"

@@ -105,8 +105,9 @@ class KVTransfer(ABC):
         rows, page_bytes = check_slot_tensors(tensors, slot_pool)
         info = self._register(list(tensors), rows, page_bytes)
         if slot_pool is not None and max(slot_pool) > 0:
-            info = dataclasses.replace(info, num_blocks=rows[list(slot_pool).index(0)],
-                                       slot_pool=tuple(slot_pool), slot_blocks=rows)  # fmt: skip
+            info = dataclasses.replace(
+                info, num_blocks=rows[list(slot_pool).index(0)], slot_pool=tuple(slot_pool), slot_blocks=rows
+            )
         self._info = info
         logger.info(
             "%s: registered %d slot tensors in %d pools (%.1f MiB) [%s]",

@@ -113,8 +113,20 @@ def share(name: str, tensors: list[torch.Tensor]) -> tuple[tuple[int | bytes | s
             torch.UntypedStorage._release_ipc_counter_cuda(ref_handle, ref_offset)
         except RuntimeError as e:
             raise TransferError(f"slot tensor {s}: cannot release its CUDA IPC ref count: {e}") from e
-        out.append((uuid, int(device), handle, int(size_bytes), int(offset_bytes), int(tensor_offset),
-                    ref_handle, int(ref_offset), event_handle, int(bool(event_sync))))  # fmt: skip
+        out.append(
+            (
+                uuid,
+                int(device),
+                handle,
+                int(size_bytes),
+                int(offset_bytes),
+                int(tensor_offset),
+                ref_handle,
+                int(ref_offset),
+                event_handle,
+                int(bool(event_sync)),
+            )
+        )
     _IN_PROCESS[name] = [weakref.ref(t) for t in tensors]
     return tuple(out)
 
@@ -157,10 +169,22 @@ def open_peer(info: AgentInfo) -> list[torch.Tensor]:
             )
         try:
             t = rebuild_cuda_tensor(
-                torch.Tensor, torch.Size((rows, page)), (page, 1), int(tensor_offset),
-                torch.storage.TypedStorage, torch.uint8, index, handle, int(size_bytes), int(offset_bytes),
-                False, ref_handle, int(ref_offset), event_handle, bool(event_sync),
-            )  # fmt: skip
+                torch.Tensor,
+                torch.Size((rows, page)),
+                (page, 1),
+                int(tensor_offset),
+                torch.storage.TypedStorage,
+                torch.uint8,
+                index,
+                handle,
+                int(size_bytes),
+                int(offset_bytes),
+                False,
+                ref_handle,
+                int(ref_offset),
+                event_handle,
+                bool(event_sync),
+            )
         except (RuntimeError, TypeError, ValueError) as e:
             raise TransferError(f"peer {info.name!r}: cannot open its CUDA slot {s} through CUDA IPC: {e}") from e
         out.append(t)

@@ -56,8 +56,10 @@ def check_compatible(local: AgentInfo, remote: AgentInfo) -> None:
     """Raise ``TransferError`` unless rows of ``remote``'s slots can be copied into ours."""
     if remote.backend != local.backend:
         raise TransferError(f"peer {remote.name!r} uses backend {remote.backend!r}, this worker {local.backend!r}")
-    if remote.page_bytes != local.page_bytes or remote.num_pools != local.num_pools or any(
-        remote.pool_of(s) != local.pool_of(s) for s in range(local.num_slots)
+    if (
+        remote.page_bytes != local.page_bytes
+        or remote.num_pools != local.num_pools
+        or any(remote.pool_of(s) != local.pool_of(s) for s in range(local.num_slots))
     ):
         raise TransferError(
             f"peer {remote.name!r} has slot page sizes {list(remote.page_bytes)} in pools "
@@ -103,4 +105,3 @@ def as_pool_pairs(
         rows = pool == p
         remote[rows], local[rows] = as_pairs(arr[rows, 1:], remote_blocks[p], local_blocks[p])
     return np.ascontiguousarray(pool), remote, local
-

@@ -111,4 +111,3 @@ class ReadRecord:
     error: str | None = None
     setup_s: float = 0.0
     handle: Any = field(default=None, repr=False)
-

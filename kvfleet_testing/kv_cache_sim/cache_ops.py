@@ -90,7 +90,9 @@ class CacheOperations:
             self.unpin(0)
         for p, pool in enumerate(self.pools):
             if pool.num_free_blocks != pool.num_blocks - 1:
-                self.fail(f"after draining pool {p} has {pool.num_free_blocks} free blocks, expected {pool.num_blocks - 1}")
+                self.fail(
+                    f"after draining pool {p} has {pool.num_free_blocks} free blocks, expected {pool.num_blocks - 1}"
+                )
             if any(b.ref_cnt for b in pool.blocks if not b.is_null):
                 self.fail(f"after draining some block of pool {p} is still referenced")
         left = [b for pool in self.pools for b in pool.blocks if b.tier == TIER_EXPLICIT]

@@ -52,18 +52,18 @@ class SimChecks:
                 if now != tables:
                     self.fail(f"failed allocation for {rid} changed the table of {other}")
                 continue
-            for g, (old, new) in enumerate(zip(tables, now)):
+            for g, (old, new) in enumerate(zip(tables, now, strict=False)):
                 if len(old) != len(new):
                     self.fail(f"failed allocation for {rid} resized its group {g} table")
                 spec = self.managers[g].spec
                 skipped = spec.skipped_tokens(computed) // spec.block_size
-                for i, (a, b) in enumerate(zip(old, new)):
+                for i, (a, b) in enumerate(zip(old, new, strict=False)):
                     if a != b:
                         if b != null_id or i >= skipped:
                             self.fail(f"failed allocation for {rid} replaced group {g} index {i}: {a} -> {b}")
                         released[(self.group_pool[g], a)] += 1
-        for p, (refs_before, refs_after) in enumerate(zip(before.refs, after.refs)):
-            for bid, (a, b) in enumerate(zip(refs_before, refs_after)):
+        for p, (refs_before, refs_after) in enumerate(zip(before.refs, after.refs, strict=False)):
+            for bid, (a, b) in enumerate(zip(refs_before, refs_after, strict=False)):
                 if bid == null_id:
                     continue
                 if a - b != released.get((p, bid), 0):
@@ -91,7 +91,9 @@ class SimChecks:
     ) -> list[list[int]] | None:
         req = r.req
         before = self.snapshot()
-        self.hashed_before = {(self.group_pool[g], bid) for g, table in enumerate(before.cached) for bid in table.values()}
+        self.hashed_before = {
+            (self.group_pool[g], bid) for g, table in enumerate(before.cached) for bid in table.values()
+        }
         deferred = self._mamba_deferred(hit)
         ids = self.coord.allocate_slots(
             req, num_new, hit=hit, num_external_tokens=ext, delay_cache=delay, reserved_blocks=reserved
@@ -110,7 +112,7 @@ class SimChecks:
             for g, m in enumerate(self.managers):
                 bound[self.group_pool[g]] += 3 if isinstance(m, MambaManager) else cdiv(need, m.block_size)
             free = [pool.num_free_blocks for pool in self.pools]
-            if not deferred and all(f - reserved >= n for f, n in zip(free, bound)):
+            if not deferred and all(f - reserved >= n for f, n in zip(free, bound, strict=False)):
                 self.fail(
                     f"allocate_slots({r.rid}, {num_new}) failed with {free} free blocks per pool, "
                     f"reserved {reserved}, while at most {bound} are needed"
@@ -203,7 +205,10 @@ class SimChecks:
             if self.coord.num_free_blocks_in(p) != pool.num_free_blocks:
                 self.fail(f"num_free_blocks_in({p}) disagrees with the pool")
         tight = max(range(len(self.pools)), key=lambda p: (self.pools[p].usage, -p))
-        if self.coord.num_free_blocks != self.pools[tight].num_free_blocks or self.coord.usage != self.pools[tight].usage:
+        if (
+            self.coord.num_free_blocks != self.pools[tight].num_free_blocks
+            or self.coord.usage != self.pools[tight].usage
+        ):
             self.fail("num_free_blocks/usage do not describe the tightest pool")
 
     def free_request(self, rid: str) -> None:

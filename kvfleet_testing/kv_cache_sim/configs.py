@@ -68,14 +68,14 @@ class SimConfig:
     mix: str
     num_blocks: int | tuple[int, ...]  # an int: that many blocks in every pool
     enable_caching: bool = True
-    retention: RetentionOptions = RetentionOptions()
+    retention: RetentionOptions = RetentionOptions()  # noqa: RUF009 - frozen, so one shared default is safe
     enable_events: bool = True
     vocab: int = 4
     seed: int = 0  # base sequences (shared prompt prefixes)
 
     @property
     def groups(self) -> list[KVCacheGroup]:
-        return [KVCacheGroup(spec, pool=p) for spec, p in zip(MIXES[self.mix], mix_pools(self.mix))]
+        return [KVCacheGroup(spec, pool=p) for spec, p in zip(MIXES[self.mix], mix_pools(self.mix), strict=False)]
 
     @property
     def pool_sizes(self) -> tuple[int, ...]:
@@ -88,7 +88,8 @@ class SimConfig:
         ret = f"retention(budget={r.budget_blocks}, swa={r.pin_sliding_window}, min_drop={r.min_drop_blocks})"
         return (
             f"SimConfig(mix={self.mix!r}, num_blocks={self.num_blocks}, enable_caching={self.enable_caching}, "
-            f"{ret if r.enabled else 'no retention'}, events={self.enable_events}, vocab={self.vocab}, seed={self.seed})"
+            f"{ret if r.enabled else 'no retention'}, events={self.enable_events}, vocab={self.vocab}, "
+            f"seed={self.seed})"
         )
 
 
@@ -103,7 +104,7 @@ def _blocks_alone(specs: tuple, length: int) -> int:
 def _pool_specs(mix: str) -> list[tuple]:
     """The specs of each pool of a mix, in pool order."""
     pools = mix_pools(mix)
-    return [tuple(s for s, q in zip(MIXES[mix], pools) if q == p) for p in range(num_pools(mix))]
+    return [tuple(s for s, q in zip(MIXES[mix], pools, strict=False) if q == p) for p in range(num_pools(mix))]
 
 
 def max_len_for(mix: str, num_blocks: int | tuple[int, ...]) -> int:
@@ -112,7 +113,7 @@ def max_len_for(mix: str, num_blocks: int | tuple[int, ...]) -> int:
     sizes = (num_blocks,) * len(per_pool) if isinstance(num_blocks, int) else num_blocks
     length = 1
     while length < MAX_LEN_CAP and all(
-        _blocks_alone(specs, length + 1) <= n - 1 for specs, n in zip(per_pool, sizes)
+        _blocks_alone(specs, length + 1) <= n - 1 for specs, n in zip(per_pool, sizes, strict=False)
     ):
         length += 1
     return length

@@ -39,7 +39,13 @@ class DataModel:
         if content is None:
             self.fail(f"{what}: {req.request_id} group {g} reads block {bid} (index {j}) that was never written")
         group, first, end, key = content
-        if group != g or not (j * bs < end <= (j + 1) * bs) or first > lo or end < hi or self._prefix_key(req, end) != key:
+        if (
+            group != g
+            or not (j * bs < end <= (j + 1) * bs)
+            or first > lo
+            or end < hi
+            or self._prefix_key(req, end) != key
+        ):
             self.fail(
                 f"{what}: {req.request_id} group {g} index {j} block {bid} holds positions [{first}, {end}) of "
                 f"another prefix / range, needs [{lo}, {hi}) of its own"
@@ -116,7 +122,10 @@ class DataModel:
             self.fail(f"{what}: {req.request_id} Mamba group {g} lost the state after {length} tokens (index {j})")
         bid = table[j].block_id
         if self.key(table[j]) in self.pending:
-            self.fail(f"{what}: {req.request_id} Mamba group {g} reads block {bid}, whose state is written only at the end of this step")
+            self.fail(
+                f"{what}: {req.request_id} Mamba group {g} reads block {bid}, "
+                "whose state is written only at the end of this step"
+            )
         content = self.content.get(self.key(table[j]))
         if content is None or content[:3] != (g, length, length) or content[3] != self._prefix_key(req, length):
             self.fail(

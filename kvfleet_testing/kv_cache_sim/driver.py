@@ -44,7 +44,9 @@ class RandomDriver:
             "admit": self.admit,
             "advance": self.advance,
             "end_step": lambda: sim.end_step(rng.randrange(1 << 16)),
-            "complete_load": lambda: sim.complete_load(rng.randrange(64), rng.choice([0, 0, 0, 0, 1, 2]), rng.randrange(128)),
+            "complete_load": lambda: sim.complete_load(
+                rng.randrange(64), rng.choice([0, 0, 0, 0, 1, 2]), rng.randrange(128)
+            ),
             "abort": lambda: sim.abort(rng.randrange(64), rng.random() < 0.2),
             "remove_skipped": lambda: sim.remove_skipped(rng.randrange(64), rng.choice([0, 0, 1, 3])),
             "pin": lambda: sim.pin(rng.randrange(64), rng.randrange(128)),
@@ -98,7 +100,7 @@ class RandomDriver:
 
     def pick(self) -> str:
         x = self.rng.randrange(self.cum[-1])
-        for kind, c in zip(self.kinds, self.cum):
+        for kind, c in zip(self.kinds, self.cum, strict=False):
             if x < c:
                 return kind
         return self.kinds[-1]
@@ -116,9 +118,9 @@ class RandomDriver:
         sim = self.sim
         outcomes = []
         for _ in range(rng.choice([0, 0, 1, 1, 2])):
-            outcomes.append(self.arrive())
+            outcomes.append(self.arrive())  # noqa: PERF401 - one step after another, in the rng's order
         for _ in range(len(sim.live(RUNNING))):
-            outcomes.append(self.advance())
+            outcomes.append(self.advance())  # noqa: PERF401 - one step after another, in the rng's order
         for _ in range(len(sim.live(WAITING))):
             out = self.admit()
             outcomes.append(out)
@@ -126,7 +128,7 @@ class RandomDriver:
                 break
         for _ in range(len(sim.live(LOADING))):
             if rng.random() < 0.5:
-                outcomes.append(sim.complete_load(rng.randrange(64), rng.choice([0, 0, 0, 1, 2]), rng.randrange(128)))
+                outcomes.append(sim.complete_load(rng.randrange(64), rng.choice([0, 0, 0, 1, 2]), rng.randrange(128)))  # noqa: PERF401 - one step after another, in the rng's order
         if rng.random() < 0.1:
             outcomes.append(sim.pin(rng.randrange(64), rng.randrange(128)))
         if rng.random() < 0.07:

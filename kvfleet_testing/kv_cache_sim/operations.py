@@ -150,7 +150,9 @@ class SimOperations:
         self.tag("preempt")
         self.check()
 
-    def advance(self, index: int, chunk: int = 1 << 20, aligned: bool = True, reserved: int = 0, policy: int = 0) -> str:
+    def advance(
+        self, index: int, chunk: int = 1 << 20, aligned: bool = True, reserved: int = 0, policy: int = 0
+    ) -> str:
         """Schedule a running request's next prefill chunk or decode token; preempt on failure."""
         cands = [r for r in self.live(RUNNING) if r.rid not in self.scheduled]
         if not cands:

@@ -105,17 +105,15 @@ def test_non_finite_logits_fail_the_request_instead_of_a_silent_token(preset: st
     assert free_blocks_are_back(engine)
 
 
-def test_a_failed_forward_fails_its_batch_and_leaves_no_unwritten_block_cached(
-    preset: str, oracle: EngineCore
-) -> None:
+def test_a_failed_forward_fails_its_batch_and_leaves_no_unwritten_block_cached(preset: str, oracle: EngineCore) -> None:
     engine = EngineCore(load_config(preset))
     poisoned = PoisonedModel(engine.runner.model)
     engine.runner.model = poisoned
     shared = [POISON] + prompts(4, [23])[0]  # six full blocks of 4 tokens, all in the failing chunk
-    later = [shared + [7, 8, 9], prompts(5, [14])[0]]
+    later = [[*shared, 7, 8, 9], prompts(5, [14])[0]]
     expected = oracle_tokens(oracle, later)
 
-    engine.add_request("poisoned", shared + [11], GREEDY)
+    engine.add_request("poisoned", [*shared, 11], GREEDY)
     engine.add_request("batch-mate", prompts(6, [13])[0], GREEDY)
     done = run_to_end(engine, {"poisoned", "batch-mate"})
     assert poisoned.raised == 1

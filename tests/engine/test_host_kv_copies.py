@@ -42,8 +42,10 @@ def test_promoted_bytes_are_the_offloaded_bytes_per_pool_and_slot(compiled: bool
     layout = hybrid_layout()
     assert [pool.kind for pool in layout.pools] == ["attention", "state"]
     generator = torch.Generator().manual_seed(0)
-    slots = [torch.randint(0, 256, (DEVICE_BLOCKS, page), dtype=torch.uint8, generator=generator)
-             for page in layout.slot_page_bytes]  # fmt: skip
+    slots = [
+        torch.randint(0, 256, (DEVICE_BLOCKS, page), dtype=torch.uint8, generator=generator)
+        for page in layout.slot_page_bytes
+    ]
     memory = HostKVMemory(layout, slots, [HOST_BLOCKS] * layout.num_pools)
     tier = HostTier([HOST_BLOCKS] * layout.num_pools, num_groups=len(layout.groups))
     rng = random.Random(0)

@@ -73,8 +73,18 @@ def test_sampled_and_greedy_logprobs_equal_hf(name: str, checkpoints) -> None:
     requests = {
         "greedy": (prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=5)),
         "seeded": (prompts[1], SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=4, logprobs=20)),
-        "penalised": (prompts[2], SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.7, seed=5, logprobs=0,
-                                                 frequency_penalty=1.5, logit_bias={17: 3.0})),
+        "penalised": (
+            prompts[2],
+            SamplingParams(
+                max_tokens=9,
+                ignore_eos=True,
+                temperature=0.7,
+                seed=5,
+                logprobs=0,
+                frequency_penalty=1.5,
+                logit_bias={17: 3.0},
+            ),
+        ),
     }
     got = run(harness.make_engine(directory), requests)
     for rid, (prompt, sampling) in requests.items():

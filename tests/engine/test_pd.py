@@ -111,22 +111,22 @@ def test_pd_matches_single_engine_and_moves_only_needed_blocks(oracle, backend):
         reads = recording(decode, tids)
         with prefill_process(cfg) as prefill:
             handles = [prefill.prefill(f"r{i}", p) for i, p in enumerate(batch)]
-            for i, (prompt, handle) in enumerate(zip(batch, handles)):
+            for i, (prompt, handle) in enumerate(zip(batch, handles, strict=False)):
                 assert handle.num_tokens == len(prompt) - 1
                 decode.add_request(f"r{i}", prompt, GREEDY, kv_handle=handle)
                 assert len(reads[f"r{i}".encode()]) == expected_blocks(specs, len(prompt) - 1, 0), f"prompt {i}"
 
             # Bytes: once each read is done (and before any decode step writes), every block read
             # equals its source block in the prefill process.
-            for i, handle in enumerate(handles):
+            for i in range(len(handles)):
                 pairs = reads[f"r{i}".encode()]
                 assert decode.transfer.wait(tids[f"r{i}".encode()], 10) == "done"
                 for pool in {p for p, _, _ in pairs}:  # (pool, remote, local): ids of that pool's slots
-                    chosen = [(r, l) for p, r, l in pairs if p == pool]
+                    chosen = [(r, loc) for p, r, loc in pairs if p == pool]
                     source = prefill.rows([r for r, _ in chosen])
                     for slot, rows, of in zip(decode.runner.slots, source, decode.layout.slot_pool, strict=True):
                         if of == pool:
-                            assert torch.equal(slot[[l for _, l in chosen]].cpu(), rows), f"prompt {i}"
+                            assert torch.equal(slot[[loc for _, loc in chosen]].cpu(), rows), f"prompt {i}"
 
             results = run_to_end(decode, {f"r{i}" for i in range(len(batch))})
             for i, prompt in enumerate(batch):
@@ -152,7 +152,7 @@ def test_partial_local_hit_moves_only_missing_blocks(oracle):
     try:
         baseline = decode.coordinator.num_free_blocks
         reads = recording(decode)
-        decode.add_request("warm", shared + [7], SamplingParams(max_tokens=1))  # caches the shared 32 tokens
+        decode.add_request("warm", [*shared, 7], SamplingParams(max_tokens=1))  # caches the shared 32 tokens
         run_to_end(decode, {"warm"})
         with prefill_process(cfg) as prefill:
             handle = prefill.prefill("r", prompt)
@@ -295,17 +295,17 @@ def test_bad_handles_and_requests_get_clear_errors():
     try:
         prompt = prompts(8, [20])[0]
         handle = prefill_in_process(prefill, "r", prompt)
-        with pytest.raises(ValueError, match="kv_handle.num_tokens"):
-            decode.add_request("x", prompt + [5], GREEDY, kv_handle=handle)
-        with pytest.raises(ValueError, match="kv_handle.token_digest"):
-            decode.add_request("x", [9] + prompt[1:], GREEDY, kv_handle=handle)
+        with pytest.raises(ValueError, match=r"kv_handle.num_tokens"):
+            decode.add_request("x", [*prompt, 5], GREEDY, kv_handle=handle)
+        with pytest.raises(ValueError, match=r"kv_handle.token_digest"):
+            decode.add_request("x", [9, *prompt[1:]], GREEDY, kv_handle=handle)
         with pytest.raises(ValueError, match="prompt_token_ids: a prefill-only request needs >= 2 tokens"):
             prefill.add_request("one", [5], GREEDY, prefill_only=True)
         with pytest.raises(ValueError, match="kv_role"):
             plain.add_request("x", prompt, GREEDY, kv_handle=handle)
         hybrid = EngineCore(config("tiny-hybrid"), name="hybrid", kv_role="decode")
         try:
-            with pytest.raises(ValueError, match="kv_handle.layout_key"):
+            with pytest.raises(ValueError, match=r"kv_handle.layout_key"):
                 hybrid.add_request("x", prompt, GREEDY, kv_handle=handle)
         finally:
             hybrid.close()
@@ -326,7 +326,7 @@ def test_a_constrained_request_whose_handle_fails_leaves_no_grammar_matcher_behi
         prompt = prompts(9, [20])[0]
         handle = prefill_in_process(prefill, "r", prompt)
         constrained = GREEDY.replace(structured=StructuredOutput(kind="choice", spec='["yes", "no"]'))
-        decode.expect_remote_prefill("x", [9] + prompt[1:], constrained)
+        decode.expect_remote_prefill("x", [9, *prompt[1:]], constrained)
         assert "x" in decode.runner.structured
         ended = decode.provide_handle("x", handle)
         assert ended is not None and ended.finish_reason == "error" and "kv_handle.token_digest" in (ended.error or "")

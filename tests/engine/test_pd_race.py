@@ -93,7 +93,7 @@ def test_mamba_state_of_an_unaligned_chunk_end_is_never_cached_as_its_block_boun
         coord.check_invariants()
     # every prefix of the prompt: a hit is only ever a count whose state was written
     for length in range(2, 90):
-        probe = CacheRequest("probe", prompt[:length] + [7], coord.hash_block_size)
+        probe = CacheRequest("probe", [*prompt[:length], 7], coord.hash_block_size)
         hit = coord.get_computed_blocks(probe).num_tokens
         assert hit == 0 or hit in written, f"prefix {length}: hit {hit} at a state nobody wrote ({sorted(written)})"
     assert coord.get_computed_blocks(CacheRequest("p", prompt[:70], coord.hash_block_size)).num_tokens == 64
@@ -147,7 +147,7 @@ def test_pd_request_hitting_a_prefill_state_after_a_budget_cut_chunk(backend):
     decode = EngineCore(cfg, name="decode", kv_role="decode")
     try:
         # B's 64 prefilled tokens leave 1 token of the budget: A's first chunk would be [0, 1)
-        handles = run_prefill(prefill, [("b", b + [9]), ("a", a)])
+        handles = run_prefill(prefill, [("b", [*b, 9]), ("a", a)])
         handles |= run_prefill(prefill, [("c", c)])  # C hits A's held blocks on the prefill engine
         assert run(decode, [("c", c, GREEDY)], kv_handle=handles["c"])["c"] == expected
     finally:
@@ -159,9 +159,13 @@ def test_pd_request_hitting_a_prefill_state_after_a_budget_cut_chunk(backend):
 def expiring(backend: str, on_failure: str = "recompute") -> tuple[EngineCore, EngineCore]:
     cfg = load_preset(
         "tiny-hybrid",
-        [f"transfer.backend={backend}", "transfer.read_timeout_s=0.3", "transfer.release_timeout_s=1.5",
-         f"transfer.on_failure={on_failure}"],
-    )  # fmt: skip
+        [
+            f"transfer.backend={backend}",
+            "transfer.read_timeout_s=0.3",
+            "transfer.release_timeout_s=1.5",
+            f"transfer.on_failure={on_failure}",
+        ],
+    )
     return EngineCore(cfg, name="prefill", kv_role="prefill"), EngineCore(cfg, name="decode", kv_role="decode")
 
 
@@ -218,7 +222,7 @@ def test_a_late_handle_with_on_failure_fail_is_refused_with_the_field_named():
         prompt = tokens(14, 50)
         handle = run_prefill(prefill, [("r", prompt)])["r"]
         time.sleep(1.3)
-        with pytest.raises(ValueError, match="kv_handle.expires_at"):
+        with pytest.raises(ValueError, match=r"kv_handle.expires_at"):
             decode.add_request("r", prompt, GREEDY, kv_handle=handle)
         assert not decode.scheduler.has_work
     finally:

@@ -22,8 +22,15 @@ MAX_TOKENS = 14
 SAMPLINGS = {
     "greedy": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7),
-    "penalised": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7,
-                                frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3),
+    "penalised": SamplingParams(
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        temperature=0.8,
+        seed=7,
+        frequency_penalty=0.9,
+        presence_penalty=0.4,
+        repetition_penalty=1.3,
+    ),
 }
 
 
@@ -87,8 +94,9 @@ def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]])
 
 
 def engine(preset: str, overlap: bool) -> EngineCore:
-    return EngineCore(load_preset(preset, [f"scheduler.async_scheduling={str(overlap).lower()}",
-                                           "model.cuda_graphs=true"]))  # fmt: skip
+    return EngineCore(
+        load_preset(preset, [f"scheduler.async_scheduling={str(overlap).lower()}", "model.cuda_graphs=true"])
+    )
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])

@@ -119,9 +119,14 @@ def test_penalties_change_the_sampled_distribution_as_defined() -> None:
     of the directly processed logits (4 standard errors)."""
     base = torch.tensor([1.0, 2.0, 0.5, 1.5, -1.0, 0.0, 2.5, 1.2])
     sp = SamplingParams(
-        temperature=1.2, frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.2,
-        logit_bias={4: 2.0}, min_p=0.05, max_tokens=100,
-    )  # fmt: skip
+        temperature=1.2,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={4: 2.0},
+        min_p=0.05,
+        max_tokens=100,
+    )
     history, prompt_len = [6, 1, 6, 6, 3], 2
     want = softmax(direct(base, Row("x", sp, history, prompt_len)))
     sampler = Sampler(CPU)

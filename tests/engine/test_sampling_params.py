@@ -107,11 +107,26 @@ def test_several_bad_fields_give_one_line_each() -> None:
 
 def test_good_values_and_defaults() -> None:
     default = SamplingParams()
-    assert (default.max_tokens, default.temperature, default.top_k, default.top_p, default.seed) == (16, 0.0, 0, 1.0, None)
+    assert (default.max_tokens, default.temperature, default.top_k, default.top_p, default.seed) == (
+        16,
+        0.0,
+        0,
+        1.0,
+        None,
+    )
     assert default.stop == () and default.stop_token_ids == () and default.greedy
     assert not default.ignore_eos and not default.include_stop_str_in_output and default.extra == {}
-    sp = SamplingParams(max_tokens=1, temperature=2, top_k=50, top_p=1, seed=-(2**63), stop=["a", "b"],
-                        stop_token_ids=[0, 7], ignore_eos=True, include_stop_str_in_output=True)  # fmt: skip
+    sp = SamplingParams(
+        max_tokens=1,
+        temperature=2,
+        top_k=50,
+        top_p=1,
+        seed=-(2**63),
+        stop=["a", "b"],
+        stop_token_ids=[0, 7],
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+    )
     assert sp.temperature == 2.0 and isinstance(sp.temperature, float) and not sp.greedy
     assert sp.stop == ("a", "b") and sp.stop_token_ids == (0, 7)
     assert SamplingParams(stop="###").stop == ("###",)  # one string is one stop string

@@ -158,7 +158,7 @@ def test_a_chunk_ends_where_the_attention_groups_alone_would_hit(kind: str) -> N
     scheduler = Scheduler(config, coord, max_model_len=512)
     rng = random.Random(13)
     prefix = [rng.randrange(VOCAB) for _ in range(40)]
-    prompts = [prefix + [1, 2, 3], prefix[:24] + [4, 5, 6, 7, 8], prefix[:24] + [9, 10, 11]]
+    prompts = [[*prefix, 1, 2, 3], [*prefix[:24], 4, 5, 6, 7, 8], [*prefix[:24], 9, 10, 11]]
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=3), coord.hash_block_size) for i, p in enumerate(prompts)]
     chunks = [_run_alone(scheduler, r) for r in requests]
     assert [r.output_token_ids for r in requests] == list(expected_outputs(prompts, [3, 3, 3]).values())

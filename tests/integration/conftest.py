@@ -51,4 +51,3 @@ def oracle_tokens(
         return [out[f"o{i}"] for i in range(len(prompts))]
     finally:
         engine.close()
-

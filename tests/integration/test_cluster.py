@@ -117,6 +117,7 @@ def test_aborts_free_every_block(cluster):
     runner = threading.Thread(target=lambda: results.extend(cluster.generate(prompts, sampling, request_ids=ids)))
     runner.start()
     wait_for(lambda: all(rid in cluster._in_flight for rid in ids), 10, "requests in flight")
+
     def decoding() -> bool:
         return sum(w["running"] for w in cluster.stats()["workers"].values()) > 0
 

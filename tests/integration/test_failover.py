@@ -147,17 +147,25 @@ def test_a_request_whose_driver_is_gone_is_aborted_after_its_lease(ray_session):
     from cluster.api import Cluster
 
     lease_s = 4.0
-    config = cluster_config("tiny", 1, 1, "workers.health_check_interval_s=0.25",
-                            "workers.health_check_timeout_s=1.5", f"workers.request_lease_s={lease_s}",
-                            "model.max_model_len=4096")  # fmt: skip
+    config = cluster_config(
+        "tiny",
+        1,
+        1,
+        "workers.health_check_interval_s=0.25",
+        "workers.health_check_timeout_s=1.5",
+        f"workers.request_lease_s={lease_s}",
+        "model.max_model_len=4096",
+    )
     endless = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(5, [40])[0]
     with Cluster(config) as cluster:
         worker = cluster.workers["decode-0"]
 
         async def scenario() -> tuple[Any, float, dict[str, Any]]:
-            streams = {rid: worker.generate.options(num_returns="streaming").remote(rid, prompt, endless)
-                       for rid in ("kept", "lapsed")}  # fmt: skip
+            streams = {
+                rid: worker.generate.options(num_returns="streaming").remote(rid, prompt, endless)
+                for rid in ("kept", "lapsed")
+            }
 
             async def renew() -> None:
                 while True:
@@ -229,8 +237,14 @@ def test_a_worker_another_driver_removed_first_is_still_replaced(ray_session):
     every round while the ingress removed it again, so it was never replaced.)"""
     from cluster.api import Cluster
 
-    config = cluster_config("tiny", 1, 2, "workers.health_check_interval_s=2", "workers.health_check_timeout_s=3",
-                            "workers.request_lease_s=10")  # fmt: skip
+    config = cluster_config(
+        "tiny",
+        1,
+        2,
+        "workers.health_check_interval_s=2",
+        "workers.health_check_timeout_s=3",
+        "workers.request_lease_s=10",
+    )
     fast = config.model_copy(update={"workers": config.workers.model_copy(update={"health_check_interval_s": 0.2})})
     prompts = random_prompts(55, [11, 23, 37])
     expected = oracle_tokens(config, prompts)
@@ -243,8 +257,11 @@ def test_a_worker_another_driver_removed_first_is_still_replaced(ray_session):
             wait_for(lambda: replaced(cluster, "decode-1", 1), REPLACE_TIMEOUT_S, "decode-1 replaced")
             registered = ray.get(cluster.router.worker_handles.remote(), timeout=30)
             assert registered["decode-1"]._actor_id != victim._actor_id
-            wait_for(lambda: replaced(attached, "decode-1", 0) and attached.workers["decode-1"] is not victim,
-                     30, "the attached driver to adopt the replacement")  # fmt: skip
+            wait_for(
+                lambda: replaced(attached, "decode-1", 0) and attached.workers["decode-1"] is not victim,
+                30,
+                "the attached driver to adopt the replacement",
+            )
             assert set(cluster.stats()["router"]["loads"]) == {"prefill-0", "decode-0", "decode-1"}
             assert [r.token_ids for r in attached.generate(prompts * 2, GREEDY)] == expected * 2
         finally:

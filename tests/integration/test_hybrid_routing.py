@@ -53,8 +53,11 @@ def test_predicted_hit_equals_actual_hit_for_every_request(ray_session, preset):
     with Cluster(config) as cluster:
         prompts = WORKLOAD.prompts(cluster.vocab_size)
         results = [cluster.generate([prompt], sampling)[0] for prompt in prompts]
-    wrong = [(r.request_id, r.prefill_worker, r.route_reason, r.predicted_hit, r.cached_tokens)
-             for r in results if r.predicted_hit != r.cached_tokens]  # fmt: skip
+    wrong = [
+        (r.request_id, r.prefill_worker, r.route_reason, r.predicted_hit, r.cached_tokens)
+        for r in results
+        if r.predicted_hit != r.cached_tokens
+    ]
     assert not wrong, f"{len(wrong)} of {len(results)} mispredicted: {wrong}"
 
     assert sum(r.cached_tokens > 0 for r in results) >= len(results) // 4, "the workload must produce hits"

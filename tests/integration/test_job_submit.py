@@ -48,8 +48,15 @@ def _env() -> dict[str, str]:
 
 
 def _job(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.job", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=_env(), check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.job", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=_env(),
+        check=False,
+    )
 
 
 @pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")
@@ -62,24 +69,68 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
     env = _env()
     with open(log_path, "w") as head_log:
         head = subprocess.Popen(
-            [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-             # free ports for what has fixed defaults (the tests' own Ray holds the agent's 52365)
-             "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
-             "--ray-client-server-port", str(free_port()),
-             "--num-cpus", "4", "--resources", json.dumps({"prefill": 2, "decode": 2}),
-             "--object-store-memory", str(200 * 1024**2)],
-            stdout=head_log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+            [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                str(gcs_port),
+                "--include-dashboard",
+                "true",
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(dashboard_port),
+                # free ports for what has fixed defaults (the tests' own Ray holds the agent's 52365)
+                "--dashboard-agent-listen-port",
+                str(free_port()),
+                "--metrics-export-port",
+                str(free_port()),
+                "--ray-client-server-port",
+                str(free_port()),
+                "--num-cpus",
+                "4",
+                "--resources",
+                json.dumps({"prefill": 2, "decode": 2}),
+                "--object-store-memory",
+                str(200 * 1024**2),
+            ],
+            stdout=head_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 90
         while "block forever" not in log_path.read_text():
             assert head.poll() is None, f"ray start exited:\n{log_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"ray start not ready:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.5)
-        command = [RAY, "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--working-dir", str(REPO),
-                   "--", "python", "-m", "cluster.job", "--config", "tiny", "--input", str(inputs),
-                   "--output", str(output), "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]  # fmt: skip
+        command = [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dashboard_port}",
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "-m",
+            "cluster.job",
+            "--config",
+            "tiny",
+            "--input",
+            str(inputs),
+            "--output",
+            str(output),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--ignore-eos",
+        ]
         deadline = time.monotonic() + 60
         while True:  # the head's job agent may come up a little after `ray start` reports ready
             submit = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, check=False)
@@ -145,8 +196,17 @@ def test_job_runs_the_good_lines_and_records_the_bad_ones(ray_session, tmp_path,
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
     output = tmp_path / "out.jsonl"
-    argv = ["--config", "tiny", "--input", str(inputs), "--output", str(output), "--max-tokens", str(MAX_TOKENS),
-            "--ignore-eos"]  # fmt: skip
+    argv = [
+        "--config",
+        "tiny",
+        "--input",
+        str(inputs),
+        "--output",
+        str(output),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--ignore-eos",
+    ]
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert f"{inputs}:2: temperature: must be a finite number (got nan)" in err

@@ -94,20 +94,42 @@ def test_logprobs_reach_deltas_completions_and_jsonl_records(ray_session, tmp_pa
 
         lines = tmp_path / "in.jsonl"
         lines.write_text(
-            json.dumps({"id": "with", "prompt": split_prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                        "logprobs": 3}) + "\n"
-            + json.dumps({"id": "echo", "prompt": echo_prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-                          "logprobs": 0, "prompt_logprobs": 2}) + "\n"
-            + json.dumps({"id": "without", "prompt": split_prompt, "max_tokens": 12, "temperature": 0,
-                          "ignore_eos": True}) + "\n"
-        )  # fmt: skip
+            json.dumps(
+                {
+                    "id": "with",
+                    "prompt": split_prompt,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 3,
+                }
+            )
+            + "\n"
+            + json.dumps(
+                {
+                    "id": "echo",
+                    "prompt": echo_prompt,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    "prompt_logprobs": 2,
+                }
+            )
+            + "\n"
+            + json.dumps(
+                {"id": "without", "prompt": split_prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            )
+            + "\n"
+        )
         items = read_prompts(lines, SamplingParams())
         completions = cluster.generate([i.prompt for i in items], [i.sampling for i in items])
         records = [json.loads(json.dumps(result_record(i.id, c))) for i, c in zip(items, completions, strict=True)]
         with_lp, echo_record, without = records
         assert [e["token_id"] for e in with_lp["logprobs"]] == with_lp["token_ids"] == want_tokens
-        assert [e["logprob"] for e in with_lp["logprobs"]] == pytest.approx([e.logprob for e in want_logprobs],
-                                                                             abs=1e-4)  # fmt: skip
+        assert [e["logprob"] for e in with_lp["logprobs"]] == pytest.approx(
+            [e.logprob for e in want_logprobs], abs=1e-4
+        )
         assert all(len(e["top"]) == 3 and e["top"][0][0] == e["token_id"] for e in with_lp["logprobs"])  # greedy
         assert echo_record["prompt_logprobs"][0] is None and len(echo_record["prompt_logprobs"]) == len(echo_prompt)
         assert [e["token_id"] for e in echo_record["prompt_logprobs"][1:]] == echo_prompt[1:]

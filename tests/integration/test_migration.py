@@ -96,8 +96,10 @@ def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_unbroken(ray_sessio
         assert [r.migrations for r in reference] == [0, 0]
         assert len(reference[0].logprobs or []) == len(reference[0].token_ids) == 300
 
-        for prompt, sampling, want in ((greedy_prompt, GREEDY_LOGPROBS, reference[0]),
-                                       (seeded_prompt, SEEDED, reference[1])):  # fmt: skip
+        for prompt, sampling, want in (
+            (greedy_prompt, GREEDY_LOGPROBS, reference[0]),
+            (seeded_prompt, SEEDED, reference[1]),
+        ):
             deltas, completion, killed = asyncio.run(_stream_killing_its_worker(cluster, prompt, sampling))
             assert not isinstance(completion, BaseException), completion
             assert completion.migrations == 1, (killed, completion.decode_worker)
@@ -109,8 +111,12 @@ def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_unbroken(ray_sessio
             if sampling.logprobs is not None:
                 _same_logprobs(completion.logprobs, want.logprobs)
 
-        strict = Cluster.attach(replace(cluster.handles(), config=config.model_copy(
-            update={"serve": config.serve.model_copy(update={"migration_limit": 0})})))  # fmt: skip
+        strict = Cluster.attach(
+            replace(
+                cluster.handles(),
+                config=config.model_copy(update={"serve": config.serve.model_copy(update={"migration_limit": 0})}),
+            )
+        )
         try:
             _, outcome, killed = asyncio.run(_stream_killing_its_worker(strict, last_prompt, GREEDY_LOGPROBS))
         finally:

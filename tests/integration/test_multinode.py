@@ -96,9 +96,13 @@ def doomed_node(multinode_ray: LocalMultiNodeRay) -> Iterator[RayNode]:
 def multinode_config(nodes: LocalMultiNodeRay, preset: str, num_prefill: int, num_decode: int) -> ClusterConfig:
     """``preset`` with its workers on ``nodes`` (the driver attaches by address), KV over NIXL."""
     return cluster_config(
-        preset, num_prefill, num_decode, "transfer.backend=nixl", f"ray.address={nodes.address}",
+        preset,
+        num_prefill,
+        num_decode,
+        "transfer.backend=nixl",
+        f"ray.address={nodes.address}",
         "router.work_imbalance_ratio=0",  # placement by load and prefixes only, not by earlier tests
-    )  # fmt: skip
+    )
 
 
 def alive_node_ips() -> set[str]:
@@ -133,15 +137,14 @@ def actor_process_titles(node: RayNode) -> list[str]:
     return titles
 
 
-async def run_bounded(
-    cluster: Any, prompts: Sequence[list[int]], sampling: SamplingParams, prefix: str
-) -> list[Any]:
+async def run_bounded(cluster: Any, prompts: Sequence[list[int]], sampling: SamplingParams, prefix: str) -> list[Any]:
     """Every prompt as its own request, concurrently, each bounded by REQUEST_TIMEOUT_S: a
     ClusterCompletion or the exception it ended with (TimeoutError: it hung)."""
 
     async def one(i: int, prompt: list[int]) -> Any:
-        return await asyncio.wait_for(cluster.agenerate(prompt, sampling, request_id=f"{prefix}-{i}"),
-                                      REQUEST_TIMEOUT_S)  # fmt: skip
+        return await asyncio.wait_for(
+            cluster.agenerate(prompt, sampling, request_id=f"{prefix}-{i}"), REQUEST_TIMEOUT_S
+        )
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True))
 
@@ -233,13 +236,13 @@ def test_losing_a_node_under_load(multinode_ray, doomed_node):
         assert not [pid for pid in killed if running(pid)], "a process of the killed node is still running"
         wait_for(lambda: doomed_node.ip not in alive_node_ips(), DEATH_TIMEOUT_S, "Ray to see the node dead")
         for worker_id, handle in doomed_handles.items():
-            wait_for(lambda: actor_died(handle), DEATH_TIMEOUT_S, f"Ray to report {worker_id} dead", 0.5)
+            wait_for(lambda handle=handle: actor_died(handle), DEATH_TIMEOUT_S, f"Ray to report {worker_id} dead", 0.5)
 
         # the survivors keep serving, split across their two nodes, the same tokens
         decoder = next(w for w in survivors if w.startswith("decode"))
         reads_before = cluster.stats()["workers"][decoder]["transfer"]["reads"]
         results = completions(asyncio.run(run_bounded(cluster, after, LOAD, "after")))
-        assert [r.token_ids for r in results] == expected[len(load):]
+        assert [r.token_ids for r in results] == expected[len(load) :]
         assert {w for r in results for w in (r.prefill_worker, r.decode_worker)} <= set(survivors)
         split = [r for r in results if r.disaggregated]
         assert split, "P/D between the head and the decode node"

@@ -130,7 +130,7 @@ def test_an_announcement_without_room_waits_for_its_handle_and_stays_exact():
         decode.expect_remote_prefill("b", prompts[1], GREEDY)
         assert decode.is_reserved("a") and not decode.is_reserved("b")
         assert not decode.has_compute_work, "an unreserved announcement computes nothing yet"
-        handles = {rid: _prefill(prefill, rid, p) for rid, p in zip("ab", prompts)}
+        handles = {rid: _prefill(prefill, rid, p) for rid, p in zip("ab", prompts, strict=False)}
         decode.provide_handle("a", handles["a"])
         assert _run(decode, "a") == expected[0]
         decode.provide_handle("b", handles["b"])

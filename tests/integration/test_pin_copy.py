@@ -38,11 +38,11 @@ def _needed_pages(engine, hashes: list[bytes], length: int) -> list[tuple[int, i
     """(group, table index, block id) of every block a hit at ``length`` needs, per group."""
     hit = engine.coordinator.find_longest_cache_hit(hashes, length)
     assert hit.num_tokens == length
-    out = []
-    for g, manager in enumerate(engine.coordinator.managers):
-        for i in manager.blocks_needed_at(length):
-            out.append((g, i, hit.blocks[g][i].block_id))
-    return out
+    return [
+        (g, i, hit.blocks[g][i].block_id)
+        for g, manager in enumerate(engine.coordinator.managers)
+        for i in manager.blocks_needed_at(length)
+    ]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
@@ -55,13 +55,13 @@ def test_copied_pin_has_the_holders_bytes_and_the_hold_is_released(preset):
     try:
         prefix = [random.Random(5).randrange(3, 250) for _ in range(PIN_TOKENS)]
         hashes = block_hashes(prefix, holder.coordinator.hash_block_size)
-        _run(holder, "warm", prefix + [9])
+        _run(holder, "warm", [*prefix, 9])
         assert holder.pin_prefix(hashes, PIN_TOKENS) == PIN_TOKENS
 
         handle = holder.export_prefix("copy-1", prefix)
         assert handle is not None and handle.num_tokens == PIN_TOKENS
         assert len(holder.held) == 1, "the holder holds the prefix's blocks for the copy"
-        _run(target, "copy-1", prefix + [0], kv_handle=handle)
+        _run(target, "copy-1", [*prefix, 0], kv_handle=handle)
         assert target.transfer_stats.reads == 1 and target.transfer_stats.failures == 0
         assert target.transfer_stats.blocks > 0
         for _ in range(50):  # the holder sees the reader's notification and releases its hold
@@ -77,7 +77,7 @@ def test_copied_pin_has_the_holders_bytes_and_the_hold_is_released(preset):
         assert [(g, i) for g, i, _ in theirs] == [(g, i) for g, i, _ in ours]
         groups = holder.layout.groups
         compared = 0
-        for (g, _, a), (_, _, b) in zip(theirs, ours):
+        for (g, _, a), (_, _, b) in zip(theirs, ours, strict=False):
             for s, tensor in enumerate(holder.runner.slots):
                 if holder.layout.slot_pool[s] != groups[g].pool:
                     continue
@@ -133,8 +133,11 @@ def test_lost_holder_is_replaced_by_a_copy_from_the_survivor(cluster):
         assert [r["method"] for r in _log(cluster, worker, pin_id)] == ["compute"]
     lost, survivor = first
     _lose(cluster, lost, prefix)
-    wait_for(lambda: lost not in _pin(cluster, pin_id)["active"] and len(_pin(cluster, pin_id)["active"]) == 2,
-             60, "a new holder")  # fmt: skip
+    wait_for(
+        lambda: lost not in _pin(cluster, pin_id)["active"] and len(_pin(cluster, pin_id)["active"]) == 2,
+        60,
+        "a new holder",
+    )
     (new,) = set(_pin(cluster, pin_id)["active"]) - {survivor}
     (record,) = _log(cluster, new, pin_id)
     assert record["method"] == "copy" and record["source"] == survivor, record

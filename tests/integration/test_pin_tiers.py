@@ -23,9 +23,14 @@ def cluster(ray_session):
     from cluster.api import Cluster
 
     config = cluster_config(
-        "tiny", 1, 1, f"kv_cache.num_blocks={NUM_BLOCKS}", "kv_cache.pinning.budget_blocks=16",
-        "kv_cache.offload.enabled=true", "kv_cache.offload.size_mib=16",
-    )  # fmt: skip
+        "tiny",
+        1,
+        1,
+        f"kv_cache.num_blocks={NUM_BLOCKS}",
+        "kv_cache.pinning.budget_blocks=16",
+        "kv_cache.offload.enabled=true",
+        "kv_cache.offload.size_mib=16",
+    )
     with Cluster(config) as c:
         yield c
 

@@ -41,6 +41,7 @@ def test_router_restart_loses_no_request_and_rebuilds_index_and_pins(ray_session
             result = cluster.generate([prompts[0]], GREEDY)[0]
             assert result.token_ids == expected[0]
             return result.route_reason != "fallback" and result.predicted_hit >= 32
+
         wait_for(predicted, 60, "routing on the rebuilt index", interval_s=0.5)
         again = cluster.generate([prompts[1]], GREEDY)[0]
         assert again.token_ids == expected[1] and again.predicted_hit == again.cached_tokens >= 32

@@ -109,9 +109,7 @@ def test_hit_equals_brute_force_oracle(specs, num_tokens, cached, remote) -> Non
         seed_cached(coord, g, view, [i for i in sorted(cached[g]) if i < len(view)])
     hit = coord.get_computed_blocks(req)
 
-    considered = [
-        (g, m) for g, m in enumerate(coord.managers) if not (remote and isinstance(m.spec, MambaSpec))
-    ]
+    considered = [(g, m) for g, m in enumerate(coord.managers) if not (remote and isinstance(m.spec, MambaSpec))]
     align = coord.alignment
     best = max(
         length

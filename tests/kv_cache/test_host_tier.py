@@ -332,8 +332,14 @@ def _host_block(coord: HybridCoordinator, pool: int, group: int, block_hash: byt
     return coord.host.pools[pool].cached[group].get(block_hash)
 
 
-def _flood(coord: HybridCoordinator, model: ContentModel, serial: int, until_gone: list[tuple[int, int, bytes]] = (),
-           count: int = 0, sizes: tuple[int, ...] = (4, 8, 12)) -> int:  # fmt: skip
+def _flood(
+    coord: HybridCoordinator,
+    model: ContentModel,
+    serial: int,
+    until_gone: list[tuple[int, int, bytes]] = (),
+    count: int = 0,
+    sizes: tuple[int, ...] = (4, 8, 12),
+) -> int:
     """Admit unrelated requests of ``sizes`` computed tokens in turn, held while they fit (at
     least ``count`` of them, and until the device has none of ``until_gone``: small ones of
     varying sizes, so the device runs short of free blocks by less than a request and demotes
@@ -564,8 +570,13 @@ class HostTierMachine(RuleBasedStateMachine):
         self.requests[request.request_id] = request
         return request
 
-    @rule(base=st.integers(0, BASES - 1), cut=st.integers(2, MAX_TOKENS), suffix=SUFFIX, chunk=CHUNK,
-          aligned=st.booleans())  # fmt: skip
+    @rule(
+        base=st.integers(0, BASES - 1),
+        cut=st.integers(2, MAX_TOKENS),
+        suffix=SUFFIX,
+        chunk=CHUNK,
+        aligned=st.booleans(),
+    )
     def admit(self, base: int, cut: int, suffix: list[int], chunk: int, aligned: bool) -> None:
         self._admit(base, cut, suffix, chunk, aligned)
 
@@ -614,8 +625,12 @@ class HostTierMachine(RuleBasedStateMachine):
     def new_step(self) -> None:
         self.coord.new_step()
 
-    @rule(base=st.integers(0, BASES - 1), length=st.integers(0, MAX_TOKENS), tier=st.sampled_from(PIN_TIERS),
-          hold=st.booleans())  # fmt: skip
+    @rule(
+        base=st.integers(0, BASES - 1),
+        length=st.integers(0, MAX_TOKENS),
+        tier=st.sampled_from(PIN_TIERS),
+        hold=st.booleans(),
+    )
     def pin(self, base: int, length: int, tier: PinTier, hold: bool) -> None:
         """Pin a prefix (device or host tier): the pinned length is the two-tier oracle's hit (a
         host-tier pin may find no room: 0); then every block that hit needs is pinned in the host

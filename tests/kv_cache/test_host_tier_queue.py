@@ -60,8 +60,11 @@ def test_an_admissions_evict_then_promote_pairs_become_one_batch_each_way_per_po
             promote(tier, sequential, p, d, rng)
     copies = tier.take_copies()
     assert [(c.pool, c.to_host, len(c.device_ids)) for c in copies] == [
-        (0, True, 2), (1, True, 2), (0, False, 2), (1, False, 2)
-    ]  # fmt: skip
+        (0, True, 2),
+        (1, True, 2),
+        (0, False, 2),
+        (1, False, 2),
+    ]
     batched.run(copies)
     assert batched.device == sequential.device
     assert batched.host == sequential.host

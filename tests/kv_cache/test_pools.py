@@ -132,7 +132,7 @@ def test_hits_events_pins_and_reset_across_pools() -> None:
     assert stored == {(0, 0), (1, 1), (2, 2)}  # each group's blocks live in its own pool
     assert [e.seq for e in events] == list(range(1, len(events) + 1))  # one sequence over all pools
     coord.free("a")
-    req = CacheRequest("b", prompt + [5, 5], coord.hash_block_size)
+    req = CacheRequest("b", [*prompt, 5, 5], coord.hash_block_size)
     hit = coord.get_computed_blocks(req)
     assert hit.num_tokens == 16
     assert [len(b) for b in hit.blocks] == [4, 4, 4]
@@ -160,9 +160,9 @@ def test_retention_budget_applies_per_pool() -> None:
     coord = three_pools((40, 24, 8), retention=RetentionOptions(enabled=True, budget_blocks=2))
     assert [p.retain_budget for p in coord.pools] == [2, 2, 2]
     prompt = [1, 2, 3, 0] * 6
-    assert prefill(coord, "a", prompt + [1]) is not None
+    assert prefill(coord, "a", [*prompt, 1]) is not None
     coord.free("a")
-    req = CacheRequest("b", prompt + [2, 2, 2, 2, 2], coord.hash_block_size)
+    req = CacheRequest("b", [*prompt, 2, 2, 2, 2, 2], coord.hash_block_size)
     hit = coord.get_computed_blocks(req)
     assert coord.allocate_slots(req, req.num_tokens - hit.num_tokens, hit) is not None
     coord.free("b")  # its shared prefix (24 tokens) is retained, within each pool's budget

@@ -18,7 +18,7 @@ from engine.kv_cache import (
     SlidingWindowSpec,
 )
 from engine.kv_cache.mamba_manager import MambaManager
-from tests.kv_cache.helpers import coordinator, ids, request, retention, run_prefill
+from tests.kv_cache.helpers import coordinator, request, retention, run_prefill
 
 PROMPT = list(range(100, 164))
 
@@ -32,7 +32,7 @@ def test_t1_shared_prefix_full_attention() -> None:
     coord = coordinator([FullAttentionSpec(4)], num_blocks=32)
     a = request(coord, "a", PROMPT[:18])
     run_prefill(coord, a)
-    b = request(coord, "b", PROMPT[:16] + [7, 7, 7, 7])
+    b = request(coord, "b", [*PROMPT[:16], 7, 7, 7, 7])
     hit = coord.get_computed_blocks(b)
     assert hit.num_tokens == 16 == ((b.num_tokens - 1) // 4) * 4
     run_prefill(coord, b)
@@ -84,7 +84,7 @@ def test_t3_sliding_window_drops_and_tail_hit() -> None:
         first_live = (end - 8 + 1) // 4
         assert all(b == coord.null_block_id for b in swa[:first_live])
         assert all(b != coord.null_block_id for b in swa[first_live:])
-    b = request(coord, "b", PROMPT[:40] + [1, 2, 3, 4])
+    b = request(coord, "b", [*PROMPT[:40], 1, 2, 3, 4])
     hit = coord.get_computed_blocks(b)
     assert hit.num_tokens == 40
     layout = [blk.is_null for blk in hit.blocks[1]]
@@ -106,7 +106,7 @@ def test_t4_mamba_states_cached_at_block_boundaries_and_same_step_deferral() -> 
     mamba: MambaManager = coord.managers[1]  # type: ignore[assignment]
     cached_states = {i for i, h in enumerate(a.block_hashes) if h in mamba.cached}
     assert cached_states == {1, 4}  # states after 8 and 20 tokens; 22 is mid-block
-    b = request(coord, "b", PROMPT[:22] + [5])
+    b = request(coord, "b", [*PROMPT[:22], 5])
     hit = coord.get_computed_blocks(b)
     assert hit.num_tokens == 20
     # The state after 20 tokens was cached in this very step: b must wait for the next step.
@@ -290,7 +290,7 @@ def test_explicit_prefix_pin_keeps_every_group_hittable() -> None:
     specs = [FullAttentionSpec(4), SlidingWindowSpec(4, 8), MambaSpec(4)]
     coord = coordinator(specs, num_blocks=48, retention=retention(), enable_events=True)
     prefix = PROMPT[:24]
-    req = request(coord, "p", prefix + [9])
+    req = request(coord, "p", [*prefix, 9])
     for end in (24, 25):  # chunk ends on a block boundary so the Mamba state is cached at 24
         assert coord.allocate_slots(req, end - req.num_computed_tokens) is not None
         req.num_computed_tokens = end
@@ -302,7 +302,7 @@ def test_explicit_prefix_pin_keeps_every_group_hittable() -> None:
         other = request(coord, f"o{i}", [5000 + 50 * i + j for j in range(60)])
         run_prefill(coord, other)
         coord.free(other.request_id)
-    probe = request(coord, "probe", prefix + [1, 2])
+    probe = request(coord, "probe", [*prefix, 1, 2])
     assert coord.get_computed_blocks(probe).num_tokens == 24
     coord.unpin_prefix(req.block_hashes, 24)
     assert coord.pool.explicit.size == 0
@@ -329,7 +329,7 @@ def test_seed004_mamba_does_not_veto_attention_hit_for_remote_prefill() -> None:
     free_before = coord.num_free_blocks
     assert coord.allocate_slots(remote, 0, hit, num_external_tokens=external, delay_cache=True) is not None
     coord.check_invariants()
-    full, swa, mamba = coord.block_ids("remote")
+    _full, swa, mamba = coord.block_ids("remote")
     real_mamba = [b for b in mamba if b != coord.null_block_id]
     assert len(real_mamba) == 1 and mamba[-1] == real_mamba[0] and len(mamba) == -(-25 // 4)
     # Only the missing attention blocks are new: full gets blocks 4..6; SWA only the slots in the

@@ -34,8 +34,8 @@ from engine.kv_cache import (
     RetentionOptions,
     SlidingWindowSpec,
 )
-from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_RETAINED
 from engine.kv_cache.attention_managers import SlidingWindowManager
+from engine.kv_cache.block_queue import TIER_EXPLICIT, TIER_RETAINED
 from engine.kv_cache.mamba_manager import MambaManager
 from kvfleet_testing.kv_cache_sim import (
     MIXES,
@@ -216,7 +216,9 @@ TestCoordinatorStateful = CoordinatorMachine.TestCase
 def test_random_driver_every_mix(mix: str) -> None:
     rng = random.Random(mix)
     for retention in (RetentionOptions(), RetentionOptions(enabled=True, budget_blocks=2)):
-        cfg = SimConfig(mix=mix, num_blocks=max(12, min_blocks_for(mix)) + 8, retention=retention, seed=rng.randrange(1000))
+        cfg = SimConfig(
+            mix=mix, num_blocks=max(12, min_blocks_for(mix)) + 8, retention=retention, seed=rng.randrange(1000)
+        )
         sim = Sim(cfg)
         driver = RandomDriver(sim, random.Random(rng.randrange(1 << 30)))
         for _ in range(300):
@@ -256,7 +258,7 @@ def test_data_model_catches_a_mamba_state_cached_under_the_wrong_boundary(monkey
     sim.arrive(source=0, cut=13, suffix=[], max_tokens=4)
     sim.admit(0, chunk=6)  # the state after 6 tokens lands in table index 1 (tokens 4..8)
     sim.end_step()
-    with pytest.raises(SimViolation, match="holds|state"):
+    with pytest.raises(SimViolation, match=r"holds|state"):
         sim.advance(0, chunk=6)  # ends at 12: index 1 gets cached as the state after 8 tokens
 
 
@@ -294,7 +296,7 @@ def test_data_model_catches_a_window_dropped_too_early(monkeypatch: pytest.Monke
     sim.arrive(source=0, cut=20, suffix=[], max_tokens=8)
     sim.admit(0, chunk=1 << 20)
     sim.end_step()
-    with pytest.raises(SimViolation, match="null|another prefix"):
+    with pytest.raises(SimViolation, match=r"null|another prefix"):
         for _ in range(8):
             sim.advance(0)
             sim.end_step()
@@ -353,7 +355,7 @@ def test_retention_keeps_the_prompt_window_that_decode_drops_block_by_block() ->
         filler = CacheRequest("b", [3] * 17, coord.hash_block_size)
         assert coord.allocate_slots(filler, 17, hit=coord.get_computed_blocks(filler)) is not None
         coord.check_invariants()
-        later = CacheRequest("c", prompt + [0, 0, 0, 0, 1], coord.hash_block_size)
+        later = CacheRequest("c", [*prompt, 0, 0, 0, 0, 1], coord.hash_block_size)
         hits[enabled] = coord.get_computed_blocks(later).num_tokens
         del req
     assert hits[False] == 16
@@ -396,7 +398,7 @@ def test_unpinning_a_pin_that_pinned_nothing_leaves_other_pins_of_the_prefix_alo
     prompt = [1, 2, 3, 0] * 3
     hashes = CacheRequest("x", prompt, coord.hash_block_size).block_hashes
     assert coord.pin_prefix(hashes, 12) == 0  # caller A: nothing cached yet
-    r = CacheRequest("r", prompt + [1], coord.hash_block_size)
+    r = CacheRequest("r", [*prompt, 1], coord.hash_block_size)
     assert coord.allocate_slots(r, 13, hit=coord.get_computed_blocks(r)) is not None
     coord.free("r")
     assert coord.pin_prefix(hashes, 12) == 12  # caller B pins the now cached prefix

@@ -69,9 +69,14 @@ def test_engine_sizes_pools_from_the_config_and_reports_capacity(tmp_path) -> No
 
     config = load_config(
         "tiny-hybrid",
-        [f"model.weights_cache_dir={tmp_path}", "kv_cache.num_blocks=null", "kv_cache.memory_budget_mib=4",
-         "kv_cache.pinning.budget_blocks=null", "kv_cache.state_cache_fraction=0.1"],
-    )  # fmt: skip
+        [
+            f"model.weights_cache_dir={tmp_path}",
+            "kv_cache.num_blocks=null",
+            "kv_cache.memory_budget_mib=4",
+            "kv_cache.pinning.budget_blocks=null",
+            "kv_cache.state_cache_fraction=0.1",
+        ],
+    )
     engine = EngineCore(config, threads=1)
     try:
         layout = engine.layout

@@ -36,7 +36,9 @@ def test_no_room_left_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_gpu_budget_is_split_like_a_fixed_one() -> None:
     arch = bamba_9b()
     layout = build_kv_layout(arch, 16, "bfloat16")
-    config = load_config("tiny", ["kv_cache.num_blocks=null", "kv_cache.gpu_memory_utilization=0.9", "model.device=cuda"])
+    config = load_config(
+        "tiny", ["kv_cache.num_blocks=null", "kv_cache.gpu_memory_utilization=0.9", "model.device=cuda"]
+    )
     budget = 40 * GIB
     expected = split_budget(layout, budget, 8, config.kv_cache.state_cache_fraction, None).num_blocks
     assert blocks_per_pool(layout, config.kv_cache, 8, budget) == expected
@@ -60,8 +62,9 @@ def test_a_cuda_engine_sizes_its_cache_from_the_gpu() -> None:
 
     free, total = torch.cuda.mem_get_info()
     share = (total - free + 512 * 2**20) / total  # what is in use now plus 512 MiB: a small cache
-    config = load_config("tiny-hybrid", ["model.device=cuda", "kv_cache.num_blocks=null",
-                                         f"kv_cache.gpu_memory_utilization={share:.6f}"])  # fmt: skip
+    config = load_config(
+        "tiny-hybrid", ["model.device=cuda", "kv_cache.num_blocks=null", f"kv_cache.gpu_memory_utilization={share:.6f}"]
+    )
     engine = EngineCore(config)
     allowed = int(share * total) - (total - free)  # upper bound: before the weights were loaded
     kv_bytes = engine.capacity()["bytes"]

@@ -79,8 +79,11 @@ def test_group_size_per_pool_leaves_no_slot_unused() -> None:
     check_layout(layout, arch)
     assert [(p.num_slots, p.num_groups, p.unused_slot_pages) for p in layout.pools] == [(7, 3, 0), (9, 1, 0)]
     assert sorted(type(g.spec).__name__ for g in layout.groups) == [
-        "FullAttentionSpec", "MambaSpec", "SlidingWindowSpec", "SlidingWindowSpec"
-    ]  # fmt: skip
+        "FullAttentionSpec",
+        "MambaSpec",
+        "SlidingWindowSpec",
+        "SlidingWindowSpec",
+    ]
 
 
 def test_group_size_falls_back_to_the_smallest_bucket_when_exact_groups_explode() -> None:
@@ -97,7 +100,9 @@ def test_capacity_counts_tokens_and_states_without_null_blocks() -> None:
     layout = build_kv_layout(arch, 16, "bfloat16")
     assert [(p.kind, p.num_slots, p.num_groups) for p in layout.pools] == [("attention", 2, 2), ("state", 4, 1)]
     assert layout.capacity((101, 11)) == {"tokens": 50 * 16, "recurrent_states": 10}
-    assert layout.pool_bytes((101, 11)) == 101 * 2 * attention_page_bytes(arch, 16, "bfloat16") + 11 * 4 * mamba_page_bytes(arch)
+    assert layout.pool_bytes((101, 11)) == 101 * 2 * attention_page_bytes(
+        arch, 16, "bfloat16"
+    ) + 11 * 4 * mamba_page_bytes(arch)
     assert isinstance(layout.groups[1].spec, SlidingWindowSpec)
 
 

@@ -33,9 +33,13 @@ def engine(request, tmp_path_factory):
     shared memory, pools of different row counts (a memory budget)."""
     config = load_config(
         "tiny-hybrid",
-        [f"model.weights_cache_dir={tmp_path_factory.mktemp('w')}", "kv_cache.num_blocks=null",
-         "kv_cache.memory_budget_mib=2", "kv_cache.pinning.budget_blocks=null"],
-    )  # fmt: skip
+        [
+            f"model.weights_cache_dir={tmp_path_factory.mktemp('w')}",
+            "kv_cache.num_blocks=null",
+            "kv_cache.memory_budget_mib=2",
+            "kv_cache.pinning.budget_blocks=null",
+        ],
+    )
     core = EngineCore(config, threads=1, kv_role="both" if request.param else None)
     yield core
     core.close()

@@ -89,8 +89,17 @@ def test_nixl_descriptors_address_exactly_the_named_rows() -> None:
     bases = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 8 << 20]
 
     def info(rows: tuple[int, int]) -> AgentInfo:
-        return AgentInfo("nixl", "x", rows[0], tuple(PAGES), "h", 1, base_addrs=tuple(bases),
-                         slot_pool=tuple(SLOT_POOL), slot_blocks=tuple(rows_of(rows)))  # fmt: skip
+        return AgentInfo(
+            "nixl",
+            "x",
+            rows[0],
+            tuple(PAGES),
+            "h",
+            1,
+            base_addrs=tuple(bases),
+            slot_pool=tuple(SLOT_POOL),
+            slot_blocks=tuple(rows_of(rows)),
+        )
 
     owner, reader = info(OWNER_ROWS), info(READER_ROWS)
     lengths = []

@@ -12,9 +12,7 @@ from tests.model.logits_harness import DEVICES
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: converts or runs real checkpoints (minutes); deselect with -m 'not slow'"
-    )
+    config.addinivalue_line("markers", "slow: converts or runs real checkpoints (minutes); deselect with -m 'not slow'")
 
 
 @pytest.fixture(params=DEVICES)

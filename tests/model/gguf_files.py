@@ -31,8 +31,18 @@ def _byte_alphabet() -> dict[int, str]:
     return spelled
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, tied: bool = True, seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    architecture: str = "llama",
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    tied: bool = True,
+    seed: int = 0,
+) -> Path:
     """A valid GGUF of a tiny random decoder (F32 tensors) with a byte-level BPE tokenizer."""
     import gguf
 
@@ -89,9 +99,16 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", *, layers: int = 2,
 
 def _fake_config(tied: bool = True) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 259,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": tied,
     }
 

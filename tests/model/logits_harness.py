@@ -124,9 +124,9 @@ def check_prefix_hit(directory: Path, device: str) -> None:
     """A second request sharing 36 tokens with a finished one reuses its cached blocks."""
     engine = make_engine(directory, device=device)
     shared = random_prompts(3, (36,))[0]
-    drive(engine, [shared + [7, 8, 9]], max_tokens=4)
+    drive(engine, [[*shared, 7, 8, 9]], max_tokens=4)
     engine.scheduler.requests.clear()
-    requests, logits = drive(engine, [shared + [10, 11]], max_tokens=8)
+    requests, logits = drive(engine, [[*shared, 10, 11]], max_tokens=8)
     assert requests["r0"].num_cached_tokens >= 32  # a real prefix hit: the state came from a block
     check_against_hf(directory, requests, logits)
 

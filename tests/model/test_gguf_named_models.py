@@ -26,7 +26,7 @@ def _generate(out: Path, prompt: str, n: int = 8) -> str:
     ids = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         gen = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return tok.decode(gen[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+    return tok.decode(gen[0, ids.input_ids.shape[1] :], skip_special_tokens=True)
 
 
 @pytest.mark.slow
@@ -60,17 +60,20 @@ def test_gemma_3_270m_converts_and_generates(tmp_path_factory, capsys):
     assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
     arch = arch_from_hf_config(config)
     assert [(layer.kind, layer.window, layer.rope.theta) for layer in arch.layers] == [
-        ("sliding_attention", 512, 1e4)] * 5 + [("full_attention", None, 1e6)] + [
-        ("sliding_attention", 512, 1e4)] * 5 + [("full_attention", None, 1e6)] + [
-        ("sliding_attention", 512, 1e4)] * 5 + [("full_attention", None, 1e6)]
+        ("sliding_attention", 512, 1e4)
+    ] * 5 + [("full_attention", None, 1e6)] + [("sliding_attention", 512, 1e4)] * 5 + [
+        ("full_attention", None, 1e6)
+    ] + [("sliding_attention", 512, 1e4)] * 5 + [("full_attention", None, 1e6)]
     assert json.loads((out / g.MARKER_NAME).read_text())["sha256"] == gemma.EXPECTED_SHA256
 
     start = time.monotonic()
     text = _generate(out, "The capital of France is")
     gen_s = time.monotonic() - start
     with capsys.disabled():
-        print(f"\ngemma-3-270m: convert {convert_s:.1f} s, cache hit {hit_s * 1000:.0f} ms, "
-              f"load+generate {gen_s:.1f} s: 'The capital of France is' -> {text!r}")
+        print(
+            f"\ngemma-3-270m: convert {convert_s:.1f} s, cache hit {hit_s * 1000:.0f} ms, "
+            f"load+generate {gen_s:.1f} s: 'The capital of France is' -> {text!r}"
+        )
     assert "France" in text or "Paris" in text
     assert len(text.split()) >= 4
 

@@ -21,12 +21,21 @@ def test_unsupported_architecture_names_it_and_the_supported_list() -> None:
 
 
 def test_missing_config_and_missing_weights(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config.json"):
         load_hf_directory(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 8,
-                                                      "hidden_size": 8, "intermediate_size": 8,
-                                                      "num_attention_heads": 2, "num_hidden_layers": 1}))
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+            }
+        )
+    )
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors"):
         load_hf_directory(tmp_path)
 
 

@@ -36,8 +36,11 @@ def test_quantized_checkpoint_names_the_quant_method_before_reading_weights(tmp_
 def test_quantized_qwen3_is_rejected_too() -> None:
     import transformers
 
-    config = {**transformers.Qwen3Config(num_hidden_layers=1).to_dict(), "architectures": ["Qwen3ForCausalLM"],
-              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    config = {
+        **transformers.Qwen3Config(num_hidden_layers=1).to_dict(),
+        "architectures": ["Qwen3ForCausalLM"],
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
     with pytest.raises(UnsupportedModelError, match=r"quantization_config\.quant_method: 'fp8'"):
         arch_from_hf_config(config)
 
@@ -76,7 +79,10 @@ def test_layer_types_of_the_wrong_length() -> None:
 def test_qwen3_moe_with_dense_layers_names_the_field(field: str, value) -> None:
     import transformers
 
-    config = {**transformers.Qwen3MoeConfig(num_hidden_layers=2).to_dict(), "architectures": ["Qwen3MoeForCausalLM"],
-              field: value}
+    config = {
+        **transformers.Qwen3MoeConfig(num_hidden_layers=2).to_dict(),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        field: value,
+    }
     with pytest.raises(UnsupportedModelError, match=re.escape(f"{field}: {value}")):
         arch_from_hf_config(config)

@@ -3,7 +3,8 @@ random checkpoints (fp32, atol 1e-4 against one full HF forward over the final s
 
 Checkpoints (engine/model/checkpoints/hybrid_tiny.py, HF-constant parameters randomised, multipliers != 1):
 ``tiny-granite-h`` (Mamba2 + NoPE attention, 4-expert MoE + shared MLP), a dense rotary variant
-(``num_local_experts=0``, ``position_embedding_type: rope``, attention biases, tied embeddings) and ``tiny-nemotron-h`` (``M*-EM*``:
+(``num_local_experts=0``, ``position_embedding_type: rope``, attention biases, tied embeddings)
+and ``tiny-nemotron-h`` (``M*-EM*``:
 Mamba2, NoPE attention, relu2 MLP, grouped sigmoid-routed MoE with latent projections). Cases:
 tests/model/logits_harness.py's (single prompt; a chunked-prefill batch; a prefix hit; preempt
 and resume; bf16 closeness) plus long prompts whose prefill chunks cross the Mamba2 scan's
@@ -30,8 +31,13 @@ _BUILD = {
     "tiny-granite-h": ("tiny-granite-h", {}),
     "tiny-granite-h-dense-rope": (
         "tiny-granite-h",
-        {"num_local_experts": 0, "position_embedding_type": "rope", "attention_bias": True,
-         "tie_word_embeddings": True, "layer_types": ["attention", "mamba", "mamba", "attention"]},
+        {
+            "num_local_experts": 0,
+            "position_embedding_type": "rope",
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "layer_types": ["attention", "mamba", "mamba", "attention"],
+        },
     ),
     "tiny-nemotron-h": ("tiny-nemotron-h", {}),
 }
@@ -40,7 +46,9 @@ _BUILD = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("granite_nemotron")
-    return {name: build_hybrid_checkpoint(model, root / name, seed=3, **extra) for name, (model, extra) in _BUILD.items()}
+    return {
+        name: build_hybrid_checkpoint(model, root / name, seed=3, **extra) for name, (model, extra) in _BUILD.items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,8 +126,14 @@ def test_checkpoints_really_exercise_the_constants(checkpoints) -> None:
         constant = [k for k, v in weights.items() if v.numel() > 1 and bool((v == v.reshape(-1)[0]).all())]
         assert not constant, f"{name}: constant parameters {constant[:5]}"
     nemotron = load_file(str(checkpoints["tiny-nemotron-h"] / "model.safetensors"))
-    for key in ("3.mixer.gate.e_score_correction_bias", "3.mixer.fc1_latent_proj.bias", "0.mixer.D",
-                "0.mixer.dt_bias", "2.mixer.up_proj.bias", "0.mixer.in_proj.bias"):
+    for key in (
+        "3.mixer.gate.e_score_correction_bias",
+        "3.mixer.fc1_latent_proj.bias",
+        "0.mixer.D",
+        "0.mixer.dt_bias",
+        "2.mixer.up_proj.bias",
+        "0.mixer.in_proj.bias",
+    ):
         assert f"backbone.layers.{key}" in nemotron
     config = read_hf_config(checkpoints["tiny-granite-h"])
     assert config["residual_multiplier"] != 1 and config["logits_scaling"] != 1 and config["embedding_multiplier"] != 1
@@ -133,8 +147,14 @@ def test_layer_kinds_map_onto_groups(checkpoints) -> None:
     layout = build_kv_layout(granite, block_size=4, dtype="float32")
     assert sorted(type(g.spec).__name__ for g in layout.groups) == ["FullAttentionSpec", "MambaSpec"]
     nemotron = arch_from_hf_config(read_hf_config(checkpoints["tiny-nemotron-h"]))
-    assert [layer.kind for layer in nemotron.layers] == ["mamba", "full_attention", "mlp", "mlp", "mamba",
-                                                          "full_attention"]
+    assert [layer.kind for layer in nemotron.layers] == [
+        "mamba",
+        "full_attention",
+        "mlp",
+        "mlp",
+        "mamba",
+        "full_attention",
+    ]
     assert [layer.moe for layer in nemotron.layers] == [False, False, False, True, False, False]
     layout = build_kv_layout(nemotron, block_size=4, dtype="float32")
     assert layout.layer_group[2] == layout.layer_group[3] == -1
@@ -150,7 +170,10 @@ def test_unsupported_options_name_the_field(checkpoints) -> None:
     with pytest.raises(UnsupportedModelError, match="hybrid_override_pattern"):
         arch_from_hf_config({**config, "hybrid_override_pattern": "M*X"})
     assert [layer.kind for layer in arch_from_hf_config({**config, "hybrid_override_pattern": "M-*"}).layers] == [
-        "mamba", "mlp", "full_attention"]
+        "mamba",
+        "mlp",
+        "full_attention",
+    ]
     with pytest.raises(UnsupportedModelError, match="mamba_hidden_act"):
         arch_from_hf_config({**config, "hybrid_override_pattern": "M*", "mamba_hidden_act": "gelu"})
     granite = read_hf_config(checkpoints["tiny-granite-h"])
@@ -174,8 +197,11 @@ def test_nemotron_multi_token_prediction_weights_are_ignored(checkpoints, tmp_pa
     directory = tmp_path / "with-mtp"
     shutil.copytree(checkpoints["tiny-nemotron-h"], directory)
     weights = load_file(str(directory / "model.safetensors"))
-    save_file({**weights, "mtp.layers.0.norm.weight": torch.ones(64)}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {**weights, "mtp.layers.0.norm.weight": torch.ones(64)},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     arch, loaded = load_hf_directory(directory)
     layout = build_kv_layout(arch, block_size=4, dtype="float32")
     model = build_model(arch, layout.layer_group, loaded, torch.float32, torch.device("cpu"), str(directory))

@@ -82,19 +82,38 @@ def test_gpt_oss_layers_map_onto_sliding_and_full_groups(checkpoints) -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-             original_max_position_embeddings=4096, truncate=False),  # gpt-oss's own
-        dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=2048),  # truncated
-        dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=1024, mscale=0.7,
-             mscale_all_dim=1.0),
+        {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },  # gpt-oss's own
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+        },  # truncated
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 1024,
+            "mscale": 0.7,
+            "mscale_all_dim": 1.0,
+        },
     ],
 )
 def test_yarn_frequencies_and_attention_factor_match_hf(params: dict) -> None:
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = transformers.GptOssConfig(num_hidden_layers=2, head_dim=64, max_position_embeddings=131072,
-                                       rope_parameters=params)
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2, head_dim=64, max_position_embeddings=131072, rope_parameters=params
+    )
     expected_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     raw = {**config.to_dict(), "architectures": ["GptOssForCausalLM"]}
     rope = arch_from_hf_config(raw).layers[0].rope

@@ -88,8 +88,9 @@ def test_packed_chunked_delta_rule_equals_the_token_recurrence() -> None:
     for j, (q, k, v, g, beta) in enumerate(seqs):
         ref_state = state0[j : j + 1]
         for t in range(lengths[j]):
-            o, ref_state = delta_rule_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1],
-                                           ref_state)  # fmt: skip
+            o, ref_state = delta_rule_step(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], ref_state
+            )
             torch.testing.assert_close(out[lo + t], o[0], rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(state[j], ref_state[0], rtol=1e-9, atol=1e-9)
         lo += lengths[j]

@@ -24,11 +24,22 @@ ATOL = 1e-5
 HIDDEN = 48
 NUM_BLOCKS = 80
 ARCHS = {
-    "one_group": MambaArch(num_heads=8, head_dim=8, n_groups=1, d_state=16, d_conv=4, intermediate_size=64,
-                           conv_bias=True, proj_bias=False),
-    "two_groups_clamped": MambaArch(num_heads=6, head_dim=4, n_groups=2, d_state=8, d_conv=3, intermediate_size=24,
-                                    conv_bias=False, proj_bias=True, time_step_min=0.01, time_step_max=0.5),
-}  # fmt: skip
+    "one_group": MambaArch(
+        num_heads=8, head_dim=8, n_groups=1, d_state=16, d_conv=4, intermediate_size=64, conv_bias=True, proj_bias=False
+    ),
+    "two_groups_clamped": MambaArch(
+        num_heads=6,
+        head_dim=4,
+        n_groups=2,
+        d_state=8,
+        d_conv=3,
+        intermediate_size=24,
+        conv_bias=False,
+        proj_bias=True,
+        time_step_min=0.01,
+        time_step_max=0.5,
+    ),
+}
 
 
 def _mixer(arch: MambaArch, seed: int) -> Mamba2Mixer:
@@ -156,6 +167,7 @@ def test_the_comparison_catches_a_broken_state_carry(broken: str, decode_tile: N
     for index in batch.groups:  # a new step: the layers' shared index tensors are built again
         index.derived.clear()
     if broken == "reads_zeros":  # every chunk starts from zeros, as if fresh
+
         def read_blocks(reads, device):
             return torch.zeros(len(reads), dtype=torch.long), torch.ones(len(reads), dtype=torch.bool)
 

@@ -18,8 +18,14 @@ from engine.model.arch.model_arch import MoEArch
 from engine.model.layers.moe import FusedGatedMLP, SparseMoE
 
 HIDDEN = 32
-COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-              initializer_range=0.2)
+COMMON = {
+    "vocab_size": 64,
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "initializer_range": 0.2,
+}
 
 
 def _saved_layer(model, directory: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -38,28 +44,59 @@ def _randomise_constants(module: torch.nn.Module) -> None:
 CASES = {
     # name: (config class, model class, config extras, MoEArch, HF block path, our prefix)
     "qwen3_moe": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        dict(intermediate_size=24, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 24,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+        },
         MoEArch(6, 2, 16, "qwen", "softmax_topk", norm_topk_prob=True),
         "mlp",
     ),
     "qwen3_moe_unnormalised": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        dict(intermediate_size=24, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False),
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 24,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": False,
+        },
         MoEArch(6, 3, 16, "qwen", "softmax_topk", norm_topk_prob=False),
         "mlp",
     ),
     "qwen3_next_shared_gate": (
-        "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        dict(intermediate_size=24, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16,
-             shared_expert_intermediate_size=20, norm_topk_prob=True, layer_types=["full_attention"], head_dim=16),
-        MoEArch(5, 2, 16, "qwen", "softmax_topk", norm_topk_prob=True, shared_intermediate_size=20,
-                shared_expert_gate=True),
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "intermediate_size": 24,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 20,
+            "norm_topk_prob": True,
+            "layer_types": ["full_attention"],
+            "head_dim": 16,
+        },
+        MoEArch(
+            5, 2, 16, "qwen", "softmax_topk", norm_topk_prob=True, shared_intermediate_size=20, shared_expert_gate=True
+        ),
         "mlp",
     ),
     "gpt_oss": (
-        "GptOssConfig", "GptOssForCausalLM",
-        dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=16, swiglu_limit=1.5),
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 16,
+            "swiglu_limit": 1.5,
+        },
         MoEArch(4, 2, 16, "gpt_oss", "topk_softmax", router_bias=True, swiglu_alpha=1.702, swiglu_limit=1.5),
         "mlp",
     ),
@@ -93,8 +130,14 @@ def test_granite_layout_and_shared_mlp_match_hf(tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     config = transformers.GraniteMoeHybridConfig(
-        **COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=24,
-        layer_types=["attention"], mamba_n_heads=8, mamba_d_head=8,
+        **COMMON,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=24,
+        layer_types=["attention"],
+        mamba_n_heads=8,
+        mamba_d_head=8,
     )
     model = transformers.GraniteMoeHybridForCausalLM(config).eval()
     layer = model.model.layers[0]
@@ -102,7 +145,9 @@ def test_granite_layout_and_shared_mlp_match_hf(tmp_path: Path) -> None:
     weights = _saved_layer(model, tmp_path, "model.layers.0.")
     moe = SparseMoE(MoEArch(4, 2, 16, "granite", "topk_softmax"), HIDDEN)
     shared = FusedGatedMLP(HIDDEN, 24, "silu")
-    moe_weights = {k.removeprefix("block_sparse_moe."): v for k, v in weights.items() if k.startswith("block_sparse_moe.")}
+    moe_weights = {
+        k.removeprefix("block_sparse_moe."): v for k, v in weights.items() if k.startswith("block_sparse_moe.")
+    }
     shared_weights = {k.removeprefix("shared_mlp."): v for k, v in weights.items() if k.startswith("shared_mlp.")}
     assert set(moe_weights) == set(moe.state_dict()) and set(shared_weights) == set(shared.state_dict())
     moe.load_state_dict(moe_weights)
@@ -130,7 +175,7 @@ def test_dispatch_equals_a_dense_per_token_reference() -> None:
 
 
 def test_bad_moe_options_name_the_field() -> None:
-    with pytest.raises(ValueError, match="moe.layout"):
+    with pytest.raises(ValueError, match=r"moe.layout"):
         SparseMoE(MoEArch(4, 2, 8, "mixtral"), 8)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="moe.top_k"):
+    with pytest.raises(ValueError, match=r"moe.top_k"):
         SparseMoE(MoEArch(4, 5, 8, "qwen"), 8)

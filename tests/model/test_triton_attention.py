@@ -20,14 +20,14 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton attention path needs triton")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index  # noqa: E402
-from engine.model.kernels import triton_attention as ta  # noqa: E402
-from engine.model.layers.attention import paged_attention  # noqa: E402
-from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+from engine.model.batch import ChunkSpec, ForwardBatch, build_group_index
+from engine.model.kernels import triton_attention as ta
+from engine.model.layers.attention import paged_attention
+from tests.model import logits_harness as harness
+from tests.model.triton_interpreter import kernel_test_device
 
 DEVICE = kernel_test_device()
 
@@ -84,9 +84,16 @@ def run_both(case: Case, dtype: torch.dtype = torch.float32, reference_dtype: to
         cache = flat.to(device, run_dtype)
         tensors = [t.to(device, run_dtype) for t in (q, k, v)]
         out = paged_attention(
-            *tensors, cache, rows_per_block, bs, index, batch, case.head_dim**-0.5, case.softcap,
+            *tensors,
+            cache,
+            rows_per_block,
+            bs,
+            index,
+            batch,
+            case.head_dim**-0.5,
+            case.softcap,
             None if sinks is None else sinks.to(device),
-        )  # fmt: skip
+        )
         results.append((out.float().cpu(), cache.float().cpu()))
     (ref, ref_cache), (out, out_cache) = results
     return ref, out, ref_cache, out_cache
@@ -123,8 +130,7 @@ def test_half_precision_close_to_fp32_on_the_same_inputs(name: str, dtype: torch
 def cases(draw: st.DrawFn) -> Case:
     block_size = draw(st.sampled_from([1, 3, 4, 16]))
     specs = tuple(
-        (draw(st.integers(0, 40)), draw(st.sampled_from([1, 1, 2, 5, 17])))
-        for _ in range(draw(st.integers(1, 4)))
+        (draw(st.integers(0, 40)), draw(st.sampled_from([1, 1, 2, 5, 17]))) for _ in range(draw(st.integers(1, 4)))
     )
     return Case(
         specs,

@@ -20,12 +20,12 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton Mamba2 kernel needs triton")
 
-from engine.model.arch.model_arch import MambaArch  # noqa: E402
-from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex  # noqa: E402
-from engine.model.kernels import triton_mamba as tm  # noqa: E402
-from engine.model.layers.mamba2 import Mamba2Mixer  # noqa: E402
-from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+from engine.model.arch.model_arch import MambaArch
+from engine.model.batch import ChunkSpec, ForwardBatch, GroupIndex
+from engine.model.kernels import triton_mamba as tm
+from engine.model.layers.mamba2 import Mamba2Mixer
+from tests.model import logits_harness as harness
+from tests.model.triton_interpreter import kernel_test_device
 
 DEVICE = kernel_test_device()
 
@@ -33,16 +33,49 @@ ATOL = 1e-5
 NUM_BLOCKS = 24
 EXTRA = 3  # floats after each block's state that no layer may touch
 ARCHS = {
-    "g1-p64-n16": MambaArch(num_heads=4, head_dim=64, n_groups=1, d_state=16, d_conv=4, intermediate_size=256,
-                            conv_bias=True, proj_bias=False),
-    "g2-p48-n128-clamped": MambaArch(num_heads=4, head_dim=48, n_groups=2, d_state=128, d_conv=3,
-                                     intermediate_size=192, conv_bias=False, proj_bias=False,
-                                     time_step_min=0.01, time_step_max=0.5),
-    "g2-p64-n128": MambaArch(num_heads=6, head_dim=64, n_groups=2, d_state=128, d_conv=4, intermediate_size=384,
-                             conv_bias=True, proj_bias=False),
-    "g1-p48-n16": MambaArch(num_heads=2, head_dim=48, n_groups=1, d_state=16, d_conv=4, intermediate_size=96,
-                            conv_bias=True, proj_bias=False),
-}  # fmt: skip
+    "g1-p64-n16": MambaArch(
+        num_heads=4,
+        head_dim=64,
+        n_groups=1,
+        d_state=16,
+        d_conv=4,
+        intermediate_size=256,
+        conv_bias=True,
+        proj_bias=False,
+    ),
+    "g2-p48-n128-clamped": MambaArch(
+        num_heads=4,
+        head_dim=48,
+        n_groups=2,
+        d_state=128,
+        d_conv=3,
+        intermediate_size=192,
+        conv_bias=False,
+        proj_bias=False,
+        time_step_min=0.01,
+        time_step_max=0.5,
+    ),
+    "g2-p64-n128": MambaArch(
+        num_heads=6,
+        head_dim=64,
+        n_groups=2,
+        d_state=128,
+        d_conv=4,
+        intermediate_size=384,
+        conv_bias=True,
+        proj_bias=False,
+    ),
+    "g1-p48-n16": MambaArch(
+        num_heads=2,
+        head_dim=48,
+        n_groups=1,
+        d_state=16,
+        d_conv=4,
+        intermediate_size=96,
+        conv_bias=True,
+        proj_bias=False,
+    ),
+}
 
 
 def _mixer(arch: MambaArch, seed: int) -> Mamba2Mixer:
@@ -67,7 +100,10 @@ def _decode_step(rng: random.Random, kinds: list[str]) -> tuple[ForwardBatch, li
     for i, kind in enumerate(kinds):
         reads.append({"fresh": -1, "in_place": writes[i], "moved": moved[i], "cached": rng.choice(cached)}[kind])
     offsets = sorted(rng.sample(range(2 * count), count))
-    chunks = [ChunkSpec(offset, 0 if read < 0 else rng.randint(1, 300), 1) for offset, read in zip(offsets, reads, strict=True)]
+    chunks = [
+        ChunkSpec(offset, 0 if read < 0 else rng.randint(1, 300), 1)
+        for offset, read in zip(offsets, reads, strict=True)
+    ]
     empty = torch.empty(0, dtype=torch.long)
     index = GroupIndex(empty, empty, state_read=reads, state_write=writes)
     batch = ForwardBatch(empty, empty, chunks, [], list(range(count)), [index], empty)

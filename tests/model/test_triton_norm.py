@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton RMS norm needs triton")
 
-from engine.model.layers.blocks import RMSNorm  # noqa: E402
-from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+from engine.model.layers.blocks import RMSNorm
+from tests.model import logits_harness as harness
+from tests.model.triton_interpreter import kernel_test_device
 
 DEVICE = kernel_test_device()
 

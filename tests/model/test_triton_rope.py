@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton rope kernel needs triton")
 
-from engine.model.arch.model_arch import RopeArch  # noqa: E402
-from engine.model.kernels import triton_rope  # noqa: E402
-from engine.model.layers.blocks import RMSNorm, Rotary  # noqa: E402
-from tests.model import logits_harness as harness  # noqa: E402
-from tests.model.triton_interpreter import kernel_test_device  # noqa: E402
+from engine.model.arch.model_arch import RopeArch
+from engine.model.kernels import triton_rope
+from engine.model.layers.blocks import RMSNorm, Rotary
+from tests.model import logits_harness as harness
+from tests.model.triton_interpreter import kernel_test_device
 
 DEVICE = kernel_test_device()
 

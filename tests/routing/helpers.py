@@ -118,7 +118,9 @@ class Worker:
             self.finish(rid)
 
 
-def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[Action], now: float = 0.0) -> list[Action]:
+def execute(
+    policy: PlacementPolicy, workers: dict[str, Worker], actions: list[Action], now: float = 0.0
+) -> list[Action]:
     """Run actions against the workers (PinOn computes the prefix first when needed) and feed the
     resulting events and results back; returns every action executed (for assertions)."""
     done: list[Action] = []
@@ -140,7 +142,7 @@ def execute(policy: PlacementPolicy, workers: dict[str, Worker], actions: list[A
             if coord.find_longest_cache_hit(action.block_hashes, action.num_tokens).num_tokens < action.num_tokens:
                 assert action.token_ids is not None
                 # warm-up prefill; one extra token so the hit search (N - 1) reaches the whole prefix
-                if worker.run(list(action.token_ids) + [0]) is not None:
+                if worker.run([*list(action.token_ids), 0]) is not None:
                     warm = worker.last_id
             pinned = coord.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
             if warm is not None:
@@ -164,8 +166,13 @@ def tokens(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-_WEIGHTS = {"w_uncached": "uncached_tokens", "w_queued": "queued_tokens", "w_running": "running_requests",
-            "w_used": "used_block_fraction", "w_churn": "cache_churn"}  # fmt: skip
+_WEIGHTS = {
+    "w_uncached": "uncached_tokens",
+    "w_queued": "queued_tokens",
+    "w_running": "running_requests",
+    "w_used": "used_block_fraction",
+    "w_churn": "cache_churn",
+}
 
 
 def router_config(**knobs: Any) -> RouterConfig:

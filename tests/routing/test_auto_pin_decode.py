@@ -14,8 +14,9 @@ HOT = list(range(2000, 2040))
 
 
 def pd_cluster(on_decode: bool, num_prefill: int = 1, num_decode: int = 2) -> tuple[RoutingPolicy, dict[str, Worker]]:
-    config = router_config(auto_pin=True, auto_pin_min_requests=3, auto_pin_on_decode_workers=on_decode,
-                           decode_only_threshold_tokens=0)  # fmt: skip
+    config = router_config(
+        auto_pin=True, auto_pin_min_requests=3, auto_pin_on_decode_workers=on_decode, decode_only_threshold_tokens=0
+    )
     policy = RoutingPolicy(groups_of(SPECS), config)
     workers = {}
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
@@ -29,7 +30,7 @@ def pd_cluster(on_decode: bool, num_prefill: int = 1, num_decode: int = 2) -> tu
 def send_hot(policy: RoutingPolicy, workers: dict[str, Worker], n: int) -> None:
     """Route requests for the hot prefix; the prefill and decode workers both end up holding it."""
     for i in range(n):
-        prompt = HOT + [100 + i, 1, 2, 3]
+        prompt = [*HOT, 100 + i, 1, 2, 3]
         decision = policy.route(RouteRequest(f"r{i}", block_hashes(prompt, 4), len(prompt)), 1.0)
         for worker in {str(decision.prefill_worker), str(decision.decode_worker)}:
             workers[worker].run(prompt)
@@ -49,9 +50,9 @@ def test_hot_prefix_is_pinned_on_a_decode_worker_too() -> None:
     infos = policy.pin_info()
     assert len(infos) == 2 and all(info.auto and len(info.active) == 1 for info in infos)
     decode_holder = next(str(info.active[0]) for info in infos if policy.roles[info.active[0]] == "decode")
-    assert workers[decode_holder].actual_hit(HOT + [9]) == 40
+    assert workers[decode_holder].actual_hit([*HOT, 9]) == 40
     # a request for the prefix is not steered by either automatic pin
-    prompt = HOT + [7, 7, 7, 7]
+    prompt = [*HOT, 7, 7, 7, 7]
     decision = policy.route(RouteRequest("x", block_hashes(prompt, 4), len(prompt)), 3.0)
     assert decision.pin_id is None
 
@@ -62,8 +63,9 @@ def test_no_decode_pins_without_the_option_or_without_decode_workers() -> None:
     pins = [a for a in policy.tick(2.0) if isinstance(a, PinOn)]
     assert [policy.roles[a.worker] for a in pins] == ["prefill"]
 
-    aggregated = RoutingPolicy(groups_of(SPECS), router_config(auto_pin=True, auto_pin_min_requests=3,
-                                                                auto_pin_on_decode_workers=True))  # fmt: skip
+    aggregated = RoutingPolicy(
+        groups_of(SPECS), router_config(auto_pin=True, auto_pin_min_requests=3, auto_pin_on_decode_workers=True)
+    )
     both = {f"w{i}": Worker(f"w{i}", SPECS, 96) for i in range(2)}
     for name in both:
         aggregated.add_worker(name, num_blocks=96)

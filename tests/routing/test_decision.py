@@ -29,9 +29,16 @@ def test_fields_positional_keyword_and_defaults() -> None:
     full = Decision("p", "d", 48, 100, "prefix", 7, 32, 64, 16)
     assert dataclasses.astuple(full) == ("p", "d", 48, 100, "prefix", 7, 32, 64, 16)
     by_name = Decision(
-        prefill_worker="p", decode_worker="d", predicted_hit=48, num_tokens=100, reason="prefix", pin_id=7,
-        predicted_decode_hit=32, best_hit=64, predicted_host_hit=16,
-    )  # fmt: skip
+        prefill_worker="p",
+        decode_worker="d",
+        predicted_hit=48,
+        num_tokens=100,
+        reason="prefix",
+        pin_id=7,
+        predicted_decode_hit=32,
+        best_hit=64,
+        predicted_host_hit=16,
+    )
     assert by_name == full
     short = Decision("w", "w", 0, 10)
     assert dataclasses.astuple(short) == ("w", "w", 0, 10, "cost", None, 0, 0, 0)

@@ -31,8 +31,11 @@ def shared_prefix_workload(seed: int = 0) -> tuple[list[list[int]], list[tuple[i
     """5 prefixes of 256 tokens, each asked 16 distinct 16-token questions, shuffled (seeded)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50, 5000) for _ in range(PREFIX_TOKENS)] for _ in range(NUM_PREFIXES)]
-    prompts = [(i, prefixes[i] + [rng.randrange(50, 5000) for _ in range(16)])
-               for i in range(NUM_PREFIXES) for _ in range(REQUESTS_PER_PREFIX)]  # fmt: skip
+    prompts = [
+        (i, prefixes[i] + [rng.randrange(50, 5000) for _ in range(16)])
+        for i in range(NUM_PREFIXES)
+        for _ in range(REQUESTS_PER_PREFIX)
+    ]
     rng.shuffle(prompts)
     return prefixes, prompts
 
@@ -62,7 +65,7 @@ def test_a_warmed_prefix_stays_on_its_idle_prefill_holder() -> None:
     over all four workers, decode workers included, and left the idle holder out.)"""
     prefixes, prompts = shared_prefix_workload()
     tree = pd_cluster(PrefixTreePolicy(GROUPS))
-    placed = [route_idle(tree, f"warm{i}", prefix + [1, 2, 3], float(i)) for i, prefix in enumerate(prefixes)]
+    placed = [route_idle(tree, f"warm{i}", [*prefix, 1, 2, 3], float(i)) for i, prefix in enumerate(prefixes)]
     start = float(len(prefixes))
     tree_choices = [route_idle(tree, f"r{n}", p, start + n) for n, (_, p) in enumerate(prompts)]
     assert tree_choices == [placed[i] for i, _ in prompts]
@@ -73,11 +76,13 @@ def test_a_warmed_prefix_stays_on_its_idle_prefill_holder() -> None:
     for i, prefix in enumerate(prefixes):
         cache(policy, holder[i], prefix)
     choices = []
-    for n, (i, prompt) in enumerate(prompts):
+    for n, (_, prompt) in enumerate(prompts):
         worker = route_idle(policy, f"r{n}", prompt, start + n)
         cache(policy, worker, prompt)  # the worker reports the prompt's blocks
         choices.append(worker)
-    misplaced = [(n, i, worker) for n, ((i, _), worker) in enumerate(zip(prompts, choices)) if worker != holder[i]]
+    misplaced = [
+        (n, i, worker) for n, ((i, _), worker) in enumerate(zip(prompts, choices, strict=False)) if worker != holder[i]
+    ]
     assert misplaced == []
 
 
@@ -88,7 +93,7 @@ def test_new_prefixes_go_to_the_worker_with_the_least_recent_work() -> None:
     prefixes, _ = shared_prefix_workload()
     for seed in range(10):
         policy = pd_cluster(RoutingPolicy(GROUPS, router_config(seed=seed)))
-        placed = Counter(route_idle(policy, f"w{i}", p + [1, 2, 3], float(i)) for i, p in enumerate(prefixes))
+        placed = Counter(route_idle(policy, f"w{i}", [*p, 1, 2, 3], float(i)) for i, p in enumerate(prefixes))
         assert sorted(placed.values()) == [2, 3], (seed, placed)
 
 
@@ -99,7 +104,7 @@ def test_an_idle_holder_keeps_its_prefix_however_much_work_it_took() -> None:
     cache(policy, "w0", PREFIX)
     chosen = []
     for i in range(12):
-        chosen.append(str(policy.route(request(f"r{i}", PREFIX + [1000 + i]), now=0.1 * i).prefill_worker))
+        chosen.append(str(policy.route(request(f"r{i}", [*PREFIX, 1000 + i]), now=0.1 * i).prefill_worker))
         policy.update_load("w0", WorkerLoad())  # finished at once: the holder stays idle
     assert set(chosen) == {"w0"}
 
@@ -112,14 +117,19 @@ def test_work_guard_spreads_a_busy_holder_that_keeps_taking_more_than_its_share(
 
     def chosen(ratio: float, gap_s: float = 0.1) -> list[str]:
         policy = policy_with(
-            4, w_running=0.0, w_used=0.0, imbalance_ratio=1e9, load_halflife_s=0.0, work_imbalance_ratio=ratio,
+            4,
+            w_running=0.0,
+            w_used=0.0,
+            imbalance_ratio=1e9,
+            load_halflife_s=0.0,
+            work_imbalance_ratio=ratio,
             work_halflife_s=1.0,
-        )  # fmt: skip
+        )
         cache(policy, "w0", PREFIX)
         out = []
         for i in range(12):
             policy.update_load("w0", WorkerLoad(queued_tokens=600))  # 300 of load vs a 200-token hit
-            out.append(str(policy.route(request(f"r{i}", PREFIX + [1000 + i]), now=gap_s * i).prefill_worker))
+            out.append(str(policy.route(request(f"r{i}", [*PREFIX, 1000 + i]), now=gap_s * i).prefill_worker))
         return out
 
     assert set(chosen(0.0)) == {"w0"}  # off: 300 - 2 x 200 < 0, the holder wins on cost
@@ -134,16 +144,21 @@ def test_sustained_guard_spreads_a_holder_whose_queue_stays_long() -> None:
 
     def chosen(load_halflife_s: float, queued: float) -> list[str]:
         policy = policy_with(
-            4, w_running=0.0, w_used=0.0, imbalance_ratio=1e9, load_halflife_s=load_halflife_s,
-            sustained_imbalance_ratio=1.3, work_imbalance_ratio=0.0,
-        )  # fmt: skip
+            4,
+            w_running=0.0,
+            w_used=0.0,
+            imbalance_ratio=1e9,
+            load_halflife_s=load_halflife_s,
+            sustained_imbalance_ratio=1.3,
+            work_imbalance_ratio=0.0,
+        )
         cache(policy, "w0", PREFIX)
         out = []
         for i in range(20):
             policy.update_load("w0", WorkerLoad(queued_tokens=queued))  # busy all along
             for other in ("w1", "w2", "w3"):
                 policy.update_load(other, WorkerLoad())  # the others keep up with what they get
-            out.append(str(policy.route(request(f"r{i}", PREFIX + [1000 + i]), now=0.5 * i).prefill_worker))
+            out.append(str(policy.route(request(f"r{i}", [*PREFIX, 1000 + i]), now=0.5 * i).prefill_worker))
         return out
 
     assert set(chosen(0.0, 600.0)) == {"w0"}  # no time average: cost alone keeps the prefix

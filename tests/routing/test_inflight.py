@@ -203,7 +203,7 @@ def test_a_second_request_follows_the_first_before_its_blocks_are_reported(seed:
     policy = RoutingPolicy(groups_of(SPECS), router_config(seed=seed))
     for i in range(4):
         policy.add_worker(f"w{i}")
-    first, second, reason, predicted = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
+    first, second, reason, predicted = two_requests(policy, [*prefix, 1, 2, 3], [*prefix, 4, 5, 6])
     assert second == first and reason == "inflight"
     assert predicted == 0  # the prediction stays what the worker's cache holds now: nothing yet
 
@@ -215,7 +215,7 @@ def test_without_the_credit_the_second_request_goes_to_the_least_loaded() -> Non
         policy = RoutingPolicy(groups_of(SPECS), router_config(seed=seed, inflight_ttl_s=0.0))
         for i in range(4):
             policy.add_worker(f"w{i}")
-        first, second, reason, _ = two_requests(policy, prefix + [1, 2, 3], prefix + [4, 5, 6])
+        first, second, reason, _ = two_requests(policy, [*prefix, 1, 2, 3], [*prefix, 4, 5, 6])
         assert second != first and reason == "cost"
         seen.add(second)
     assert len(seen) > 1  # random among the idle ones
@@ -226,13 +226,13 @@ def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
     policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0))
     for i in range(2):
         policy.add_worker(f"w{i}")
-    decision = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
+    decision = policy.route(RouteRequest("a", block_hashes([*prefix, 1], 4), 201), now=0.0)
     worker = str(decision.prefill_worker)
     assert len(policy._inflight) == 1
     hashes = tuple(block_hashes(prefix, 4))
     policy.apply_events(worker, [BlockStored(1 + g, g, hashes) for g in range(3)], now=0.5)
     assert len(policy._inflight) == 0
-    decision = policy.route(RouteRequest("b", block_hashes(list(range(500, 700)) + [1], 4), 201), now=1.0)
+    decision = policy.route(RouteRequest("b", block_hashes([*list(range(500, 700)), 1], 4), 201), now=1.0)
     other = str(decision.prefill_worker)
     assert len(policy._inflight) == 1
     policy.apply_events(other, [AllBlocksCleared(policy.index.last_seq(other) + 1)], now=1.5)
@@ -244,10 +244,10 @@ def test_the_credit_expires() -> None:
     policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0, inflight_ttl_s=2.0))
     for i in range(2):
         policy.add_worker(f"w{i}")
-    first = policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0)
+    first = policy.route(RouteRequest("a", block_hashes([*prefix, 1], 4), 201), now=0.0)
     # the first worker is now busier; after the TTL the credit is gone and load decides
     policy.update_load(str(first.prefill_worker), WorkerLoad(queued_tokens=500, running_requests=1))
-    later = policy.route(RouteRequest("b", block_hashes(prefix + [2], 4), 201), now=2.5)
+    later = policy.route(RouteRequest("b", block_hashes([*prefix, 2], 4), 201), now=2.5)
     assert later.prefill_worker != first.prefill_worker and later.reason == "cost"
 
 
@@ -259,9 +259,9 @@ def test_the_credit_is_held_to_the_imbalance_guard() -> None:
     )
     for i in range(2):
         policy.add_worker(f"w{i}")
-    first = str(policy.route(RouteRequest("a", block_hashes(prefix + [1], 4), 201), now=0.0).prefill_worker)
+    first = str(policy.route(RouteRequest("a", block_hashes([*prefix, 1], 4), 201), now=0.0).prefill_worker)
     other = "w1" if first == "w0" else "w0"
     policy.update_load(first, WorkerLoad(queued_tokens=5000, running_requests=4))
     policy.update_load(other, WorkerLoad(queued_tokens=0, running_requests=0))
-    decision = policy.route(RouteRequest("b", block_hashes(prefix + [2], 4), 201), now=0.1)
+    decision = policy.route(RouteRequest("b", block_hashes([*prefix, 2], 4), 201), now=0.1)
     assert decision.prefill_worker == other

@@ -34,7 +34,9 @@ def test_first_is_the_least_loaded_then_least_worked_allowed_worker() -> None:
         exclude = set(rng.sample(sorted(costs), min(len(costs), 3)))
         refused = set(rng.sample(sorted(costs), min(len(costs), 2)))
         allowed = [w for w in costs if w not in exclude and w not in refused]
-        found, was_refused = order.first(exclude, lambda w: w not in refused, len(exclude) + len(refused) + 1)
+        found, was_refused = order.first(
+            exclude, lambda w, refused=refused: w not in refused, len(exclude) + len(refused) + 1
+        )
         if not allowed:
             assert found is None
             continue
@@ -43,7 +45,8 @@ def test_first_is_the_least_loaded_then_least_worked_allowed_worker() -> None:
         assert costs[found] == least[0] and math.isclose(work.get(found, now), least[1], rel_tol=1e-9, abs_tol=1e-9)
         mine = work.get(found, now)
         smaller = [
-            w for w in refused - exclude
+            w
+            for w in refused - exclude
             if costs[w] < costs[found] or (costs[w] == costs[found] and work.get(w, now) < mine - 1e-9 * (1 + mine))
         ]
         assert was_refused or not smaller  # a smaller worker the guard refused is reported

@@ -57,8 +57,8 @@ def test_pin_is_made_resident_on_r_holders() -> None:
     assert len(active) == 2
     for name in active:
         assert explicit_pins(workers[name]) == 16
-        hashes = block_hashes(PREFIX + [1, 2], 4)
-        assert workers[name].actual_hit(PREFIX + [1, 2]) == 40
+        hashes = block_hashes([*PREFIX, 1, 2], 4)
+        assert workers[name].actual_hit([*PREFIX, 1, 2]) == 40
         assert policy.index.predict(hashes, 41)[name] == 40
     [info] = policy.pin_info()
     assert info.blocks_per_replica == 16 and policy.pins.used_blocks == 32
@@ -80,7 +80,7 @@ def test_capacity_is_enforced_with_a_clear_error_and_released_on_unpin() -> None
 
 def test_ttl_expiry_unpins_everywhere() -> None:
     policy, workers = cluster()
-    pin_id, actions = policy.pin(PREFIX, replicas=2, ttl_s=10.0, now=0.0)
+    _pin_id, actions = policy.pin(PREFIX, replicas=2, ttl_s=10.0, now=0.0)
     execute(policy, workers, actions)
     assert not [a for a in policy.tick(5.0) if isinstance(a, Unpin)]
     expired = policy.tick(10.5)
@@ -101,7 +101,7 @@ def test_requests_with_a_pinned_prefix_go_to_a_holder() -> None:
     execute(policy, workers, actions)
     [holder] = holders(policy, pin_id)
     policy.update_load(holder, WorkerLoad(queued_tokens=2000, running_requests=0))
-    prompt = prefix + [7, 8, 9]
+    prompt = [*prefix, 7, 8, 9]
     decision = policy.route(RouteRequest("r", block_hashes(prompt, 4), len(prompt)))
     assert decision.prefill_worker == holder and decision.reason == "pin" and decision.pin_id == pin_id
     no_pin = RoutingPolicy(groups_of(SPECS))  # same state without the pin preference: cost says idle worker
@@ -154,7 +154,7 @@ def test_a_host_tier_pin_lives_in_the_host_tier_and_survives_device_pressure() -
     assert holders(policy, pin_id) == [holder]
     hashes = block_hashes(PREFIX, 4)
     assert worker.coord.find_longest_cache_hit(hashes, 40, include_host=False).num_tokens < 40
-    assert worker.actual_hit(PREFIX + [1]) == 40  # with the host tier
+    assert worker.actual_hit([*PREFIX, 1]) == 40  # with the host tier
     unpin = policy.unpin(pin_id)
     assert [(type(a), a.worker, a.tier) for a in unpin] == [(Unpin, holder, "host")]  # type: ignore[union-attr]
     execute(policy, workers, unpin)
@@ -179,7 +179,7 @@ def test_pin_is_re_established_when_a_holder_disappears() -> None:
 
 def test_pin_by_hashes_only_uses_workers_that_already_hold_it() -> None:
     policy, workers = cluster()
-    workers["w1"].run(PREFIX + [1])
+    workers["w1"].run([*PREFIX, 1])
     workers["w1"].finish_all()
     sync(policy, workers)
     pin_id, actions = policy.pin(block_hashes=block_hashes(PREFIX, 4), num_tokens=40, replicas=2)
@@ -189,7 +189,7 @@ def test_pin_by_hashes_only_uses_workers_that_already_hold_it() -> None:
 
 
 def test_a_short_pin_result_is_undone_and_retried_elsewhere() -> None:
-    policy, workers = cluster()
+    policy, _workers = cluster()
     pin_id, actions = policy.pin(PREFIX, replicas=1, now=0.0)
     [first] = actions
     follow = policy.pin_result(first.worker, pin_id, 20, now=1.0)  # the worker only had half
@@ -205,7 +205,7 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
     def send(prefix: list[int], n: int, base: int, now: float) -> None:
         """Route each request and run it where it was placed (so its prefix is resident there)."""
         for i in range(n):
-            prompt = prefix + [base + i, 1, 2, 3]
+            prompt = [*prefix, base + i, 1, 2, 3]
             decision = policy.route(RouteRequest(f"r{base + i}", block_hashes(prompt, 4), len(prompt)), now)
             worker = workers[str(decision.prefill_worker)]
             worker.run(prompt)
@@ -218,7 +218,7 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
     pins = [a for a in actions if isinstance(a, PinOn)]
     assert len(pins) == 1 and pins[0].num_tokens == 40
     # automatic pins keep resident what a worker holds: the holder has the prefix, nothing is computed
-    assert workers[str(pins[0].worker)].actual_hit(hot + [9]) == 40 and pins[0].token_ids is None
+    assert workers[str(pins[0].worker)].actual_hit([*hot, 9]) == 40 and pins[0].token_ids is None
     execute(policy, workers, actions, now=2.0)
     assert len(policy.pin_info()) == 1 and policy.pin_info()[0].auto
     # Traffic moves to the other prefix; the old one cools down and is replaced.
@@ -232,7 +232,7 @@ def test_auto_pin_pins_the_hottest_prefixes_within_budget() -> None:
 
 def test_auto_pins_do_not_force_placement_and_give_way_to_explicit_pins() -> None:
     policy, workers = cluster(n=2, num_blocks=96, auto_pin=True, auto_pin_budget_blocks=1000, auto_pin_min_requests=2)
-    prompt = PREFIX + [7, 1, 2, 3]
+    prompt = [*PREFIX, 7, 1, 2, 3]
     for i in range(3):
         decision = policy.route(RouteRequest(f"r{i}", block_hashes(prompt, 4), len(prompt)), float(i))
         worker = workers[str(decision.prefill_worker)]
@@ -253,7 +253,7 @@ def test_auto_pins_do_not_force_placement_and_give_way_to_explicit_pins() -> Non
     # per-worker pin room: an explicit pin does not count automatic pins against it
     policy.config = policy.config.model_copy(update={"pin_worker_fraction": 16 / 96})  # room for one 16-block pin
     policy.update_load(holder, WorkerLoad())
-    pin_id, actions = policy.pin(list(range(500, 540)), replicas=2, now=7.0)
+    _pin_id, actions = policy.pin(list(range(500, 540)), replicas=2, now=7.0)
     assert sorted(str(a.worker) for a in actions) == ["w0", "w1"]
 
 

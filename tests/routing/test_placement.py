@@ -50,7 +50,7 @@ def policy_with(n: int, **kwargs: object) -> RoutingPolicy:
 def test_prefers_the_worker_holding_the_prefix() -> None:
     policy = policy_with(4)
     cache(policy, "w2", PREFIX)
-    decision = policy.route(request("r", PREFIX + [1, 2, 3]))
+    decision = policy.route(request("r", [*PREFIX, 1, 2, 3]))
     assert decision.prefill_worker == decision.decode_worker == "w2"
     assert decision.predicted_hit == 200 and decision.reason == "prefix"
 
@@ -59,7 +59,7 @@ def test_load_outweighs_a_small_hit() -> None:
     policy = policy_with(2)
     cache(policy, "w0", PREFIX[:40])
     policy.update_load("w0", WorkerLoad(queued_tokens=2000, running_requests=8, used_block_fraction=0.5))
-    decision = policy.route(request("r", PREFIX + [1]))
+    decision = policy.route(request("r", [*PREFIX, 1]))
     assert decision.prefill_worker == "w1"
 
 
@@ -81,14 +81,19 @@ def test_ties_are_broken_at_random_and_seeded() -> None:
 def test_imbalance_guard_spreads_a_hot_prefix_to_a_second_worker() -> None:
     def chosen(imbalance_ratio: float) -> list[str]:
         policy = policy_with(
-            4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=imbalance_ratio, imbalance_slack_tokens=0.0,
+            4,
+            w_queued=0.01,
+            w_running=0.0,
+            w_used=0.0,
+            imbalance_ratio=imbalance_ratio,
+            imbalance_slack_tokens=0.0,
             work_imbalance_ratio=0.0,
-        )  # fmt: skip
+        )
         cache(policy, "w0", PREFIX)
         queued: Counter[str] = Counter()
         out = []
         for i in range(12):
-            worker = str(policy.route(request(f"r{i}", PREFIX + [1000 + i])).prefill_worker)
+            worker = str(policy.route(request(f"r{i}", [*PREFIX, 1000 + i])).prefill_worker)
             queued[worker] += 600  # the worker reports its queue (prefill + decode work)
             policy.update_load(worker, WorkerLoad(queued_tokens=queued[worker], running_requests=1))
             out.append(worker)
@@ -104,12 +109,18 @@ def test_instantaneous_guard_ignores_a_queue_within_the_slack() -> None:
 
     def chosen(slack: float) -> str:
         policy = policy_with(
-            4, w_queued=0.01, w_running=0.0, w_used=0.0, imbalance_ratio=2.0, load_halflife_s=0.0,
-            work_imbalance_ratio=0.0, imbalance_slack_tokens=slack,
-        )  # fmt: skip
+            4,
+            w_queued=0.01,
+            w_running=0.0,
+            w_used=0.0,
+            imbalance_ratio=2.0,
+            load_halflife_s=0.0,
+            work_imbalance_ratio=0.0,
+            imbalance_slack_tokens=slack,
+        )
         cache(policy, "w0", PREFIX)
         policy.update_load("w0", WorkerLoad(queued_tokens=3000))  # limit 2 x 750 + 201 (+ slack)
-        return str(policy.route(request("r", PREFIX + [1])).prefill_worker)
+        return str(policy.route(request("r", [*PREFIX, 1])).prefill_worker)
 
     assert chosen(0.0) != "w0"
     assert chosen(4096.0) == "w0"
@@ -288,10 +299,10 @@ def test_baselines() -> None:
     ll.update_load("w1", WorkerLoad(queued_tokens=5))
     ll.update_load("w2", WorkerLoad(queued_tokens=7))
     assert ll.route(request("r", PREFIX)).prefill_worker == "w1"
-    first = tree.route(request("a", PREFIX + [1])).prefill_worker
-    second = tree.route(request("b", PREFIX + [2]))
+    first = tree.route(request("a", [*PREFIX, 1])).prefill_worker
+    second = tree.route(request("b", [*PREFIX, 2]))
     assert second.prefill_worker == first and second.reason == "prefix" and second.predicted_hit == 200
-    reasons = [tree.route(request(f"c{i}", PREFIX + [3 + i])).reason for i in range(6)]
+    reasons = [tree.route(request(f"c{i}", [*PREFIX, 3 + i])).reason for i in range(6)]
     assert "imbalanced" in reasons  # the router's own count of running requests
 
 
@@ -308,7 +319,9 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
     # the guards and the in-flight credit have their own tests: here only the instantaneous guard,
     # which the costs below mirror (requests routed here never run, so nothing is in flight)
     policy = RoutingPolicy(
-        groups_of(specs), router_config(seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0))
+        groups_of(specs),
+        router_config(seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0),
+    )
     for name in workers:
         policy.add_worker(name)
     prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]

@@ -32,9 +32,7 @@ def test_prediction_equals_coordinator_hit(name: str, seed: int, monkeypatch: py
     the index's view of their cache (``PrefixIndex.hit``); that path must be exercised and exact."""
     resolved = []
     real_hit = index_module.PrefixIndex.hit
-    monkeypatch.setattr(
-        index_module.PrefixIndex, "hit", lambda self, *a: resolved.append(1) or real_hit(self, *a)
-    )
+    monkeypatch.setattr(index_module.PrefixIndex, "hit", lambda self, *a: resolved.append(1) or real_hit(self, *a))
     specs = CONFIGS[name]
     rng = random.Random(seed)
     workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40, 64])) for i in range(4)}
@@ -79,10 +77,10 @@ def test_sliding_window_evicted_lowers_the_prediction() -> None:
     policy = RoutingPolicy(groups_of(specs))
     policy.add_worker("w")
     prefix = list(range(40))
-    worker.run(prefix + [99])
+    worker.run([*prefix, 99])
     worker.finish_all()
     sync(policy, {"w": worker})
-    query = prefix + [7, 7]
+    query = [*prefix, 7, 7]
     hashes = block_hashes(query, 4)
     assert policy.index.predict(hashes, len(query) - 1) == {"w": 40}
     # Evict the window blocks ending at 40 (indices 8, 9), keep all full-attention blocks.
@@ -100,10 +98,10 @@ def test_missing_mamba_state_lowers_the_prediction_but_not_for_remote_prefill() 
     policy = RoutingPolicy(groups_of(specs))
     policy.add_worker("w")
     prefix = list(range(24))
-    worker.run(prefix + [5])
+    worker.run([*prefix, 5])
     worker.finish_all()
     sync(policy, {"w": worker})
-    query = prefix + [1, 2, 3]
+    query = [*prefix, 1, 2, 3]
     hashes = block_hashes(query, 4)
     pool = worker.coord.pool
     pool.evict([pool.cached[1][hashes[5]]])  # the state after 24 tokens
@@ -124,15 +122,15 @@ def test_approximate_tree_believes_hits_the_worker_does_not_have() -> None:
     policy.add_worker("w")
     rng = random.Random(0)
     prefix = list(range(40))
-    first = prefix + [1]
+    first = [*prefix, 1]
     tree.route(RouteRequest("a", block_hashes(first, 4), len(first)))
     worker.run(first)
     worker.finish_all()
     for _ in range(3):  # other traffic reuses the freed window blocks first
-        worker.run(tokens(rng, 12, vocab=1000) + [1])
+        worker.run([*tokens(rng, 12, vocab=1000), 1])
         worker.finish_all()
     sync(policy, {"w": worker})
-    query = prefix + [2, 3]
+    query = [*prefix, 2, 3]
     request = RouteRequest("b", block_hashes(query, 4), len(query))
     actual = worker.actual_hit(query)
     assert tree.route(request).predicted_hit == 40 != actual
@@ -154,7 +152,7 @@ def test_disaggregated_prediction_equals_the_prefill_only_lookup(name: str) -> N
     over = 0
     for n in (17, 24, 25, 33, 40, 49):  # aligned and unaligned N - 1
         prompt = tokens(rng, n, vocab=50)
-        assert workers["p0"].run(prompt + [1]) is not None  # the whole prompt is cached on p0
+        assert workers["p0"].run([*prompt, 1]) is not None  # the whole prompt is cached on p0
         workers["p0"].finish_all()
         sync(policy, workers)
         decision = policy.route(RouteRequest(f"r{n}", block_hashes(prompt, hbs), n))

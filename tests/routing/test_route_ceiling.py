@@ -43,5 +43,5 @@ def test_with_room_for_every_prefix_kvfleet_hits_as_the_oracle_does(preset):
 
 def test_an_unknown_placement_is_refused_by_name():
     config = load_config("tiny", ["workers.num_prefill=2", "workers.num_decode=1"])
-    with pytest.raises(ValueError, match="placement: .*'nearest'"):
+    with pytest.raises(ValueError, match=r"placement: .*'nearest'"):
         replay(config, WORKLOAD, "nearest", 2)

@@ -53,8 +53,10 @@ def check_tables(index: PrefixIndex, workers: dict[str, Worker]) -> None:
 def test_predicted_hit_per_tier_equals_what_the_worker_serves(name: str, seed: int) -> None:
     specs = CONFIGS[name]
     rng = random.Random(seed)
-    workers = {f"t{i}": Worker(f"t{i}", specs, rng.choice([20, 28, 40]), host_blocks=rng.choice([24, 48, 96]))
-               for i in range(3)}  # fmt: skip
+    workers = {
+        f"t{i}": Worker(f"t{i}", specs, rng.choice([20, 28, 40]), host_blocks=rng.choice([24, 48, 96]))
+        for i in range(3)
+    }
     workers["plain"] = Worker("plain", specs, 40)
     policy = RoutingPolicy(groups_of(specs), router_config(seed=seed))
     for w in workers:

@@ -77,13 +77,21 @@ class Server:
 
 
 def main_config() -> ClusterConfig:
-    return load_config("tiny", ["router.decode_only_threshold_tokens=16", "router.work_imbalance_ratio=0",
-                                f"serve.api_key={API_KEY}", "serve.max_queued_requests=128"])  # fmt: skip
+    return load_config(
+        "tiny",
+        [
+            "router.decode_only_threshold_tokens=16",
+            "router.work_imbalance_ratio=0",
+            f"serve.api_key={API_KEY}",
+            "serve.max_queued_requests=128",
+        ],
+    )
 
 
 def small_config() -> ClusterConfig:
-    return load_config("tiny-hybrid", [f"serve.max_queued_requests={SMALL_QUEUE_BOUND}",
-                                       "serve.served_model_name=tiny-bamba-small"])  # fmt: skip
+    return load_config(
+        "tiny-hybrid", [f"serve.max_queued_requests={SMALL_QUEUE_BOUND}", "serve.served_model_name=tiny-bamba-small"]
+    )
 
 
 @pytest.fixture(scope="package")
@@ -122,7 +130,6 @@ def small_server(servers: dict[str, Server]) -> Server:
     return servers["small"]
 
 
-
 def server_log_files() -> dict[Path, int]:
     """This Ray session's log files and their sizes now: Serve's replica logs and the actors'
     stdout and stderr (where asyncio reports a task error nobody retrieved)."""
@@ -149,7 +156,11 @@ def all_blocks_free(server: Server) -> Callable[[], bool]:
 
     def check() -> bool:
         totals = server.totals()
-        return (totals["running"] == 0 and totals["queued"] == 0 and totals["held_for_transfer"] == 0
-                and totals["free_blocks"] == totals["num_blocks"])  # fmt: skip
+        return (
+            totals["running"] == 0
+            and totals["queued"] == 0
+            and totals["held_for_transfer"] == 0
+            and totals["free_blocks"] == totals["num_blocks"]
+        )
 
     return check

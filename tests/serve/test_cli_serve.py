@@ -36,8 +36,12 @@ def test_kvfleet_serve_prints_its_url_serves_and_drains_on_sigterm(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     process = subprocess.Popen(
         [KVFLEET, "serve", "--config", "tiny", "--port", str(port), "--set", "ray.num_cpus=4"],
-        stdout=subprocess.PIPE, stderr=(tmp_path / "stderr.log").open("w"), text=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "stderr.log").open("w"),
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
     try:
@@ -57,12 +61,20 @@ def test_kvfleet_serve_prints_its_url_serves_and_drains_on_sigterm(tmp_path: Pat
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         # greedy and ignore_eos: a sampled EOS (about 1 in 400 at temperature 1 on this random model)
         # would end the completion early
-        first = client.completions.create(model="tiny-gemma3", prompt="hi", max_tokens=2, temperature=0,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+        first = client.completions.create(
+            model="tiny-gemma3", prompt="hi", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert first.usage is not None and first.usage.completion_tokens == 2
 
-        body = {"model": "tiny-gemma3", "prompt": "drain me " * 5, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": "tiny-gemma3",
+            "prompt": "drain me " * 5,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         events: list[dict[str, object]] = []
         at_signal = -1
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
@@ -70,7 +82,7 @@ def test_kvfleet_serve_prints_its_url_serves_and_drains_on_sigterm(tmp_path: Pat
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
                 if len(events) == 3:
                     at_signal = len(events)
                     process.send_signal(signal.SIGTERM)

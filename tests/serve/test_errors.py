@@ -74,8 +74,11 @@ def _body(server: Server, route: str, fields: dict[str, Any]) -> dict[str, Any]:
     return {"model": server.model, **base, **fields}
 
 
-@pytest.mark.parametrize(("route", "fields", "param", "fragment"), BAD_BODIES,
-                         ids=[f"{r}-{p}-{i}" for i, (r, _, p, _) in enumerate(BAD_BODIES)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "fragment"),
+    BAD_BODIES,
+    ids=[f"{r}-{p}-{i}" for i, (r, _, p, _) in enumerate(BAD_BODIES)],
+)
 def test_a_bad_body_is_a_400_naming_its_field(
     server: Server, route: str, fields: dict[str, Any], param: str, fragment: str
 ) -> None:
@@ -108,9 +111,18 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server: Server, content: byte
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key", "Basic abc", "Bearer"])
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                              ("GET", "/v1/models"), ("GET", "/v1/pins"), ("POST", "/v1/pins"),
-                                              ("DELETE", "/v1/pins/1"), ("GET", "/v1/stats")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/pins"),
+        ("POST", "/v1/pins"),
+        ("DELETE", "/v1/pins/1"),
+        ("GET", "/v1/stats"),
+    ],
+)
 def test_401_without_the_right_key_admin_endpoints_included(
     server: Server, header: str | None, method: str, path: str
 ) -> None:
@@ -141,12 +153,16 @@ def test_an_unknown_model_is_a_404_the_client_raises_as_not_found(server: Server
     client = server.openai()
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1, stream=stream)
-    assert caught.value.body == {"message": f"model: the model 'gpt-4' does not exist (this server serves "
-                                 f"{server.model!r})", "type": "not_found_error", "param": "model",
-                                 "code": "model_not_found"}  # fmt: skip
+    assert caught.value.body == {
+        "message": f"model: the model 'gpt-4' does not exist (this server serves {server.model!r})",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     with pytest.raises(openai.NotFoundError) as caught:
-        client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=1, stream=stream)  # fmt: skip
+        client.chat.completions.create(
+            model="no/such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1, stream=stream
+        )
     assert caught.value.body["param"] == "model"  # type: ignore[index]
     response = server.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert response.status_code == 404
@@ -177,14 +193,20 @@ def test_unknown_routes_and_pins_are_404_in_openai_shape(server: Server) -> None
     assert response.json()["error"]["param"] == "pin_id"
 
 
-@pytest.mark.parametrize(("fields", "param"), [({"prefix": ""}, "prefix"), ({"prefix": None}, "prefix"),
-                                               ({"prefix": "abc", "replicas": 0}, "replicas"),
-                                               ({"prefix": "abc", "replicas": 9}, "replicas"),
-                                               ({"prefix": "abc", "ttl": math.nan}, "ttl"),
-                                               ({"prefix": "abc", "ttl": -1}, "ttl"),
-                                               ({"prefix": "abc", "ttl": "1"}, "ttl"),
-                                               ({"prefix": "abc", "tier": "disk"}, "tier"),
-                                               ({"prefix": "abc", "tier": "host"}, "tier")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prefix": ""}, "prefix"),
+        ({"prefix": None}, "prefix"),
+        ({"prefix": "abc", "replicas": 0}, "replicas"),
+        ({"prefix": "abc", "replicas": 9}, "replicas"),
+        ({"prefix": "abc", "ttl": math.nan}, "ttl"),
+        ({"prefix": "abc", "ttl": -1}, "ttl"),
+        ({"prefix": "abc", "ttl": "1"}, "ttl"),
+        ({"prefix": "abc", "tier": "disk"}, "tier"),
+        ({"prefix": "abc", "tier": "host"}, "tier"),
+    ],
+)
 def test_bad_pins_are_400_naming_the_field(server: Server, fields: dict[str, Any], param: str) -> None:
     response = server.post("/v1/pins", content=json.dumps(fields), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text

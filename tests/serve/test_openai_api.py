@@ -63,8 +63,14 @@ def test_completion_equals_the_single_engine_streamed_or_not(server: Server, wor
     assert whole.usage.completion_tokens == MAX_TOKENS == len(expected.token_ids)  # type: ignore[attr-defined]
     assert whole.usage.total_tokens == prompt_tokens + MAX_TOKENS
 
-    stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
-                                       stream_options={"include_usage": True}, **GREEDY)  # fmt: skip
+    stream = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
@@ -91,16 +97,20 @@ def test_chat_uses_the_model_chat_template(server: Server) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt_text(7, 9)}]
     rendered = ByteTokenizer().chat_token_ids(messages)
     (expected,) = oracle(server.config, (ByteTokenizer().decode(rendered),), MAX_TOKENS)
-    whole = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
-                                           **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    whole = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS, **GREEDY)  # type: ignore[arg-type]
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == expected.text  # type: ignore[attr-defined]
     assert whole.usage.prompt_tokens == len(rendered)
     assert whole.usage.completion_tokens == MAX_TOKENS
 
-    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
-                                            stream=True, stream_options={"include_usage": True},
-                                            **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )  # type: ignore[arg-type]
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -164,8 +174,15 @@ def test_an_empty_cache_salt_is_a_400_naming_it(server: Server) -> None:
 
 def test_sampling_with_a_seed_is_reproducible(server: Server) -> None:
     client = server.openai()
-    kwargs = {"model": server.model, "prompt": prompt_text(9, 8), "max_tokens": 10, "temperature": 0.9,
-              "top_p": 0.9, "seed": 1234, "extra_body": {"top_k": 20, "ignore_eos": True}}  # fmt: skip
+    kwargs = {
+        "model": server.model,
+        "prompt": prompt_text(9, 8),
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": 1234,
+        "extra_body": {"top_k": 20, "ignore_eos": True},
+    }
     texts = {client.completions.create(**kwargs).choices[0].text for _ in range(3)}
     assert len(texts) == 1
 
@@ -178,8 +195,7 @@ def test_stop_string_ends_the_completion(server: Server) -> None:
     stop = text[4:6]
     if not stop or "\ufffd" in stop:
         pytest.skip("the oracle text has no usable stop string")  # never for this seed; guards the oracle
-    result = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, stop=[stop],
-                                       **GREEDY)  # fmt: skip
+    result = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, stop=[stop], **GREEDY)
     assert result.choices[0].text == text[: text.index(stop)]
     assert result.choices[0].finish_reason == "stop"
 
@@ -216,8 +232,9 @@ def test_64_concurrent_streams_complete_exactly_with_no_block_leak(server: Serve
         client = server.async_openai(timeout=120)
 
         async def one(prompt: str) -> str:
-            stream = await client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                     stream=True, **GREEDY)  # fmt: skip
+            stream = await client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, stream=True, **GREEDY
+            )
             return "".join([c.choices[0].text async for c in stream if c.choices])
 
         try:
@@ -239,8 +256,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server) -
     prompt = prompt_text(77, 40)
     max_tokens = server.config.model.max_model_len or 512
     max_tokens -= len(ByteTokenizer().encode(prompt)) + 1
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body, headers=server.headers(), timeout=60) as r:
         assert r.status_code == 200
         received = 0

@@ -27,26 +27,37 @@ def metric_values(server: Server) -> dict[str, float]:
 
 def test_metrics_parse_and_their_counters_move(server: Server) -> None:
     before = metric_values(server)
-    result = server.openai().completions.create(model=server.model, prompt="count me " * 6, max_tokens=5,
-                                                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    result = server.openai().completions.create(
+        model=server.model, prompt="count me " * 6, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert result.usage.completion_tokens == 5
     after = metric_values(server)
     ok = "kvfleet_http_requests_total|endpoint=/v1/completions|status=200"
     assert after[ok] == before.get(ok, 0.0) + 1
     assert after["kvfleet_generation_tokens_total"] == before.get("kvfleet_generation_tokens_total", 0.0) + 5
     assert after["kvfleet_prompt_tokens_total"] >= before.get("kvfleet_prompt_tokens_total", 0.0) + 54
-    assert after["kvfleet_time_to_first_token_seconds_count"] == before.get(
-        "kvfleet_time_to_first_token_seconds_count", 0.0) + 1  # fmt: skip
-    assert after["kvfleet_inter_token_latency_seconds_count"] >= before.get(
-        "kvfleet_inter_token_latency_seconds_count", 0.0) + 1  # fmt: skip
+    assert (
+        after["kvfleet_time_to_first_token_seconds_count"]
+        == before.get("kvfleet_time_to_first_token_seconds_count", 0.0) + 1
+    )
+    assert (
+        after["kvfleet_inter_token_latency_seconds_count"]
+        >= before.get("kvfleet_inter_token_latency_seconds_count", 0.0) + 1
+    )
     e2e, ttft = "kvfleet_e2e_request_latency_seconds", "kvfleet_time_to_first_token_seconds"
     assert after[f"{e2e}_count"] == before.get(f"{e2e}_count", 0.0) + 1
     e2e_s = after[f"{e2e}_sum"] - before.get(f"{e2e}_sum", 0.0)
     assert after[f"{ttft}_sum"] - before.get(f"{ttft}_sum", 0.0) <= e2e_s + 1e-9 < 60  # arrival to the last token
     assert after[f"{e2e}_bucket|le=+Inf"] == after[f"{e2e}_count"]
-    for gauge in ("kvfleet_queue_depth", "kvfleet_running_requests", "kvfleet_prefix_cache_hit_rate",
-                  "kvfleet_free_blocks", "kvfleet_pinned_blocks", "kvfleet_kv_transfer_bytes",
-                  "kvfleet_http_requests_in_flight"):  # fmt: skip
+    for gauge in (
+        "kvfleet_queue_depth",
+        "kvfleet_running_requests",
+        "kvfleet_prefix_cache_hit_rate",
+        "kvfleet_free_blocks",
+        "kvfleet_pinned_blocks",
+        "kvfleet_kv_transfer_bytes",
+        "kvfleet_http_requests_in_flight",
+    ):
         assert gauge in after, gauge
     assert after["kvfleet_kv_transfer_bytes"] > 0  # the main app splits P/D: KV moved
 
@@ -69,8 +80,11 @@ def test_pins_and_stats_over_http(server: Server) -> None:
     assert created.status_code == 201, created.text
     pin = created.json()
     assert pin["object"] == "pin" and pin["replicas"] == 1 and pin["num_tokens"] > 0 and pin["tier"] == "device"
-    wait_for(lambda: any(p["id"] == pin["id"] and p["active"] for p in server.get("/v1/pins").json()["data"]),
-             30, "the pin to become active")  # fmt: skip
+    wait_for(
+        lambda: any(p["id"] == pin["id"] and p["active"] for p in server.get("/v1/pins").json()["data"]),
+        30,
+        "the pin to become active",
+    )
     [listed] = [p for p in server.get("/v1/pins").json()["data"] if p["id"] == pin["id"]]
     assert listed["holder_tiers"] == {worker: "device" for worker in listed["active"]}
     assert server.totals()["explicitly_pinned_blocks"] > 0
@@ -97,9 +111,11 @@ def test_the_queue_bound_answers_429_and_loses_nothing(small_server: Server) -> 
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
-            return list(await asyncio.gather(*(
-                client.post(f"{server.base}/v1/completions", json={**body, "prompt": p}) for p in prompts
-            )))  # fmt: skip
+            return list(
+                await asyncio.gather(
+                    *(client.post(f"{server.base}/v1/completions", json={**body, "prompt": p}) for p in prompts)
+                )
+            )
 
     responses = asyncio.run(send_all())
     codes = [r.status_code for r in responses]
@@ -144,6 +160,9 @@ def test_health_turns_503_naming_a_killed_worker(small_server: Server) -> None:
         time.sleep(0.5)
         response = httpx.get(f"{server.base}/health", timeout=30)
     assert response.status_code == 200, response.text
-    reply = httpx.post(f"{server.base}/v1/completions", timeout=120,
-                       json={"model": server.model, "prompt": "after", "max_tokens": 4, "temperature": 0})  # fmt: skip
+    reply = httpx.post(
+        f"{server.base}/v1/completions",
+        timeout=120,
+        json={"model": server.model, "prompt": "after", "max_tokens": 4, "temperature": 0},
+    )
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4

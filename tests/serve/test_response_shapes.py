@@ -55,9 +55,15 @@ class FakeCluster:
     def _logprob(self, seed: int) -> float:
         return -0.01 if seed == self.best_seed else -0.1 * (seed % 20 + 1)
 
-    async def agenerate(self, prompt: ValidatedPrompt, sampling: SamplingParams, *, request_id: str,
-                        on_delta: Callable[[Delta], None], share_placement: str | None = None,
-                        ) -> ClusterCompletion:  # fmt: skip
+    async def agenerate(
+        self,
+        prompt: ValidatedPrompt,
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        on_delta: Callable[[Delta], None],
+        share_placement: str | None = None,
+    ) -> ClusterCompletion:
         self.calls.append((prompt.token_ids, sampling))
         self.placements.append(share_placement)
         seed = sampling.seed or 0
@@ -66,13 +72,15 @@ class FakeCluster:
         entries = [TokenLogprob(token, self._logprob(seed), 1, top) for _ in range(sampling.max_tokens)]
         for entry in entries:
             await asyncio.sleep(0)
-            on_delta(Delta(chr(token), 1, (token,), (entry,) if self.send_logprobs and sampling.logprobs is not None
-                           else ()))  # fmt: skip
+            on_delta(
+                Delta(chr(token), 1, (token,), (entry,) if self.send_logprobs and sampling.logprobs is not None else ())
+            )
         prompt_logprobs: list[TokenLogprob | None] | None = None
         if sampling.prompt_logprobs is not None:
             k = sampling.prompt_logprobs
-            prompt_logprobs = [None] + [TokenLogprob(t, -1.5, 3, tuple((t ^ 1, -1.0 - j) for j in range(k)))
-                                        for t in prompt.token_ids[1:]]  # fmt: skip
+            prompt_logprobs = [None] + [
+                TokenLogprob(t, -1.5, 3, tuple((t ^ 1, -1.0 - j) for j in range(k))) for t in prompt.token_ids[1:]
+            ]
         return ClusterCompletion(
             prompt.text or "",
             chr(token) * sampling.max_tokens,
@@ -100,8 +108,9 @@ def complete(cluster: FakeCluster, **fields: Any) -> dict[str, Any]:
 
 def chat(cluster: FakeCluster, **fields: Any) -> dict[str, Any]:
     gen = generation(cluster)
-    body = ChatCompletionRequest.model_validate({"model": MODEL, "max_tokens": 3, **fields,
-                                                 "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "max_tokens": 3, **fields, "messages": [{"role": "user", "content": "hi"}]}
+    )
     result = asyncio.run(gen.respond(gen.prepare_chat(body)))
     assert isinstance(result, dict)
     return result
@@ -110,8 +119,9 @@ def chat(cluster: FakeCluster, **fields: Any) -> dict[str, Any]:
 def stream_events(cluster: FakeCluster, chat_route: bool, **fields: Any) -> list[dict[str, Any]]:
     gen = generation(cluster)
     if chat_route:
-        body: Any = ChatCompletionRequest.model_validate({"model": MODEL, "max_tokens": 3, "stream": True, **fields,
-                                                          "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        body: Any = ChatCompletionRequest.model_validate(
+            {"model": MODEL, "max_tokens": 3, "stream": True, **fields, "messages": [{"role": "user", "content": "hi"}]}
+        )
         prepared = gen.prepare_chat(body)
     else:
         body = CompletionRequest.model_validate({"model": MODEL, "max_tokens": 3, "stream": True, **fields})
@@ -136,8 +146,12 @@ def test_n_samples_per_prompt_are_numbered_prompt_major_with_seed_plus_j() -> No
     assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3, 4, 5]
     assert [c["text"] for c in result["choices"]] == [chr(ord("a") + s) * 3 for s in (5, 6, 7)] * 2
     assert [s.seed for _, s in cluster.calls].count(5) == 2 and len(cluster.calls) == 6
-    assert result["usage"] == {"prompt_tokens": 5, "completion_tokens": 18, "total_tokens": 23,
-                               "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    assert result["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 18,
+        "total_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 def test_the_samples_of_one_prompt_share_a_placement_and_other_prompts_do_not() -> None:
@@ -217,9 +231,15 @@ def test_chat_logprobs_have_openai_shape_with_bytes() -> None:
     result = chat(FakeCluster(), logprobs=True, top_logprobs=2, seed=3)
     content = result["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
-    assert content[0] == {"token": "d", "logprob": pytest.approx(-0.4), "bytes": [100],
-                          "top_logprobs": [{"token": "d", "logprob": pytest.approx(-0.4), "bytes": [100]},
-                                           {"token": "e", "logprob": pytest.approx(-1.4), "bytes": [101]}]}  # fmt: skip
+    assert content[0] == {
+        "token": "d",
+        "logprob": pytest.approx(-0.4),
+        "bytes": [100],
+        "top_logprobs": [
+            {"token": "d", "logprob": pytest.approx(-0.4), "bytes": [100]},
+            {"token": "e", "logprob": pytest.approx(-1.4), "bytes": [101]},
+        ],
+    }
 
 
 def test_chat_logprobs_without_top_logprobs_give_empty_alternatives() -> None:
@@ -280,8 +300,9 @@ def test_a_streamed_echo_sends_the_prompt_first_for_each_choice(logprobs: int | 
 
 
 def test_a_streamed_chat_with_n_opens_each_choice_with_the_role() -> None:
-    events = stream_events(FakeCluster(), True, n=2, seed=1, logprobs=True, top_logprobs=1,
-                           stream_options={"include_usage": True})  # fmt: skip
+    events = stream_events(
+        FakeCluster(), True, n=2, seed=1, logprobs=True, top_logprobs=1, stream_options={"include_usage": True}
+    )
     roles = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0]["delta"].get("role")]
     assert roles == [0, 1]
     content: dict[int, list[Any]] = {}
@@ -299,16 +320,24 @@ def test_a_streamed_chat_with_n_opens_each_choice_with_the_role() -> None:
 
 def sampling_of(fields: dict[str, Any], chat_route: bool = False) -> SamplingParams:
     if chat_route:
-        body: Any = ChatCompletionRequest.model_validate({"model": MODEL, **fields,
-                                                          "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+        body: Any = ChatCompletionRequest.model_validate(
+            {"model": MODEL, **fields, "messages": [{"role": "user", "content": "x"}]}
+        )
     else:
         body = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **fields})
     return body.sampling(4)
 
 
 def test_every_sampling_field_reaches_sampling_params() -> None:
-    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3, "min_p": 0.1,
-              "logit_bias": {"65": 100, "7": -2.5}, "logprobs": 3, "echo": True}  # fmt: skip
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "min_p": 0.1,
+        "logit_bias": {"65": 100, "7": -2.5},
+        "logprobs": 3,
+        "echo": True,
+    }
     sampling = sampling_of(fields)
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.3)
     assert sampling.min_p == 0.1 and dict(sampling.logit_bias) == {65: 100.0, 7: -2.5}
@@ -341,13 +370,18 @@ def test_structured_output_fields_become_one_constraint(fields: dict[str, Any], 
     assert sampling_of(fields, chat_route=True).structured == structured
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"guided_regex": "a+"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+    ],
+)
 def test_the_field_holding_a_spec_is_named_for_its_errors(fields: dict[str, Any], param: str) -> None:
     assert CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **fields}).structured_param == param
 
@@ -409,16 +443,18 @@ def test_a_bad_field_is_refused_naming_it(fields: dict[str, Any], param: str, fr
     assert message.startswith(f"{param}: ") and fragment in message, message
 
 
-@pytest.mark.parametrize(("fields", "param", "fragment"), [
-    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs=true (got 2)"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "<= 20"),
-    ({"logprobs": 1}, "logprobs", "true or false"),
-    ({"n": 0}, "n", ">= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs=true (got 2)"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "<= 20"),
+        ({"logprobs": 1}, "logprobs", "true or false"),
+        ({"n": 0}, "n", ">= 1"),
+    ],
+)
 def test_a_bad_chat_field_is_refused_naming_it(fields: dict[str, Any], param: str, fragment: str) -> None:
     with pytest.raises(ValidationError) as caught:
-        ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                              **fields})  # fmt: skip
+        ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields})
     name, message = describe(caught.value)
     assert name == param and fragment in message, message
 

@@ -102,8 +102,15 @@ def merge_completion_logprobs(chunks: list[Any]) -> dict[str, list[Any]]:
 def test_completion_logprobs_with_echo_equal_hf_log_softmax(server: Server, stream: bool) -> None:
     client = server.openai()
     prompt = prompt_text(31, 8)
-    kwargs: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
-                              "logprobs": TOP, "echo": True, "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "logprobs": TOP,
+        "echo": True,
+        "extra_body": NO_EOS,
+    }
     if stream:
         chunks = list(client.completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -131,8 +138,15 @@ def test_completion_logprobs_with_echo_equal_hf_log_softmax(server: Server, stre
 def test_chat_logprobs_equal_hf_log_softmax(server: Server, stream: bool) -> None:
     client = server.openai()
     messages = [{"role": "user", "content": prompt_text(32, 6)}]
-    kwargs: dict[str, Any] = {"model": server.model, "messages": messages, "max_tokens": 5, "temperature": 0.0,
-                              "logprobs": True, "top_logprobs": TOP, "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "messages": messages,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": TOP,
+        "extra_body": NO_EOS,
+    }
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -155,15 +169,22 @@ def test_chat_logprobs_equal_hf_log_softmax(server: Server, stream: bool) -> Non
 def test_n_4_at_temperature_0_gives_four_identical_choices(server: Server) -> None:
     client = server.openai()
     prompt = prompt_text(41, 10)
-    result = client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0.0, n=4,
-                                       extra_body=NO_EOS)  # fmt: skip
+    result = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=8, temperature=0.0, n=4, extra_body=NO_EOS
+    )
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     assert len({c.text for c in result.choices}) == 1
     assert result.usage.prompt_tokens == len(TOKENIZER.encode(prompt))  # the prompt once
     assert result.usage.completion_tokens == 4 * 8
 
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=6, temperature=0.0, n=4, extra_body=NO_EOS)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=6,
+        temperature=0.0,
+        n=4,
+        extra_body=NO_EOS,
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2, 3]
     assert len({c.message.content for c in chat.choices}) == 1
 
@@ -171,15 +192,25 @@ def test_n_4_at_temperature_0_gives_four_identical_choices(server: Server) -> No
 def test_n_with_several_prompts_streamed_numbers_choices_prompt_major(server: Server) -> None:
     client = server.openai()
     prompts = [prompt_text(42, 7), prompt_text(43, 12)]
-    whole = client.completions.create(model=server.model, prompt=prompts, max_tokens=6, temperature=0.0, n=2,
-                                      extra_body=NO_EOS)  # fmt: skip
-    singles = [client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0.0,
-                                         extra_body=NO_EOS).choices[0].text for p in prompts]  # fmt: skip
-    assert [(c.index, c.text) for c in whole.choices] == [(0, singles[0]), (1, singles[0]), (2, singles[1]),
-                                                          (3, singles[1])]  # fmt: skip
+    whole = client.completions.create(
+        model=server.model, prompt=prompts, max_tokens=6, temperature=0.0, n=2, extra_body=NO_EOS
+    )
+    singles = [
+        client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0.0, extra_body=NO_EOS)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    assert [(c.index, c.text) for c in whole.choices] == [
+        (0, singles[0]),
+        (1, singles[0]),
+        (2, singles[1]),
+        (3, singles[1]),
+    ]
     texts: dict[int, str] = {}
-    for chunk in client.completions.create(model=server.model, prompt=prompts, max_tokens=6, temperature=0.0, n=2,
-                                           stream=True, extra_body=NO_EOS):  # fmt: skip
+    for chunk in client.completions.create(
+        model=server.model, prompt=prompts, max_tokens=6, temperature=0.0, n=2, stream=True, extra_body=NO_EOS
+    ):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {c.index: c.text for c in whole.choices}
@@ -187,8 +218,13 @@ def test_n_with_several_prompts_streamed_numbers_choices_prompt_major(server: Se
 
 def test_sample_j_of_a_seeded_request_uses_seed_plus_j(server: Server) -> None:
     client = server.openai()
-    kwargs: dict[str, Any] = {"model": server.model, "prompt": prompt_text(44, 9), "max_tokens": 10,
-                              "temperature": 1.0, "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "prompt": prompt_text(44, 9),
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "extra_body": NO_EOS,
+    }
     fanned = client.completions.create(n=3, seed=500, **kwargs)
     singles = [client.completions.create(seed=500 + j, **kwargs).choices[0].text for j in range(3)]
     assert [c.text for c in fanned.choices] == singles
@@ -197,8 +233,14 @@ def test_sample_j_of_a_seeded_request_uses_seed_plus_j(server: Server) -> None:
 
 def test_best_of_returns_the_sample_with_the_highest_cumulative_logprob(server: Server) -> None:
     client = server.openai()
-    kwargs: dict[str, Any] = {"model": server.model, "prompt": prompt_text(45, 9), "max_tokens": 8,
-                              "temperature": 1.0, "logprobs": 1, "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "prompt": prompt_text(45, 9),
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "logprobs": 1,
+        "extra_body": NO_EOS,
+    }
     best = client.completions.create(best_of=3, seed=900, **kwargs)
     candidates = [client.completions.create(seed=900 + j, **kwargs).choices[0] for j in range(3)]
     winner = max(candidates, key=lambda c: sum(c.logprobs.token_logprobs))
@@ -210,8 +252,13 @@ def test_best_of_returns_the_sample_with_the_highest_cumulative_logprob(server: 
 def test_echo_returns_the_prompt_and_the_completion(server: Server) -> None:
     client = server.openai()
     prompt = prompt_text(46, 6)
-    kwargs: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": 5, "temperature": 0.0,
-                              "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "extra_body": NO_EOS,
+    }
     plain = client.completions.create(**kwargs).choices[0].text
     assert client.completions.create(echo=True, **kwargs).choices[0].text == prompt + plain
     streamed = client.completions.create(echo=True, stream=True, **kwargs)
@@ -275,8 +322,13 @@ def test_a_penalty_changes_greedy_tokens_as_computed_on_hf_logits(
 ) -> None:
     client = server.openai()
     text = prompt_text(51, 5)
-    kwargs: dict[str, Any] = {"model": server.model, "max_tokens": 10, "temperature": 0.0, "extra_body": NO_EOS,
-                              **fields}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "extra_body": NO_EOS,
+        **fields,
+    }
     if route == "chat":
         messages = [{"role": "user", "content": text}]
         prompt = TOKENIZER.chat_token_ids(messages)
@@ -294,8 +346,14 @@ def test_a_penalty_changes_greedy_tokens_as_computed_on_hf_logits(
 def test_logit_bias_plus_100_makes_every_greedy_token_that_token(server: Server, stream: bool) -> None:
     client = server.openai()
     q = ord("Q")
-    kwargs: dict[str, Any] = {"model": server.model, "prompt": prompt_text(52, 6), "max_tokens": 7,
-                              "temperature": 0.0, "logit_bias": {str(q): 100}, "extra_body": NO_EOS}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": server.model,
+        "prompt": prompt_text(52, 6),
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "logit_bias": {str(q): 100},
+        "extra_body": NO_EOS,
+    }
     if stream:
         text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
     else:
@@ -311,9 +369,15 @@ def test_a_negative_logit_bias_moves_greedy_tokens_as_computed(server: Server) -
     banned = {plain[0]: -100.0, plain[1]: -30.0}
     expected = hf_greedy(server, prompt, 8, bias(banned))
     assert expected != plain
-    result = client.completions.create(model=server.model, prompt=text, max_tokens=8, temperature=0.0, logprobs=0,
-                                       logit_bias={str(t): b for t, b in banned.items()},
-                                       extra_body=NO_EOS)  # fmt: skip
+    result = client.completions.create(
+        model=server.model,
+        prompt=text,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=0,
+        logit_bias={str(t): b for t, b in banned.items()},
+        extra_body=NO_EOS,
+    )
     assert completion_ids(result.choices[0]) == expected
 
 
@@ -334,15 +398,25 @@ def test_guided_choice_returns_one_of_the_choices(server: Server) -> None:
     choices = ["alpha", "omega", "kappa"]
     for seed in range(3):
         extra = {"guided_choice": choices}
-        result = client.completions.create(model=server.model, prompt=prompt_text(60 + seed, 5), max_tokens=16,
-                                           temperature=1.0, seed=seed, extra_body=extra)  # fmt: skip
+        result = client.completions.create(
+            model=server.model,
+            prompt=prompt_text(60 + seed, 5),
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            extra_body=extra,
+        )
         assert result.choices[0].text in choices
 
 
 def test_response_format_json_schema_returns_valid_json(server: Server) -> None:
     client = server.openai()
-    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
     reply = client.chat.completions.create(
         model=server.model,
         messages=[{"role": "user", "content": "colour?"}],

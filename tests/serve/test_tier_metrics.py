@@ -24,8 +24,13 @@ from tests.serve.conftest import Server, all_blocks_free, wait_for
 from tests.serve.test_operations import metric_values
 
 TIERED_ROUTE = "/tiered"
-TIERED = ["kv_cache.num_blocks=96", "kv_cache.offload.enabled=true", "kv_cache.offload.size_mib=16",
-          "serve.served_model_name=tiny-tiered", "serve.max_queued_requests=64"]  # fmt: skip
+TIERED = [
+    "kv_cache.num_blocks=96",
+    "kv_cache.offload.enabled=true",
+    "kv_cache.offload.size_mib=16",
+    "serve.served_model_name=tiny-tiered",
+    "serve.max_queued_requests=64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +108,10 @@ def test_a_prefix_evicted_to_the_host_tier_and_back_moves_every_tier_series(tier
             assert values[f"kvfleet_host_tier_copy_bytes_total|direction={direction}{who}"] == host[key]
         seconds = values[f"kvfleet_host_tier_copy_seconds_total|direction=promote{who}"]
         assert seconds == pytest.approx(host["promote_seconds"])
-    assert sum(values[k] for k in values if k.startswith("kvfleet_host_tier_block_moves_total|move=promoted")) == (
-        promoted["promoted_blocks"])  # fmt: skip
+    assert (
+        sum(values[k] for k in values if k.startswith("kvfleet_host_tier_block_moves_total|move=promoted"))
+        == (promoted["promoted_blocks"])
+    )
 
 
 def test_without_a_host_tier_every_hit_is_a_device_hit(server: Server) -> None:
@@ -127,10 +134,19 @@ def test_without_a_host_tier_every_hit_is_a_device_hit(server: Server) -> None:
 def test_the_tier_rules_over_engine_stats() -> None:
     """``cluster.tier_stats`` on engine stats of each shape: no tier, a tier that splits its hits,
     a tier whose engine does not (the split is unknown, and so is the cluster's)."""
-    host = {"pools": [{"num_blocks": 10, "cached_blocks": 4}, {"num_blocks": 6, "cached_blocks": 0}],
-            "offloaded": 5, "refreshed": 1, "dropped": 0, "promoted": 2, "bytes_offloaded": 500,
-            "bytes_promoted": 200, "copy_seconds": 0.5, "offload_seconds": 0.3, "promote_seconds": 0.1,
-            "host_bytes": 1600}  # fmt: skip
+    host = {
+        "pools": [{"num_blocks": 10, "cached_blocks": 4}, {"num_blocks": 6, "cached_blocks": 0}],
+        "offloaded": 5,
+        "refreshed": 1,
+        "dropped": 0,
+        "promoted": 2,
+        "bytes_offloaded": 500,
+        "bytes_promoted": 200,
+        "copy_seconds": 0.5,
+        "offload_seconds": 0.3,
+        "promote_seconds": 0.1,
+        "host_bytes": 1600,
+    }
     plain = {"hit_tokens": 12, "host_tier": None}
     split = {"hit_tokens": 30, "host_tier": {**host, "hit_tokens": {"device": 18, "host": 12}}}
     unsplit = {"hit_tokens": 30, "host_tier": host}
@@ -141,8 +157,10 @@ def test_the_tier_rules_over_engine_stats() -> None:
     assert summary is not None
     assert (summary["num_blocks"], summary["cached_blocks"], summary["occupancy"]) == (16, 4, 0.25)
     assert (summary["offloaded_blocks"], summary["promoted_blocks"], summary["bytes_promoted"]) == (5, 2, 200)
-    workers = {w: {"hit_tokens_by_tier": hit_tokens_by_tier(s), "host_tier": host_tier_summary(s)}
-               for w, s in (("a", plain), ("b", split))}  # fmt: skip
+    workers = {
+        w: {"hit_tokens_by_tier": hit_tokens_by_tier(s), "host_tier": host_tier_summary(s)}
+        for w, s in (("a", plain), ("b", split))
+    }
     assert hit_tokens_by_tier_totals(workers) == {"device": 30, "host": 12}
     totals = host_tier_totals(workers)
     assert totals is not None and totals["workers"] == 1 and totals["bytes_offloaded"] == 500

@@ -32,17 +32,24 @@ from tests.serve.test_openai_api import GREEDY, oracle
 # small: the byte models' context is 512 tokens, and the tools are rendered into the prompt
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}
 TIME_PARAMETERS = {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather",
-                                            "parameters": WEATHER_PARAMETERS}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {"name": "weather", "description": "Weather", "parameters": WEATHER_PARAMETERS},
+}
 TIME = {"type": "function", "function": {"name": "time", "parameters": TIME_PARAMETERS}}
 TOOLS = [WEATHER, TIME]
 PARAMETERS = {"weather": WEATHER_PARAMETERS, "time": TIME_PARAMETERS}
 HISTORY: list[dict[str, Any]] = [
     {"role": "user", "content": "Oslo?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "4C"},
-]  # fmt: skip
+]
 #: a forced call starts the chat, leaving room for its JSON
 QUESTION = HISTORY[:1]
 CALLS_TEXT = (
@@ -72,8 +79,12 @@ def _refusal(**fields: Any) -> tuple[str, str]:
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_a_chat_without_tools_renders_as_before(generation_prompt: bool) -> None:
-    messages = [{"role": "system", "content": "Be {{brief}}."}, {"role": "user", "content": "é\n{% raw %}"},
-                {"role": "assistant", "content": ""}, {"role": "user", "content": "x"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be {{brief}}."},
+        {"role": "user", "content": "é\n{% raw %}"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "x"},
+    ]
     documented = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
     documented += "<|assistant|>\n" if generation_prompt else ""
     assert ByteTokenizer().chat_token_ids(messages, generation_prompt) == list(documented.encode())
@@ -127,10 +138,16 @@ def test_a_checkpoint_template_gets_the_tools_and_calls_with_object_arguments(tm
     ("fields", "param", "fragment"),
     [
         ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name", "repeats the name of tools.0"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-         "tools.0.function.parameters", "'string'"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
-         "tools.0.function.parameters", "not a valid JSON schema"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+            "'string'",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+            "tools.0.function.parameters",
+            "not a valid JSON schema",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "'a b'"),
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type", "code"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name", "'nope'"),
@@ -140,15 +157,30 @@ def test_a_checkpoint_template_gets_the_tools_and_calls_with_object_arguments(tm
         ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages.0.tool_call_id", "'user'"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "missing"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages.0.content", "missing"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": HISTORY[1]["tool_calls"]}]},
-         "messages.0.tool_calls", "'user'"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                             "function": {"name": "f", "arguments": "{oops"}}]}]},
-         "messages.0.tool_calls.0.function.arguments", "'{oops'"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": HISTORY[1]["tool_calls"]}]},
+            "messages.0.tool_calls",
+            "'user'",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.arguments",
+            "'{oops'",
+        ),
     ],
-)  # fmt: skip
-def test_a_bad_tool_field_is_refused_naming_the_field_and_value(fields: dict[str, Any], param: str,
-                                                                fragment: str) -> None:  # fmt: skip
+)
+def test_a_bad_tool_field_is_refused_naming_the_field_and_value(
+    fields: dict[str, Any], param: str, fragment: str
+) -> None:
     got_param, message = _refusal(**fields)
     assert got_param == param, message
     assert message.startswith(f"{param}: ") and fragment in message, message
@@ -168,8 +200,10 @@ def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
     calling = _calling(tool_choice={"type": "function", "function": {"name": "time"}})
     sampling = calling.constrain(SamplingParams(max_tokens=8))
     assert sampling.structured == StructuredOutput(kind="json_schema", spec=json.dumps(TIME_PARAMETERS))
-    no_parameters = _calling(tools=[{"type": "function", "function": {"name": "ping"}}],
-                             tool_choice={"type": "function", "function": {"name": "ping"}})  # fmt: skip
+    no_parameters = _calling(
+        tools=[{"type": "function", "function": {"name": "ping"}}],
+        tool_choice={"type": "function", "function": {"name": "ping"}},
+    )
     assert no_parameters.schema() == {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -180,10 +214,13 @@ def test_required_constrains_the_output_to_a_list_of_calls_of_the_tools(parallel
     assert sampling.structured is not None and sampling.structured.kind == "json_schema"
     schema = json.loads(sampling.structured.spec)
     jsonschema.Draft202012Validator.check_schema(schema)
-    ok = [{"name": "time", "arguments": {"utc": True}}, {"name": "weather",
-                                                             "arguments": {"city": "Rome"}}]  # fmt: skip
-    bad = [[], [{"name": "time", "arguments": {"city": "Rome"}}],
-           [{"name": "date", "arguments": {}}], [{"name": "time"}]]  # fmt: skip
+    ok = [{"name": "time", "arguments": {"utc": True}}, {"name": "weather", "arguments": {"city": "Rome"}}]
+    bad = [
+        [],
+        [{"name": "time", "arguments": {"city": "Rome"}}],
+        [{"name": "date", "arguments": {}}],
+        [{"name": "time"}],
+    ]
     assert jsonschema.Draft202012Validator(schema).is_valid(ok[:1])
     assert jsonschema.Draft202012Validator(schema).is_valid(ok) == parallel
     assert not any(jsonschema.Draft202012Validator(schema).is_valid(b) for b in bad)
@@ -239,9 +276,10 @@ def test_tool_call_blocks_become_calls_and_the_rest_content() -> None:
         ('<tool_call>{"name": "time", "arguments": {"utc": 1</tool_call>after', "after", ["time"]),
         ('  <tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>\n', None, ["time"]),
     ],
-)  # fmt: skip
-def test_streamed_pieces_give_the_same_message_as_the_whole_text(text: str, content: str | None,
-                                                                 names: list[str]) -> None:  # fmt: skip
+)
+def test_streamed_pieces_give_the_same_message_as_the_whole_text(
+    text: str, content: str | None, names: list[str]
+) -> None:
     whole, _ = _calling().message(text, "stop")
     assert whole["content"] == content
     assert [c["function"]["name"] for c in whole.get("tool_calls", [])] == names
@@ -280,7 +318,9 @@ def test_forced_calls_wrap_the_json_output() -> None:
     message, reason = _calling(tool_choice="required").message(text, "stop")
     assert reason == "tool_calls" and message["content"] is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
-        ("time", {"utc": True}), ("weather", {})]  # fmt: skip
+        ("time", {"utc": True}),
+        ("weather", {}),
+    ]
     assert _without_ids(_in_pieces(text, 3, RequiredCallStream)[0]) == _without_ids(message)
     cut = _calling(tool_choice="required").message('[{"name": "time", "argu', "length")
     assert cut == ({"role": "assistant", "content": '[{"name": "time", "argu'}, "length")
@@ -323,8 +363,14 @@ def test_a_chat_with_two_tools_and_a_tool_result_round_trips(server: Server, too
     rendered = ByteTokenizer().chat_token_ids(messages, True, calling.template_tools())
     (expected,) = oracle(server.config, (ByteTokenizer().decode(rendered),), MAX_TOKENS)
     expected_message, expected_reason = calling.message(expected.text, "length")
-    kwargs = {"model": server.model, "messages": HISTORY, "tools": TOOLS, "tool_choice": tool_choice,
-              "max_tokens": MAX_TOKENS, **GREEDY}  # fmt: skip
+    kwargs = {
+        "model": server.model,
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": MAX_TOKENS,
+        **GREEDY,
+    }
 
     whole = client.chat.completions.create(**kwargs)
     assert whole.usage.prompt_tokens == len(rendered)
@@ -363,14 +409,22 @@ FORCED = {
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", list(FORCED))
-def test_a_forced_tool_choice_gives_calls_that_validate_against_the_tool_schema(server: Server, choice: str,
-                                                                                stream: bool) -> None:  # fmt: skip
+def test_a_forced_tool_choice_gives_calls_that_validate_against_the_tool_schema(
+    server: Server, choice: str, stream: bool
+) -> None:
     client = server.openai()
     tool_choice, parallel, sampling = FORCED[choice]
     names = set(PARAMETERS) if tool_choice == "required" else {choice}
     reply = client.chat.completions.create(
-        model=server.model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, stream=stream,
-        parallel_tool_calls=parallel, max_tokens=FORCED_MAX_TOKENS, **({"temperature": 0.0} | sampling))  # fmt: skip
+        model=server.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        stream=stream,
+        parallel_tool_calls=parallel,
+        max_tokens=FORCED_MAX_TOKENS,
+        **({"temperature": 0.0} | sampling),
+    )
     if stream:
         message, reason = _streamed_message(list(reply))
     else:
@@ -381,19 +435,30 @@ def test_a_forced_tool_choice_gives_calls_that_validate_against_the_tool_schema(
     assert len(calls) == 1 or parallel
 
     # the call goes back into the history with its result, and the chat goes on
-    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": message["tool_calls"][:1]},
-               {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "ok"}]  # fmt: skip
-    reply = client.chat.completions.create(model=server.model, messages=history, tools=TOOLS, max_tokens=4,
-                                           temperature=0.0)  # fmt: skip
+    history = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": message["tool_calls"][:1]},
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "ok"},
+    ]
+    reply = client.chat.completions.create(
+        model=server.model, messages=history, tools=TOOLS, max_tokens=4, temperature=0.0
+    )
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_calls_cut_off_by_max_tokens_are_the_text_with_finish_reason_length(server: Server,
-                                                                                     stream: bool) -> None:  # fmt: skip
+def test_required_calls_cut_off_by_max_tokens_are_the_text_with_finish_reason_length(
+    server: Server, stream: bool
+) -> None:
     reply = server.openai().chat.completions.create(
-        model=server.model, messages=QUESTION, tools=TOOLS, tool_choice="required", stream=stream, max_tokens=40,
-        temperature=0.0)  # fmt: skip
+        model=server.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        stream=stream,
+        max_tokens=40,
+        temperature=0.0,
+    )
     if stream:
         message, reason = _streamed_message(list(reply))
     else:
@@ -406,8 +471,12 @@ def test_required_calls_cut_off_by_max_tokens_are_the_text_with_finish_reason_le
 def test_a_bad_tool_is_a_400_the_openai_client_sees_with_its_param(server: Server) -> None:
     client = server.openai()
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=server.model, messages=HISTORY, tools=TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "date"}})  # fmt: skip
+        client.chat.completions.create(
+            model=server.model,
+            messages=HISTORY,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "date"}},
+        )
     assert caught.value.body["param"] == "tool_choice.function.name"  # type: ignore[index]
     assert "'date'" in caught.value.body["message"]  # type: ignore[index]
 

@@ -15,7 +15,7 @@ def scattered_pairs(seed: int, n: int = 17) -> list[tuple[int, int]]:
     rng = np.random.default_rng(seed)
     local = rng.choice(np.arange(3, LOCAL_BLOCKS), size=n, replace=False)
     remote = rng.integers(0, REMOTE_BLOCKS, size=n)
-    pairs = [(10, 0), (11, 1), (12, 2)] + list(zip(remote.tolist(), local.tolist()))
+    pairs = [(10, 0), (11, 1), (12, 2), *list(zip(remote.tolist(), local.tolist(), strict=False))]
     return pairs
 
 

@@ -35,7 +35,7 @@ def run_owner(
     torch.set_num_threads(1)
     xfer = make_transfer(backend, "owner", role="owner", read_timeout_s=5.0)
     slots = xfer.allocate_slots(num_blocks, page_bytes, device)
-    for dst, src in zip(slots, source_slots(num_blocks, page_bytes, seed)):
+    for dst, src in zip(slots, source_slots(num_blocks, page_bytes, seed), strict=False):
         dst.copy_(src)
     conn.send(xfer.register(slots))
     while True:

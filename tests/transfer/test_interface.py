@@ -37,7 +37,7 @@ def pair(request):
 
 
 def test_agent_info_and_ids_are_plain_data(pair) -> None:
-    owner, reader, info, _, _ = pair
+    _owner, reader, info, _, _ = pair
     for f in dataclasses.fields(AgentInfo):
         assert_plain(getattr(info, f.name))
     blob = pickle.dumps(info)
@@ -87,7 +87,7 @@ def test_bad_pairs_raise_and_leave_nothing_pending(pair) -> None:
 
 
 def test_unknown_or_incompatible_peer_fails_without_raising(pair) -> None:
-    owner, reader, info, _, _ = pair
+    _owner, reader, info, _, _ = pair
     tid = reader.start_read("nobody", [(0, 0)])
     assert reader.poll([tid])[tid] == "failed" and "unknown peer" in reader.error(tid)
     other = dataclasses.replace(info, name=info.name + "-x", page_bytes=(256, 32))

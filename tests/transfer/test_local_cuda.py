@@ -45,7 +45,7 @@ def drain(owner, expect: int, timeout_s: float = 5.0) -> list[bytes]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a host without CUDA")
 def test_cuda_slots_without_cuda_fail_naming_the_problem() -> None:
     xfer = make_transfer("local", "w")
-    with pytest.raises(TransferError, match="torch.cuda.is_available"):
+    with pytest.raises(TransferError, match=r"torch.cuda.is_available"):
         xfer.allocate_slots(4, [64], "cuda")
     with pytest.raises(ValueError, match="CPU or CUDA"):
         xfer.allocate_slots(4, [64], "meta")

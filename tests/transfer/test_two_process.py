@@ -25,7 +25,7 @@ def test_scattered_rows_between_processes(backend: str) -> None:
         assert reader.wait(tid) == "done", reader.error(tid)
         assert reader.read_record(tid).num_blocks == len(pairs)
         expected = expected_after(before, source, pairs)
-        for got, want in zip(slots, expected):
+        for got, want in zip(slots, expected, strict=False):
             assert torch.equal(got, want)  # targets hold the source rows, every other row unchanged
 
         # Same peer again (descriptors prepared once), then a notification-only "read".
@@ -34,7 +34,7 @@ def test_scattered_rows_between_processes(backend: str) -> None:
         t3 = reader.start_read(owner.info.name, [], notify=b"req-3")
         assert reader.wait(t2) == "done" and reader.wait(t3) == "done"
         expected = expected_after(expected, source, more)
-        for got, want in zip(slots, expected):
+        for got, want in zip(slots, expected, strict=False):
             assert torch.equal(got, want)
         assert sorted(owner.notifications(expect=3)) == [b"req-1", b"req-2", b"req-3"]
         for t in (tid, t2, t3):

@@ -1,5 +1,4 @@
-"""The RayService of k8s/: its Serve config (serveConfigV2) and the checks of what it must agree with.
-"""
+"""The RayService of k8s/: its Serve config (serveConfigV2) and the checks of what it must agree with."""
 
 from __future__ import annotations
 
@@ -94,8 +93,11 @@ def serving_port_problems(doc: dict[str, Any], config: ClusterConfig) -> list[st
     elif named[SERVE_PORT_NAME]["containerPort"] != port:
         container_port = named[SERVE_PORT_NAME]["containerPort"]
         problems.append(f"head container port {SERVE_PORT_NAME!r} {container_port} != http_options.port {port}")
-    service_ports = [p for p in doc["spec"].get("serveService", {}).get("spec", {}).get("ports", [])
-                     if p.get("name") == SERVE_PORT_NAME]  # fmt: skip
+    service_ports = [
+        p
+        for p in doc["spec"].get("serveService", {}).get("spec", {}).get("ports", [])
+        if p.get("name") == SERVE_PORT_NAME
+    ]
     if len(service_ports) != 1:
         problems.append(f"serveService: expected one port named {SERVE_PORT_NAME!r}, found {len(service_ports)}")
     else:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import pytest
 import yaml
@@ -94,15 +94,15 @@ class FakeCluster:
     rules, ``engine.validation.validate_prompt``, on a byte vocabulary) and ``generate`` (takes
     the checked prompts and echoes them)."""
 
-    started: list[FakeCluster] = []
+    started: ClassVar[list[FakeCluster]] = []
     fail_next: Exception | None = None
-    fail_prompts: dict[str, Exception] = {}  # prompt text -> the error that request fails with
+    fail_prompts: ClassVar[dict[str, Exception]] = {}  # prompt text -> the error that request fails with
 
     def __init__(self, config: Any):
         self.config = config
         self.ran: list[tuple[Any, Any, Any]] = []
 
-    def __enter__(self) -> FakeCluster:
+    def __enter__(self) -> Self:
         FakeCluster.started.append(self)
         return self
 
@@ -130,8 +130,11 @@ class FakeCluster:
                     raise FakeCluster.fail_prompts[text]
                 out.append(FakeCluster.fail_prompts[text])
                 continue
-            out.append(SimpleNamespace(prompt=text, text=text[::-1], token_ids=ids[::-1][: sampling.max_tokens],
-                                       finish_reason="length"))  # fmt: skip
+            out.append(
+                SimpleNamespace(
+                    prompt=text, text=text[::-1], token_ids=ids[::-1][: sampling.max_tokens], finish_reason="length"
+                )
+            )
             if on_completion is not None:
                 on_completion(out[-1])
         return out
@@ -213,23 +216,33 @@ def test_a_jsonl_run_with_bad_lines_runs_the_good_ones_and_exits_3(capsys, tmp_p
         f"kvfleet: {inputs}:3: prompt: must be text or a list of token ids (got None)",
         f"kvfleet: {inputs}:7: max_tokens: must be an integer (got '5')",
         f"kvfleet: {inputs}:8: line: not valid JSON (Expecting value at column 1)",
-        f"kvfleet: {inputs}:6: prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
-        f"(got a prompt of {MAX_MODEL_LEN} tokens)",
+        (
+            f"kvfleet: {inputs}:6: prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
+            f"(got a prompt of {MAX_MODEL_LEN} tokens)"
+        ),
         "kvfleet: 5 of 7 input lines failed; each has an error record in the output",
     ]
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert records == [
-        {"id": "a", "prompt": "good one", "text": "eno doog", "token_ids": list(b"good one"[::-1][:32]),
-         "finish_reason": "length"},
+        {
+            "id": "a",
+            "prompt": "good one",
+            "text": "eno doog",
+            "token_ids": list(b"good one"[::-1][:32]),
+            "finish_reason": "length",
+        },
         {"id": "b", "line": 2, "error": "temperature: must be a finite number (got nan)"},
         {"id": "c", "line": 3, "error": "prompt: must be text or a list of token ids (got None)"},
         {"id": "d", "prompt": "hi", "text": "ih", "token_ids": [105], "finish_reason": "length"},
-        {"id": "e", "line": 6,
-         "error": f"prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
-                  f"(got a prompt of {MAX_MODEL_LEN} tokens)"},
+        {
+            "id": "e",
+            "line": 6,
+            "error": f"prompt: {MAX_MODEL_LEN} tokens leave no room to generate within max_model_len=64 "
+            f"(got a prompt of {MAX_MODEL_LEN} tokens)",
+        },
         {"id": "f", "line": 7, "error": "max_tokens: must be an integer (got '5')"},
         {"line": 8, "error": "line: not valid JSON (Expecting value at column 1)"},
-    ]  # fmt: skip
+    ]
     (ran,) = fake_cluster.started
     assert [(prompt, request_id) for prompt, _, request_id in ran.ran] == [("good one", "a"), ([104, 105], "d")]
 
@@ -277,8 +290,12 @@ def test_a_cluster_failure_exits_1(capsys, tmp_path, fake_cluster) -> None:
 def test_a_request_that_fails_on_a_worker_fails_its_line_only(capsys, tmp_path, fake_cluster) -> None:
     why = "decode-0: request r failed on the worker: sampling failed: invalid multinomial distribution"
     fake_cluster.fail_prompts = {"boom": RuntimeError(why)}
-    inputs = _jsonl(tmp_path / "in.jsonl", '{"id": "a", "prompt": "one"}', '{"id": "b", "prompt": "boom"}',
-                    '{"id": "c", "prompt": "two"}')  # fmt: skip
+    inputs = _jsonl(
+        tmp_path / "in.jsonl",
+        '{"id": "a", "prompt": "one"}',
+        '{"id": "b", "prompt": "boom"}',
+        '{"id": "c", "prompt": "two"}',
+    )
     output = tmp_path / "out.jsonl"
     assert main(["generate", "--config", "tiny", "--input", str(inputs), "--output", str(output), "--no-progress"]) == 3
     assert f"kvfleet: {inputs}:2: request failed: {why}" in capsys.readouterr().err.splitlines()
@@ -295,7 +312,10 @@ def test_the_job_entrypoint_reports_lines_and_exits_3(capsys, tmp_path, fake_clu
     assert job_main(["--config", "tiny", "--input", str(inputs), "--output", str(output)]) == 3
     assert f"cluster.job: {inputs}:2: temperature: must be a finite number (got nan)" in capsys.readouterr().err
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert records[0]["text"] == "ko" and records[1] == {"line": 2, "error": "temperature: must be a finite number (got nan)"}
+    assert records[0]["text"] == "ko" and records[1] == {
+        "line": 2,
+        "error": "temperature: must be a finite number (got nan)",
+    }
 
 
 @pytest.mark.parametrize(

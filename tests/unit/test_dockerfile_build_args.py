@@ -75,5 +75,7 @@ def test_torch_pin_is_read_through_build_args() -> None:
 
 def test_build_command_reader_handles_continuations() -> None:
     text = "```sh\ndocker build --build-arg A=1 \\\n  -t reg/img:1 .\n```\n# docker build -t x:2 .\n"
-    assert build_commands(text) == [["docker", "build", "--build-arg", "A=1", "-t", "reg/img:1", "."],
-                                    ["docker", "build", "-t", "x:2", "."]]  # fmt: skip
+    assert build_commands(text) == [
+        ["docker", "build", "--build-arg", "A=1", "-t", "reg/img:1", "."],
+        ["docker", "build", "-t", "x:2", "."],
+    ]

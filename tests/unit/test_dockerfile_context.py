@@ -62,7 +62,7 @@ def test_image_installs_exactly_the_packages_pyproject_names() -> None:
 
 
 def test_parser_joins_continuations_and_drops_comments() -> None:
-    text = "# syntax=docker/dockerfile:1\nFROM x\nRUN a \\\n  # inner comment\n  && b\n\nCMD [\"c\", \"d\"]\n"
+    text = '# syntax=docker/dockerfile:1\nFROM x\nRUN a \\\n  # inner comment\n  && b\n\nCMD ["c", "d"]\n'
     assert parse_dockerfile(text) == [
         Instruction("FROM", "x", 2),
         Instruction("RUN", "a && b", 3),

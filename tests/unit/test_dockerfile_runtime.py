@@ -45,8 +45,12 @@ def test_default_command_parses_and_serves_on_all_interfaces() -> None:
     assert args.command == "serve"
     config = load_config(args.config, args.overrides)
     assert config.serve.host == "0.0.0.0", "a container must bind all interfaces to be reachable"
-    exposed = {int(p.split("/")[0]) for ins in parse_dockerfile(_dockerfile()) if ins.keyword == "EXPOSE"
-               for p in words(ins.value)}  # fmt: skip
+    exposed = {
+        int(p.split("/")[0])
+        for ins in parse_dockerfile(_dockerfile())
+        if ins.keyword == "EXPOSE"
+        for p in words(ins.value)
+    }
     assert {config.serve.port, 8265, 6379} <= exposed
 
 

@@ -8,7 +8,7 @@ from kvfleet_testing.workloads import hit_rate_bound
 
 def test_first_request_of_a_prefix_never_hits_and_repeats_hit_whole_aligned_steps():
     shared = list(range(100, 140))  # 40 tokens
-    prompts = [shared + [1, 2], shared[:37] + [3, 4, 5], [9] * 20]
+    prompts = [[*shared, 1, 2], [*shared[:37], 3, 4, 5], [9] * 20]
     # second prompt shares 37 tokens with the first: 32 of them in whole 16-token steps
     assert hit_rate_bound(prompts, 16) == 32 / (42 + 40 + 20)
     assert hit_rate_bound(prompts, 4) == 36 / (42 + 40 + 20)

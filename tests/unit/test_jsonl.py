@@ -70,8 +70,10 @@ def test_a_line_carries_its_structured_output_and_a_bad_spec_is_named(tmp_path) 
     from engine.sampling_params import StructuredOutput
 
     path = tmp_path / "in.jsonl"
-    path.write_text('{"prompt": "x", "structured": {"kind": "regex", "spec": "[ab]+"}}\n'
-                    '{"prompt": "x", "structured": {"kind": "json_schema", "spec": "{\\"type\\": \\"nope\\"}"}}\n')
+    path.write_text(
+        '{"prompt": "x", "structured": {"kind": "regex", "spec": "[ab]+"}}\n'
+        '{"prompt": "x", "structured": {"kind": "json_schema", "spec": "{\\"type\\": \\"nope\\"}"}}\n'
+    )
     constrained, bad = read_prompts(path, DEFAULTS)
     assert isinstance(constrained, PromptItem)
     assert constrained.sampling.structured == StructuredOutput(kind="regex", spec="[ab]+")
@@ -109,7 +111,9 @@ def test_line_fields_override_the_defaults(tmp_path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text('{"prompt": "x", "temperature": 0.5, "seed": 3, "stop": "\\n", "ignore_eos": true, "top_k": 4}\n')
     (item,) = read_prompts(path, DEFAULTS)
-    assert item.sampling == SamplingParams(max_tokens=8, temperature=0.5, seed=3, stop=("\n",), ignore_eos=True, top_k=4)
+    assert item.sampling == SamplingParams(
+        max_tokens=8, temperature=0.5, seed=3, stop=("\n",), ignore_eos=True, top_k=4
+    )
     assert not math.isnan(item.sampling.temperature)
 
 

@@ -57,7 +57,7 @@ def test_entrypoint_preset_is_a_mounted_configmap_that_loads(tmp_path: Path) -> 
 
 def test_every_configmap_preset_loads(tmp_path: Path) -> None:
     found = 0
-    for where, cm in manifests("ConfigMap"):
+    for _where, cm in manifests("ConfigMap"):
         for key, text in cm.get("data", {}).items():
             if key.endswith((".yaml", ".yml")):
                 preset_from_text(text, tmp_path)
@@ -93,7 +93,7 @@ def test_preset_check_catches_a_bad_preset(tmp_path: Path) -> None:
     _, text = configmap_preset(_raycluster()["spec"], "/etc/kvfleet/preset.yaml")
     data = yaml.safe_load(text)
     data["workers"]["num_decode"] = 0
-    with pytest.raises(ConfigError, match="workers.num_decode"):
+    with pytest.raises(ConfigError, match=r"workers.num_decode"):
         preset_from_text(yaml.safe_dump(data), tmp_path)
     with pytest.raises(AssertionError, match="no volume"):
         configmap_preset(_raycluster()["spec"], "/opt/elsewhere/preset.yaml")

@@ -30,8 +30,9 @@ class StuckRunner(RequestRunner):
         super().__init__(load_config("tiny"), SimpleNamespace(), InFlight())  # type: ignore[arg-type]
         self.release = asyncio.Event()
 
-    async def collect(self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None = None
-                      ) -> ClusterCompletion:  # fmt: skip
+    async def collect(
+        self, request: ClusterRequest, on_delta: Callable[[Delta], None] | None = None
+    ) -> ClusterCompletion:
         await self.release.wait()
         raise AttemptCancelledByRay(request.request_id)
 

@@ -313,8 +313,9 @@ class PrefixIndex:
                 return 0
         return workers
 
-    def _resolve(self, workers: int, steps: int, views: list[list[bytes]], groups: list[int],
-                 hits: dict[WorkerId, int]) -> None:  # fmt: skip
+    def _resolve(
+        self, workers: int, steps: int, views: list[list[bytes]], groups: list[int], hits: dict[WorkerId, int]
+    ) -> None:
         """Give each of ``workers`` the longest length <= ``steps`` aligned steps that every group in
         ``groups`` serves: per group, the servers of every length at once (``_valid_ends``), then
         one downward scan."""

@@ -541,7 +541,6 @@ class RoutingPolicy(PlacementPolicy):
                 tokens = tokenize(pin.text or "")
             self.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
 
-
     def pin(
         self,
         token_ids: Sequence[int] | None = None,

@@ -95,9 +95,11 @@ def arch_from_hf_config(config: dict[str, Any], sliding_window_override: int | N
         )
 
     if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"):
-        adapter = {"Qwen3ForCausalLM": qwen3_gpt_oss_arch.qwen3_arch,
-                   "Qwen3MoeForCausalLM": qwen3_gpt_oss_arch.qwen3_moe_arch,
-                   "GptOssForCausalLM": qwen3_gpt_oss_arch.gpt_oss_arch}[architecture]
+        adapter = {
+            "Qwen3ForCausalLM": qwen3_gpt_oss_arch.qwen3_arch,
+            "Qwen3MoeForCausalLM": qwen3_gpt_oss_arch.qwen3_moe_arch,
+            "GptOssForCausalLM": qwen3_gpt_oss_arch.gpt_oss_arch,
+        }[architecture]
         return adapter(config, architecture, head_dim, window)
     if architecture == "Qwen3NextForCausalLM":
         return qwen3_next_arch(config, architecture, head_dim)

@@ -27,8 +27,12 @@ from engine.model.arch.model_arch import (
     UnsupportedModelError,
 )
 
-_GRANITE_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
-                  "full_attention": "full_attention"}
+_GRANITE_KINDS = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "full_attention",
+    "full_attention": "full_attention",
+}
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -87,8 +91,10 @@ def granite_hybrid_arch(config: dict[str, Any], architecture: str) -> ModelArch:
     return ModelArch(
         architecture=architecture,
         family="granite_hybrid",
-        **{**_shared_fields(config, heads, head_dim, 1e-6, 2048),
-           "intermediate_size": int(config.get("shared_intermediate_size", 1024))},
+        **{
+            **_shared_fields(config, heads, head_dim, 1e-6, 2048),
+            "intermediate_size": int(config.get("shared_intermediate_size", 1024)),
+        },
         layers=layers,
         hidden_act=act,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -166,8 +172,10 @@ def nemotron_h_arch(config: dict[str, Any], architecture: str) -> ModelArch:
             latent_size=int(latent) if latent else 0,
         )
     layers = tuple(
-        LayerArch("mamba") if t == "linear_attention"
-        else LayerArch("full_attention") if t == "full_attention"
+        LayerArch("mamba")
+        if t == "linear_attention"
+        else LayerArch("full_attention")
+        if t == "full_attention"
         else LayerArch("mlp", moe=t == "moe")
         for t in types
     )

@@ -151,8 +151,13 @@ def _build(name: str, named: NamedModel | None, path: Path | None, sha256: str, 
             )
     assert path is not None
     info = inspect_gguf(path)
-    log.info("%s: converting %s (%s, %d tensors) to a Hugging Face directory; this takes about 1-2 minutes",
-             name, path, info.architecture, info.tensor_count)
+    log.info(
+        "%s: converting %s (%s, %d tensors) to a Hugging Face directory; this takes about 1-2 minutes",
+        name,
+        path,
+        info.architecture,
+        info.tensor_count,
+    )
     out = work / "hf"
     try:
         config = convert_gguf(path, out)
@@ -163,18 +168,21 @@ def _build(name: str, named: NamedModel | None, path: Path | None, sha256: str, 
     except Exception as exc:
         raise GGUFConversionError(f"{path}: transformers could not convert it ({type(exc).__name__}: {exc})") from exc
     check_converted_config(config, info, named.expected_config if named is not None else None)
-    _finish_directory(out, {
-        "format": CONVERSION_FORMAT,
-        "source": named.name if named is not None else str(path),
-        "package": named.package if named is not None else None,
-        "gguf_file": path.name,
-        "sha256": sha256,
-        "gguf_architecture": info.architecture,
-        "architecture": config["architectures"][0],
-        "transformers_version": config.get("transformers_version"),
-        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "conversion_seconds": round(time.monotonic() - start, 1),
-    })
+    _finish_directory(
+        out,
+        {
+            "format": CONVERSION_FORMAT,
+            "source": named.name if named is not None else str(path),
+            "package": named.package if named is not None else None,
+            "gguf_file": path.name,
+            "sha256": sha256,
+            "gguf_architecture": info.architecture,
+            "architecture": config["architectures"][0],
+            "transformers_version": config.get("transformers_version"),
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "conversion_seconds": round(time.monotonic() - start, 1),
+        },
+    )
     # Swap in: move an old directory aside first (rename cannot replace a non-empty directory);
     # it sits inside `work`, which the caller deletes.
     if target.exists() or target.is_symlink():

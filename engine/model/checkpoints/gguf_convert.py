@@ -37,13 +37,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     start = time.monotonic()
     log.info("%s: loading the tokenizer (about 5-30 s)", gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **where)
-    log.info("%s: tokenizer loaded in %.1f s; loading and dequantising the model (about 20-60 s)",
-             gguf_path.name, time.monotonic() - start)
+    log.info(
+        "%s: tokenizer loaded in %.1f s; loading and dequantising the model (about 20-60 s)",
+        gguf_path.name,
+        time.monotonic() - start,
+    )
 
     start = time.monotonic()
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **where)
-    log.info("%s: model loaded in %.1f s (%s, %.1fM parameters)", gguf_path.name, time.monotonic() - start,
-             type(loaded).__name__, sum(p.numel() for p in loaded.parameters()) / 1e6)
+    log.info(
+        "%s: model loaded in %.1f s (%s, %.1fM parameters)",
+        gguf_path.name,
+        time.monotonic() - start,
+        type(loaded).__name__,
+        sum(p.numel() for p in loaded.parameters()) / 1e6,
+    )
 
     start = time.monotonic()
     config = loaded.config

@@ -66,8 +66,14 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build_model(arch: ModelArch, layer_group: tuple[int, ...], weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, source: str) -> LanguageModel:
+def build_model(
+    arch: ModelArch,
+    layer_group: tuple[int, ...],
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+) -> LanguageModel:
     """Instantiate the model and copy ``weights`` in by name, checking names and shapes."""
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.family](arch, layer_group)

@@ -52,8 +52,9 @@ class NemotronRouter(nn.Module):
     def __init__(self, moe: MoEArch, hidden: int):
         super().__init__()
         if moe.num_experts % moe.n_group or not 0 < moe.topk_group <= moe.n_group:
-            raise ValueError(f"moe.n_group: {moe.n_group} groups / topk_group {moe.topk_group} do not fit "
-                             f"{moe.num_experts} experts")
+            raise ValueError(
+                f"moe.n_group: {moe.n_group} groups / topk_group {moe.topk_group} do not fit {moe.num_experts} experts"
+            )
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
         self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
@@ -96,8 +97,9 @@ class NemotronMoE(nn.Module):
         self.moe = moe
         width = moe.latent_size or hidden
         self.gate = NemotronRouter(moe, hidden)
-        self.experts = nn.ModuleList(NemotronMLP(width, moe.intermediate_size, moe.hidden_act)
-                                     for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(
+            NemotronMLP(width, moe.intermediate_size, moe.hidden_act) for _ in range(moe.num_experts)
+        )
         self.shared_experts = NemotronMLP(hidden, moe.shared_intermediate_size, moe.hidden_act, bias)
         if moe.latent_size:
             self.fc1_latent_proj = nn.Linear(hidden, moe.latent_size, bias=bias)

@@ -42,7 +42,14 @@ class GatedAttention(Attention):
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
-            q, k, v, self.cache, self.rows_per_block, self.block_size, batch.groups[self.group], batch,
+            q,
+            k,
+            v,
+            self.cache,
+            self.rows_per_block,
+            self.block_size,
+            batch.groups[self.group],
+            batch,
             self.arch.attn_scale,
         )
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

@@ -142,9 +142,24 @@ def store_kv(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: tor
     block_t = max(1, min(16, 4096 // (h_pad * d_pad)))  # tokens per program
     _, store = _kernels()
     store[(-(-tokens // block_t),)](
-        flat, k, v, key_rows, tokens, flat.stride(0), flat.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_P=h_pad, D_P=d_pad, BLOCK_T=block_t,
-    )  # fmt: skip
+        flat,
+        k,
+        v,
+        key_rows,
+        tokens,
+        flat.stride(0),
+        flat.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        block_size,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        H_P=h_pad,
+        D_P=d_pad,
+        BLOCK_T=block_t,
+    )
 
 
 def paged_attention_triton(
@@ -173,11 +188,29 @@ def paged_attention_triton(
     split = -(-min(meta.max_tile_rows, TILE_TOKENS) // config["TOKENS"])
     kernel, _ = _kernels()
     kernel[(meta.num_tiles * split, kv_heads)](
-        q, out, flat, meta.tiles, meta.tables, sinks if sinks is not None else q,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), flat.stride(0), flat.stride(1),
-        meta.tables.shape[1], rows_per_block, block_size, window or _NO_WINDOW, split,
-        scale, softcap or 1.0, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, **config,
-    )  # fmt: skip
+        q,
+        out,
+        flat,
+        meta.tiles,
+        meta.tables,
+        sinks if sinks is not None else q,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        flat.stride(0),
+        flat.stride(1),
+        meta.tables.shape[1],
+        rows_per_block,
+        block_size,
+        window or _NO_WINDOW,
+        split,
+        scale,
+        softcap or 1.0,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        **config,
+    )
     return out
 
 
@@ -192,11 +225,18 @@ def _launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, 
     max_rows = 128 if d_pad <= 128 and dtype != torch.float32 else 64
     tokens = max(1, min(TILE_TOKENS, max_rows // g_pad))
     return {
-        "G": groups, "G_P": g_pad, "HEAD_DIM": head_dim, "D_P": d_pad, "TOKENS": tokens,
-        "BLOCK_M": max(16, tokens * g_pad), "DEC_ROWS": max(16, g_pad), "BLOCK_N": 64,
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4 if d_pad <= 128 else 8,
+        "G": groups,
+        "G_P": g_pad,
+        "HEAD_DIM": head_dim,
+        "D_P": d_pad,
+        "TOKENS": tokens,
+        "BLOCK_M": max(16, tokens * g_pad),
+        "DEC_ROWS": max(16, g_pad),
+        "BLOCK_N": 64,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": 4 if d_pad <= 128 else 8,
         "num_stages": 2,
-    }  # fmt: skip
+    }
 
 
 def next_pow2(n: int) -> int:
@@ -232,9 +272,24 @@ def jit_in_place(namespace: dict[str, Any], names: tuple[str, ...], what: str) -
 
 
 def _store_kv_kernel(
-    cache, k, v, rows, tokens, stride_row, stride_head, stride_kt, stride_kh, stride_vt, stride_vh, block_size,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_P: tl.constexpr, D_P: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
+    cache,
+    k,
+    v,
+    rows,
+    tokens,
+    stride_row,
+    stride_head,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    block_size,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_P: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, H_P * D_P)  # (head, dim) flattened
     h, d = e // D_P, e % D_P
@@ -253,13 +308,37 @@ def _tanh(x):
 
 
 def _paged_attention_kernel(
-    q, out, cache, tiles, tables, sinks,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_row, stride_head,
-    table_width, rows_per_block, block_size, window, split, scale, softcap,
-    G: tl.constexpr, G_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, TOKENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, DEC_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    q,
+    out,
+    cache,
+    tiles,
+    tables,
+    sinks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_row,
+    stride_head,
+    table_width,
+    rows_per_block,
+    block_size,
+    window,
+    split,
+    scale,
+    softcap,
+    G: tl.constexpr,
+    G_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DEC_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Program (tile * split + part, kv head): the part-th ``TOKENS`` rows of a tile; a part of a
     few rows (a decode token) runs with ``DEC_ROWS`` matrix rows instead of ``BLOCK_M``."""
     tile = tl.program_id(0) // split
@@ -274,21 +353,102 @@ def _paged_attention_kernel(
         qrow = tl.load(fields + 1) + skip
         pos = tl.load(fields + 2) + skip
         if rows <= DEC_ROWS // G_P:  # a decode token (or a short part): a small matrix
-            _attend_tile(q, out, cache, table, sinks, stride_qt, stride_qh, stride_ot, stride_oh, stride_row,
-                         stride_head, rows_per_block, block_size, window, scale, softcap, kvh, qrow, pos, rows,
-                         G, G_P, HEAD_DIM, D_P, DEC_ROWS, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, PRECISION)  # fmt: skip
+            _attend_tile(
+                q,
+                out,
+                cache,
+                table,
+                sinks,
+                stride_qt,
+                stride_qh,
+                stride_ot,
+                stride_oh,
+                stride_row,
+                stride_head,
+                rows_per_block,
+                block_size,
+                window,
+                scale,
+                softcap,
+                kvh,
+                qrow,
+                pos,
+                rows,
+                G,
+                G_P,
+                HEAD_DIM,
+                D_P,
+                DEC_ROWS,
+                BLOCK_N,
+                HAS_SOFTCAP,
+                HAS_SINKS,
+                PRECISION,
+            )
         else:
-            _attend_tile(q, out, cache, table, sinks, stride_qt, stride_qh, stride_ot, stride_oh, stride_row,
-                         stride_head, rows_per_block, block_size, window, scale, softcap, kvh, qrow, pos, rows,
-                         G, G_P, HEAD_DIM, D_P, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, PRECISION)  # fmt: skip
+            _attend_tile(
+                q,
+                out,
+                cache,
+                table,
+                sinks,
+                stride_qt,
+                stride_qh,
+                stride_ot,
+                stride_oh,
+                stride_row,
+                stride_head,
+                rows_per_block,
+                block_size,
+                window,
+                scale,
+                softcap,
+                kvh,
+                qrow,
+                pos,
+                rows,
+                G,
+                G_P,
+                HEAD_DIM,
+                D_P,
+                BLOCK_M,
+                BLOCK_N,
+                HAS_SOFTCAP,
+                HAS_SINKS,
+                PRECISION,
+            )
 
 
 def _attend_tile(
-    q, out, cache, table, sinks, stride_qt, stride_qh, stride_ot, stride_oh, stride_row, stride_head,
-    rows_per_block, block_size, window, scale, softcap, kvh, qrow, pos, rows,
-    G: tl.constexpr, G_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    q,
+    out,
+    cache,
+    table,
+    sinks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_row,
+    stride_head,
+    rows_per_block,
+    block_size,
+    window,
+    scale,
+    softcap,
+    kvh,
+    qrow,
+    pos,
+    rows,
+    G: tl.constexpr,
+    G_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """``rows`` query tokens from batch row ``qrow`` (position ``pos``) x the G heads of KV head
     ``kvh``: matrix row m is token m // G_P, head kvh * G + m % G_P."""
     LOG2E: tl.constexpr = 1.4426950408889634

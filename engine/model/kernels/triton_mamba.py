@@ -81,11 +81,32 @@ def ssm_decode_update(
     block_p = min(next_pow2(head_dim), max(1, TILE_ELEMENTS // n_pad))
     kernel = _kernels()
     kernel[(count, heads, -(-head_dim // block_p))](
-        ssm_state, source, target, fresh if fresh is not None else source, x, step, b, c, a_log, d, out, rows,
-        ssm_state.stride(0), *x.stride(), *step.stride(), *b.stride(), *c.stride(), *out.stride(),
-        HEADS_PER_GROUP=heads // n_groups, HEAD_DIM=head_dim, D_STATE=d_state, BLOCK_P=block_p, N_P=n_pad,
-        HAS_FRESH=fresh is not None, num_warps=4,
-    )  # fmt: skip
+        ssm_state,
+        source,
+        target,
+        fresh if fresh is not None else source,
+        x,
+        step,
+        b,
+        c,
+        a_log,
+        d,
+        out,
+        rows,
+        ssm_state.stride(0),
+        *x.stride(),
+        *step.stride(),
+        *b.stride(),
+        *c.stride(),
+        *out.stride(),
+        HEADS_PER_GROUP=heads // n_groups,
+        HEAD_DIM=head_dim,
+        D_STATE=d_state,
+        BLOCK_P=block_p,
+        N_P=n_pad,
+        HAS_FRESH=fresh is not None,
+        num_warps=4,
+    )
 
 
 @functools.cache
@@ -100,12 +121,39 @@ def _kernels() -> Any:
 
 
 def _ssm_decode_kernel(
-    state, source, target, fresh, x, step, b, c, a_log, d, out, rows,
-    stride_block, stride_xb, stride_xh, stride_xp, stride_sb, stride_sh, stride_bb, stride_bg, stride_bn,
-    stride_cb, stride_cg, stride_cn, stride_ob, stride_oc,
-    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_STATE: tl.constexpr, BLOCK_P: tl.constexpr,
-    N_P: tl.constexpr, HAS_FRESH: tl.constexpr,
-):  # fmt: skip
+    state,
+    source,
+    target,
+    fresh,
+    x,
+    step,
+    b,
+    c,
+    a_log,
+    d,
+    out,
+    rows,
+    stride_block,
+    stride_xb,
+    stride_xh,
+    stride_xp,
+    stride_sb,
+    stride_sh,
+    stride_bb,
+    stride_bg,
+    stride_bn,
+    stride_cb,
+    stride_cg,
+    stride_cn,
+    stride_ob,
+    stride_oc,
+    HEADS_PER_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_STATE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    N_P: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
+):
     """Program (request i, head h, row tile): rows ``[BLOCK_P * tile, + BLOCK_P)`` of head h's state."""
     i = tl.program_id(0)
     h = tl.program_id(1)

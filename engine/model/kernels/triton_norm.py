@@ -58,9 +58,20 @@ def rms_norm(
     kernel = _kernels()
     block = max(16, next_pow2(dim))
     kernel[(count,)](
-        rows, res, weight, out, rows.stride(0), res.stride(0), out.stride(0), dim, eps,
-        GEMMA=gemma, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
-    )  # fmt: skip
+        rows,
+        res,
+        weight,
+        out,
+        rows.stride(0),
+        res.stride(0),
+        out.stride(0),
+        dim,
+        eps,
+        GEMMA=gemma,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
+    )
     return out.view(x.shape)
 
 
@@ -76,9 +87,19 @@ def _kernels() -> Any:
 
 
 def _rms_norm_kernel(
-    x, residual, weight, out, stride_x, stride_r, stride_o, dim, eps,
-    GEMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x,
+    residual,
+    weight,
+    out,
+    stride_x,
+    stride_r,
+    stride_o,
+    dim,
+    eps,
+    GEMMA: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program r: row r of ``x``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)

@@ -60,12 +60,34 @@ def norm_rope(
     q_weight, k_weight = norms if norms is not None else (cos, cos)  # unread without NORM
     kernel = _kernels()
     kernel[(tokens, heads + kv_heads)](
-        q, k, q_out, k_out, cos, sin, q_weight, k_weight,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
-        k_out.stride(1), cos.stride(0), sin.stride(0), heads, eps,
-        HEAD_DIM=head_dim, D_P=next_pow2(head_dim), ROTARY=rotary_dim, HALF=rotary_dim // 2,
-        NORM=norms is not None, GEMMA=gemma, num_warps=1 if head_dim <= 128 else 2,
-    )  # fmt: skip
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        q_weight,
+        k_weight,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        heads,
+        eps,
+        HEAD_DIM=head_dim,
+        D_P=next_pow2(head_dim),
+        ROTARY=rotary_dim,
+        HALF=rotary_dim // 2,
+        NORM=norms is not None,
+        GEMMA=gemma,
+        num_warps=1 if head_dim <= 128 else 2,
+    )
     return q_out, k_out
 
 
@@ -81,12 +103,33 @@ def _kernels() -> Any:
 
 
 def _norm_rope_kernel(
-    q, k, q_out, k_out, cos, sin, q_weight, k_weight,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_cos, stride_sin, heads, eps,
-    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr,
-    NORM: tl.constexpr, GEMMA: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    q_out,
+    k_out,
+    cos,
+    sin,
+    q_weight,
+    k_weight,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
+    heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
     """Program (token t, head h): h < heads is query head h, else key head h - heads."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

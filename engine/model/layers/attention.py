@@ -46,8 +46,11 @@ class Attention(nn.Module):
         self.block_size = 0
         self._fused_rope: bool | None = None  # triton_rope.enabled for the weights' device, at first use
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q, k, v weight and bias
-        self._qkv_sizes = (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim,
-                           arch.num_kv_heads * arch.head_dim)  # fmt: skip
+        self._qkv_sizes = (
+            arch.num_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+        )
 
     def fuse_projections(self) -> None:
         """Concatenate the q, k and v projections once, after the checkpoint is loaded."""
@@ -90,8 +93,9 @@ class Attention(nn.Module):
         if self.rotary is not None and self._fused_rope:  # q/k norms and rotary: one launch
             assert rope is not None, "rotary layer called without cos/sin"
             norms = (self.q_norm.weight_for_kernel(), self.k_norm.weight_for_kernel()) if self.qk_norm else None
-            q, k = triton_rope.norm_rope(q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps,
-                                         self.arch.family == "gemma3")  # fmt: skip
+            q, k = triton_rope.norm_rope(
+                q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps, self.arch.family == "gemma3"
+            )
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

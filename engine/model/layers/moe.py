@@ -135,8 +135,10 @@ class SparseMoE(nn.Module):
             self.act = activation(moe.hidden_act)
         if moe.shared_intermediate_size:
             if moe.layout != "qwen":
-                raise ValueError(f"moe.shared_intermediate_size: a shared expert inside the block needs layout 'qwen', "
-                                 f"not {moe.layout!r}")
+                raise ValueError(
+                    f"moe.shared_intermediate_size: a shared expert inside the block needs layout 'qwen', "
+                    f"not {moe.layout!r}"
+                )
             self.shared_expert = GatedMLP(h, moe.shared_intermediate_size, moe.hidden_act)
             if moe.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
