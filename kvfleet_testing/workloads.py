@@ -18,10 +18,10 @@ from the arguments); every draw of a token goes through ``random_tokens``.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from os.path import commonpath
 
 
 def random_tokens(rng: random.Random, count: int, low: int, high: int) -> list[int]:
@@ -156,7 +156,7 @@ def reuse_prompts(shared: int, unique: int, prefixes: int, reuse: int, seed: int
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
-    return len(commonpath([list(a), list(b)]))
+    return len(os.path.commonprefix([list(a), list(b)]))  # noqa: RUF071 - element-wise prefix of two token lists, not paths
 
 
 def hit_rate_bound(prompts: list[list[int]], alignment: int) -> float:
