@@ -184,6 +184,7 @@ class Cluster:
 
         from cluster.placement import check_capacity, embedded_init_kwargs, loopback_environment
         from engine.core import resolve_model_directory
+        from engine.model.tensor_parallel import check_tensor_parallel_at_edge
 
         config = self.config
         loopback_environment()
@@ -197,6 +198,7 @@ class Cluster:
             resources = ray.cluster_resources()
             check_capacity(config, resources)
             model_directory = resolve_model_directory(config)  # built/converted once, here
+            check_tensor_parallel_at_edge(config, model_directory, ray.nodes())
             infos = self._supervisor.start_workers(resources, self.start_timeout_s)
             model = ServedModel.from_workers(infos, str(model_directory))
             self._supervisor.start_router()
