@@ -25,7 +25,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def _case(rank: int, size: int, directory: str, case: str) -> None:
-    torch.set_num_threads(1)
     overrides = ("scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=24")
     engine = harness.make_engine(Path(directory), *overrides)
     assert engine.info.arch.num_heads * size == 4  # the rank's share of the tiny models' 4 heads
@@ -48,11 +47,17 @@ def _case(rank: int, size: int, directory: str, case: str) -> None:
         harness.check_against_hf(Path(directory), requests, logits)
 
 
-@pytest.mark.parametrize("case", ["batch", "prefix", "preempt"])
+def _cases(rank: int, size: int, directory: str, cases: tuple[str, ...]) -> None:
+    """Each case on a fresh engine, in one group (spawning ranks costs more than the cases)."""
+    torch.set_num_threads(1)
+    for case in cases:
+        _case(rank, size, directory, case)
+
+
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-llama"])
-def test_two_ranks_match_hf(name: str, case: str, checkpoints) -> None:
-    spawn_ranks(_case, 2, str(checkpoints[name]), case, timeout_s=60.0)
+def test_two_ranks_match_hf_batched_chunked_prefix_hit_and_preempted(name: str, checkpoints) -> None:
+    spawn_ranks(_cases, 2, str(checkpoints[name]), ("batch", "prefix", "preempt"), timeout_s=60.0)
 
 
 def test_four_ranks_match_hf_with_replicated_kv_heads(checkpoints) -> None:
-    spawn_ranks(_case, 4, str(checkpoints["tiny-gemma3"]), "batch", timeout_s=60.0)
+    spawn_ranks(_cases, 4, str(checkpoints["tiny-gemma3"]), ("batch",), timeout_s=60.0)
