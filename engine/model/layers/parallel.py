@@ -6,9 +6,11 @@ rank-local ``ModelArch`` (``shard_arch``): 1/N of the query heads, of the KV hea
 replicated on N / kv ranks when there are fewer KV heads than ranks, as vLLM does) and of the MLP
 width. The checkpoint's tensors are cut to that shape by ``shard_weights``: q/k/v and gate/up
 column-parallel (rows by head or by MLP unit), o and down row-parallel (their columns; their bias
-kept by rank 0 only, so the sum adds it once); embeddings, norms and the LM head replicated, so
-every rank ends a forward with the full logits and no gather. The attention output and the MLP
-output are summed over the ranks (``all_reduce``, torch.distributed: gloo on the CPU, NCCL on
+kept by rank 0 only, so the sum adds it once); the token embedding and the LM head
+vocabulary-parallel (1/N of the vocabulary's rows each: ``VocabParallelEmbedding`` looks up the ids
+in its range and the ranks' rows are summed, ``gather_vocab`` joins the ranks' logits once per
+step, so every rank samples from the full logits); norms replicated. The attention output and the
+MLP output are summed over the ranks (``all_reduce``, torch.distributed: gloo on the CPU, NCCL on
 CUDA); every other operation is rank-local. Block ids are per token and the same on every rank:
 each rank holds its heads' share of every KV page, so a rank's page is 1/N of a TP=1 page.
 
@@ -23,6 +25,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from engine.model.arch.model_arch import ModelArch
 
@@ -56,6 +60,8 @@ def check_tensor_parallel(arch: ModelArch, size: int) -> None:
             f"{FIELD}: {model}'s {kv} KV heads must split evenly over the ranks or each be replicated "
             f"on a whole number of them (got {size})"
         )
+    if arch.vocab_size % size:
+        raise TensorParallelError(f"{FIELD}: must divide {model}'s vocabulary of {arch.vocab_size} (got {size})")
     if arch.intermediate_size % size:
         raise TensorParallelError(f"{FIELD}: must divide {model}'s MLP width {arch.intermediate_size} (got {size})")
 
@@ -109,6 +115,9 @@ def shard_weights(weights: dict[str, torch.Tensor], local: ModelArch, full_kv_he
                 tensor = _rows(tensor, rank * width, width, dim=1)
             elif rank:  # a row-parallel bias is added once, by rank 0, before the sum
                 tensor = torch.zeros_like(tensor)
+        elif leaf in ("embed_tokens", "lm_head"):
+            rows = tensor.shape[0] // size
+            tensor = _rows(tensor, rank * rows, rows)
         elif leaf == "self_attn" and kind == "sinks":
             tensor = _rows(tensor, rank * local.num_heads, local.num_heads)
         out[name] = tensor
@@ -119,3 +128,26 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over the worker's ranks, in place (the default process group)."""
     dist.all_reduce(tensor)
     return tensor
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Every rank's slice of the vocabulary's logits (``[rows, vocab / N]``), joined in rank order."""
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, logits.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding of one rank: rows ``[first, first + num_embeddings)`` of the
+    vocabulary. Ids outside the range look up zeros; the ranks' lookups are summed, so each id
+    gets its one row. Invariant: ``first = rank * num_embeddings``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, size: int, rank: int) -> None:
+        super().__init__(vocab_size // size, hidden_size)
+        self.first = rank * (vocab_size // size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
