@@ -94,14 +94,14 @@ from dataclasses import replace
 
 from configs.schema import PinConfig, RouterConfig
 from engine.kv_cache.coordinator_types import PinTier
-from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
+from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.inflight import make_inflight
 from engine.routing.load import LoadBook, better, knobs_of, make_load_book
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
+from engine.routing.routed import RoutedPrefixes
 from engine.routing.types import (
     Action,
     Decision,
@@ -154,10 +154,7 @@ class RoutingPolicy(PlacementPolicy):
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
         # Prefixes routed but not yet reported, in the hash space of the first checked group.
-        self._inflight = make_inflight(cfg.inflight_ttl_s)
-        self._inflight_group = self.rules.order[0]
-        self._inflight_block = self.rules.block_sizes[self._inflight_group]
-        self._inflight_view = self.rules.managers[self._inflight_group].view  # a prompt's hashes there
+        self.routed = RoutedPrefixes(self.rules, cfg.inflight_ttl_s)
         # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
         self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
 
@@ -183,7 +180,7 @@ class RoutingPolicy(PlacementPolicy):
         self._book.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
-        self._inflight.forget_worker(worker)
+        self.routed.forget_worker(worker)
         self.pins.on_worker_removed(worker, now)
         return self.pin_keeper.fill(now)
 
@@ -223,29 +220,16 @@ class RoutingPolicy(PlacementPolicy):
         if worker not in self.roles:
             return []
         events = events if isinstance(events, list) else list(events)
-        if self._inflight:
-            self._forget_reported(worker, events)
+        if self.routed:
+            self.routed.forget_reported(worker, events)
         outcome = self.index.apply_events(worker, events, self.pins.watch.get(worker))
         return self._after_update(worker, outcome.needs_resync, outcome.lost, outcome.cleared, now)
-
-    def _forget_reported(self, worker: WorkerId, events: list[KVEvent]) -> None:
-        """Blocks a worker reports are the index's business from now on (so an in-flight entry
-        never outlives the blocks it announced); a cleared cache drops them all."""
-        inflight = self._inflight
-        group = self._inflight_group
-        for event in events:
-            if not inflight.announced(worker):
-                return  # nothing (left) to end
-            if isinstance(event, BlockStored) and event.group == group:
-                inflight.discard(worker, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                inflight.forget_worker(worker)
 
     def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
         if worker not in self.roles:
             return []
         self._pending_snapshots.discard(worker)
-        self._inflight.forget_worker(worker)
+        self.routed.forget_worker(worker)
         outcome = self.index.apply_snapshot(worker, snapshot)
         # Re-check every active holder on this worker against the snapshot (``PinTable.on_lost``
         # keeps the keys still held in either tier).
@@ -282,8 +266,9 @@ class RoutingPolicy(PlacementPolicy):
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
-        view = self._inflight_view(hashes if isinstance(hashes, list) else list(hashes))
-        ahead = self._ahead(view, num_tokens, shared, now) if self._inflight else {}
+        routed = self.routed
+        view = routed.view(hashes)
+        ahead = routed.ahead(view, num_tokens, shared, now)
         if pending is not None and (pin is not None or self._disaggregated or ahead):
             self.index.resolve(pending, hits)
             pending = None
@@ -334,31 +319,8 @@ class RoutingPolicy(PlacementPolicy):
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
             self._record(decision)
-        # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
-        # part each already holds is the index's business.
-        inflight = self._inflight
-        if inflight.ttl_s > 0:  # (``add`` copies the announced blocks' hashes: the list is the caller's)
-            block = self._inflight_block
-            end = (num_tokens - 1) // block
-            prefill, decode = decision.prefill_worker, decision.decode_worker
-            inflight.add(prefill, view, shared.get(prefill, 0) // block, end, now)
-            if decode != prefill:
-                inflight.add(decode, view, shared.get(decode, 0) // block, end, now)
+        routed.announce(decision, view, shared, num_tokens, now)
         return decision
-
-    def _ahead(
-        self, view: list[bytes], num_tokens: int, shared: dict[WorkerId, int], now: float
-    ) -> dict[WorkerId, int]:
-        """Tokens of this prompt each worker will hold once the requests routed to it have run
-        (what it holds, extended by what it was sent and has not reported), aligned like a hit
-        and below N; only workers with such unreported blocks."""
-        block = self._inflight_block
-        known = {w: depth // block for w, depth in shared.items()} if shared else None
-        depths = self._inflight.depths(view, now, known)
-        if not depths:
-            return {}
-        cap = self.rules.aligned(num_tokens - 1)
-        return {w: min(cap, self.rules.aligned(d * block)) for w, d in depths.items()}
 
     def _route_disaggregated(
         self,
