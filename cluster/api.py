@@ -184,7 +184,7 @@ class Cluster:
             return self
         import ray
 
-        from cluster.placement import check_capacity, embedded_init_kwargs, loopback_environment
+        from cluster.placement import check_capacity, check_tensor_parallel, embedded_init_kwargs, loopback_environment
         from engine.core import resolve_model_directory
 
         config = self.config
@@ -199,6 +199,7 @@ class Cluster:
             resources = ray.cluster_resources()
             check_capacity(config, resources)
             model_directory = resolve_model_directory(config)  # built/converted once, here
+            check_tensor_parallel(config, model_directory)
             infos = self._supervisor.start_workers(resources, self.start_timeout_s)
             model = ServedModel.from_workers(infos, str(model_directory))
             self._supervisor.start_router()

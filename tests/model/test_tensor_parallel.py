@@ -172,3 +172,15 @@ def test_sizes_the_model_cannot_split_by_are_refused(change: dict, size: int, wo
 def test_a_bad_size_is_refused_before_the_engine_loads(checkpoints) -> None:
     with pytest.raises(TensorParallelError, match=r"workers\.tensor_parallel_size: must divide .* \(got 3\)"):
         _engine(checkpoints["tiny-qwen2"], 3, 0)
+
+
+def test_the_cluster_refuses_tensor_parallel_workers_before_starting_any(checkpoints) -> None:
+    from cluster.placement import PlacementError
+    from cluster.placement import check_tensor_parallel as check_cluster
+
+    directory = checkpoints["tiny-qwen2"]
+    check_cluster(load_config("tiny", [f"model.source={directory}"]), directory)  # TP=1: nothing to refuse
+    with pytest.raises(TensorParallelError, match=r"must divide .* \(got 3\)"):
+        check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=3"]), directory)
+    with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: .* \(got 2\)"):
+        check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=2"]), directory)
