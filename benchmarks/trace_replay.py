@@ -54,6 +54,8 @@ def default_trace() -> Path:
         if (folder / TRACE_NAME).exists():
             return folder / TRACE_NAME
     return root.parent / TRACE_NAME
+
+
 LAYOUT = "hybrid_sim"
 
 
