@@ -11,8 +11,10 @@ The replay (``benchmarks/support/routing_simulation.py``: the engine's coordinat
 simulated worker, the router under test deciding each arrival with the loads of that instant)
 runs kvfleet, the approximate prefix tree, round robin and least loaded at W = 8 and 16
 (``--workers``), the cluster's device KV sized at ``--kv-ratio`` (0.5) of the trace's working set
-(the distinct hash blocks' tokens). Layout: the simulation's hybrid layout (full attention + two
-sliding-window groups, ``routing_trace.GROUPS``).
+(the distinct hash blocks' tokens), on two layouts (``--layouts``): ``full`` (full attention alone)
+and ``gemma_swa`` (Gemma-3-like: full attention beside a 512-token sliding window). The third
+layout the issue asks for (that with a host tier 4x the device pool) is not simulated: the
+simulated workers have no host tier.
 
 Metrics (after ``--warmup`` of the arrivals): hit rate (cached prompt tokens at admission / prompt
 tokens), TTFT p50/p90, false-hit share (predicted hit tokens not found at admission / predicted
@@ -39,7 +41,10 @@ from pathlib import Path
 from benchmarks.support.mooncake_trace import build_trace, load_requests
 from benchmarks.support.routing_results import Result
 from benchmarks.support.routing_simulation import Simulation
+from benchmarks.support.routing_trace import BLOCK
 from benchmarks.support.stats import percentile
+from engine.kv_cache import KVCacheGroup
+from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
 LOG = logging.getLogger("trace_replay")
 POLICIES = ("kvfleet", "prefix_tree", "round_robin", "least_loaded")
@@ -56,7 +61,11 @@ def default_trace() -> Path:
     return root.parent / TRACE_NAME
 
 
-LAYOUT = "hybrid_sim"
+# The layouts: full attention alone; Gemma-3-like (full attention beside a 512-token sliding window)
+LAYOUTS: dict[str, list[KVCacheGroup]] = {
+    "full": [KVCacheGroup(FullAttentionSpec(BLOCK))],
+    "gemma_swa": [KVCacheGroup(FullAttentionSpec(BLOCK)), KVCacheGroup(SlidingWindowSpec(BLOCK, window=512))],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-s", type=float, default=0.0, help="first trace second kept")
     ap.add_argument("--window-s", type=float, default=None, help="trace seconds kept (default: all)")
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--kv-ratio", type=float, default=0.5, help="cluster device KV / the trace's working set")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--seed", type=int, default=0)
@@ -106,6 +116,15 @@ def metrics(result: Result) -> dict[str, float | None]:
     }
 
 
+def ratio_row(kv: dict[str, float | None], tree: dict[str, float | None]) -> dict[str, float | None]:
+    return {
+        "hit_ratio_vs_tree": round(float(kv["hit_rate"] or 0) / max(1e-9, float(tree["hit_rate"] or 0)), 3),
+        "p90_ttft_ratio_vs_tree": round(float(kv["ttft_p90_s"] or 0) / max(1e-9, float(tree["ttft_p90_s"] or 0)), 3),
+        "false_hit_kvfleet": kv["false_hit_share"],
+        "decision_p99_us": kv["decision_p99_us"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
@@ -115,31 +134,25 @@ def main(argv: list[str] | None = None) -> int:
     LOG.info("%s: %d requests over %.0f s, scale %d", args.trace.name, len(rows), rows[-1].time, args.scale)
     runs: dict[str, dict[str, dict[str, float | None]]] = {}
     ratios: dict[str, dict[str, float | None]] = {}
-    for workers in args.workers:
-        trace = build_trace(rows, workers, args.kv_ratio, args.scale)
-        key = f"{LAYOUT}/W={workers}"
-        LOG.info(
-            "%s: working set %d blocks, %d blocks per worker, %.2f req/s",
-            key,
-            trace.working_set_blocks,
-            trace.num_blocks,
-            trace.rate,
-        )
-        runs[key] = {}
-        for policy in args.policies:
-            result = Simulation(args, trace, policy, label=f"{key} {policy}").run()
-            runs[key][policy] = metrics(result)
-            LOG.info("  %s %s: %s (%.0f s)", key, policy, runs[key][policy], result.wall_s)
-        if "kvfleet" in runs[key] and "prefix_tree" in runs[key]:
-            kv, tree = runs[key]["kvfleet"], runs[key]["prefix_tree"]
-            ratios[key] = {
-                "hit_ratio_vs_tree": round(float(kv["hit_rate"] or 0) / max(1e-9, float(tree["hit_rate"] or 0)), 3),
-                "p90_ttft_ratio_vs_tree": round(
-                    float(kv["ttft_p90_s"] or 0) / max(1e-9, float(tree["ttft_p90_s"] or 0)), 3
-                ),
-                "false_hit_kvfleet": kv["false_hit_share"],
-                "decision_p99_us": kv["decision_p99_us"],
-            }
+    for layout in args.layouts:
+        groups = LAYOUTS[layout]
+        for workers in args.workers:
+            trace = build_trace(rows, workers, args.kv_ratio, args.scale, groups)
+            key = f"{layout}/W={workers}"
+            LOG.info(
+                "%s: working set %d blocks, %d blocks per worker, %.2f req/s",
+                key,
+                trace.working_set_blocks,
+                trace.num_blocks,
+                trace.rate,
+            )
+            runs[key] = {}
+            for policy in args.policies:
+                result = Simulation(args, trace, policy, label=f"{key} {policy}", groups=groups).run()
+                runs[key][policy] = metrics(result)
+                LOG.info("  %s %s: %s (%.0f s)", key, policy, runs[key][policy], result.wall_s)
+            if "kvfleet" in runs[key] and "prefix_tree" in runs[key]:
+                ratios[key] = ratio_row(runs[key]["kvfleet"], runs[key]["prefix_tree"])
     report = {
         "trace": args.trace.name,
         "scale": args.scale,

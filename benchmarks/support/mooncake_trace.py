@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.support.routing_trace import BLOCK, CHUNK, GROUPS, Arrival, Trace
+from engine.kv_cache import KVCacheGroup
 from engine.kv_cache.hashing import extend_block_hashes
 
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake format
@@ -58,7 +59,9 @@ def block_tokens(hash_id: int, scale: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(TRACE_BLOCK // scale)]
 
 
-def build_trace(rows: list[TraceRow], workers: int, ratio: float, scale: int) -> Trace:
+def build_trace(
+    rows: list[TraceRow], workers: int, ratio: float, scale: int, groups: list[KVCacheGroup] | None = None
+) -> Trace:
     """The simulation's trace for ``workers`` workers whose device KV together holds ``ratio`` of
     the distinct hash blocks' tokens (at least what twice the longest prompt needs per worker)."""
     cache: dict[int, list[int]] = {}
@@ -75,7 +78,7 @@ def build_trace(rows: list[TraceRow], workers: int, ratio: float, scale: int) ->
         arrivals.append(Arrival(i, row.time, i, (), max(1, row.output_length // scale)))
     working_set_blocks = len(cache) * (TRACE_BLOCK // scale) // BLOCK
     longest = max(len(p) for p in prompts) // BLOCK + 1
-    extra = sum(g.spec.blocks_for_hit + CHUNK // BLOCK for g in GROUPS[1:])  # type: ignore[union-attr]
+    extra = sum(g.spec.blocks_for_hit + CHUNK // BLOCK for g in (groups or GROUPS)[1:])  # type: ignore[union-attr]
     num_blocks = max(int(working_set_blocks * ratio / workers), 2 * (longest + extra))
     duration = max(1e-9, arrivals[-1].time) if arrivals else 1.0
     return Trace(

@@ -18,7 +18,7 @@ def run_replay(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
 
 
 def check_report(report: dict, workers: list[int]) -> None:
-    keys = {f"{trace_replay.LAYOUT}/W={w}" for w in workers}
+    keys = {f"{layout}/W={w}" for layout in trace_replay.LAYOUTS for w in workers}
     assert set(report["runs"]) == keys and set(report["ratios"]) == keys
     for key in keys:
         runs = report["runs"][key]
@@ -47,8 +47,9 @@ def test_handmade_trace_shared_prefixes_hit_and_report_is_well_formed(tmp_path: 
             f.write("\n")
     report = run_replay(capsys, ["--trace", str(path), "--scale", "16", "--workers", "2", "--warmup", "0.2"])
     check_report(report, [2])
-    runs = report["runs"][f"{trace_replay.LAYOUT}/W=2"]
-    assert runs["kvfleet"]["hit_rate"] > 0.3 and runs["prefix_tree"]["hit_rate"] > 0.3
+    for layout in trace_replay.LAYOUTS:
+        runs = report["runs"][f"{layout}/W=2"]
+        assert runs["kvfleet"]["hit_rate"] > 0.3 and runs["prefix_tree"]["hit_rate"] > 0.3, layout
     assert report["requests"] == 40
 
 
