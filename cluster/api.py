@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 from cluster.driver_loop import NOT_STARTED, DriverLoop
+from cluster.handles import RouterHandle, WorkerHandle
 from cluster.in_flight import InFlight
-from cluster.request_runner import ClusterCompletion, Delta, RequestFailedError, RequestRunner
+from cluster.request_runner import RequestFailedError, RequestRunner
+from cluster.results import ClusterCompletion, Delta
 from cluster.served_model import ServedModel
-from cluster.supervisor import RouterHandle, Supervisor, WorkerHandle
+from cluster.supervisor import Supervisor
 from configs import ClusterConfig, load_config
 from engine.kv_cache.coordinator_types import PIN_TIERS
 from engine.sampling_params import SamplingParams

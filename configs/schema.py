@@ -206,6 +206,9 @@ class WorkersConfig(_Frozen):
     engine_stall_timeout_s: PositiveFloat = 120.0
     request_lease_s: PositiveFloat = 60.0
     replace_failed: bool = True
+    # ranks per worker (tensor parallelism: engine/model/layers/parallel.py); the model's heads and
+    # MLP width must divide by it, which the engine checks against the checkpoint before loading
+    tensor_parallel_size: PositiveInt = 1
 
     @model_validator(mode="after")
     def _lease_outlives_renewals(self) -> WorkersConfig:
