@@ -1,5 +1,5 @@
 # The kvfleet image: Python, torch, Ray and this repo installed, so that KubeRay's `ray start`,
-# the RayJob entrypoint `python -m cluster.job` and the RayService app `serving.app:build_app`
+# the RayJob entrypoint `python -m kvfleet.job` and the RayService app `serving.app:build_app`
 # all run from it. k8s/ names it registry.example.invalid/kvfleet:0.1.0 (a placeholder; see
 # k8s/README.md "Building the image"). tests/unit/test_dockerfile_*.py check this file statically.
 #
@@ -52,6 +52,7 @@ COPY engine/ engine/
 COPY actors/ actors/
 COPY cluster/ cluster/
 COPY serving/ serving/
+COPY kvfleet/ kvfleet/
 # setup.py builds the routing index's compiled core (engine/routing/_core.c), the routing
 # policy's load book (engine/routing/_load.c) and in-flight prefixes (engine/routing/_inflight.c)
 # and the host tier's row copies (engine/_row_copy.c) with a C compiler

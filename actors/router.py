@@ -79,7 +79,7 @@ class Router:
     """
 
     def __init__(self, config: ClusterConfig, groups: Sequence[KVCacheGroup], cluster_key: str = "", replica: int = 0):
-        from cluster.logs import setup_logging
+        from configs.logs import setup_logging
 
         setup_logging(config.logging)
         router_config = config.router.model_copy(update={"pins": []})

@@ -99,7 +99,7 @@ class EngineWorker:
     role: WorkerRole = "decode"
 
     def __init__(self, config: ClusterConfig, worker_id: str, disaggregated: bool):
-        from cluster.logs import setup_logging
+        from configs.logs import setup_logging
         from engine.core import EngineCore
 
         setup_logging(config.logging)

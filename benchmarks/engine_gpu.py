@@ -44,7 +44,7 @@ stderr (logging); the last stdout line is one JSON object::
    "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., "host_step_ms": {"1": ms, ...},
    "host_phases_ms": {...}, "kernels_per_step": {...}, "kernel_ms_per_step": {...},
    "output_tokens_per_s": {"gemma": n, "bamba": n}, "graph_capture": {...},
-   "decode_step_ms_eager": {...}, ...}
+   "decode_step_ms_eager": {...}, "ops_per_step": {"gemma": n, "bamba": n}, ...}
 
 (4) Host work and kernels of the decode steps of (3) (``benchmarks/support/step_phases.py``): each
     timed step is run again with its phases timed (schedule, batch build, forward or graph
@@ -52,6 +52,12 @@ stderr (logging); the last stdout line is one JSON object::
     forward and logits. On CUDA, 5 more steps under torch.profiler give the kernels per step and
     their summed device time, and (``--no-eager-decode`` skips it) a second engine with
     ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
+(5) ``ops_per_step``: the device operations one decode step's model forward and logits dispatch
+    (``benchmarks/support/op_count.py``: aten operators seen by a dispatch mode, views, metadata
+    and bare allocations left out), batch 1, counted on each model's FULL shape even in a
+    ``--quick`` run (the full checkpoint is built for it there), on the run's device and path;
+    ``ops_by_op`` lists the most frequent operators. On CUDA it stands beside the profiler's
+    ``kernels_per_step``, which checks the proxy.
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
@@ -98,6 +104,7 @@ from benchmarks.support.gpu_bench_setup import (
     build_checkpoint,
 )
 from benchmarks.support.hf_generate import generate_batch, workload
+from benchmarks.support.op_count import decode_ops
 from configs import load_config
 from engine.core import EngineCore
 from engine.runner import TORCH_DTYPES
@@ -291,6 +298,31 @@ def bench_model(run: Run, name: str, directory: Path) -> None:
         )
 
 
+def count_ops(run: Run, name: str, directory: Path) -> None:
+    """``ops_per_step[name]``: one batch-1 decode step's device operations on the full shape
+    (``directory`` holds it), in an engine sized for that one request."""
+    one = replace(run.sizes, max_num_seqs=1, decode_batches=(1,), kv_budget_mib=max(run.sizes.kv_budget_mib, 512))
+    engine = make_engine(replace(run, sizes=one), directory)
+    vocab = MODELS[name][2]["vocab_size"]
+    counted = decode_ops(engine, vocab)
+    run.result["ops_per_step"][name] = counted["ops"]
+    run.result["ops_by_op"][name] = dict(list(counted["by_op"].items())[:12])
+    log.info("%s: %d device operations per decode step (full shape)", name, counted["ops"])
+    del engine
+    run.release_memory()
+
+
+def full_shape_ops(run: Run, name: str, tmp: Path) -> None:
+    """``count_ops`` on a full-shape checkpoint built for it (a ``--quick`` run's are tiny)."""
+    directory = build_checkpoint(run, name, tmp / f"{name}-full", full=True)
+    try:
+        count_ops(run, name, directory)
+    finally:
+        for path in directory.iterdir():
+            path.unlink()
+        directory.rmdir()
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gemma,bamba", help="comma-separated: gemma, bamba")
@@ -363,6 +395,8 @@ def main() -> None:
         "decode_step_ms_eager": {},
         "host_phases_ms_eager": {},
         "kernels_per_step_eager": {},
+        "ops_per_step": {},
+        "ops_by_op": {},
         "num_requests": sizes.num_requests,
         "hf_batch": sizes.hf_batch,
         "quick": args.quick,
@@ -380,6 +414,10 @@ def main() -> None:
             directory = run.attempt(f"{name} checkpoint", lambda n=name: build_checkpoint(run, n, Path(tmp) / n))
             if directory is not None:
                 bench_model(run, name, directory)
+                if args.quick:
+                    run.attempt(f"{name} ops", lambda n=name: full_shape_ops(run, n, Path(tmp)))
+                else:
+                    run.attempt(f"{name} ops", lambda n=name, d=directory: count_ops(run, n, d))
     result["total_s"] = round(time.perf_counter() - start, 1)
     log.info("done in %.1f s", result["total_s"])
     print(json.dumps(result))

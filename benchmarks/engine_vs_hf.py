@@ -36,12 +36,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.support.bench_checkpoints import BENCH_MODELS, build_bench_checkpoint
 from benchmarks.support.hf_generate import generate_batch, workload
 from configs import load_config
 from engine.core import EngineCore
-from engine.model.checkpoints.hybrid_tiny import build_hybrid_checkpoint
-from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
-from engine.model.checkpoints.qwen3_next_tiny import build_qwen3_next_checkpoint
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine_vs_hf")
@@ -163,12 +161,8 @@ def main() -> None:
         directories = {"llama": llama_dir}
         if "gemma" in args.models.split(","):
             directories["gemma"] = gemma_directory()
-        for name in {"qwen3", "gpt-oss"} & set(args.models.split(",")):
-            directories[name] = build_random_checkpoint(f"bench-{name}", Path(tmp) / name)
-        for name in {"granite-h", "nemotron-h"} & set(args.models.split(",")):
-            directories[name] = build_hybrid_checkpoint(f"bench-{name}", Path(tmp) / name)
-        if "qwen3-next" in args.models.split(","):
-            directories["qwen3-next"] = build_qwen3_next_checkpoint("bench-qwen3-next", Path(tmp) / "qwen3-next")
+        for name in set(BENCH_MODELS) & set(args.models.split(",")):
+            directories[name] = build_bench_checkpoint(name, Path(tmp) / name)
         for name in args.models.split(","):
             directory = directories[name]
             vocab = 262144 if name == "gemma" else 32000

@@ -8,7 +8,7 @@ What it measures
     2 x 1 KiB and a Mamba state pool of 2 x 10.5 KiB), device and host slots full of random
     bytes. Each engine step promotes ``blocks`` scattered host blocks per pool into device blocks
     that each first evict (offload) a cached block to another host block, as an admission under
-    device pressure does (``HybridCoordinator._promote``). The batch sizes are those a tiered
+    device pressure does (``HostTier.promote_hit``). The batch sizes are those a tiered
     bench admission promotes (``benchmarks/tiered_bench.py``): Gemma's full 256-token prefix
     hit is 96 blocks (16 per group, 6 groups), tiny Bamba's 192-token one 48 attention blocks and
     one state; a quarter and a sixteenth of that as partial hits.

@@ -6,9 +6,9 @@ What runs: the router's own code (``engine.routing.RoutingPolicy`` and its ``Pre
 by a simulated fleet (``benchmarks.support.scale_fleet``): every worker's cache sends the event
 stream a real worker sends (stored, evicted, pinned, per group, fresh hash objects, consecutive
 sequence numbers). Groups: full attention plus sliding windows of 128 and 512 tokens, block 16.
-Side by side on the same trace runs the router as it was before its index kept holder sets
-(``benchmarks.support.mask_router``: a W-bit worker mask per key, every worker costed per
-decision).
+Side by side on the same trace runs the same router on its Python reference core
+(``KVFLEET_ROUTING_CORE=python``: the pure-Python holder maps, load book and in-flight prefixes
+the compiled parts are tested against), the baseline ``python_core``.
 
 Per W: ``prefixes_per_worker * W`` shared prefixes (``--prefix-min``..``--prefix-max`` tokens,
 Zipf ``--alpha`` popularity) and a unique suffix per request. Warm-up: every prefix runs once
@@ -69,8 +69,10 @@ oracle, over prompt tokens, after the first ``--warmup`` share of decisions) and
 accuracy (decisions whose predicted hit equals that oracle).
 
 Measured 2026-11-28 15:55-15:57 on the shared 2-core machine, 4,000 decisions per W, the fastest
-of 3 runs each, the last of three full runs in a row; holder-set router / mask baseline, in the
-same run (benchmarks/results/router_scale-cpu-2026-11-28.json):
+of 3 runs each, the last of three full runs in a row; holder-set router / the baseline of that
+day, in the same run (benchmarks/results/router_scale-cpu-2026-11-28.json; that baseline was the
+router before its index kept holder sets, a W-bit worker mask per key, since deleted: the
+baseline is now the Python reference core):
 
     W      decisions/s     p50 us         p99 us          index MB      bytes/block-holder  hit rate
     64     56,306/11,866   15.4/77.0      59.8/184.4      1.5/9.5       38.7/249.5          0.8571/0.8571
@@ -84,7 +86,8 @@ The machine's speed drifts over minutes: at W = 256 the three full runs' fastest
 46,930 / 42,881 / 57,093 decisions/s (their single runs 37,842-57,093; p99 38.6-52.5 us), alone
 55,588 / 93,359 / 54,609; three runs at 15:15-15:18 (before ``--repeats``) gave 53,963 / 48,725 /
 51,033 (p99 40.7 / 43.0 / 42.6 us), alone 90,749 / 100,325 / 59,421. The router before the
-compiled pick gave 13-17k at W = 256, the mask router 6-11k.
+compiled pick gave 13-17k at W = 256, the mask router 6-11k; the Python reference core gives about
+6k (``--quick``, 2026-11-28 21:44).
 Where a decision's time goes (W = 256, interleaved run; timers between the statements of
 ``route``, 48-58k decisions/s): ``predict_partial`` 6.8-8.2 us, of which the compiled walk about
 5-6k cycles at 2.1 GHz (69 lookups of the full-attention group, bound by memory latency; the
@@ -99,7 +102,7 @@ us; the rest of ``route`` about 1.5 us.
 Last line: ``{"decisions_per_s": {W: n}, "runs_decisions_per_s": {W: [n, ...]}, "p50_us", "p99_us",
 "alone_decisions_per_s", "alone_p50_us", "alone_p99_us", "events_per_s", "index_mb",
 "bytes_per_block_holder" (the largest over W), "hit_rate_vs_single_policy" (the lowest over W of
-the hit rate over the baseline's), "accuracy", "baseline": {the same for the mask router},
+the hit rate over the baseline's), "accuracy", "baseline": {the same for the Python core},
 "replica_speedup": {N: x}, "replica_hit_ratio": {N: r}}``.
 """
 
@@ -109,14 +112,15 @@ import argparse
 import gc
 import json
 import logging
+import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from benchmarks.support.mask_router.policy import RoutingPolicy as MaskRoutingPolicy
 from benchmarks.support.scale_fleet import (
     GROUPS,
     FleetWorker,
@@ -130,10 +134,25 @@ from benchmarks.support.scale_fleet import (
 from configs.schema import RouterConfig
 from engine.routing import RoutingPolicy
 from engine.routing.hit_rules import HitRules
+from engine.routing.holder_maps import CORE_ENV
 from engine.routing.types import RouteRequest, WorkerLoad
 
 LOG = logging.getLogger("router_scale")
-ROUTERS = ("kvfleet", "mask_baseline")
+ROUTERS = ("kvfleet", "python_core")
+
+
+@contextmanager
+def routing_core(core: str) -> Iterator[None]:
+    """Policies made inside pick their compiled parts by ``core`` (``KVFLEET_ROUTING_CORE``)."""
+    before = os.environ.get(CORE_ENV)
+    os.environ[CORE_ENV] = core
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[CORE_ENV]
+        else:
+            os.environ[CORE_ENV] = before
 
 
 @dataclass
@@ -233,10 +252,8 @@ def run(args: argparse.Namespace, workers: int, router: str, replicas: int = 1, 
     warm = warm_requests(prefixes, rng, suffix)
     requests = make_requests(prefixes, args.decisions, args.alpha, rng, suffix)
     config = RouterConfig(seed=args.seed)
-    if router == "kvfleet":
-        copies: list[RoutingPolicy | MaskRoutingPolicy] = [RoutingPolicy(GROUPS, config) for _ in range(replicas)]
-    else:
-        copies = [MaskRoutingPolicy(GROUPS, config)]
+    with routing_core("auto" if router == "kvfleet" else "python"):
+        copies = [RoutingPolicy(GROUPS, config) for _ in range(replicas)]
     policy = copies[0]
     rules = HitRules(GROUPS)
     fleet = [FleetWorker(f"w{k}", args.capacity) for k in range(workers)]

@@ -1,4 +1,4 @@
-"""kvfleet's user-facing layer: the driver API, the `kvfleet` CLI and the `ray job submit` entrypoint.
+"""kvfleet's driver layer: the `Cluster` API over Ray actors (the CLI and the job entry point live in `kvfleet`).
 
 ``from cluster import Cluster`` loads Ray and torch lazily (the CLI's ``config`` command needs neither).
 """

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 from cluster.driver_loop import NOT_STARTED, DriverLoop
+from cluster.handles import RouterHandle, WorkerHandle
 from cluster.in_flight import InFlight
-from cluster.request_runner import ClusterCompletion, Delta, RequestFailedError, RequestRunner
+from cluster.request_runner import RequestFailedError, RequestRunner
+from cluster.results import ClusterCompletion, Delta
 from cluster.served_model import ServedModel
-from cluster.supervisor import RouterHandle, Supervisor, WorkerHandle
+from cluster.supervisor import Supervisor
 from configs import ClusterConfig, load_config
 from engine.kv_cache.coordinator_types import PIN_TIERS
 from engine.sampling_params import SamplingParams
@@ -182,9 +184,8 @@ class Cluster:
             return self
         import ray
 
-        from cluster.placement import check_capacity, embedded_init_kwargs, loopback_environment
+        from cluster.placement import check_capacity, check_tensor_parallel, embedded_init_kwargs, loopback_environment
         from engine.core import resolve_model_directory
-        from engine.model.tensor_parallel import check_tensor_parallel_at_edge
 
         config = self.config
         loopback_environment()
@@ -198,7 +199,7 @@ class Cluster:
             resources = ray.cluster_resources()
             check_capacity(config, resources)
             model_directory = resolve_model_directory(config)  # built/converted once, here
-            check_tensor_parallel_at_edge(config, model_directory, ray.nodes())
+            check_tensor_parallel(config, model_directory)
             infos = self._supervisor.start_workers(resources, self.start_timeout_s)
             model = ServedModel.from_workers(infos, str(model_directory))
             self._supervisor.start_router()

@@ -18,8 +18,8 @@ from engine.sampling_params import SamplingParams
 from engine.validation import ValidatedPrompt
 
 if TYPE_CHECKING:
-    from cluster.request_runner import ClusterCompletion
-    from cluster.supervisor import WorkerHandle
+    from cluster.handles import WorkerHandle
+    from cluster.results import ClusterCompletion
     from engine.routing import Decision
 
 

@@ -22,7 +22,7 @@ and ``"prompt_logprobs"`` (one per prompt token, null for the first) when it ask
 ``{"id"?, "line": <line number>, "error": "<field>: <what is wrong> (got <value>)"}`` (``id``
 when the line had a usable one), so nothing is dropped silently: a record is an error record
 exactly when it has an ``error`` key. The CLI and the job exit with ``EXIT_PARTIAL`` (3) when
-any line failed (see ``cluster.cli``).
+any line failed (see ``kvfleet.cli``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from configs.schema import ClusterConfig, WorkerResources
@@ -113,3 +114,23 @@ def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -
             f"Ray cluster has {have:g} (lower workers.*.num_cpus or add capacity; for an embedded cluster "
             f"raise ray.num_cpus)"
         )
+
+
+def check_tensor_parallel(config: ClusterConfig, model_directory: Path) -> None:
+    """Refuse ``workers.tensor_parallel_size`` > 1 before any worker starts: a size the model
+    cannot split by names the field, the model and the number (``engine.model.layers.parallel``);
+    one it can is refused too, because the cluster's workers do not start rank groups yet (the
+    engine runs one rank per ``EngineCore(tensor_parallel_rank=r)`` in a torch.distributed group)."""
+    size = config.workers.tensor_parallel_size
+    if size == 1:
+        return
+    from engine.model.arch.hf_config import arch_from_hf_config
+    from engine.model.checkpoints.loader import read_hf_config
+    from engine.model.layers.parallel import check_tensor_parallel as check_model
+
+    check_model(arch_from_hf_config(read_hf_config(model_directory)), size)
+    raise PlacementError(
+        f"workers.tensor_parallel_size: the cluster's workers do not start a group of ranks yet; "
+        f"run tensor-parallel engines with EngineCore(tensor_parallel_rank=r) in a torch.distributed "
+        f"group (got {size})"
+    )

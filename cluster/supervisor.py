@@ -34,6 +34,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from cluster.driver_loop import DriverLoop
+from cluster.handles import RouterHandle, WorkerHandle
 from cluster.in_flight import InFlight
 from cluster.served_model import same_kv_layout
 from cluster.tier_stats import hit_tokens_by_tier, hit_tokens_by_tier_totals, host_tier_summary, host_tier_totals
@@ -52,10 +53,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Ray actor handles, typed Any on purpose: ray.actor.ActorHandle declares ``__getattr__`` as
-# returning Never, so mypy would treat every line after a remote call as unreachable and check none.
-WorkerHandle = Any  # a started actors.worker.PrefillWorker or DecodeWorker
-RouterHandle = Any  # the started actors.router.Router
 
 REPLACE_RETRY_S = 5.0  # wait this long before trying again to start a replacement
 STOP_TIMEOUT_S = 15.0  # at shutdown, wait this long for the health loop and replacements to end

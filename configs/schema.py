@@ -194,11 +194,6 @@ class WorkersConfig(_Frozen):
     aborts a request whose lease is older than ``request_lease_s`` (its driver or client is
     gone), so its blocks never leak. ``engine_stall_timeout_s``: an engine thread that has not
     come round its loop for that long counts as unhealthy.
-
-    Tensor parallelism: each worker is ``tensor_parallel_size`` ranks on one node (one device
-    each); ``prefill_tensor_parallel_size`` / ``decode_tensor_parallel_size`` set one role apart
-    (None: the shared value). Whether the model's heads and widths divide by it is checked
-    against the model before any worker starts (engine/model/tensor_parallel.py).
     """
 
     num_prefill: Annotated[int, Field(ge=0)] = 1
@@ -211,9 +206,9 @@ class WorkersConfig(_Frozen):
     engine_stall_timeout_s: PositiveFloat = 120.0
     request_lease_s: PositiveFloat = 60.0
     replace_failed: bool = True
+    # ranks per worker (tensor parallelism: engine/model/layers/parallel.py); the model's heads and
+    # MLP width must divide by it, which the engine checks against the checkpoint before loading
     tensor_parallel_size: PositiveInt = 1
-    prefill_tensor_parallel_size: PositiveInt | None = None
-    decode_tensor_parallel_size: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _lease_outlives_renewals(self) -> WorkersConfig:
@@ -230,13 +225,6 @@ class WorkersConfig(_Frozen):
     @property
     def num_workers(self) -> int:
         return self.num_prefill + self.num_decode
-
-    def tensor_parallel(self, role: Literal["prefill", "decode"]) -> tuple[str, int]:
-        """The field that sets ``role``'s ranks per worker, and its value."""
-        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
-        if own is None:
-            return "workers.tensor_parallel_size", self.tensor_parallel_size
-        return f"workers.{role}_tensor_parallel_size", own
 
 
 class TransferConfig(_Frozen):

@@ -34,7 +34,7 @@ from engine.model.checkpoints.loader import build_model, load_hf_directory
 from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
 from engine.model.kv_budget import blocks_per_pool
 from engine.model.kv_layout import build_kv_layout
-from engine.model.sharding import RankShard
+from engine.model.layers.parallel import shard_arch
 from engine.pd_handoff import Expected, PDHandoff
 from engine.request import Request, RequestStatus, UncheckedRequestError
 from engine.runner import TORCH_DTYPES, ModelRunner
@@ -117,6 +117,7 @@ class EngineCore:
         *,
         name: str | None = None,
         kv_role: KVRole | None = None,
+        tensor_parallel_rank: int = 0,
     ):
         self.config = config
         if threads:
@@ -125,18 +126,17 @@ class EngineCore:
             raise ValueError(f"kv_role: expected one of {sorted(_TRANSFER_ROLE)} or None, got {kv_role!r}")
         directory = Path(model_directory) if model_directory else resolve_model_directory(config)
         arch, weights = load_hf_directory(directory, config.model.sliding_window_override)
-        shard = RankShard.current()  # a rank of a tensor-parallel group: this rank's heads and widths
-        if shard is not None:
-            shard.check(arch, str(directory))
-            weights, arch = shard.shard_weights(arch, weights), shard.local_arch(arch)
+        full_kv_heads = arch.num_kv_heads
+        # this rank's part of the model (engine/model/layers/parallel.py); the same arch at TP=1
+        arch = shard_arch(arch, config.workers.tensor_parallel_size, tensor_parallel_rank)
         dtype = config.model.resolved_dtype
         device = torch.device(config.model.device)
         cache = config.kv_cache
         layout = build_kv_layout(arch, cache.block_size, dtype)
-        model = build_model(arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory))
+        model = build_model(
+            arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory), full_kv_heads
+        )
         del weights
-        if shard is not None:
-            shard.add_all_reduce(model)
         gpu_budget = None
         if cache.gpu_memory_utilization is not None:
             reserve = activation_reserve_bytes(

@@ -46,7 +46,7 @@ class ClusterController:
     """
 
     def __init__(self, config: ClusterConfig):
-        from cluster.logs import setup_logging
+        from configs.logs import setup_logging
 
         setup_logging(config.logging)
         self.config = config

@@ -174,11 +174,11 @@ class Run:
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
-def build_checkpoint(run: Run, name: str, directory: Path) -> Path:
+def build_checkpoint(run: Run, name: str, directory: Path, full: bool = False) -> Path:
     """Write the random checkpoint ``name`` in the run's dtype, initialised on the device (on the
-    CPU if that fails) and saved from the CPU."""
+    CPU if that fails) and saved from the CPU; ``--quick``'s tiny shape unless ``full``."""
     config_cls, model_cls, shape = MODELS[name]
-    shape = {**shape, **(QUICK_MODELS[name] if run.args.quick else {})}
+    shape = {**shape, **(QUICK_MODELS[name] if run.args.quick and not full else {})}
     dtype = TORCH_DTYPES[run.args.dtype]
     start = time.perf_counter()
     for build_device in dict.fromkeys([run.device, torch.device("cpu")]):

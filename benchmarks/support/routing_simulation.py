@@ -19,7 +19,7 @@ from benchmarks.support.routing_results import Record, Result
 from benchmarks.support.routing_trace import BLOCK, CHUNK, GROUPS, Trace
 from benchmarks.support.routing_workers import Job, SimWorker
 from configs.schema import AutoPinConfig, RouterConfig
-from engine.kv_cache import CacheRequest
+from engine.kv_cache import CacheRequest, KVCacheGroup
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.routing import (
     HitRules,
@@ -58,15 +58,17 @@ class Simulation:
         label: str = "",
         auto_pin: bool = True,
         diagnose: bool = False,
+        groups: list[KVCacheGroup] | None = None,
     ):
         self.args = args
         self.trace = trace
         self.label = label or policy
+        self.groups = groups or GROUPS  # the workers' KV layout (default: the simulation's hybrid one)
         self.ratio = trace.ratio
         workers = trace.workers
         self.event_lag_s = event_lag_s
         self.num_blocks = trace.num_blocks
-        self.workers = {f"w{i}": SimWorker(f"w{i}", self.num_blocks) for i in range(workers)}
+        self.workers = {f"w{i}": SimWorker(f"w{i}", self.num_blocks, self.groups) for i in range(workers)}
         self.pinned = pinned or []
         self.auto_pin = auto_pin and policy == "kvfleet"
         self.diagnose = diagnose
@@ -89,21 +91,26 @@ class Simulation:
     def _make_router(self, policy: str) -> PlacementPolicy:
         seed = self.args.seed
         if policy == "round_robin":
-            return RoundRobinPolicy(GROUPS, seed=seed)
+            return RoundRobinPolicy(self.groups, seed=seed)
         if policy == "least_loaded":
-            return LeastLoadedPolicy(GROUPS, seed=seed)
+            return LeastLoadedPolicy(self.groups, seed=seed)
         if policy == "prefix_tree":
-            # eviction budget: the full-attention share of the worker's cache, in tokens
-            return PrefixTreePolicy(GROUPS, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * 0.6))
+            # eviction budget: the full-attention share of the worker's cache, in tokens (all of it
+            # when full attention is the only group)
+            share = 1.0 if len(self.groups) == 1 else 0.6
+            return PrefixTreePolicy(self.groups, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * share))
         capacity = None
         if self.pinned:
             capacity = (
-                sum(len(HitRules(GROUPS).needed(self.trace.prefix_hashes[r], self._aligned(r))) for r in self.pinned)
+                sum(
+                    len(HitRules(self.groups).needed(self.trace.prefix_hashes[r], self._aligned(r)))
+                    for r in self.pinned
+                )
                 * self.args.pin_replicas
             )
         # kvfleet: RouterConfig defaults, automatic pinning on unless the run says otherwise
         config = RouterConfig(seed=seed, pin_capacity_blocks=capacity, auto_pin=AutoPinConfig(enabled=self.auto_pin))
-        return build_router(config, GROUPS)
+        return build_router(config, self.groups)
 
     def _aligned(self, rank: int) -> int:
         n = len(self.trace.prefixes[rank])

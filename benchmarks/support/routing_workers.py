@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from benchmarks.support.routing_trace import GROUPS
-from engine.kv_cache import CacheRequest, HybridCoordinator, RetentionOptions
+from engine.kv_cache import CacheRequest, HybridCoordinator, KVCacheGroup, RetentionOptions
 from engine.routing import PinOn, WorkerLoad
 
 
@@ -35,11 +35,11 @@ class Job:
 class SimWorker:
     """One worker: a hybrid coordinator (retention on, a quarter of the pool) and a FIFO compute server."""
 
-    def __init__(self, name: str, num_blocks: int):
+    def __init__(self, name: str, num_blocks: int, groups: list[KVCacheGroup] | None = None):
         self.name = name
         self.num_blocks = num_blocks
         retention = RetentionOptions(enabled=True, budget_blocks=num_blocks // 4, min_drop_blocks=2)
-        self.coord = HybridCoordinator(GROUPS, num_blocks, retention=retention, enable_events=True)
+        self.coord = HybridCoordinator(groups or GROUPS, num_blocks, retention=retention, enable_events=True)
         self.queue: deque[Job] = deque()
         self.pending: deque[Job] = deque()
         self.current: Job | None = None

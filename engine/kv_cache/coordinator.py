@@ -27,14 +27,14 @@ block release (``free``,
 
 from __future__ import annotations
 
-from collections import ChainMap, Counter
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 
 from engine.kv_cache.attention_managers import NEVER_SKIPS, FullAttentionManager, SlidingWindowManager
-from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
+from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.coordinator_types import (
-    PIN_TIERS,
+    AdmittedRequest,
     CacheHit,
     PinTier,
     PoolStats,
@@ -48,39 +48,12 @@ from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
 from engine.kv_cache.managers import MANAGER_FOR_SPEC
+from engine.kv_cache.prefix_pins import PrefixPins
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, alignment_tokens, hash_block_size
 
 _BLOCK_ID = attrgetter("block_id")
 _NO_BLOCKS: list[Block] = []
-
-
-class _PrefixPin:
-    """Explicit pins of one prefix in one tier: how many are held, and every (group, hash) they
-    pinned."""
-
-    __slots__ = ("blocks", "count")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.blocks: set[tuple[int, bytes]] = set()
-
-
-class _Admitted:
-    """Coordinator-side bookkeeping of one admitted request."""
-
-    __slots__ = ("cached_upto", "capacity", "next_drop", "removed_upto", "request", "shared_prefix")
-
-    def __init__(self, request: CacheRequest, shared_prefix: int):
-        self.request = request
-        self.cached_upto = 0  # tokens (aligned) whose full blocks are registered
-        self.shared_prefix = shared_prefix  # where its chain diverged from cached chains
-        self.removed_upto = 0  # last computed count passed to remove_skipped_blocks
-        # The decode fast path (``HybridCoordinator._allocate_running``): every group's table
-        # covers ``capacity`` tokens, and no group drops a block before ``next_drop`` computed
-        # tokens. Both are set by a slow-path running allocation (0 until then: slow path).
-        self.capacity = 0
-        self.next_drop = 0
 
 
 class HybridCoordinator:
@@ -90,11 +63,8 @@ class HybridCoordinator:
     exactly one free/pinned queue of its pool iff unreferenced; free + pinned + in use ==
     num_blocks - 1; a non-null block lives in one group only, and that group draws from the
     block's pool (a block never moves between pools); the hash maps match the blocks; each
-    allocation took exactly the predicted number of blocks from every pool. Prefix pins: a device
-    block is explicitly pinned in its pool only while some device-tier record of ``_prefix_pins``
-    lists it (the pool demotes pins under pressure), a host block exactly while some record of
-    either tier does; ``_explicit_pins[key]`` / ``_host_pins[key]`` equal the number of device- /
-    host-tier records listing ``key`` (``reset_prefix_cache`` empties all three). Release: a freed
+    allocation took exactly the predicted number of blocks from every pool. Prefix pins: as
+    ``PrefixPins`` (``self.pins``) states them; ``reset_prefix_cache`` forgets them all. Release: a freed
     request leaves ``_admitted`` and holds no block in any group; ``free`` of an unknown request is
     a no-op; each group releases its blocks tail first.
     """
@@ -173,10 +143,7 @@ class HybridCoordinator:
         self._free_together = self._single_pool and not self._has_mamba and self.pool.retain_budget is None
         self._no_hit: tuple[list[Block], ...] = tuple([] for _ in groups)
         self._no_new_ids: tuple[list[int], ...] = tuple([] for _ in groups)
-        self._admitted: dict[str, _Admitted] = {}
-        self._explicit_pins: Counter[tuple[int, bytes]] = Counter()  # device-tier pins per (group, hash)
-        self._host_pins: Counter[tuple[int, bytes]] = Counter()  # host-tier pins per (group, hash)
-        self._prefix_pins: dict[tuple[int, bytes, PinTier], _PrefixPin] = {}
+        self._admitted: dict[str, AdmittedRequest] = {}
         self._nothing_allocated: list[tuple[int, int]] = [(0, 0)] * num_pools
         self._last_allocation = self._nothing_allocated
         # The host tier: per group, the device map and the map over both tiers (device first);
@@ -195,6 +162,9 @@ class HybridCoordinator:
                 ChainMap(pool.cached[g], host.pools[pool.index].cached[g]) for g, pool in self._group_pools()
             ]
             self.host = host
+        self.pins = PrefixPins(
+            self.managers, self.group_pool, self.hash_block_size, self.host, self.find_longest_cache_hit
+        )
 
     def _group_pools(self) -> list[tuple[int, BlockPool]]:
         return [(g, self.pools[p]) for g, p in enumerate(self.group_pool)]
@@ -324,7 +294,7 @@ class HybridCoordinator:
         self._last_allocation = [(n, free_before[p] - self.pools[p].num_free_blocks) for p, n in enumerate(predicted)]
 
     def _allocate_running(
-        self, state: _Admitted, num_new_tokens: int, delay_cache: bool, reserved_blocks: int | Sequence[int]
+        self, state: AdmittedRequest, num_new_tokens: int, delay_cache: bool, reserved_blocks: int | Sequence[int]
     ) -> tuple[list[int], ...] | None:
         request = state.request
         request_id = request.request_id
@@ -397,7 +367,7 @@ class HybridCoordinator:
         if free_before is None:
             return None
 
-        state = _Admitted(request, hit.shared_prefix_tokens if hit is not None else 0)
+        state = AdmittedRequest(request, hit.shared_prefix_tokens if hit is not None else 0)
         self._admitted[request_id] = state
         self._admit(request_id, hit_blocks, num_local, num_external_tokens, partial)
         new_ids = tuple([*map(_BLOCK_ID, manager.allocate_new(request_id, need))] for manager in managers)
@@ -426,55 +396,15 @@ class HybridCoordinator:
         host = self.host
         promoted: list[tuple[int, int, Block]] = []  # (group, table index, host block)
         if host is not None:
-            hit_blocks, promoted = self._split_tiers(hit_blocks, total)
+            hit_blocks, promoted = host.split_hit(self.managers, hit_blocks, total)
         for g, manager in enumerate(self.managers):  # phase 1
             manager.claim_hit(request_id, hit_blocks[g], total)
         if promoted:
-            self._promote(request_id, promoted)
+            assert host is not None, "only a coordinator with a host tier promotes"
+            host.promote_hit(self.managers, request_id, promoted, self.pins.pinned_on_device)
         for manager in self.managers:  # phase 2
             if num_external > 0 or (partial and isinstance(manager, MambaManager)):
                 manager.allocate_external(request_id, num_local, num_external)
-
-    def _split_tiers(
-        self, hit_blocks: tuple[list[Block], ...], total: int
-    ) -> tuple[tuple[list[Block], ...], list[tuple[int, int, Block]]]:
-        """The hit's device part (host blocks replaced by the null block) and, per host block a
-        claim keeps (at or past the group's skipped blocks), its (group, table index, block)."""
-        promoted: list[tuple[int, int, Block]] = []
-        device: list[list[Block]] = []
-        for g, blocks in enumerate(hit_blocks):
-            if not any(map(HostTier.is_host, blocks)):
-                device.append(blocks)
-                continue
-            manager = self.managers[g]
-            skipped = manager.skipped_blocks(total)
-            mine = list(blocks)
-            for i, block in enumerate(blocks):
-                if HostTier.is_host(block):
-                    mine[i] = manager.null
-                    if i >= skipped:
-                        promoted.append((g, i, block))
-            device.append(mine)
-        return tuple(device), promoted
-
-    def _promote(self, request_id: str, promoted: list[tuple[int, int, Block]]) -> None:
-        """Between the two phases: a fresh device block for each host block of the hit, cached
-        under its hash at once (its copy is queued before any forward can read it). The host
-        blocks stay locked meanwhile, so the offloads these allocations cause cannot reuse them."""
-        host = self.host
-        assert host is not None, "only a coordinator with a host tier promotes"
-        locked = [block for _, _, block in promoted]
-        host.lock(locked)
-        for g, index, block in promoted:
-            manager = self.managers[g]
-            fresh = manager.pool.get_new_blocks(1)
-            host.promote(block, fresh[0].block_id)
-            manager.place(request_id, index, fresh[0])
-            assert block.block_hash is not None, "host blocks of a hit come from the host maps"
-            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1, promoted=True)
-            if (g, block.block_hash) in self._explicit_pins:  # a device-tier pin: pinned on the device again
-                manager.pool.retain(fresh, TIER_EXPLICIT)
-        host.unlock(locked)
 
     def take_tier_copies(self) -> list[TierCopy]:
         """The host-tier copies queued since the last call, in the order they must run (before
@@ -488,7 +418,7 @@ class HybridCoordinator:
         if state is not None:
             self._cache(state, num_tokens)
 
-    def _cache(self, state: _Admitted, num_tokens: int) -> None:
+    def _cache(self, state: AdmittedRequest, num_tokens: int) -> None:
         """Register the request's blocks once ``num_tokens`` tokens are computed (this step
         included): every group up to the aligned count; Mamba groups only a state that is
         exactly at it (``MambaManager.cache_blocks``)."""
@@ -600,9 +530,9 @@ class HybridCoordinator:
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if any structural invariant of the cache is broken
         (``engine.kv_cache.invariants`` lists them), the host tier's included."""
-        check_coordinator(self)
+        check_coordinator(self.managers, self.group_pool, self.pools, self._admitted, self.pins, self._last_allocation)
         if self.host is not None:
-            check_host_tier(self, self.host)
+            check_host_tier(self.group_pool, self.pools, self.host, self.pins)
 
     # -- read-only views for the router ---------------------------------------------------------------
     @property
@@ -635,7 +565,7 @@ class HybridCoordinator:
         found = [(i, sizes[g]) for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks) if is_host(b)]
         return host_hit_tokens(hit.num_tokens, self.hash_block_size, found) if found else 0
 
-    # -- explicit prefix pins ------------------------------------------------------------------------------
+    # -- explicit prefix pins (owned by ``self.pins``, engine/kv_cache/prefix_pins.py) ---------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:
         """Pin, in every group, the blocks a hit at the prefix's end needs; returns the pinned
         length (the longest aligned cached hit <= num_tokens, over both tiers when there is a host
@@ -653,114 +583,16 @@ class HybridCoordinator:
         Pins of one prefix (same hashes, ``num_tokens`` and ``tier``) are counted: the blocks stay
         pinned until as many ``unpin_prefix`` calls with the same arguments as there were pins.
         """
-        if tier not in PIN_TIERS:
-            raise ValueError(f"tier: must be one of {', '.join(PIN_TIERS)} (got {tier!r})")
-        host = self.host
-        if tier == "host" and host is None:
-            raise ValueError("tier: 'host' needs a host tier (kv_cache.offload.enabled; got tier='host')")
-        key = self._prefix_key(block_hashes, num_tokens, tier)
-        record = self._prefix_pins.setdefault(key, _PrefixPin())
-        record.count += 1
-        hit = self.find_longest_cache_hit(block_hashes, num_tokens)
-        if hit.num_tokens == 0:
-            return 0
-        needed = [[hit.blocks[g][i] for i in m.blocks_needed_at(hit.num_tokens)] for g, m in enumerate(self.managers)]
-        if tier == "host":
-            return hit.num_tokens if self._pin_in_host(record, needed) else 0
-        for g, blocks in enumerate(needed):
-            hashes = self._record(record, g, blocks, self._explicit_pins)
-            self.managers[g].pool.retain([b for b in blocks if not HostTier.is_host(b)], TIER_EXPLICIT)
-            if host is not None:
-                host.pin(self.group_pool[g], g, hashes)
-        return hit.num_tokens
-
-    @staticmethod
-    def _record(record: _PrefixPin, group: int, blocks: list[Block], counts: Counter[tuple[int, bytes]]) -> list[bytes]:
-        """Count the (group, hash) of ``blocks`` the record does not list yet; returns their hashes."""
-        hashes = []
-        for block in blocks:
-            if block.block_hash is None:  # never: hit blocks come from the prefix-cache maps
-                continue
-            block_key = (group, block.block_hash)
-            hashes.append(block.block_hash)
-            if block_key not in record.blocks:
-                record.blocks.add(block_key)
-                counts[block_key] += 1
-        return hashes
-
-    def _pin_in_host(self, record: _PrefixPin, needed: list[list[Block]]) -> bool:
-        """A host-tier pin of the hit's ``needed`` blocks per group: pin the host copies, copy the
-        device-only blocks into unpinned host blocks (pinned at once); False, pinning nothing,
-        when some host pool has too few unpinned blocks for them."""
-        host = self.host
-        assert host is not None, "a host-tier pin needs a host tier"
-        copies = [0] * len(self.pools)  # device-only blocks to copy, per pool
-        held = [0] * len(self.pools)  # needed host copies in the LRU queue now (the copies must not evict them)
-        for g, blocks in enumerate(needed):
-            p = self.group_pool[g]
-            hosted = host.pools[p].cached[g]
-            for block in blocks:
-                copy = block if HostTier.is_host(block) else hosted.get(block.block_hash)  # type: ignore[arg-type]  # hit blocks are cached
-                if copy is None:
-                    copies[p] += 1
-                elif not copy.tier and not copy.ref_cnt:
-                    held[p] += 1
-        if any(copies[p] > host.room(p) - held[p] for p in range(len(self.pools))):
-            return False
-        for g, blocks in enumerate(needed):  # first the copies there (out of the LRU queue), then the rest
-            host.pin(self.group_pool[g], g, self._record(record, g, blocks, self._host_pins))
-        for g, blocks in enumerate(needed):
-            p = self.group_pool[g]
-            hosted = host.pools[p].cached[g]
-            for block in blocks:
-                if not HostTier.is_host(block) and block.block_hash not in hosted:
-                    host.offload(p, block.block_id, g, block.block_hash)  # type: ignore[arg-type]  # cached
-        return True
+        return self.pins.pin(block_hashes, num_tokens, tier)
 
     def is_pinned(self, group: int, block_hash: bytes) -> bool:
         """Whether a prefix pin of either tier holds (group, hash) (the host tier pins it there)."""
-        key = (group, block_hash)
-        return key in self._explicit_pins or key in self._host_pins
+        return self.pins.is_pinned(group, block_hash)
 
     def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> bool:
         """Undo one ``pin_prefix(block_hashes, num_tokens, tier)``; the prefix's blocks are released
         with its last pin, and blocks other prefixes' pins need stay pinned. False if not pinned."""
-        if tier not in PIN_TIERS:
-            raise ValueError(f"tier: must be one of {', '.join(PIN_TIERS)} (got {tier!r})")
-        key = self._prefix_key(block_hashes, num_tokens, tier)
-        record = self._prefix_pins.get(key)
-        if record is None:
-            return False
-        record.count -= 1
-        if record.count:
-            return True
-        del self._prefix_pins[key]
-        counts = self._explicit_pins if tier == "device" else self._host_pins
-        release: dict[int, list[Block]] = {}
-        release_host: dict[int, list[bytes]] = {}
-        for block_key in record.blocks:
-            count = counts[block_key] - 1
-            if count > 0:
-                counts[block_key] = count
-                continue
-            del counts[block_key]
-            g, block_hash = block_key
-            if tier == "device":
-                block = self.managers[g].cached.get(block_hash)
-                if block is not None:
-                    release.setdefault(g, []).append(block)
-            if self.host is not None and not self.is_pinned(g, block_hash):
-                release_host.setdefault(g, []).append(block_hash)
-        for g, blocks in release.items():
-            self.managers[g].pool.release_tier(blocks, TIER_EXPLICIT)
-        if self.host is not None:
-            for g, hashes in release_host.items():
-                self.host.release(self.group_pool[g], g, hashes)
-        return True
-
-    def _prefix_key(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier) -> tuple[int, bytes, PinTier]:
-        full = min(num_tokens // self.hash_block_size, len(block_hashes))
-        return num_tokens, block_hashes[full - 1] if full else b"", tier
+        return self.pins.unpin(block_hashes, num_tokens, tier)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash and pin in every pool; refused (False) while any pool has a
@@ -772,9 +604,7 @@ class HybridCoordinator:
         if self.host is not None:
             self.host.clear()
         self.events.emit(AllBlocksCleared(self.events.next_seq()))
-        self._explicit_pins.clear()
-        self._host_pins.clear()
-        self._prefix_pins.clear()
+        self.pins.clear()
         return True
 
     # -- release: finished requests, left-behind window blocks, failed computes ---------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeVar
 
 from engine.kv_cache.block_pool import Block
+from engine.kv_cache.request import CacheRequest
 
 #: a per-pool value: a block count, or a block count that may be None (no cap)
 PoolValue = TypeVar("PoolValue", int, int | None)
@@ -85,3 +86,20 @@ def per_pool(name: str, value: PoolValue | Iterable[PoolValue], num_pools: int) 
     if len(values) != num_pools:
         raise ValueError(f"{name}: {len(values)} values for {num_pools} pools")
     return values
+
+
+class AdmittedRequest:
+    """Coordinator-side bookkeeping of one admitted request."""
+
+    __slots__ = ("cached_upto", "capacity", "next_drop", "removed_upto", "request", "shared_prefix")
+
+    def __init__(self, request: CacheRequest, shared_prefix: int):
+        self.request = request
+        self.cached_upto = 0  # tokens (aligned) whose full blocks are registered
+        self.shared_prefix = shared_prefix  # where its chain diverged from cached chains
+        self.removed_upto = 0  # last computed count passed to remove_skipped_blocks
+        # The decode fast path (``HybridCoordinator._allocate_running``, engine/kv_cache/coordinator.py):
+        # every group's table covers ``capacity`` tokens, and no group drops a block before ``next_drop`` computed
+        # tokens. Both are set by a slow-path running allocation (0 until then: slow path).
+        self.capacity = 0
+        self.next_drop = 0

@@ -13,7 +13,7 @@ module decides which blocks move where; the copies themselves are the runner's
 - **Promote.** A hit may name host blocks (``HybridCoordinator.find_longest_cache_hit`` looks in
   both tiers, per group, with each group's own rule); admission claims the device hit blocks
   first, then gives every host block of the hit a fresh device block and queues a copy
-  host -> device (``HybridCoordinator._promote``). The host copy stays cached.
+  host -> device (``HostTier.promote_hit``). The host copy stays cached.
 
 Copies must run in the order queued, and before the next forward reads or writes any block:
 an offload reads a device block before its new owner writes it, a promote reads a host block
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import TIER_EXPLICIT, Block, BlockPool
 from engine.kv_cache.events import BlockDropped, BlockOffloaded, EventLog
+from engine.kv_cache.manager_base import SingleTypeManager
 
 #: host pools are numbered from here (``Block.pool`` of a host block: ``HOST_POOL_BASE + p``), so a
 #: hit's blocks say which tier they are in
@@ -209,6 +210,53 @@ class HostTier:
         """Queue the copy of ``host_block`` into device block ``device_id`` (of the same pool)."""
         self._queue(host_block.pool - HOST_POOL_BASE, False, device_id, host_block.block_id)
         self.counters.promoted += 1
+
+    # -- admission of a hit that names host blocks ---------------------------------------------------
+    def split_hit(
+        self, managers: Sequence[SingleTypeManager], hit_blocks: tuple[list[Block], ...], total: int
+    ) -> tuple[tuple[list[Block], ...], list[tuple[int, int, Block]]]:
+        """The hit's device part (host blocks replaced by the null block) and, per host block a
+        claim keeps (at or past the group's skipped blocks), its (group, table index, block)."""
+        promoted: list[tuple[int, int, Block]] = []
+        device: list[list[Block]] = []
+        for g, blocks in enumerate(hit_blocks):
+            if not any(map(HostTier.is_host, blocks)):
+                device.append(blocks)
+                continue
+            manager = managers[g]
+            skipped = manager.skipped_blocks(total)
+            mine = list(blocks)
+            for i, block in enumerate(blocks):
+                if HostTier.is_host(block):
+                    mine[i] = manager.null
+                    if i >= skipped:
+                        promoted.append((g, i, block))
+            device.append(mine)
+        return tuple(device), promoted
+
+    def promote_hit(
+        self,
+        managers: Sequence[SingleTypeManager],
+        request_id: str,
+        promoted: list[tuple[int, int, Block]],
+        pinned_on_device: IsPinned,
+    ) -> None:
+        """Between the two phases of an admission: a fresh device block for each host block of
+        the hit, cached under its hash at once (its copy is queued before any forward can read
+        it) and pinned on the device again where a device-tier pin holds it. The host blocks stay
+        locked meanwhile, so the offloads these allocations cause cannot reuse them."""
+        locked = [block for _, _, block in promoted]
+        self.lock(locked)
+        for g, index, block in promoted:
+            manager = managers[g]
+            fresh = manager.pool.get_new_blocks(1)
+            self.promote(block, fresh[0].block_id)
+            manager.place(request_id, index, fresh[0])
+            assert block.block_hash is not None, "host blocks of a hit come from the host maps"
+            manager.pool.cache_blocks(g, fresh, [block.block_hash], 0, 1, promoted=True)
+            if pinned_on_device(g, block.block_hash):
+                manager.pool.retain(fresh, TIER_EXPLICIT)
+        self.unlock(locked)
 
     def _queue(self, pool: int, to_host: bool, device_id: int, host_id: int) -> None:
         """Add one copy to the current phase, or begin a new phase where running it with the

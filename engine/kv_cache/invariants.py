@@ -22,24 +22,31 @@ blocks of their pools, one direction per batch, no target twice in a batch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
 from engine.kv_cache.attention_managers import SlidingWindowManager
 from engine.kv_cache.block_pool import TIER_EXPLICIT, TIER_RETAINED, BlockPool
+from engine.kv_cache.coordinator_types import AdmittedRequest
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.mamba_manager import MambaManager
-
-if TYPE_CHECKING:
-    from engine.kv_cache.coordinator import HybridCoordinator
-    from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.manager_base import SingleTypeManager
+from engine.kv_cache.prefix_pins import PrefixPins
 
 
 class KVCacheInvariantError(AssertionError):
     """An internal invariant of the KV cache does not hold (a bug, never bad user input)."""
 
 
-def check_coordinator(coord: HybridCoordinator) -> None:
-    """Raise KVCacheInvariantError if any structural invariant of ``coord`` is broken."""
+def check_coordinator(
+    managers: Sequence[SingleTypeManager],
+    group_pool: Sequence[int],
+    pools: Sequence[BlockPool],
+    admitted_requests: Mapping[str, AdmittedRequest],
+    pins: PrefixPins,
+    last_allocation: Sequence[tuple[int, int]],
+) -> None:
+    """Raise KVCacheInvariantError if any structural invariant of a coordinator (its managers,
+    pools, admitted requests, prefix pins and last allocation) is broken."""
 
     def fail(message: str) -> None:
         raise KVCacheInvariantError(message)
@@ -47,17 +54,17 @@ def check_coordinator(coord: HybridCoordinator) -> None:
     refs: Counter[tuple[int, int]] = Counter()  # (pool, block id) -> table references
     owner_group: dict[tuple[int, int], int] = {}
     position: dict[tuple[int, int], int] = {}
-    admitted = set(coord._admitted)
-    for g, manager in enumerate(coord.managers):
-        p = coord.group_pool[g]
-        pool = coord.pools[p]
+    admitted = set(admitted_requests)
+    for g, manager in enumerate(managers):
+        p = group_pool[g]
+        pool = pools[p]
         if manager.pool is not pool:
             fail(f"group {g} draws from pool {manager.pool.index}, its KVCacheGroup.pool is {p}")
         null = pool.null_block
         if set(manager.tables) != admitted or set(manager.num_cached) != admitted:
             fail(f"group {g}: tables for {sorted(manager.tables)} but admitted {sorted(admitted)}")
         for request_id, table in manager.tables.items():
-            request = coord._admitted[request_id].request
+            request = admitted_requests[request_id].request
             view = manager.view(request.block_hashes)
             seen: set[int] = set()
             live = 0
@@ -86,7 +93,7 @@ def check_coordinator(coord: HybridCoordinator) -> None:
                     if i < len(view) and view[i] != block.block_hash and i < manager.num_cached[request_id]:
                         fail(f"block {bid} at index {i} of {request_id!r} carries another prefix's hash")
             if isinstance(manager, SlidingWindowManager):
-                upto = coord._admitted[request_id].removed_upto
+                upto = admitted_requests[request_id].removed_upto
                 first_live = manager.skipped_blocks(upto)
                 if any(b is not null for b in table[:first_live]):
                     fail(f"group {g} {request_id!r}: live block before the window ({first_live})")
@@ -97,44 +104,42 @@ def check_coordinator(coord: HybridCoordinator) -> None:
                     fail(f"group {g} {request_id!r}: live state indices disagree with the table")
             elif live != len(table) - next((i for i, b in enumerate(table) if b is not null), len(table)):
                 fail(f"group {g} {request_id!r}: a null slot after a live block (nulls must be a prefix)")
-    unshared_hashless = [
-        key for key, n in refs.items() if n > 1 and coord.pools[key[0]].blocks[key[1]].block_hash is None
-    ]
+    unshared_hashless = [key for key, n in refs.items() if n > 1 and pools[key[0]].blocks[key[1]].block_hash is None]
     if unshared_hashless:
         fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
-    for pool in coord.pools:
-        _check_pool(coord, pool, pool.index, refs, fail)
+    for pool in pools:
+        _check_pool(group_pool, pool, pool.index, refs, fail)
         for block in pool.blocks:
-            if block.tier == TIER_EXPLICIT and (block.group, block.block_hash) not in coord._explicit_pins:
+            if block.tier == TIER_EXPLICIT and (block.group, block.block_hash) not in pins.device:
                 fail(f"pool {pool.index}: {block!r} is explicitly pinned but no device-tier prefix pin holds it")
-    for p, (predicted, taken) in enumerate(coord._last_allocation):
+    for p, (predicted, taken) in enumerate(last_allocation):
         if predicted != taken:
             fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
 
 
-def check_host_tier(coord: HybridCoordinator, host: HostTier) -> None:
-    """Raise KVCacheInvariantError if an invariant of ``coord``'s host tier is broken."""
+def check_host_tier(group_pool: Sequence[int], pools: Sequence[BlockPool], host: HostTier, pins: PrefixPins) -> None:
+    """Raise KVCacheInvariantError if an invariant of a coordinator's host tier is broken."""
 
     def fail(message: str) -> None:
         raise KVCacheInvariantError(message)
 
-    if len(host.pools) != len(coord.pools):
-        fail(f"host tier: {len(host.pools)} host pools for {len(coord.pools)} device pools")
+    if len(host.pools) != len(pools):
+        fail(f"host tier: {len(host.pools)} host pools for {len(pools)} device pools")
     for p, pool in enumerate(host.pools):
-        _check_pool(coord, pool, p, Counter(), fail)
+        _check_pool(group_pool, pool, p, Counter(), fail)
         if pool.retained.size:
             fail(f"host pool {p}: {pool.retained.size} blocks in the retained tier (host blocks are pinned or not)")
         for table in pool.cached:
             for block_hash, block in table.items():
-                if (block.tier == TIER_EXPLICIT) != coord.is_pinned(block.group, block_hash):
+                if (block.tier == TIER_EXPLICIT) != pins.is_pinned(block.group, block_hash):
                     fail(
                         f"host pool {p}: {block!r} pinned={block.tier == TIER_EXPLICIT} but pinned by a "
-                        f"prefix pin={coord.is_pinned(block.group, block_hash)}"
+                        f"prefix pin={pins.is_pinned(block.group, block_hash)}"
                     )
     for copy in host.copies:
-        if not 0 <= copy.pool < len(coord.pools) or len(copy.device_ids) != len(copy.host_ids) or not copy.host_ids:
+        if not 0 <= copy.pool < len(pools) or len(copy.device_ids) != len(copy.host_ids) or not copy.host_ids:
             fail(f"host tier: malformed copy batch {copy}")
-        device, hosted = coord.pools[copy.pool], host.pools[copy.pool]
+        device, hosted = pools[copy.pool], host.pools[copy.pool]
         if not all(0 < d < device.num_blocks for d in copy.device_ids):
             fail(f"host tier: copy batch names device blocks outside pool {copy.pool}: {copy.device_ids}")
         if not all(0 < h < hosted.num_blocks for h in copy.host_ids):
@@ -145,7 +150,7 @@ def check_host_tier(coord: HybridCoordinator, host: HostTier) -> None:
 
 
 def _check_pool(
-    coord: HybridCoordinator,
+    group_pool: Sequence[int],
     pool: BlockPool,
     device_pool: int,
     refs: Counter[tuple[int, int]],
@@ -194,15 +199,15 @@ def _check_pool(
         if (block.prev is None) == in_queue or (block.next is None) == in_queue:
             fail(f"pool {p}: block {bid} links disagree with the queues (prev/next None iff unlinked)")
         if block.block_hash is not None:
-            if coord.group_pool[block.group] != device_pool:
+            if group_pool[block.group] != device_pool:
                 fail(f"pool {p}: block {bid} cached for group {block.group}, which draws from another pool")
             if pool.cached[block.group].get(block.block_hash) is not block:
                 fail(f"pool {p}: block {bid} carries a hash that does not map to it")
     if len(queued) + in_use != pool.num_blocks - 1:
         fail(f"pool {p}: conservation: {len(queued)} queued + {in_use} in use != {pool.num_blocks - 1}")
     for g, table in enumerate(pool.cached):
-        if table and coord.group_pool[g] != device_pool:
-            fail(f"pool {p}: hash map of group {g}, which draws from pool {coord.group_pool[g]}, is not empty")
+        if table and group_pool[g] != device_pool:
+            fail(f"pool {p}: hash map of group {g}, which draws from pool {group_pool[g]}, is not empty")
         for block_hash, block in table.items():
             if block.block_hash != block_hash or block.group != g or block.is_null or block.pool != p:
                 fail(f"pool {p}: hash map entry of group {g} points at {block!r}")

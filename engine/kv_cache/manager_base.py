@@ -107,7 +107,7 @@ class SingleTypeManager(ABC):
         self.num_cached[request_id] = len(table)
 
     def place(self, request_id: str, index: int, block: Block) -> None:
-        """Put a promoted block (``HybridCoordinator._promote``) at ``index`` of the request's
+        """Put a promoted block (``HostTier.promote_hit``) at ``index`` of the request's
         table, where the claim left the null block."""
         self.tables[request_id][index] = block
 

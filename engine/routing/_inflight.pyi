@@ -1,7 +1,9 @@
 """Types of the compiled in-flight prefixes (``_inflight.c``); ``inflight.PyInFlightPrefixes`` documents them."""
 
 from collections.abc import Hashable, Mapping, Sequence
+from typing import final
 
+@final
 class InFlightPrefixes:
     def __init__(self, ttl_s: float) -> None: ...
     @property

@@ -1,9 +1,11 @@
 """Types of the compiled load book (``_load.c``); ``load.PyLoadBook`` documents it."""
 
 from collections.abc import Callable, Container, Hashable
+from typing import final
 
 from engine.routing.types import Decision, WorkerLoad
 
+@final
 class LoadBook:
     def __init__(
         self,

@@ -94,21 +94,19 @@ from dataclasses import replace
 
 from configs.schema import PinConfig, RouterConfig
 from engine.kv_cache.coordinator_types import PinTier
-from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
-from engine.kv_cache.hashing import block_hashes as hash_tokens
+from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
-from engine.routing.hot_prefixes import HotPrefixes
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.inflight import make_inflight
 from engine.routing.load import LoadBook, better, knobs_of, make_load_book
-from engine.routing.pins import Pin, PinTable
+from engine.routing.pin_upkeep import PinKeeper
+from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
+from engine.routing.routed import RoutedPrefixes
 from engine.routing.types import (
     Action,
     Decision,
     PinInfo,
     RequestSnapshot,
-    Role,
     RouteRequest,
     WorkerId,
     WorkerLoad,
@@ -123,11 +121,11 @@ class RoutingPolicy(PlacementPolicy):
     """kvfleet's policy. See the module docstring for the cost and the rules; below ``route`` come
     the argmin with its guards (``_pick``) and pin upkeep (placing, re-placing, revising pins).
 
-    Owns the prefix index, the pin table, the load and work averages and the in-flight prefixes;
-    invariants: ``_load_cost``, ``_queued`` and the index track exactly the workers in ``roles``; a
-    key is in ``_auto_pins`` / ``_auto_decode_pins`` exactly while its automatic pin exists in
-    ``pins``; choosing a worker changes nothing but the ``pending`` hits it resolves and the seeded
-    random state."""
+    Owns the prefix index, the pin upkeep (``pin_upkeep.PinKeeper``: the pin table ``pins``, the
+    hot prefixes, automatic pins), the load and work averages and the in-flight prefixes;
+    invariants: ``_load_cost``, ``_queued`` and the index track exactly the workers in ``roles``;
+    choosing a worker changes nothing but the ``pending`` hits it resolves and the seeded random
+    state."""
 
     name = "kvfleet"
 
@@ -144,23 +142,19 @@ class RoutingPolicy(PlacementPolicy):
         # time averages of the queues, work assigned lately, the load order (``load.LoadBook``)
         self._book: LoadBook = make_load_book(knobs_of(cfg))
         self._now = 0.0
-        self.pins = PinTable(self.index, cfg.pin_capacity_blocks)
-        auto = cfg.auto_pin
-        self.hot = HotPrefixes(self.rules.hash_block_size, self.rules.alignment) if auto.enabled else None
-        self._auto_pins: dict[bytes, int] = {}  # hot prefix key -> pin id (prefill-capable workers)
-        self._auto_decode_pins: dict[bytes, int] = {}  # the same on decode workers (P/D, on_decode_workers)
-        self._last_auto: float | None = None
         self._load_cost: dict[WorkerId, float] = {}
+        # the pin table, hot prefixes and automatic pins, with the rules placing them
+        keeper = PinKeeper(self.index, cfg, self.rng, self.roles, self.num_blocks, self._load_cost, self._candidates)
+        self.pin_keeper = keeper
+        self.pins = keeper.pins
+        self.hot = keeper.hot
         self._pool: list[WorkerId] = []  # every worker, in order of arrival (the aggregated pool)
         self._queued: dict[WorkerId, float] = {}
         self._queued_sum = 0.0
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
         # Prefixes routed but not yet reported, in the hash space of the first checked group.
-        self._inflight = make_inflight(cfg.inflight_ttl_s)
-        self._inflight_group = self.rules.order[0]
-        self._inflight_block = self.rules.block_sizes[self._inflight_group]
-        self._inflight_view = self.rules.managers[self._inflight_group].view  # a prompt's hashes there
+        self.routed = RoutedPrefixes(self.rules, cfg.inflight_ttl_s)
         # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
         self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
 
@@ -174,7 +168,7 @@ class RoutingPolicy(PlacementPolicy):
         self._queued[worker] = 0.0
         self._book.add(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
-        return self._fill_pins(now)
+        return self.pin_keeper.fill(now)
 
     def _removed(self, worker: WorkerId, load: WorkerLoad, now: float) -> list[Action]:
         """Forget a worker that left (or died): its cache, its load, its pins; re-place those pins."""
@@ -186,9 +180,9 @@ class RoutingPolicy(PlacementPolicy):
         self._book.remove(worker)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
-        self._inflight.forget_worker(worker)
+        self.routed.forget_worker(worker)
         self.pins.on_worker_removed(worker, now)
-        return self._fill_pins(now)
+        return self.pin_keeper.fill(now)
 
     def update_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         old = self.loads.get(worker)
@@ -226,29 +220,16 @@ class RoutingPolicy(PlacementPolicy):
         if worker not in self.roles:
             return []
         events = events if isinstance(events, list) else list(events)
-        if self._inflight:
-            self._forget_reported(worker, events)
+        if self.routed:
+            self.routed.forget_reported(worker, events)
         outcome = self.index.apply_events(worker, events, self.pins.watch.get(worker))
         return self._after_update(worker, outcome.needs_resync, outcome.lost, outcome.cleared, now)
-
-    def _forget_reported(self, worker: WorkerId, events: list[KVEvent]) -> None:
-        """Blocks a worker reports are the index's business from now on (so an in-flight entry
-        never outlives the blocks it announced); a cleared cache drops them all."""
-        inflight = self._inflight
-        group = self._inflight_group
-        for event in events:
-            if not inflight.announced(worker):
-                return  # nothing (left) to end
-            if isinstance(event, BlockStored) and event.group == group:
-                inflight.discard(worker, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                inflight.forget_worker(worker)
 
     def apply_snapshot(self, worker: WorkerId, snapshot: WorkerSnapshot, now: float = 0.0) -> list[Action]:
         if worker not in self.roles:
             return []
         self._pending_snapshots.discard(worker)
-        self._inflight.forget_worker(worker)
+        self.routed.forget_worker(worker)
         outcome = self.index.apply_snapshot(worker, snapshot)
         # Re-check every active holder on this worker against the snapshot (``PinTable.on_lost``
         # keeps the keys still held in either tier).
@@ -269,7 +250,7 @@ class RoutingPolicy(PlacementPolicy):
         if lost or missing:
             actions.extend(self.pins.on_lost(worker, (lost or []) + missing, now))
         if cleared or lost or missing:
-            actions.extend(self._fill_pins(now))
+            actions.extend(self.pin_keeper.fill(now))
         return actions
 
     # -- placement ------------------------------------------------------------------------------------
@@ -285,8 +266,9 @@ class RoutingPolicy(PlacementPolicy):
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
-        view = self._inflight_view(hashes if isinstance(hashes, list) else list(hashes))
-        ahead = self._ahead(view, num_tokens, shared, now) if self._inflight else {}
+        routed = self.routed
+        view = routed.view(hashes)
+        ahead = routed.ahead(view, num_tokens, shared, now)
         if pending is not None and (pin is not None or self._disaggregated or ahead):
             self.index.resolve(pending, hits)
             pending = None
@@ -337,31 +319,8 @@ class RoutingPolicy(PlacementPolicy):
         else:
             decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
             self._record(decision)
-        # Both workers will hold the prompt's first N - 1 tokens (computed, or pulled by D); the
-        # part each already holds is the index's business.
-        inflight = self._inflight
-        if inflight.ttl_s > 0:  # (``add`` copies the announced blocks' hashes: the list is the caller's)
-            block = self._inflight_block
-            end = (num_tokens - 1) // block
-            prefill, decode = decision.prefill_worker, decision.decode_worker
-            inflight.add(prefill, view, shared.get(prefill, 0) // block, end, now)
-            if decode != prefill:
-                inflight.add(decode, view, shared.get(decode, 0) // block, end, now)
+        routed.announce(decision, view, shared, num_tokens, now)
         return decision
-
-    def _ahead(
-        self, view: list[bytes], num_tokens: int, shared: dict[WorkerId, int], now: float
-    ) -> dict[WorkerId, int]:
-        """Tokens of this prompt each worker will hold once the requests routed to it have run
-        (what it holds, extended by what it was sent and has not reported), aligned like a hit
-        and below N; only workers with such unreported blocks."""
-        block = self._inflight_block
-        known = {w: depth // block for w, depth in shared.items()} if shared else None
-        depths = self._inflight.depths(view, now, known)
-        if not depths:
-            return {}
-        cap = self.rules.aligned(num_tokens - 1)
-        return {w: min(cap, self.rules.aligned(d * block)) for w, d in depths.items()}
 
     def _route_disaggregated(
         self,
@@ -656,19 +615,12 @@ class RoutingPolicy(PlacementPolicy):
             best_cost, best = better(worker, cost, best_cost, best)
         return best_cost, best
 
-    # -- pins: placing, re-placing and revising ---------------------------------------------------------
+    # -- pins: the owned ``PinKeeper`` places, re-places and revises them -----------------------------
     def pin_configured(
         self, pins: Sequence[PinConfig], tokenize: Callable[[str], list[int]] | None, now: float
     ) -> None:
-        """Pin the prefixes of ``router.pins`` (text needs ``tokenize``)."""
-        for i, pin in enumerate(pins):
-            if pin.token_ids is not None:
-                tokens = list(pin.token_ids)
-            elif tokenize is None:
-                raise ValueError(f"router.pins.{i}.text: pinning text needs a tokenizer (pass tokenize=...)")
-            else:
-                tokens = tokenize(pin.text or "")
-            self.pin(tokens, replicas=pin.replicas, ttl_s=pin.ttl_s, now=now)
+        """Pin the prefixes of ``router.pins`` (``PinKeeper.pin_configured``)."""
+        self.pin_keeper.pin_configured(pins, tokenize, now)
 
     def pin(
         self,
@@ -682,150 +634,33 @@ class RoutingPolicy(PlacementPolicy):
         pin_id: int | None = None,
         tier: PinTier = "device",
     ) -> tuple[int, list[Action]]:
-        """Pin a prefix cluster-wide on ``replicas`` workers, optionally for ``ttl_s`` seconds
-        (under ``pin_id`` when restoring a pin a restarted router had), each holder keeping it in
-        ``tier`` (``HybridCoordinator.pin_prefix``).
-
-        Give ``token_ids`` (then new holders can compute it) or ``block_hashes`` (+ ``num_tokens``;
-        holders must already have it or copy it from another holder). Returns the pin id and the
-        actions placing it. Raises ``PinCapacityError`` beyond ``pin_capacity_blocks``.
-        """
-        if token_ids is not None:
-            hashes = hash_tokens(token_ids, self.rules.hash_block_size)
-            length = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
-        elif block_hashes is not None:
-            hashes = list(block_hashes)
-            length = num_tokens if num_tokens is not None else len(hashes) * self.rules.hash_block_size
-        else:
-            raise ValueError("pin: give token_ids or block_hashes")
-        if self.roles and replicas > len(self._candidates("prefill")):
-            raise ValueError(
-                f"replicas: replicas={replicas} but only {len(self._candidates('prefill'))} workers can hold pins"
-            )
-        pin = self.pins.create(hashes, length, replicas, now, ttl_s, token_ids, pin_id=pin_id, tier=tier)
-        return pin.pin_id, self.pins.fill(pin, now, self._choose_holder)
+        """Pin a prefix cluster-wide (``PinKeeper.pin`` states the arguments); returns the pin id and
+        the actions placing it."""
+        return self.pin_keeper.pin(
+            token_ids,
+            block_hashes=block_hashes,
+            num_tokens=num_tokens,
+            replicas=replicas,
+            ttl_s=ttl_s,
+            now=now,
+            pin_id=pin_id,
+            tier=tier,
+        )
 
     def unpin(self, pin_id: int, now: float = 0.0) -> list[Action]:
         """Remove a pin everywhere (its capacity is released)."""
-        for pinned in (self._auto_pins, self._auto_decode_pins):
-            key = next((k for k, p in pinned.items() if p == pin_id), None)
-            if key is not None:
-                del pinned[key]
-        return self.pins.remove(pin_id)
+        return self.pin_keeper.unpin(pin_id, now)
 
     def pin_result(
         self, worker: WorkerId, pin_id: int, pinned_tokens: int, now: float = 0.0, seq: int | None = None
     ) -> list[Action]:
-        """A ``PinOn`` finished on ``worker``: ``pin_prefix`` returned ``pinned_tokens``; ``seq`` is
-        the worker's last KV event number at that moment (lets the router verify the pin)."""
-        actions = self.pins.on_result(worker, pin_id, pinned_tokens, now, seq)
-        pin = self.pins.pins.get(pin_id)
-        if pin is not None and pinned_tokens < pin.length:
-            actions.extend(self.pins.fill(pin, now, self._choose_holder))
-        if worker in self.roles:
-            missing = self.pins.verify(worker, now)
-            if missing:
-                actions.extend(self.pins.on_lost(worker, missing, now))
-                actions.extend(self._fill_pins(now))
-        return actions
+        """A ``PinOn`` finished on ``worker`` (``PinKeeper.pin_result``)."""
+        return self.pin_keeper.pin_result(worker, pin_id, pinned_tokens, now, seq)
 
     def pin_info(self) -> list[PinInfo]:
         """Every pin, with the tier each active holder keeps it in now (``PinTable.info``)."""
-        return [self.pins.info(pin) for pin in self.pins.pins.values()]
-
-    def _fill_pins(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for pin in list(self.pins.pins.values()):
-            if len(pin.holders) < pin.replicas:
-                actions.extend(self.pins.fill(pin, now, self._choose_holder))
-        return actions
-
-    def _choose_holder(self, pin: Pin, exclude: set[WorkerId]) -> WorkerId | None:
-        """Best new holder: a worker that already caches the prefix, then the one with the fewest
-        pinned blocks, then the least loaded; never beyond ``pin_worker_fraction`` of its pool
-        (for an explicit pin, counting explicit pins only: automatic ones give way, and the
-        worker's pinned tier demotes the oldest under pressure)."""
-        hits = self.index.predict(pin.block_hashes, pin.length)
-        can_build = pin.token_ids is not None or bool(pin.active())
-        best: tuple[int, int, float, float] | None = None
-        choice: WorkerId | None = None
-        for worker in self._candidates(pin.role):
-            if worker in exclude:
-                continue
-            resident = hits.get(worker, 0) >= pin.length
-            if not resident and not can_build:
-                continue
-            pinned = self.pins.worker_blocks.get(worker, 0)
-            if not pin.auto:  # the user's pins come first: automatic ones are best effort
-                pinned -= self.pins.auto_worker_blocks.get(worker, 0)
-            limit = self.num_blocks.get(worker)
-            if limit is not None and pinned + pin.blocks_per_replica > self.config.pin_worker_fraction * limit:
-                continue
-            key = (0 if resident else 1, pinned, self._load_cost.get(worker, 0.0), self.rng.random())
-            if best is None or key < best:
-                best, choice = key, worker
-        return choice
+        return self.pin_keeper.pin_info()
 
     def tick(self, now: float) -> list[Action]:
         """Time-driven work: pin TTLs, PENDING timeouts, retries, automatic pinning."""
-        actions = self.pins.expire(now)
-        due = self._last_auto is None or now - self._last_auto >= self.config.auto_pin.interval_s
-        if self.hot is not None and due:
-            self._last_auto = now
-            actions.extend(self._auto_pin(now))
-        actions.extend(self._fill_pins(now))
-        return actions
-
-    def _auto_pin(self, now: float) -> list[Action]:
-        """Pin the hottest shared prefixes (>= ``auto_pin_min_requests`` recent requests) within
-        the budget (``auto_pin_budget_blocks``, else ``auto_pin_budget_fraction`` of the
-        prefill-capable workers' pools); unpin automatic pins that fell out of that set. With
-        dedicated decode workers and ``auto_pin.on_decode_workers``, the same on the decode
-        workers' caches (their own budget: that fraction of their pools)."""
-        hot = self.hot
-        assert hot is not None
-        hot.decay(now)
-        cfg = self.config.auto_pin
-        actions = self._revise_auto(self._auto_pins, "prefill", now)
-        if self._disaggregated and cfg.on_decode_workers:
-            actions.extend(self._revise_auto(self._auto_decode_pins, "decode", now))
-        elif self._auto_decode_pins:
-            for key in list(self._auto_decode_pins):
-                actions.extend(self.pins.remove(self._auto_decode_pins.pop(key)))
-        return actions
-
-    def _revise_auto(self, pinned: dict[bytes, int], role: Role, now: float) -> list[Action]:
-        """One revision of the automatic pins held by ``role``'s workers (``pinned``: key -> id)."""
-        hot = self.hot
-        assert hot is not None
-        cfg = self.config.auto_pin
-        holders = self._candidates(role)
-        budget = cfg.budget_blocks or int(cfg.budget_fraction * sum(self.num_blocks.get(w) or 0 for w in holders))
-
-        def rank(key: bytes) -> float:
-            count = hot.counts[key].count
-            return count * 1.5 if key in pinned else count  # hysteresis for current pins
-
-        chosen: list[bytes] = []
-        used = 0
-        replicas = min(cfg.replicas, max(1, len(holders)))
-        for key in sorted(hot.counts, key=rank, reverse=True):
-            prefix = hot.counts[key]
-            if prefix.count < cfg.min_requests and key not in pinned:
-                break
-            cost = self.pins.cost_blocks(prefix.block_hashes, prefix.length) * replicas
-            if used + cost <= budget:
-                chosen.append(key)
-                used += cost
-        actions: list[Action] = []
-        keep = set(chosen)
-        for key in [k for k in pinned if k not in keep]:
-            actions.extend(self.pins.remove(pinned.pop(key)))
-        for key in chosen:
-            if key in pinned:
-                continue
-            prefix = hot.counts[key]
-            pin = self.pins.create(prefix.block_hashes, prefix.length, replicas, now, auto=True, role=role)
-            pinned[key] = pin.pin_id
-            actions.extend(self.pins.fill(pin, now, self._choose_holder))
-        return actions
+        return self.pin_keeper.tick(now)

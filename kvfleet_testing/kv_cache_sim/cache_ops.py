@@ -97,8 +97,8 @@ class CacheOperations:
                 self.fail(f"after draining some block of pool {p} is still referenced")
         left = [b for pool in self.pools for b in pool.blocks if b.tier == TIER_EXPLICIT]
         explicit = sum(pool.explicit.size for pool in self.pools)
-        # The coordinator's private pin bookkeeping, where it has any, must be empty too.
-        books = {name: len(getattr(self.coord, name, ())) for name in ("_explicit_pins", "_prefix_pins")}
+        # The coordinator's pin bookkeeping (``PrefixPins``) must be empty too.
+        books = {"device pins": len(self.coord.pins.device), "pin records": len(self.coord.pins.records)}
         if left or explicit or any(books.values()):
             self.fail(
                 f"after unpinning every pin: {len(left)} blocks still explicitly pinned, explicit tiers "

@@ -1,4 +1,4 @@
-"""`ray start --head` on loopback + `ray job submit` of `python -m cluster.job`: the job attaches
+"""`ray start --head` on loopback + `ray job submit` of `python -m kvfleet.job`: the job attaches
 to that cluster, runs the prompts and writes the JSONL the single engine predicts.
 
 The head runs as `ray start --block` in its own session, so SIGTERM to that one process stops
@@ -49,7 +49,7 @@ def _env() -> dict[str, str]:
 
 def _job(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.job", *args],
+        [sys.executable, "-m", "kvfleet.job", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -120,7 +120,7 @@ def test_ray_job_submit_runs_the_entrypoint(tmp_path):
             "--",
             "python",
             "-m",
-            "cluster.job",
+            "kvfleet.job",
             "--config",
             "tiny",
             "--input",
@@ -173,15 +173,15 @@ def test_job_exits_non_zero_on_bad_config_or_input(tmp_path):
     result = _job("--config", "tiny", "--set", "workers.num_decode=0", "--input", str(bad), "--output", "o")
     assert result.returncode == 2 and "workers.num_decode: must be >= 1 (got 0)" in result.stderr
     result = _job("--config", "tiny", "--temperature", "nan", "--input", str(bad), "--output", "o")
-    assert result.returncode == 2 and "cluster.job: temperature: must be a finite number (got nan)" in result.stderr
+    assert result.returncode == 2 and "kvfleet.job: temperature: must be a finite number (got nan)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_job_runs_the_good_lines_and_records_the_bad_ones(ray_session, tmp_path, capsys):
-    """``python -m cluster.job``'s main in-process on the tests' Ray: exit 3, the good lines'
+    """``python -m kvfleet.job``'s main in-process on the tests' Ray: exit 3, the good lines'
     tokens equal the single engine's, an error record in place of each bad line."""
-    from cluster.job import main
     from engine.sampling_params import SamplingParams
+    from kvfleet.job import main
 
     config = load_config("tiny")
     good = [list(b"The capital of France is"), list(b"a longer prompt that goes through P/D " * 2)]

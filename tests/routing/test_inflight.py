@@ -53,7 +53,7 @@ def test_the_policy_takes_the_tracker_the_core_variable_names(monkeypatch: pytes
     for core, module in (("python", "engine.routing.inflight"), ("compiled", "engine.routing._inflight")):
         monkeypatch.setenv(CORE_ENV, core)
         policy = RoutingPolicy(groups_of(SPECS), router_config(seed=0))
-        assert type(policy._inflight).__module__ == module
+        assert type(policy.routed.store).__module__ == module
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -228,15 +228,15 @@ def test_reported_blocks_end_the_credit_and_a_cleared_cache_drops_it() -> None:
         policy.add_worker(f"w{i}")
     decision = policy.route(RouteRequest("a", block_hashes([*prefix, 1], 4), 201), now=0.0)
     worker = str(decision.prefill_worker)
-    assert len(policy._inflight) == 1
+    assert len(policy.routed.store) == 1
     hashes = tuple(block_hashes(prefix, 4))
     policy.apply_events(worker, [BlockStored(1 + g, g, hashes) for g in range(3)], now=0.5)
-    assert len(policy._inflight) == 0
+    assert len(policy.routed.store) == 0
     decision = policy.route(RouteRequest("b", block_hashes([*list(range(500, 700)), 1], 4), 201), now=1.0)
     other = str(decision.prefill_worker)
-    assert len(policy._inflight) == 1
+    assert len(policy.routed.store) == 1
     policy.apply_events(other, [AllBlocksCleared(policy.index.last_seq(other) + 1)], now=1.5)
-    assert len(policy._inflight) == 0
+    assert len(policy.routed.store) == 0
 
 
 def test_the_credit_expires() -> None:

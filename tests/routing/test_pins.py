@@ -87,7 +87,7 @@ def test_ttl_expiry_unpins_everywhere() -> None:
     assert sorted(str(a.worker) for a in expired if isinstance(a, Unpin)) == holders_before(actions)
     execute(policy, workers, expired)
     assert policy.pin_info() == [] and all(explicit_pins(w) == 0 for w in workers.values())
-    assert all(not w.coord._prefix_pins for w in workers.values())
+    assert all(not w.coord.pins.records for w in workers.values())
 
 
 def holders_before(actions: list[Action]) -> list[str]:
@@ -174,7 +174,7 @@ def test_pin_is_re_established_when_a_holder_disappears() -> None:
     execute(policy, workers, follow, now=7.0)
     assert len(holders(policy, pin_id)) == 2 and lost not in holders(policy, pin_id)
     assert policy.pins.recoveries[-1] == (pin_id, 5.0, 7.0)
-    assert gone.coord._prefix_pins  # the dead worker was not contacted
+    assert gone.coord.pins.records  # the dead worker was not contacted
 
 
 def test_pin_by_hashes_only_uses_workers_that_already_hold_it() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.request_runner import ClusterCompletion, Delta
+from cluster.results import ClusterCompletion, Delta
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenizer import ByteTokenizer

@@ -14,14 +14,14 @@ from typing import Any, ClassVar, Self
 import pytest
 import yaml
 
-from cluster.cli import main
 from configs import load_config
 from engine.sampling_params import SamplingParams
+from kvfleet.cli import main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "kvfleet.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -305,12 +305,12 @@ def test_a_request_that_fails_on_a_worker_fails_its_line_only(capsys, tmp_path, 
 
 
 def test_the_job_entrypoint_reports_lines_and_exits_3(capsys, tmp_path, fake_cluster) -> None:
-    from cluster.job import main as job_main
+    from kvfleet.job import main as job_main
 
     inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "ok"}', '{"prompt": "x", "temperature": NaN}')
     output = tmp_path / "out.jsonl"
     assert job_main(["--config", "tiny", "--input", str(inputs), "--output", str(output)]) == 3
-    assert f"cluster.job: {inputs}:2: temperature: must be a finite number (got nan)" in capsys.readouterr().err
+    assert f"kvfleet.job: {inputs}:2: temperature: must be a finite number (got nan)" in capsys.readouterr().err
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert records[0]["text"] == "ko" and records[1] == {
         "line": 2,
@@ -321,13 +321,13 @@ def test_the_job_entrypoint_reports_lines_and_exits_3(capsys, tmp_path, fake_clu
 @pytest.mark.parametrize(
     "options,message",
     [
-        (["--temperature", "nan"], "cluster.job: temperature: must be a finite number (got nan)"),
-        (["--max-tokens", "0"], "cluster.job: max_tokens: must be >= 1 (got 0)"),
-        (["--config", "nope"], "cluster.job: invalid configuration: config: unknown preset 'nope' (available: "),
+        (["--temperature", "nan"], "kvfleet.job: temperature: must be a finite number (got nan)"),
+        (["--max-tokens", "0"], "kvfleet.job: max_tokens: must be >= 1 (got 0)"),
+        (["--config", "nope"], "kvfleet.job: invalid configuration: config: unknown preset 'nope' (available: "),
     ],
 )
 def test_the_job_entrypoint_refuses_bad_options_with_exit_2(capsys, tmp_path, no_cluster, options, message) -> None:
-    from cluster.job import main as job_main
+    from kvfleet.job import main as job_main
 
     inputs = _jsonl(tmp_path / "in.jsonl", '{"prompt": "ok"}')
     assert job_main(["--config", "tiny", *options, "--input", str(inputs), "--output", str(tmp_path / "o")]) == 2

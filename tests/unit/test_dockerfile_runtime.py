@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from cluster.cli import build_parser
 from configs import load_config
+from kvfleet.cli import build_parser
 from tests.unit.dockerfile_checks import (
     _dockerfile,
     _pyproject,

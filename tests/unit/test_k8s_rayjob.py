@@ -36,7 +36,7 @@ def test_entrypoint_modules_exist_in_the_repo() -> None:
     for where, doc in jobs:
         entrypoint = doc["spec"]["entrypoint"]
         assert "-m" in entrypoint_argv(entrypoint), f"{where}: expected `python -m <module>`"
-        problems = module_problems(entrypoint)  # cluster/job.py: the `ray job submit` entrypoint
+        problems = module_problems(entrypoint)  # kvfleet/job.py: the `ray job submit` entrypoint
         assert not problems, f"{where}: " + "; ".join(problems)
 
 

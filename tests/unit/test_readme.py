@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cluster import Cluster
 from cluster.api import Delta
-from cluster.cli import build_parser
+from kvfleet.cli import build_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

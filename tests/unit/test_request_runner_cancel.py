@@ -13,7 +13,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from cluster.in_flight import ClusterRequest, InFlight
-from cluster.request_runner import ClusterCompletion, Delta, RequestRunner
+from cluster.request_runner import RequestRunner
+from cluster.results import ClusterCompletion, Delta
 from configs import load_config
 from engine.sampling_params import SamplingParams
 from engine.validation import ValidatedPrompt

@@ -213,6 +213,9 @@ class ModelArch:
     logits_scaling: float = 1.0  # GraniteMoeHybrid: logits are divided by this
     gated_deltanet: GatedDeltaNetArch | None = None  # the "linear_attention" layers' mixer (Qwen3-Next)
     dense_mlp_layers: tuple[int, ...] = ()  # layers whose MLP is dense even though ``moe`` is set
+    # tensor parallelism (engine/model/layers/parallel.py): this arch is rank ``tp_rank``'s part of ``tp_size``
+    tp_size: int = 1
+    tp_rank: int = 0
 
     @property
     def num_layers(self) -> int:

@@ -1,6 +1,6 @@
 """Random GraniteMoeHybrid (Granite-4.0-H) and Nemotron-H checkpoints built offline through
-transformers: the logits oracles, the ``tiny-granite-h`` / ``tiny-nemotron-h`` model sources and
-the benchmark models.
+transformers: the logits oracles and the ``tiny-granite-h`` / ``tiny-nemotron-h`` model sources (the
+benchmark-sized models lay their sizes over these recipes: benchmarks/support/bench_checkpoints.py).
 
 ``build_hybrid_checkpoint(name, directory, seed, **overrides)`` writes a Hugging Face directory
 (config.json + safetensors) that both transformers and kvfleet load. Every parameter (and the
@@ -69,53 +69,6 @@ _NEMOTRON: dict[str, Any] = {
 HYBRID_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-granite-h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", _GRANITE),
     "tiny-nemotron-h": ("NemotronHConfig", "NemotronHForCausalLM", _NEMOTRON),
-    # benchmark sizes: 8 layers, hidden 512
-    "bench-granite-h": (
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        {
-            **_GRANITE,
-            "vocab_size": 32000,
-            "hidden_size": 512,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 4096,
-            "initializer_range": 0.05,
-            "num_hidden_layers": 8,
-            "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
-            "intermediate_size": 256,
-            "shared_intermediate_size": 1024,
-            "num_local_experts": 8,
-            "mamba_n_heads": 16,
-            "mamba_n_groups": 1,
-            "mamba_d_state": 64,
-            "mamba_chunk_size": 64,
-        },
-    ),
-    "bench-nemotron-h": (
-        "NemotronHConfig",
-        "NemotronHForCausalLM",
-        {
-            **_NEMOTRON,
-            "vocab_size": 32000,
-            "hidden_size": 512,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 64,
-            "max_position_embeddings": 4096,
-            "initializer_range": 0.05,
-            "hybrid_override_pattern": "M-M*M-ME",
-            "intermediate_size": 1536,
-            "mamba_num_heads": 16,
-            "mamba_head_dim": 64,
-            "ssm_state_size": 64,
-            "n_groups": 4,
-            "chunk_size": 64,
-            "moe_intermediate_size": 256,
-            "moe_shared_expert_intermediate_size": 512,
-            "moe_latent_size": None,
-        },
-    ),
 }
 
 

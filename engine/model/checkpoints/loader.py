@@ -25,6 +25,7 @@ from engine.model.families.nemotron_h import NemotronHLM
 from engine.model.families.qwen3_next import Qwen3NextLM
 from engine.model.layers.attention import Attention
 from engine.model.layers.blocks import GatedMLP
+from engine.model.layers.parallel import shard_weights
 
 #: ``ModelArch.family`` -> the class that builds it, from the arch and each layer's KV-cache group
 MODEL_CLASSES: dict[str, Callable[[ModelArch, tuple[int, ...]], LanguageModel]] = {
@@ -73,8 +74,13 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     source: str,
+    full_kv_heads: int | None = None,
 ) -> LanguageModel:
-    """Instantiate the model and copy ``weights`` in by name, checking names and shapes."""
+    """Instantiate the model and copy ``weights`` in by name, checking names and shapes. A
+    rank-local ``arch`` (``tp_size`` > 1, ``engine.model.layers.parallel.shard_arch``) takes its
+    part of each tensor; ``full_kv_heads``: the checkpoint's KV heads (default ``arch``'s)."""
+    if arch.tp_size > 1:
+        weights = shard_weights(weights, arch, full_kv_heads or arch.num_kv_heads)
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.family](arch, layer_group)
     model = model.to_empty(device=device).to(dtype)

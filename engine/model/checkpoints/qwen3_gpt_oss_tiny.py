@@ -56,40 +56,6 @@ RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
             },
         },
     ),
-    # benchmark sizes: 8 layers, hidden 512
-    "bench-qwen3": (
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 512,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 64,
-            "max_position_embeddings": 4096,
-            "initializer_range": 0.05,
-        },
-    ),
-    "bench-gpt-oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 512,
-            "intermediate_size": 512,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 64,
-            "max_position_embeddings": 4096,
-            "initializer_range": 0.05,
-            "num_local_experts": 8,
-            "num_experts_per_tok": 2,
-            "sliding_window": 128,
-        },
-    ),
 }
 
 

@@ -42,26 +42,6 @@ QWEN3_NEXT_MODELS: dict[str, dict[str, Any]] = {
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
         "mlp_only_layers": [2],
     },
-    # benchmark size: 8 layers (6 linear + 2 full, Qwen3-Next's 3:1 pattern), hidden 512
-    "bench-qwen3-next": {
-        "vocab_size": 32000,
-        "hidden_size": 512,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 4096,
-        "initializer_range": 0.05,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_num_key_heads": 4,
-        "linear_num_value_heads": 8,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "shared_expert_intermediate_size": 512,
-    },
 }
 
 

@@ -1,5 +1,5 @@
 """Writing random Hugging Face checkpoints through transformers (offline, seconds): the one rule
-the tiny/bench model builders (tiny.py, qwen3_gpt_oss_tiny.py, hybrid_tiny.py, qwen3_next_tiny.py)
+the tiny model builders (tiny.py, qwen3_gpt_oss_tiny.py, hybrid_tiny.py, qwen3_next_tiny.py)
 share.
 
 Owns the sizes every tiny checkpoint starts from (``TINY_BASE``), seeding, the randomisation of

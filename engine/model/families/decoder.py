@@ -30,7 +30,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             SparseMoE(arch.moe, arch.hidden_size)
             if arch.moe
-            else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+            else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, reduce=arch.tp_size > 1)
         )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)

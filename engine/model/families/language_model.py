@@ -18,6 +18,7 @@ from torch import nn
 from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.layers.blocks import RMSNorm, lm_head
+from engine.model.layers.parallel import VocabParallelEmbedding, gather_vocab
 
 #: the step's rotary cos/sin per rotary type (``Attention.step_rope``), shared by all layers
 RopeMemo = dict[object, tuple[torch.Tensor, torch.Tensor]]
@@ -45,7 +46,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, arch: ModelArch, layers: Iterable[nn.Module], gemma_norm: bool = False):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, arch.tp_size, arch.tp_rank)
+            if arch.tp_size > 1
+            else nn.Embedding(arch.vocab_size, arch.hidden_size)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma_norm)
 
@@ -69,7 +74,9 @@ class LanguageModel(nn.Module):
         assert isinstance(stack, nn.Module), "a layer stack is an nn.Module"
         self.arch = arch
         self.add_module(self.STACK_NAME, stack)
-        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, stack.embed_tokens, arch.tie_word_embeddings)
+        self.lm_head = lm_head(
+            arch.hidden_size, arch.vocab_size // arch.tp_size, stack.embed_tokens, arch.tie_word_embeddings
+        )
 
     @property
     def model(self) -> LayerStack:
@@ -93,5 +100,7 @@ class LanguageModel(nn.Module):
         return stack.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of ``hidden``'s rows."""
-        return self.lm_head(hidden).float()
+        """fp32 logits of ``hidden``'s rows (every rank's vocabulary slice joined, under tensor
+        parallelism)."""
+        logits = self.lm_head(hidden).float()
+        return gather_vocab(logits) if self.arch.tp_size > 1 else logits

@@ -19,14 +19,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from engine.model.batch import ChunkSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +32,20 @@ TILE_TOKENS = 128  # query rows of one host tile (programs split it further, by 
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernel masks with one formula
 _TILE_FIELDS = 5  # (table row, first query row in the batch, its position, rows, first table block)
 tl: Any = None  # triton.language, bound by _kernels()
+
+
+class ChunkSlice(Protocol):
+    """What the kernels read of one request's slice of the step (``engine.model.batch.ChunkSpec``
+    is one): its first token's index in the flattened batch, its first position, its length."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def available() -> bool:
@@ -96,7 +108,7 @@ class PagedMeta:
 
 
 def build_paged_meta(
-    chunks: list[ChunkSpec], tables: list[list[int]], block_size: int, window: int | None, device: torch.device
+    chunks: Sequence[ChunkSlice], tables: list[list[int]], block_size: int, window: int | None, device: torch.device
 ) -> PagedMeta:
     """``tables[i]``: chunk i's block table; keys reach back ``window - 1`` positions (None: to 0)."""
     tiles: list[tuple[int, list[int]]] = []  # (work, fields)

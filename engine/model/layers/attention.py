@@ -16,6 +16,7 @@ from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch, GroupIndex, slot_table_reads
 from engine.model.kernels import triton_attention, triton_rope
 from engine.model.layers.blocks import RMSNorm, Rotary, fuse_linears
+from engine.model.layers.parallel import all_reduce
 
 
 class Attention(nn.Module):
@@ -117,7 +118,8 @@ class Attention(nn.Module):
             self.arch.attn_logit_softcapping,
             self.sinks,
         )
-        return self.o_proj(out.reshape(t, -1))
+        out = self.o_proj(out.reshape(t, -1))
+        return all_reduce(out) if self.arch.tp_size > 1 else out  # row-parallel o: sum the ranks' heads
 
 
 def paged_attention(

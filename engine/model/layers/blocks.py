@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import RopeArch
 from engine.model.kernels import triton_norm
+from engine.model.layers.parallel import all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -134,10 +135,13 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one matmul."""
+    """``down(act(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one matmul.
+    ``reduce``: this rank holds a column slice of gate/up and a row slice of down (tensor
+    parallelism, engine/model/layers/parallel.py), so the output is summed over the ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str):
+    def __init__(self, hidden: int, intermediate: int, act: str, reduce: bool = False):
         super().__init__()
+        self.reduce = reduce
         activation(act)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -151,6 +155,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
+        return all_reduce(out) if self.reduce else out

@@ -2,7 +2,7 @@
 `--set a.b=c`. The cluster benchmark is not a command: run `python -m benchmarks.cluster_bench`
 from the repository (``benchmarks/README.md``).
 
-Exit codes (the same for `python -m cluster.job`):
+Exit codes (the same for `python -m kvfleet.job`):
 
 - 0: every prompt ran and has its result in the output;
 - 1 (``EXIT_FAILURE``): the cluster itself failed;
@@ -25,8 +25,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.logs import setup_logging
 from configs import ClusterConfig, ConfigError, available_presets, config_to_yaml, load_config
+from configs.logs import setup_logging
 
 EXIT_FAILURE = 1
 EXIT_BAD_CONFIG = 2

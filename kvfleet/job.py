@@ -1,7 +1,7 @@
 """The `ray job submit` entrypoint: prompts from a JSONL file -> completions to a JSONL file.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m cluster.job --config tiny --input prompts.jsonl --output results.jsonl
+        python -m kvfleet.job --config tiny --input prompts.jsonl --output results.jsonl
 
 Inside a Ray job ``RAY_ADDRESS`` is set, so the job attaches to the job's cluster
 (``ray.address=auto``) unless the config names an address; without it, it starts an embedded
@@ -19,7 +19,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cluster.cli import (
+from configs import ConfigError, load_config
+from configs.logs import setup_logging
+from kvfleet.cli import (
     EXIT_BAD_CONFIG,
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
@@ -28,15 +30,13 @@ from cluster.cli import (
     report_line_errors,
     run_items,
 )
-from cluster.logs import setup_logging
-from configs import ConfigError, load_config
 
 log = logging.getLogger("kvfleet.job")
-PROG = "cluster.job"
+PROG = "kvfleet.job"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cluster.job", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.job", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="local", help="preset name or path to a YAML file (default: local)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--input", required=True, help='JSONL file of {"prompt": ...} lines')

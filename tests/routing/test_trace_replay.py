@@ -1,0 +1,84 @@
+"""``benchmarks.trace_replay``: a Mooncake-format trace through the placement simulation (real
+coordinators, no cluster): the JSON line's structure, hit rates in [0, 1], the tree's baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import trace_replay
+from benchmarks.support.mooncake_trace import block_tokens, build_trace, load_requests
+
+
+def run_replay(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert trace_replay.main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def check_report(report: dict, workers: list[int]) -> None:
+    keys = {f"{layout}/W={w}" for layout in trace_replay.LAYOUTS for w in workers}
+    assert set(report["runs"]) == keys and set(report["ratios"]) == keys
+    for key in keys:
+        runs = report["runs"][key]
+        assert set(runs) == set(trace_replay.POLICIES)
+        for policy, m in runs.items():
+            assert 0.0 <= m["hit_rate"] <= 1.0, (key, policy)
+            assert 0.0 <= m["ttft_p50_s"] <= m["ttft_p90_s"], (key, policy)
+            assert m["decision_p50_us"] <= m["decision_p99_us"], (key, policy)
+        assert runs["prefix_tree"]["false_hit_share"] is not None
+        ratios = report["ratios"][key]
+        assert set(ratios) == {"hit_ratio_vs_tree", "p90_ttft_ratio_vs_tree", "false_hit_kvfleet", "decision_p99_us"}
+        assert ratios["hit_ratio_vs_tree"] == pytest.approx(
+            runs["kvfleet"]["hit_rate"] / max(1e-9, runs["prefix_tree"]["hit_rate"]), abs=1e-3
+        )
+        assert 0.0 <= ratios["false_hit_kvfleet"] <= 1.0
+
+
+def test_handmade_trace_shared_prefixes_hit_and_report_is_well_formed(tmp_path: Path, capsys):
+    # 40 requests, 4 families sharing 3 hash blocks each, then 1 own block: prefix routers find hits
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as f:
+        for i in range(40):
+            family = i % 4
+            ids = [100 * family + k for k in range(3)] + [10_000 + i]
+            f.write(json.dumps({"timestamp": 200 * i, "input_length": 4 * 512, "output_length": 64, "hash_ids": ids}))
+            f.write("\n")
+    report = run_replay(capsys, ["--trace", str(path), "--scale", "16", "--workers", "2", "--warmup", "0.2"])
+    check_report(report, [2])
+    for layout in trace_replay.LAYOUTS:
+        runs = report["runs"][f"{layout}/W=2"]
+        assert runs["kvfleet"]["hit_rate"] > 0.3 and runs["prefix_tree"]["hit_rate"] > 0.3, layout
+    assert report["requests"] == 40
+
+
+def test_tokens_are_deterministic_per_hash_id_and_scale():
+    assert block_tokens(7, 8) == block_tokens(7, 8)
+    assert block_tokens(7, 8) != block_tokens(8, 8)
+    assert len(block_tokens(7, 16)) == 32
+
+
+def test_window_and_sizing(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps({"timestamp": t, "input_length": 700, "output_length": 16, "hash_ids": [1, 2]})
+            for t in (0, 1000, 2000, 3000)
+        )
+    )
+    rows = load_requests(path, start_s=1.0, window_s=2.0)
+    assert [r.time for r in rows] == [0.0, 1.0]
+    trace = build_trace(rows, workers=2, ratio=0.5, scale=8)
+    assert [len(p) for p in trace.prefixes] == [700 // 8] * 2
+    assert trace.prefixes[0][:64] == block_tokens(1, 8)
+
+
+SHARED = trace_replay.default_trace()
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason=f"no shared trace at {SHARED}")
+def test_a_slice_of_the_shared_trace(capsys):
+    report = run_replay(capsys, ["--window-s", "15", "--workers", "4", "--scale", "16"])
+    check_report(report, [4])
+    assert report["requests"] > 20
