@@ -199,7 +199,7 @@ class Cluster:
             resources = ray.cluster_resources()
             check_capacity(config, resources)
             model_directory = resolve_model_directory(config)  # built/converted once, here
-            check_tensor_parallel(config, model_directory)
+            check_tensor_parallel(config, model_directory, ray.nodes())
             infos = self._supervisor.start_workers(resources, self.start_timeout_s)
             model = ServedModel.from_workers(infos, str(model_directory))
             self._supervisor.start_router()

@@ -116,10 +116,25 @@ def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -
         )
 
 
-def check_tensor_parallel(config: ClusterConfig, model_directory: Path) -> None:
+def largest_node_devices(nodes: list[dict[str, Any]], device: str) -> int:
+    """The most devices of kind ``device`` (GPUs for cuda, CPUs otherwise) on one alive node of
+    ``ray.nodes()``: a worker's ranks share one node."""
+    key = "GPU" if device == "cuda" else "CPU"
+    counts = [0]
+    for node in nodes:
+        resources = node.get("Resources")
+        if node.get("Alive", True) and isinstance(resources, dict):
+            counts.append(int(float(resources.get(key, 0.0))))
+    return max(counts)
+
+
+def check_tensor_parallel(
+    config: ClusterConfig, model_directory: Path, nodes: list[dict[str, Any]] | None = None
+) -> None:
     """Refuse ``workers.tensor_parallel_size`` > 1 before any worker starts: a size the model
     cannot split by names the field, the model and the number (``engine.model.layers.parallel``);
-    one it can is refused too, because the cluster's workers do not start rank groups yet (the
+    so does a size above the devices of the largest of ``nodes`` (``ray.nodes()``; None: not
+    checked); one that passes both is refused too, because the cluster's workers do not start rank groups yet (the
     engine runs one rank per ``EngineCore(tensor_parallel_rank=r)`` in a torch.distributed group)."""
     size = config.workers.tensor_parallel_size
     if size == 1:
@@ -129,6 +144,14 @@ def check_tensor_parallel(config: ClusterConfig, model_directory: Path) -> None:
     from engine.model.layers.parallel import check_tensor_parallel as check_model
 
     check_model(arch_from_hf_config(read_hf_config(model_directory)), size)
+    if nodes is not None:
+        devices = largest_node_devices(nodes, config.model.device)
+        if size > devices:
+            unit = "GPUs" if config.model.device == "cuda" else "CPUs"
+            raise PlacementError(
+                f"workers.tensor_parallel_size: a worker's ranks share one node, but the largest node has "
+                f"{devices} {unit} (got {size})"
+            )
     raise PlacementError(
         f"workers.tensor_parallel_size: the cluster's workers do not start a group of ranks yet; "
         f"run tensor-parallel engines with EngineCore(tensor_parallel_rank=r) in a torch.distributed "

@@ -184,3 +184,21 @@ def test_the_cluster_refuses_tensor_parallel_workers_before_starting_any(checkpo
         check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=3"]), directory)
     with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: .* \(got 2\)"):
         check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=2"]), directory)
+
+
+def test_more_ranks_than_the_largest_node_has_devices_are_refused(checkpoints) -> None:
+    from cluster.placement import PlacementError, largest_node_devices
+    from cluster.placement import check_tensor_parallel as check_cluster
+
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
+        {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 4.0}},
+        {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}},
+    ]
+    assert largest_node_devices(nodes, "cuda") == 4 and largest_node_devices(nodes, "cpu") == 8
+    directory = checkpoints["tiny-gemma3"]
+    config = load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=4"])
+    with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: .* has 2 CPUs \(got 4\)"):
+        check_cluster(config, directory, [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    with pytest.raises(PlacementError, match=r"do not start a group of ranks yet; .* \(got 4\)"):
+        check_cluster(config, directory, nodes)  # fits the 8-CPU node: refused for the missing rank groups
