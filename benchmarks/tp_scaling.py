@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.support.gpu_bench_decode import weight_bytes
 from configs import load_config
 from engine.core import EngineCore, resolve_model_directory
 from engine.sampling_params import SamplingParams
@@ -46,16 +47,6 @@ from kvfleet_testing.ports import free_port
 
 log = logging.getLogger("tp_scaling")
 TIMEOUT_S = 900
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-    for parameter in model.parameters():
-        if parameter.data_ptr() not in seen:
-            seen.add(parameter.data_ptr())
-            total += parameter.numel() * parameter.element_size()
-    return total
 
 
 def prompts_for(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
