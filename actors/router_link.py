@@ -120,7 +120,7 @@ class RouterLink:
         if not routers:
             return
         events = self.engine.take_events()
-        load = WorkerLoad(*self.engine.load())
+        load = WorkerLoad(*self.engine.worker_view.load())
         now = time.monotonic()
         changed = load != self._last_load
         if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
@@ -140,12 +140,12 @@ class RouterLink:
         self.report(force=True)
         routers = self._connected() if replica is None else [r for r in self._routers[replica : replica + 1] if r]
         if routers:
-            snapshot = WorkerSnapshot(*self.engine.cache_snapshot())
+            snapshot = WorkerSnapshot(*self.engine.worker_view.cache_snapshot())
             for router in routers:
                 router.apply_snapshot.remote(self.worker_id, snapshot)
 
     def _update_gauges(self, metrics: WorkerMetrics) -> None:
-        gauges = self.engine.cache_gauges()
+        gauges = self.engine.worker_view.cache_gauges()
         metrics.set_cache_stats(int(gauges["free_blocks"]), int(gauges["pinned_free_blocks"]), gauges["hit_rate"])
         metrics.set_queue_stats(int(gauges["running"]), int(gauges["waiting"]))
 
@@ -165,7 +165,7 @@ class RouterLink:
             job = self._pins_placing[action.pin_id] = _PinJob(time.monotonic())
         if done is not None:
             job.waiters.append(done)
-        have = self.engine.cached_prefix_tokens(action.block_hashes, action.num_tokens)
+        have = self.engine.worker_view.cached_prefix_tokens(action.block_hashes, action.num_tokens)
         if have >= action.num_tokens or not action.token_ids:
             self.finish_pin(action)
             return
@@ -224,10 +224,10 @@ class RouterLink:
     def finish_pin(self, action: PinOn) -> None:
         """The prefix is resident (its request ended, or it was cached already): pin it, report,
         tell the router the result and answer the pin's waiters."""
-        pinned = self.engine.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
+        pinned = self.engine.worker_view.pin_prefix(action.block_hashes, action.num_tokens, action.tier)
         self.report(force=True)  # the pin's events reach the router before its result
         for router in self._connected():  # the replica that decides pins takes it, the others ignore it
-            router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.event_seq)
+            router.pin_result.remote(self.worker_id, action.pin_id, pinned, self.engine.worker_view.event_seq)
         job = self._pins_placing.pop(action.pin_id, None) or _PinJob(time.monotonic())
         record = PinRecord(
             pin_id=action.pin_id,
@@ -253,5 +253,5 @@ class RouterLink:
 
     def unpin(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> None:
         """Release the pin on this prefix in ``tier`` (the router's word) and report at once."""
-        self.engine.unpin_prefix(block_hashes, num_tokens, tier)
+        self.engine.worker_view.unpin_prefix(block_hashes, num_tokens, tier)
         self.report(force=True)

@@ -141,7 +141,7 @@ class EngineWorker:
             engine.info.block_size,
             engine.info.max_model_len,
             engine.info.arch.vocab_size,
-            tuple(engine.kv_groups),
+            tuple(engine.worker_view.kv_groups),
             str(engine.model_directory),
             _node_ip(),
             os.getpid(),
@@ -275,7 +275,7 @@ class EngineWorker:
 
     async def stats(self) -> dict[str, Any]:
         """The engine's counters plus this worker's identity and hit rate (plain data)."""
-        stats = await self._call(self.engine.stats)
+        stats = await self._call(self.engine.worker_view.stats)
         stats.update(worker_id=self.worker_id, role=self.role, requests=len(self._tracked))
         queried = stats["queried_tokens"]
         stats["hit_rate"] = stats["hit_tokens"] / queried if queried else 0.0
@@ -310,8 +310,8 @@ class EngineWorker:
 
     def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
         """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
-        those blocks the last to be evicted until it arrives (``EngineCore.refresh_prefix``)."""
-        self._submit(self.engine.refresh_prefix, block_hashes, num_tokens)
+        those blocks the last to be evicted until it arrives (``WorkerView.refresh_prefix``)."""
+        self._submit(self.engine.worker_view.refresh_prefix, block_hashes, num_tokens)
 
     def snapshot(self, replica: int | None = None) -> None:
         """Send router replica ``replica`` (None: every one) a full snapshot of the prefix cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 TIERS = ("device", "host")
-#: ``TierCounters`` fields of ``EngineCore.host_tier_stats()``: blocks offloaded to the host,
+#: ``TierCounters`` fields of ``WorkerView.host_tier_stats()``: blocks offloaded to the host,
 #: refreshed there (already held), dropped (no free host block), promoted back to the device
 BLOCK_MOVES = ("offloaded", "refreshed", "dropped", "promoted")
 #: byte and second counters of the host tier, summed as they are

@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -26,9 +26,7 @@ from configs.models import SourceKind
 from configs.schema import ClusterConfig
 from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
-from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
-from engine.kv_cache.spec import KVCacheGroup
 from engine.model.arch.model_arch import ModelArch
 from engine.model.checkpoints.loader import build_model, load_hf_directory
 from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
@@ -44,6 +42,7 @@ from engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import load_tokenizer
 from engine.transfer import AgentInfo, KVTransfer, Role, transfer_from_config
+from engine.worker_view import EngineCounters, WorkerView
 
 KVRole = Literal["prefill", "decode", "both"]
 #: batches in a row whose forward raised before an engine counts as broken (``EngineBroken``)
@@ -226,17 +225,25 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         #: the decode step launched but not read yet (``step``); its outputs come with a later step
         self.in_flight: LaunchedStep | None = None
-        # prompt tokens of the step being computed synchronously (``load`` counts them as still to
-        # compute: the scheduler advanced their requests when it scheduled them)
-        self.step_prompt_tokens = 0
+        #: counters each step changes (prompt tokens being computed, failed steps and requests)
+        self.counters = EngineCounters()
         #: outputs of an in-flight step read early (``drain``), returned by the next ``step``
         self._drained: list[RequestOutput] = []
         #: called right after each step's scheduling, before the forward (the owner reports the
         #: cache events of that scheduling: the blocks it evicted are gone already)
         self.on_scheduled: Callable[[], None] | None = None
-        self.failed_steps = 0
-        self.failed_requests = 0
         self.info = EngineInfo(arch, num_blocks[0], cache.block_size, max_model_len, num_blocks)
+        #: what the worker actor reports and asks (loads, stats, pins); reads the parts above live
+        self.worker_view = WorkerView(
+            self.scheduler,
+            self.coordinator,
+            self.runner,
+            layout,
+            num_blocks,
+            self.handoff,
+            self.counters,
+            cache.offload.promote_gib_s,
+        )
         self.model_directory = directory
         eos = arch.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
@@ -497,7 +504,7 @@ class EngineCore:
                 self._copy_tiers()
                 return results
             output = scheduler.schedule()
-            self.step_prompt_tokens = output.prompt_tokens
+            self.counters.step_prompt_tokens = output.prompt_tokens
             self._copy_tiers()
             if self.on_scheduled is not None:
                 self.on_scheduled()
@@ -531,7 +538,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
             return self._fail_batch(output, exc)
         finally:
-            self.step_prompt_tokens = 0
+            self.counters.step_prompt_tokens = 0
         return self._apply(output, sampled)
 
     def _launch_continuation(
@@ -614,7 +621,7 @@ class EngineCore:
 
     def _fail_batch(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         self.consecutive_failed_steps += 1
-        self.failed_steps += 1
+        self.counters.failed_steps += 1
         why = f"engine step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.error("%s: %s (%d requests in the batch)", self.name, why, len(output.chunks), exc_info=exc)
         results = []
@@ -634,7 +641,7 @@ class EngineCore:
 
     def _fail_request(self, request_id: str, why: str) -> RequestOutput:
         """End one request with ``finish_reason="error"``, freeing its blocks."""
-        self.failed_requests += 1
+        self.counters.failed_requests += 1
         self.runner.forget(request_id)
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         return RequestOutput(request_id, [], True, RequestStatus.FINISHED_ERROR.value, error=why)
@@ -660,178 +667,6 @@ class EngineCore:
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / pinned / ...) since the last call, for the router."""
         return self.coordinator.take_events()
-
-    # -- what a worker actor reports and asks (it never reaches into the scheduler or the cache) -----
-    # Nothing here changes a request; only pins and the eviction order of free cached blocks change
-    # (``pin_prefix`` / ``unpin_prefix`` / ``refresh_prefix``).
-    def load(self) -> tuple[float, int, float, float]:
-        """(tokens still to compute, with the prompt chunks of the step being computed; requests
-        holding KV; fraction of the tightest pool in use; seconds to promote one host-tier hit
-        token: ``promote_s_per_token``, 0 without a host tier), the fields of
-        ``engine.routing.WorkerLoad``."""
-        scheduler = self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
-        queued += self.step_prompt_tokens
-        running = len(scheduler.running) + len(scheduler.waiting_for_kv)
-        return float(queued), running, min(1.0, max(0.0, self.coordinator.usage)), self.promote_s_per_token()
-
-    def promote_s_per_token(self) -> float:
-        """Seconds the host tier takes to copy one hit token's KV back to the device: the bytes a
-        hit token moves (per pool, a block's bytes over the block size of its groups) over the
-        measured copy bandwidth (``kv_cache.offload.promote_gib_s`` until measured); 0 without
-        a host tier."""
-        memory = self.runner.host_kv
-        if memory is None or self.coordinator.host is None:
-            return 0.0
-        coordinator = self.coordinator
-        per_token = 0.0
-        for p in range(coordinator.num_pools):
-            sizes = [g.spec.block_size for g in coordinator.groups if g.pool == p]
-            per_token += memory.block_bytes(p) / min(sizes)
-        return per_token / memory.bandwidth(self.config.kv_cache.offload.promote_gib_s * 2**30)
-
-    def cache_gauges(self) -> dict[str, float]:
-        """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
-        scheduler, coordinator = self.scheduler, self.coordinator
-        pool = coordinator.pools[coordinator.tightest_pool]
-        queried = scheduler.queried_tokens
-        return {
-            "free_blocks": pool.num_free_blocks,
-            "pinned_free_blocks": pool.num_retained_blocks,
-            "hit_rate": scheduler.hit_tokens / queried if queried else 0.0,
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting) + len(scheduler.waiting_for_kv),
-        }
-
-    @property
-    def kv_groups(self) -> list[KVCacheGroup]:
-        """The KV-cache groups of this engine (the router predicts hits with the same ones)."""
-        return list(self.coordinator.groups)
-
-    def cached_prefix_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Tokens of the prefix ``block_hashes`` (up to ``num_tokens``) this cache could serve now."""
-        return self.coordinator.find_longest_cache_hit(block_hashes, num_tokens).num_tokens
-
-    def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:
-        """Pin the cached prefix in ``tier`` ("device": kept on the device, moved to the host tier
-        pinned under pressure; "host": held in the host tier only, ``kv_cache.offload``); returns
-        the tokens pinned (``HybridCoordinator.pin_prefix``). A host-tier pin's copies run before
-        the next forward, with the other queued host-tier copies."""
-        return self.coordinator.pin_prefix(block_hashes, num_tokens, tier)
-
-    def unpin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> bool:
-        """Undo one ``pin_prefix`` with the same arguments; False if no such pin is held."""
-        return self.coordinator.unpin_prefix(block_hashes, num_tokens, tier)
-
-    def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
-        free queue evicts them last, a prefix's tail before its head), so the hit the router
-        predicted for a request routed here survives the allocations of the requests ahead of
-        it; returns the tokens that hit covers now (0: nothing to refresh). With a host tier the
-        hit's host blocks are refreshed in their host pools alike (the router predicts and prices
-        host hits too)."""
-        coordinator = self.coordinator
-        hit = coordinator.find_longest_cache_hit(block_hashes, num_tokens)
-        if hit.num_tokens <= 0:
-            return 0
-        host = coordinator.host
-        for g, manager in enumerate(coordinator.managers):
-            blocks = [block for block in hit.blocks[g] if not block.is_null]
-            if host is not None:
-                hosted = [block for block in blocks if host.is_host(block)]
-                host.lock(hosted)
-                host.unlock(hosted[::-1])
-                blocks = [block for block in blocks if not host.is_host(block)]
-            if blocks:
-                manager.pool.touch(blocks)
-                manager.pool.free_blocks(blocks[::-1])
-        return hit.num_tokens
-
-    @property
-    def event_seq(self) -> int:
-        """Sequence number of the last KV event emitted."""
-        return self.coordinator.event_seq
-
-    def cache_snapshot(self) -> tuple[int, tuple[dict[bytes, int], ...], tuple[dict[bytes, int], ...]]:
-        """(event seq, per group every cached hash and its pin level, the same of the host tier):
-        a router resync (the fields of ``engine.routing.WorkerSnapshot``)."""
-        return self.coordinator.snapshot()
-
-    def stats(self) -> dict[str, Any]:
-        """Queue lengths, block counts, hit counters and transfer counters (plain data).
-
-        ``num_blocks`` / ``free_blocks`` / ``pinned_blocks`` describe pool 0 (the attention pool
-        of a hybrid layout, the only pool otherwise); ``capacity.pools`` has every pool."""
-        scheduler, pool = self.scheduler, self.coordinator.pool
-        return {
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "waiting_for_kv": len(scheduler.waiting_for_kv),
-            "held_for_transfer": len(scheduler.held),
-            "expecting_handles": len(self.handoff.expected) if self.handoff is not None else 0,
-            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
-            "num_blocks": self.info.num_blocks - 1,
-            "free_blocks": pool.num_free_blocks,
-            "capacity": self.capacity(),
-            "pinned_blocks": pool.num_retained_blocks,  # explicit pins + retained window/state anchors
-            "explicitly_pinned_blocks": pool.explicit.size,
-            "hit_tokens": scheduler.hit_tokens,
-            "queried_tokens": scheduler.queried_tokens,
-            "num_preemptions": scheduler.num_preemptions,
-            "failed_steps": self.failed_steps,
-            "failed_requests": self.failed_requests,
-            "transfer": asdict(self.transfer_stats),
-            "host_tier": self.host_tier_stats(),
-        }
-
-    def host_tier_stats(self) -> dict[str, Any] | None:
-        """The host tier (``kv_cache.offload``; None when off): per pool its usable and cached
-        blocks, the blocks offloaded / refreshed (already there) / dropped (no free host block) /
-        promoted, the bytes copied each way and the host-side seconds the copies took (in all and
-        each way), and the hit tokens each tier served (``hit_tokens``: device + host ==
-        ``stats()["hit_tokens"]``; a request's host part is its ``num_host_cached_tokens``)."""
-        host, memory = self.coordinator.host, self.runner.host_kv
-        if host is None or memory is None:
-            return None
-        scheduler = self.scheduler
-        return {
-            "hit_tokens": {
-                "device": scheduler.hit_tokens - scheduler.host_hit_tokens,
-                "host": scheduler.host_hit_tokens,
-            },
-            "pools": [
-                {"num_blocks": pool.num_blocks - 1, "cached_blocks": host.num_cached_blocks(p)}
-                for p, pool in enumerate(host.pools)
-            ],
-            **asdict(host.counters),
-            "bytes_offloaded": memory.bytes_to_host,
-            "bytes_promoted": memory.bytes_to_device,
-            "copy_seconds": memory.seconds,
-            "offload_seconds": memory.seconds_to_host,
-            "promote_seconds": memory.seconds_to_device,
-            "host_bytes": memory.nbytes,
-        }
-
-    def capacity(self) -> dict[str, Any]:
-        """What this worker's KV memory holds: ``tokens`` of attention KV, ``recurrent_states``
-        (requests' full recurrent states), and per pool its kind, page size and blocks."""
-        coordinator, layout = self.coordinator, self.layout
-        pools = [
-            {
-                "kind": pool.kind,
-                "page_bytes": pool.page_bytes,
-                "slots": pool.num_slots,
-                "num_blocks": coordinator.num_blocks_in(p),
-                "free_blocks": coordinator.num_free_blocks_in(p),
-            }
-            for p, pool in enumerate(layout.pools)
-        ]
-        return {
-            **layout.capacity(self.info.pool_blocks),
-            "bytes": layout.pool_bytes(self.info.pool_blocks),
-            "pools": pools,
-        }
 
     def close(self) -> None:
         """Release the decode graphs and the transfer registration (pending reads are cancelled).

@@ -279,7 +279,7 @@ def test_failures_mid_decode_match_the_synchronous_engine(preset: str, kind: str
     for overlap in (False, True):
         core = engine(preset, overlap)
         Faults(core, 6, kind)
-        results.append((drive(core, plan(), errors=True), core.failed_requests, core.failed_steps))
+        results.append((drive(core, plan(), errors=True), core.counters.failed_requests, core.counters.failed_steps))
     assert results[0] == results[1]
     (got, failed_requests, failed_steps) = results[1]
     assert failed_requests == (1 if kind == "nan" else 4) and failed_steps == (kind == "raise")
@@ -309,7 +309,7 @@ def test_a_row_that_cannot_be_sampled_in_a_launched_step_fails_alone() -> None:
                 reasons[out.request_id] = out.finish_reason
             if not core.has_work:
                 break
-        assert core.failed_requests == 1 and (spy.launches > 3) == overlap
+        assert core.counters.failed_requests == 1 and (spy.launches > 3) == overlap
         results.append((tokens, reasons))
     # the overlapped engine sampled "bad"'s step read at call 3 when it was launched, before the
     # change: one token more; everything else is the same

@@ -81,7 +81,7 @@ def test_a_request_that_cannot_be_sampled_fails_alone(preset: str, oracle: Engin
     done = run_to_end(engine, {"bad", "good-0", "good-1", "good-2"})
     assert done["bad"] == ([], "error")
     assert [done[f"good-{i}"][0] for i in range(3)] == expected
-    assert engine.failed_requests == 1 and engine.failed_steps == 0
+    assert engine.counters.failed_requests == 1 and engine.counters.failed_steps == 0
     assert free_blocks_are_back(engine)
 
 

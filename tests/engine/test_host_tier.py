@@ -102,19 +102,19 @@ def test_a_prefix_served_from_the_host_tier_gives_the_cold_tokens(preset: str, e
     tokens_a, cached = generate(engine, "a2", a)
     assert cached >= PREFIX
     assert tokens_a == cold_a
-    stats = engine.stats()["host_tier"]
+    stats = engine.worker_view.stats()["host_tier"]
     assert stats["promoted"] == host.counters.promoted and stats["bytes_promoted"] > 0
     tiers = stats["hit_tokens"]
-    assert tiers["device"] + tiers["host"] == engine.stats()["hit_tokens"]
+    assert tiers["device"] + tiers["host"] == engine.worker_view.stats()["hit_tokens"]
     assert tiers["host"] >= predicted.host_tokens > 0
-    assert engine.load()[3] > 0  # the promote seconds per token the worker reports to the router
+    assert engine.worker_view.load()[3] > 0  # the promote seconds per token the worker reports to the router
     assert stats["bytes_offloaded"] > 0 and stats["pools"][0]["cached_blocks"] > 0
 
 
 def test_offload_off_by_default_builds_no_host_tier() -> None:
     engine = EngineCore(load_config("tiny", ["kv_cache.num_blocks=96"]))
     assert engine.coordinator.host is None and engine.runner.host_kv is None
-    assert engine.stats()["host_tier"] is None
+    assert engine.worker_view.stats()["host_tier"] is None
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
@@ -228,7 +228,7 @@ def test_a_pinned_prefix_survives_a_flood_in_the_host_tier_and_gives_the_cold_to
     assert host is not None
     generate(engine, "a", a)
     hashes = block_hashes(b, coordinator.hash_block_size)
-    assert engine.pin_prefix(hashes, PREFIX, tier) == PREFIX  # type: ignore[arg-type]
+    assert engine.worker_view.pin_prefix(hashes, PREFIX, tier) == PREFIX  # type: ignore[arg-type]
     coordinator.check_invariants()
     keys = pinned_keys(engine, hashes, PREFIX)
     flood(engine, seed=1, until_missed=(hashes, PREFIX))
@@ -251,14 +251,14 @@ def test_a_pinned_prefix_survives_a_flood_in_the_host_tier_and_gives_the_cold_to
     assert tokens_b == cold_b
     explicit = {coordinator.managers[g].cached[h].tier == TIER_EXPLICIT for _p, g, h in keys}
     assert explicit == {tier == "device"}  # (a retention policy may keep them in its own tier)
-    assert engine.unpin_prefix(hashes, PREFIX, tier)  # type: ignore[arg-type]
+    assert engine.worker_view.unpin_prefix(hashes, PREFIX, tier)  # type: ignore[arg-type]
     coordinator.check_invariants()
     assert all(block.tier == TIER_NONE for pool in host.pools for block in pool.blocks)
     assert all(block.tier != TIER_EXPLICIT for pool in coordinator.pools for block in pool.blocks)
 
 
 def test_refreshing_a_predicted_hit_moves_its_host_blocks_to_the_host_lru_tail() -> None:
-    """``EngineCore.refresh_prefix`` (what a worker runs when the router sends it a request it
+    """``WorkerView.refresh_prefix`` (what a worker runs when the router sends it a request it
     predicted a hit for) keeps the hit's host blocks too: they become the host pools' most
     recently used, so the offloads of the requests ahead of it evict other blocks first."""
     a, b, flood_prompts = workload()
@@ -281,6 +281,6 @@ def test_refreshing_a_predicted_hit_moves_its_host_blocks_to_the_host_lru_tail()
     assert len(pools) == 1
     pool = pools.pop() - HOST_POOL_BASE
     assert tail(pool, len(hosted)) != {block.block_id for block in hosted}  # the flood came later
-    assert engine.refresh_prefix(hashes, len(b) - 1) == hit.num_tokens
+    assert engine.worker_view.refresh_prefix(hashes, len(b) - 1) == hit.num_tokens
     assert tail(pool, len(hosted)) == {block.block_id for block in hosted}
     coordinator.check_invariants()

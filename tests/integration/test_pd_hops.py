@@ -68,7 +68,7 @@ def _run(engine: Any, request_id: str, until: float = 60) -> list[int]:
 
 
 def _free(engine: Any) -> int:
-    return int(engine.stats()["free_blocks"])
+    return int(engine.worker_view.stats()["free_blocks"])
 
 
 def _released(prefill: Any) -> bool:

@@ -82,14 +82,14 @@ def test_engine_sizes_pools_from_the_config_and_reports_capacity(tmp_path) -> No
         layout = engine.layout
         split = split_budget(layout, 4 * 2**20, config.scheduler.max_num_seqs, 0.1)
         assert engine.info.pool_blocks == split.num_blocks and len(split.num_blocks) == 2
-        capacity = engine.stats()["capacity"]
+        capacity = engine.worker_view.stats()["capacity"]
         assert capacity["tokens"] == layout.capacity(split.num_blocks)["tokens"] > 0
         assert capacity["recurrent_states"] == split.num_blocks[1] - 1 >= config.scheduler.max_num_seqs * 2
         assert [p["num_blocks"] for p in capacity["pools"]] == [n - 1 for n in split.num_blocks]
         assert capacity["bytes"] <= 4 * 2**20
         from cluster.supervisor import worker_summary  # what Cluster.stats() and /v1/stats show per worker
 
-        line = worker_summary({**engine.stats(), "role": "decode", "worker_id": "w", "hit_rate": 0.0})
+        line = worker_summary({**engine.worker_view.stats(), "role": "decode", "worker_id": "w", "hit_rate": 0.0})
         assert line["capacity_tokens"] == capacity["tokens"]
         assert line["capacity_recurrent_states"] == capacity["recurrent_states"]
         assert [p["kind"] for p in line["kv_pools"]] == ["attention", "state"]

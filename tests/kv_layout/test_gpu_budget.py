@@ -67,7 +67,7 @@ def test_a_cuda_engine_sizes_its_cache_from_the_gpu() -> None:
     )
     engine = EngineCore(config)
     allowed = int(share * total) - (total - free)  # upper bound: before the weights were loaded
-    kv_bytes = engine.capacity()["bytes"]
+    kv_bytes = engine.worker_view.capacity()["bytes"]
     assert 0 < kv_bytes <= allowed
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
     tokens = []
