@@ -245,3 +245,24 @@ def test_a_chat_reply_has_each_tokens_own_bytes_and_hf_logprobs(byte_server: Ser
             assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)
         ids.append(chosen)
     assert len(content) == 12
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(byte_server: Server) -> None:
+    """What evaluation harnesses send to score a prompt: its logprobs, no generated token."""
+    client = byte_server.openai()
+    result = client.completions.create(
+        model=byte_server.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0.0
+    )
+    (choice,) = result.choices
+    _, tokenizer = _hf(byte_server.config.model.source)
+    prompt_ids = tokenizer.encode(PROMPT)
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 0 and result.usage.prompt_tokens == len(prompt_ids)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) and logprobs.token_logprobs[0] is None
+    assert b"".join(bytes_of(t) for t in logprobs.tokens) == PROMPT.encode()
+    reference = hf_log_softmax(byte_server, prompt_ids)
+    expected = [float(reference[i - 1, prompt_ids[i]]) for i in range(1, len(prompt_ids))]
+    assert all(abs(a - b) < ATOL for a, b in zip(logprobs.token_logprobs[1:], expected, strict=True))
+    refused = byte_server.post("/v1/completions", json={"model": byte_server.model, "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
