@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, in_vocabulary, leaves_room
@@ -557,7 +558,7 @@ def _check_structured(structured: StructuredOutput, param: str) -> None:
 def _scored_prompt(completion: ClusterCompletion) -> ClusterCompletion:
     """A scored prompt's completion as the client sees it (``max_tokens: 0``): the one token it
     ran dropped, finished for its length."""
-    logprobs = [] if completion.logprobs is not None else None
+    logprobs: list[TokenLogprob] | None = [] if completion.logprobs is not None else None
     return replace(completion, text="", token_ids=[], logprobs=logprobs, finish_reason="length")
 
 
