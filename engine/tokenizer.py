@@ -1,8 +1,17 @@
 """Tokenizers: the checkpoint's own (transformers) or a byte-level one for tiny random models,
-and incremental detokenization with stop strings."""
+and incremental detokenization with stop strings.
+
+Each tokenizer also names a token's own bytes (``token_bytes``): what the token adds to the
+UTF-8 of a decoded text. A token may hold part of a character (a byte-fallback ``<0xF0>``, or a
+byte-level BPE piece that ends inside a character), so decoding it alone (which replaces the
+part with U+FFFD) does not give them.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +25,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: what it adds to the UTF-8 of ``decode``'s text (b"" for a
+        token ``decode`` skips, such as a special token)."""
+        ...
 
     def chat_token_ids(
         self,
@@ -33,6 +47,9 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def chat_token_ids(
         self,
@@ -57,6 +74,7 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(directory))
         if not getattr(self._tok, "chat_template", None):
             self._tok.chat_template = _builtin_template(directory)
+        self._pieces: PieceBytes | None = None  # built on the first ``token_bytes``
 
     @property
     def backend(self) -> PreTrainedTokenizerBase:
@@ -68,6 +86,14 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]  # one id list: one string
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Read from the token's vocabulary piece through the tokenizer's decoder rules
+        (``PieceBytes``); a vocabulary whose decoder has other rules gives the token's decoded
+        text (such vocabularies hold whole characters)."""
+        if self._pieces is None:
+            self._pieces = PieceBytes(self._tok)
+        return self._pieces.of(token_id, self.decode)
 
     def chat_token_ids(
         self,
@@ -93,10 +119,100 @@ class HFTokenizer:
         return [int(t) for t in ids]  # type: ignore[arg-type]  # tokenize=True: a flat list of ids
 
 
+class PieceBytes:
+    """A transformers tokenizer's vocabulary pieces as bytes, by the rules of its decoder.
+
+    The rules understood (``tokenizers``' decoder types): ``ByteLevel`` (GPT-2's byte-to-character
+    alphabet: each character of a piece stands for one byte, a character outside the alphabet
+    for its own UTF-8), and a ``Sequence`` of ``Replace`` (a plain-string pattern),
+    ``ByteFallback`` (a piece ``<0xNN>`` is the byte NN), ``Fuse`` and ``Strip``, or ``Metaspace``
+    (``▁`` is a space): SentencePiece's. ``Strip`` and ``Metaspace`` drop a space at the start of a
+    whole text only, which no single token owns, so they change no token's bytes. Special tokens
+    (which ``HFTokenizer.decode`` skips) have none. ``usable`` is False for any other decoder.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self._tokenizer = tokenizer
+        added = tokenizer.added_tokens_decoder
+        self._special = frozenset([*tokenizer.all_special_ids, *(i for i, t in added.items() if t.special)])
+        self._byte_of: dict[str, int] | None = None  # the ByteLevel alphabet, character -> byte
+        self._replace: list[tuple[str, str]] = []
+        self._byte_fallback = False
+        self.usable = self._read_decoder(_decoder_json(tokenizer))
+
+    def of(self, token_id: int, decode: Callable[[list[int]], str]) -> bytes:
+        """Token ``token_id``'s bytes; ``decode`` (of one token) where the decoder is not understood."""
+        if token_id in self._special:
+            return b""
+        if not self.usable:
+            return decode([token_id]).encode("utf-8")
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return b""
+        if self._byte_of is not None:
+            byte_of = self._byte_of
+            return b"".join(bytes([byte_of[c]]) if c in byte_of else c.encode("utf-8") for c in piece)
+        if self._byte_fallback and (raw := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(raw.group(1), 16)])
+        for pattern, content in self._replace:
+            piece = piece.replace(pattern, content)
+        return piece.encode("utf-8")
+
+    def _read_decoder(self, decoder: dict[str, object] | None) -> bool:
+        """Take the rules of a decoder (a ``Sequence``'s steps in turn); False for a rule that
+        is none of those above."""
+        if not decoder:
+            return False
+        steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+        if not isinstance(steps, list):
+            return False
+        for step in steps:
+            kind = step.get("type") if isinstance(step, dict) else None
+            if kind == "ByteLevel":
+                self._byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+            elif kind == "ByteFallback":
+                self._byte_fallback = True
+            elif kind == "Replace" and isinstance(pattern := step.get("pattern"), dict) and "String" in pattern:
+                self._replace.append((str(pattern["String"]), str(step.get("content", ""))))
+            elif kind == "Metaspace":
+                self._replace.append((str(step.get("replacement", "\u2581")), " "))
+            elif kind not in ("Fuse", "Strip"):
+                return False
+        return True
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_json(tokenizer: PreTrainedTokenizerBase) -> dict[str, object] | None:
+    """The ``decoder`` section of a fast tokenizer's ``tokenizer.json`` (None without one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return None
+    try:
+        state = json.loads(decoder.__getstate__())
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte. Printable bytes
+    stand for themselves; the others (controls, space, DEL..NBSP, the soft hyphen) take the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + shifted)
+            shifted += 1
+    return alphabet
+
+
 def _builtin_template(directory: Path) -> str | None:
     """kvfleet's chat template for the directory's model family, if its checkpoint has none."""
-    import json
-
     from engine.chat_templates import builtin_chat_template
 
     try:

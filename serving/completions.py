@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.api import Cluster, ClusterCompletion, Delta
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured_output import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, in_vocabulary, leaves_room
@@ -51,13 +52,15 @@ class SamplePlan:
     """The samples each prompt of a request runs and what the client sees of them.
 
     Invariants: ``len(samples) >= n``; more samples than ``n`` (``best_of``) all report logprobs,
-    by which the ``n`` best are chosen; ``prompt_logprobs`` only with ``echo``."""
+    by which the ``n`` best are chosen; ``prompt_logprobs`` and ``score_only`` only with ``echo``."""
 
     samples: tuple[SamplingParams, ...]  # sample j's parameters (its seed is seed + j)
     n: int  # choices per prompt
     echo: bool = False  # the prompt's text (and its logprobs, with logprobs) precedes each choice
     logprobs: int | None = None  # top logprobs shown per output token; None: no logprobs shown
     prompt_logprobs: bool = False  # the echoed prompt's logprobs are shown
+    # max_tokens 0 with echo: each sample runs one token, which no response shows or counts
+    score_only: bool = False
 
 
 @dataclass
@@ -116,15 +119,18 @@ class Generation:
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         self._check_model(body.model)
         ids = [self._prompt_ids(p, "prompt") for p in body.prompts]
-        max_tokens = self._max_tokens(ids, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        # scoring a prompt runs one token (the engine always samples one), which is then dropped
+        requested = 1 if body.score_only else body.max_tokens
+        max_tokens = self._max_tokens(ids, requested, DEFAULT_COMPLETION_MAX_TOKENS)
         prompts = [
             ValidatedPrompt(tuple(i), p if isinstance(p, str) else None, body.cache_salt)
             for p, i in zip(body.prompts, ids, strict=True)
         ]
+        plan = self._sampling(body, max_tokens)
         return Prepared(
             "text_completion",
             prompts,
-            self._sampling(body, max_tokens),
+            replace(plan, score_only=body.score_only),
             body.stream,
             body.include_usage,
             f"cmpl-{uuid.uuid4().hex}",
@@ -333,8 +339,8 @@ class Generation:
                 async for index, item in items:
                     if not isinstance(item, ClusterCompletion):
                         continue
-                    completions[index] = item
                     self._record(item)
+                    completions[index] = _scored_prompt(item) if prepared.plan.score_only else item
             choices = [self._scored_choice(prepared, index, c) for index, c in self._chosen(prepared, completions)]
         except (RuntimeError, ValueError) as exc:
             raise APIError(500, f"generation failed: {exc}", code="generation_failed") from None
@@ -378,6 +384,8 @@ class Generation:
                     yield _event(self._chunk(prepared, i, self._prompt_text(prepared, i), None))
             async with aclosing(self._run(prepared)) as items:
                 async for index, item in items:
+                    if isinstance(item, Delta) and plan.score_only:
+                        continue  # the one token a scored prompt runs is never shown
                     if isinstance(item, Delta) and prepared.tool_calling is not None:
                         parser = parsers.setdefault(index, prepared.tool_calling.stream())
                         for piece in parser.feed(item.text):
@@ -389,8 +397,9 @@ class Generation:
                         elif (chunk := self._delta_chunk(prepared, index, item, pieces[index])) is not None:
                             yield _event(chunk)
                         continue
-                    finished[index] = item
                     self._record(item)
+                    item = _scored_prompt(item) if plan.score_only else item
+                    finished[index] = item
                     if index in held:
                         prompt_piece = pieces[index].prompt(item.prompt_token_ids, _required(item.prompt_logprobs))
                         pieces[index].offsets.position = len(item.prompt)
@@ -544,6 +553,13 @@ def _check_structured(structured: StructuredOutput, param: str) -> None:
     except InvalidRequestError as exc:
         message = str(exc).replace(f"{param}.spec:", f"{param}:", 1)
         raise bad_request(param, message) from None
+
+
+def _scored_prompt(completion: ClusterCompletion) -> ClusterCompletion:
+    """A scored prompt's completion as the client sees it (``max_tokens: 0``): the one token it
+    ran dropped, finished for its length."""
+    logprobs: list[TokenLogprob] | None = [] if completion.logprobs is not None else None
+    return replace(completion, text="", token_ids=[], logprobs=logprobs, finish_reason="length")
 
 
 def _required(logprobs: list[Any] | None) -> list[Any]:

@@ -10,9 +10,15 @@ choice's text (which, with ``echo``, starts with the prompt).
 ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
 [{"token", "logprob", "bytes"}, ...]}, ...]}`` with exactly ``k`` alternatives per token.
 
-A token's string is its text when it decodes on its own to whole characters, else OpenAI's
-``bytes:\\xNN...`` form; ``bytes`` are its raw bytes (the byte itself for ``ByteTokenizer``, one
-byte per id). Logprobs of ``-inf`` are reported as ``LOGPROB_FLOOR``: JSON has no infinity.
+A token's string and ``bytes`` come from the token's own bytes (``Tokenizer.token_bytes``: a
+byte-fallback ``<0xF0>`` is the byte 0xF0, a byte-level piece that ends inside a character is
+the bytes it holds), never from decoding the token alone, which turns part of a character into
+U+FFFD. The string is those bytes as text when they are whole characters, else OpenAI's
+``bytes:\\xNN...`` form; a token that decoding skips (a special token) is ``""`` with no bytes.
+So the tokens' bytes of a text the tokenizer round-trips join to its UTF-8, and ``text_offset``
+counts the characters the bytes before each token complete (an emoji split into four byte
+tokens: all four at the emoji's offset, the next token one character on). Logprobs of ``-inf`` are reported as
+``LOGPROB_FLOOR``: JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.logprobs import TokenLogprob
-from engine.tokenizer import ByteTokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # stands for -inf (a masked or impossible token) in JSON
 
@@ -47,16 +53,13 @@ class TokenStrings:
         return self.of(token_id)[1]
 
     def _compute(self, token_id: int) -> tuple[str, bytes]:
-        if isinstance(self.tokenizer, ByteTokenizer):
-            raw = bytes([token_id]) if 0 <= token_id < 256 else b""
-        else:  # a subword tokenizer: its text's bytes (a partial character decodes to U+FFFD)
-            raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        raw = self.tokenizer.token_bytes(token_id)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             text = ""
-        if not text or "\ufffd" in text:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw) if raw else text
+        if raw and (not text or "\ufffd" in text):
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text, raw
 
 

@@ -217,6 +217,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
 
     prompt: Any
+    # 0 with ``echo``: the prompt is scored (its logprobs with ``logprobs``) and nothing generated
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
@@ -234,6 +236,8 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise _field_error("best_of", f"best_of > n ({self.n}) cannot be streamed", self.best_of)
         _neutral(self, "suffix", None, "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise _field_error("max_tokens", "must be >= 1 unless echo is true (0 with echo scores the prompt)", 0)
         return self
 
     @property
@@ -251,6 +255,11 @@ class CompletionRequest(_Sampling):
     @property
     def samples_per_prompt(self) -> int:
         return max(self.n, self.best_of or 1)
+
+    @property
+    def score_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt (and its logprobs) alone, nothing generated."""
+        return self.max_tokens == 0
 
 
 class TextPart(_Body):

@@ -5,6 +5,9 @@ loopback port, and two applications on it.
   worker over the local transfer backend, prompts from 16 tokens split P/D, an API key.
 * ``small`` (route ``/small``): tiny Bamba (Mamba2 hybrid), 1 prefill + 1 decode worker, a queue
   bound of 2 requests per ingress replica; its decode worker is killed by the last health test.
+* ``bytes`` (route ``/bytes``, deployed by the first test that asks for it): a tiny random Llama
+  with a SentencePiece-style byte-fallback tokenizer (``tests/serve/byte_tokenizers.py``), one
+  decode worker, the API key.
 
 Both are deployed with ``serving.app.kvfleet_app``, the application ``serve run`` and the
 RayService deploy. The Ray fixture is scoped to this package.
@@ -27,6 +30,7 @@ from tests.support import init_local_ray, wait_for  # noqa: F401  (re-exported)
 API_KEY = "test-key-" + "5f1c2e"
 MAIN_ROUTE = ""
 SMALL_ROUTE = "/small"
+BYTES_ROUTE = "/bytes"
 SMALL_QUEUE_BOUND = 2
 
 
@@ -118,6 +122,29 @@ def servers() -> Iterator[dict[str, Server]]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def byte_server(servers: dict[str, Server], tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The ``bytes`` application, on the same Serve instance as the others."""
+    from ray import serve
+
+    from serving.app import kvfleet_app
+    from tests.serve.byte_tokenizers import byte_fallback_llama
+
+    directory = byte_fallback_llama(tmp_path_factory.mktemp("byte-fallback-llama"))
+    config = load_config(
+        "tiny",
+        [
+            f"model.source={directory}",
+            "workers.num_prefill=0",
+            "serve.served_model_name=tiny-byte-fallback",
+            f"serve.api_key={API_KEY}",
+        ],
+    )
+    serve.run(kvfleet_app(config), name="bytes", route_prefix=BYTES_ROUTE, blocking=False)
+    root = servers["main"].base.removesuffix(MAIN_ROUTE)
+    return Server(root + BYTES_ROUTE, config, "bytes", API_KEY)
 
 
 @pytest.fixture(scope="package")

@@ -220,6 +220,43 @@ def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
     assert result["usage"]["prompt_tokens"] == 3 and result["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(stream: bool) -> None:
+    fields = {"prompt": ["xyz", "pq"], "echo": True, "logprobs": 1, "max_tokens": 0}
+    cluster = FakeCluster()
+    scored = complete(cluster, **fields)
+    assert [s.max_tokens for _, s in cluster.calls] == [1, 1]  # the engine runs one token per prompt
+    with_one = complete(FakeCluster(), **{**fields, "max_tokens": 1})
+    for choice, longer in zip(scored["choices"], with_one["choices"], strict=True):
+        assert choice["text"] == longer["text"][:-1] and choice["finish_reason"] == "length"
+        assert choice["logprobs"] == {key: values[:-1] for key, values in longer["logprobs"].items()}
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == 5
+    if stream:
+        events = stream_events(FakeCluster(), False, **fields, stream_options={"include_usage": True})
+        by_index: dict[int, list[dict[str, Any]]] = {}
+        for event in events[:-1]:
+            by_index.setdefault(event["choices"][0]["index"], []).append(event["choices"][0])
+        for choice in scored["choices"]:
+            chunks = by_index[choice["index"]]
+            assert "".join(c["text"] for c in chunks) == choice["text"]
+            assert chunks[-1]["finish_reason"] == "length"
+            merged = {k: [v for c in chunks if c["logprobs"] for v in c["logprobs"][k]] for k in choice["logprobs"]}
+            assert merged == choice["logprobs"]
+        assert events[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_max_tokens_0_without_echo_is_a_400_naming_it() -> None:
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "ab", "max_tokens": 0})
+    param, message = describe(caught.value)
+    assert param == "max_tokens" and "echo" in message and "(got 0)" in message
+    with pytest.raises(ValidationError) as chat_caught:
+        ChatCompletionRequest.model_validate(
+            {"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}
+        )
+    assert describe(chat_caught.value)[0] == "max_tokens"
+
+
 def test_echo_without_logprobs_is_text_only() -> None:
     cluster = FakeCluster()
     choice = complete(cluster, prompt="xyz", echo=True)["choices"][0]
