@@ -9,10 +9,12 @@
  * each worker's live key once (a record knows its key's position, so a new key moves it in place:
  * ``LoadOrder`` pushes a new entry and skips the stale ones, which orders the live keys alike,
  * as the keys are distinct); the least few are read by a best-first walk down the heap, which
- * leaves it untouched. Built at install time by setup.py; optional.
+ * leaves it untouched. The book also keeps the per-worker ``queued`` and ``load_cost`` dicts (the
+ * policy reads them) and the sum of the queues. Built at install time by setup.py; optional.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,7 +41,13 @@ typedef struct {
     double s_half, w_half;
     /* ``Knobs``: the guards' ratios and slack, the work per request, the anchor credit */
     double imbalance_ratio, imbalance_slack, sustained_ratio, work_ratio, request_work, anchor;
-    double w_queued, w_running, w_used; /* the load cost's weights (``RoutingPolicy._cost_of``) */
+    double w_queued, w_running, w_used; /* the load cost's weights (``report``) */
+    Py_ssize_t extra_probes; /* ``Knobs.extra_probes`` */
+    PyObject *load_cost, *queued; /* dicts: worker -> load cost, worker -> queued tokens */
+    double queued_sum;  /* the sum of ``queued`` */
+    PyObject *loads;    /* the router's load copies (dict, the policy's): ``assign`` updates them */
+    PyObject *randrange; /* the policy's seeded ``rng.randrange`` (ties) */
+    PyObject *decision_type; /* ``engine.routing.types.Decision`` */
     double s_now;      /* SmoothedQueues.now */
     double st_value, st_avg, st_at; /* the total queue's average */
     double w_now;      /* DecayedWork.now */
@@ -287,14 +295,20 @@ static PyObject *order_first(Book *b, PyObject *exclude, PyObject *queued, doubl
 static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", "imbalance_ratio",
                              "imbalance_slack_tokens", "sustained_imbalance_ratio", "work_imbalance_ratio",
-                             "request_work_tokens", "anchor_credit", "w_queued", "w_running", "w_used", NULL};
+                             "request_work_tokens", "anchor_credit", "w_queued", "w_running", "w_used",
+                             "extra_probes", "loads", "randrange", NULL};
     double load_half, work_half;
-    PyObject *seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOddddddddd", kwlist, &load_half, &work_half, &seed,
+    PyObject *seed, *loads, *randrange;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOdddddddddnO!O", kwlist, &load_half, &work_half, &seed,
                                      &self->imbalance_ratio, &self->imbalance_slack, &self->sustained_ratio,
                                      &self->work_ratio, &self->request_work, &self->anchor, &self->w_queued,
-                                     &self->w_running, &self->w_used))
+                                     &self->w_running, &self->w_used, &self->extra_probes, &PyDict_Type, &loads,
+                                     &randrange))
         return -1;
+    if (!PyCallable_Check(randrange)) {
+        PyErr_SetString(PyExc_TypeError, "randrange: must be callable");
+        return -1;
+    }
     if (!(work_half > 0)) {
         PyObject *got = PyFloat_FromDouble(work_half);
         if (got != NULL) {
@@ -311,8 +325,23 @@ static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
     self->s_half = load_half;
     self->w_half = work_half;
     self->index = PyDict_New();
-    if (self->index == NULL)
+    self->load_cost = PyDict_New();
+    self->queued = PyDict_New();
+    if (self->index == NULL || self->load_cost == NULL || self->queued == NULL)
         return -1;
+    self->loads = Py_NewRef(loads);
+    self->randrange = Py_NewRef(randrange);
+    PyObject *types = PyImport_ImportModule("engine.routing.types");
+    if (types == NULL)
+        return -1;
+    self->decision_type = PyObject_GetAttrString(types, "Decision");
+    Py_DECREF(types);
+    if (self->decision_type == NULL)
+        return -1;
+    if (!PyType_Check(self->decision_type)) {
+        PyErr_SetString(PyExc_TypeError, "engine.routing.types.Decision: not a type");
+        return -1;
+    }
     PyObject *random = PyImport_ImportModule("random");
     if (random == NULL)
         return -1;
@@ -337,6 +366,11 @@ static void Book_dealloc(Book *self) {
     PyMem_Free(self->free_recs);
     PyMem_Free(self->heap);
     Py_XDECREF(self->index);
+    Py_XDECREF(self->load_cost);
+    Py_XDECREF(self->queued);
+    Py_XDECREF(self->loads);
+    Py_XDECREF(self->randrange);
+    Py_XDECREF(self->decision_type);
     Py_XDECREF(self->draw);
     Py_XDECREF(self->scan_best);
     Py_XDECREF(self->scan_deferred);
@@ -369,13 +403,19 @@ static PyObject *Book_add(Book *self, PyObject *worker) {
         }
         i = self->nrecs++;
     }
-    PyObject *num = PyLong_FromSsize_t(i);
-    if (num == NULL || PyDict_SetItem(self->index, worker, num) < 0) {
+    PyObject *num = PyLong_FromSsize_t(i), *zero = PyFloat_FromDouble(0.0);
+    if (num == NULL || zero == NULL || PyDict_SetItem(self->index, worker, num) < 0) {
         Py_XDECREF(num);
+        Py_XDECREF(zero);
         self->free_recs[self->nfree++] = i;
         return NULL;
     }
     Py_DECREF(num);
+    if (PyDict_SetItem(self->load_cost, worker, zero) < 0 || PyDict_SetItem(self->queued, worker, zero) < 0) {
+        Py_DECREF(zero);
+        return NULL;
+    }
+    Py_DECREF(zero);
     Rec *r = &self->recs[i];
     memset(r, 0, sizeof(Rec));
     Py_INCREF(worker);
@@ -394,8 +434,12 @@ static PyObject *Book_remove(Book *self, PyObject *worker) {
         return NULL;
     if (i == -1)
         Py_RETURN_NONE;
-    if (PyDict_DelItem(self->index, worker) < 0)
+    int failed = 0;
+    double left_queued = dict_double(self->queued, worker, &failed);
+    if (failed || PyDict_DelItem(self->index, worker) < 0 || PyDict_DelItem(self->queued, worker) < 0 ||
+        PyDict_DelItem(self->load_cost, worker) < 0)
         return NULL;
+    self->queued_sum -= left_queued;
     Rec *r = &self->recs[i];
     if (self->smoothed) { /* ``SmoothedQueues.remove`` */
         double total = self->st_value - r->s_value;
@@ -449,23 +493,6 @@ static void add_work_core(Book *self, Py_ssize_t i, double amount, double now) {
     self->wt_at = now;
 }
 
-static PyObject *Book_set_load(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "set_load(worker, queued, cost)");
-        return NULL;
-    }
-    double queued = PyFloat_AsDouble(args[1]);
-    if (queued == -1.0 && PyErr_Occurred())
-        return NULL;
-    double cost = PyFloat_AsDouble(args[2]);
-    if (cost == -1.0 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t i = require(self, args[0]);
-    if (i < 0 || set_load_core(self, i, queued, cost) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
 static PyObject *Book_add_work(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "add_work(worker, amount, now)");
@@ -494,59 +521,90 @@ static PyObject *str_decision[9];
 static PyObject *str_reasons[4]; /* "cost", "guard", "prefix", "inflight": ``REASON_*`` */
 enum { REASON_COST, REASON_GUARD, REASON_PREFIX, REASON_INFLIGHT };
 
-/* ``assign``: ``RoutingPolicy._record`` (and ``PlacementPolicy._record``) of a request running
- * whole on one worker, operation by operation: the work, the load copy's queued tokens and
- * running requests, the load cost (``_cost_of``), the policy's dicts, the book's queue and order.
- * Returns the change of the worker's queued tokens. */
-static PyObject *assign_core(Book *self, PyObject *worker, PyObject *load, PyObject *uncached, double now,
-                             PyObject *load_cost, PyObject *queued) {
-    double amount = PyFloat_AsDouble(uncached);
+/* ``report``: see ``PyLoadBook.report``, operation by operation. */
+static int report_core(Book *self, Py_ssize_t i, PyObject *worker, PyObject *load) {
+    PyObject *q_obj = PyObject_GetAttr(load, str_queued_tokens), *r_obj = NULL, *u_obj = NULL, *cost_obj = NULL;
+    int rc = -1, failed = 0;
+    if (q_obj == NULL || (r_obj = PyObject_GetAttr(load, str_running_requests)) == NULL ||
+        (u_obj = PyObject_GetAttr(load, str_used_block_fraction)) == NULL)
+        goto done;
+    double q = PyFloat_AsDouble(q_obj), r = PyFloat_AsDouble(r_obj), u = PyFloat_AsDouble(u_obj);
     if (PyErr_Occurred())
+        goto done;
+    double cost = self->w_queued * q + self->w_running * r + self->w_used * u;
+    double old = dict_double(self->queued, worker, &failed);
+    if (failed)
+        goto done;
+    if ((cost_obj = PyFloat_FromDouble(cost)) == NULL || PyDict_SetItem(self->queued, worker, q_obj) < 0 ||
+        PyDict_SetItem(self->load_cost, worker, cost_obj) < 0)
+        goto done;
+    self->queued_sum += q - old;
+    rc = set_load_core(self, i, q, cost);
+done:
+    Py_XDECREF(q_obj);
+    Py_XDECREF(r_obj);
+    Py_XDECREF(u_obj);
+    Py_XDECREF(cost_obj);
+    return rc;
+}
+
+static PyObject *Book_report(Book *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "report(worker, load)");
         return NULL;
+    }
+    Py_ssize_t i = require(self, args[0]);
+    if (i < 0 || report_core(self, i, args[0], args[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ``assign``: see ``PyLoadBook.assign``, operation by operation: the work, the load copy's queued
+ * tokens and running requests, then ``report``. */
+static int assign_core(Book *self, PyObject *worker, PyObject *uncached, double now) {
+    double amount = PyFloat_AsDouble(uncached);
+    if (amount == -1.0 && PyErr_Occurred())
+        return -1;
     Py_ssize_t i = require(self, worker);
     if (i < 0)
-        return NULL;
-    PyObject *before = NULL, *after = NULL, *running = NULL, *more = NULL, *used = NULL, *cost = NULL,
-             *delta = NULL;
+        return -1;
+    PyObject *load = PyDict_GetItemWithError(self->loads, worker); /* borrowed */
+    if (load == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, worker);
+        return -1;
+    }
+    Py_INCREF(load);
+    int rc = -1;
+    PyObject *before = NULL, *after = NULL, *running = NULL, *more = NULL;
     PyObject *one = PyLong_FromLong(1);
-    if (one == NULL || (before = PyObject_GetAttr(load, str_queued_tokens)) == NULL)
-        goto done;
     add_work_core(self, i, amount + self->request_work, now);
-    if ((after = PyNumber_Add(before, uncached)) == NULL || PyObject_SetAttr(load, str_queued_tokens, after) < 0)
+    if (one == NULL || (before = PyObject_GetAttr(load, str_queued_tokens)) == NULL ||
+        (after = PyNumber_Add(before, uncached)) == NULL || PyObject_SetAttr(load, str_queued_tokens, after) < 0)
         goto done;
     if ((running = PyObject_GetAttr(load, str_running_requests)) == NULL ||
         (more = PyNumber_Add(running, one)) == NULL || PyObject_SetAttr(load, str_running_requests, more) < 0)
         goto done;
-    if ((used = PyObject_GetAttr(load, str_used_block_fraction)) == NULL)
-        goto done;
-    double q = PyFloat_AsDouble(after), r = PyFloat_AsDouble(more), u = PyFloat_AsDouble(used);
-    if (PyErr_Occurred())
-        goto done;
-    double value = self->w_queued * q + self->w_running * r + self->w_used * u;
-    if ((cost = PyFloat_FromDouble(value)) == NULL || PyDict_SetItem(load_cost, worker, cost) < 0 ||
-        PyDict_SetItem(queued, worker, after) < 0 || set_load_core(self, i, q, value) < 0)
-        goto done;
-    delta = PyNumber_Subtract(after, before);
+    rc = report_core(self, i, worker, load);
 done:
+    Py_DECREF(load);
     Py_XDECREF(one);
     Py_XDECREF(before);
     Py_XDECREF(after);
     Py_XDECREF(running);
     Py_XDECREF(more);
-    Py_XDECREF(used);
-    Py_XDECREF(cost);
-    return delta;
+    return rc;
 }
 
 static PyObject *Book_assign(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "assign(worker, load, uncached, now, load_cost: dict, queued: dict)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "assign(worker, uncached, now)");
         return NULL;
     }
-    double now = PyFloat_AsDouble(args[3]);
-    if (now == -1.0 && PyErr_Occurred())
+    double now = PyFloat_AsDouble(args[2]);
+    if ((now == -1.0 && PyErr_Occurred()) || assign_core(self, args[0], args[1], now) < 0)
         return NULL;
-    return assign_core(self, args[0], args[1], args[2], now, args[4], args[5]);
+    Py_RETURN_NONE;
 }
 
 static int worker_and_now(Book *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *i, double *now) {
@@ -618,6 +676,11 @@ static PyObject *Book_over(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyBool_FromLong(is_over(self, &self->recs[i], now, slow, cap));
 }
 
+/* the mean of ``queued`` over every worker (``PyLoadBook.thresholds`` with no ``mean_queued``) */
+static inline double own_mean_queued(const Book *self) {
+    return self->queued_sum / (double)(self->count > 1 ? self->count : 1);
+}
+
 /* ``thresholds``: see ``PyLoadBook.thresholds``. ``mean_smoothed`` / ``mean_work`` NULL: the
  * book's own means over every worker. */
 static void thresholds_of(const Book *self, double n, double now, double mean_queued, const double *mean_smoothed,
@@ -643,7 +706,8 @@ static PyObject *Book_thresholds(Book *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)");
         return NULL;
     }
-    double n = PyFloat_AsDouble(args[0]), now = PyFloat_AsDouble(args[1]), mean_queued = PyFloat_AsDouble(args[2]);
+    double n = PyFloat_AsDouble(args[0]), now = PyFloat_AsDouble(args[1]);
+    double mean_queued = args[2] == Py_None ? own_mean_queued(self) : PyFloat_AsDouble(args[2]);
     double mean_smoothed = args[3] == Py_None ? 0.0 : PyFloat_AsDouble(args[3]);
     double mean_work = args[4] == Py_None ? 0.0 : PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
@@ -765,9 +829,10 @@ static void scan_clear(ScanOut *out) {
 }
 
 /* ``PyLoadBook.scan``; on failure returns -1 with ``out`` cleared. */
-static int scan_core(Book *self, PyObject *credit, PyObject *among, PyObject *load_cost, PyObject *queued,
-                     double limit, double now, double slow, double cap, double w_uncached, double w_spread,
-                     PyObject *pending, Py_ssize_t probes, ScanOut *out) {
+static int scan_core(Book *self, PyObject *credit, PyObject *among, double limit, double now, double slow,
+                     double cap, double w_uncached, double w_spread, PyObject *pending, Py_ssize_t probes,
+                     ScanOut *out) {
+    PyObject *load_cost = self->load_cost, *queued = self->queued;
     int among_is_dict = PyDict_Check(among);
     Py_ssize_t pending_size = PyObject_Length(pending);
     if (pending_size < 0)
@@ -849,26 +914,24 @@ error:
 
 /* ``scan``: see ``PyLoadBook.scan``. */
 static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
+    if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError,
-                        "scan(credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending, "
-                        "probes)");
+                        "scan(credit, among, limit, now, slow, cap, w_uncached, w_spread, pending, probes)");
         return NULL;
     }
-    PyObject *credit = args[0], *among = args[1], *load_cost = args[2], *queued = args[3], *pending = args[10];
-    if (!PyDict_CheckExact(credit) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
-        PyErr_SetString(PyExc_TypeError, "scan: credit, load_cost and queued must be dicts");
+    PyObject *credit = args[0], *among = args[1], *pending = args[8];
+    if (!PyDict_CheckExact(credit)) {
+        PyErr_SetString(PyExc_TypeError, "scan: credit must be a dict");
         return NULL;
     }
-    double limit = PyFloat_AsDouble(args[4]), now = PyFloat_AsDouble(args[5]), slow = PyFloat_AsDouble(args[6]),
-           cap = PyFloat_AsDouble(args[7]), w_uncached = PyFloat_AsDouble(args[8]),
-           w_spread = PyFloat_AsDouble(args[9]);
-    Py_ssize_t probes = PyLong_AsSsize_t(args[11]);
+    double limit = PyFloat_AsDouble(args[2]), now = PyFloat_AsDouble(args[3]), slow = PyFloat_AsDouble(args[4]),
+           cap = PyFloat_AsDouble(args[5]), w_uncached = PyFloat_AsDouble(args[6]),
+           w_spread = PyFloat_AsDouble(args[7]);
+    Py_ssize_t probes = PyLong_AsSsize_t(args[9]);
     if (PyErr_Occurred())
         return NULL;
     ScanOut out;
-    if (scan_core(self, credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending,
-                  probes, &out) < 0)
+    if (scan_core(self, credit, among, limit, now, slow, cap, w_uncached, w_spread, pending, probes, &out) < 0)
         return NULL;
     PyObject *result = Py_BuildValue("(dNNNNN)", out.best_cost, PyList_GetSlice(out.best, 0, PyList_GET_SIZE(out.best)),
                                      PyList_GetSlice(out.deferred, 0, PyList_GET_SIZE(out.deferred)),
@@ -885,25 +948,25 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
  * first entries, nobody allowed): the policy then runs ``_pick`` itself. */
 static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyObject **why) {
     PyObject *hits = args[0], *shared = dict_or_null(args[1]), *ahead = dict_or_null(args[2]), *pending = args[3];
-    PyObject *load_cost = args[4], *queued = args[5], *randrange = args[12];
-    if (!PyDict_Check(hits) || !PyDict_Check(load_cost) || !PyDict_Check(queued)) {
-        PyErr_SetString(PyExc_TypeError, "choose: hits, load_cost and queued must be dicts");
+    PyObject *randrange = self->randrange;
+    if (!PyDict_Check(hits)) {
+        PyErr_SetString(PyExc_TypeError, "choose: hits must be a dict");
         return -1;
     }
-    double mean_queued = PyFloat_AsDouble(args[6]), n = PyFloat_AsDouble(args[7]), now = PyFloat_AsDouble(args[8]),
-           w_uncached = PyFloat_AsDouble(args[9]), w_spread = PyFloat_AsDouble(args[10]);
-    Py_ssize_t extra = PyLong_AsSsize_t(args[11]);
+    double n = PyFloat_AsDouble(args[4]), now = PyFloat_AsDouble(args[5]), w_uncached = PyFloat_AsDouble(args[6]),
+           w_spread = PyFloat_AsDouble(args[7]);
+    Py_ssize_t extra = self->extra_probes;
     if (PyErr_Occurred())
         return -1;
     double limit, slow, cap;
-    thresholds_of(self, n, now, mean_queued, NULL, NULL, &limit, &slow, &cap);
+    thresholds_of(self, n, now, own_mean_queued(self), NULL, NULL, &limit, &slow, &cap);
     PyObject *credit = credit_of(self, hits, shared, NULL, ahead);
     if (credit == NULL)
         return -1;
     ScanOut out;
     PyObject *choice = NULL;
-    int rc = scan_core(self, credit, load_cost, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread,
-                       pending, PyDict_GET_SIZE(credit) + extra, &out);
+    int rc = scan_core(self, credit, self->load_cost, limit, now, slow, cap, w_uncached, w_spread, pending,
+                       PyDict_GET_SIZE(credit) + extra, &out);
     Py_DECREF(credit);
     if (rc < 0)
         return -1;
@@ -969,10 +1032,8 @@ fail:
 }
 
 static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError,
-                        "choose(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
-                        "w_uncached, w_spread, extra_probes, randrange)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "choose(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)");
         return NULL;
     }
     PyObject *choice, *why;
@@ -984,17 +1045,14 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
     return Py_BuildValue("(NO)", choice, why);
 }
 
-/* ``place``: ``choose`` and, when it chooses, ``assign`` of the request running whole on the chosen
- * worker (``loads``: the policy's load copies; its uncached tokens: ``num_tokens`` less its hit), in
- * one call. Returns (the ``Decision``, made as an instance of ``decision`` with its fields written
- * like ``Decision.__init__`` does: the worker both ways, its hit, ``num_tokens``, the reason, no pin,
- * no decode or host hit, the best hit ``max(hits.values(), default=0)``; the change of the worker's
- * queued tokens), or None, having changed nothing, where ``choose`` gives None. */
+/* ``place``: see ``PyLoadBook.place``: ``choose`` and, when it chooses, ``assign`` of the request
+ * to the chosen worker; the ``Decision`` is made with its fields written as ``Decision.__init__``
+ * writes them (the worker both ways, its hit, ``num_tokens``, the reason, no pin, no decode or host
+ * hit, the best hit ``max(hits.values(), default=0)``). None, having changed nothing, where
+ * ``choose`` gives None. */
 static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 15 || !PyDict_Check(args[13]) || !PyType_Check(args[14])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "place(hits, shared, ahead, pending, load_cost, queued, mean_queued, num_tokens, now, "
-                        "w_uncached, w_spread, extra_probes, randrange, loads: dict, decision: type)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "place(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)");
         return NULL;
     }
     PyObject *choice, *why;
@@ -1003,7 +1061,7 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (rc == 0)
         Py_RETURN_NONE;
-    PyObject *hits = args[0], *result = NULL, *uncached = NULL, *delta = NULL, *hit = NULL, *best = NULL;
+    PyObject *hits = args[0], *result = NULL, *uncached = NULL, *hit = NULL, *best = NULL;
     PyObject *found = PyDict_GetItemWithError(hits, choice), *top = NULL, *key, *value; /* borrowed */
     if (found == NULL && PyErr_Occurred())
         goto done;
@@ -1018,25 +1076,19 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
     if ((hit = found != NULL ? Py_NewRef(found) : PyLong_FromLong(0)) == NULL ||
         (best = top != NULL ? Py_NewRef(top) : PyLong_FromLong(0)) == NULL)
         goto done;
-    PyObject *load = PyDict_GetItemWithError(args[13], choice);
-    if (load == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, choice);
+    double now = PyFloat_AsDouble(args[5]);
+    if ((now == -1.0 && PyErr_Occurred()) || (uncached = PyNumber_Subtract(args[4], hit)) == NULL)
         goto done;
-    }
-    double now = PyFloat_AsDouble(args[8]);
-    if ((now == -1.0 && PyErr_Occurred()) || (uncached = PyNumber_Subtract(args[7], hit)) == NULL)
+    if (assign_core(self, choice, uncached, now) < 0)
         goto done;
-    if ((delta = assign_core(self, choice, load, uncached, now, args[4], args[5])) == NULL)
-        goto done;
-    PyTypeObject *type = (PyTypeObject *)args[14];
+    PyTypeObject *type = (PyTypeObject *)self->decision_type;
     PyObject *decision = type->tp_alloc(type, 0), *zero = PyLong_FromLong(0);
     if (decision == NULL || zero == NULL) {
         Py_XDECREF(decision);
         Py_XDECREF(zero);
         goto done;
     }
-    PyObject *values[9] = {choice, choice, hit, args[7], why, Py_None, zero, best, zero};
+    PyObject *values[9] = {choice, choice, hit, args[4], why, Py_None, zero, best, zero};
     for (int k = 0; k < 9; k++) {
         if (PyObject_GenericSetAttr(decision, str_decision[k], values[k]) < 0) {
             Py_DECREF(decision);
@@ -1045,23 +1097,27 @@ static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_DECREF(zero);
-    result = PyTuple_Pack(2, decision, delta);
-    Py_DECREF(decision);
+    result = decision;
 done:
     Py_DECREF(choice);
     Py_XDECREF(hit);
     Py_XDECREF(best);
     Py_XDECREF(uncached);
-    Py_XDECREF(delta);
     return result;
 }
 
+static PyMemberDef Book_members[] = {
+    {"load_cost", T_OBJECT_EX, offsetof(Book, load_cost), READONLY, "worker -> load cost (``report``)"},
+    {"queued", T_OBJECT_EX, offsetof(Book, queued), READONLY, "worker -> queued tokens"},
+    {"queued_sum", T_DOUBLE, offsetof(Book, queued_sum), READONLY, "the sum of ``queued``"},
+    {NULL, 0, 0, 0, NULL},
+};
 
 static PyMethodDef Book_methods[] = {
     {"add", (PyCFunction)Book_add, METH_O, "Track a worker: queue and work 0, load cost 0."},
     {"remove", (PyCFunction)Book_remove, METH_O, "Forget a worker (unknown ones are ignored)."},
     {"advance", (PyCFunction)Book_advance, METH_O, "The time of a decision."},
-    {"set_load", (PyCFunction)(void (*)(void))Book_set_load, METH_FASTCALL, "set_load(worker, queued, cost)"},
+    {"report", (PyCFunction)(void (*)(void))Book_report, METH_FASTCALL, "report(worker, load)"},
     {"add_work", (PyCFunction)(void (*)(void))Book_add_work, METH_FASTCALL, "add_work(worker, amount, now)"},
     {"smoothed", (PyCFunction)(void (*)(void))Book_smoothed, METH_FASTCALL, "smoothed(worker, now)"},
     {"smoothed_mean", (PyCFunction)Book_smoothed_mean, METH_O, "smoothed_mean(now)"},
@@ -1087,6 +1143,7 @@ static PyTypeObject BookType = {
     .tp_init = (initproc)Book_init,
     .tp_dealloc = (destructor)Book_dealloc,
     .tp_methods = Book_methods,
+    .tp_members = Book_members,
 };
 
 static struct PyModuleDef load_module = {

@@ -7,6 +7,12 @@ from engine.routing.types import Decision, WorkerLoad
 
 @final
 class LoadBook:
+    @property
+    def load_cost(self) -> dict[Hashable, float]: ...
+    @property
+    def queued(self) -> dict[Hashable, float]: ...
+    @property
+    def queued_sum(self) -> float: ...
     def __init__(
         self,
         load_halflife_s: float,
@@ -21,11 +27,14 @@ class LoadBook:
         w_queued: float,
         w_running: float,
         w_used: float,
+        extra_probes: int,
+        loads: dict[Hashable, WorkerLoad],
+        randrange: Callable[[int], int],
     ) -> None: ...
     def add(self, worker: Hashable, /) -> None: ...
     def remove(self, worker: Hashable, /) -> None: ...
     def advance(self, now: float, /) -> None: ...
-    def set_load(self, worker: Hashable, queued: float, cost: float, /) -> None: ...
+    def report(self, worker: Hashable, load: WorkerLoad, /) -> None: ...
     def add_work(self, worker: Hashable, amount: float, now: float, /) -> None: ...
     def smoothed(self, worker: Hashable, now: float, /) -> float: ...
     def smoothed_mean(self, now: float, /) -> float: ...
@@ -33,7 +42,13 @@ class LoadBook:
     def work_mean(self, now: float, /) -> float: ...
     def over(self, worker: Hashable, now: float, slow: float, cap: float, /) -> bool: ...
     def thresholds(
-        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None, /
+        self,
+        num_tokens: int,
+        now: float,
+        mean_queued: float | None,
+        mean_smoothed: float | None,
+        mean_work: float | None,
+        /,
     ) -> tuple[float, float, float]: ...
     def credit(
         self,
@@ -47,8 +62,6 @@ class LoadBook:
         self,
         credit: dict[Hashable, float],
         among: Container[Hashable],
-        load_cost: dict[Hashable, float],
-        queued: dict[Hashable, float],
         limit: float,
         now: float,
         slow: float,
@@ -65,43 +78,22 @@ class LoadBook:
         shared: dict[Hashable, int] | None,
         ahead: dict[Hashable, int] | None,
         pending: Container[Hashable],
-        load_cost: dict[Hashable, float],
-        queued: dict[Hashable, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
         /,
     ) -> tuple[Hashable, str] | None: ...
-    def assign(
-        self,
-        worker: Hashable,
-        load: WorkerLoad,
-        uncached: int,
-        now: float,
-        load_cost: dict[Hashable, float],
-        queued: dict[Hashable, float],
-        /,
-    ) -> float | None: ...
+    def assign(self, worker: Hashable, uncached: int, now: float, /) -> None: ...
     def place(
         self,
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
         ahead: dict[Hashable, int] | None,
         pending: Container[Hashable],
-        load_cost: dict[Hashable, float],
-        queued: dict[Hashable, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
-        loads: dict[Hashable, WorkerLoad],
-        decision: type[Decision],
         /,
-    ) -> tuple[Decision, float] | None: ...
+    ) -> Decision | None: ...

@@ -8,7 +8,8 @@ a0 and new value q, the average at t is ``q + (a0 - q) * 0.5 ** ((t - t0) / h)``
 mean needs no pass over the workers: averaging is linear, so the average of the sum of the
 queues (tracked the same way) divided by the number of workers is the mean of the averages.
 
-``LoadBook`` bundles the three for the policy, with the pick's loop over a request's candidates;
+``LoadBook`` bundles the three for the policy with the per-worker queued tokens and load costs,
+the pick's loop over a request's candidates and the whole-pool pick and record;
 ``PyLoadBook`` is the reference, ``engine/routing/_load.c`` the compiled book (built at install
 time, optional like the holder maps' core).
 """
@@ -204,9 +205,14 @@ class LoadOrder:
         return found, refused
 
 
+#: entries of the load order looked at beyond a request's prefix holders before the pick falls
+#: back to a pass over every worker (the least loaded are all guarded: rare)
+LEAST_LOADED_PROBES = 8
+
+
 class Knobs(NamedTuple):
     """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios, anchor credit
-    and load weights, and the load order's seed (``knobs_of``)."""
+    and load weights, the load order's seed (``knobs_of``) and the load order's extra probes."""
 
     load_halflife_s: float
     work_halflife_s: float
@@ -219,7 +225,8 @@ class Knobs(NamedTuple):
     anchor_credit: float
     w_queued: float  # ``RouterWeights``: a worker's load cost per queued token,
     w_running: float  # per running request,
-    w_used: float  # per used share of its blocks (``RoutingPolicy._cost_of``)
+    w_used: float  # per used share of its blocks (``LoadBook.report``)
+    extra_probes: int = LEAST_LOADED_PROBES
 
 
 def knobs_of(config: RouterConfig) -> Knobs:
@@ -245,26 +252,30 @@ def knobs_of(config: RouterConfig) -> Knobs:
 Scan = tuple[float, list[WorkerId], list[WorkerId], set[WorkerId], bool, bool]
 
 
-#: what ``LoadBook.place`` returns: (the decision, the change of its worker's queued tokens)
-Placed = tuple[Decision, float]
-
-
 class LoadBook(Protocol):
-    """The routing policy's per-worker load state over time: queued tokens averaged over time
-    (``SmoothedQueues``, absent when ``load_halflife_s`` is 0), work assigned lately
-    (``DecayedWork``) and the load order (``LoadOrder``), with the pick's loop over a request's
-    candidates (``scan``). The policy keeps each worker's queued tokens and load cost in plain
-    dicts and hands them in; the book owns only what changes with time.
+    """The routing policy's load state: each worker's queued tokens (``queued``, and their sum
+    ``queued_sum``) and load cost (``load_cost``: the one place it is computed, ``report``), read
+    by the policy and changed only here; queued tokens averaged over time (``SmoothedQueues``,
+    absent when ``load_halflife_s`` is 0), work assigned lately (``DecayedWork``) and the load order
+    (``LoadOrder``); the pick's loop over a request's candidates (``scan``) and the whole-pool pick
+    and record (``choose``, ``assign``, ``place``).
 
-    Two implementations with identical results (the same floating-point operations in the same
-    order, the same random draws): ``PyLoadBook`` below, the reference, and the compiled
-    ``engine.routing._load.LoadBook`` (``make_load_book`` picks one like
-    ``holder_maps.make_holder_maps``)."""
+    Built over the router's load copies (``PlacementPolicy.loads``, which ``assign`` updates) and
+    the policy's seeded ``randrange`` (ties). Two implementations with identical results (the same
+    floating-point operations in the same order, the same random draws): ``PyLoadBook`` below,
+    the reference, and the compiled ``engine.routing._load.LoadBook`` (``make_load_book`` picks one
+    like ``holder_maps.make_holder_maps``)."""
 
+    @property
+    def load_cost(self) -> dict[WorkerId, float]: ...
+    @property
+    def queued(self) -> dict[WorkerId, float]: ...
+    @property
+    def queued_sum(self) -> float: ...
     def add(self, worker: WorkerId) -> None: ...
     def remove(self, worker: WorkerId) -> None: ...
     def advance(self, now: float) -> None: ...
-    def set_load(self, worker: WorkerId, queued: float, cost: float) -> None: ...
+    def report(self, worker: WorkerId, load: WorkerLoad) -> None: ...
     def add_work(self, worker: WorkerId, amount: float, now: float) -> None: ...
     def smoothed(self, worker: WorkerId, now: float) -> float: ...
     def smoothed_mean(self, now: float) -> float: ...
@@ -272,7 +283,12 @@ class LoadBook(Protocol):
     def work_mean(self, now: float) -> float: ...
     def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool: ...
     def thresholds(
-        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None
+        self,
+        num_tokens: int,
+        now: float,
+        mean_queued: float | None,
+        mean_smoothed: float | None,
+        mean_work: float | None,
     ) -> tuple[float, float, float]: ...
     def credit(
         self,
@@ -285,8 +301,6 @@ class LoadBook(Protocol):
         self,
         credit: dict[WorkerId, float],
         among: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
         limit: float,
         now: float,
         slow: float,
@@ -302,66 +316,62 @@ class LoadBook(Protocol):
         shared: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
     ) -> tuple[WorkerId, str] | None: ...
-    def assign(
-        self,
-        worker: WorkerId,
-        load: WorkerLoad,
-        uncached: int,
-        now: float,
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-    ) -> float | None: ...
+    def assign(self, worker: WorkerId, uncached: int, now: float) -> None: ...
     def place(
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
-        loads: dict[WorkerId, WorkerLoad],
-        decision: type[Decision],
-    ) -> Placed | None: ...
+    ) -> Decision | None: ...
 
 
 class PyLoadBook:
-    """``LoadBook`` in Python: a ``SmoothedQueues`` (None when ``load_halflife_s`` is 0), a
-    ``DecayedWork`` and a ``LoadOrder`` over the same workers.
+    """``LoadBook`` in Python: the per-worker ``queued`` and ``load_cost`` dicts, a
+    ``SmoothedQueues`` (None when ``load_halflife_s`` is 0), a ``DecayedWork`` and a ``LoadOrder``
+    over the same workers.
 
-    Invariants: the three track exactly the workers added and not removed; a worker's load-order
-    key is its last ``set_load`` cost and its work rank at that moment."""
+    Invariants: all of them track exactly the workers added and not removed; ``queued[w]`` is
+    ``loads[w].queued_tokens`` as last reported or assigned and ``queued_sum`` their sum; a
+    worker's load-order key is its last load cost and its work rank at that moment."""
 
-    def __init__(self, knobs: Knobs):
+    def __init__(self, knobs: Knobs, loads: dict[WorkerId, WorkerLoad], randrange: Callable[[int], int]):
         self.knobs = knobs
+        self.loads = loads  # the router's load copies, owned by the policy; ``assign`` updates them
+        self.randrange = randrange
+        self.load_cost: dict[WorkerId, float] = {}
+        self.queued: dict[WorkerId, float] = {}
+        self.queued_sum = 0.0
         self.queues = SmoothedQueues(knobs.load_halflife_s) if knobs.load_halflife_s > 0 else None
         self.assigned = DecayedWork(knobs.work_halflife_s)
         self.order = LoadOrder(knobs.seed)
 
     def add(self, worker: WorkerId) -> None:
         """Track ``worker``: queue and work 0, load cost 0."""
+        if worker in self.queued:
+            raise ValueError(f"worker {worker!r} is already in the load book")
+        self.load_cost[worker] = 0.0
+        self.queued[worker] = 0.0
         if self.queues is not None:
             self.queues.add(worker)
         self.assigned.add_worker(worker)
         self.order.set(worker, 0.0, self.assigned.rank(worker))
 
     def remove(self, worker: WorkerId) -> None:
+        """Forget ``worker`` (an unknown one is ignored)."""
+        if worker not in self.queued:
+            return
+        self.queued_sum -= self.queued.pop(worker)
+        del self.load_cost[worker]
         self.order.remove(worker)
         if self.queues is not None:
             self.queues.remove(worker)
@@ -372,8 +382,19 @@ class PyLoadBook:
         if self.queues is not None:
             self.queues.now = max(self.queues.now, now)
 
-    def set_load(self, worker: WorkerId, queued: float, cost: float) -> None:
-        """A new queue length and load cost for ``worker`` (a report, or the router's assignment)."""
+    def report(self, worker: WorkerId, load: WorkerLoad) -> None:
+        """``load`` is ``worker``'s load now (its report, or the router's copy after an
+        assignment): its queued tokens, and its load cost ``w_queued * queued_tokens + w_running *
+        running_requests + w_used * used_block_fraction``, go into the dicts, the queue average and
+        the load order."""
+        knobs = self.knobs
+        queued = load.queued_tokens
+        cost = (
+            knobs.w_queued * queued + knobs.w_running * load.running_requests + knobs.w_used * load.used_block_fraction
+        )
+        self.queued_sum += queued - self.queued[worker]
+        self.queued[worker] = queued
+        self.load_cost[worker] = cost
         if self.queues is not None:
             self.queues.set(worker, queued)
         self.order.set(worker, cost, self.assigned.rank(worker))
@@ -395,17 +416,22 @@ class PyLoadBook:
 
     def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool:
         """Whether ``worker`` took more than its share lately: its time-averaged queue above
-        ``slow`` or its assigned work above ``cap`` (``RoutingPolicy._guard`` sets both)."""
+        ``slow`` or its assigned work above ``cap`` (``thresholds`` sets both)."""
         return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(worker, now) > cap
 
     def thresholds(
-        self, num_tokens: int, now: float, mean_queued: float, mean_smoothed: float | None, mean_work: float | None
+        self,
+        num_tokens: int,
+        now: float,
+        mean_queued: float | None,
+        mean_smoothed: float | None,
+        mean_work: float | None,
     ) -> tuple[float, float, float]:
         """The guards' thresholds for a request of ``num_tokens`` against its pool's means (the
-        mean queue; the mean time-averaged queue and mean recent work, None: the book's own, over
-        every worker), as (``limit``, ``slow``, ``cap``): a worker may take the request while its
-        queued tokens are at most ``limit``; a prefix holder is over its share (``over``) when its
-        time-averaged queue exceeds ``slow`` or its work assigned lately exceeds ``cap``.
+        mean queue, the mean time-averaged queue and the mean recent work; None: the book's own,
+        over every worker), as (``limit``, ``slow``, ``cap``): a worker may take the request while
+        its queued tokens are at most ``limit``; a prefix holder is over its share (``over``) when
+        its time-averaged queue exceeds ``slow`` or its work assigned lately exceeds ``cap``.
 
         ``limit``: ``imbalance_ratio`` times the mean queue plus this request and
         ``imbalance_slack_tokens`` (at moderate load a burst should not copy a prefix to a second
@@ -415,6 +441,8 @@ class PyLoadBook:
         half-life ``work_halflife_s``) plus this request's: busy time follows that work. A check
         that is off (half-life 0, ratio 0) has an infinite threshold."""
         knobs = self.knobs
+        if mean_queued is None:
+            mean_queued = self.queued_sum / max(1, len(self.queued))
         limit = knobs.imbalance_ratio * mean_queued + num_tokens + knobs.imbalance_slack_tokens
         slow = math.inf
         if self.queues is not None:
@@ -458,8 +486,6 @@ class PyLoadBook:
         self,
         credit: dict[WorkerId, float],
         among: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
         limit: float,
         now: float,
         slow: float,
@@ -477,6 +503,8 @@ class PyLoadBook:
         (``over``) is costed at ``w_spread`` instead of ``w_uncached``; a holder in ``pending``
         is deferred to the caller. Cost of a holder: ``load_cost - weight * credit``; of a worker
         without a prefix: its load cost. Ties within 1e-9 are all kept."""
+        load_cost = self.load_cost
+        queued = self.queued
         best_cost = math.inf
         best: list[WorkerId] = []
         deferred: list[WorkerId] = []
@@ -514,38 +542,39 @@ class PyLoadBook:
         shared: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
     ) -> tuple[WorkerId, str] | None:
-        """The compiled book's shortcut for ``RoutingPolicy._pick`` over the whole pool (no pin,
-        no host-tier hit): the same choice and reason in one call, or None where ``_pick`` has
-        more to do. Here always None: ``_pick`` itself is the reference the shortcut is tested
-        against (tests/routing/test_core_parity.py)."""
-        return None
+        """The pick over the whole pool for a request without a pin or a host-tier hit, when the
+        book alone can make it: the thresholds against every worker's means, the credit, ``scan``
+        with the holders and ``extra_probes`` entries of the load order, a seeded draw among ties
+        and the reason (``reason_of``). None, having changed nothing (no draw made), where the
+        pick needs more than the book holds: a pending holder to resolve against the index, or no
+        allowed worker without a prefix among the load order's first entries (``_pick`` then
+        makes the general pick, with the same rule)."""
+        limit, slow, cap = self.thresholds(num_tokens, now, None, None, None)
+        credit = self.credit(hits, shared, None, ahead)
+        probes = len(credit) + self.knobs.extra_probes
+        load_cost = self.load_cost
+        _, best, deferred, spread, guarded, fresh = self.scan(
+            credit, load_cost, limit, now, slow, cap, w_uncached, w_spread, pending, probes
+        )
+        if deferred or not fresh or not best:
+            return None
+        choice = best[0] if len(best) == 1 else best[self.randrange(len(best))]
+        return choice, reason_of(choice, hits, ahead, guarded, spread)
 
-    def assign(
-        self,
-        worker: WorkerId,
-        load: WorkerLoad,
-        uncached: int,
-        now: float,
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-    ) -> float | None:
-        """The compiled book's shortcut for ``RoutingPolicy._record`` of a request running whole
-        on ``worker`` (its ``load``, the router's copy; ``uncached``: the decision's uncached
-        tokens): the work, the load copy, the policy's ``load_cost`` / ``queued`` entries and the
-        book's own state updated in one call; returns the change of the worker's queued tokens
-        (for the policy's sum), or None where the policy records it itself. Here always None:
-        ``_record`` is the reference (tests/routing/test_core_parity.py)."""
-        return None
+    def assign(self, worker: WorkerId, uncached: int, now: float) -> None:
+        """Record a request running whole on ``worker`` with ``uncached`` tokens to compute: its
+        work (plus ``request_work_tokens``), then the router's load copy (the tokens queued, one
+        more running request) reported to the book."""
+        load = self.loads[worker]
+        self.add_work(worker, uncached + self.knobs.request_work_tokens, now)
+        load.queued_tokens += uncached
+        load.running_requests += 1
+        self.report(worker, load)
 
     def place(
         self,
@@ -553,25 +582,40 @@ class PyLoadBook:
         shared: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
-        load_cost: dict[WorkerId, float],
-        queued: dict[WorkerId, float],
-        mean_queued: float,
         num_tokens: int,
         now: float,
         w_uncached: float,
         w_spread: float,
-        extra_probes: int,
-        randrange: Callable[[int], int],
-        loads: dict[WorkerId, WorkerLoad],
-        decision: type[Decision],
-    ) -> Placed | None:
-        """The compiled book's shortcut for ``choose`` then ``assign`` of the request running whole
-        on the chosen worker (``loads[worker]``, uncached tokens ``num_tokens - hits.get(worker,
-        0)``) in one call, for ``RoutingPolicy.route``: (the ``decision`` it makes: the worker both
-        ways, its hit, the reason, no pin, best hit ``max(hits.values(), default=0)``; the change of
-        the worker's queued tokens), or None, having changed nothing, where ``choose`` gives None.
-        Here always None: ``_pick`` and ``_record`` are the reference."""
-        return None
+    ) -> Decision | None:
+        """``choose``, then ``assign`` of the request to the chosen worker (its uncached tokens:
+        ``num_tokens`` less its hit): the ``Decision`` (the worker both ways, its hit, the reason,
+        no pin, best hit ``max(hits.values(), default=0)``), or None where ``choose`` gives None."""
+        chosen = self.choose(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)
+        if chosen is None:
+            return None
+        worker, reason = chosen
+        hit = hits.get(worker, 0)
+        self.assign(worker, num_tokens - hit, now)
+        return Decision(worker, worker, hit, num_tokens, reason, None, 0, max(hits.values(), default=0), 0)
+
+
+def reason_of(
+    choice: WorkerId,
+    hits: dict[WorkerId, int],
+    ahead: dict[WorkerId, int] | None,
+    guarded: bool,
+    spread: set[WorkerId],
+) -> str:
+    """Why a cost pick chose ``choice``: "guard" when a guard refused a worker or priced a holder
+    over its share and ``choice`` is not such a holder; "prefix" when it holds a hit; "inflight"
+    when part of the prompt was routed to it and not yet reported; "cost" otherwise."""
+    if (guarded or spread) and choice not in spread:
+        return "guard"
+    if hits.get(choice, 0) > 0:
+        return "prefix"
+    if ahead and ahead.get(choice, 0) > 0:
+        return "inflight"
+    return "cost"
 
 
 def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]) -> tuple[float, list[WorkerId]]:
@@ -583,11 +627,14 @@ def better(worker: WorkerId, cost: float, best_cost: float, best: list[WorkerId]
     return best_cost, best
 
 
-def make_load_book(knobs: Knobs, core: str | None = None) -> LoadBook:
-    """The load book, compiled or not as ``holder_maps.compiled_core`` says (``KVFLEET_ROUTING_CORE``
-    by default, the variable that picks the holder maps)."""
+def make_load_book(
+    knobs: Knobs, loads: dict[WorkerId, WorkerLoad], randrange: Callable[[int], int], core: str | None = None
+) -> LoadBook:
+    """The load book over the router's load copies ``loads`` with tie draws from ``randrange``,
+    compiled or not as ``holder_maps.compiled_core`` says (``KVFLEET_ROUTING_CORE`` by default, the
+    variable that picks the holder maps)."""
     compiled = compiled_core("_load", "LoadBook", core)
     if compiled is None:
-        return PyLoadBook(knobs)
-    book: LoadBook = compiled(*knobs)
+        return PyLoadBook(knobs, loads, randrange)
+    book: LoadBook = compiled(*knobs, loads, randrange)
     return book

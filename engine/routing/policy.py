@@ -97,7 +97,7 @@ from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.load import LoadBook, better, knobs_of, make_load_book
+from engine.routing.load import LEAST_LOADED_PROBES, LoadBook, better, knobs_of, make_load_book, reason_of
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
@@ -112,10 +112,6 @@ from engine.routing.types import (
     WorkerLoad,
 )
 
-#: entries of the load order looked at beyond the prompt's holders before ``_pick`` falls back to a
-#: pass over every worker (the least loaded are all guarded: rare)
-LEAST_LOADED_PROBES = 8
-
 
 class RoutingPolicy(PlacementPolicy):
     """kvfleet's policy. See the module docstring for the cost and the rules; below ``route`` come
@@ -123,7 +119,8 @@ class RoutingPolicy(PlacementPolicy):
 
     Owns the prefix index, the pin upkeep (``pin_upkeep.PinKeeper``: the pin table ``pins``, the
     hot prefixes, automatic pins), the load and work averages and the in-flight prefixes;
-    invariants: ``_load_cost``, ``_queued`` and the index track exactly the workers in ``roles``;
+    invariants: the load book (``load.LoadBook``: queued tokens, load costs, their averages) and
+    the index track exactly the workers in ``roles``;
     choosing a worker changes nothing but the ``pending`` hits it resolves and the seeded random
     state."""
 
@@ -139,18 +136,17 @@ class RoutingPolicy(PlacementPolicy):
         self.rules = self.index.rules
         self.has_mamba = bool(self.rules.mamba_groups)
         cfg = self.config
-        # time averages of the queues, work assigned lately, the load order (``load.LoadBook``)
-        self._book: LoadBook = make_load_book(knobs_of(cfg))
+        # queued tokens and load costs, their time averages, work assigned lately, the load order
+        self.book: LoadBook = make_load_book(knobs_of(cfg), self.loads, self.rng.randrange)
         self._now = 0.0
-        self._load_cost: dict[WorkerId, float] = {}
         # the pin table, hot prefixes and automatic pins, with the rules placing them
-        keeper = PinKeeper(self.index, cfg, self.rng, self.roles, self.num_blocks, self._load_cost, self._candidates)
+        keeper = PinKeeper(
+            self.index, cfg, self.rng, self.roles, self.num_blocks, self.book.load_cost, self._candidates
+        )
         self.pin_keeper = keeper
         self.pins = keeper.pins
         self.hot = keeper.hot
         self._pool: list[WorkerId] = []  # every worker, in order of arrival (the aggregated pool)
-        self._queued: dict[WorkerId, float] = {}
-        self._queued_sum = 0.0
         self._disaggregated = False
         self._pending_snapshots: set[WorkerId] = set()
         # Prefixes routed but not yet reported, in the hash space of the first checked group.
@@ -163,21 +159,16 @@ class RoutingPolicy(PlacementPolicy):
         """Track a worker (from ``snapshot`` if it already has a cache) and place pins short of
         replicas on it if it is their best holder."""
         self.index.add_worker(worker, snapshot)
-        self._load_cost[worker] = 0.0
-        self._pool = list(self._load_cost)
-        self._queued[worker] = 0.0
-        self._book.add(worker)
+        self.book.add(worker)
+        self._pool = list(self.book.load_cost)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         return self.pin_keeper.fill(now)
 
     def _removed(self, worker: WorkerId, load: WorkerLoad, now: float) -> list[Action]:
         """Forget a worker that left (or died): its cache, its load, its pins; re-place those pins."""
-        self._queued_sum -= load.queued_tokens
         self.index.remove_worker(worker)
-        self._load_cost.pop(worker, None)
-        self._pool = list(self._load_cost)
-        self._queued.pop(worker, None)
-        self._book.remove(worker)
+        self.book.remove(worker)
+        self._pool = list(self.book.load_cost)
         self._disaggregated = any(r == "prefill" for r in self.roles.values())
         self._pending_snapshots.discard(worker)
         self.routed.forget_worker(worker)
@@ -189,11 +180,8 @@ class RoutingPolicy(PlacementPolicy):
         if old is None:
             return
         load = replace(load)  # the router adds its own assignments to its copy
-        self._queued_sum += load.queued_tokens - old.queued_tokens
         self.loads[worker] = load
-        self._queued[worker] = load.queued_tokens
-        cost = self._load_cost[worker] = self._cost_of(load)
-        self._book.set_load(worker, load.queued_tokens, cost)
+        self.book.report(worker, load)
 
     @property
     def w_pull(self) -> float:
@@ -204,13 +192,6 @@ class RoutingPolicy(PlacementPolicy):
     def w_miss(self) -> float:
         """Weight of an uncached prefill token: its compute plus the cache churn it causes."""
         return self.weights.uncached_tokens + self.weights.cache_churn
-
-    def _cost_of(self, load: WorkerLoad) -> float:
-        return (
-            self.weights.queued_tokens * load.queued_tokens
-            + self.weights.running_requests * load.running_requests
-            + self.weights.used_block_fraction * load.used_block_fraction
-        )
 
     # -- events ---------------------------------------------------------------------------------------
     def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
@@ -259,7 +240,7 @@ class RoutingPolicy(PlacementPolicy):
         hashes = request.block_hashes
         num_tokens = request.num_tokens
         self._now = now
-        self._book.advance(now)
+        self.book.advance(now)
         shared: dict[WorkerId, int] = {}
         host: dict[WorkerId, int] = {}
         hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
@@ -279,29 +260,11 @@ class RoutingPolicy(PlacementPolicy):
             if not workers:
                 self._require(workers, "")
             w_miss, w_spread = self._shortcut_weights
-            placed = None
-            if pin is None and not host:  # the compiled book's ``_pick`` and ``_record`` (``LoadBook.place``)
-                placed = self._book.place(
-                    hits,
-                    shared,
-                    ahead,
-                    pending.workers if pending is not None else (),
-                    self._load_cost,
-                    self._queued,
-                    self._queued_sum / max(1, len(self._queued)),
-                    num_tokens,
-                    now,
-                    w_miss,
-                    w_spread,
-                    LEAST_LOADED_PROBES,
-                    self.rng.randrange,
-                    self.loads,
-                    Decision,
-                )
-            if placed is not None:
-                decision, delta = placed
-                self._queued_sum += delta
-            else:
+            decision = None
+            if pin is None and not host:  # the book's whole-pool pick and record, where it can
+                pending_workers = pending.workers if pending is not None else ()
+                decision = self.book.place(hits, shared, ahead, pending_workers, num_tokens, now, w_miss, w_spread)
+            if decision is None:
                 worker, reason = self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
                 pin_id = pin.pin_id if pin is not None else None
                 best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
@@ -390,7 +353,7 @@ class RoutingPolicy(PlacementPolicy):
         is below ``prefill``'s plus its uncached part plus the pull (the rule of the module
         docstring's P/D paragraph). ``pulled``: ``decode``'s hit under the remote-prefill rule."""
         w_miss = self.w_miss
-        load_cost = self._load_cost
+        load_cost = self.book.load_cost
         queue = load_cost[prefill]
         best_cost = queue + w_miss * (n - hits.get(prefill, 0))
         best_cost += self.w_pull * (n - pulled.get(decode, 0))
@@ -411,25 +374,18 @@ class RoutingPolicy(PlacementPolicy):
         return best
 
     def _record(self, decision: Decision) -> None:
+        """Count the assignment in the book: a request running whole on one worker is the book's
+        ``assign``; a remote prefill adds its work to the prefill worker and a running request to
+        each side (``PlacementPolicy._record``), reported to the book."""
         prefill, decode = decision.prefill_worker, decision.decode_worker
-        loads = self.loads
-        if prefill == decode:  # the compiled book's shortcut for what follows (``LoadBook.assign``)
-            delta = self._book.assign(
-                prefill, loads[prefill], decision.uncached_tokens, self._now, self._load_cost, self._queued
-            )
-            if delta is not None:
-                self._queued_sum += delta
-                return
-        before = loads[prefill].queued_tokens
-        book = self._book
+        book = self.book
+        if prefill == decode:
+            book.assign(prefill, decision.uncached_tokens, self._now)
+            return
         book.add_work(prefill, decision.uncached_tokens + self.config.request_work_tokens, self._now)
         super()._record(decision)
-        self._queued_sum += loads[prefill].queued_tokens - before
-        for worker in (prefill,) if decode == prefill else {prefill, decode}:
-            load = loads[worker]
-            cost = self._load_cost[worker] = self._cost_of(load)
-            queued = self._queued[worker] = load.queued_tokens
-            book.set_load(worker, queued, cost)
+        book.report(prefill, self.loads[prefill])
+        book.report(decode, self.loads[decode])
 
     # -- choosing one worker by cost ------------------------------------------------------------------
     def _pick(
@@ -460,12 +416,12 @@ class RoutingPolicy(PlacementPolicy):
         resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
         (credited where they exceed what the index knows; the caller resolves ``pending`` first).
         ``host``: the host tier's part of a worker's hit (``_credit`` prices it)."""
-        load_cost = self._load_cost
+        book = self.book
+        load_cost = book.load_cost
         whole = len(workers) == len(load_cost)
         among = load_cost if whole else set(workers)
         limit, slow, cap = self._guard(num_tokens, workers)
-        queued = self._queued
-        book = self._book
+        queued = book.queued
         now = self._now
         credit = self._credit(hits, shared, host, ahead)
         reason = "cost"
@@ -484,7 +440,7 @@ class RoutingPolicy(PlacementPolicy):
         probes = len(credit) + LEAST_LOADED_PROBES if whole and reason != "pin" else -1
         pending_workers = pending.workers if pending is not None else ()
         best_cost, best, deferred, spread, guarded, fresh = book.scan(
-            credit, among, load_cost, queued, limit, now, slow, cap, w_uncached, w_spread, pending_workers, probes
+            credit, among, limit, now, slow, cap, w_uncached, w_spread, pending_workers, probes
         )
         if reason != "pin" and not fresh:  # workers without any prefix: their load cost alone
             ok = lambda w: queued[w] <= limit  # noqa: E731
@@ -495,14 +451,7 @@ class RoutingPolicy(PlacementPolicy):
         if not best:  # every candidate guarded (possible only for a subset of the workers)
             return min(workers, key=lambda w: load_cost[w] - w_uncached * hits.get(w, 0)), "guard"
         choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
-        if reason == "cost":
-            if (guarded or spread) and choice not in spread:
-                reason = "guard"
-            elif hits.get(choice, 0) > 0:
-                reason = "prefix"
-            elif ahead and ahead.get(choice, 0) > 0:
-                reason = "inflight"
-        return choice, reason
+        return choice, reason if reason == "pin" else reason_of(choice, hits, ahead, guarded, spread)
 
     def _least_loaded_scan(
         self,
@@ -516,7 +465,7 @@ class RoutingPolicy(PlacementPolicy):
         """``_pick``'s workers without a prefix, by a pass over ``workers``: for a sub-pool (the
         prefill or the decode workers) or when the least loaded of the whole pool are guarded.
         The least loaded ones tie in (the least worked of them when no prefix worker competes)."""
-        load_cost = self._load_cost
+        load_cost = self.book.load_cost
         rest = min(map(load_cost.__getitem__, workers))
         if rest <= best_cost + 1e-9:
             ties = [w for w in workers if load_cost[w] <= rest + 1e-9 and w not in credit]
@@ -541,7 +490,7 @@ class RoutingPolicy(PlacementPolicy):
         already took most recent work holds most prefixes, so another one there evicts them);
         equal work is broken at random (seeded)."""
         now = self._now
-        work = {w: self._book.work(w, now) for w in ties}
+        work = {w: self.book.work(w, now) for w in ties}
         least = min(work.values())
         ties = [w for w in ties if work[w] <= least + 1e-6]
         return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
@@ -551,10 +500,10 @@ class RoutingPolicy(PlacementPolicy):
         ``workers`` (the pool the request is placed in: with dedicated prefill and decode workers,
         the other role's load says nothing about this pool's balance). What a holder over its
         share gets is ``_pick``'s rule (its credit at the compute weight)."""
-        queued = self._queued
-        book = self._book
+        book = self.book
+        queued = book.queued
         if len(workers) == len(queued):
-            return book.thresholds(num_tokens, self._now, self._queued_sum / max(1, len(queued)), None, None)
+            return book.thresholds(num_tokens, self._now, None, None, None)
         count = max(1, len(workers))
         now = self._now
         cfg = self.config
@@ -576,7 +525,7 @@ class RoutingPolicy(PlacementPolicy):
         priced), plus ``anchor_credit`` of the part of its full-attention depth that a group
         cannot serve, raised to what was routed to it and not yet reported (``ahead``)."""
         deduct = {w: tokens * self.promote_load(w) for w, tokens in host.items()} if host else None
-        return self._book.credit(hits, shared, deduct, ahead)
+        return self.book.credit(hits, shared, deduct, ahead)
 
     def promote_load(self, worker: WorkerId) -> float:
         """What a host-tier hit token on ``worker`` costs, as a share of a miss's cost: the
@@ -601,7 +550,7 @@ class RoutingPolicy(PlacementPolicy):
         """Resolve the pending workers whose optimistic cost could still win, then cost them
         (``weights``: each one's weight of an uncached token, see ``_pick``)."""
         assert pending is not None and shared is not None
-        load_cost = self._load_cost
+        load_cost = self.book.load_cost
         slack = (1.0 - self.config.anchor_credit) * self.rules.alignment
         # the best a pending worker can have: a hit one aligned step below its depth
         contenders = [w for w in deferred if load_cost[w] - weights[w] * (shared[w] - slack) <= best_cost + 1e-9]

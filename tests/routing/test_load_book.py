@@ -12,7 +12,7 @@ import random
 import pytest
 
 from configs.schema import RouterConfig
-from engine.routing.load import Knobs, LoadBook, PyLoadBook, knobs_of, make_load_book
+from engine.routing.load import Knobs, LoadBook, knobs_of, make_load_book
 from engine.routing.types import Decision, WorkerLoad
 
 
@@ -21,23 +21,51 @@ def knobs(load_halflife_s: float, work_halflife_s: float, seed: int, **changes: 
     return base._replace(work_halflife_s=work_halflife_s, **changes)
 
 
+class Twin:
+    """One load book over its own load copies and tie draws (``random.Random(seed)``)."""
+
+    def __init__(self, book: LoadBook, loads: dict[str, WorkerLoad], draw: random.Random):
+        self.book, self.loads, self.draw = book, loads, draw
+
+
+def twin(knobs: Knobs, core: str, seed: int = 0) -> Twin:
+    loads: dict[str, WorkerLoad] = {}
+    draw = random.Random(seed)
+    return Twin(make_load_book(knobs, loads, draw.randrange, core), loads, draw)  # type: ignore[arg-type]
+
+
 def compiled_book(knobs: Knobs) -> LoadBook:
-    return make_load_book(knobs, core="compiled")
+    return twin(knobs, "compiled").book
+
+
+def python_book(knobs: Knobs) -> LoadBook:
+    return twin(knobs, "python").book
 
 
 def test_the_compiled_book_is_built() -> None:
-    book = make_load_book(knobs(5.0, 10.0, 0), core="auto")
+    book = twin(knobs(5.0, 10.0, 0), "auto").book
     assert type(book).__module__ == "engine.routing._load", (
         "engine.routing._load is not built: run `python setup.py build_ext --inplace`"
     )
 
 
 def test_bad_knobs_name_the_field() -> None:
-    for make in (PyLoadBook, compiled_book):
+    for make in (python_book, compiled_book):
         with pytest.raises(ValueError, match="work_halflife_s"):
             make(knobs(5.0, 0.0, 0))
     with pytest.raises(ValueError, match="core"):
-        make_load_book(knobs(5.0, 10.0, 0), core="fast")
+        twin(knobs(5.0, 10.0, 0), "fast")
+
+
+def same_state(ref: Twin, fast: Twin, names: list[str], now: float) -> None:
+    """The two books (and their load copies) hold the same numbers, in the same dict order."""
+    assert list(ref.book.queued.items()) == list(fast.book.queued.items())
+    assert list(ref.book.load_cost.items()) == list(fast.book.load_cost.items())
+    assert ref.book.queued_sum == fast.book.queued_sum
+    assert ref.loads == fast.loads
+    for w in names:
+        assert ref.book.work(w, now) == fast.book.work(w, now)
+        assert ref.book.smoothed(w, now) == fast.book.smoothed(w, now)
 
 
 @pytest.mark.parametrize("work_imbalance_ratio", [0.0, 1.3])
@@ -46,79 +74,97 @@ def test_bad_knobs_name_the_field() -> None:
 def test_compiled_and_python_books_agree_call_by_call(
     seed: int, load_halflife_s: float, work_imbalance_ratio: float
 ) -> None:
+    """Random sequences of every call of the interface on both books: the same results and, after
+    each call, the same state (``same_state``)."""
     rng = random.Random(seed)
-    ref = PyLoadBook(knobs(load_halflife_s, 3.0, seed, work_imbalance_ratio=work_imbalance_ratio))
-    fast = compiled_book(knobs(load_halflife_s, 3.0, seed, work_imbalance_ratio=work_imbalance_ratio))
-    queued: dict[str, float] = {}
-    cost: dict[str, float] = {}
+    made = knobs(load_halflife_s, 3.0, seed, work_imbalance_ratio=work_imbalance_ratio)
+    ref, fast = twin(made, "python", seed), twin(made, "compiled", seed)
+    pair = (ref, fast)
     now = 0.0
-    scans = 0
+    scans = placed = 0
     for step in range(3000):
         worker = f"w{rng.randrange(40)}"
+        names = sorted(ref.book.queued)
         op = rng.random()
         if rng.random() < 0.3:
             now += rng.random() * 0.5
-        if worker not in queued:
-            for book in (ref, fast):
-                book.add(worker)
-            queued[worker] = 0.0
-            cost[worker] = 0.0
+        if worker not in ref.book.queued:
+            for t in pair:
+                t.loads[worker] = WorkerLoad()
+                t.book.add(worker)
             continue
         if op < 0.03:
-            for book in (ref, fast):
-                book.remove(worker)
-            del queued[worker], cost[worker]
-        elif op < 0.35:
-            queued[worker] = float(rng.choice([0, 0, 16, 64, rng.randrange(500)]))
-            cost[worker] = float(rng.randrange(4)) if rng.random() < 0.5 else 0.5 * queued[worker]
-            for book in (ref, fast):
-                book.set_load(worker, queued[worker], cost[worker])
-        elif op < 0.55:
+            for t in pair:
+                t.book.remove(worker)
+                del t.loads[worker]
+        elif op < 0.3:
+            queued = rng.choice([0, 0, 16, 64, rng.randrange(500), 0.5 * rng.randrange(900)])
+            load = WorkerLoad(queued, rng.randrange(4), rng.random())
+            for t in pair:
+                t.loads[worker] = dataclasses.replace(load)
+                t.book.report(worker, t.loads[worker])
+        elif op < 0.45:
             amount = float(rng.choice([0, 40, rng.randrange(1, 300)]))
             at = now - rng.random() if rng.random() < 0.1 else now  # a late time is clamped
-            for book in (ref, fast):
-                book.add_work(worker, amount, at)
+            for t in pair:
+                t.book.add_work(worker, amount, at)
+        elif op < 0.5:
+            uncached = rng.choice([0, 16, rng.randrange(1, 400)])
+            for t in pair:
+                t.book.assign(worker, uncached, now)
+        elif op < 0.55:
+            for t in pair:
+                t.book.advance(now)
         elif op < 0.65:
-            for book in (ref, fast):
-                book.advance(now)
-        elif op < 0.75:
             slow, cap = rng.choice([math.inf, 10.0, 100.0]), rng.choice([math.inf, 20.0, 200.0])
-            assert ref.smoothed(worker, now) == fast.smoothed(worker, now)
-            assert ref.work(worker, now) == fast.work(worker, now)
-            assert ref.smoothed_mean(now) == fast.smoothed_mean(now)
-            assert ref.work_mean(now) == fast.work_mean(now)
-            assert ref.over(worker, now, slow, cap) == fast.over(worker, now, slow, cap)
+            a, b = ref.book, fast.book
+            assert a.smoothed_mean(now) == b.smoothed_mean(now) and a.work_mean(now) == b.work_mean(now)
+            assert a.over(worker, now, slow, cap) == b.over(worker, now, slow, cap)
             n = rng.randrange(1, 3000)
-            means = (rng.random() * 500, rng.choice([None, rng.random() * 400]), rng.choice([None, rng.random() * 900]))
-            assert ref.thresholds(n, now, *means) == fast.thresholds(n, now, *means)
-        else:
-            names = sorted(queued)
+            means = tuple(rng.choice([None, rng.random() * 500]) for _ in range(3))
+            assert a.thresholds(n, now, *means) == b.thresholds(n, now, *means)
+        elif op < 0.8:
             hits = {w: rng.choice([16, 32, 48, 200]) for w in rng.sample(names, min(len(names), rng.randrange(5)))}
             shared = {w: hits.get(w, 0) + rng.choice([0, 16, 64]) for w in rng.sample(names, min(len(names), 2))}
             deduct = {w: rng.random() * 20 for w in rng.sample(names, min(len(names), 2))}
             ahead = {w: rng.choice([0, 16, 100, 400]) for w in rng.sample(names, min(len(names), 2))}
             parts = (hits, rng.choice([None, shared]), rng.choice([None, deduct]), rng.choice([None, {}, ahead]))
-            credit = ref.credit(*parts)  # type: ignore[arg-type]
-            other = fast.credit(*parts)  # type: ignore[arg-type]
+            credit = ref.book.credit(*parts)  # type: ignore[arg-type]
+            other = fast.book.credit(*parts)  # type: ignore[arg-type]
             assert credit == other and list(credit) == list(other)  # the same keys, values and order
             assert all(type(credit[w]) is type(other[w]) for w in credit)
-            among: object = queued if rng.random() < 0.7 else set(rng.sample(names, max(1, len(names) // 2)))
+            among: object = ref.book.queued if rng.random() < 0.7 else set(rng.sample(names, max(1, len(names) // 2)))
             pending = set(rng.sample(sorted(credit), min(len(credit), 1))) if rng.random() < 0.2 else ()
             limit = rng.choice([math.inf, 100.0, 300.0, 0.0, 16.0])  # (low: the load order is probed deep)
             slow, cap = rng.choice([math.inf, 10.0]), rng.choice([math.inf, 50.0])
             w_uncached = rng.choice([2.0, 0.1])
             probes = rng.choice([-1, len(credit) + 1, len(credit) + 8, 30, 70])
-            args = (credit, among, cost, queued, limit, now, slow, cap, w_uncached, 1.0, pending, probes)
-            a, b = ref.scan(*args), fast.scan(*args)  # type: ignore[arg-type]
+            args = (credit, among, limit, now, slow, cap, w_uncached, 1.0, pending, probes)
+            a, b = ref.book.scan(*args), fast.book.scan(*args)  # type: ignore[arg-type]
             assert a == b, (step, a, b)
             scans += 1
-    assert scans > 500
+        else:
+            hits = {w: rng.choice([0, 16, 48, 200]) for w in rng.sample(names, min(len(names), rng.randrange(4)))}
+            shared = rng.choice([None, {w: hits.get(w, 0) + 16 for w in rng.sample(names, min(len(names), 2))}])
+            ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, min(len(names), 2))}])
+            pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
+            request = (hits, shared, ahead, pending, rng.randrange(1, 600), now, rng.choice([2.0, 1.25]), 1.0)
+            if rng.random() < 0.5:
+                chosen = [t.book.choose(*request) for t in pair]  # type: ignore[arg-type]
+                assert chosen[0] == chosen[1]
+            else:
+                decisions = [t.book.place(*request) for t in pair]  # type: ignore[arg-type]
+                assert decisions[0] == decisions[1]
+                placed += decisions[0] is not None
+        same_state(ref, fast, sorted(ref.book.queued), now)
+    assert scans > 300 and placed > 50
+    assert ref.draw.random() == fast.draw.random()  # the same tie draws were made
 
 
 @pytest.mark.parametrize("core", ["python", "compiled"])
 def test_scan_is_the_brute_force_argmin(core: str) -> None:
     rng = random.Random(11)
-    book = make_load_book(knobs(0.0, 5.0, 3), core=core)
+    book = twin(by_used_share(knobs(0.0, 5.0, 3)), core).book
     queued: dict[str, float] = {}
     cost: dict[str, float] = {}
     for k in range(30):
@@ -126,13 +172,13 @@ def test_scan_is_the_brute_force_argmin(core: str) -> None:
         book.add(name)
         queued[name] = float(rng.randrange(0, 400))
         cost[name] = float(rng.randrange(0, 6))
-        book.set_load(name, queued[name], cost[name])
+        book.report(name, WorkerLoad(queued[name], 0, cost[name]))
     previous: tuple[object, ...] = ()
     copied: tuple[object, ...] = ()
     for _ in range(300):
         credit: dict[str, float] = {w: float(rng.randrange(1, 5)) for w in rng.sample(sorted(queued), 4)}
         limit = rng.choice([150.0, 300.0, math.inf])
-        result = book.scan(credit, queued, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), len(queued))
+        result = book.scan(credit, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), len(queued))
         if previous:  # each result is the caller's: a later scan leaves it as it was
             assert previous == copied
         previous, copied = result, tuple(type(x)(x) if isinstance(x, (list, set)) else x for x in result)
@@ -160,7 +206,7 @@ def test_the_load_order_is_probed_in_increasing_order(core: str) -> None:
     the load order (most workers over the limit) after many workers moved, left and came back:
     against a sort of the costs (distinct, no work: the order is by cost alone)."""
     rng = random.Random(5)
-    book = make_load_book(knobs(0.0, 5.0, 7), core=core)
+    book = twin(by_used_share(knobs(0.0, 5.0, 7)), core).book
     queued: dict[str, float] = {}
     cost: dict[str, float] = {}
     for step in range(4000):
@@ -174,7 +220,7 @@ def test_the_load_order_is_probed_in_increasing_order(core: str) -> None:
             continue
         queued[name] = float(rng.randrange(1000))
         cost[name] = rng.random() * 100
-        book.set_load(name, queued[name], cost[name])
+        book.report(name, WorkerLoad(queued[name], 0, cost[name]))
         if step % 10:
             continue
         limit = float(rng.choice([20, 100, 400]))
@@ -185,36 +231,27 @@ def test_the_load_order_is_probed_in_increasing_order(core: str) -> None:
         allowed = [w for w in candidates if queued[w] <= limit]
         # ``exclude`` plays the prefix holders (the credit: the load order skips them), none of
         # them a candidate here (``among`` is empty)
-        _, best, _, _, guarded, fresh = book.scan(
-            exclude, {}, cost, queued, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), probes
-        )
+        _, best, _, _, guarded, fresh = book.scan(exclude, {}, limit, 0.0, math.inf, math.inf, 2.0, 1.0, (), probes)
         assert fresh == bool(allowed) and best == allowed[:1], (step, probes, best, allowed[:1])
         refused = candidates[: candidates.index(allowed[0])] if allowed else candidates
         assert guarded == any(queued[w] > limit for w in refused)
 
 
+@pytest.mark.parametrize("core", ["python", "compiled"])
 @pytest.mark.parametrize("seed", range(3))
-def test_place_is_choose_then_assign(seed: int) -> None:
-    """The compiled ``place`` against the compiled ``choose`` then ``assign`` on a twin book (each
-    checked against the Python reference elsewhere: ``choose`` and ``assign`` in
-    test_core_parity.py, the book's state call by call above): the same worker, reason, hit, best
-    hit and queue change, and afterwards the same loads, policy dicts, book state and draws."""
+def test_place_is_choose_then_assign(seed: int, core: str) -> None:
+    """``place`` against ``choose`` then ``assign`` on a twin book of the same core: the same
+    decision (the worker both ways, its hit, the reason, the best hit), and afterwards the same
+    loads, dicts, book state and draws."""
     rng = random.Random(seed)
     made = knobs(2.0, 3.0, seed, work_imbalance_ratio=1.3)
-    assert (
-        PyLoadBook(made).place({}, None, None, (), {}, {}, 0.0, 10, 0.0, 2.0, 1.0, 2, rng.randrange, {}, Decision)
-        is None
-    )
-    books = (compiled_book(made), compiled_book(made))
-    draws = (random.Random(seed), random.Random(seed))
+    pair = (twin(made, core, seed), twin(made, core, seed))
     names = [f"w{k}" for k in range(12)]
-    states = []
-    for _ in books:
-        loads = {w: WorkerLoad(float(k % 3) * 40, k % 2, 0.1 * k) for k, w in enumerate(names)}
-        states.append((loads, {w: 0.0 for w in names}, {w: 0.0 for w in names}))
-    for book in books:
-        for w in names:
-            book.add(w)
+    for t in pair:
+        for k, w in enumerate(names):
+            t.loads[w] = WorkerLoad(float(k % 3) * 40, k % 2, 0.1 * k)
+            t.book.add(w)
+            t.book.report(w, t.loads[w])
     placed_some = False
     now = 0.0
     for _ in range(400):
@@ -224,48 +261,29 @@ def test_place_is_choose_then_assign(seed: int) -> None:
         ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, 2)}])
         pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
         n = rng.randrange(1, 600)
-        mean = rng.random() * 100
-        out = []
-        for book, draw, (loads, cost, queued) in zip(books, draws, states, strict=True):
-            common = (hits, shared, ahead, pending, cost, queued, mean, n, now, 2.0, 1.0, 2, draw.randrange)
-            if book is books[0]:
-                placed = book.place(*common, loads, Decision)
-                if placed is not None:
-                    decision, delta = placed
-                    assert type(decision) is Decision and type(decision.reason) is str
-                    assert dataclasses.replace(decision) == decision and hash(decision) == hash(
-                        dataclasses.replace(decision)
-                    )
-                    placed = (
-                        decision.prefill_worker,
-                        decision.reason,
-                        decision.predicted_hit,
-                        decision.best_hit,
-                        delta,
-                    )
-                    assert decision == Decision(placed[0], placed[0], placed[2], n, placed[1], None, 0, placed[3], 0)
-                out.append(placed)
-                continue
-            chosen = book.choose(*common)
-            if chosen is None:
-                out.append(None)
-                continue
+        request = (hits, shared, ahead, pending, n, now, 2.0, 1.0)
+        decision = pair[0].book.place(*request)  # type: ignore[arg-type]
+        chosen = pair[1].book.choose(*request)  # type: ignore[arg-type]
+        if chosen is None:
+            assert decision is None
+        else:
             worker, reason = chosen
             hit = hits.get(worker, 0)
-            delta = book.assign(worker, loads[worker], n - hit, now, cost, queued)
-            out.append((worker, reason, hit, max(hits.values(), default=0), delta))
-        assert out[0] == out[1]
-        placed_some |= out[0] is not None
-        assert states[0][1] == states[1][1] and states[0][2] == states[1][2]
-        assert states[0][0] == states[1][0]
-        for w in names:
-            assert books[0].work(w, now) == books[1].work(w, now)
-            assert books[0].smoothed(w, now) == books[1].smoothed(w, now)
+            pair[1].book.assign(worker, n - hit, now)
+            assert type(decision) is Decision and type(decision.reason) is str
+            assert dataclasses.replace(decision) == decision and hash(decision) == hash(dataclasses.replace(decision))
+            assert decision == Decision(worker, worker, hit, n, reason, None, 0, max(hits.values(), default=0), 0)
+            placed_some = True
+        same_state(pair[0], pair[1], names, now)
         if rng.random() < 0.3:  # a load report
-            w, q, c = rng.choice(names), float(rng.randrange(300)), float(rng.randrange(5))
-            for book, (loads, cost, queued) in zip(books, states, strict=True):
-                loads[w] = WorkerLoad(q, 1, 0.5)
-                cost[w], queued[w] = c, q
-                book.set_load(w, queued[w], cost[w])
+            w, load = rng.choice(names), WorkerLoad(float(rng.randrange(300)), 1, 0.5)
+            for t in pair:
+                t.loads[w] = dataclasses.replace(load)
+                t.book.report(w, t.loads[w])
     assert placed_some
-    assert draws[0].random() == draws[1].random()  # the same tie draws were made
+    assert pair[0].draw.random() == pair[1].draw.random()  # the same tie draws were made
+
+
+def by_used_share(made: Knobs) -> Knobs:
+    """Knobs whose load cost is the used share of blocks alone (a test sets it directly)."""
+    return made._replace(w_queued=0.0, w_running=0.0, w_used=1.0)

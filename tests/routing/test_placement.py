@@ -163,13 +163,13 @@ def test_new_router_knobs_come_from_config_and_are_validated() -> None:
     assert isinstance(policy, RoutingPolicy)
     assert policy.config is cfg  # the policy reads its knobs from the config, no copies
     assert (policy.weights.cache_churn, policy.w_miss) == (0.25, 1.25)
-    book = PyLoadBook(knobs_of(cfg))
+    book = PyLoadBook(knobs_of(cfg), {}, random.Random(0).randrange)
     assert book.knobs.anchor_credit == 0.75 and book.knobs.sustained_imbalance_ratio == 1.6
     assert book.queues is not None and book.queues.halflife_s == 2.0 and book.assigned.halflife_s == 10.0
     defaults = build_router(RouterConfig(), GROUPS)
     assert isinstance(defaults, RoutingPolicy) and defaults.w_miss == 2.0
     assert (defaults.config.load_halflife_s, defaults.config.work_halflife_s) == (5.0, 10.0)
-    assert PyLoadBook(knobs_of(RouterConfig(load_halflife_s=0.0))).queues is None
+    assert PyLoadBook(knobs_of(RouterConfig(load_halflife_s=0.0)), {}, random.Random(0).randrange).queues is None
     for bad, field in (
         ({"sustained_imbalance_ratio": 0.9}, "sustained_imbalance_ratio"),
         ({"anchor_credit": 1.5}, "anchor_credit"),
@@ -338,14 +338,63 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
         hashes = block_hashes(prompt, 4)
         shared: dict[str, int] = {}
         full = policy.index.predict(hashes, len(prompt) - 1, shared=shared)  # type: ignore[arg-type]
-        limit = policy.config.imbalance_ratio * policy._queued_sum / len(workers) + len(prompt)
+        limit = policy.config.imbalance_ratio * policy.book.queued_sum / len(workers) + len(prompt)
         costs = {}
         for name in workers:
-            if policy._queued[name] > limit:
+            if policy.book.queued[name] > limit:
                 continue
             hit = full.get(name, 0)
             credit = hit + policy.config.anchor_credit * (shared.get(name, hit) - hit)
-            costs[name] = policy._load_cost[name] + policy.w_miss * (len(prompt) - credit)
+            costs[name] = policy.book.load_cost[name] + policy.w_miss * (len(prompt) - credit)
         decision = policy.route(RouteRequest(f"r{step}", hashes, len(prompt)))
         assert costs[str(decision.prefill_worker)] <= min(costs.values()) + 1e-6
         assert decision.predicted_hit == workers[str(decision.prefill_worker)].actual_hit(prompt)
+
+
+@pytest.mark.parametrize("core", ["python", "compiled"])
+def test_the_books_whole_pool_pick_is_the_policys_rule(core: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LoadBook.choose`` (what ``route`` asks first, for a request without a pin or a host-tier
+    hit on the whole pool) against ``RoutingPolicy._pick``, the general rule, on the same state and
+    the same random state: where the book chooses, ``_pick`` chooses the same worker for the same
+    reason; and where the book declines, it has drawn nothing."""
+    from engine.routing.holder_maps import CORE_ENV
+    from tests.routing.helpers import Worker, sync, tokens
+
+    monkeypatch.setenv(CORE_ENV, core)
+    rng = random.Random(9)
+    specs = CONFIGS["full+2swa"]
+    workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40])) for i in range(6)}
+    policy = RoutingPolicy(groups_of(specs), router_config(seed=3, load_halflife_s=2.0, work_imbalance_ratio=1.3))
+    for name in workers:
+        policy.add_worker(name)
+    prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]
+    chosen = declined = 0
+    for step in range(300):
+        worker = workers[rng.choice(sorted(workers))]
+        if rng.random() < 0.6:
+            worker.run(rng.choice(prefixes) + tokens(rng, rng.randrange(1, 9), vocab=6))
+        else:
+            worker.finish(rng=rng)
+        sync(policy, workers, now=step * 0.1)
+        for name in workers:
+            policy.update_load(name, WorkerLoad(queued_tokens=rng.randrange(0, 60), running_requests=rng.randrange(3)))
+        prompt = rng.choice(prefixes) + tokens(rng, 3, vocab=6)
+        hashes = block_hashes(prompt, 4)
+        now = step * 0.1
+        policy._now = now
+        shared: dict[str, int] = {}
+        hits, pending = policy.index.predict_partial(hashes, len(prompt) - 1, shared=shared)  # type: ignore[arg-type]
+        pending_workers = pending.workers if pending is not None else ()
+        w_miss, w_spread = policy.w_miss, min(policy.w_miss, policy.weights.uncached_tokens)
+        state = policy.rng.getstate()
+        shortcut = policy.book.choose(hits, shared, None, pending_workers, len(prompt), now, w_miss, w_spread)
+        if shortcut is None:
+            assert policy.rng.getstate() == state
+            declined += 1
+        else:
+            policy.rng.setstate(state)
+            pick = policy._pick(list(workers), hits, len(prompt), None, w_miss, shared, pending)
+            assert pick == shortcut, step
+            chosen += 1
+        policy.route(RouteRequest(f"r{step}", hashes, len(prompt)), now)
+    assert chosen > 100
