@@ -368,7 +368,7 @@ class EngineWorker:
 
     def _record_transfers(self) -> None:
         """Count the KV reads the last step finished in this worker's transfer series."""
-        reads = self.engine.take_completed_reads()
+        reads = self.engine.worker_view.take_completed_reads()
         if self.metrics is not None:
             for read in reads:
                 self.metrics.record_transfer(read.nbytes, read.seconds)
@@ -418,7 +418,7 @@ class EngineWorker:
             tracked.request = engine.expect_remote_prefill(
                 request_id, prompt_token_ids, sampling, peer, cache_salt=cache_salt
             )
-            if engine.is_reserved(request_id):
+            if engine.worker_view.is_reserved(request_id):
                 tracked.reserved_at = time.monotonic()
         elif output_token_ids:  # a migrated request goes on after the tokens it generated elsewhere
             tracked.request = engine.add_request(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -24,16 +24,15 @@ import torch
 from configs.cache import cache_root
 from configs.models import SourceKind
 from configs.schema import ClusterConfig
-from engine.disagg import CompletedRead, HeldBlocks, KVHandle, TransferStats, check_handle
+from engine.disagg import KVHandle, check_handle
 from engine.kv_cache.coordinator import HybridCoordinator, RetentionOptions
 from engine.kv_cache.events import KVEvent
 from engine.model.arch.model_arch import ModelArch
 from engine.model.checkpoints.loader import build_model, load_hf_directory
-from engine.model.gpu_memory import activation_reserve_bytes, gpu_kv_budget_bytes
-from engine.model.kv_budget import blocks_per_pool
+from engine.model.gpu_memory import worker_pool_blocks
 from engine.model.kv_layout import build_kv_layout
 from engine.model.layers.parallel import shard_arch
-from engine.pd_handoff import Expected, PDHandoff
+from engine.pd_handoff import PDHandoff
 from engine.request import Request, RequestStatus, UncheckedRequestError
 from engine.runner import TORCH_DTYPES, ModelRunner
 from engine.sampler import PendingTokens, SampledTokens
@@ -136,20 +135,8 @@ class EngineCore:
             arch, layout.layer_group, weights, TORCH_DTYPES[dtype], device, str(directory), full_kv_heads
         )
         del weights
-        gpu_budget = None
-        if cache.gpu_memory_utilization is not None:
-            reserve = activation_reserve_bytes(
-                arch,
-                config.scheduler.max_num_batched_tokens,
-                config.scheduler.max_num_seqs,
-                TORCH_DTYPES[dtype].itemsize,
-            )
-            gpu_budget = gpu_kv_budget_bytes(device, cache.gpu_memory_utilization, reserve)
-        num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs, gpu_budget)
+        num_blocks, host_blocks = worker_pool_blocks(arch, layout, config, device, TORCH_DTYPES[dtype].itemsize)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
-        host_blocks = None
-        if cache.offload.enabled and cache.prefix_caching:
-            host_blocks = layout.host_blocks(num_blocks, int(cache.offload.size_mib * 2**20))
         pinning = cache.pinning
         self.coordinator = HybridCoordinator(
             layout.groups,
@@ -403,10 +390,6 @@ class EngineCore:
         self._constrain(request)
         return request
 
-    def is_reserved(self, request_id: str) -> bool:
-        """Whether an announced request holds its blocks while it waits for its handle."""
-        return self.handoff is not None and self.handoff.is_reserved(request_id)
-
     def provide_handle(self, request_id: str, handle: KVHandle) -> RequestOutput | None:
         """The handle of an announced request: start the read into its reserved blocks (or the
         usual path when none were reserved). A request no longer expected: notify the owner
@@ -453,25 +436,6 @@ class EngineCore:
         if self.scheduler.running or self.scheduler.waiting or self.in_flight is not None:
             return False
         return self.handoff is None or self.handoff.only_awaiting_handles
-
-    @property
-    def held(self) -> HeldBlocks:
-        """The requests whose blocks are held for a reader (``PDHandoff.held``)."""
-        return self._handoff_for("hold blocks for a reader").held
-
-    @property
-    def expected(self) -> Mapping[str, Expected]:
-        """The announced remote prefills waiting for their handles (``PDHandoff.expected``)."""
-        return self._handoff_for("expect remote prefills").expected
-
-    def take_completed_reads(self) -> list[CompletedRead]:
-        """The KV reads that ended well since the last call, each once (none without a ``kv_role``)."""
-        return self.handoff.take_completed_reads() if self.handoff is not None else []
-
-    @property
-    def transfer_stats(self) -> TransferStats:
-        """The P/D transfer counters (all zero on an engine without a ``kv_role``)."""
-        return self.handoff.stats if self.handoff is not None else TransferStats()
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

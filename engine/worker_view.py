@@ -8,15 +8,16 @@ from its parts and owns the ``EngineCounters`` the view reads live.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.disagg import TransferStats
+from engine.disagg import CompletedRead, HeldBlocks, TransferStats
 from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.spec import KVCacheGroup
 from engine.model.kv_layout import KVLayout
-from engine.pd_handoff import PDHandoff
+from engine.pd_handoff import Expected, PDHandoff
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 
@@ -160,6 +161,35 @@ class WorkerView:
         """(event seq, per group every cached hash and its pin level, the same of the host tier):
         a router resync (the fields of ``engine.routing.WorkerSnapshot``)."""
         return self.coordinator.snapshot()
+
+    # -- P/D: the hand-off's state -----------------------------------------------------------------
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """The P/D transfer counters."""
+        return self.handoff.stats if self.handoff is not None else TransferStats()
+
+    @property
+    def held(self) -> HeldBlocks:
+        """The requests whose blocks are held for a reader (``PDHandoff.held``)."""
+        return self._handoff().held
+
+    @property
+    def expected(self) -> Mapping[str, Expected]:
+        """The announced remote prefills waiting for their handles (``PDHandoff.expected``)."""
+        return self._handoff().expected
+
+    def _handoff(self) -> PDHandoff:
+        if self.handoff is None:
+            raise ValueError("kv_role: this engine was built without one, so it has no P/D hand-off")
+        return self.handoff
+
+    def is_reserved(self, request_id: str) -> bool:
+        """Whether an announced request holds its blocks while it waits for its handle."""
+        return self.handoff is not None and self.handoff.is_reserved(request_id)
+
+    def take_completed_reads(self) -> list[CompletedRead]:
+        """The KV reads that ended well since the last call, each once."""
+        return self.handoff.take_completed_reads() if self.handoff is not None else []
 
     def stats(self) -> dict[str, Any]:
         """Queue lengths, block counts, hit counters and transfer counters (plain data).

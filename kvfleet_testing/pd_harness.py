@@ -154,7 +154,7 @@ def run_engine_stress(
                 )
                 result.mismatches.append({"request": request_id, "prompt_tokens": len(prompt), "diverged_at": at})
         result.preemptions = sum(e.scheduler.num_preemptions for e in engines)
-        result.read_failures = sum(e.transfer_stats.failures for e in decode)
+        result.read_failures = sum(e.worker_view.transfer_stats.failures for e in decode)
         for engine in engines:
             engine.coordinator.check_invariants()
             assert not engine.has_work
@@ -255,7 +255,7 @@ def run_duplicate_waves(
                         {"request": request_id, "prompt_tokens": len(prompts[index]), "diverged_at": at}
                     )
         result.preemptions = prefill.scheduler.num_preemptions + decode.scheduler.num_preemptions
-        result.read_failures = decode.transfer_stats.failures
+        result.read_failures = decode.worker_view.transfer_stats.failures
         for engine in (prefill, decode):
             engine.coordinator.check_invariants()
             assert not engine.has_work

@@ -4,6 +4,7 @@ Called once the weights are on the GPU: the worker may hold ``utilization`` of t
 in all; whatever is in use already (the weights, other processes, the CUDA context) and a reserve
 for one step's activations come off it, and the rest is the KV budget ``kv_budget`` splits into
 pools. The activation reserve is an upper estimate from the scheduler's limits, not a profile.
+``worker_pool_blocks`` sizes a worker's device and host pools from its config (any device).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import logging
 
 import torch
 
+from configs.schema import ClusterConfig
 from engine.model.arch.model_arch import ModelArch
+from engine.model.kv_budget import blocks_per_pool
+from engine.model.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +52,24 @@ def gpu_kv_budget_bytes(device: torch.device, utilization: float, reserve_bytes:
             f" ({(total - free) / 2**30:.1f} GiB in use, {reserve_bytes / 2**30:.1f} GiB reserved for activations)"
         )
     return budget
+
+
+def worker_pool_blocks(
+    arch: ModelArch, layout: KVLayout, config: ClusterConfig, device: torch.device, elem_bytes: int
+) -> tuple[tuple[int, ...], list[int] | None]:
+    """A worker's blocks per device pool (``kv_budget.blocks_per_pool`` over the config's budget:
+    with ``kv_cache.gpu_memory_utilization``, what ``device`` has free once the weights are on it,
+    less one step's activations) and per host pool (``KVLayout.host_blocks`` for
+    ``kv_cache.offload.size_mib``; None without a host tier, which needs prefix caching).
+    ``elem_bytes``: bytes of one activation element in the model's dtype."""
+    cache = config.kv_cache
+    gpu_budget = None
+    if cache.gpu_memory_utilization is not None:
+        scheduler = config.scheduler
+        reserve = activation_reserve_bytes(arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, elem_bytes)
+        gpu_budget = gpu_kv_budget_bytes(device, cache.gpu_memory_utilization, reserve)
+    num_blocks = blocks_per_pool(layout, cache, config.scheduler.max_num_seqs, gpu_budget)
+    host_blocks = None
+    if cache.offload.enabled and cache.prefix_caching:
+        host_blocks = layout.host_blocks(num_blocks, int(cache.offload.size_mib * 2**20))
+    return num_blocks, host_blocks

@@ -37,7 +37,7 @@ def _serve(conn: Connection, config: ClusterConfig) -> None:
                 engine.add_request(request_id, prompt, SamplingParams(max_tokens=1), prefill_only=True)
                 pending[request_id] = None
             elif cmd == "free_blocks":
-                conn.send((engine.coordinator.num_free_blocks, len(engine.held)))
+                conn.send((engine.coordinator.num_free_blocks, len(engine.worker_view.held)))
             elif cmd == "rows":  # raw bytes of blocks, for byte-for-byte comparison (on the CPU)
                 conn.send([slot[list(args[0])].cpu() for slot in engine.runner.slots])
             elif cmd == "stop":

@@ -143,7 +143,7 @@ def test_pd_decode_side_promotes_its_host_hit_and_reads_only_the_rest(preset: st
         tokens = run_to_end(decode, {"b"})["b"][0]
         decode.coordinator.check_invariants()
         assert host.counters.promoted > promoted
-        assert request.num_cached_tokens == len(b) - 1 and decode.transfer_stats.reads == 1
+        assert request.num_cached_tokens == len(b) - 1 and decode.worker_view.transfer_stats.reads == 1
         assert tokens == cold_b
     finally:
         prefill.close()

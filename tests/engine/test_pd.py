@@ -131,8 +131,8 @@ def test_pd_matches_single_engine_and_moves_only_needed_blocks(oracle, backend):
             results = run_to_end(decode, {f"r{i}" for i in range(len(batch))})
             for i, prompt in enumerate(batch):
                 assert results[f"r{i}"][0] == expected[i], f"prompt {i} ({len(prompt)} tokens)"
-            assert decode.transfer_stats.failures == 0
-            assert decode.transfer_stats.blocks == sum(expected_blocks(specs, len(p) - 1, 0) for p in batch)
+            assert decode.worker_view.transfer_stats.failures == 0
+            assert decode.worker_view.transfer_stats.blocks == sum(expected_blocks(specs, len(p) - 1, 0) for p in batch)
 
             free, held = prefill.wait_released()
             assert held == 0 and free == prefill.baseline_free  # freed on the reads' notifications
@@ -189,7 +189,7 @@ def test_killed_prefill_owner_means_recompute(oracle, backend, when):
             if when == "after_start":
                 prefill.kill()
             assert run_to_end(decode, {"r"})["r"] == (expected, "length")
-        stats = decode.transfer_stats
+        stats = decode.worker_view.transfer_stats
         if when == "before_read":
             assert stats.failures == 1 and stats.blocks == 0  # the read failed and the request was recomputed
         else:
@@ -210,12 +210,12 @@ def test_prefill_frees_held_blocks_when_no_reader_comes():
         prefill.add_request("r", prompts(4, [30])[0], GREEDY, prefill_only=True)
         (result,) = run_to_end(prefill, {"r"}).values()
         assert result[1] == "remote_decode"
-        assert prefill.coordinator.num_free_blocks < baseline and len(prefill.held) == 1
+        assert prefill.coordinator.num_free_blocks < baseline and len(prefill.worker_view.held) == 1
         end = time.monotonic() + 5
         while prefill.has_work and time.monotonic() < end:
             prefill.step()
             time.sleep(0.01)
-        assert prefill.transfer_stats.released_by_timeout == 1
+        assert prefill.worker_view.transfer_stats.released_by_timeout == 1
         assert prefill.coordinator.num_free_blocks == baseline and not prefill.has_work
     finally:
         prefill.close()
@@ -278,11 +278,11 @@ def test_full_local_hit_reads_nothing_but_still_releases_the_owner(oracle):
         handle = prefill_in_process(prefill, "r", prompt)
         decode.add_request("r", prompt, GREEDY, kv_handle=handle)
         assert run_to_end(decode, {"r"})["r"][0] == expected
-        assert decode.transfer_stats.reads == 0 and decode.transfer_stats.notify_only == 1
+        assert decode.worker_view.transfer_stats.reads == 0 and decode.worker_view.transfer_stats.notify_only == 1
         end = time.monotonic() + 5
         while prefill.has_work and time.monotonic() < end:
             prefill.step()
-        assert prefill.transfer_stats.released_by_notification == 1 and not prefill.held
+        assert prefill.worker_view.transfer_stats.released_by_notification == 1 and not prefill.worker_view.held
     finally:
         prefill.close()
         decode.close()

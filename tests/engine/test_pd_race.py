@@ -183,10 +183,10 @@ def test_a_handle_that_reaches_the_decoder_after_its_owner_freed_the_blocks_is_r
         handle = run_prefill(prefill, [("x", x)])["x"]
         time.sleep(1.6)
         prefill.step()  # no reader came in time: x's blocks go back to the pool ...
-        assert prefill.transfer_stats.released_by_timeout == 1
+        assert prefill.worker_view.transfer_stats.released_by_timeout == 1
         run_prefill(prefill, [("y", y)])  # ... and y's prefill writes over them
         assert run(decode, [("x", x, GREEDY)], kv_handle=handle)["x"] == expected
-        assert decode.transfer_stats.expired_handles == 1 and decode.transfer_stats.reads == 0
+        assert decode.worker_view.transfer_stats.expired_handles == 1 and decode.worker_view.transfer_stats.reads == 0
         assert decode.coordinator.num_free_blocks == decode.info.num_blocks - 1
     finally:
         prefill.close()
@@ -203,14 +203,17 @@ def test_a_handle_too_close_to_its_release_is_not_read_and_the_owner_is_told():
         assert not handle_usable(handle, read_timeout, release, now=handle.expires_at - read_timeout)
         time.sleep(release - read_timeout - expiry_margin(release) + 0.05)  # inside the last read_timeout + margin
         decode.add_request("r", prompt, GREEDY, kv_handle=handle)
-        assert decode.transfer_stats.expired_handles == 1 and decode.transfer_stats.notify_only == 1
+        assert (
+            decode.worker_view.transfer_stats.expired_handles == 1
+            and decode.worker_view.transfer_stats.notify_only == 1
+        )
         run(decode, [])
         for _ in range(50):  # the notification frees the owner's blocks before its timeout
             prefill.step()
-            if not prefill.held:
+            if not prefill.worker_view.held:
                 break
             time.sleep(0.002)
-        assert prefill.transfer_stats.released_by_notification == 1 and not prefill.held
+        assert prefill.worker_view.transfer_stats.released_by_notification == 1 and not prefill.worker_view.held
     finally:
         prefill.close()
         decode.close()

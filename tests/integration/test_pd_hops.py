@@ -84,15 +84,17 @@ def test_an_announced_request_reserves_at_once_and_reads_when_its_handle_comes(p
     try:
         before = _free(decode)
         decode.expect_remote_prefill("r", prompt, GREEDY, prefill.agent_info)
-        assert decode.is_reserved("r") and _free(decode) < before, "blocks reserved before any handle exists"
-        assert decode.transfer_stats.warm_ups == 1
+        assert decode.worker_view.is_reserved("r") and _free(decode) < before, (
+            "blocks reserved before any handle exists"
+        )
+        assert decode.worker_view.transfer_stats.warm_ups == 1
         handle = _prefill(prefill, "r", prompt)  # the prefill runs after the reservation
         assert decode.provide_handle("r", handle) is None
         assert _run(decode, "r") == expected
-        stats = decode.transfer_stats
+        stats = decode.worker_view.transfer_stats
         assert stats.reads == 1 and stats.failures == 0 and stats.cold_reads == 0
         wait_for(lambda: _released(prefill), 10, "the owner to free on the reader's notification")
-        assert prefill.transfer_stats.released_by_notification == 1
+        assert prefill.worker_view.transfer_stats.released_by_notification == 1
     finally:
         prefill.close()
         decode.close()
@@ -105,14 +107,14 @@ def test_an_aborted_announcement_frees_at_once_and_its_late_handle_still_frees_t
         before = _free(decode)
         decode.expect_remote_prefill("r", prompt, GREEDY)
         assert _free(decode) < before
-        assert decode.abort("r") and _free(decode) == before and not decode.expected
+        assert decode.abort("r") and _free(decode) == before and not decode.worker_view.expected
         handle = _prefill(prefill, "r", prompt)
         assert decode.provide_handle("r", handle) is None  # nobody expects it: notification only
         for _ in range(20):
             decode.step()
         wait_for(lambda: _released(prefill), 10, "the owner to free at the notification, not the timeout")
-        assert prefill.transfer_stats.released_by_notification == 1
-        assert decode.transfer_stats.reads == 0 and _free(decode) == before
+        assert prefill.worker_view.transfer_stats.released_by_notification == 1
+        assert decode.worker_view.transfer_stats.reads == 0 and _free(decode) == before
         decode.coordinator.check_invariants()
     finally:
         prefill.close()
@@ -128,7 +130,7 @@ def test_an_announcement_without_room_waits_for_its_handle_and_stays_exact():
     try:
         decode.expect_remote_prefill("a", prompts[0], GREEDY)
         decode.expect_remote_prefill("b", prompts[1], GREEDY)
-        assert decode.is_reserved("a") and not decode.is_reserved("b")
+        assert decode.worker_view.is_reserved("a") and not decode.worker_view.is_reserved("b")
         assert not decode.has_compute_work, "an unreserved announcement computes nothing yet"
         handles = {rid: _prefill(prefill, rid, p) for rid, p in zip("ab", prompts, strict=False)}
         decode.provide_handle("a", handles["a"])
@@ -156,9 +158,9 @@ def test_a_warmed_peer_first_read_opens_no_connection(backend):
         for rid, engine, prompt in (("c", cold, prompts[0]), ("w", warm, prompts[1])):
             engine.add_request(rid, prompt, GREEDY, kv_handle=_prefill(prefill, rid, prompt))
             _run(engine, rid)
-        assert (cold.transfer_stats.cold_reads, cold.transfer_stats.warm_ups) == (1, 0)
-        assert (warm.transfer_stats.cold_reads, warm.transfer_stats.warm_ups) == (0, 1)
-        assert warm.transfer_stats.failures == cold.transfer_stats.failures == 0
+        assert (cold.worker_view.transfer_stats.cold_reads, cold.worker_view.transfer_stats.warm_ups) == (1, 0)
+        assert (warm.worker_view.transfer_stats.cold_reads, warm.worker_view.transfer_stats.warm_ups) == (0, 1)
+        assert warm.worker_view.transfer_stats.failures == cold.worker_view.transfer_stats.failures == 0
     finally:
         for engine in (prefill, cold, warm):
             engine.close()

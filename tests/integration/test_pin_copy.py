@@ -56,21 +56,21 @@ def test_copied_pin_has_the_holders_bytes_and_the_hold_is_released(preset):
         prefix = [random.Random(5).randrange(3, 250) for _ in range(PIN_TOKENS)]
         hashes = block_hashes(prefix, holder.coordinator.hash_block_size)
         _run(holder, "warm", [*prefix, 9])
-        assert holder.pin_prefix(hashes, PIN_TOKENS) == PIN_TOKENS
+        assert holder.worker_view.pin_prefix(hashes, PIN_TOKENS) == PIN_TOKENS
 
         handle = holder.export_prefix("copy-1", prefix)
         assert handle is not None and handle.num_tokens == PIN_TOKENS
-        assert len(holder.held) == 1, "the holder holds the prefix's blocks for the copy"
+        assert len(holder.worker_view.held) == 1, "the holder holds the prefix's blocks for the copy"
         _run(target, "copy-1", [*prefix, 0], kv_handle=handle)
-        assert target.transfer_stats.reads == 1 and target.transfer_stats.failures == 0
-        assert target.transfer_stats.blocks > 0
+        assert target.worker_view.transfer_stats.reads == 1 and target.worker_view.transfer_stats.failures == 0
+        assert target.worker_view.transfer_stats.blocks > 0
         for _ in range(50):  # the holder sees the reader's notification and releases its hold
             holder.step()
-            if not holder.held:
+            if not holder.worker_view.held:
                 break
-        assert not holder.held and not holder.scheduler.held
-        assert holder.transfer_stats.released_by_notification == 1
-        assert target.pin_prefix(hashes, PIN_TOKENS) == PIN_TOKENS
+        assert not holder.worker_view.held and not holder.scheduler.held
+        assert holder.worker_view.transfer_stats.released_by_notification == 1
+        assert target.worker_view.pin_prefix(hashes, PIN_TOKENS) == PIN_TOKENS
 
         theirs = _needed_pages(holder, hashes, PIN_TOKENS)
         ours = _needed_pages(target, hashes, PIN_TOKENS)
@@ -89,7 +89,7 @@ def test_copied_pin_has_the_holders_bytes_and_the_hold_is_released(preset):
         # A holder that no longer caches the prefix exports nothing (the reader computes it).
         other = [random.Random(6).randrange(3, 250) for _ in range(PIN_TOKENS)]
         assert holder.export_prefix("copy-2", other) is None
-        assert not holder.held
+        assert not holder.worker_view.held
         holder.coordinator.check_invariants()
         target.coordinator.check_invariants()
     finally:
