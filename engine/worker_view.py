@@ -98,7 +98,7 @@ class WorkerView:
     def cache_gauges(self) -> dict[str, float]:
         """Free and pinned-free blocks (tightest pool), prefix-cache hit rate, running and waiting."""
         scheduler, coordinator = self.scheduler, self.coordinator
-        pool = coordinator.pools[coordinator.tightest_pool]
+        pool = coordinator.pools[coordinator.capacity.tightest_pool]
         queried = scheduler.queried_tokens
         return {
             "free_blocks": pool.num_free_blocks,
@@ -255,8 +255,8 @@ class WorkerView:
                 "kind": pool.kind,
                 "page_bytes": pool.page_bytes,
                 "slots": pool.num_slots,
-                "num_blocks": coordinator.num_blocks_in(p),
-                "free_blocks": coordinator.num_free_blocks_in(p),
+                "num_blocks": coordinator.capacity.num_blocks_in(p),
+                "free_blocks": coordinator.capacity.num_free_blocks_in(p),
             }
             for p, pool in enumerate(layout.pools)
         ]

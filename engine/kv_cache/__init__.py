@@ -7,7 +7,8 @@ tiers (pinning, unpinning, demotion) are ``BlockPool`` methods.
 """
 
 from engine.kv_cache.block_pool import Block, BlockPool
-from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, PoolStats, RetentionOptions
+from engine.kv_cache.coordinator import CacheHit, HybridCoordinator, RetentionOptions
+from engine.kv_cache.coordinator_types import PoolStats
 from engine.kv_cache.events import (
     AllBlocksCleared,
     BlockPinned,

@@ -33,17 +33,17 @@ from operator import attrgetter
 
 from engine.kv_cache.attention_managers import NEVER_SKIPS, FullAttentionManager, SlidingWindowManager
 from engine.kv_cache.block_pool import Block, BlockPool
+from engine.kv_cache.capacity import PoolCapacity
 from engine.kv_cache.coordinator_types import (
     AdmittedRequest,
     CacheHit,
     PinTier,
-    PoolStats,
     RetentionOptions,
     _check_pools,
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
-from engine.kv_cache.host_tier import HostTier, TierCopy, host_hit_tokens
+from engine.kv_cache.host_tier import HostTier, TierCopy
 from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
 from engine.kv_cache.manager_base import SingleTypeManager
@@ -106,6 +106,8 @@ class HybridCoordinator:
             for p, (size, budget) in enumerate(zip(sizes, budgets, strict=True))
         ]
         self.pool = self.pools[0]  # the only pool of a single-pool coordinator
+        #: how full each pool is (read live from the pools)
+        self.capacity = PoolCapacity(self.pools, self.group_pool)
         self._single_pool = num_pools == 1
         self.managers: list[SingleTypeManager] = []
         for index, group in enumerate(groups):
@@ -437,56 +439,20 @@ class HybridCoordinator:
         for manager in self.managers:
             manager.new_step()
 
-    # -- views: capacity, block tables, the event feed, invariants (read-only) ---------------------------
-    # -- capacity ------------------------------------------------------------------------------------
+    # -- views: capacity (``self.capacity``, engine/kv_cache/capacity.py), block tables, events ----------
     @property
     def num_pools(self) -> int:
         return len(self.pools)
 
     @property
-    def tightest_pool(self) -> int:
-        """The pool with the highest usage (the lowest index among equals)."""
-        pools = self.pools
-        if len(pools) == 1:
-            return 0
-        return max(range(len(pools)), key=lambda p: (pools[p].usage, -p))
-
-    @property
     def num_free_blocks(self) -> int:
-        """Free (incl. pinned, demotable) blocks of the tightest pool; with one pool, of the pool."""
-        return self.pools[self.tightest_pool].num_free_blocks
+        """Free (incl. pinned, demotable) blocks of the tightest pool (``PoolCapacity``)."""
+        return self.capacity.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use in the tightest pool (the one that refuses admissions first)."""
-        return max(pool.usage for pool in self.pools)
-
-    def num_blocks_in(self, pool: int) -> int:
-        """Usable blocks of ``pool`` (its null block excluded)."""
-        return self.pools[pool].num_blocks - 1
-
-    def num_free_blocks_in(self, pool: int) -> int:
-        """Blocks of ``pool`` an allocation may take (free plus pinned ones, demoted on demand)."""
-        return self.pools[pool].num_free_blocks
-
-    def pool_usage(self, pool: int) -> float:
-        """Fraction of ``pool``'s usable blocks in use."""
-        return self.pools[pool].usage
-
-    def pool_stats(self) -> list[PoolStats]:
-        """Capacity of every pool, in pool order (what a worker reports per pool)."""
-        return [
-            PoolStats(
-                pool=p.index,
-                groups=tuple(g for g, q in enumerate(self.group_pool) if q == p.index),
-                num_blocks=p.num_blocks - 1,
-                free_blocks=p.num_free_blocks,
-                pinned_blocks=p.num_retained_blocks,
-                explicitly_pinned_blocks=p.explicit.size,
-                usage=p.usage,
-            )
-            for p in self.pools
-        ]
+        """Fraction of blocks in use in the tightest pool (``PoolCapacity``)."""
+        return self.capacity.usage
 
     # -- views for the runner and the transfer layer ------------------------------------------------------
     def block_ids(self, request_id: str) -> list[list[int]]:
@@ -518,7 +484,7 @@ class HybridCoordinator:
         """The null block's id: the same (0) in every pool."""
         return self.pool.null_block.block_id
 
-    # -- events and maintenance ------------------------------------------------------------------------------
+    # -- events and invariants -------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events of every pool and of the host tier since the last call (one
         sequence, in order)."""
@@ -526,7 +492,6 @@ class HybridCoordinator:
             self.host.flush_events()
         return self.events.take()
 
-    # -- invariants ---------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if any structural invariant of the cache is broken
         (``engine.kv_cache.invariants`` lists them), the host tier's included."""
@@ -556,14 +521,11 @@ class HybridCoordinator:
         return self.events.seq, tuple({h: block.tier for h, block in m.cached.items()} for m in self.managers), hosted
 
     def host_hit_tokens(self, hit: CacheHit) -> int:
-        """Tokens of ``hit`` served from the host tier (``host_tier.host_hit_tokens``: the
-        positions its host blocks cover); the rest are the device's. 0 without a host tier."""
+        """Tokens of ``hit`` served from the host tier (``HostTier.hit_tokens``); 0 without one."""
         if self.host is None or not hit.num_tokens:
             return 0
-        is_host = HostTier.is_host
         sizes = [m.block_size for m in self.managers]
-        found = [(i, sizes[g]) for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks) if is_host(b)]
-        return host_hit_tokens(hit.num_tokens, self.hash_block_size, found) if found else 0
+        return HostTier.hit_tokens(hit.blocks, hit.num_tokens, sizes, self.hash_block_size)
 
     # -- explicit prefix pins (owned by ``self.pins``, engine/kv_cache/prefix_pins.py) ---------------------
     def pin_prefix(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> int:

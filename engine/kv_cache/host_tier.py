@@ -139,6 +139,14 @@ class HostTier:
         """Whether a block of a hit lives in the host tier (else in a device pool)."""
         return block.pool >= HOST_POOL_BASE
 
+    @staticmethod
+    def hit_tokens(blocks: Sequence[Sequence[Block]], num_tokens: int, block_sizes: Sequence[int], unit: int) -> int:
+        """Tokens of a hit (``blocks``: each group's, ``num_tokens`` long) served from the host tier
+        (``host_hit_tokens``; ``block_sizes``: each group's block size); the rest are the device's."""
+        is_host = HostTier.is_host
+        found = [(i, block_sizes[g]) for g, group in enumerate(blocks) for i, b in enumerate(group) if is_host(b)]
+        return host_hit_tokens(num_tokens, unit, found) if found else 0
+
     # -- offload ------------------------------------------------------------------------------------------
     def offload(self, pool: int, device_id: int, group: int, block_hash: bytes) -> None:
         """Device pool ``pool`` evicts its block ``device_id`` cached as (group, hash): keep a copy."""

@@ -202,7 +202,7 @@ class SimChecks:
         for p, pool in enumerate(self.pools):
             if not 0 <= pool.num_free_blocks <= pool.num_blocks - 1:
                 self.fail(f"pool {p}: num_free_blocks {pool.num_free_blocks} out of range")
-            if self.coord.num_free_blocks_in(p) != pool.num_free_blocks:
+            if self.coord.capacity.num_free_blocks_in(p) != pool.num_free_blocks:
                 self.fail(f"num_free_blocks_in({p}) disagrees with the pool")
         tight = max(range(len(self.pools)), key=lambda p: (self.pools[p].usage, -p))
         if (

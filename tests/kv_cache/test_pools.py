@@ -68,7 +68,7 @@ def test_num_blocks_per_pool() -> None:
         three_pools((8, 8))  # type: ignore[arg-type]
     coord = three_pools((40, 24, 8))
     assert [p.num_blocks for p in coord.pools] == [40, 24, 8]
-    assert [coord.num_blocks_in(p) for p in range(3)] == [39, 23, 7]
+    assert [coord.capacity.num_blocks_in(p) for p in range(3)] == [39, 23, 7]
     same = three_pools(16)  # type: ignore[arg-type]  # an int: that many blocks in every pool
     assert [p.num_blocks for p in same.pools] == [16, 16, 16]
 
@@ -84,17 +84,17 @@ def test_block_ids_are_per_pool_and_never_cross() -> None:
     tables = [m.tables["a"] for m in coord.managers]
     for g, table in enumerate(tables):
         assert all(b.pool == g for b in table)
-    assert [coord.num_free_blocks_in(p) for p in range(3)] == [34, 18, 6]
+    assert [coord.capacity.num_free_blocks_in(p) for p in range(3)] == [34, 18, 6]
 
 
 def test_admission_refused_when_any_pool_is_short() -> None:
     coord = three_pools((40, 24, 3))  # the Mamba pool holds 2 usable states
     assert prefill(coord, "a", [1] * 9) is not None
     assert prefill(coord, "b", [2] * 9) is not None
-    before = [coord.num_free_blocks_in(p) for p in range(3)]
+    before = [coord.capacity.num_free_blocks_in(p) for p in range(3)]
     assert before[2] == 0 and before[0] > 10
     assert prefill(coord, "c", [3] * 9) is None  # attention pools have room, the Mamba pool none
-    assert [coord.num_free_blocks_in(p) for p in range(3)] == before
+    assert [coord.capacity.num_free_blocks_in(p) for p in range(3)] == before
     assert "c" not in coord.requests
     coord.free("a")
     assert prefill(coord, "c", [3] * 9) is not None
@@ -112,15 +112,15 @@ def test_reserved_blocks_per_pool() -> None:
 def test_tightest_pool_and_pool_stats() -> None:
     coord = three_pools((40, 24, 5))
     assert prefill(coord, "a", [1] * 9) is not None  # full 3/39, swa 3/23, mamba 1/4 used
-    assert coord.tightest_pool == 2
+    assert coord.capacity.tightest_pool == 2
     assert coord.num_free_blocks == 3 and coord.usage == pytest.approx(0.25)
-    stats = coord.pool_stats()
+    stats = coord.capacity.pool_stats()
     assert [(s.pool, s.groups, s.num_blocks, s.free_blocks) for s in stats] == [
         (0, (0,), 39, 36),
         (1, (1,), 23, 20),
         (2, (2,), 4, 3),
     ]
-    assert coord.pool_usage(0) == pytest.approx(3 / 39)
+    assert coord.capacity.pool_usage(0) == pytest.approx(3 / 39)
 
 
 def test_hits_events_pins_and_reset_across_pools() -> None:
