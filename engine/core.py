@@ -155,7 +155,8 @@ class EngineCore:
         self.transfer: KVTransfer | None = None
         if kv_role is not None:
             self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])
-        decodes = config.model.cuda_graphs and kv_role != "prefill"
+        # the static decode step runs on one rank only: split workers run every step eagerly
+        decodes = config.model.cuda_graphs and kv_role != "prefill" and arch.tp_size == 1
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(

@@ -30,8 +30,10 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
+from engine.rank_group import ChunkInputs, RankLeader
+from engine.request import Request
 from engine.sampler import PendingTokens, SampledTokens, Sampler
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
@@ -138,6 +140,9 @@ class ModelRunner:
         # prompt logprobs of requests whose prompt is being computed (``Request.scores_prompt``),
         # collected chunk by chunk and handed out with the request's first token
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        #: rank 0 of a tensor-parallel worker: sends each step's inputs to the other ranks
+        #: (``engine.rank_group.lead_ranks``); None on one rank, and on the other ranks
+        self.leader: RankLeader | None = None
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # set after each forward on CUDA: the KV and state writes queued so far are done once it is
         self._kv_written: torch.cuda.Event | None = None
@@ -185,6 +190,8 @@ class ModelRunner:
         orders, may touch those blocks next)."""
         host_kv = self.host_kv
         assert host_kv is not None, "copies come only from a coordinator with a host tier"
+        if self.leader is not None:
+            self.leader.send_copies(copies)
         host_kv.run(copies)
         if wait and host_kv.stream is not None:
             host_kv.stream.synchronize()
@@ -254,11 +261,14 @@ class ModelRunner:
             hidden = self.decode.run(chunks)
         else:
             sampling = [c for c in chunks if c.sample]
-            batch = self.build_batch(output)
+            inputs = self.step_inputs(output)
+            if self.leader is not None:
+                self.leader.send_step(inputs)
+            batch = self.batch_of(inputs)
             hidden = self.model(batch)
-            for chunk, spec in zip(chunks, batch.chunks, strict=True):
-                if chunk.request.scores_prompt:
-                    self._score_prompt(chunk, hidden[spec.offset : spec.offset + spec.num_tokens])
+            for chunk, given, spec in zip(chunks, inputs, batch.chunks, strict=True):
+                if given.score_targets is not None:
+                    self._score_prompt(chunk.request, given, hidden[spec.offset : spec.offset + spec.num_tokens])
             if sampling:
                 hidden = hidden[batch.sample_indices]
         self._record_kv_written()
@@ -278,18 +288,33 @@ class ModelRunner:
                     sampled.prompt_logprobs[request.request_id] = scored
         return sampled, logits
 
-    def _score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+    def _score_prompt(self, request: Request, chunk: ChunkInputs, hidden: torch.Tensor) -> None:
         """Collect the prompt logprobs a prefill chunk of a ``scores_prompt`` request computes:
-        position ``p`` predicts prompt token ``p + 1`` (the first prompt token has none)."""
-        request = chunk.request
+        position ``p`` predicts prompt token ``p + 1`` (``chunk.score_targets``)."""
         scored = self._prompt_logprobs.setdefault(request.request_id, [None] * request.prompt_len)
-        count = min(chunk.num_tokens, request.prompt_len - 1 - chunk.start)
-        if count <= 0:
+        targets = chunk.score_targets
+        if not targets:
             return
         begin = chunk.start + 1
-        targets = request.token_ids[begin : begin + count]
-        k = request.sampling.prompt_logprobs or 0
-        scored[begin : begin + count] = self.sampler.prompt_logprobs(hidden[:count], targets, k, self.model.logits)
+        found = self.sampler.prompt_logprobs(hidden[: len(targets)], targets, chunk.score_k, self.model.logits)
+        scored[begin : begin + len(targets)] = found
+
+    @torch.inference_mode()
+    def follow_step(self, chunks: list[ChunkInputs]) -> None:
+        """A tensor-parallel follower's part of a step rank 0 runs (``engine.rank_group``): the
+        same forward over this rank's shard, the same prompt scoring and logits of the sampled
+        rows (their sums and gathers meet rank 0's), with nothing sampled or kept."""
+        if not chunks:
+            return
+        batch = self.batch_of(chunks)
+        hidden = self.model(batch)
+        for chunk, spec in zip(chunks, batch.chunks, strict=True):
+            if chunk.score_targets:
+                rows = hidden[spec.offset : spec.offset + len(chunk.score_targets)]
+                self.sampler.prompt_logprobs(rows, chunk.score_targets, chunk.score_k, self.model.logits)
+        if any(chunk.sample for chunk in chunks):
+            self.model.logits(hidden[batch.sample_indices])
+        self._record_kv_written()
 
     def wait_kv_written(self) -> None:
         """Block until every KV page and recurrent state the last forward wrote is in memory.
@@ -317,18 +342,39 @@ class ModelRunner:
             )
         return self._scratch
 
+    @staticmethod
+    def step_inputs(output: SchedulerOutput) -> list[ChunkInputs]:
+        """What each scheduled chunk means to the forward (``ChunkInputs``): the same on every
+        tensor-parallel rank."""
+        inputs = []
+        for chunk in output.chunks:
+            request = chunk.request
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            targets = None
+            k = 0
+            if request.scores_prompt:
+                # position p predicts prompt token p + 1 (the first prompt token has none)
+                count = max(0, min(chunk.num_tokens, request.prompt_len - 1 - start))
+                targets = request.token_ids[start + 1 : start + 1 + count]
+                k = request.sampling.prompt_logprobs or 0
+            inputs.append(ChunkInputs(request.token_ids[start:end], start, chunk.block_ids, chunk.sample, targets, k))
+        return inputs
+
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
         """The eager step's inputs (prefill and mixed steps; every step without a decode step)."""
+        return self.batch_of(self.step_inputs(output))
+
+    def batch_of(self, given: list[ChunkInputs]) -> ForwardBatch:
+        """The eager forward's batch over ``given`` chunks."""
         chunks: list[ChunkSpec] = []
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
-        tables = [chunk.block_ids for chunk in output.chunks]
+        tables = [chunk.block_ids for chunk in given]
         offset = 0
-        for chunk in output.chunks:
-            tokens = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        for chunk in given:
             chunks.append(ChunkSpec(offset, chunk.start, chunk.num_tokens))
-            input_ids.extend(tokens)
+            input_ids.extend(chunk.tokens)
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             offset += chunk.num_tokens
             if chunk.sample:

@@ -1,0 +1,146 @@
+"""One worker's tensor-parallel ranks: rank 0 leads, the others follow its steps.
+
+At ``workers.tensor_parallel_size`` N > 1 a worker is N processes joined in one torch.distributed
+group (NCCL on CUDA, gloo on the CPU), each holding its shard of the weights, the KV pages and
+the recurrent states (engine/model/layers/parallel.py). Only rank 0 has a scheduler and a
+KV-cache coordinator that decide anything: its ``EngineCore`` is the one the worker actor drives,
+unchanged. Block ids are per token, the same on every rank, so a step's inputs mean the same on
+each: before each forward, rank 0's ``ModelRunner`` sends them (``ChunkInputs``: the tokens,
+positions, block tables, sampled rows and scored prompt positions of each chunk) to every other
+rank once, with the host tier's copies before them, through a ``RankLeader``; ``follow_leader``
+runs on each other rank and replays each message on its own runner: the same forward (the model's
+sums and the vocabulary gather meet rank 0's), no sampling. Control messages go over their own
+gloo group (a CPU channel on CUDA as well).
+
+Invariants: every rank runs the same forwards in the same order (the leader sends each step before
+it runs it, and a follower runs nothing else); a follower's KV pages change only by those forwards
+and the copies sent with them; a follower stops at the leader's ``stop`` (or when the group
+breaks: a dead rank takes the worker down as one unit).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+
+from engine.kv_cache.host_tier import TierCopy
+
+log = logging.getLogger(__name__)
+
+#: how long a rank waits for the next control message before the group counts as broken
+CONTROL_TIMEOUT = datetime.timedelta(hours=24)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInputs:
+    """What one scheduled chunk means to the forward on any rank: its ``tokens`` at positions
+    ``start ..``, the request's block table per KV group (block ids), whether its last position
+    is sampled, and, for a request that scores its prompt, the prompt tokens its positions predict
+    (``score_targets``) with the top-``score_k`` alternatives asked for."""
+
+    tokens: list[int]
+    start: int
+    block_ids: list[list[int]]
+    sample: bool
+    score_targets: list[int] | None = None
+    score_k: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+#: a control message: ("step", a step's chunks, []), ("copies", [], host-tier copies) or ("stop", [], [])
+Message = tuple[str, list[ChunkInputs], list[TierCopy]]
+
+
+class RankLeader:
+    """Rank 0's end of the control channel: owns the gloo group the messages go over.
+
+    Invariant: every message is sent to all other ranks, in the order the runner produces them;
+    after ``stop`` nothing more is sent."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.stopped = False
+        self.steps_sent = 0
+
+    def send_step(self, chunks: list[ChunkInputs]) -> None:
+        self._send(("step", chunks, []))
+        self.steps_sent += 1
+
+    def send_copies(self, copies: list[TierCopy]) -> None:
+        self._send(("copies", [], copies))
+
+    def stop(self) -> None:
+        """Release the followers (their ``follow_leader`` returns). Idempotent."""
+        if not self.stopped:
+            self._send(("stop", [], []))
+            self.stopped = True
+
+    def _send(self, message: Message) -> None:
+        if self.stopped:
+            raise RuntimeError("the tensor-parallel followers were stopped: no step can run")
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+
+class RankRunner(Protocol):
+    """What leading and following need of a rank's ``engine.runner.ModelRunner``."""
+
+    leader: RankLeader | None
+
+    @property
+    def decode(self) -> object | None: ...
+    def follow_step(self, chunks: list[ChunkInputs]) -> None: ...
+    def copy_tiers(self, copies: list[TierCopy], wait: bool = False) -> None: ...
+
+
+def control_group() -> dist.ProcessGroup:
+    """The control channel's group over every rank (gloo, whatever the tensors' backend). Every
+    rank must call it, in the same order relative to its other group creations."""
+    group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    assert group is not None, "every rank is a member of the control group"
+    return group
+
+
+def lead_ranks(runner: RankRunner) -> RankLeader:
+    """Make ``runner`` (rank 0's) send each step's inputs to the other ranks from now on; they run
+    ``follow_leader``. Call after the process group is initialised, on rank 0 only."""
+    if dist.get_rank() != 0:
+        raise ValueError(f"tensor_parallel_rank: only rank 0 leads (this is rank {dist.get_rank()})")
+    if runner.decode is not None:
+        raise ValueError("tensor_parallel_size > 1: the static decode step is not split over ranks yet")
+    leader = RankLeader(control_group())
+    runner.leader = leader
+    return leader
+
+
+def follow_leader(runner: RankRunner) -> int:
+    """On a rank other than 0: run every step rank 0's runner sends, on this rank's ``runner``,
+    until the leader stops; returns the number of steps run."""
+    rank = dist.get_rank()
+    if rank == 0:
+        raise ValueError("tensor_parallel_rank: rank 0 leads, it does not follow")
+    group = control_group()
+    steps = 0
+    log.info("tensor-parallel rank %d follows rank 0", rank)
+    while True:
+        box: list[Message | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        message = box[0]
+        assert message is not None, "a broadcast fills the box"
+        kind, chunks, copies = message
+        if kind == "stop":
+            log.info("tensor-parallel rank %d stops after %d steps", rank, steps)
+            return steps
+        if kind == "copies":
+            runner.copy_tiers(copies, wait=True)
+        elif kind == "step":
+            runner.follow_step(chunks)
+            steps += 1
+        else:
+            raise RuntimeError(f"tensor-parallel rank {rank}: unknown control message {kind!r}")
