@@ -98,17 +98,29 @@ class EngineWorker:
 
     role: WorkerRole = "decode"
 
-    def __init__(self, config: ClusterConfig, worker_id: str, disaggregated: bool):
+    def __init__(self, config: ClusterConfig, worker_id: str, disaggregated: bool, rank_address: str | None = None):
+        """``rank_address``: with ``workers.tensor_parallel_size`` > 1, where this worker's ranks
+        meet (``tcp://host:port``, cluster/rank_groups.py); this actor is rank 0 and leads them."""
         from configs.logs import setup_logging
         from engine.core import EngineCore
+        from engine.rank_group import RankLeader, join_rank_group, lead_ranks
 
         setup_logging(config.logging)
         self.config = config
         self.worker_id = worker_id
-        resources = config.workers.prefill if self.role == "prefill" else config.workers.decode
+        workers = config.workers
+        resources = workers.prefill if self.role == "prefill" else workers.decode
         kv_role = self.role if disaggregated else None
         self.router_role: Literal["prefill", "decode", "both"] = self.role if disaggregated else "both"
+        if workers.tensor_parallel_size > 1:
+            assert rank_address is not None, "a split worker's ranks meet at the address its group was given"
+            size = workers.tensor_parallel_size
+            join_rank_group(rank_address, 0, size, config.model.device, workers.engine_stall_timeout_s)
         self.engine: EngineCore = EngineCore(config, threads=resources.num_threads, name=worker_id, kv_role=kv_role)
+        #: the other ranks' channel (None on one rank): every step goes to them before it runs
+        self.rank_leader: RankLeader | None = (
+            lead_ranks(self.engine.runner) if workers.tensor_parallel_size > 1 else None
+        )
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()
         self._tracked: dict[str, TrackedRequest] = {}
@@ -185,6 +197,8 @@ class EngineWorker:
             self._stopped = True
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
             self.engine.close()
+            if self.rank_leader is not None and self._error is None:
+                self.rank_leader.stop()
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
@@ -353,6 +367,8 @@ class EngineWorker:
                     if outputs:
                         self._dispatch(outputs)
                 self.router_link.report()
+                if self.rank_leader is not None:
+                    self.rank_leader.keepalive(now)
         except BaseException as exc:  # a broken engine: fail every request, stay inspectable
             self._error = f"{type(exc).__name__}: {exc}"
             log.exception("%s: engine loop failed; the worker is unhealthy from now on", self.worker_id)

@@ -42,7 +42,8 @@ def loopback_environment() -> None:
 def needed_cpus(config: ClusterConfig) -> float:
     """Logical CPUs the configured workers ask for in all (the router not included)."""
     workers = config.workers
-    return workers.num_prefill * workers.prefill.num_cpus + workers.num_decode * workers.decode.num_cpus
+    one_rank = workers.num_prefill * workers.prefill.num_cpus + workers.num_decode * workers.decode.num_cpus
+    return one_rank * workers.tensor_parallel_size  # each rank of a split worker asks for as much
 
 
 def embedded_init_kwargs(config: ClusterConfig) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def check_capacity(config: ClusterConfig, cluster_resources: dict[str, float]) -
         need = workers.num_prefill * getattr(workers.prefill, field) + workers.num_decode * getattr(
             workers.decode, field
         )
+        need *= workers.tensor_parallel_size  # every rank of a split worker asks for the same
         have = cluster_resources.get(kind, 0.0)
         if need > have + 1e-9:
             raise PlacementError(
@@ -131,11 +133,12 @@ def largest_node_devices(nodes: list[dict[str, Any]], device: str) -> int:
 def check_tensor_parallel(
     config: ClusterConfig, model_directory: Path, nodes: list[dict[str, Any]] | None = None
 ) -> None:
-    """Refuse ``workers.tensor_parallel_size`` > 1 before any worker starts: a size the model
-    cannot split by names the field, the model and the number (``engine.model.layers.parallel``);
-    so does a size above the devices of the largest of ``nodes`` (``ray.nodes()``; None: not
-    checked); one that passes both is refused too, because the cluster's workers do not start rank groups yet (the
-    engine runs one rank per ``EngineCore(tensor_parallel_rank=r)`` in a torch.distributed group)."""
+    """Refuse a ``workers.tensor_parallel_size`` > 1 the cluster cannot start, before any worker
+    starts: a size the model cannot split by (naming the field, the model and the number,
+    ``engine.model.layers.parallel``); a size above the devices of the largest of ``nodes``
+    (``ray.nodes()``; None: not checked; a worker's ranks share one node); and prefill / decode
+    workers (a P/D transfer between split workers, each rank moving its own heads, is not built
+    yet: split workers run aggregated)."""
     size = config.workers.tensor_parallel_size
     if size == 1:
         return
@@ -152,8 +155,8 @@ def check_tensor_parallel(
                 f"workers.tensor_parallel_size: a worker's ranks share one node, but the largest node has "
                 f"{devices} {unit} (got {size})"
             )
-    raise PlacementError(
-        f"workers.tensor_parallel_size: the cluster's workers do not start a group of ranks yet; "
-        f"run tensor-parallel engines with EngineCore(tensor_parallel_rank=r) in a torch.distributed "
-        f"group (got {size})"
-    )
+    if config.workers.num_prefill > 0:
+        raise PlacementError(
+            f"workers.tensor_parallel_size: prefill / decode workers split over ranks are not built yet "
+            f"(workers.num_prefill is {config.workers.num_prefill}; set it to 0) (got {size})"
+        )

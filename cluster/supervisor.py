@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from cluster.driver_loop import DriverLoop
 from cluster.handles import RouterHandle, WorkerHandle
 from cluster.in_flight import InFlight
+from cluster.rank_groups import RankGroups
 from cluster.served_model import same_kv_layout
 from cluster.tier_stats import hit_tokens_by_tier, hit_tokens_by_tier_totals, host_tier_summary, host_tier_totals
 from configs import ClusterConfig
@@ -83,6 +85,8 @@ class Supervisor:
         self._loop = loop
         self._in_flight = in_flight
         self._owns_actors = True
+        #: the placement groups and other ranks of split workers (``workers.tensor_parallel_size``)
+        self.ranks = RankGroups(config)
         self._replacing: set[str] = set()
         self._background: set[concurrent.futures.Future[None]] = set()  # the health loop, replacements
         self._closing = False
@@ -115,13 +119,13 @@ class Supervisor:
         disaggregated = config.workers.num_prefill > 0
         for i in range(config.workers.num_prefill):
             options = worker_options(config, "prefill", resources)
-            self.workers[f"prefill-{i}"] = (
-                _worker_class("prefill").options(**options).remote(config, f"prefill-{i}", True)
-            )
+            worker_id = f"prefill-{i}"
+            self.workers[worker_id] = self.ranks.launch(_worker_class("prefill"), worker_id, "prefill", options, True)
         for i in range(config.workers.num_decode):
             options = worker_options(config, "decode", resources)
-            self.workers[f"decode-{i}"] = (
-                _worker_class("decode").options(**options).remote(config, f"decode-{i}", disaggregated)
+            worker_id = f"decode-{i}"
+            self.workers[worker_id] = self.ranks.launch(
+                _worker_class("decode"), worker_id, "decode", options, disaggregated
             )
         self.infos = self._wait_ready({wid: w.info.remote() for wid, w in self.workers.items()}, start_timeout_s)
         return dict(self.infos)
@@ -213,6 +217,7 @@ class Supervisor:
                         ray.kill(handle)
                     except Exception as exc:  # noqa: BLE001  (already gone)
                         log.debug("kill: %s", exc)
+            self.ranks.release_all(_kill)
         self.workers.clear()
         self.routers = []
 
@@ -282,6 +287,8 @@ class Supervisor:
         if replace and worker_id not in self._replacing:
             self._replacing.add(worker_id)
             self._in_background(self._replace(worker_id, current))
+        elif self._owns_actors and not replace:
+            self.ranks.release(worker_id, _kill)  # a split worker's other ranks go with it
 
     async def _replace(self, worker_id: str, old: WorkerHandle) -> None:
         """Kill a lost worker and start another under its id until one joins (or we shut down)."""
@@ -289,6 +296,7 @@ class Supervisor:
             await asyncio.get_running_loop().run_in_executor(None, _kill, old)
         except Exception as exc:  # noqa: BLE001  (already gone)
             log.debug("kill %s: %s", worker_id, exc)
+        await asyncio.get_running_loop().run_in_executor(None, self.ranks.release, worker_id, _kill)
         try:
             while not self._closing:
                 started = time.monotonic()
@@ -312,9 +320,9 @@ class Supervisor:
         config = self.config
         old_info = self.infos[worker_id]
         options = worker_options(config, old_info.role, ray.cluster_resources())
-        handle: WorkerHandle = (
-            _worker_class(old_info.role).options(**options).remote(config, worker_id, config.workers.num_prefill > 0)
-        )
+        role, disaggregated = old_info.role, config.workers.num_prefill > 0
+        launch = functools.partial(self.ranks.launch, _worker_class(role), worker_id, role, options, disaggregated)
+        handle: WorkerHandle = await asyncio.get_running_loop().run_in_executor(None, launch)
         try:
             start_timeout_s = config.workers.health_check_timeout_s * 30
             info: WorkerInfo = await asyncio.wait_for(await_ref(handle.info.remote()), start_timeout_s)
@@ -327,6 +335,7 @@ class Supervisor:
                 await await_ref(handle.set_router.remote(router, k))
         except BaseException:
             _kill(handle)
+            self.ranks.release(worker_id, _kill)
             raise
         self.infos[worker_id] = info
         self.workers[worker_id] = handle

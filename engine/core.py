@@ -596,6 +596,8 @@ class EngineCore:
                 continue
             self.coordinator.discard_uncomputed(request_id, chunk.start)
             results.append(self._fail_request(request_id, why))
+        if self.runner.leader is not None:  # the other ranks may wait in a collective this step never reached
+            raise EngineBroken(f"{self.name}: a step of the split worker failed; its ranks no longer agree") from exc
         try:
             self.coordinator.check_invariants()
         except Exception as broken:  # noqa: BLE001 - any failed check means the cache is inconsistent

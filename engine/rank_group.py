@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,8 +33,10 @@ from engine.kv_cache.host_tier import TierCopy
 
 log = logging.getLogger(__name__)
 
-#: how long a rank waits for the next control message before the group counts as broken
+#: how long a rank waits for the next control message before the group counts as broken (an idle
+#: leader sends a keep-alive every ``KEEPALIVE_S``, far inside it)
 CONTROL_TIMEOUT = datetime.timedelta(hours=24)
+KEEPALIVE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +58,8 @@ class ChunkInputs:
         return len(self.tokens)
 
 
-#: a control message: ("step", a step's chunks, []), ("copies", [], host-tier copies) or ("stop", [], [])
+#: a control message: ("step", a step's chunks, []), ("copies", [], host-tier copies), ("noop", [], [])
+#: (a keep-alive) or ("stop", [], [])
 Message = tuple[str, list[ChunkInputs], list[TierCopy]]
 
 
@@ -68,6 +73,7 @@ class RankLeader:
         self.group = group
         self.stopped = False
         self.steps_sent = 0
+        self.last_sent = time.monotonic()
 
     def send_step(self, chunks: list[ChunkInputs]) -> None:
         self._send(("step", chunks, []))
@@ -75,6 +81,12 @@ class RankLeader:
 
     def send_copies(self, copies: list[TierCopy]) -> None:
         self._send(("copies", [], copies))
+
+    def keepalive(self, now: float) -> None:
+        """Send a no-op when nothing was sent for ``KEEPALIVE_S`` (an idle worker's followers
+        wait on the channel; this keeps them inside ``CONTROL_TIMEOUT`` and finds a dead rank)."""
+        if not self.stopped and now - self.last_sent >= KEEPALIVE_S:
+            self._send(("noop", [], []))
 
     def stop(self) -> None:
         """Release the followers (their ``follow_leader`` returns). Idempotent."""
@@ -86,6 +98,7 @@ class RankLeader:
         if self.stopped:
             raise RuntimeError("the tensor-parallel followers were stopped: no step can run")
         dist.broadcast_object_list([message], src=0, group=self.group)
+        self.last_sent = time.monotonic()
 
 
 class RankRunner(Protocol):
@@ -97,6 +110,16 @@ class RankRunner(Protocol):
     def decode(self) -> object | None: ...
     def follow_step(self, chunks: list[ChunkInputs]) -> None: ...
     def copy_tiers(self, copies: list[TierCopy], wait: bool = False) -> None: ...
+
+
+def join_rank_group(address: str, rank: int, size: int, device: str, timeout_s: float) -> None:
+    """Join this worker's torch.distributed group of ``size`` ranks at ``address``
+    (``tcp://host:port`` on rank 0's node): NCCL on CUDA, gloo otherwise; a collective that waits
+    longer than ``timeout_s`` fails (a hung rank breaks the worker, as the health check sees)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=timeout)
+    log.info("tensor-parallel rank %d of %d joined at %s (%s)", rank, size, address, backend)
 
 
 def control_group() -> dist.ProcessGroup:
@@ -119,9 +142,9 @@ def lead_ranks(runner: RankRunner) -> RankLeader:
     return leader
 
 
-def follow_leader(runner: RankRunner) -> int:
+def follow_leader(runner: RankRunner, on_step: Callable[[], None] | None = None) -> int:
     """On a rank other than 0: run every step rank 0's runner sends, on this rank's ``runner``,
-    until the leader stops; returns the number of steps run."""
+    until the leader stops (``on_step`` called after each); returns the number of steps run."""
     rank = dist.get_rank()
     if rank == 0:
         raise ValueError("tensor_parallel_rank: rank 0 leads, it does not follow")
@@ -142,5 +165,7 @@ def follow_leader(runner: RankRunner) -> int:
         elif kind == "step":
             runner.follow_step(chunks)
             steps += 1
-        else:
+            if on_step is not None:
+                on_step()
+        elif kind != "noop":
             raise RuntimeError(f"tensor-parallel rank {rank}: unknown control message {kind!r}")

@@ -174,7 +174,7 @@ def test_a_bad_size_is_refused_before_the_engine_loads(checkpoints) -> None:
         _engine(checkpoints["tiny-qwen2"], 3, 0)
 
 
-def test_the_cluster_refuses_tensor_parallel_workers_before_starting_any(checkpoints) -> None:
+def test_the_cluster_refuses_split_workers_it_cannot_start_before_starting_any(checkpoints) -> None:
     from cluster.placement import PlacementError
     from cluster.placement import check_tensor_parallel as check_cluster
 
@@ -182,8 +182,10 @@ def test_the_cluster_refuses_tensor_parallel_workers_before_starting_any(checkpo
     check_cluster(load_config("tiny", [f"model.source={directory}"]), directory)  # TP=1: nothing to refuse
     with pytest.raises(TensorParallelError, match=r"must divide .* \(got 3\)"):
         check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=3"]), directory)
-    with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: .* \(got 2\)"):
-        check_cluster(load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=2"]), directory)
+    split = [f"model.source={directory}", "workers.tensor_parallel_size=2"]
+    with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: prefill / decode .* \(got 2\)"):
+        check_cluster(load_config("tiny", [*split, "workers.num_prefill=1"]), directory)
+    check_cluster(load_config("tiny", [*split, "workers.num_prefill=0"]), directory)  # aggregated: it starts
 
 
 def test_more_ranks_than_the_largest_node_has_devices_are_refused(checkpoints) -> None:
@@ -200,5 +202,7 @@ def test_more_ranks_than_the_largest_node_has_devices_are_refused(checkpoints) -
     config = load_config("tiny", [f"model.source={directory}", "workers.tensor_parallel_size=4"])
     with pytest.raises(PlacementError, match=r"workers\.tensor_parallel_size: .* has 2 CPUs \(got 4\)"):
         check_cluster(config, directory, [{"Alive": True, "Resources": {"CPU": 2.0}}])
-    with pytest.raises(PlacementError, match=r"do not start a group of ranks yet; .* \(got 4\)"):
-        check_cluster(config, directory, nodes)  # fits the 8-CPU node: refused for the missing rank groups
+    aggregated = load_config(
+        "tiny", [f"model.source={directory}", "workers.tensor_parallel_size=4", "workers.num_prefill=0"]
+    )
+    check_cluster(aggregated, directory, nodes)  # fits the 8-CPU node
