@@ -239,6 +239,11 @@ class RouterMetrics(_Metrics):
         self._predicted_hit = self._add(
             "counter", "kvfleet_router_predicted_hit_tokens_total", "Prompt tokens predicted cached where routed."
         )
+        self._given_up = self._add(
+            "counter",
+            "kvfleet_router_hit_tokens_given_up_total",
+            "Predicted hit tokens a placement gave up: the best worker's hit less the chosen one's.",
+        )
         self._output_tokens = self._add("counter", "kvfleet_router_generated_tokens_total", "Tokens streamed back.")
         self._ttft = self._add(
             "histogram",
@@ -251,10 +256,14 @@ class RouterMetrics(_Metrics):
             "gauge", "kvfleet_router_pinned_blocks", "Blocks held by pinned prefixes, all replicas."
         )
 
-    def record_request_routed(self, prompt_tokens: int, predicted_hit_tokens: int, *, disaggregated: bool) -> None:
-        """A placement decision: the prompt size, the hit the index predicts, and the path taken."""
+    def record_request_routed(
+        self, prompt_tokens: int, predicted_hit_tokens: int, *, disaggregated: bool, given_up_tokens: int = 0
+    ) -> None:
+        """A placement decision: the prompt size, the hit the index predicts, the path taken and the
+        hit tokens it gave up (the best worker's predicted hit less the chosen one's)."""
         _check_finite("prompt_tokens", prompt_tokens, minimum=0)
         _check_finite("predicted_hit_tokens", predicted_hit_tokens, minimum=0)
+        _check_finite("given_up_tokens", given_up_tokens, minimum=0)
         if predicted_hit_tokens > prompt_tokens:
             raise ValueError(
                 f"predicted_hit_tokens: must be <= prompt_tokens ({prompt_tokens}) (got {predicted_hit_tokens})"
@@ -262,6 +271,7 @@ class RouterMetrics(_Metrics):
         (self._disaggregated if disaggregated else self._decode_only).inc(1)
         self._prompt_tokens.inc(prompt_tokens)
         self._predicted_hit.inc(predicted_hit_tokens)
+        self._given_up.inc(given_up_tokens)
 
     def record_request_finished(self, ttft_s: float, output_tokens: int) -> None:
         _check_finite("ttft_s", ttft_s, minimum=0)

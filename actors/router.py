@@ -92,6 +92,8 @@ class Router:
         self.routed = 0
         self.disaggregated = 0
         self.predicted_hit_tokens = 0
+        #: predicted hit tokens placements gave up (the best worker's hit less the chosen one's)
+        self.hit_tokens_given_up = 0
         self.prompt_tokens = 0
         self._last_tick = 0.0
         self.metrics = _router_metrics()
@@ -226,8 +228,11 @@ class Router:
         self.disaggregated += split
         self.prompt_tokens += num_tokens
         self.predicted_hit_tokens += decision.predicted_hit
+        given_up = max(0, decision.best_hit - decision.predicted_hit)
+        self.hit_tokens_given_up += given_up
         if self.metrics is not None:
-            self.metrics.record_request_routed(num_tokens, min(decision.predicted_hit, num_tokens), disaggregated=split)
+            predicted = min(decision.predicted_hit, num_tokens)
+            self.metrics.record_request_routed(num_tokens, predicted, disaggregated=split, given_up_tokens=given_up)
         return decision
 
     def finished(self, ttft_s: float, output_tokens: int, ok: bool = True) -> None:
@@ -316,6 +321,7 @@ class Router:
             "route_outcomes": self.outcomes.as_dict(),
             "prompt_tokens": self.prompt_tokens,
             "predicted_hit_tokens": self.predicted_hit_tokens,
+            "hit_tokens_given_up": self.hit_tokens_given_up,
             "pins": self.pins(),
             "loads": {str(w): vars(load) for w, load in self.policy.loads.items()},
         }

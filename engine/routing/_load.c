@@ -999,15 +999,25 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyO
     int in_spread = PySet_Contains(out.spread, choice);
     if (in_spread < 0)
         goto fail;
-    if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread) {
+    PyObject *hit = PyDict_GetItemWithError(hits, choice);
+    if (hit == NULL && PyErr_Occurred())
+        goto fail;
+    double h = hit == NULL ? 0.0 : PyFloat_AsDouble(hit);
+    if (h == -1.0 && PyErr_Occurred())
+        goto fail;
+    double top = 0.0; /* max(hits.values(), default=0) */
+    Py_ssize_t at = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(hits, &at, &key, &value)) {
+        double v = PyFloat_AsDouble(value);
+        if (v == -1.0 && PyErr_Occurred())
+            goto fail;
+        if (v > top)
+            top = v;
+    }
+    if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread && h < top) {
         reason = REASON_GUARD;
     } else {
-        PyObject *hit = PyDict_GetItemWithError(hits, choice);
-        if (hit == NULL && PyErr_Occurred())
-            goto fail;
-        double h = hit == NULL ? 0.0 : PyFloat_AsDouble(hit);
-        if (h == -1.0 && PyErr_Occurred())
-            goto fail;
         if (h > 0) {
             reason = REASON_PREFIX;
         } else if (ahead != NULL) {

@@ -607,11 +607,13 @@ def reason_of(
     spread: set[WorkerId],
 ) -> str:
     """Why a cost pick chose ``choice``: "guard" when a guard refused a worker or priced a holder
-    over its share and ``choice`` is not such a holder; "prefix" when it holds a hit; "inflight"
-    when part of the prompt was routed to it and not yet reported; "cost" otherwise."""
-    if (guarded or spread) and choice not in spread:
+    over its share, ``choice`` is not such a holder and its predicted hit is below the best one
+    (the guard moved the request off a longer hit); "prefix" when it holds a hit; "inflight" when
+    part of the prompt was routed to it and not yet reported; "cost" otherwise."""
+    hit = hits.get(choice, 0)
+    if (guarded or spread) and choice not in spread and hit < max(hits.values(), default=0):
         return "guard"
-    if hits.get(choice, 0) > 0:
+    if hit > 0:
         return "prefix"
     if ahead and ahead.get(choice, 0) > 0:
         return "inflight"

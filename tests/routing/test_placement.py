@@ -104,6 +104,27 @@ def test_imbalance_guard_spreads_a_hot_prefix_to_a_second_worker() -> None:
     assert guarded[0] == "w0" and len(set(guarded)) >= 2
 
 
+@pytest.mark.parametrize("core", ["python", "compiled"])
+def test_a_decision_is_a_guards_only_when_it_gave_up_a_longer_hit(core: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard that refused a worker holding nothing does not make the holder's pick a "guard"
+    decision (it kept the best hit: "prefix"); a guard that moved the request off the holder does
+    (the chosen worker's hit is below the best one), on both cores."""
+    from engine.routing.holder_maps import CORE_ENV
+
+    monkeypatch.setenv(CORE_ENV, core)
+    knobs = {"imbalance_ratio": 1.0, "imbalance_slack_tokens": 0.0, "work_imbalance_ratio": 0.0}
+    policy = policy_with(3, **knobs)
+    cache(policy, "w0", PREFIX)
+    policy.update_load("w2", WorkerLoad(queued_tokens=50_000, running_requests=4))  # far over the mean
+    kept = policy.route(request("a", [*PREFIX, 1]))
+    assert (kept.prefill_worker, kept.reason, kept.predicted_hit, kept.best_hit) == ("w0", "prefix", 200, 200)
+    policy = policy_with(3, **knobs)
+    cache(policy, "w0", PREFIX)
+    policy.update_load("w0", WorkerLoad(queued_tokens=50_000, running_requests=4))  # the holder is refused
+    moved = policy.route(request("b", [*PREFIX, 2]))
+    assert moved.prefill_worker != "w0" and moved.reason == "guard" and moved.predicted_hit < moved.best_hit == 200
+
+
 def test_instantaneous_guard_ignores_a_queue_within_the_slack() -> None:
     """A burst on the holder below ``imbalance_slack_tokens`` does not move its prefix elsewhere."""
 

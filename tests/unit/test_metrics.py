@@ -73,7 +73,7 @@ def _exercise_worker(metrics: WorkerMetrics) -> None:
 
 def _exercise_router(metrics: RouterMetrics) -> None:
     metrics.record_request_routed(prompt_tokens=100, predicted_hit_tokens=64, disaggregated=True)
-    metrics.record_request_routed(prompt_tokens=20, predicted_hit_tokens=0, disaggregated=False)
+    metrics.record_request_routed(prompt_tokens=20, predicted_hit_tokens=0, disaggregated=False, given_up_tokens=16)
     metrics.record_request_finished(ttft_s=0.3, output_tokens=16)
     metrics.record_request_failed()
     metrics.set_pin_stats(pinned_prefixes=2, pinned_blocks=40)
@@ -108,6 +108,7 @@ def test_without_ray_it_is_a_noop_that_keeps_in_process_values() -> None:
     assert snap["kvfleet_router_disaggregated_requests_total"] == 1
     assert snap["kvfleet_router_decode_only_requests_total"] == 1
     assert snap["kvfleet_router_predicted_hit_tokens_total"] == 64
+    assert snap["kvfleet_router_hit_tokens_given_up_total"] == 16
     assert snap["kvfleet_router_prompt_tokens_total"] == 120
     assert snap["kvfleet_router_ttft_seconds"] == {"count": 1, "sum": pytest.approx(0.3)}
     assert (snap["kvfleet_router_pinned_prefixes"], snap["kvfleet_router_pinned_blocks"]) == (2, 40)
