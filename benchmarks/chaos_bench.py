@@ -14,6 +14,7 @@ baseline). Exit status 1 on a wrong token, a lost request, an unclear error or a
 
     python -m benchmarks.chaos_bench                          # 2000 requests, 8 req/s, 9 kills
     python -m benchmarks.chaos_bench --requests 300 --kills 3 --backend nixl
+    python -m benchmarks.chaos_bench --requests 300 --kills 3 --tp 2   # split workers: a rank killed
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["local", "nixl"], default="local")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="workers.tensor_parallel_size: >1 runs two aggregated decode workers of that many ranks and kills ranks",
+    )
     return ap.parse_args(argv)
 
 
@@ -50,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         preset=args.preset,
         backend=args.backend,
+        tensor_parallel_size=args.tp,
     )
     report = {key: value for key, value in result.as_dict().items() if key != "errors"}
-    report.update(preset=args.preset, backend=args.backend, rate=args.rate, first_errors=result.errors[:5])
+    report.update(preset=args.preset, backend=args.backend, rate=args.rate, tp=args.tp, first_errors=result.errors[:5])
     print(json.dumps(report), flush=True)
     bad = result.wrong_tokens + result.wrong_stream + result.lost + result.unclear_errors + result.blocks_leaked
     return 1 if bad else 0

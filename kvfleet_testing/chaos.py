@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 SAMPLING = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 KINDS = ("decode", "prefill", "router")
+#: with split workers (``workers.tensor_parallel_size`` > 1, aggregated): a follower rank of a
+#: decode worker (its worker goes down with it), a decode worker, the router
+SPLIT_KINDS = ("rank", "decode", "router")
 DISTINCT_PROMPTS = 120
 RATE_WINDOW_S = 2.0
 RATE_RECOVERED = 0.9
@@ -93,17 +96,26 @@ def run_chaos(
     backend: str = "local",
     request_timeout_s: float = 120.0,
     quiesce_timeout_s: float = 60.0,
+    tensor_parallel_size: int = 1,
 ) -> ChaosResult:
     """Run the chaos workload on a fresh 2P+2D cluster (on the Ray this process is attached to,
     else an embedded one); ``kills`` kills cycle decode, prefill, router at seeded moments
-    spread over the middle of the run."""
+    spread over the middle of the run. ``tensor_parallel_size`` > 1: two aggregated decode
+    workers split over that many ranks each, and the kills cycle a follower rank, a decode
+    worker and the router (``SPLIT_KINDS``)."""
     from cluster.api import Cluster
     from configs import load_config
 
     rng = random.Random(seed)
     pool = shared_prefix_prompts(seed, min(requests, DISTINCT_PROMPTS))  # the oracle runs each alone
     prompts = [pool[rng.randrange(len(pool))] for _ in range(requests)]
-    config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *FAST_HEALTH)
+    if tensor_parallel_size > 1:
+        split = f"workers.tensor_parallel_size={tensor_parallel_size}"
+        config = cluster_config(preset, 0, 2, split, *FAST_HEALTH)
+        kinds = SPLIT_KINDS
+    else:
+        config = cluster_config(preset, 2, 2, f"transfer.backend={backend}", *FAST_HEALTH)
+        kinds = KINDS
     expected = alone_tokens(load_config(preset), prompts, SAMPLING)
     duration = requests / rate
     kill_times = sorted(rng.uniform(0.15, 0.6) * duration for _ in range(kills))  # room to recover after
@@ -111,7 +123,19 @@ def run_chaos(
     started = time.monotonic()
     with Cluster(config) as cluster:
         texts = {key: cluster.tokenizer.decode(list(tokens)) for key, tokens in expected.items()}
-        asyncio.run(_drive(cluster, prompts, expected, texts, rate, kill_times, rng, request_timeout_s, result))
+        asyncio.run(
+            _drive(
+                cluster,
+                prompts,
+                expected,
+                texts,
+                rate,
+                [(at, kinds[i % len(kinds)]) for i, at in enumerate(kill_times)],
+                rng,
+                request_timeout_s,
+                result,
+            )
+        )
         result.blocks_leaked = _quiesce(cluster, quiesce_timeout_s)
     result.seconds = round(time.monotonic() - started, 1)
     done = sorted(result.recovery_s)
@@ -125,7 +149,7 @@ async def _drive(
     expected: dict[tuple[int, ...], list[int]],
     texts: dict[tuple[int, ...], str],
     rate: float,
-    kill_times: list[float],
+    kill_times: list[tuple[float, str]],
     rng: random.Random,
     request_timeout_s: float,
     result: ChaosResult,
@@ -174,10 +198,10 @@ async def _drive(
             result.errors.append(f"unexpected {type(exc).__name__}: {exc}")
 
     async def killer() -> None:
-        for i, at in enumerate(kill_times):
+        for at, kind in kill_times:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            kind = KINDS[i % len(KINDS)]
-            while kind != "router" and len([w for w in cluster.workers if w.startswith(kind)]) < 2:
+            role = "decode" if kind == "rank" else kind
+            while kind != "router" and len([w for w in cluster.workers if w.startswith(role)]) < 2:
                 await asyncio.sleep(0.2)  # never the last live worker of a role
             kills.append(await asyncio.get_running_loop().run_in_executor(None, _kill, cluster, kind, rng))
             result.kills += 1
@@ -241,10 +265,15 @@ def _kill(cluster: Any, kind: str, rng: random.Random) -> _Kill:
         kill = _Kill(kind, "router", time.monotonic(), rejoins_before=cluster.router_rejoins)
         ray.kill(cluster.router, no_restart=False)
         return kill
-    victim = rng.choice(sorted(w for w in cluster.workers if w.startswith(kind)))
+    role = "decode" if kind == "rank" else kind
+    victim = rng.choice(sorted(w for w in cluster.workers if w.startswith(role)))
     handle = cluster.workers[victim]
     kill = _Kill(kind, victim, time.monotonic(), killed_actor=handle._actor_id.hex())
-    ray.kill(handle, no_restart=True)
+    if kind == "rank":  # one follower rank: the worker must go down with it and be replaced
+        followers = cluster._supervisor.ranks.followers.get(victim, [])
+        ray.kill(followers[rng.randrange(len(followers))], no_restart=True)
+    else:
+        ray.kill(handle, no_restart=True)
     log.warning("chaos: killed %s", victim)
     return kill
 
