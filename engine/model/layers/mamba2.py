@@ -34,6 +34,7 @@ from engine.model.arch.model_arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.kernels import triton_mamba
 from engine.model.layers import recurrent
+from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
 from engine.model.layers.ssd import causal_conv_packed, pack_chunks, ssd_scan_packed
 
@@ -86,15 +87,19 @@ class Mamba2Mixer(RecurrentMixer):
     """A Mamba2 layer over state blocks. Parameter names follow Hugging Face's Bamba mixer
     (``in_proj``, ``conv1d``, ``A_log`` ...).
 
+    ``reduce``: ``arch`` is one tensor-parallel rank's heads (engine/model/layers/parallel.py), so
+    ``out_proj``'s output is summed over the ranks.
+
     Owns: the conv-window and SSM-state views of its group's state blocks (``bind_state``).
     Invariant: block ``b``'s first ``state_floats`` fp32 values are one request's state (conv
     window ``[conv_dim, d_conv]`` then SSM state ``[H, P, N]``); a forward reads each chunk's
     ``state_read`` state before any chunk's new state overwrites it.
     """
 
-    def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float):
+    def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float, reduce: bool = False):
         super().__init__()
         self.arch = arch
+        self.reduce = reduce
         self.group = group
         conv_dim = arch.conv_dim
         self.in_proj = nn.Linear(hidden_size, arch.intermediate_size + conv_dim + arch.num_heads, bias=arch.proj_bias)
@@ -130,7 +135,8 @@ class Mamba2Mixer(RecurrentMixer):
             self._decode(xbc, dt, out, batch, index)
         if update is not None:
             self._scatter(*update)
-        return self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        out = self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        return all_reduce(out) if self.reduce else out
 
     def _gather(self, source: torch.Tensor, fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv windows and SSM states in blocks ``source`` (zeros where ``fresh``)."""

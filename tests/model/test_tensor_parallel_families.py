@@ -1,0 +1,110 @@
+"""Tensor parallelism of the recurrent and MoE families (engine/model/layers/parallel.py): logits
+of a worker split over 2 ranks equal Hugging Face's (fp32, atol 1e-4) for Mamba2 (Bamba,
+Granite-4.0-H, Nemotron-H), Gated DeltaNet (Qwen3-Next) and sparse MoE (Qwen3-MoE, gpt-oss,
+Granite-4.0-H's, Nemotron-H's and Qwen3-Next's) checkpoints, through the real scheduler,
+coordinator and runner on every rank; and sizes the recurrent mixers cannot be split by are
+refused naming the field, the model and the number.
+
+Every checkpoint runs in one group of ranks (one spawn: the ranks' process start dominates a tiny
+model's cases), the cases of tests/model/tp_harness.py each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.model.arch.hf_config import arch_from_hf_config
+from engine.model.checkpoints.loader import read_hf_config
+from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
+from engine.model.checkpoints.tiny import build_tiny_checkpoint
+from engine.model.layers.parallel import TensorParallelError, check_tensor_parallel, shard_arch
+from tests.model.tp_harness import check_ranks_against_hugging_face, sharded_cases
+
+MAMBA2 = ("tiny-bamba", "tiny-granite-h", "tiny-nemotron-h")
+DELTANET_MOE = ("tiny-qwen3-next", "tiny-qwen3-moe", "tiny-gpt-oss")
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-families")
+    return {
+        # Bamba's preset has one Mamba2 group, which two ranks cannot split: two groups here
+        "tiny-bamba": build_tiny_checkpoint("tiny-bamba", root / "tiny-bamba", seed=3, mamba_n_groups=2),
+        "tiny-granite-h": build_tiny_checkpoint("tiny-granite-h", root / "tiny-granite-h", seed=3),
+        "tiny-nemotron-h": build_tiny_checkpoint("tiny-nemotron-h", root / "tiny-nemotron-h", seed=3),
+        "tiny-qwen3-next": build_tiny_checkpoint("tiny-qwen3-next", root / "tiny-qwen3-next", seed=3),
+        "tiny-qwen3-moe": build_random_checkpoint("tiny-qwen3-moe", root / "tiny-qwen3-moe", seed=3),
+        "tiny-gpt-oss": build_random_checkpoint("tiny-gpt-oss", root / "tiny-gpt-oss", seed=3),
+    }
+
+
+#: per checkpoint, the cases of tests/model/tp_harness.py it runs: the recurrent families the ones
+#: that move states (chunked prefill, a prefix hit's state block, a preemption), the MoE-only
+#: ones a chunked batch
+CASES = {
+    **dict.fromkeys((*MAMBA2, "tiny-qwen3-next"), ("chunked", "prefix_hit", "preempt")),
+    "tiny-qwen3-moe": ("chunked",),
+    "tiny-gpt-oss": ("chunked",),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(family_checkpoints) -> list[dict[str, dict[str, dict]]]:
+    return sharded_cases(family_checkpoints, 2, CASES)
+
+
+@pytest.mark.parametrize("name", MAMBA2 + DELTANET_MOE)
+def test_logits_split_over_two_ranks_equal_hugging_face(name: str, family_checkpoints, two_ranks) -> None:
+    compared = check_ranks_against_hugging_face(family_checkpoints[name], [rank[name] for rank in two_ranks])
+    assert compared >= 40  # the chunked batch alone samples 40 rows
+
+
+def _arch(directory: Path, name: str):
+    return dataclasses.replace(arch_from_hf_config(read_hf_config(directory)), architecture=name)
+
+
+def test_rank_local_recurrent_and_expert_shapes(family_checkpoints) -> None:
+    nemotron = _arch(family_checkpoints["tiny-nemotron-h"], "tiny-nemotron-h")
+    assert nemotron.mamba is not None and nemotron.moe is not None
+    local = shard_arch(nemotron, 2, 1)
+    assert local.mamba is not None and local.moe is not None
+    assert (local.mamba.num_heads, local.mamba.n_groups) == (
+        nemotron.mamba.num_heads // 2,
+        nemotron.mamba.n_groups // 2,
+    )
+    assert local.mamba.state_floats * 2 == nemotron.mamba.state_floats  # a rank keeps its heads' state
+    assert local.moe.intermediate_size * 2 == nemotron.moe.intermediate_size
+    assert local.moe.num_experts == nemotron.moe.num_experts  # every expert, narrowed
+    qwen3_next = _arch(family_checkpoints["tiny-qwen3-next"], "tiny-qwen3-next")
+    deltanet = shard_arch(qwen3_next, 2, 0).gated_deltanet
+    assert qwen3_next.gated_deltanet is not None and deltanet is not None
+    assert (deltanet.num_k_heads, deltanet.num_v_heads) == (1, 2)
+    assert deltanet.state_floats * 2 == qwen3_next.gated_deltanet.state_floats
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "words"),
+    [
+        ("tiny-granite-h", 4, "must divide tiny-granite-h's 2 Mamba2 groups (mamba n_groups) (got 4)"),
+        ("tiny-nemotron-h", 3, "(got 3)"),
+        ("tiny-qwen3-next", 4, "must divide tiny-qwen3-next's 2 Gated DeltaNet key heads (got 4)"),
+        ("tiny-qwen3-moe", 4, None),
+    ],
+)
+def test_sizes_the_recurrent_and_expert_layers_cannot_split_by_are_refused(
+    name: str, size: int, words: str | None, family_checkpoints
+) -> None:
+    arch = _arch(family_checkpoints[name], name)
+    if words is None:  # 4 ranks split Qwen3-MoE's heads and experts: accepted
+        check_tensor_parallel(arch, size)
+        return
+    with pytest.raises(TensorParallelError, match=r"workers\.tensor_parallel_size") as info:
+        check_tensor_parallel(arch, size)
+    assert words in str(info.value)
+    mamba = dataclasses.replace(arch.mamba, num_heads=6) if arch.mamba is not None else None
+    if mamba is not None and size == 4:
+        with pytest.raises(TensorParallelError, match=r"6 Mamba2 heads \(got 4\)"):
+            check_tensor_parallel(dataclasses.replace(arch, mamba=mamba), size)
