@@ -2,8 +2,9 @@
 of a worker split over 2 ranks equal Hugging Face's (fp32, atol 1e-4) for Mamba2 (Bamba,
 Granite-4.0-H, Nemotron-H), Gated DeltaNet (Qwen3-Next) and sparse MoE (Qwen3-MoE, gpt-oss,
 Granite-4.0-H's, Nemotron-H's and Qwen3-Next's) checkpoints, through the real scheduler,
-coordinator and runner on every rank; and sizes the recurrent mixers cannot be split by are
-refused naming the field, the model and the number.
+coordinator and runner on every rank; sizes the recurrent mixers cannot be split by are refused
+naming the field, the model and the number; and a rank reads only its part of the safetensors
+(about 1/N of the model's bytes), the same tensors as cutting the whole ones.
 
 Every checkpoint runs in one group of ranks (one spawn: the ranks' process start dominates a tiny
 model's cases), the cases of tests/model/tp_harness.py each.
@@ -15,12 +16,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.model.arch.hf_config import arch_from_hf_config
-from engine.model.checkpoints.loader import read_hf_config
+from engine.model.checkpoints.loader import build_model, load_hf_directory, read_hf_config
 from engine.model.checkpoints.qwen3_gpt_oss_tiny import build_random_checkpoint
 from engine.model.checkpoints.tiny import build_tiny_checkpoint
-from engine.model.layers.parallel import TensorParallelError, check_tensor_parallel, shard_arch
+from engine.model.kv_layout import build_kv_layout
+from engine.model.layers.parallel import TensorParallelError, check_tensor_parallel, shard_arch, shard_weights
 from tests.model.tp_harness import check_ranks_against_hugging_face, sharded_cases
 
 MAMBA2 = ("tiny-bamba", "tiny-granite-h", "tiny-nemotron-h")
@@ -108,3 +111,24 @@ def test_sizes_the_recurrent_and_expert_layers_cannot_split_by_are_refused(
     if mamba is not None and size == 4:
         with pytest.raises(TensorParallelError, match=r"6 Mamba2 heads \(got 4\)"):
             check_tensor_parallel(dataclasses.replace(arch, mamba=mamba), size)
+
+
+@pytest.mark.parametrize(("name", "size"), [("tiny-qwen3-next", 2), ("tiny-nemotron-h", 2), ("tiny-qwen3-moe", 4)])
+def test_a_rank_reads_only_its_part_of_the_checkpoint(name: str, size: int, family_checkpoints) -> None:
+    directory = family_checkpoints[name]
+    file_bytes = sum(file.stat().st_size for file in directory.glob("*.safetensors"))
+    arch, weights = load_hf_directory(directory)
+    layout = build_kv_layout(arch, 4, "float32")
+    cpu = torch.device("cpu")
+    build_model(arch, layout.layer_group, weights, torch.float32, cpu, str(directory))
+    assert weights.bytes_read > 0.99 * file_bytes - 16384  # TP=1 reads it all (the header aside)
+    local = shard_arch(arch, size, size - 1)
+    arch, weights = load_hf_directory(directory)
+    model = build_model(local, layout.layer_group, weights, torch.float32, cpu, str(directory), arch.num_kv_heads)
+    share = weights.bytes_read / file_bytes
+    # replicated: norms, routers, a KV head on two ranks at TP=4 (2 KV heads)
+    assert 0.9 / size < share < 1.1 / size + (0.04 if size == 4 else 0), f"{share:.3f}"
+    whole = {key: weights[key] for key in weights}  # read everything, then cut: the same tensors
+    state = model.state_dict()
+    for key, tensor in shard_weights(whole, local, arch.num_kv_heads).items():
+        assert torch.equal(state[key], tensor), key
