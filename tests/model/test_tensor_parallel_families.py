@@ -34,8 +34,8 @@ DELTANET_MOE = ("tiny-qwen3-next", "tiny-qwen3-moe", "tiny-gpt-oss")
 def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-families")
     return {
-        # Bamba's preset has one Mamba2 group, which two ranks cannot split: two groups here
-        "tiny-bamba": build_tiny_checkpoint("tiny-bamba", root / "tiny-bamba", seed=3, mamba_n_groups=2),
+        # one Mamba2 group, shared by the two ranks (Granite-4.0-H and Nemotron-H have two: split)
+        "tiny-bamba": build_tiny_checkpoint("tiny-bamba", root / "tiny-bamba", seed=3),
         "tiny-granite-h": build_tiny_checkpoint("tiny-granite-h", root / "tiny-granite-h", seed=3),
         "tiny-nemotron-h": build_tiny_checkpoint("tiny-nemotron-h", root / "tiny-nemotron-h", seed=3),
         "tiny-qwen3-next": build_tiny_checkpoint("tiny-qwen3-next", root / "tiny-qwen3-next", seed=3),
@@ -89,28 +89,35 @@ def test_rank_local_recurrent_and_expert_shapes(family_checkpoints) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "size", "words"),
+    ("name", "change", "size", "words"),
     [
-        ("tiny-granite-h", 4, "must divide tiny-granite-h's 2 Mamba2 groups (mamba n_groups) (got 4)"),
-        ("tiny-nemotron-h", 3, "(got 3)"),
-        ("tiny-qwen3-next", 4, "must divide tiny-qwen3-next's 2 Gated DeltaNet key heads (got 4)"),
-        ("tiny-qwen3-moe", 4, None),
+        ("tiny-nemotron-h", {"n_groups": 3}, 2, "3 Mamba2 groups (mamba n_groups) must split evenly"),
+        ("tiny-nemotron-h", {"num_heads": 6}, 4, "must divide tiny-nemotron-h's 6 Mamba2 heads (got 4)"),
+        ("tiny-qwen3-next", {}, 4, "must divide tiny-qwen3-next's 2 Gated DeltaNet key heads (got 4)"),
     ],
 )
-def test_sizes_the_recurrent_and_expert_layers_cannot_split_by_are_refused(
-    name: str, size: int, words: str | None, family_checkpoints
+def test_sizes_the_recurrent_layers_cannot_split_by_are_refused(
+    name: str, change: dict, size: int, words: str, family_checkpoints
 ) -> None:
     arch = _arch(family_checkpoints[name], name)
-    if words is None:  # 4 ranks split Qwen3-MoE's heads and experts: accepted
-        check_tensor_parallel(arch, size)
-        return
+    if change:
+        assert arch.mamba is not None
+        arch = dataclasses.replace(arch, mamba=dataclasses.replace(arch.mamba, **change))
     with pytest.raises(TensorParallelError, match=r"workers\.tensor_parallel_size") as info:
         check_tensor_parallel(arch, size)
-    assert words in str(info.value)
-    mamba = dataclasses.replace(arch.mamba, num_heads=6) if arch.mamba is not None else None
-    if mamba is not None and size == 4:
-        with pytest.raises(TensorParallelError, match=r"6 Mamba2 heads \(got 4\)"):
-            check_tensor_parallel(dataclasses.replace(arch, mamba=mamba), size)
+    assert words in str(info.value) and f"(got {size})" in str(info.value)
+
+
+def test_fewer_mamba2_groups_than_ranks_are_shared(family_checkpoints) -> None:
+    nemotron = _arch(family_checkpoints["tiny-nemotron-h"], "tiny-nemotron-h")  # 2 groups
+    local = [shard_arch(nemotron, 4, rank).mamba for rank in range(4)]
+    assert [(m.n_groups, m.group_ranks, m.group) for m in local if m is not None] == [
+        (1, 2, 0),
+        (1, 2, 0),
+        (1, 2, 1),
+        (1, 2, 1),
+    ]
+    check_tensor_parallel(_arch(family_checkpoints["tiny-qwen3-moe"], "tiny-qwen3-moe"), 4)  # heads and experts split
 
 
 @pytest.mark.parametrize(("name", "size"), [("tiny-qwen3-next", 2), ("tiny-nemotron-h", 2), ("tiny-qwen3-moe", 4)])

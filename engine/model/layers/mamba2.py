@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,20 +41,33 @@ from engine.model.layers.ssd import causal_conv_packed, pack_chunks, ssd_scan_pa
 
 
 class GatedRMSNorm(nn.Module):
-    """RMS norm of ``x * silu(gate)`` over groups of channels (Mamba2's output norm)."""
+    """RMS norm of ``x * silu(gate)`` over groups of channels (Mamba2's output norm).
 
-    def __init__(self, dim: int, group_size: int, eps: float):
+    ``group_ranks`` > 1: this tensor-parallel rank holds 1/``group_ranks`` of one group's channels
+    (group ``group`` of the model's; engine/model/layers/parallel.py), so the group's sum of squares
+    is summed over the ranks that share it."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, group_ranks: int = 1, group: int = 0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size = group_size
         self.eps = eps
+        self.group_ranks, self.group = group_ranks, group
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
         shape = h.shape
         h = h.view(*shape[:-1], -1, self.group_size)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_ranks > 1:  # one slot per group of the model: each rank adds its part to its group's
+            squares = h.pow(2).sum(-1)  # [..., 1]
+            slots = torch.zeros(*shape[:-1], dist.get_world_size() // self.group_ranks, device=h.device)
+            slots[..., self.group] = squares[..., 0]
+            total = all_reduce(slots)[..., self.group : self.group + 1]
+            mean = (total / (self.group_size * self.group_ranks))[..., None]
+        else:
+            mean = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(mean + self.eps)
         return self.weight * h.view(shape).to(dtype)
 
 
@@ -108,7 +122,9 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.ones(arch.num_heads))
         self.A_log = nn.Parameter(torch.zeros(arch.num_heads))
         self.D = nn.Parameter(torch.ones(arch.num_heads))
-        self.norm = GatedRMSNorm(arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps)
+        self.norm = GatedRMSNorm(
+            arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps, arch.group_ranks, arch.group
+        )
         self.conv_state: torch.Tensor | None = None  # [num_blocks, conv_dim, d_conv] fp32 view
         self.ssm_state: torch.Tensor | None = None  # [num_blocks, H, P, N] fp32 view
         self._tile_buffer: torch.Tensor | None = None  # CPU decode's gather buffer (see _gather_tile)

@@ -14,8 +14,10 @@ rank's bytes):
   experts), GraniteMoeHybrid's ``input_linear`` (its gate half and its up half each), gpt-oss's
   interleaved ``gate_up_proj``; Mamba2's ``in_proj`` by its z / x / B / C / dt parts, its conv
   channels by x / B / C, its per-head ``dt_bias`` / ``A_log`` / ``D`` and its gated norm's
-  groups; Gated DeltaNet's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head), its conv
-  channels by q / k / v, its per-head ``dt_bias`` / ``A_log``;
+  channels (with fewer groups than ranks, each group's B and C are replicated on the ranks that
+  share it, and its norm's mean square is summed over them); Gated DeltaNet's ``in_proj_qkvz`` /
+  ``in_proj_ba`` (grouped per key head), its conv channels by q / k / v, its per-head
+  ``dt_bias`` / ``A_log``;
 - row-parallel (their input columns): o, down, ``output_linear``, the recurrent mixers'
   ``out_proj``; a row-parallel bias is kept by rank 0 only (the others hold zeros), so the sum
   adds it once (Nemotron-H's ``fc2_latent_proj`` likewise: it is applied to a partial sum);
@@ -79,7 +81,12 @@ def check_tensor_parallel(arch: ModelArch, size: int) -> None:
         raise TensorParallelError(f"{FIELD}: must divide {model}'s MLP width {arch.intermediate_size} (got {size})")
     if arch.mamba is not None:
         _must_divide(model, "Mamba2 heads", arch.mamba.num_heads, size)
-        _must_divide(model, "Mamba2 groups (mamba n_groups)", arch.mamba.n_groups, size)
+        groups = arch.mamba.n_groups
+        if (groups >= size and groups % size) or (groups < size and size % groups):
+            raise TensorParallelError(
+                f"{FIELD}: {model}'s {groups} Mamba2 groups (mamba n_groups) must split evenly over the ranks "
+                f"or each be shared by a whole number of them (got {size})"
+            )
     if arch.gated_deltanet is not None:
         _must_divide(model, "Gated DeltaNet key heads", arch.gated_deltanet.num_k_heads, size)
     if arch.moe is not None:
@@ -111,8 +118,10 @@ def shard_arch(arch: ModelArch, size: int, rank: int) -> ModelArch:
         else dataclasses.replace(
             mamba,
             num_heads=mamba.num_heads // size,
-            n_groups=mamba.n_groups // size,
+            n_groups=max(1, mamba.n_groups // size),
             intermediate_size=mamba.intermediate_size // size,
+            group_ranks=max(1, size // mamba.n_groups),
+            group=rank * mamba.n_groups // size if mamba.n_groups < size else 0,
         ),
         gated_deltanet=None
         if deltanet is None
@@ -215,6 +224,10 @@ def weight_cut(name: str, shape: Sequence[int], local: ModelArch, full_kv_heads:
     return _recurrent_cut(leaf, owner, kind, shape, local)
 
 
+def _shift(ranges: tuple[tuple[int, int], ...], offset: int) -> tuple[tuple[int, int], ...]:
+    return tuple((start + offset, count) for start, count in ranges)
+
+
 def _recurrent_cut(leaf: str, owner: str, kind: str, shape: Sequence[int], local: ModelArch) -> Cut | None:
     """The cuts of a Mamba2 or Gated DeltaNet mixer's tensors (their row-parallel ``out_proj`` is
     cut by ``weight_cut``); None for everything else."""
@@ -222,11 +235,25 @@ def _recurrent_cut(leaf: str, owner: str, kind: str, shape: Sequence[int], local
     per_head = kind in ("dt_bias", "A_log", "D") and leaf in _RECURRENT_OWNERS
     if local.mamba is not None:
         m = local.mamba
-        inner, groups, heads = m.intermediate_size * size, m.n_groups * size * m.d_state, m.num_heads * size
+        inner, heads = m.intermediate_size * size, m.num_heads * size
+        groups = m.n_groups * size // m.group_ranks * m.d_state  # the model's B (or C) rows
+        # B and C: the rank's groups, or the one group it shares with group_ranks - 1 others
+        b_c = ((m.group * m.d_state, m.d_state),) if m.group_ranks > 1 else _parts((groups,), rank, size).ranges
         if leaf == "in_proj":  # z, x, B, C, dt
-            return _parts((inner, inner, groups, groups, heads), rank, size)
+            z_x = _parts((inner, inner), rank, size).ranges
+            dt = _parts((heads,), rank, size).ranges[0]
+            return Cut(
+                0,
+                (
+                    *z_x,
+                    *_shift(b_c, 2 * inner),
+                    *_shift(b_c, 2 * inner + groups),
+                    (dt[0] + 2 * inner + 2 * groups, dt[1]),
+                ),
+            )
         if leaf == "conv1d":  # x, B, C channels
-            return _parts((inner, groups, groups), rank, size)
+            x = _parts((inner,), rank, size).ranges
+            return Cut(0, (*x, *_shift(b_c, inner), *_shift(b_c, inner + groups)))
         if per_head or (leaf == "norm" and owner in _RECURRENT_OWNERS):  # heads; the gated norm's groups
             return _even(shape, 0, rank, size)
     if local.gated_deltanet is not None:
