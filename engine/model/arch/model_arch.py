@@ -123,6 +123,10 @@ class MambaArch:
     proj_bias: bool
     time_step_min: float = 0.0
     time_step_max: float = float("inf")
+    # tensor parallelism with fewer groups than ranks (engine/model/layers/parallel.py): this
+    # rank's one group is group ``group`` of the model's, shared by ``group_ranks`` ranks
+    group_ranks: int = 1
+    group: int = 0
 
     @property
     def conv_dim(self) -> int:

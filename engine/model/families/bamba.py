@@ -12,11 +12,12 @@ from engine.model.families.language_model import LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention
 from engine.model.layers.blocks import GatedMLP, RMSNorm
 from engine.model.layers.mamba2 import Mamba2Mixer
+from engine.model.layers.parallel import token_embedding
 
 
 class FeedForward(GatedMLP):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
-        super().__init__(hidden, intermediate, act)
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, reduce: bool = False):
+        super().__init__(hidden, intermediate, act, reduce)
         if bias:
             self.gate_proj = nn.Linear(hidden, intermediate, bias=True)
             self.up_proj = nn.Linear(hidden, intermediate, bias=True)
@@ -34,7 +35,7 @@ class MambaOrAttentionMixer(nn.Module):
         self.is_mamba = arch.layers[layer].kind == "mamba"
         if self.is_mamba:
             assert arch.mamba is not None
-            self.mamba = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
+            self.mamba = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps, reduce=arch.tp_size > 1)
         else:
             self.self_attn = Attention(arch, layer, group)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -52,7 +53,9 @@ class BambaLayer(MambaOrAttentionMixer):
 
     def __init__(self, arch: ModelArch, layer: int, group: int):
         super().__init__(arch, layer, group)
-        self.feed_forward = FeedForward(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
+        self.feed_forward = FeedForward(
+            arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias, reduce=arch.tp_size > 1
+        )
         self.pre_ff_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
@@ -66,7 +69,7 @@ class BambaModel(nn.Module):
 
     def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = token_embedding(arch)
         self.layers = nn.ModuleList(BambaLayer(arch, i, layer_group[i]) for i in range(arch.num_layers))
         self.final_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
         gemma = arch.family == "gemma3"
         self.self_attn = Attention(arch, layer, group)
         self.mlp: nn.Module = (
-            SparseMoE(arch.moe, arch.hidden_size)
+            SparseMoE(arch.moe, arch.hidden_size, reduce=arch.tp_size > 1)
             if arch.moe
             else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, reduce=arch.tp_size > 1)
         )

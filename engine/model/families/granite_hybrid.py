@@ -24,6 +24,7 @@ from engine.model.families.bamba import MambaOrAttentionMixer
 from engine.model.families.language_model import DecoderStack, LanguageModel, RopeMemo
 from engine.model.layers.blocks import RMSNorm
 from engine.model.layers.moe import FusedGatedMLP, SparseMoE
+from engine.model.layers.parallel import all_reduce, gather_vocab
 
 
 class GraniteHybridLayer(MambaOrAttentionMixer):
@@ -35,6 +36,7 @@ class GraniteHybridLayer(MambaOrAttentionMixer):
         self.shared_mlp = FusedGatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
         self.block_sparse_moe = SparseMoE(arch.moe, arch.hidden_size) if arch.moe is not None else None
         self.residual_multiplier = arch.residual_multiplier
+        self.reduce = arch.tp_size > 1
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
         x = x + self.mix(x, batch, ropes) * self.residual_multiplier
@@ -42,6 +44,8 @@ class GraniteHybridLayer(MambaOrAttentionMixer):
         mlp = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             mlp = self.block_sparse_moe(h) + mlp
+        if self.reduce:  # both MLPs hold a slice of their width: one sum over the ranks
+            mlp = all_reduce(mlp)
         return x + mlp * self.residual_multiplier
 
 
@@ -57,4 +61,5 @@ class GraniteHybridLM(LanguageModel):
         return self.model.embed_tokens(input_ids) * self.arch.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden) / self.arch.logits_scaling).float()
+        logits = (self.lm_head(hidden) / self.arch.logits_scaling).float()
+        return gather_vocab(logits) if self.arch.tp_size > 1 else logits  # every rank's vocabulary slice

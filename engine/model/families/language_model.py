@@ -18,7 +18,7 @@ from torch import nn
 from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.layers.blocks import RMSNorm, lm_head
-from engine.model.layers.parallel import VocabParallelEmbedding, gather_vocab
+from engine.model.layers.parallel import gather_vocab, token_embedding
 
 #: the step's rotary cos/sin per rotary type (``Attention.step_rope``), shared by all layers
 RopeMemo = dict[object, tuple[torch.Tensor, torch.Tensor]]
@@ -46,11 +46,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, arch: ModelArch, layers: Iterable[nn.Module], gemma_norm: bool = False):
         super().__init__()
-        self.embed_tokens = (
-            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, arch.tp_size, arch.tp_rank)
-            if arch.tp_size > 1
-            else nn.Embedding(arch.vocab_size, arch.hidden_size)
-        )
+        self.embed_tokens = token_embedding(arch)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma_norm)
 

@@ -19,6 +19,7 @@ from engine.model.families.language_model import LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention
 from engine.model.layers.blocks import RMSNorm, activation
 from engine.model.layers.mamba2 import Mamba2Mixer
+from engine.model.layers.parallel import all_reduce, token_embedding
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -31,16 +32,19 @@ def _act(name: str):
 
 
 class NemotronMLP(nn.Module):
-    """``down_proj(act(up_proj(x)))``: no gate (MLP layers, experts and the shared expert)."""
+    """``down_proj(act(up_proj(x)))``: no gate (MLP layers, experts and the shared expert).
+    ``reduce``: a tensor-parallel rank's slice of the width, its output summed over the ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, reduce: bool = False):
         super().__init__()
+        self.reduce = reduce
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        out = self.down_proj(self.act(self.up_proj(x)))
+        return all_reduce(out) if self.reduce else out
 
 
 class NemotronRouter(nn.Module):
@@ -90,11 +94,14 @@ class NemotronMoE(nn.Module):
     optional latent projections. Invariant: each token's output is the routing-weighted sum of
     exactly its ``top_k`` experts (run in the latent space when ``latent_size``) plus the shared
     expert on the token itself. Dispatch: (token, expert) pairs sorted by expert once, one matmul
-    per expert that received tokens, one ``index_add_`` back (no loop over tokens)."""
+    per expert that received tokens, one ``index_add_`` back (no loop over tokens). ``reduce``: a
+    tensor-parallel rank's slice of every expert's width (the router and the latent projections
+    whole), the block's output summed over the ranks once."""
 
-    def __init__(self, moe: MoEArch, hidden: int, bias: bool):
+    def __init__(self, moe: MoEArch, hidden: int, bias: bool, reduce: bool = False):
         super().__init__()
         self.moe = moe
+        self.reduce = reduce
         width = moe.latent_size or hidden
         self.gate = NemotronRouter(moe, hidden)
         self.experts = nn.ModuleList(
@@ -125,7 +132,8 @@ class NemotronMoE(nn.Module):
         out = out.to(x.dtype)
         if self.moe.latent_size:
             out = self.fc2_latent_proj(out)
-        return out + self.shared_experts(x)
+        out = out + self.shared_experts(x)
+        return all_reduce(out) if self.reduce else out
 
 
 class NemotronHBlock(nn.Module):
@@ -136,17 +144,20 @@ class NemotronHBlock(nn.Module):
         spec = arch.layers[layer]
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.kind = spec.kind
+        tp = arch.tp_size > 1  # this rank holds a slice of the mixer: its output is summed over the ranks
         self.mixer: nn.Module
         if spec.kind == "mamba":
             assert arch.mamba is not None
-            self.mixer = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps)
+            self.mixer = Mamba2Mixer(arch.mamba, arch.hidden_size, group, arch.rms_norm_eps, reduce=tp)
         elif spec.kind == "full_attention":
             self.mixer = Attention(arch, layer, group)
         elif spec.moe:
             assert arch.moe is not None
-            self.mixer = NemotronMoE(arch.moe, arch.hidden_size, arch.mlp_bias)
+            self.mixer = NemotronMoE(arch.moe, arch.hidden_size, arch.mlp_bias, reduce=tp)
         else:
-            self.mixer = NemotronMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
+            self.mixer = NemotronMLP(
+                arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias, reduce=tp
+            )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
         """``ropes`` is unused: Nemotron-H's attention has no position embedding."""
@@ -165,7 +176,7 @@ class NemotronHBackbone(nn.Module):
 
     def __init__(self, arch: ModelArch, layer_group: tuple[int, ...]):
         super().__init__()
-        self.embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embeddings = token_embedding(arch)
         self.layers = nn.ModuleList(NemotronHBlock(arch, i, layer_group[i]) for i in range(arch.num_layers))
         self.norm_f = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -14,6 +14,7 @@ from engine.model.layers.attention import Attention, paged_attention
 from engine.model.layers.blocks import GatedMLP, RMSNorm
 from engine.model.layers.gated_deltanet import GatedDeltaNet
 from engine.model.layers.moe import SparseMoE
+from engine.model.layers.parallel import all_reduce
 
 
 class GatedAttention(Attention):
@@ -52,7 +53,8 @@ class GatedAttention(Attention):
             batch,
             self.arch.attn_scale,
         )
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        out = self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        return all_reduce(out) if self.arch.tp_size > 1 else out  # row-parallel o: sum the ranks' heads
 
 
 class Qwen3NextLayer(nn.Module):
@@ -64,13 +66,15 @@ class Qwen3NextLayer(nn.Module):
         self.is_linear = arch.layers[layer].kind == "linear_attention"
         if self.is_linear:
             assert arch.gated_deltanet is not None, "linear_attention layers need ModelArch.gated_deltanet"
-            self.linear_attn = GatedDeltaNet(arch.gated_deltanet, arch.hidden_size, group, arch.rms_norm_eps)
+            self.linear_attn = GatedDeltaNet(
+                arch.gated_deltanet, arch.hidden_size, group, arch.rms_norm_eps, reduce=arch.tp_size > 1
+            )
         else:
             self.self_attn = GatedAttention(arch, layer, group)
         self.mlp: nn.Module = (
-            SparseMoE(arch.moe, arch.hidden_size)
+            SparseMoE(arch.moe, arch.hidden_size, reduce=arch.tp_size > 1)
             if arch.moe is not None and layer not in arch.dense_mlp_layers
-            else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+            else GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, reduce=arch.tp_size > 1)
         )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)

@@ -29,6 +29,7 @@ from torch import nn
 from engine.model.arch.model_arch import GatedDeltaNetArch
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.layers import recurrent
+from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
 
 SUB_CHUNK = 64
@@ -148,12 +149,15 @@ class GatedDeltaNet(RecurrentMixer):
 
     Parameter names follow Hugging Face's Qwen3-Next (``in_proj_qkvz``, ``in_proj_ba``,
     ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``). Invariant: block ``b``'s first
-    ``arch.state_floats`` values are ``conv_state[b]`` then ``recurrent_state[b]``.
+    ``arch.state_floats`` values are ``conv_state[b]`` then ``recurrent_state[b]``. ``reduce``:
+    ``arch`` is one tensor-parallel rank's heads (engine/model/layers/parallel.py), so ``out_proj``'s
+    output is summed over the ranks.
     """
 
-    def __init__(self, arch: GatedDeltaNetArch, hidden_size: int, group: int, eps: float):
+    def __init__(self, arch: GatedDeltaNetArch, hidden_size: int, group: int, eps: float, reduce: bool = False):
         super().__init__()
         self.arch = arch
+        self.reduce = reduce
         self.group = group
         per_k = 2 * arch.head_k_dim + 2 * arch.head_v_dim * (arch.num_v_heads // arch.num_k_heads)
         self.in_proj_qkvz = nn.Linear(hidden_size, arch.num_k_heads * per_k, bias=False)
@@ -207,7 +211,8 @@ class GatedDeltaNet(RecurrentMixer):
         if batch.prefill_chunks:
             self._prefill(batch.prefill_chunks, batch, index, mixed, g, beta, core)
         out = self.norm(core.to(hidden.dtype), z)
-        return self.out_proj(out.reshape(hidden.shape[0], -1))
+        out = self.out_proj(out.reshape(hidden.shape[0], -1))
+        return all_reduce(out) if self.reduce else out
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs [N, conv_dim] -> L2-normalised, scaled q and k [N, Hv, Dk] (key heads

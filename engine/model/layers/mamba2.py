@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -34,25 +35,39 @@ from engine.model.arch.model_arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.kernels import triton_mamba
 from engine.model.layers import recurrent
+from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
 from engine.model.layers.ssd import causal_conv_packed, pack_chunks, ssd_scan_packed
 
 
 class GatedRMSNorm(nn.Module):
-    """RMS norm of ``x * silu(gate)`` over groups of channels (Mamba2's output norm)."""
+    """RMS norm of ``x * silu(gate)`` over groups of channels (Mamba2's output norm).
 
-    def __init__(self, dim: int, group_size: int, eps: float):
+    ``group_ranks`` > 1: this tensor-parallel rank holds 1/``group_ranks`` of one group's channels
+    (group ``group`` of the model's; engine/model/layers/parallel.py), so the group's sum of squares
+    is summed over the ranks that share it."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, group_ranks: int = 1, group: int = 0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size = group_size
         self.eps = eps
+        self.group_ranks, self.group = group_ranks, group
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
         shape = h.shape
         h = h.view(*shape[:-1], -1, self.group_size)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_ranks > 1:  # one slot per group of the model: each rank adds its part to its group's
+            squares = h.pow(2).sum(-1)  # [..., 1]
+            slots = torch.zeros(*shape[:-1], dist.get_world_size() // self.group_ranks, device=h.device)
+            slots[..., self.group] = squares[..., 0]
+            total = all_reduce(slots)[..., self.group : self.group + 1]
+            mean = (total / (self.group_size * self.group_ranks))[..., None]
+        else:
+            mean = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(mean + self.eps)
         return self.weight * h.view(shape).to(dtype)
 
 
@@ -86,15 +101,19 @@ class Mamba2Mixer(RecurrentMixer):
     """A Mamba2 layer over state blocks. Parameter names follow Hugging Face's Bamba mixer
     (``in_proj``, ``conv1d``, ``A_log`` ...).
 
+    ``reduce``: ``arch`` is one tensor-parallel rank's heads (engine/model/layers/parallel.py), so
+    ``out_proj``'s output is summed over the ranks.
+
     Owns: the conv-window and SSM-state views of its group's state blocks (``bind_state``).
     Invariant: block ``b``'s first ``state_floats`` fp32 values are one request's state (conv
     window ``[conv_dim, d_conv]`` then SSM state ``[H, P, N]``); a forward reads each chunk's
     ``state_read`` state before any chunk's new state overwrites it.
     """
 
-    def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float):
+    def __init__(self, arch: MambaArch, hidden_size: int, group: int, eps: float, reduce: bool = False):
         super().__init__()
         self.arch = arch
+        self.reduce = reduce
         self.group = group
         conv_dim = arch.conv_dim
         self.in_proj = nn.Linear(hidden_size, arch.intermediate_size + conv_dim + arch.num_heads, bias=arch.proj_bias)
@@ -103,7 +122,9 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.ones(arch.num_heads))
         self.A_log = nn.Parameter(torch.zeros(arch.num_heads))
         self.D = nn.Parameter(torch.ones(arch.num_heads))
-        self.norm = GatedRMSNorm(arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps)
+        self.norm = GatedRMSNorm(
+            arch.intermediate_size, arch.intermediate_size // arch.n_groups, eps, arch.group_ranks, arch.group
+        )
         self.conv_state: torch.Tensor | None = None  # [num_blocks, conv_dim, d_conv] fp32 view
         self.ssm_state: torch.Tensor | None = None  # [num_blocks, H, P, N] fp32 view
         self._tile_buffer: torch.Tensor | None = None  # CPU decode's gather buffer (see _gather_tile)
@@ -130,7 +151,8 @@ class Mamba2Mixer(RecurrentMixer):
             self._decode(xbc, dt, out, batch, index)
         if update is not None:
             self._scatter(*update)
-        return self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        out = self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        return all_reduce(out) if self.reduce else out
 
     def _gather(self, source: torch.Tensor, fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv windows and SSM states in blocks ``source`` (zeros where ``fresh``)."""

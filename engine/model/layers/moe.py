@@ -45,6 +45,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import MoEArch
 from engine.model.layers.blocks import GatedMLP, activation
+from engine.model.layers.parallel import all_reduce
 
 
 class FusedGatedMLP(nn.Module):
@@ -108,10 +109,13 @@ class SparseMoE(nn.Module):
     """Owns one layer's router, experts and optional shared expert (parameter names per
     ``moe.layout``, see the module docstring). Invariants: every token gets exactly ``top_k``
     distinct experts; an expert's output is weighted by its routing weight and summed per token;
-    the shared expert (if any) sees every token."""
+    the shared expert (if any) sees every token. ``reduce``: ``moe`` is one tensor-parallel rank's
+    slice of every expert's width (engine/model/layers/parallel.py), so the block's output (routed
+    plus shared) is summed over the ranks once."""
 
-    def __init__(self, moe: MoEArch, hidden_size: int):
+    def __init__(self, moe: MoEArch, hidden_size: int, reduce: bool = False):
         super().__init__()
+        self.reduce = reduce
         if moe.layout not in _EXPERT_FNS:
             raise ValueError(f"moe.layout: {moe.layout!r} is not supported ({', '.join(_EXPERT_FNS)})")
         if moe.scoring not in ("softmax_topk", "topk_softmax"):
@@ -170,7 +174,7 @@ class SparseMoE(nn.Module):
             if self.moe.shared_expert_gate:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return all_reduce(out) if self.reduce else out
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         k = self.moe.top_k
