@@ -30,14 +30,14 @@ SIZE = 2
 TIMEOUT_S = 120
 
 
-def _engine(directory: Path, rank: int, *overrides: str) -> EngineCore:
-    config = load_config("tiny", [f"model.source={directory}", f"workers.tensor_parallel_size={SIZE}", *overrides])
+def _engine(directory: Path, rank: int, *overrides: str, preset: str = "tiny") -> EngineCore:
+    config = load_config(preset, [f"model.source={directory}", f"workers.tensor_parallel_size={SIZE}", *overrides])
     return EngineCore(config, threads=1, tensor_parallel_rank=rank)
 
 
-def _led(directory: Path, rank: int, run, *overrides: str):
+def _led(directory: Path, rank: int, run, *overrides: str, preset: str = "tiny"):
     """Build this rank's engine; rank 0 leads ``run(engine)``, the others follow it."""
-    engine = _engine(directory, rank, *overrides)
+    engine = _engine(directory, rank, *overrides, preset=preset)
     if rank:
         follow_leader(engine.runner)
         return None
@@ -48,7 +48,7 @@ def _led(directory: Path, rank: int, run, *overrides: str):
         leader.stop()
 
 
-def _cases(directory: Path, rank: int) -> dict[str, object]:
+def _cases(directory: Path, hybrid: Path, rank: int) -> dict[str, object]:
     out: dict[str, object] = {}
 
     def keep(case: str, found) -> None:
@@ -88,10 +88,13 @@ def _cases(directory: Path, rank: int) -> dict[str, object]:
     found = _led(directory, rank, tiered, *TIERED)
     if found is not None:
         out["tiered"] = found
+    found = _led(hybrid, rank, tiered, *TIERED, preset="tiny-hybrid")  # Mamba2 states split by heads
+    if found is not None:
+        out["tiered_hybrid"] = found
     return out
 
 
-def _rank_main(rank: int, port: int, directory: str, result: str) -> None:
+def _rank_main(rank: int, port: int, directory: str, hybrid: str, result: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
         "gloo",
@@ -101,7 +104,7 @@ def _rank_main(rank: int, port: int, directory: str, result: str) -> None:
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     try:
-        torch.save(_cases(Path(directory), rank), f"{result}.{rank}")
+        torch.save(_cases(Path(directory), Path(hybrid), rank), f"{result}.{rank}")
     except BaseException:
         Path(f"{result}.{rank}.error").write_text(traceback.format_exc())
         raise
@@ -110,14 +113,16 @@ def _rank_main(rank: int, port: int, directory: str, result: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def led(tmp_path_factory) -> tuple[Path, dict[str, object]]:
-    """Rank 0's cases from two processes, rank 0 leading, and the checkpoint they ran."""
+def led(tmp_path_factory) -> tuple[Path, Path, dict[str, object]]:
+    """Rank 0's cases from two processes, rank 0 leading, and the checkpoints they ran."""
     root = tmp_path_factory.mktemp("ranks")
     directory = build_tiny_checkpoint("tiny-gemma3", root / "ckpt", seed=3)
+    hybrid = build_tiny_checkpoint("tiny-bamba", root / "hybrid", seed=3)
     result = root / "out"
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(directory), str(result)), daemon=True) for r in (0, 1)]
+    args = (port, str(directory), str(hybrid), str(result))
+    procs = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in (0, 1)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -130,11 +135,11 @@ def led(tmp_path_factory) -> tuple[Path, dict[str, object]]:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     follower = torch.load(f"{result}.1")
     assert follower == {}, "a follower keeps no result of its own"
-    return directory, torch.load(f"{result}.0")
+    return directory, hybrid, torch.load(f"{result}.0")
 
 
 def test_rank_zero_leads_and_its_logits_equal_hugging_face(led) -> None:
-    directory, cases = led
+    directory, _, cases = led
     hf = harness.hf_model(directory)
     compared = 0
     for case in ("single", "chunked", "prefix_hit", "preempt"):
@@ -149,10 +154,12 @@ def test_rank_zero_leads_and_its_logits_equal_hugging_face(led) -> None:
     assert compared > 50
 
 
-def test_led_ranks_generate_the_single_rank_tokens_through_the_host_tier(led) -> None:
-    directory, cases = led
-    tiered = cases["tiered"]
-    engine = EngineCore(load_config("tiny", [f"model.source={directory}", *TIERED]), threads=1)
+@pytest.mark.parametrize(("case", "preset"), [("tiered", "tiny"), ("tiered_hybrid", "tiny-hybrid")])
+def test_led_ranks_generate_the_single_rank_tokens_through_the_host_tier(case: str, preset: str, led) -> None:
+    directory, hybrid, cases = led
+    tiered = cases[case]
+    source = directory if case == "tiered" else hybrid
+    engine = EngineCore(load_config(preset, [f"model.source={source}", *TIERED]), threads=1)
     a, b, flood = workload()
     expected = {"a": generate(engine, "a", a)[0]}
     for i, prompt in enumerate(flood):
