@@ -347,6 +347,59 @@ class PinRequest(_Body):
         return items[0]
 
 
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` with a text (vLLM's shape): its token ids, with the tokenizer's special
+    tokens (a BOS) unless ``add_special_tokens`` is false."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    """``POST /tokenize`` with chat messages (vLLM's shape): the ids the chat template gives, as
+    ``/v1/chat/completions`` would run them. kvfleet renders with the model's own template only:
+    ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``, ``mm_processor_kwargs``
+    and ``add_special_tokens`` are accepted at their neutral values."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+
+    @model_validator(mode="after")
+    def _neutral_fields(self) -> TokenizeChatRequest:
+        for name, neutral in (
+            ("continue_final_message", False),
+            ("add_special_tokens", False),
+            ("chat_template", None),
+            ("chat_template_kwargs", None),
+            ("mm_processor_kwargs", None),
+        ):
+            _neutral(self, name, neutral, "is not supported (the model's own chat template renders the messages)")
+        try:
+            check_tool_fields(self.tools, None)
+            for i, m in enumerate(self.messages):
+                check_message_fields(i, m.role, m.content is not None, m.tool_calls, m.tool_call_id)
+        except ToolFieldError as exc:
+            raise _field_error(exc.param, exc.message, exc.value) from None
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 def normalize_prompt(prompt: Any) -> list[PromptItem]:
     """A prompt field as a list of prompts, each text or token ids; ValueError if malformed (the
     message leaves the field's name to ``describe`` and names the item only in a batch)."""
