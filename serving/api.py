@@ -4,8 +4,8 @@ OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent even
 ``/v1/models`` (and ``/v1/models/{id}``); vLLM's tokenizer endpoints ``/tokenize``,
 ``/detokenize`` and ``/tokenizer_info`` (``serving.tokenization``); the operator's ``/health``
 (200 only while every worker is healthy) and ``/metrics`` (Prometheus text); kvfleet's own
-``/v1/pins`` and ``/v1/stats``. When an API key is configured every route but ``/health`` and
-``/metrics`` needs it. ``build_api`` is what the Ray Serve ingress serves; it
+``/v1/pins`` and ``/v1/stats``; ``/openapi.json`` (``serving.openapi``). When an API key is
+configured every route but ``/health`` and ``/metrics`` needs it. ``build_api`` is what the Ray Serve ingress serves; it
 needs no Ray Serve itself.
 """
 
@@ -34,6 +34,7 @@ from serving.errors import (
     model_not_found,
 )
 from serving.metrics import CONTENT_TYPE, ServeMetrics
+from serving.openapi import openapi_document
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +53,8 @@ HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 10.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the routes outside /v1 that need the API key (as vLLM keys them); /health and /metrics stay open
-KEYED_ROOT_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+KEYED_ROOT_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json"})
+OPENAPI_DESCRIPTION = "OpenAI's completions and chat completions, vLLM's tokenizer endpoints, kvfleet's pins and stats."
 
 
 def served_model_name(cluster: Cluster) -> str:
@@ -173,6 +175,14 @@ def build_api(cluster: Cluster) -> FastAPI:
         if not await cluster.aunpin(int(pin_id)):
             raise APIError(404, f"pin_id: no pin {pin_id}", param="pin_id", code="pin_not_found")
         return {"id": int(pin_id), "object": "pin", "deleted": True}
+
+    document: list[dict[str, Any]] = []  # built on the first request, once
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        if not document:
+            document.append(openapi_document(app, OPENAPI_DESCRIPTION))
+        return JSONResponse(document[0])
 
     return app
 

@@ -56,6 +56,22 @@ SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 PromptItem = str | list[int]
+# The JSON schema of a prompt field (``/openapi.json``): the field is ``Any`` and its validator
+# (``normalize_prompt``) does the checking, so the schema is spelled out here.
+_TEXT_SCHEMA = {"type": "string", "minLength": 1}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+ONE_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS_SCHEMA]}
+PROMPTS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        *ONE_PROMPT_SCHEMA["anyOf"],
+        {
+            "type": "array",
+            "items": {"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS_SCHEMA]},
+            "minItems": 1,
+            "maxItems": MAX_PROMPTS,
+        },
+    ]
+}
 
 
 class _Body(BaseModel):
@@ -216,7 +232,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
 
-    prompt: Any
+    prompt: Annotated[Any, Field(json_schema_extra=PROMPTS_SCHEMA)]
     # 0 with ``echo``: the prompt is scored (its logprobs with ``logprobs``) and nothing generated
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
@@ -333,7 +349,7 @@ class PinRequest(_Body):
     """``POST /v1/pins``: keep a prefix (text or token ids) resident on ``replicas`` workers, in
     device memory or in the host tier only (``tier``, ``Cluster.pin_prefix``)."""
 
-    prefix: Any
+    prefix: Annotated[Any, Field(json_schema_extra=ONE_PROMPT_SCHEMA)]
     replicas: Annotated[int, Field(ge=1)] = 1
     ttl: Annotated[FiniteFloat, Field(gt=0.0)] | None = None
     tier: PinTier = "device"
