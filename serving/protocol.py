@@ -10,7 +10,10 @@ value; anything else is a 400 naming the field. ``describe`` turns a pydantic er
 
 The structured-output fields (``response_format``, ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``, ``structured_outputs``) are checked for their shape here
-and become one ``StructuredOutput``; at most one of them may constrain a request.
+and become one ``StructuredOutput``; at most one of them may constrain a request. A schema
+keyword or regex feature the grammar cannot enforce is a 400 naming it by its path
+(``response_format.json_schema.schema.properties.xs.uniqueItems: not supported``,
+``engine.structured_support``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from configs.load import VALIDATION_MESSAGES
 from engine.kv_cache.coordinator_types import PinTier
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from engine.structured_support import unsupported_in_regex, unsupported_in_schema
 from engine.validation import InvalidRequestError, check_cache_salt
 from serving.tools import (
     ToolCall,
@@ -519,6 +523,9 @@ def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
                 raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value) from None
         if not isinstance(schema, dict):
             raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value)
+        if (unsupported := unsupported_in_schema(schema)) is not None:
+            path, why, at = unsupported
+            raise _field_error(f"{param}.{path}", why, at)
         return StructuredOutput(kind="json_schema", spec=json.dumps(schema, separators=(",", ":")))
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
@@ -528,6 +535,8 @@ def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
         raise _field_error(
             param, f"must be a non-empty {'regular expression' if kind == 'regex' else 'grammar'}", value
         )
+    if kind == "regex" and (feature := unsupported_in_regex(value)) is not None:
+        raise _field_error(param, f"{feature} not supported", value)
     return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
 
 
