@@ -14,8 +14,9 @@ enforced), ``allOf`` of more than one schema, and lookaround in a ``pattern``.
 from __future__ import annotations
 
 #: JSON schema keywords the grammar enforces (xgrammar 0.2.9's converter), and the annotations
-#: that constrain nothing. Every other keyword of the JSON schema vocabulary is refused
-#: (``REFUSED_KEYWORDS``); a keyword outside the vocabulary is an annotation, as JSON schema says.
+#: that constrain nothing: the README's list. Every other keyword of the JSON schema vocabulary is
+#: refused (``REFUSED_KEYWORDS``); a keyword outside the vocabulary is an annotation, as JSON
+#: schema says.
 SCHEMA_KEYWORDS = frozenset(
     {
         *("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"),
@@ -63,7 +64,7 @@ def unsupported_in_schema(schema: object, path: str = "") -> tuple[str, str, obj
     for key, value in schema.items():
         if key in REFUSED_KEYWORDS:
             return f"{where}{key}", "not supported", value
-        if key == "format" and value not in SCHEMA_FORMATS:
+        if key == "format" and not (isinstance(value, str) and value in SCHEMA_FORMATS):
             return f"{where}{key}", f"not supported (supported: {', '.join(sorted(SCHEMA_FORMATS))})", value
         if key == "pattern" and isinstance(value, str) and (feature := unsupported_in_regex(value)) is not None:
             return f"{where}{key}", f"{feature} not supported", value

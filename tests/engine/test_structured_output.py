@@ -291,6 +291,7 @@ def test_llm_refuses_a_bad_schema_naming_the_field(tmp_path: Path) -> None:
         ("regex", "(?<=a)b", r"lookbehind \(\?<= not supported"),
         ("json_schema", '{"type":"array","uniqueItems":true}', r"not a valid json_schema: uniqueItems: not supported"),
         ("json_schema", '{"properties":{"a":{"not":{}}}}', r"properties\.a\.not: not supported"),
+        ("json_schema", '{"type":"string","format":["x"]}', r"format: not supported"),
         ("regex", "", r"non-empty"),
         ("grammar", "root ::= ", r"EBNF"),
         ("grammar", 'start ::= "a"', r"root"),

@@ -12,7 +12,7 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from engine.structured_support import unsupported_in_schema
+from engine.structured_support import REFUSED_KEYWORDS, SCHEMA_KEYWORDS, unsupported_in_schema
 from tests.serve.conftest import Server
 
 ROOT = "response_format.json_schema.schema"
@@ -105,3 +105,5 @@ def test_supported_keywords_and_escaped_look_alikes_pass() -> None:
         "description": "d",
     }
     assert unsupported_in_schema(schema) is None
+    assert not SCHEMA_KEYWORDS & REFUSED_KEYWORDS
+    assert all(unsupported_in_schema({keyword: {}}) is not None for keyword in REFUSED_KEYWORDS)
