@@ -7,7 +7,8 @@ the ids the server runs.
 ``/tokenizer_info`` is the tokenizer's configuration as ``tokenizer_config.json`` holds it:
 ``tokenizer_class``, the special tokens' strings (``bos_token``, ``eos_token``, ``pad_token``,
 ``unk_token``; null where the tokenizer has none), ``chat_template`` (the one the server renders
-with, kvfleet's own where the checkpoint has none), ``clean_up_tokenization_spaces``, and
+with: the checkpoint's, kvfleet's own for the byte vocabulary, null where there is none and chat
+requests are refused), ``clean_up_tokenization_spaces``, and
 ``model_max_length`` (the served context, not the tokenizer's unbounded default) and
 ``vocab_size`` (the model's). File paths and the added-token table are left out.
 """
