@@ -10,6 +10,10 @@ JSON (``json_object``, ``json_schema``) is generated compact (``", "`` and ``": 
 items, no other whitespace): a model never wanders into runs of blanks, and every output that
 ends ends with its last closing bracket.
 
+A JSON schema keyword or regex feature the grammar cannot enforce is refused, not ignored
+(``engine.structured_support``): a schema is accepted only when every output the grammar admits
+validates against it.
+
 When a request's grammar is complete:
 - the model has an end-of-sequence token: the mask allows it where the grammar may end, and the
   request stops when it is sampled, or at once when nothing but it may follow (no extra step,
@@ -30,6 +34,7 @@ import torch
 import xgrammar
 
 from engine.sampling_params import StructuredOutput
+from engine.structured_support import unsupported_in_regex, unsupported_in_schema
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from engine.validation import InvalidRequestError, problem
 
@@ -59,14 +64,18 @@ def _choices(spec: str) -> list[str]:
 
 
 def _json_schema_text(spec: str) -> str:
-    """A ``json_schema`` spec as the JSON text xgrammar converts: a JSON object (ValueError
-    otherwise), with every length-bounded string written as a pattern (``_length_as_pattern``)."""
+    """A ``json_schema`` spec as the JSON text xgrammar converts: a JSON object whose every
+    keyword the grammar enforces (ValueError otherwise, ``unsupported_in_schema``), with every
+    length-bounded string written as a pattern (``_length_as_pattern``)."""
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"must be a JSON Schema as JSON text ({exc.msg})") from None
     if not isinstance(schema, dict):
         raise ValueError("must be a JSON Schema object")  # noqa: TRY004 - a bad spec is a ValueError (grammar_of)
+    if (unsupported := unsupported_in_schema(schema)) is not None:
+        path, why, _ = unsupported
+        raise ValueError(f"{path}: {why}")
     return json.dumps(_length_as_pattern(schema))
 
 
@@ -109,6 +118,8 @@ def grammar_of(structured: StructuredOutput) -> xgrammar.Grammar:
         if kind == "regex":
             if not spec:
                 raise ValueError("must be a non-empty regular expression")
+            if (feature := unsupported_in_regex(spec)) is not None:
+                raise ValueError(f"{feature} not supported")
             return xgrammar.Grammar.from_regex(spec)
         if kind == "grammar":
             if not spec.strip():

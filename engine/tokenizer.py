@@ -22,7 +22,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; ``add_special_tokens``: with the ones the tokenizer adds to
+        every text (a BOS)."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -42,8 +45,8 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """Bytes are token ids (0..255): the vocabulary of the tiny random models; needs no files."""
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -81,8 +84,8 @@ class HFTokenizer:
         """The transformers tokenizer itself (for libraries that read its vocabulary)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]  # one id list: one string

@@ -1,9 +1,11 @@
 """The HTTP API as a FastAPI application over a started ``Cluster``.
 
 OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events) and
-``/v1/models`` (and ``/v1/models/{id}``); the operator's ``/health`` (200 only while every worker is healthy) and
-``/metrics`` (Prometheus text); kvfleet's own ``/v1/pins`` and ``/v1/stats``. When an API key is
-configured every ``/v1`` route needs it. ``build_api`` is what the Ray Serve ingress serves; it
+``/v1/models`` (and ``/v1/models/{id}``); vLLM's tokenizer endpoints ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info`` (``serving.tokenization``); the operator's ``/health``
+(200 only while every worker is healthy) and ``/metrics`` (Prometheus text); kvfleet's own
+``/v1/pins`` and ``/v1/stats``; ``/openapi.json`` (``serving.openapi``). When an API key is
+configured every route but ``/health`` and ``/metrics`` needs it. ``build_api`` is what the Ray Serve ingress serves; it
 needs no Ray Serve itself.
 """
 
@@ -32,7 +34,17 @@ from serving.errors import (
     model_not_found,
 )
 from serving.metrics import CONTENT_TYPE, ServeMetrics
-from serving.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, describe
+from serving.openapi import openapi_document
+from serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    PinRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    describe,
+)
+from serving.tokenization import Tokenization
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -40,6 +52,9 @@ M = TypeVar("M", bound=BaseModel)
 HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 10.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: the routes outside /v1 that need the API key (as vLLM keys them); /health and /metrics stay open
+KEYED_ROOT_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json"})
+OPENAPI_DESCRIPTION = "OpenAI's completions and chat completions, vLLM's tokenizer endpoints, kvfleet's pins and stats."
 
 
 def served_model_name(cluster: Cluster) -> str:
@@ -59,6 +74,7 @@ def build_api(cluster: Cluster) -> FastAPI:
     model_name = served_model_name(cluster)
     metrics = ServeMetrics()
     generation = Generation(cluster, model_name, metrics, Admission(config.max_queued_requests, config.retry_after_s))
+    tokenization = Tokenization(cluster, model_name)
     created = int(time.time())
     app = FastAPI(title="kvfleet", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -74,6 +90,22 @@ def build_api(cluster: Cluster) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         return await _answer(generation, generation.prepare_chat(body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        data = await _json_object(request)
+        body: TokenizeCompletionRequest | TokenizeChatRequest = (
+            _validated(data, TokenizeChatRequest) if "messages" in data else _validated(data, TokenizeCompletionRequest)
+        )
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return tokenization.detokenize(await _parse(request, DetokenizeRequest))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.info()
 
     def card() -> dict[str, Any]:
         return {
@@ -144,10 +176,23 @@ def build_api(cluster: Cluster) -> FastAPI:
             raise APIError(404, f"pin_id: no pin {pin_id}", param="pin_id", code="pin_not_found")
         return {"id": int(pin_id), "object": "pin", "deleted": True}
 
+    document: list[dict[str, Any]] = []  # built on the first request, once
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        if not document:
+            document.append(openapi_document(app, OPENAPI_DESCRIPTION))
+        return JSONResponse(document[0])
+
     return app
 
 
 async def _parse(request: Request, model: type[M]) -> M:
+    return _validated(await _json_object(request), model)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 naming ``body`` otherwise."""
     raw = await request.body()
     try:
         data = json.loads(raw) if raw else None
@@ -155,6 +200,11 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise bad_request("body", f"body: not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
     if not isinstance(data, dict):
         raise bad_request("body", f"body: must be a JSON object (got {type(data).__name__})")
+    return data
+
+
+def _validated(data: dict[str, Any], model: type[M]) -> M:
+    """``data`` as ``model``; 400 naming the first bad field otherwise."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -192,7 +242,7 @@ class AuthAndCount:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = _route_path(scope)
         status = [500]
 
         async def send_and_note(message: MutableMapping[str, Any]) -> None:
@@ -201,7 +251,7 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if path.startswith("/v1"):
+            if path.startswith("/v1") or path in KEYED_ROOT_ROUTES:
                 check_api_key(Request(scope), self.api_key)
         except APIError as exc:
             await exc.response()(scope, receive, send_and_note)
@@ -211,6 +261,13 @@ class AuthAndCount:
             self.metrics.requests.labels(_endpoint(path), str(status[0])).inc()
 
 
+def _route_path(scope: dict[str, Any]) -> str:
+    """The request's path within the application: ASGI's ``path`` holds the ``root_path`` an
+    application is mounted at (Ray Serve's route prefix, ``/bytes``), which routes do not see."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 def _endpoint(path: str) -> str:
     """The route a path belongs to (bounded label values: pin ids are not labels)."""
     if path.startswith("/v1/pins/"):
@@ -218,4 +275,4 @@ def _endpoint(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
     known = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/pins", "/v1/stats", "/health", "/metrics"}
-    return path if path in known else "other"
+    return path if path in known or path in KEYED_ROOT_ROUTES else "other"

@@ -10,7 +10,10 @@ value; anything else is a 400 naming the field. ``describe`` turns a pydantic er
 
 The structured-output fields (``response_format``, ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``, ``structured_outputs``) are checked for their shape here
-and become one ``StructuredOutput``; at most one of them may constrain a request.
+and become one ``StructuredOutput``; at most one of them may constrain a request. A schema
+keyword or regex feature the grammar cannot enforce is a 400 naming it by its path
+(``response_format.json_schema.schema.properties.xs.uniqueItems: not supported``,
+``engine.structured_support``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from configs.load import VALIDATION_MESSAGES
 from engine.kv_cache.coordinator_types import PinTier
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from engine.structured_support import unsupported_in_regex, unsupported_in_schema
 from engine.validation import InvalidRequestError, check_cache_salt
 from serving.tools import (
     ToolCall,
@@ -56,6 +60,22 @@ SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 PromptItem = str | list[int]
+# The JSON schema of a prompt field (``/openapi.json``): the field is ``Any`` and its validator
+# (``normalize_prompt``) does the checking, so the schema is spelled out here.
+_TEXT_SCHEMA = {"type": "string", "minLength": 1}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+ONE_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS_SCHEMA]}
+PROMPTS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        *ONE_PROMPT_SCHEMA["anyOf"],
+        {
+            "type": "array",
+            "items": {"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS_SCHEMA]},
+            "minItems": 1,
+            "maxItems": MAX_PROMPTS,
+        },
+    ]
+}
 
 
 class _Body(BaseModel):
@@ -216,7 +236,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
 
-    prompt: Any
+    prompt: Annotated[Any, Field(json_schema_extra=PROMPTS_SCHEMA)]
     # 0 with ``echo``: the prompt is scored (its logprobs with ``logprobs``) and nothing generated
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
@@ -333,7 +353,7 @@ class PinRequest(_Body):
     """``POST /v1/pins``: keep a prefix (text or token ids) resident on ``replicas`` workers, in
     device memory or in the host tier only (``tier``, ``Cluster.pin_prefix``)."""
 
-    prefix: Any
+    prefix: Annotated[Any, Field(json_schema_extra=ONE_PROMPT_SCHEMA)]
     replicas: Annotated[int, Field(ge=1)] = 1
     ttl: Annotated[FiniteFloat, Field(gt=0.0)] | None = None
     tier: PinTier = "device"
@@ -345,6 +365,59 @@ class PinRequest(_Body):
         if len(items) != 1:
             raise ValueError(f"must be one text or one list of token ids (got {len(items)} prompts)")
         return items[0]
+
+
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` with a text (vLLM's shape): its token ids, with the tokenizer's special
+    tokens (a BOS) unless ``add_special_tokens`` is false."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    """``POST /tokenize`` with chat messages (vLLM's shape): the ids the chat template gives, as
+    ``/v1/chat/completions`` would run them. kvfleet renders with the model's own template only:
+    ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``, ``mm_processor_kwargs``
+    and ``add_special_tokens`` are accepted at their neutral values."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+
+    @model_validator(mode="after")
+    def _neutral_fields(self) -> TokenizeChatRequest:
+        for name, neutral in (
+            ("continue_final_message", False),
+            ("add_special_tokens", False),
+            ("chat_template", None),
+            ("chat_template_kwargs", None),
+            ("mm_processor_kwargs", None),
+        ):
+            _neutral(self, name, neutral, "is not supported (the model's own chat template renders the messages)")
+        try:
+            check_tool_fields(self.tools, None)
+            for i, m in enumerate(self.messages):
+                check_message_fields(i, m.role, m.content is not None, m.tool_calls, m.tool_call_id)
+        except ToolFieldError as exc:
+            raise _field_error(exc.param, exc.message, exc.value) from None
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def normalize_prompt(prompt: Any) -> list[PromptItem]:
@@ -450,6 +523,9 @@ def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
                 raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value) from None
         if not isinstance(schema, dict):
             raise _field_error(param, "must be a JSON schema (an object, or its JSON text)", value)
+        if (unsupported := unsupported_in_schema(schema)) is not None:
+            path, why, at = unsupported
+            raise _field_error(f"{param}.{path}", why, at)
         return StructuredOutput(kind="json_schema", spec=json.dumps(schema, separators=(",", ":")))
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
@@ -459,6 +535,8 @@ def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
         raise _field_error(
             param, f"must be a non-empty {'regular expression' if kind == 'regex' else 'grammar'}", value
         )
+    if kind == "regex" and (feature := unsupported_in_regex(value)) is not None:
+        raise _field_error(param, f"{feature} not supported", value)
     return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
 
 

@@ -1,10 +1,10 @@
 """Loading the manifests of k8s/ and KubeRay's CRD schemas, and the two validators of the k8s tests.
 
 * KubeRay custom resources (RayCluster, RayJob, RayService) are checked against the
-  ``openAPIV3Schema`` of their CRD in ../shared/k8s-crds/ with jsonschema, strictly: an object
-  with declared properties rejects unknown fields (what ``kubectl apply --validate=strict``
-  does), so a misspelled field fails. CEL rules (``x-kubernetes-validations``) are not run.
-  Without the CRDs (KVFLEET_KUBERAY_CRDS) the tests marked ``needs_crds`` skip.
+  ``openAPIV3Schema`` of their CRD (tests/data/kuberay-crds/, or the folder KVFLEET_KUBERAY_CRDS
+  names) with jsonschema, strictly: an object with declared properties rejects unknown fields
+  (what ``kubectl apply --validate=strict`` does), so a misspelled field fails. CEL rules
+  (``x-kubernetes-validations``) are not run. Without the CRDs the tests marked ``needs_crds`` skip.
 * Core kinds (ConfigMap, PersistentVolumeClaim, ...) and every pod template embedded in a
   custom resource are checked with ``kubernetes-validate`` (strict) for Kubernetes K8S_VERSION.
 """
@@ -27,12 +27,14 @@ from configs.schema import WorkerResources
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
-# KubeRay's published CRDs (ray.io/v1 RayCluster, RayJob, RayService) live beside the repo in the
-# project's shared data, not in it; KVFLEET_KUBERAY_CRDS points elsewhere. Without them the
-# CRD-schema tests skip (with this reason in the summary); every other check still runs.
-CRD_DIR = Path(os.environ.get("KVFLEET_KUBERAY_CRDS", REPO.parent / "shared" / "k8s-crds"))
+# KubeRay's CRDs (ray.io/v1 RayCluster, RayJob, RayService): the repository's copy (its SOURCE.md
+# says where from and how it was cut down), or the folder KVFLEET_KUBERAY_CRDS names (the
+# published YAML files, say). A folder without them skips the CRD-schema tests (with this reason).
+CRD_DIR = Path(os.environ.get("KVFLEET_KUBERAY_CRDS") or REPO / "tests" / "data" / "kuberay-crds")
+CRD_PATTERNS = ("ray.io_*.yaml", "ray.io_*.json")  # JSON is YAML: one loader reads both
 needs_crds = pytest.mark.skipif(
-    not any(CRD_DIR.glob("ray.io_*.yaml")), reason=f"KubeRay CRDs not found in {CRD_DIR} (set KVFLEET_KUBERAY_CRDS)"
+    not any(p for pattern in CRD_PATTERNS for p in CRD_DIR.glob(pattern)),
+    reason=f"KubeRay CRDs not found in {CRD_DIR} (KVFLEET_KUBERAY_CRDS)",
 )
 K8S_VERSION = "1.37.0"  # newest schema set kubernetes-validate 1.37 ships (v1.37.0-local-strict)
 RAY_KINDS = {"RayCluster", "RayJob", "RayService"}
@@ -68,7 +70,7 @@ def _ids(items: list[tuple[str, dict[str, Any]]]) -> list[str]:
 def crd_schema(kind: str, api_version: str) -> dict[str, Any]:
     """The jsonschema (strict) for ``kind`` at ``api_version`` (``ray.io/v1``) from its CRD file."""
     group, _, version = api_version.partition("/")
-    for path in sorted(CRD_DIR.glob(f"{group}_*.yaml")):
+    for path in sorted(p for suffix in ("yaml", "json") for p in CRD_DIR.glob(f"{group}_*.{suffix}")):
         crd = yaml.load(path.read_text(), Loader=_Loader)
         if crd["spec"]["names"]["kind"] != kind or crd["spec"]["group"] != group:
             continue

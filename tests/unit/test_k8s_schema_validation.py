@@ -1,8 +1,8 @@
 """The KubeRay manifests in k8s/ validate offline against their schemas (k8s_schemas.py says how).
 
 * KubeRay custom resources (RayCluster, RayJob, RayService) validate against the
-  ``openAPIV3Schema`` of their CRD, strictly (unknown fields fail); these tests skip without the
-  CRDs (KVFLEET_KUBERAY_CRDS, which CI sets to ../shared/k8s-crds).
+  ``openAPIV3Schema`` of their CRD, strictly (unknown fields fail): the repository's copy in
+  tests/data/kuberay-crds/, or the folder KVFLEET_KUBERAY_CRDS names.
 * Core kinds (ConfigMap, PersistentVolumeClaim, ...) and every pod template embedded in a
   custom resource validate with ``kubernetes-validate`` (strict).
 Every test that walks the manifests of a kind first asserts there is one: none passes on an

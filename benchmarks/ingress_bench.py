@@ -1,0 +1,161 @@
+"""Ingress benchmark: what the HTTP path costs over the driver API on one-token completions.
+
+    python -m benchmarks.ingress_bench                      # tiny preset, concurrency 1, 16, 64
+    python -m benchmarks.ingress_bench --requests 400 --concurrency 1,16
+
+The same request (a short text prompt, ``max_tokens`` 1, temperature 0, ``ignore_eos``) is sent at each
+concurrency, first straight to a ``Cluster`` in this process (``Cluster.agenerate``, the driver
+API: the baseline), then, with that cluster shut down, over HTTP to ``kvfleet serve`` on the
+same preset (``benchmarks.support.serve_server.Server``, a fresh subprocess on a free loopback
+port) with a keep-alive ``httpx`` client. Each side gets ``--warmup`` requests one at a time
+first (not measured); each concurrency level sends ``--requests`` requests from that many
+concurrent senders, and a request's latency is from the call to its whole answer.
+
+Last stdout line, one JSON object: ``req_per_s``, ``p50_ms`` and ``p99_ms`` over HTTP, each
+keyed by concurrency; ``driver_p50_ms``, ``driver_req_per_s`` (the same over the driver API)
+and ``overhead_p50_ms`` (HTTP p50 minus driver p50), keyed the same; ``errors`` (HTTP answers
+other than 200, and exceptions, on either side); ``requests``.
+
+A first run (``--requests 40 --warmup 3``, tiny preset 1P+1D, this project's 2-core machine
+under other test runs, load average about 17): HTTP p50 57 / 563 / 1023 ms and 17 / 22 / 23
+requests/s at concurrency 1 / 16 / 64, no errors; driver p50 26 / 129 / 298 ms, 37 / 118 / 111
+requests/s. Where the HTTP path's time goes is not yet broken down, nor cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.support.serve_server import Server
+from benchmarks.support.stats import percentile
+from configs import load_config
+
+log = logging.getLogger("ingress_bench")
+PROMPT = "The capital of France is"
+
+
+async def _level(call: Callable[[], Awaitable[bool]], concurrency: int, requests: int) -> dict[str, Any]:
+    """``requests`` calls from ``concurrency`` senders: latencies, throughput, failures."""
+    latencies: list[float] = []
+    errors = 0
+    remaining = requests
+
+    async def sender() -> None:
+        nonlocal remaining, errors
+        while remaining > 0:
+            remaining -= 1
+            started = time.perf_counter()
+            try:
+                ok = await call()
+            except Exception as exc:  # noqa: BLE001 - a failed request is counted, the run goes on
+                log.warning("request failed: %s", exc)
+                ok = False
+            latencies.append(time.perf_counter() - started)
+            errors += not ok
+
+    started = time.perf_counter()
+    await asyncio.gather(*(sender() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return {
+        "req_per_s": round(requests / elapsed, 1),
+        "p50_ms": round(percentile(latencies, 0.5) * 1e3, 2),
+        "p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
+        "errors": errors,
+    }
+
+
+async def _sweep(call: Callable[[], Awaitable[bool]], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    for _ in range(args.warmup):
+        await call()
+    out = {}
+    for concurrency in args.concurrency:
+        out[concurrency] = await _level(call, concurrency, args.requests)
+        log.info("concurrency %d: %s", concurrency, out[concurrency])
+    return out
+
+
+def driver_sweep(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    from cluster.api import Cluster
+
+    with Cluster(load_config(args.config, args.set)) as cluster:
+
+        async def call() -> bool:
+            result = await cluster.agenerate(PROMPT, {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+            return len(result.token_ids) == 1
+
+        return asyncio.run(_sweep(call, args))
+
+
+def http_sweep(args: argparse.Namespace, kvfleet: str, logs: Path) -> dict[int, dict[str, Any]]:
+    with Server(kvfleet, args.config, args.set, logs / "server.log") as server:
+
+        async def run() -> dict[int, dict[str, Any]]:
+            limits = httpx.Limits(
+                max_connections=max(args.concurrency), max_keepalive_connections=max(args.concurrency)
+            )
+            async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120.0) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+                async def call() -> bool:
+                    answer = await client.post("/v1/completions", json=body)
+                    return answer.status_code == 200
+
+                return await _sweep(call, args)
+
+        return asyncio.run(run())
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", default="tiny", help="preset or config file (default: tiny)")
+    p.add_argument("--set", action="append", default=[], help="config override, as kvfleet serve --set")
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--requests", type=int, default=200, help="requests per concurrency level (default 200)")
+    p.add_argument("--warmup", type=int, default=10, help="unmeasured requests first, one at a time")
+    p.add_argument("--kvfleet", default=None, help="kvfleet executable (default: next to this Python, then PATH)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    kvfleet = args.kvfleet or next(
+        (c for c in (str(Path(sys.executable).parent / "kvfleet"), shutil.which("kvfleet")) if c and Path(c).is_file()),
+        "kvfleet",
+    )
+    driver = driver_sweep(args)
+    with tempfile.TemporaryDirectory(prefix="ingress-bench-") as logs:
+        http = http_sweep(args, kvfleet, Path(logs))
+    levels = args.concurrency
+    result = {
+        "req_per_s": {c: http[c]["req_per_s"] for c in levels},
+        "p50_ms": {c: http[c]["p50_ms"] for c in levels},
+        "p99_ms": {c: http[c]["p99_ms"] for c in levels},
+        "errors": sum(r["errors"] for r in (*http.values(), *driver.values())),
+        "driver_p50_ms": {c: driver[c]["p50_ms"] for c in levels},
+        "driver_req_per_s": {c: driver[c]["req_per_s"] for c in levels},
+        "overhead_p50_ms": {c: round(http[c]["p50_ms"] - driver[c]["p50_ms"], 2) for c in levels},
+        "requests": 2 * (args.warmup + args.requests * len(levels)),
+    }
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
