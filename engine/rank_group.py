@@ -34,9 +34,10 @@ from engine.kv_cache.host_tier import TierCopy
 log = logging.getLogger(__name__)
 
 #: how long a rank waits for the next control message before the group counts as broken (an idle
-#: leader sends a keep-alive every ``KEEPALIVE_S``, far inside it)
+#: leader sends a keep-alive every ``KEEPALIVE_S``, far inside it: a send to a rank that died
+#: fails, so an idle worker finds a dead rank within seconds, as a busy one does at its next step)
 CONTROL_TIMEOUT = datetime.timedelta(hours=24)
-KEEPALIVE_S = 600.0
+KEEPALIVE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
