@@ -3,7 +3,8 @@ a placement group with the worker actor as rank 0 and a ``RankFollower`` as rank
 (cluster/rank_groups.py). Greedy tokens equal one in-process single-rank engine's; a follower
 killed mid-stream takes its worker down as one unit (its requests migrate to the other worker
 and every stream completes with one rank's tokens), the worker is replaced with a new group, and
-it serves the same tokens again."""
+it serves the same tokens again; a follower that dies under an idle worker is found by the
+leader's keep-alive and its worker replaced too."""
 
 from __future__ import annotations
 
@@ -55,3 +56,6 @@ def test_split_workers_serve_one_ranks_tokens_and_a_dead_rank_takes_its_worker_d
         again = cluster.generate(prompts * 2, GREEDY)
         assert [r.token_ids for r in again] == expected * 2
         assert "decode-0" in {r.decode_worker for r in again}
+        replacements = cluster.replacements
+        ray.kill(ranks.followers["decode-1"][0], no_restart=True)  # under an idle worker: its keep-alive finds it
+        wait_for(lambda: replaced(cluster, "decode-1", replacements + 1), REPLACE_TIMEOUT_S, "idle decode-1 replaced")
