@@ -1682,16 +1682,20 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 /* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
  * place) up to ``n`` positions, each position's device holder value in the group (read when a
  * slot first needs it: UNREAD until then, NONE_ID nobody) and its host-tier holders (a borrowed
- * tuple of slots from the host map, or NULL). */
+ * tuple of slots from the host map, or NULL; read up front where they decide which slots are
+ * walked, else with the device value). */
 typedef struct {
     int g;
     Py_ssize_t factor, n;
     PyObject *ranges;
     PyObject *const *keys;
+    PyObject *host; /* the group's host map: hash -> slots */
+    int lazy;       /* host holders read with the device value (else all read up front) */
     uint32_t *dev;
     PyObject **hosted;
 } TierView;
 
+/* The device value of position ``i``, its host holders read too where they were not. */
 static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *err) {
     uint32_t value = v->dev[i];
     if (value != UNREAD)
@@ -1699,6 +1703,21 @@ static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *e
     PyObject *key = v->keys[i * v->factor];
     uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
     value = lookup_hashed(m, v->g, key, h, err);
+    if (*err)
+        return value;
+    if (v->lazy && PyDict_GET_SIZE(v->host) > 0) {
+        PyObject *slots = PyDict_GetItemWithError(v->host, key);
+        if (slots == NULL && PyErr_Occurred()) {
+            *err = 1;
+            return value;
+        }
+        if (slots != NULL && !PyTuple_Check(slots)) {
+            PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
+            *err = 1;
+            return value;
+        }
+        v->hosted[i] = slots;
+    }
     v->dev[i] = value;
     return value;
 }
@@ -1827,14 +1846,15 @@ static int tier_slot(const Maps *m, TierView *views, Py_ssize_t nviews, uint32_t
     return 0;
 }
 
-/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending):
+/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
  * see HolderMaps.tiered in holder_maps.py. */
 static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_Format(PyExc_TypeError, "tiered: expected 12 arguments, got %zd", nargs);
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
         return NULL;
     }
     PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
+    PyObject *extra = args[12];
     PyObject *shared = args[9] == Py_None ? NULL : args[9];
     PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
     PyObject *pending = args[11] == Py_None ? NULL : args[11];
@@ -1845,8 +1865,8 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
     if (PyErr_Occurred() || prefix < 0)
         return NULL;
     if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
-        !PyDict_Check(hits)) {
-        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host and ids must be lists, hits a dict");
+        !PyDict_Check(hits) || !PyList_Check(extra)) {
+        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
         return NULL;
     }
     if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
@@ -1887,6 +1907,8 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
             goto done;
         }
         PyObject *holders = PyList_GET_ITEM(host, v->g);
+        v->host = holders;
+        v->lazy = prefix && c > 0;
         Py_ssize_t n = steps * align / (spec.factor * unit);
         v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
         v->keys = items + (spec.factor - 1);
@@ -1899,7 +1921,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *last = NULL;
         for (Py_ssize_t i = 0; i < v->n; i++) {
             v->dev[i] = UNREAD;
-            if (PyDict_GET_SIZE(holders) == 0)
+            if (v->lazy || PyDict_GET_SIZE(holders) == 0)
                 continue;
             PyObject *slots = PyDict_GetItemWithError(holders, v->keys[i * v->factor]);
             if (slots == NULL) {
@@ -1932,6 +1954,24 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
                     goto done;
                 met[nmet++] = (uint32_t)s;
             }
+        }
+    }
+    Py_ssize_t nextra = PyList_GET_SIZE(extra);
+    if (nextra > 0) {
+        if (nmet + (size_t)nextra > cap_met) {
+            uint32_t *grown = PyMem_Realloc(met, (nmet + (size_t)nextra) * sizeof(uint32_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            met = grown;
+            cap_met = nmet + (size_t)nextra;
+        }
+        for (Py_ssize_t j = 0; j < nextra; j++) {
+            unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
+            if (s == (unsigned long)-1 && PyErr_Occurred())
+                goto done;
+            met[nmet++] = (uint32_t)s;
         }
     }
     size_t unique = 0;
@@ -2049,7 +2089,7 @@ static PyMethodDef Maps_methods[] = {
     {"predict", (PyCFunction)(void (*)(void))Maps_predict, METH_FASTCALL,
      "predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared)"},
     {"tiered", (PyCFunction)(void (*)(void))Maps_tiered, METH_FASTCALL,
-     "tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending)"},
+     "tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

@@ -64,6 +64,7 @@ class HolderMaps:
         shared: dict[Hashable, int] | None,
         host_hits: dict[Hashable, int] | None,
         pending: set[Hashable] | None,
+        extra: list[int],
         /,
     ) -> int: ...
     def absorb(

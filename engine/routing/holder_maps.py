@@ -111,6 +111,7 @@ class HolderMaps(Protocol):
         shared: dict[Hashable, int] | None,
         host_hits: dict[Hashable, int] | None,
         pending: set[Hashable] | None,
+        extra: list[int],
     ) -> int: ...
 
 
@@ -362,11 +363,17 @@ class PyHolderMaps:
         shared: dict[Hashable, int] | None,
         host_hits: dict[Hashable, int] | None,
         pending: set[Hashable] | None,
+        extra: list[int],
     ) -> int:
-        """The hit over both tiers of every slot holding, in its host tier (``host[g]``: hash ->
-        the slots holding it there), one of the blocks the checked groups of ``order`` (``(group,
-        hash factor, needed ranges)``, first group first) need within ``steps`` aligned steps of
-        ``align`` tokens: the coordinator's fixed point (``HybridCoordinator.find_longest_cache_hit``
+        """The hit over both tiers of every slot that may hit more there: with ``prefix`` (the
+        first group is full attention), the slots holding in their host tier (``host[g]``: hash
+        -> the slots holding it there) one of the first group's blocks within ``steps`` aligned
+        steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
+        hit is below their device depth, which another group's host blocks may lift; any other
+        slot's depth over both tiers is its device depth, which its device hit already reaches);
+        without, the slots holding any checked group's block there (the checked groups:
+        ``order``, ``(group, hash factor, needed ranges)``, first group first). Per slot, its hit
+        is the coordinator's fixed point (``HybridCoordinator.find_longest_cache_hit``
         with a host tier), the longest ``k <= steps`` at which every checked group holds every
         block of its ``ranges[k]`` in either tier; ``prefix``: the first group is full attention
         (its hit is its contiguous depth over both tiers, aligned down). Per such slot, in slot
@@ -380,12 +387,13 @@ class PyHolderMaps:
             return 0
         views = [(g, coarse_view(hashes, factor), factor, ranges) for g, factor, ranges in order]
         met: set[int] = set()
-        for g, view, factor, _ in views:
+        for g, view, factor, _ in views[:1] if prefix else views:
             holders = host[g]
             if holders:
                 for value in set(map(holders.get, view[: (steps * align) // (factor * unit)])):
                     if value is not None:
                         met.update(value)
+        met.update(extra)
         for slot in sorted(met):
             worker = ids[slot]
 

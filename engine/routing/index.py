@@ -362,9 +362,11 @@ class PrefixIndex:
         host: dict[WorkerId, int] | None,
     ) -> None:
         """Re-predict, over both tiers, the workers holding some block of the prompt (within
-        ``max_length``) in their host tier: for any other worker both tiers give the device hit.
-        One call into the holder maps (``HolderMaps.tiered``: one walk per such worker over both
-        tiers); its reference is the coordinator's fixed point on each (``tiered_hit``)."""
+        ``max_length``) in their host tier (with a full-attention group: a block of the first
+        one, or any block for a worker whose device hit is below its depth, in ``pending``):
+        for any other worker both tiers give the device hit. One call into the holder maps
+        (``HolderMaps.tiered``: one walk per such worker over both tiers); its reference is the
+        coordinator's fixed point on each (``tiered_hit``)."""
         rules = self.rules
         steps = max_length // rules.alignment
         plan = rules.walk_plans[1 if skip_mamba else 0]
@@ -372,6 +374,10 @@ class PrefixIndex:
             return
         rules.ensure(steps)
         view = hashes if isinstance(hashes, list) else list(hashes)
+        extra: list[int] = []
+        if pending is not None and plan.prefix:  # the device hit below the depth: a host window may lift it
+            counts, workers = self.host.counts, self._workers
+            extra = [slot for slot in (workers[w].slot for w in pending.workers) if slot in counts]
         self._maps.tiered(
             view,
             plan.order,
@@ -385,6 +391,7 @@ class PrefixIndex:
             shared if rules.full_groups else None,
             host,
             None if pending is None else pending.workers,
+            extra,
         )
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
