@@ -1682,20 +1682,19 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 /* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
  * place) up to ``n`` positions, each position's device holder value in the group (read when a
  * slot first needs it: UNREAD until then, NONE_ID nobody) and its host-tier holders (a borrowed
- * tuple of slots from the host map, or NULL; read up front where they decide which slots are
- * walked, else with the device value). */
+ * tuple of slots from the host map, or NULL; HOST_UNREAD until read: up front where they decide
+ * which slots are walked, else when a slot needs them). */
 typedef struct {
     int g;
     Py_ssize_t factor, n;
     PyObject *ranges;
     PyObject *const *keys;
     PyObject *host; /* the group's host map: hash -> slots */
-    int lazy;       /* host holders read with the device value (else all read up front) */
     uint32_t *dev;
     PyObject **hosted;
 } TierView;
 
-/* The device value of position ``i``, its host holders read too where they were not. */
+/* The device value of position ``i`` (read once). */
 static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *err) {
     uint32_t value = v->dev[i];
     if (value != UNREAD)
@@ -1703,23 +1702,34 @@ static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *e
     PyObject *key = v->keys[i * v->factor];
     uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
     value = lookup_hashed(m, v->g, key, h, err);
-    if (*err)
-        return value;
-    if (v->lazy && PyDict_GET_SIZE(v->host) > 0) {
-        PyObject *slots = PyDict_GetItemWithError(v->host, key);
+    if (!*err)
+        v->dev[i] = value;
+    return value;
+}
+
+static char host_unread; /* ``hosted[i]`` not read yet: &host_unread */
+#define HOST_UNREAD ((PyObject *)&host_unread)
+
+/* The host holders of position ``i`` (a borrowed tuple, or NULL: none; read once). */
+static inline PyObject *tier_host(TierView *v, Py_ssize_t i, int *err) {
+    PyObject *slots = v->hosted[i];
+    if (slots != HOST_UNREAD)
+        return slots;
+    slots = NULL;
+    if (PyDict_GET_SIZE(v->host) > 0) {
+        slots = PyDict_GetItemWithError(v->host, v->keys[i * v->factor]);
         if (slots == NULL && PyErr_Occurred()) {
             *err = 1;
-            return value;
+            return NULL;
         }
         if (slots != NULL && !PyTuple_Check(slots)) {
             PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
             *err = 1;
-            return value;
+            return NULL;
         }
-        v->hosted[i] = slots;
     }
-    v->dev[i] = value;
-    return value;
+    v->hosted[i] = slots;
+    return slots;
 }
 
 /* Whether a tuple of slots (increasing ints) holds ``slot``: -1 on error. */
@@ -1748,7 +1758,10 @@ static inline int tier_held(const Maps *m, TierView *v, Py_ssize_t i, uint32_t s
         return -1;
     if (value != NONE_ID && v_level(m, value, slot) >= 0)
         return 1;
-    return v->hosted[i] == NULL ? 0 : tuple_holds(v->hosted[i], slot);
+    PyObject *slots = tier_host(v, i, &err);
+    if (err)
+        return -1;
+    return slots == NULL ? 0 : tuple_holds(slots, slot);
 }
 
 static int cmp_u32_t(const void *a, const void *b) {
@@ -1908,7 +1921,6 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         }
         PyObject *holders = PyList_GET_ITEM(host, v->g);
         v->host = holders;
-        v->lazy = prefix && c > 0;
         Py_ssize_t n = steps * align / (spec.factor * unit);
         v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
         v->keys = items + (spec.factor - 1);
@@ -1918,23 +1930,35 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
             PyErr_NoMemory();
             goto done;
         }
-        PyObject *last = NULL;
         for (Py_ssize_t i = 0; i < v->n; i++) {
             v->dev[i] = UNREAD;
-            if (v->lazy || PyDict_GET_SIZE(holders) == 0)
-                continue;
-            PyObject *slots = PyDict_GetItemWithError(holders, v->keys[i * v->factor]);
-            if (slots == NULL) {
-                if (PyErr_Occurred())
+            v->hosted[i] = HOST_UNREAD;
+        }
+        if (PyDict_GET_SIZE(holders) == 0 || (prefix && c > 0))
+            continue; /* read as the walked slots need them */
+        /* The slots met: with ``prefix``, a slot's depth over both tiers passes its device depth
+         * only if its host holds the block where its device run ends, a position where the
+         * device value changes (or 0): only those are read, up to the first nobody holds on the
+         * device; without, every position (any group's host block may serve a window). */
+        PyObject *last = NULL;
+        uint32_t before = UNREAD;
+        for (Py_ssize_t i = 0; i < v->n; i++) {
+            int err = 0;
+            if (prefix) {
+                uint32_t value = tier_dev(self, v, i, &err);
+                if (err)
                     goto done;
-                continue;
+                int same = i > 0 && value == before;
+                before = value;
+                if (same)
+                    continue;
             }
-            if (!PyTuple_Check(slots)) {
-                PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
+            PyObject *slots = tier_host(v, i, &err);
+            if (err)
                 goto done;
-            }
-            v->hosted[i] = slots;
-            if (slots == last)
+            if (prefix && before == NONE_ID)
+                i = v->n; /* no slot's device run passes here: the met slots are known */
+            if (slots == NULL || slots == last)
                 continue;
             last = slots;
             Py_ssize_t ns = PyTuple_GET_SIZE(slots);
