@@ -372,7 +372,10 @@ class PyHolderMaps:
         hit is below their device depth, which another group's host blocks may lift; any other
         slot's depth over both tiers is its device depth, which its device hit already reaches);
         without, the slots holding any checked group's block there (the checked groups:
-        ``order``, ``(group, hash factor, needed ranges)``, first group first). Per slot, its hit
+        ``order``, ``(group, hash factor, needed ranges)``, first group first). (The compiled
+        maps read the first group's host map only where some slot's device run ends, where a
+        slot that passes its device depth must hold its next block: they walk fewer slots, each
+        met one the same, with the same results.) Per slot, its hit
         is the coordinator's fixed point (``HybridCoordinator.find_longest_cache_hit``
         with a host tier), the longest ``k <= steps`` at which every checked group holds every
         block of its ``ranges[k]`` in either tier; ``prefix``: the first group is full attention
