@@ -39,7 +39,7 @@ over both tiers (``HolderMaps.tiered``); reported per W as ``decisions_per_s_hos
 ``p50_us_host_tier``, ``p99_us_host_tier``, ``wall_p99_us_host_tier``, ``hit_rate_host_tier``
 and ``accuracy_host_tier`` (the fastest of ``--repeats`` runs). Measured 2026-11-29 on the shared
 2-core machine (other tenants busy), W = 256, 4,000 decisions, 2 repeats: tier-less 39,445
-decisions/s, p99 65.8 us; host tier 16,627 decisions/s, p50 48.9 us, p99 183.9 us, hit rate
+decisions/s, p99 65.8 us; host tier 16,627 decisions/s, p50 48.9 us, p99 195.6 us, hit rate
 0.8829 (tier-less 0.8704), equal to the Python core's (5,395 decisions/s), accuracy 1.0. The
 tiered walk itself (``PrefixIndex._predict_tiered``) costs about 13 us at p50 of that (it read
 the host map at every block before: 24 us, 9,955 decisions/s); the rest of the gap to the
