@@ -22,10 +22,15 @@ hits per tier), p50 / p90 TTFT, output tokens/s, false-hit share (decisions whos
 was more than the worker found, as benchmarks/cluster_bench.py counts it), the host tiers' block
 moves, bytes and copy seconds. Promote bandwidth: bytes promoted over the host-side seconds of
 the promote copies in the tiered kvfleet run, over a plain memcpy of the same bytes measured in
-the same process. Prints one JSON object per run and per model, then the last line::
+the same process (``promote_bandwidth_over_memcpy``: the driver's, after the runs), and over the
+workers' own reference copies (``promote_bandwidth_over_same_process_memcpy``: with
+``kv_cache.offload.measure_memcpy`` on in the tiered runs, each promote batch is followed by a
+plain copy of its bytes in the same worker process, timed the same way; on CUDA a pinned-memory
+async copy, both waited for, ``engine/host_kv.py``). Prints one JSON object per run and per model, then the last line::
 
     {"hit_rate_ratio_vs_no_tier": r, "p90_ttft_ratio_vs_prefix_tree": r,
-     "false_hit_share": {"kvfleet": x, "prefix_tree": x}, "promote_bandwidth_over_memcpy": r, ...}
+     "false_hit_share": {"kvfleet": x, "prefix_tree": x}, "promote_bandwidth_over_memcpy": r,
+     "promote_bandwidth_over_same_process_memcpy": r, ...}
 
 Ratios are over both models, the weaker of the two (the lower hit-rate and bandwidth ratio, the
 higher TTFT ratio); ``false_hit_share`` is pooled over both models' decisions (kvfleet: its
@@ -158,11 +163,17 @@ def summary(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
     p90 = ratios("kvfleet_tiered", "prefix_tree_tiered", "ttft_p90_s")
     p90_rr = ratios("kvfleet_tiered", "round_robin_tiered", "ttft_p90_s")
     bandwidth = [m["promote"]["over_memcpy"] for m in models.values() if m.get("promote")]
+    same = [
+        m["promote"]["over_same_process_memcpy"]
+        for m in models.values()
+        if m.get("promote") and m["promote"].get("over_same_process_memcpy") is not None
+    ]
     return {
         "hit_rate_ratio_vs_no_tier": round(min(hit), 4) if hit else None,
         "p90_ttft_ratio_vs_prefix_tree": round(max(p90), 4) if p90 else None,
         "false_hit_share": {"kvfleet": pooled("kvfleet_tiered"), "prefix_tree": pooled("prefix_tree_tiered")},
         "promote_bandwidth_over_memcpy": round(min(bandwidth), 4) if bandwidth else None,
+        "promote_bandwidth_over_same_process_memcpy": round(min(same), 4) if same else None,
         "p90_ttft_ratio_vs_round_robin": round(max(p90_rr), 4) if p90_rr else None,
         **{key: per_run(models, key) for key in ("hit_rate", "hit_rate_by_tier", "ttft_p90_s")},
     }

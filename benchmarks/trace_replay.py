@@ -11,10 +11,12 @@ The replay (``benchmarks/support/routing_simulation.py``: the engine's coordinat
 simulated worker, the router under test deciding each arrival with the loads of that instant)
 runs kvfleet, the approximate prefix tree, round robin and least loaded at W = 8 and 16
 (``--workers``), the cluster's device KV sized at ``--kv-ratio`` (0.5) of the trace's working set
-(the distinct hash blocks' tokens), on two layouts (``--layouts``): ``full`` (full attention alone)
-and ``gemma_swa`` (Gemma-3-like: full attention beside a 512-token sliding window). The third
-layout the issue asks for (that with a host tier 4x the device pool) is not simulated: the
-simulated workers have no host tier.
+(the distinct hash blocks' tokens), on three layouts (``--layouts``): ``full`` (full attention
+alone), ``gemma_swa`` (Gemma-3-like: full attention beside a 512-token sliding window) and
+``gemma_swa_host`` (that with every worker's host tier holding 4x its device pool: blocks the
+device evicts are kept there and promoted back on a hit, each host-tier hit token costing a copy
+at ``--promote-tps`` instead of a prefill, the cost the workers report to the router; the prefix
+tree's eviction budget counts both tiers).
 
 Metrics (after ``--warmup`` of the arrivals): hit rate (cached prompt tokens at admission / prompt
 tokens), TTFT p50/p90, false-hit share (predicted hit tokens not found at admission / predicted
@@ -65,7 +67,10 @@ def default_trace() -> Path:
 LAYOUTS: dict[str, list[KVCacheGroup]] = {
     "full": [KVCacheGroup(FullAttentionSpec(BLOCK))],
     "gemma_swa": [KVCacheGroup(FullAttentionSpec(BLOCK)), KVCacheGroup(SlidingWindowSpec(BLOCK, window=512))],
+    "gemma_swa_host": [KVCacheGroup(FullAttentionSpec(BLOCK)), KVCacheGroup(SlidingWindowSpec(BLOCK, window=512))],
 }
+#: per layout with a host tier: its blocks per pool, in device pools
+HOST_FACTOR: dict[str, int] = {"gemma_swa_host": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second per worker")
     ap.add_argument("--decode-tps", type=float, default=4000.0, help="amortised decode tokens per second per worker")
+    ap.add_argument(
+        "--promote-tps", type=float, default=160000.0, help="host-tier hit tokens copied to the device per second"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--warmup", type=float, default=0.1, help="fraction of arrivals left out of the metrics")
     ap.add_argument("--pin-replicas", type=int, default=2)
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs[key] = {}
             for policy in args.policies:
-                result = Simulation(args, trace, policy, label=f"{key} {policy}", groups=groups).run()
+                host = HOST_FACTOR.get(layout, 0)
+                result = Simulation(args, trace, policy, label=f"{key} {policy}", groups=groups, host_factor=host).run()
                 runs[key][policy] = metrics(result)
                 LOG.info("  %s %s: %s (%.0f s)", key, policy, runs[key][policy], result.wall_s)
             if "kvfleet" in runs[key] and "prefix_tree" in runs[key]:

@@ -24,6 +24,8 @@ COPY_COUNTERS = (
     "promote_seconds",
     "copy_seconds",
     "host_bytes",
+    "memcpy_bytes",  # the promotes' same-process reference copies (kv_cache.offload.measure_memcpy)
+    "memcpy_seconds",
 )
 
 

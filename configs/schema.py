@@ -91,6 +91,10 @@ class OffloadConfig(_Frozen):
     #: host -> device copy bandwidth a worker reports to the router (its cost of a host-tier hit,
     #: ``WorkerLoad.promote_s_per_token``) until it has measured its own copies
     promote_gib_s: PositiveFloat = 8.0
+    #: benchmarks: time a plain copy of each promote batch's bytes right after it, in the same
+    #: process (CPU: a contiguous memcpy; CUDA: a pinned-memory async copy, both synchronised), so
+    #: the promote bandwidth is compared with what a memcpy gets there (``engine/host_kv.py``)
+    measure_memcpy: bool = False
 
 
 class KVCacheConfig(_Frozen):

@@ -209,6 +209,8 @@ class EngineCore:
             # an admission whose external tokens a transfer writes: the offloads it queued read
             # those blocks first, so they run (to completion) before the transfer starts
             self.coordinator.copy_now = functools.partial(self.runner.copy_tiers, wait=True)
+            if cache.offload.measure_memcpy and self.runner.host_kv is not None:
+                self.runner.host_kv.time_reference_copies()
         self.consecutive_failed_steps = 0
         self.async_scheduling = config.scheduler.async_scheduling
         #: the decode step launched but not read yet (``step``); its outputs come with a later step

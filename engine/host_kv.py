@@ -14,6 +14,13 @@ else, where that extension was not built, one numpy gather and scatter per slot.
 tier's queue makes batches large (one per pool and direction per phase of an engine step), so a
 promote moves its bytes near memcpy speed rather than paying a tensor operation per block and
 slot (``benchmarks/promote_bandwidth.py`` measures it).
+
+For a fair measure of that (``kv_cache.offload.measure_memcpy``, what ``benchmarks/tiered_bench.py``
+turns on), each promote batch is followed by a plain copy of the same number of bytes in the same
+process, timed the same way (``time_reference_copies``): on the CPU a contiguous memcpy between
+two buffers of this object; on CUDA a pinned host buffer copied to a device buffer asynchronously
+on the side stream, the stream synchronised after the promote batch and after the copy, so both
+times are transfers, not the time to queue them.
 """
 
 from __future__ import annotations
@@ -79,6 +86,13 @@ class HostKVMemory:
         self.seconds = 0.0
         self.seconds_to_host = 0.0
         self.seconds_to_device = 0.0
+        # the same-process reference copies next to the promotes (``time_reference_copies``): on
+        # or off, their buffers (grown to the largest batch) and what they moved in how long
+        self.reference = False
+        self.reference_source: torch.Tensor | None = None
+        self.reference_target: torch.Tensor | None = None
+        self.memcpy_bytes = 0
+        self.memcpy_seconds = 0.0
         how = "by compiled row copies" if copy_rows is not None else "by numpy row copies (engine._row_copy not built)"
         log.info("host tier memory: %.1f MiB, copies %s", self.nbytes / 2**20, "on a side stream" if self.cuda else how)
 
@@ -101,6 +115,33 @@ class HostKVMemory:
         if moved < self.MEASURED_BYTES or self.seconds <= 0:
             return default
         return moved / self.seconds
+
+    def time_reference_copies(self) -> None:
+        """From now on, follow each promote batch by a plain copy of its bytes in this process,
+        timed into ``memcpy_bytes`` / ``memcpy_seconds`` (on CUDA both the batch and the copy are
+        waited for: the promote seconds become transfer times)."""
+        self.reference = True
+
+    def _reference_copy(self, nbytes: int) -> None:
+        """One plain copy of ``nbytes`` (CPU: between two contiguous buffers; CUDA: from pinned
+        host memory to the device, asynchronously on the side stream, then waited for)."""
+        if nbytes <= 0:
+            return
+        if self.reference_source is None or self.reference_source.numel() < nbytes:
+            size = max(nbytes, 1 << 20)
+            device = self.device_slots[0].device
+            self.reference_source = torch.ones(size, dtype=torch.uint8, pin_memory=self.cuda)
+            self.reference_target = torch.empty(size, dtype=torch.uint8, device=device)
+        source, target = self.reference_source[:nbytes], self.reference_target
+        assert target is not None
+        start = time.perf_counter()
+        if self.stream is not None:
+            target[:nbytes].copy_(source, non_blocking=True)
+            self.stream.synchronize()
+        else:
+            np.copyto(target[:nbytes].numpy(), source.numpy())
+        self.memcpy_seconds += time.perf_counter() - start
+        self.memcpy_bytes += nbytes
 
     def _slots_of(self, pool: int) -> range:
         first = self.layout.slot_index(pool, 0)
@@ -129,8 +170,12 @@ class HostKVMemory:
             self._copy(copy)
             if copy.to_host:
                 self.seconds_to_host += time.perf_counter() - start
-            else:
-                self.seconds_to_device += time.perf_counter() - start
+                continue
+            if self.reference and self.stream is not None:
+                self.stream.synchronize()  # a transfer time, as the reference copy's
+            self.seconds_to_device += time.perf_counter() - start
+            if self.reference:
+                self._reference_copy(self.pool_block_bytes[copy.pool] * len(copy.device_ids))
 
     def _copy(self, copy: TierCopy) -> None:
         """One batch: on CUDA, slice copies over runs of consecutive ids (asynchronous: the host

@@ -243,6 +243,8 @@ class WorkerView:
             "copy_seconds": memory.seconds,
             "offload_seconds": memory.seconds_to_host,
             "promote_seconds": memory.seconds_to_device,
+            "memcpy_bytes": memory.memcpy_bytes,
+            "memcpy_seconds": memory.memcpy_seconds,
             "host_bytes": memory.nbytes,
         }
 

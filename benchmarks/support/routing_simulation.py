@@ -59,7 +59,10 @@ class Simulation:
         auto_pin: bool = True,
         diagnose: bool = False,
         groups: list[KVCacheGroup] | None = None,
+        host_factor: int = 0,
     ):
+        """``host_factor``: every worker's host tier holds that many times its device pool (0:
+        none); a host-tier hit token costs ``args.promote_tps``' copy instead of a prefill."""
         self.args = args
         self.trace = trace
         self.label = label or policy
@@ -68,7 +71,11 @@ class Simulation:
         workers = trace.workers
         self.event_lag_s = event_lag_s
         self.num_blocks = trace.num_blocks
-        self.workers = {f"w{i}": SimWorker(f"w{i}", self.num_blocks, self.groups) for i in range(workers)}
+        self.host_blocks = host_factor * self.num_blocks if host_factor else None
+        promote = 1.0 / getattr(args, "promote_tps", 0.0) if self.host_blocks else 0.0
+        self.workers = {
+            f"w{i}": SimWorker(f"w{i}", self.num_blocks, self.groups, self.host_blocks, promote) for i in range(workers)
+        }
         self.pinned = pinned or []
         self.auto_pin = auto_pin and policy == "kvfleet"
         self.diagnose = diagnose
@@ -96,9 +103,10 @@ class Simulation:
             return LeastLoadedPolicy(self.groups, seed=seed)
         if policy == "prefix_tree":
             # eviction budget: the full-attention share of the worker's cache, in tokens (all of it
-            # when full attention is the only group)
+            # when full attention is the only group; with a host tier, what both tiers hold)
             share = 1.0 if len(self.groups) == 1 else 0.6
-            return PrefixTreePolicy(self.groups, seed=seed, capacity_tokens=int(self.num_blocks * BLOCK * share))
+            blocks = self.num_blocks + (self.host_blocks or 0)
+            return PrefixTreePolicy(self.groups, seed=seed, capacity_tokens=int(blocks * BLOCK * share))
         capacity = None
         if self.pinned:
             capacity = (
@@ -245,6 +253,8 @@ class Simulation:
         first = min(CHUNK, n - done)
         if coord.allocate_slots(request, first, hit) is None:
             return False
+        host_tokens = coord.host_hit_tokens(hit) if self.host_blocks else 0
+        coord.take_tier_copies()  # the runner would run the promotes before the forward
         done += first
         request.num_computed_tokens = done
         coord.remove_skipped_blocks(rid, done)
@@ -259,7 +269,10 @@ class Simulation:
             coord.remove_skipped_blocks(rid, done)
         job.hit = hit.num_tokens
         job.uncached = n - hit.num_tokens
+        job.promoted = host_tokens
         job.work = job.uncached + job.output * self.args.prefill_tps / self.args.decode_tps
+        if host_tokens:
+            job.work += host_tokens * self.args.prefill_tps / self.args.promote_tps
         if job.trace_index is not None:
             record = self.records[job.trace_index]
             record.hit = job.hit
@@ -277,7 +290,7 @@ class Simulation:
             return
         job = worker.queue.popleft()
         worker.queued_work -= job.work
-        prefill = job.uncached / self.args.prefill_tps
+        prefill = job.uncached / self.args.prefill_tps + (job.promoted / self.args.promote_tps if job.promoted else 0.0)
         service = prefill + job.output / self.args.decode_tps
         worker.current = job
         worker.current_end = self.now + service

@@ -29,17 +29,30 @@ class Job:
     pin: PinOn | None = None
     hit: int = 0
     uncached: int = 0
+    promoted: int = 0  # hit tokens copied back from the host tier
     work: float = 0.0
 
 
 class SimWorker:
-    """One worker: a hybrid coordinator (retention on, a quarter of the pool) and a FIFO compute server."""
+    """One worker: a hybrid coordinator (retention on, a quarter of the pool; a host tier of
+    ``host_blocks`` per pool where given) and a FIFO compute server. ``promote_s_per_token``: what
+    it reports a host-tier hit token's copy back to the device costs (0: no host tier)."""
 
-    def __init__(self, name: str, num_blocks: int, groups: list[KVCacheGroup] | None = None):
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        groups: list[KVCacheGroup] | None = None,
+        host_blocks: int | None = None,
+        promote_s_per_token: float = 0.0,
+    ):
         self.name = name
         self.num_blocks = num_blocks
         retention = RetentionOptions(enabled=True, budget_blocks=num_blocks // 4, min_drop_blocks=2)
-        self.coord = HybridCoordinator(groups or GROUPS, num_blocks, retention=retention, enable_events=True)
+        self.coord = HybridCoordinator(
+            groups or GROUPS, num_blocks, retention=retention, enable_events=True, host_blocks=host_blocks
+        )
+        self.promote_s_per_token = promote_s_per_token if host_blocks else 0.0
         self.queue: deque[Job] = deque()
         self.pending: deque[Job] = deque()
         self.current: Job | None = None
@@ -54,4 +67,4 @@ class SimWorker:
         if self.current is not None:
             work += max(0.0, self.current_end - now) * prefill_tps
         running = len(self.queue) + len(self.pending) + (self.current is not None)
-        return WorkerLoad(work, running, self.coord.usage)
+        return WorkerLoad(work, running, self.coord.usage, self.promote_s_per_token)

@@ -17,6 +17,13 @@ Every event carries the worker's next sequence number and freshly allocated hash
 router deserialises every worker's events into its own ``bytes``), so the index pays for each
 key it keeps.
 
+With a host tier (``host_capacity`` blocks, ``router_scale``'s host-tier scenario), a block the
+device evicts is offloaded there (``BlockOffloaded``) unless it already is, the host tier drops
+its least recently offloaded blocks past its capacity (``BlockDropped``), and a block a prompt
+needs that only the host tier holds is promoted (``BlockPromoted``: back on the device, the host
+keeping its copy), as ``engine.kv_cache.host_tier`` does; the exact oracle then reads both tiers
+(``HitRules.tiered_hit``).
+
 The workload scales with the fleet: ``prefixes_per_worker * W`` shared prefixes with Zipf
 popularity, each worker's cache ``capacity`` blocks, and per decision a fixed number of load
 reports (each worker reports about as often whatever W is).
@@ -32,7 +39,15 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from engine.kv_cache import KVCacheGroup
-from engine.kv_cache.events import BlockPinned, BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.events import (
+    BlockDropped,
+    BlockOffloaded,
+    BlockPinned,
+    BlockPromoted,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from engine.routing.hit_rules import HitRules
 
@@ -96,15 +111,20 @@ class FleetWorker:
 
     Invariants: ``tables[g]`` holds exactly the blocks of group ``g`` some entry holds;
     ``refs[block(g, h)]`` counts those entries; ``len(refs)``, the number of (group, hash) blocks
-    cached, stays <= ``capacity`` after each run; events are numbered 1, 2, ... without gaps.
+    cached, stays <= ``capacity`` after each run; ``host_tables[g]`` holds exactly the blocks of
+    group ``g`` in ``hosted`` (the host tier, oldest offload first), at most ``host_capacity``
+    (0: no host tier) after each run; events are numbered 1, 2, ... without gaps.
     A cached block is one ``bytes`` key (``block``), not a tuple: the simulated caches live in the
     router's process only because this is a simulation, and what they keep must not be objects the
     router's garbage collector traverses (a real router's is not burdened with its workers' caches)."""
 
-    def __init__(self, name: str, capacity: int):
+    def __init__(self, name: str, capacity: int, host_capacity: int = 0):
         self.name = name
         self.capacity = capacity
+        self.host_capacity = host_capacity
         self.tables: list[dict[bytes, int]] = [{} for _ in GROUPS]
+        self.host_tables: list[dict[bytes, int]] = [{} for _ in GROUPS]
+        self.hosted: OrderedDict[bytes, None] = OrderedDict()
         self.refs: dict[bytes, int] = {}
         self.entries: OrderedDict[object, list[bytes]] = OrderedDict()
         self.seq = 0
@@ -131,14 +151,19 @@ class FleetWorker:
 
     def _add(self, key: object, blocks: list[bytes], events: list[KVEvent], pin_windows: bool = False) -> None:
         stored: list[list[bytes]] = [[] for _ in GROUPS]
+        promoted: list[list[bytes]] = [[] for _ in GROUPS]
         for cached in blocks:
             count = self.refs.get(cached, 0)
             self.refs[cached] = count + 1
             if count == 0:
                 g, block_hash = cached[0], cached[1:]
                 self.tables[g][block_hash] = 0
-                stored[g].append(block_hash)
+                (promoted if cached in self.hosted else stored)[g].append(block_hash)
         self.entries[key] = blocks
+        for g, new in enumerate(promoted):
+            if new:
+                self.seq += 1
+                events.append(BlockPromoted(self.seq, g, _fresh(new)))
         for g, new in enumerate(stored):
             if new:
                 self.seq += 1
@@ -169,6 +194,34 @@ class FleetWorker:
                 if gone:
                     self.seq += 1
                     events.append(BlockRemoved(self.seq, g, _fresh(gone)))
+            if self.host_capacity:
+                self._offload(removed, events)
+
+    def _offload(self, removed: list[list[bytes]], events: list[KVEvent]) -> None:
+        """The device's evicted blocks into the host tier (those it lacks), its oldest past
+        ``host_capacity`` dropped."""
+        offloaded: list[list[bytes]] = [[] for _ in GROUPS]
+        for g, gone in enumerate(removed):
+            for block_hash in gone:
+                cached = block(g, block_hash)
+                if cached not in self.hosted:
+                    self.hosted[cached] = None
+                    self.host_tables[g][block_hash] = 0
+                    offloaded[g].append(block_hash)
+        for g, new in enumerate(offloaded):
+            if new:
+                self.seq += 1
+                events.append(BlockOffloaded(self.seq, g, _fresh(new)))
+        dropped: list[list[bytes]] = [[] for _ in GROUPS]
+        while len(self.hosted) > self.host_capacity:
+            cached, _ = self.hosted.popitem(last=False)
+            g, block_hash = cached[0], cached[1:]
+            del self.host_tables[g][block_hash]
+            dropped[g].append(block_hash)
+        for g, gone in enumerate(dropped):
+            if gone:
+                self.seq += 1
+                events.append(BlockDropped(self.seq, g, _fresh(gone)))
 
 
 def block(group: int, block_hash: bytes) -> bytes:
@@ -204,5 +257,7 @@ def refreshed(event: KVEvent) -> KVEvent:
 
 
 def exact_hit(rules: HitRules, worker: FleetWorker, request: Request) -> int:
-    """The worker coordinator's own fixed point on the worker's cache (the exact oracle)."""
-    return rules.longest_hit(worker.tables, request.block_hashes, request.num_tokens - 1, False)
+    """The worker coordinator's own fixed point on the worker's cache, over both tiers where it
+    has a host tier (the exact oracle)."""
+    host = worker.host_tables if worker.host_capacity else None
+    return rules.longest_hit(worker.tables, request.block_hashes, request.num_tokens - 1, False, host)

@@ -104,7 +104,9 @@ def configured(config: ClusterConfig, sizing: TierSizing, spec: RunSpec) -> Clus
     pinning = cache.pinning
     if pinning.budget_blocks is not None and pinning.budget_blocks > sizing.device_blocks:
         pinning = pinning.model_copy(update={"budget_blocks": sizing.device_blocks})
-    offload = cache.offload.model_copy(update={"enabled": spec.host_tier, "size_mib": sizing.host_mib})
+    offload = cache.offload.model_copy(
+        update={"enabled": spec.host_tier, "size_mib": sizing.host_mib, "measure_memcpy": spec.host_tier}
+    )
     kv = cache.model_copy(
         update={
             "num_blocks": sizing.device_blocks,
@@ -160,13 +162,19 @@ def tier_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
         "bytes_promoted",
         "offload_seconds",
         "promote_seconds",
+        "memcpy_bytes",
+        "memcpy_seconds",
     )
-    moved = {k: host_after[k] - host_before[k] for k in keys}
+    moved = {k: host_after.get(k, 0) - host_before.get(k, 0) for k in keys}
+    moved["memcpy_seconds"] = round(moved["memcpy_seconds"], 6)
     moved["offload_seconds"] = round(moved["offload_seconds"], 4)
     moved["promote_seconds"] = round(moved["promote_seconds"], 4)
     moved["occupancy"] = round(host_after["occupancy"], 4)
     seconds = host_after["promote_seconds"] - host_before["promote_seconds"]
     moved["promote_bytes_per_s"] = round(moved["bytes_promoted"] / seconds) if seconds > 0 else None
+    # the same bytes copied plainly by the same workers right after each promote batch
+    memcpy_seconds = host_after.get("memcpy_seconds", 0) - host_before.get("memcpy_seconds", 0)
+    moved["memcpy_bytes_per_s"] = round(moved["memcpy_bytes"] / memcpy_seconds) if memcpy_seconds > 0 else None
     out["host_tier"] = moved
     return out
 
@@ -221,6 +229,10 @@ def run_model(
             "bytes_per_s": promote,
             "memcpy_bytes_per_s": round(memcpy),
             "over_memcpy": round(promote / memcpy, 4),
+            "same_process_memcpy_bytes_per_s": tiered.get("memcpy_bytes_per_s"),
+            "over_same_process_memcpy": (
+                round(promote / tiered["memcpy_bytes_per_s"], 4) if tiered.get("memcpy_bytes_per_s") else None
+            ),
         }
     else:
         out["promote"] = None

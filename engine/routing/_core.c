@@ -1675,6 +1675,373 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(Nn)", sink.failing, sink.deepest);
 }
 
+/* -- the prediction over both tiers --------------------------------------------------------- */
+
+#define UNREAD 0xFFFFFFFEu /* never a holder value: a slot code is < 2^30, a set number has MULTI */
+
+/* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
+ * place) up to ``n`` positions, each position's device holder value in the group (read when a
+ * slot first needs it: UNREAD until then, NONE_ID nobody) and its host-tier holders (a borrowed
+ * tuple of slots from the host map, or NULL; HOST_UNREAD until read: up front where they decide
+ * which slots are walked, else when a slot needs them). */
+typedef struct {
+    int g;
+    Py_ssize_t factor, n;
+    PyObject *ranges;
+    PyObject *const *keys;
+    PyObject *host; /* the group's host map: hash -> slots */
+    uint32_t *dev;
+    PyObject **hosted;
+} TierView;
+
+/* The device value of position ``i`` (read once). */
+static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *err) {
+    uint32_t value = v->dev[i];
+    if (value != UNREAD)
+        return value;
+    PyObject *key = v->keys[i * v->factor];
+    uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+    value = lookup_hashed(m, v->g, key, h, err);
+    if (!*err)
+        v->dev[i] = value;
+    return value;
+}
+
+static char host_unread; /* ``hosted[i]`` not read yet: &host_unread */
+#define HOST_UNREAD ((PyObject *)&host_unread)
+
+/* The host holders of position ``i`` (a borrowed tuple, or NULL: none; read once). */
+static inline PyObject *tier_host(TierView *v, Py_ssize_t i, int *err) {
+    PyObject *slots = v->hosted[i];
+    if (slots != HOST_UNREAD)
+        return slots;
+    slots = NULL;
+    if (PyDict_GET_SIZE(v->host) > 0) {
+        slots = PyDict_GetItemWithError(v->host, v->keys[i * v->factor]);
+        if (slots == NULL && PyErr_Occurred()) {
+            *err = 1;
+            return NULL;
+        }
+        if (slots != NULL && !PyTuple_Check(slots)) {
+            PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
+            *err = 1;
+            return NULL;
+        }
+    }
+    v->hosted[i] = slots;
+    return slots;
+}
+
+/* Whether a tuple of slots (increasing ints) holds ``slot``: -1 on error. */
+static inline int tuple_holds(PyObject *slots, uint32_t slot) {
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(slots);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        unsigned long at = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, mid));
+        if (at == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        if (at == slot)
+            return 1;
+        if (at < slot)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return 0;
+}
+
+/* Whether ``slot`` holds position ``i`` of the view in either tier: 1, 0, or -1 on error. */
+static inline int tier_held(const Maps *m, TierView *v, Py_ssize_t i, uint32_t slot) {
+    int err = 0;
+    uint32_t value = tier_dev(m, v, i, &err);
+    if (err)
+        return -1;
+    if (value != NONE_ID && v_level(m, value, slot) >= 0)
+        return 1;
+    PyObject *slots = tier_host(v, i, &err);
+    if (err)
+        return -1;
+    return slots == NULL ? 0 : tuple_holds(slots, slot);
+}
+
+static int cmp_u32_t(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* ``dict[key] = tokens`` (or the key dropped at 0, ``drop``): 0, or -1 on error. */
+static int put_tokens(PyObject *dict, PyObject *key, Py_ssize_t tokens, int drop) {
+    if (tokens == 0) {
+        if (!drop)
+            return 0;
+        int has = PyDict_Contains(dict, key);
+        return has < 0 ? -1 : has ? PyDict_DelItem(dict, key) : 0;
+    }
+    PyObject *value = PyLong_FromSsize_t(tokens);
+    if (value == NULL)
+        return -1;
+    int rc = PyDict_SetItem(dict, key, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* The hit over both tiers of one slot (see HolderMaps.tiered in holder_maps.py): its aligned steps
+ * into *hit, the first group's depth in steps (``prefix`` only) into *top, the host's tokens into
+ * *host (``covered``: a scratch of ``steps * align / unit`` bytes). 0, or -1 on error. */
+static int tier_slot(const Maps *m, TierView *views, Py_ssize_t nviews, uint32_t slot, Py_ssize_t steps,
+                     Py_ssize_t align, Py_ssize_t unit, int prefix, unsigned char *covered, Py_ssize_t *hit,
+                     Py_ssize_t *top, Py_ssize_t *host) {
+    Py_ssize_t k = steps;
+    *top = 0;
+    *host = 0;
+    if (prefix) {
+        TierView *v = &views[0];
+        Py_ssize_t per = align / (v->factor * unit);
+        Py_ssize_t end = steps * per < v->n ? steps * per : v->n, depth = 0;
+        for (; depth < end; depth++) {
+            int held = tier_held(m, v, depth, slot);
+            if (held < 0)
+                return -1;
+            if (!held)
+                break;
+        }
+        k = *top = per > 0 ? depth / per : 0;
+    }
+    for (; k > 0; k--) {
+        int ok = 1;
+        for (Py_ssize_t c = prefix ? 1 : 0; c < nviews && ok; c++) {
+            TierView *v = &views[c];
+            Py_ssize_t start, stop;
+            if (needed_range(v->ranges, v->g, k, &start, &stop) < 0)
+                return -1;
+            if (stop > v->n) {
+                ok = 0;
+                break;
+            }
+            for (Py_ssize_t i = start; i < stop; i++) {
+                int held = tier_held(m, v, i, slot);
+                if (held < 0)
+                    return -1;
+                if (!held) {
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        if (ok)
+            break;
+    }
+    *hit = k;
+    if (k <= 0)
+        return 0;
+    Py_ssize_t units = k * align / unit, count = 0;
+    memset(covered, 0, (size_t)units);
+    for (Py_ssize_t c = 0; c < nviews; c++) {
+        TierView *v = &views[c];
+        Py_ssize_t start, stop;
+        if (needed_range(v->ranges, v->g, k, &start, &stop) < 0)
+            return -1;
+        for (Py_ssize_t i = start; i < stop; i++) {
+            int err = 0;
+            uint32_t value = tier_dev(m, v, i, &err);
+            if (err)
+                return -1;
+            if (value != NONE_ID && v_level(m, value, slot) >= 0)
+                continue;
+            Py_ssize_t from = i * v->factor, to = from + v->factor < units ? from + v->factor : units;
+            for (Py_ssize_t u = from; u < to; u++) {
+                count += !covered[u];
+                covered[u] = 1;
+            }
+        }
+    }
+    *host = count * unit;
+    return 0;
+}
+
+/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
+ * see HolderMaps.tiered in holder_maps.py. */
+static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
+    PyObject *extra = args[12];
+    PyObject *shared = args[9] == Py_None ? NULL : args[9];
+    PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
+    PyObject *pending = args[11] == Py_None ? NULL : args[11];
+    Py_ssize_t steps = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[5]);
+    int prefix = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || prefix < 0)
+        return NULL;
+    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
+        !PyDict_Check(hits) || !PyList_Check(extra)) {
+        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
+        return NULL;
+    }
+    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
+        (pending && !PySet_Check(pending))) {
+        PyErr_SetString(PyExc_TypeError, "tiered: shared and host_hits must be dicts or None, pending a set or None");
+        return NULL;
+    }
+    if (align < 1 || unit < 1 || align % unit) {
+        PyErr_Format(PyExc_ValueError, "tiered: align %zd must be a positive multiple of unit %zd", align, unit);
+        return NULL;
+    }
+    Py_ssize_t nviews = PyList_GET_SIZE(order);
+    if (steps <= 0 || nviews == 0)
+        return PyLong_FromLong(0);
+    Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
+    PyObject *const *items = nhashes ? &PyList_GET_ITEM(hashes, 0) : NULL;
+    TierView *views = PyMem_Calloc((size_t)nviews, sizeof(TierView));
+    uint32_t *met = NULL;
+    unsigned char *covered = NULL;
+    size_t nmet = 0, cap_met = 0;
+    PyObject *result = NULL;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    /* Every checked group's view within ``steps``: its host holders now (the met slots), its
+     * device values when a slot needs them. */
+    for (Py_ssize_t c = 0; c < nviews; c++) {
+        CheckSpec spec;
+        if (parse_check(self, PyList_GET_ITEM(order, c), &spec) < 0)
+            goto done;
+        TierView *v = &views[c];
+        v->g = spec.g;
+        v->factor = spec.factor;
+        v->ranges = spec.ranges;
+        if (v->g >= PyList_GET_SIZE(host) || !PyDict_Check(PyList_GET_ITEM(host, v->g))) {
+            PyErr_Format(PyExc_TypeError, "tiered: host[%d] must be a dict", v->g);
+            goto done;
+        }
+        PyObject *holders = PyList_GET_ITEM(host, v->g);
+        v->host = holders;
+        Py_ssize_t n = steps * align / (spec.factor * unit);
+        v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
+        v->keys = items + (spec.factor - 1);
+        v->dev = PyMem_Malloc((size_t)(v->n ? v->n : 1) * sizeof(uint32_t));
+        v->hosted = PyMem_Calloc((size_t)(v->n ? v->n : 1), sizeof(PyObject *));
+        if (v->dev == NULL || v->hosted == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < v->n; i++) {
+            v->dev[i] = UNREAD;
+            v->hosted[i] = HOST_UNREAD;
+        }
+        if (PyDict_GET_SIZE(holders) == 0 || (prefix && c > 0))
+            continue; /* read as the walked slots need them */
+        /* The slots met: with ``prefix``, a slot's depth over both tiers passes its device depth
+         * only if its host holds the block where its device run ends, a position where the
+         * device value changes (or 0): only those are read, up to the first nobody holds on the
+         * device; without, every position (any group's host block may serve a window). */
+        PyObject *last = NULL;
+        uint32_t before = UNREAD;
+        for (Py_ssize_t i = 0; i < v->n; i++) {
+            int err = 0;
+            if (prefix) {
+                uint32_t value = tier_dev(self, v, i, &err);
+                if (err)
+                    goto done;
+                int same = i > 0 && value == before;
+                before = value;
+                if (same)
+                    continue;
+            }
+            PyObject *slots = tier_host(v, i, &err);
+            if (err)
+                goto done;
+            if (prefix && before == NONE_ID)
+                i = v->n; /* no slot's device run passes here: the met slots are known */
+            if (slots == NULL || slots == last)
+                continue;
+            last = slots;
+            Py_ssize_t ns = PyTuple_GET_SIZE(slots);
+            if (nmet + (size_t)ns > cap_met) {
+                size_t want = (nmet + (size_t)ns) * 2 + 16;
+                uint32_t *grown = PyMem_Realloc(met, want * sizeof(uint32_t));
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                met = grown;
+                cap_met = want;
+            }
+            for (Py_ssize_t j = 0; j < ns; j++) {
+                unsigned long s = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, j));
+                if (s == (unsigned long)-1 && PyErr_Occurred())
+                    goto done;
+                met[nmet++] = (uint32_t)s;
+            }
+        }
+    }
+    Py_ssize_t nextra = PyList_GET_SIZE(extra);
+    if (nextra > 0) {
+        if (nmet + (size_t)nextra > cap_met) {
+            uint32_t *grown = PyMem_Realloc(met, (nmet + (size_t)nextra) * sizeof(uint32_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            met = grown;
+            cap_met = nmet + (size_t)nextra;
+        }
+        for (Py_ssize_t j = 0; j < nextra; j++) {
+            unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
+            if (s == (unsigned long)-1 && PyErr_Occurred())
+                goto done;
+            met[nmet++] = (uint32_t)s;
+        }
+    }
+    size_t unique = 0;
+    if (nmet) {
+        qsort(met, nmet, sizeof(uint32_t), cmp_u32_t);
+        for (size_t i = 0; i < nmet; i++) {
+            if (i == 0 || met[i] != met[i - 1])
+                met[unique++] = met[i];
+        }
+        covered = PyMem_Malloc((size_t)(steps * align / unit) + 1);
+        if (covered == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (size_t j = 0; j < unique; j++) {
+        uint32_t slot = met[j];
+        if ((Py_ssize_t)slot >= PyList_GET_SIZE(ids)) {
+            PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", slot);
+            goto done;
+        }
+        PyObject *worker = PyList_GET_ITEM(ids, slot);
+        Py_ssize_t k, top, host_tokens;
+        if (tier_slot(self, views, nviews, slot, steps, align, unit, prefix, covered, &k, &top, &host_tokens) < 0)
+            goto done;
+        if (pending && PySet_Discard(pending, worker) < 0)
+            goto done;
+        if (put_tokens(hits, worker, k * align, 1) < 0)
+            goto done;
+        if (host_hits && put_tokens(host_hits, worker, host_tokens, 0) < 0)
+            goto done;
+        if (shared && prefix && put_tokens(shared, worker, top * align, 0) < 0)
+            goto done;
+    }
+    result = PyLong_FromSize_t(unique);
+done:
+    for (Py_ssize_t c = 0; c < nviews; c++) {
+        PyMem_Free(views[c].dev);
+        PyMem_Free(views[c].hosted);
+    }
+    PyMem_Free(views);
+    PyMem_Free(met);
+    PyMem_Free(covered);
+    return result;
+}
+
 static PyObject *Maps_sizeof(Maps *self, PyObject *Py_UNUSED(ignored)) {
     size_t total = sizeof(Maps) + (size_t)self->ngroups * sizeof(uint32_t);
     const Table *t = &self->table;
@@ -1745,6 +2112,8 @@ static PyMethodDef Maps_methods[] = {
     {"walk", (PyCFunction)Maps_walk, METH_VARARGS, "walk(first, hashes, factor, limit, per, checks)"},
     {"predict", (PyCFunction)(void (*)(void))Maps_predict, METH_FASTCALL,
      "predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared)"},
+    {"tiered", (PyCFunction)(void (*)(void))Maps_tiered, METH_FASTCALL,
+     "tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

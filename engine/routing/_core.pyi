@@ -50,6 +50,23 @@ class HolderMaps:
         shared: dict[Hashable, int] | None,
         /,
     ) -> tuple[list[Hashable], int]: ...
+    def tiered(
+        self,
+        hashes: list[bytes],
+        order: list[tuple[int, int, list[tuple[int, int]]]],
+        host: list[dict[bytes, tuple[int, ...]]],
+        steps: int,
+        align: int,
+        unit: int,
+        prefix: bool,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        host_hits: dict[Hashable, int] | None,
+        pending: set[Hashable] | None,
+        extra: list[int],
+        /,
+    ) -> int: ...
     def absorb(
         self,
         events: list[KVEvent],

@@ -58,12 +58,16 @@ class WalkPlan(NamedTuple):
     the first checked group (full attention first), its hash factor (its view of the request's
     hashes is every ``factor``-th one: ``coarse_view``) and blocks per aligned step, and every
     other checked group as ``(group, hash factor, needed ranges)``; the ranges are the live
-    lists ``HitRules.ensure`` extends, so one plan serves every request."""
+    lists ``HitRules.ensure`` extends, so one plan serves every request. ``order``: every checked
+    group that way, the first included (what the tiered walk, ``HolderMaps.tiered``, reads), and
+    ``prefix``: whether the first is a full-attention group (its hits are downward closed)."""
 
     first: int
     factor: int
     per: int
     checks: list[tuple[int, int, list[tuple[int, int]]]]
+    order: list[tuple[int, int, list[tuple[int, int]]]]
+    prefix: bool
 
 
 class HitRules:
@@ -98,7 +102,8 @@ class HitRules:
             return None
         first, factors = checked[0], [m.hash_factor for m in self.managers]
         per = self.alignment // self.block_sizes[first]
-        return WalkPlan(first, factors[first], per, [(g, factors[g], self._ranges[g]) for g in checked[1:]])
+        order = [(g, factors[g], self._ranges[g]) for g in checked]
+        return WalkPlan(first, factors[first], per, order[1:], order, first in self.full_set)
 
     def ensure(self, steps: int) -> None:
         """Know ``blocks_needed_at(k * alignment)`` for k <= steps in every group, classified as

@@ -18,8 +18,11 @@ Two calls exist so that the router's two hot paths cross into the maps once, not
 ``predict`` runs the walk and writes its results into the caller's hit maps keyed by worker (a
 decision), and ``absorb`` applies a run of a worker's stored, removed and pinned events (event
 absorption; the index's per-event loop takes any other event, a gap, or a worker with watched
-pin keys). The compiled maps also prefetch the index word and the entry a few keys ahead in every
-loop over a list of keys: a lookup in a large table is about two cache misses.
+pin keys). ``tiered`` is ``predict``'s counterpart over both tiers: the workers holding some of
+the prompt's blocks in their host tier (``engine.routing.host_maps``), each walked once over
+the prompt's blocks in either tier, results written into the same dicts. The compiled maps also
+prefetch the index word and the entry a few keys ahead in every loop over a list of keys: a
+lookup in a large table is about two cache misses.
 """
 
 from __future__ import annotations
@@ -94,6 +97,22 @@ class HolderMaps(Protocol):
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
     ) -> tuple[list[Hashable], int]: ...
+    def tiered(
+        self,
+        hashes: list[bytes],
+        order: list[Check],
+        host: list[dict[bytes, tuple[int, ...]]],
+        steps: int,
+        align: int,
+        unit: int,
+        prefix: bool,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        host_hits: dict[Hashable, int] | None,
+        pending: set[Hashable] | None,
+        extra: list[int],
+    ) -> int: ...
 
 
 def _level_of(value: Holders | None, slot: int) -> int | None:
@@ -328,6 +347,95 @@ class PyHolderMaps:
                 failing.extend(ids[s] for s in failed)
                 deepest = max(deepest, k)
         return failing, deepest
+
+    # -- the prediction over both tiers -------------------------------------------------------------
+    def tiered(
+        self,
+        hashes: list[bytes],
+        order: list[Check],
+        host: list[dict[bytes, tuple[int, ...]]],
+        steps: int,
+        align: int,
+        unit: int,
+        prefix: bool,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        host_hits: dict[Hashable, int] | None,
+        pending: set[Hashable] | None,
+        extra: list[int],
+    ) -> int:
+        """The hit over both tiers of every slot that may hit more there: with ``prefix`` (the
+        first group is full attention), the slots holding in their host tier (``host[g]``: hash
+        -> the slots holding it there) one of the first group's blocks within ``steps`` aligned
+        steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
+        hit is below their device depth, which another group's host blocks may lift; any other
+        slot's depth over both tiers is its device depth, which its device hit already reaches);
+        without, the slots holding any checked group's block there (the checked groups:
+        ``order``, ``(group, hash factor, needed ranges)``, first group first). (The compiled
+        maps read the first group's host map only where some slot's device run ends, where a
+        slot that passes its device depth must hold its next block: they walk fewer slots, each
+        met one the same, with the same results.) Per slot, its hit
+        is the coordinator's fixed point (``HybridCoordinator.find_longest_cache_hit``
+        with a host tier), the longest ``k <= steps`` at which every checked group holds every
+        block of its ``ranges[k]`` in either tier; ``prefix``: the first group is full attention
+        (its hit is its contiguous depth over both tiers, aligned down). Per such slot, in slot
+        order: ``pending`` (if given) loses its worker; ``hits[worker]`` is set to the hit's
+        tokens (dropped at 0); ``host_hits`` gets the tokens the host serves where non-zero
+        (``host_hit_tokens`` over ``unit``-token positions: those some checked group's needed block
+        not on the device covers); ``shared``, with ``prefix``, the aligned depth where non-zero.
+        Returns how many slots were met. One walk per slot over the request's blocks in both tiers
+        (``PrefixIndex._predict_tiered``; its oracle is ``HitRules.tiered_hit``)."""
+        if steps <= 0:
+            return 0
+        views = [(g, coarse_view(hashes, factor), factor, ranges) for g, factor, ranges in order]
+        met: set[int] = set()
+        for g, view, factor, _ in views[:1] if prefix else views:
+            holders = host[g]
+            if holders:
+                for value in set(map(holders.get, view[: (steps * align) // (factor * unit)])):
+                    if value is not None:
+                        met.update(value)
+        met.update(extra)
+        for slot in sorted(met):
+            worker = ids[slot]
+
+            def held(g: int, key: bytes, slot: int = slot) -> bool:
+                return _level_of(self._owners[g].get(key), slot) is not None or slot in host[g].get(key, ())
+
+            g0, view0, factor0, _ = views[0]
+            top = steps
+            if prefix:
+                per = align // (factor0 * unit)
+                depth, end = 0, min(steps * per, len(view0))
+                while depth < end and held(g0, view0[depth]):
+                    depth += 1
+                top = depth // per
+            rest = views[1:] if prefix else views
+            k = top
+            while k > 0 and not all(
+                stop <= len(view) and all(held(g, view[i]) for i in range(*ranges[k]))
+                for g, view, _, ranges in rest
+                for stop in (ranges[k][1],)
+            ):
+                k -= 1
+            if pending is not None:
+                pending.discard(worker)
+            if k:
+                hits[worker] = k * align
+            else:
+                hits.pop(worker, None)
+            if host_hits is not None and k:
+                covered = bytearray(k * align // unit)
+                for g, view, factor, ranges in views:
+                    for i in range(*ranges[k]):
+                        if _level_of(self._owners[g].get(view[i]), slot) is None:
+                            covered[i * factor : (i + 1) * factor] = b"\x01" * factor
+                if covered.count(1):
+                    host_hits[worker] = covered.count(1) * unit
+            if shared is not None and prefix and top:
+                shared[worker] = top * align
+        return len(met)
 
     @staticmethod
     def _depths(view: list[bytes], limit: int, owners: dict[bytes, Holders]) -> list[tuple[int, set[int]]]:

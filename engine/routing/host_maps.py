@@ -129,17 +129,6 @@ class HostMaps:
             if table:
                 self.add(slot, group, list(table))
 
-    def slots_met(self, views: Sequence[Sequence[bytes]], limits: Sequence[int]) -> set[int]:
-        """The slots holding, in some group ``g``, one of the hashes ``views[g][:limits[g]]``."""
-        met: set[int] = set()
-        for holders, view, limit in zip(self.maps, views, limits, strict=True):
-            if not holders:
-                continue
-            for value in set(map(holders.get, view[:limit])):
-                if value is not None:
-                    met.update(value)
-        return met
-
     def _counted(self, slot: int, change: int) -> None:
         count = self.counts.get(slot, 0) + change
         self.total += change

@@ -32,11 +32,15 @@ coordinator whose managers look at one worker's hash sets: the reference the tes
 Host tiers (docs/architecture.md, "The hybrid KV cache": the host tier). A worker with a host tier
 serves a group's needed block from either tier, so its hit may be longer than the device maps
 say. The index keeps the host tiers in ``HostMaps`` (``engine.routing.host_maps``, fed by
-``BlockOffloaded`` / ``BlockDropped``) beside the device maps, and after steps 1-3 re-predicts,
-by the coordinator's fixed point over both tiers (``HitRules.tiered_hit``), only the workers
-that hold one of the prompt's blocks in their host tier; the others' device prediction is already
-exact. That prediction also says how many of the hit's tokens the host tier serves (``host``).
-A fleet without host tiers pays one integer test per prediction.
+``BlockOffloaded`` / ``BlockDropped``) beside the device maps, and after steps 1-2 re-predicts
+over both tiers only the workers that hold one of the prompt's blocks in their host tier (the
+others' device prediction is already exact), in one call into the holder maps
+(``HolderMaps.tiered``: per such worker one walk over the prompt's blocks in both tiers, the
+longest aligned length every group serves from either, which is where the coordinator's fixed
+point with a host tier stops). That prediction also says how many of the hit's tokens the host
+tier serves (``host``). Its reference is the fixed point itself run on the worker
+(``tiered_hit``: ``HitRules.tiered_hit``, the shadow coordinator over both tiers), which the
+tests compare it with. A fleet without host tiers pays one integer test per prediction.
 
 Event stream discipline: a worker's events carry consecutive sequence numbers. While a worker is
 not stale and has no watched pin keys, a run of its stored / removed / pinned events continuing
@@ -358,31 +362,37 @@ class PrefixIndex:
         host: dict[WorkerId, int] | None,
     ) -> None:
         """Re-predict, over both tiers, the workers holding some block of the prompt (within
-        ``max_length``) in their host tier: for any other worker both tiers give the device hit."""
+        ``max_length``) in their host tier (with a full-attention group: a block of the first
+        one, or any block for a worker whose device hit is below its depth, in ``pending``):
+        for any other worker both tiers give the device hit. One call into the holder maps
+        (``HolderMaps.tiered``: one walk per such worker over both tiers); its reference is the
+        coordinator's fixed point on each (``tiered_hit``)."""
         rules = self.rules
-        views = rules.views(hashes)
-        aligned = max_length - max_length % rules.alignment
-        limits = [aligned // size for size in rules.block_sizes]
-        if skip_mamba:
-            limits = [0 if g in rules.mamba_groups else n for g, n in enumerate(limits)]
-        met = self.host.slots_met(views, limits)
-        if not met:
+        steps = max_length // rules.alignment
+        plan = rules.walk_plans[1 if skip_mamba else 0]
+        if steps <= 0 or plan is None:
             return
-        ids = self._ids
-        full = bool(rules.full_groups)
-        for slot in met:
-            worker = ids[slot]
-            found = self.tiered_hit(worker, hashes, max_length, skip_mamba)
-            if pending is not None:
-                pending.workers.discard(worker)
-            if found.tokens:
-                hits[worker] = found.tokens
-            else:
-                hits.pop(worker, None)
-            if host is not None and found.host_tokens:
-                host[worker] = found.host_tokens
-            if shared is not None and full and found.shared:
-                shared[worker] = found.shared
+        rules.ensure(steps)
+        view = hashes if isinstance(hashes, list) else list(hashes)
+        extra: list[int] = []
+        if pending is not None and plan.prefix:  # the device hit below the depth: a host window may lift it
+            counts, workers = self.host.counts, self._workers
+            extra = [slot for slot in (workers[w].slot for w in pending.workers) if slot in counts]
+        self._maps.tiered(
+            view,
+            plan.order,
+            self.host.maps,
+            steps,
+            rules.alignment,
+            rules.hash_block_size,
+            plan.prefix,
+            self._ids,
+            hits,
+            shared if rules.full_groups else None,
+            host,
+            None if pending is None else pending.workers,
+            extra,
+        )
 
     def resolve(self, pending: Pending, hits: dict[WorkerId, int], only: Iterable[WorkerId] | None = None) -> None:
         """Step 3 for the pending holders (or those of them in ``only``): the coordinator's fixed

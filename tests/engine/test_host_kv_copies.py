@@ -2,7 +2,8 @@
 attention pool and a Mamba state pool): after a step's coalesced copies, every offloaded host
 block holds the bytes its device block held before, and every promoted device block the bytes
 its host block held before, per pool and slot, with the compiled row copies and with the numpy
-fallback. Oracle: the slot tensors cloned before the copies, compared byte for byte.
+fallback. Oracle: the slot tensors cloned before the copies, compared byte for byte. The
+same-process reference copies (``time_reference_copies``) move the promotes' bytes and no slot's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def test_promoted_bytes_are_the_offloaded_bytes_per_pool_and_slot(compiled: bool
                 index = layout.slot_index(p, s)
                 assert torch.equal(memory.host[index][host_id], before[index][d]), (p, s, d)
 
+    assert memory.memcpy_bytes == 0 and memory.memcpy_seconds == 0.0  # no reference copies asked for
+    memory.time_reference_copies()  # from now on each promote batch is followed by a plain copy
+
     # step 2, an admission under pressure: each promote's fresh device block first evicts its
     # cached contents to another host block, then receives a host block's bytes
     device_before = [slot.clone() for slot in slots]
@@ -100,6 +104,8 @@ def test_promoted_bytes_are_the_offloaded_bytes_per_pool_and_slot(compiled: bool
             assert torch.equal(slots[index][d], device_before[index][d]), (p, s, d)
     moved = sum(memory.block_bytes(p) for p, _, _ in promoted)
     assert memory.bytes_to_device == moved
+    # the reference copies moved the promotes' bytes (and, checked above, touched no slot)
+    assert memory.memcpy_bytes == moved and memory.memcpy_seconds > 0.0
 
 
 def test_the_compiled_row_copies_check_every_index_before_copying() -> None:

@@ -53,6 +53,26 @@ def test_handmade_trace_shared_prefixes_hit_and_report_is_well_formed(tmp_path: 
     assert report["requests"] == 40
 
 
+def test_a_host_tier_keeps_what_the_device_evicts(tmp_path: Path, capsys):
+    # 24 families of 8 hash blocks, cycled 3 times: 2 workers' device pools (166 blocks each) hold
+    # about 5 families each, their host tiers (4x) all of them, so the host layout hits where the
+    # device-only one misses
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as f:
+        for i in range(72):
+            ids = [100 * (i % 24) + k for k in range(8)] + [10_000 + i]
+            f.write(json.dumps({"timestamp": 300 * i, "input_length": 9 * 512, "output_length": 16, "hash_ids": ids}))
+            f.write("\n")
+    argv = ["--trace", str(path), "--scale", "16", "--workers", "2", "--warmup", "0.34", "--kv-ratio", "0.05"]
+    report = run_replay(
+        capsys, [*argv, "--layouts", "gemma_swa", "gemma_swa_host", "--policies", "kvfleet", "prefix_tree"]
+    )
+    device, host = report["runs"]["gemma_swa/W=2"], report["runs"]["gemma_swa_host/W=2"]
+    for policy in ("kvfleet", "prefix_tree"):
+        assert host[policy]["hit_rate"] > device[policy]["hit_rate"] + 0.2, policy
+    assert host["kvfleet"]["false_hit_share"] == 0.0
+
+
 def test_tokens_are_deterministic_per_hash_id_and_scale():
     assert block_tokens(7, 8) == block_tokens(7, 8)
     assert block_tokens(7, 8) != block_tokens(8, 8)

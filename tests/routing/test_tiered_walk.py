@@ -1,0 +1,96 @@
+"""The prediction over both tiers (``HolderMaps.tiered``: one walk per worker holding some of the
+prompt's blocks in its host tier) against its oracle, the coordinator's fixed point over both
+tiers on the index's view of each worker (``PrefixIndex.tiered_hit`` / ``hit``), on both cores
+(the compiled maps of ``_core.c`` and ``PyHolderMaps``), which must also agree with each other
+exactly (hits, host tokens, shared depths and the order the maps wrote them in).
+
+Worker states are random per-group subsets of a few prompt families' blocks in each tier (gaps,
+windows missing, blocks only in the host tier, the same block in both), loaded as snapshots, so
+the walk meets states no eviction order would produce in a short run; every group mix of
+``CONFIGS``, with and without ``skip_mamba``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.kv_cache.hashing import block_hashes
+from engine.routing.hit_rules import WorkerSnapshot
+from engine.routing.holder_maps import compiled_available
+from engine.routing.index import PrefixIndex, WorkerId
+from tests.routing.helpers import CONFIGS, groups_of, tokens
+
+needs_compiled = pytest.mark.skipif(not compiled_available(), reason="engine.routing._core is not built")
+
+Prediction = tuple[list[tuple[WorkerId, int]], list[tuple[WorkerId, int]], list[tuple[WorkerId, int]]]
+
+
+def random_tables(rng: random.Random, views: list[list[list[bytes]]], density: float) -> tuple[dict[bytes, int], ...]:
+    """Per group, a random subset of the families' blocks: a prefix of each family's view, then
+    blocks kept with probability ``density`` (gaps)."""
+    out = []
+    for g in range(len(views[0])):
+        table: dict[bytes, int] = {}
+        for family in views:
+            view = family[g]
+            run = rng.randrange(len(view) + 1)
+            for i, key in enumerate(view):
+                if i < run or rng.random() < density:
+                    table[key] = rng.choice((0, 0, 1, 2))
+        out.append(table)
+    return tuple(out)
+
+
+def predict(index: PrefixIndex, hashes: list[bytes], max_length: int, skip_mamba: bool) -> Prediction:
+    shared: dict[WorkerId, int] = {}
+    host: dict[WorkerId, int] = {}
+    hits, pending = index.predict_partial(hashes, max_length, skip_mamba, shared, host)
+    if pending is not None:
+        index.resolve(pending, hits)
+    return list(hits.items()), list(shared.items()), list(host.items())
+
+
+@needs_compiled
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiered_walk_equals_the_fixed_point_on_both_cores(name: str) -> None:
+    rng = random.Random(name)
+    groups = groups_of(CONFIGS[name])
+    indexes = [PrefixIndex(groups, core="python"), PrefixIndex(groups, core="compiled")]
+    rules = indexes[0].rules
+    hbs = rules.hash_block_size
+    met = 0
+    for _round in range(6):
+        families = [tokens(rng, rng.randrange(hbs, 30 * hbs), vocab=4) for _ in range(3)]
+        chains = [block_hashes(f, hbs) for f in families]
+        views = [rules.views(chain) for chain in chains]
+        snapshots = {}
+        for w in range(7):
+            device = random_tables(rng, views, rng.choice((0.0, 0.2, 0.6)))
+            host = () if w == 0 else random_tables(rng, views, rng.choice((0.0, 0.3, 0.8)))
+            if w == 1:
+                host = tuple({} for _ in groups)  # a host tier holding nothing
+            snapshots[f"w{rng.randrange(10**6)}-{w}"] = WorkerSnapshot(1, device, host)
+        for index in indexes:
+            for worker in index.workers:
+                index.remove_worker(worker)
+            for worker, snapshot in snapshots.items():
+                index.add_worker(worker, snapshot)
+        for _ in range(25):
+            family = rng.randrange(len(families))
+            prompt = families[family][: rng.randrange(1, len(families[family]) + 1)] + tokens(rng, rng.randrange(6))
+            hashes = block_hashes(prompt, hbs)
+            max_length = len(prompt) - 1
+            skip_mamba = rng.random() < 0.3
+            ref, fast = (predict(index, hashes, max_length, skip_mamba) for index in indexes)
+            assert ref == fast
+            hits, _, host = (dict(part) for part in ref)
+            index = indexes[0]
+            for worker in snapshots:
+                assert hits.get(worker, 0) == index.hit(worker, hashes, max_length, skip_mamba), worker
+                if index.host.count(index.slot_of(worker)):
+                    found = index.tiered_hit(worker, hashes, max_length, skip_mamba)
+                    assert host.get(worker, 0) == found.host_tokens, worker
+                    met += found.host_tokens > 0
+    assert met > 20  # the host tiers served part of many hits
