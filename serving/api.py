@@ -18,6 +18,7 @@ import time
 from collections.abc import MutableMapping
 from typing import Any, TypeVar
 
+import ray.exceptions
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -250,13 +251,23 @@ class AuthAndCount:
                 status[0] = message["status"]
             await send(message)
 
+        async def receive_or_disconnect() -> MutableMapping[str, Any]:
+            # Serve's proxy cancels its side of a request whose client went away; a receive
+            # pending on the proxy then fails with the cancellation instead of returning the
+            # disconnect, and the streamed response would end in a traceback, not an abort.
+            try:
+                message: MutableMapping[str, Any] = await receive()
+            except ray.exceptions.TaskCancelledError:
+                return {"type": "http.disconnect"}
+            return message
+
         try:
             if path.startswith("/v1") or path in KEYED_ROOT_ROUTES:
                 check_api_key(Request(scope), self.api_key)
         except APIError as exc:
-            await exc.response()(scope, receive, send_and_note)
+            await exc.response()(scope, receive_or_disconnect, send_and_note)
         else:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_or_disconnect, send_and_note)
         finally:
             self.metrics.requests.labels(_endpoint(path), str(status[0])).inc()
 
