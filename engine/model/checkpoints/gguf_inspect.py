@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +48,102 @@ class GGUFInfo:
         return not self.has_output_weight
 
 
-def _field_str(reader: Any, key: str) -> str:
-    item = reader.fields.get(key)
-    if item is None:
-        return ""
-    value = item.contents()
-    return value if isinstance(value, str) else str(value)
+@dataclass(frozen=True)
+class _TensorEntry:
+    name: str
+    data_offset: int  # from the start of the file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class _Header:
+    strings: dict[str, str]  # the metadata's string values (arrays left out)
+    tensors: list[_TensorEntry]
+
+
+# GGUF metadata value types (the format's numbering) and the byte size of the fixed-size ones.
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _HeaderCursor:
+    """Reads a little-endian GGUF header from a memory map, front to back. Only the metadata's
+    strings are kept: arrays (the vocabulary: 262,144 strings for Gemma 3) are stepped over by
+    their lengths, where gguf's own reader makes one numpy view per element (about a minute for
+    Gemma 3's vocabulary)."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data = data
+        self.offset = 0
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        values: tuple[int, ...] = struct.unpack_from(fmt, self.data, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = self.unpack("<Q")
+        end = self.offset + length
+        if end > len(self.data):
+            raise ValueError(f"a string of {length} bytes runs past the end of the file")
+        text = self.data[self.offset : end].decode("utf-8", errors="replace")
+        self.offset = end
+        return text
+
+    def skip_value(self, kind: int) -> None:
+        if kind == _STRING:
+            self.string()
+        elif kind == _ARRAY:
+            item_kind, count = self.unpack("<IQ")
+            if item_kind in _SCALAR_BYTES:
+                self.offset += _SCALAR_BYTES[item_kind] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(item_kind)
+        elif kind in _SCALAR_BYTES:
+            self.offset += _SCALAR_BYTES[kind]
+        else:
+            raise ValueError(f"unknown metadata value type {kind}")
+        if self.offset > len(self.data):
+            raise ValueError("the metadata runs past the end of the file")
+
+
+def _read_header(path: Path) -> _Header:
+    """The GGUF's string metadata and tensor table (names, file offsets, byte sizes)."""
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        cursor = _HeaderCursor(data)
+        magic, version = cursor.unpack("<II")
+        if magic != GGUF_MAGIC:
+            raise ValueError("no GGUF magic at the start of the file")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (kvfleet reads little-endian versions 2 and 3)")
+        tensor_count, kv_count = cursor.unpack("<QQ")
+        strings: dict[str, str] = {}
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        for _ in range(kv_count):
+            key = cursor.string()
+            (kind,) = cursor.unpack("<I")
+            if kind == _STRING:
+                strings[key] = cursor.string()
+            elif key == "general.alignment" and kind == _UINT32:
+                (alignment,) = cursor.unpack("<I")
+            else:
+                cursor.skip_value(kind)
+        table: list[tuple[str, int, int, int]] = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            (n_dims,) = cursor.unpack("<I")
+            elements = math.prod(cursor.unpack(f"<{n_dims}Q"))
+            ggml_type, offset = cursor.unpack("<IQ")
+            table.append((name, elements, ggml_type, offset))
+        start = -(-cursor.offset // alignment) * alignment
+    tensors = []
+    for name, elements, ggml_type, offset in table:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        tensors.append(_TensorEntry(name, start + offset, elements // block * block_bytes))
+    return _Header(strings, tensors)
 
 
 def inspect_gguf(path: Path) -> GGUFInfo:
@@ -66,21 +159,19 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     if size == 0:
         raise GGUFFileError(f"{path}: the GGUF file is empty")
     require_conversion_dependencies()
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, IndexError, struct errors... for bad files
+        header = _read_header(path)
+    except Exception as exc:  # noqa: BLE001 - struct, mmap, enum and decoding errors all mean a bad file
         raise GGUFFileError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})"
         ) from None
-    tensors = list(reader.tensors)
+    tensors = header.tensors
     if not tensors:
         raise GGUFFileError(f"{path}: the GGUF file has no tensors")
-    end = max(int(t.data_offset) + int(t.n_bytes) for t in tensors)
+    end = max(t.data_offset + t.n_bytes for t in tensors)
     if end > size:
         raise GGUFFileError(f"{path}: truncated GGUF file ({size} bytes, its tensors need {end})")
-    architecture = _field_str(reader, "general.architecture")
+    architecture = header.strings.get("general.architecture", "")
     if not architecture:
         raise GGUFFileError(f"{path}: the GGUF has no general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
@@ -92,7 +183,7 @@ def inspect_gguf(path: Path) -> GGUFInfo:
         path=path,
         architecture=architecture,
         hf_architecture=GGUF_ARCHITECTURES[architecture],
-        model_name=_field_str(reader, "general.name"),
+        model_name=header.strings.get("general.name", ""),
         tensor_count=len(tensors),
         has_output_weight=any(t.name == "output.weight" for t in tensors),
     )
