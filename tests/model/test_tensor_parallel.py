@@ -1,7 +1,8 @@
-"""Tensor parallelism (engine/model/layers/parallel.py): logits of a worker split over 2 and 4 ranks
-equal Hugging Face's (fp32, atol 1e-4, the single-rank bar), through the real scheduler,
-coordinator and runner on every rank, over gloo on loopback; and the sizes a model cannot be split
-by are refused naming the field, the model and the number.
+"""Tensor parallelism (engine/model/layers/parallel.py): logits of a worker split over 2 ranks,
+and over 4 for an attention and a Mamba2 family, equal Hugging Face's (fp32, atol 1e-4, the
+single-rank bar), through the real scheduler, coordinator and runner on every rank, over gloo on
+loopback; and the sizes a model cannot be split by are refused naming the field, the model and
+the number.
 
 Each rank is a process with its own ``EngineCore(tensor_parallel_rank=r)`` driven with the same
 requests; only the model's forward talks to the other ranks (the attention and MLP sums). The
@@ -32,13 +33,25 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize(
-    ("name", "size"), [("tiny-gemma3", 2), ("tiny-llama", 2), ("tiny-qwen2", 2), ("tiny-gemma3", 4)]
-)
-def test_logits_split_over_ranks_equal_hugging_face(name: str, size: int, checkpoints) -> None:
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-llama", "tiny-qwen2"])
+def test_logits_split_over_two_ranks_equal_hugging_face(name: str, checkpoints) -> None:
     directory = checkpoints[name]
-    ranks = sharded_cases({name: directory}, size)
+    ranks = sharded_cases({name: directory}, 2)
     assert check_ranks_against_hugging_face(directory, [rank[name] for rank in ranks]) > 50
+
+
+def test_logits_split_over_four_ranks_equal_hugging_face_for_attention_and_mamba2(
+    checkpoints, tmp_path_factory
+) -> None:
+    """TP=4 on an attention family (Gemma 3: its 2 KV heads each on two ranks) and a Mamba2 hybrid
+    (Bamba: 8 Mamba2 heads, 2 a rank; its one group shared by all four), in one group of ranks."""
+    directories = {
+        "tiny-gemma3": checkpoints["tiny-gemma3"],
+        "tiny-bamba": build_tiny_checkpoint("tiny-bamba", tmp_path_factory.mktemp("tp4") / "tiny-bamba", seed=3),
+    }
+    ranks = sharded_cases(directories, 4)
+    for name, directory in directories.items():
+        assert check_ranks_against_hugging_face(directory, [rank[name] for rank in ranks]) > 50, name
 
 
 def _arch(directory: Path):
