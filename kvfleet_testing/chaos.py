@@ -200,7 +200,7 @@ async def _drive(
     async def killer() -> None:
         for at, kind in kill_times:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            role = "decode" if kind == "rank" else kind
+            role = _victim_role(kind)
             while kind != "router" and len([w for w in cluster.workers if w.startswith(role)]) < 2:
                 await asyncio.sleep(0.2)  # never the last live worker of a role
             kills.append(await asyncio.get_running_loop().run_in_executor(None, _kill, cluster, kind, rng))
@@ -258,6 +258,12 @@ def _rate_recovered(completed_at: list[float], kill_at: float, baseline: float) 
     return None
 
 
+def _victim_role(kind: str) -> str:
+    """The worker role a kill of ``kind`` picks its victim among: a "rank" kill takes one follower
+    rank of a split decode worker."""
+    return "decode" if kind == "rank" else kind
+
+
 def _kill(cluster: Any, kind: str, rng: random.Random) -> _Kill:
     import ray
 
@@ -265,8 +271,7 @@ def _kill(cluster: Any, kind: str, rng: random.Random) -> _Kill:
         kill = _Kill(kind, "router", time.monotonic(), rejoins_before=cluster.router_rejoins)
         ray.kill(cluster.router, no_restart=False)
         return kill
-    role = "decode" if kind == "rank" else kind
-    victim = rng.choice(sorted(w for w in cluster.workers if w.startswith(role)))
+    victim = rng.choice(sorted(w for w in cluster.workers if w.startswith(_victim_role(kind))))
     handle = cluster.workers[victim]
     kill = _Kill(kind, victim, time.monotonic(), killed_actor=handle._actor_id.hex())
     if kind == "rank":  # one follower rank: the worker must go down with it and be replaced
