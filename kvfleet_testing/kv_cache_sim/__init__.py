@@ -27,10 +27,12 @@ pin is left.
 
 Modules, one job each: ``records`` (states, ``SimViolation``, ``SimRequest``, ``Snapshot``,
 ``PinRecord``), ``configs`` (mixes, ``SimConfig``, sizing, ``random_config``), ``simulator``
-(``Sim``: state, construction, helpers), its mixins ``oracle`` (hit oracle), ``data_model``
-(block contents), ``checks`` (per-operation checks), ``operations`` (scheduler operations) and
-``cache_ops`` (pins, reset, drain), and ``driver`` (``RandomDriver``, ``OPS``). Every public name
-is re-exported here.
+(``Sim``: builds the parts below and offers their operations), ``log`` (``SimLog``: counts, trace,
+failures), ``request_book`` (``RequestBook``: the simulated requests), ``oracle`` (``HitOracle``),
+``data_model`` (``DataModel``: block contents), ``event_shadow`` (``EventShadow``: the event
+replay), ``checks`` (``SimChecks``: per-operation checks), ``operations`` (``SimOperations``: the
+scheduler), ``cache_ops`` (``CacheOperations``: pins, reset) and ``driver`` (``RandomDriver``,
+``OPS``). Every public name is re-exported here.
 """
 
 from __future__ import annotations
