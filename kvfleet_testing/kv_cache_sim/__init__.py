@@ -8,7 +8,7 @@ tokens kept); asynchronous loads own blocks but compute nothing until completed,
 ``cache_blocks``; remote-prefill requests use the partial (Mamba-less) hit; Mamba configurations cut
 prefill chunks on block boundaries (the block-aligned split). Aborts free at any state.
 
-Checks after every operation (``Sim.check``):
+Checks after every operation (``SimChecks.check``):
 
 * ``coord.check_invariants()`` (ref counts, queues, conservation, hash maps, prediction == taken);
 * the KV event stream replayed into a shadow index equals the pool's hash maps and pin levels;

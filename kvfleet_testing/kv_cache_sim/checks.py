@@ -52,6 +52,7 @@ class SimChecks:
 
     # -- snapshots for failed allocations --------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
+        """The coordinator's state a failed allocation must leave unchanged."""
         return Snapshot(
             refs=[[b.ref_cnt for b in pool.blocks] for pool in self._pools],
             cached=[{h: b.block_id for h, b in m.cached.items()} for m in self._managers],
@@ -112,6 +113,8 @@ class SimChecks:
         delay: bool = False,
         reserved: int = 0,
     ) -> tuple[list[int], ...] | None:
+        """``coord.allocate_slots`` for ``r``; on failure, check that nothing changed but its window
+        drops and that the pools had no obvious room, then ``check()``. Returns the block ids or None."""
         req = r.req
         before = self.snapshot()
         self._data.begin_allocation(
@@ -146,6 +149,7 @@ class SimChecks:
     # ------------------------------------------------------------------------------------------------
     # checks after every operation
     def check(self) -> None:
+        """The state between operations (see the class docstring); ends the data model's operation."""
         self._data.end_operation()
         coord = self._coord
         coord.check_invariants()
