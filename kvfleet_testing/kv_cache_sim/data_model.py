@@ -225,7 +225,8 @@ class DataModel:
             return
         for g, m in enumerate(self._managers):
             for h, block in m.cached.items():
-                content = self.effective(block_key(block))
+                # block_key(block), inlined: this runs for every cached block after every operation
+                content = self.effective((block.pool, block.block_id))
                 bs = self._managers[g].block_size
                 if (
                     content is None
