@@ -8,7 +8,7 @@ tokens kept); asynchronous loads own blocks but compute nothing until completed,
 ``cache_blocks``; remote-prefill requests use the partial (Mamba-less) hit; Mamba configurations cut
 prefill chunks on block boundaries (the block-aligned split). Aborts free at any state.
 
-Checks after every operation (``Sim.check``):
+Checks after every operation (``SimChecks.check``):
 
 * ``coord.check_invariants()`` (ref counts, queues, conservation, hash maps, prediction == taken);
 * the KV event stream replayed into a shadow index equals the pool's hash maps and pin levels;
@@ -27,10 +27,12 @@ pin is left.
 
 Modules, one job each: ``records`` (states, ``SimViolation``, ``SimRequest``, ``Snapshot``,
 ``PinRecord``), ``configs`` (mixes, ``SimConfig``, sizing, ``random_config``), ``simulator``
-(``Sim``: state, construction, helpers), its mixins ``oracle`` (hit oracle), ``data_model``
-(block contents), ``checks`` (per-operation checks), ``operations`` (scheduler operations) and
-``cache_ops`` (pins, reset, drain), and ``driver`` (``RandomDriver``, ``OPS``). Every public name
-is re-exported here.
+(``Sim``: builds the parts below and offers their operations), ``log`` (``SimLog``: counts, trace,
+failures), ``request_book`` (``RequestBook``: the simulated requests), ``oracle`` (``HitOracle``),
+``data_model`` (``DataModel``: block contents), ``event_shadow`` (``EventShadow``: the event
+replay), ``checks`` (``SimChecks``: per-operation checks), ``operations`` (``SimOperations``: the
+scheduler), ``cache_ops`` (``CacheOperations``: pins, reset) and ``driver`` (``RandomDriver``,
+``OPS``). Every public name is re-exported here.
 """
 
 from __future__ import annotations

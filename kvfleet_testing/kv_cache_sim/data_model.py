@@ -1,21 +1,63 @@
-"""The block data model: what token prefix every physical block holds (``content``, with Mamba
-states ``pending`` until the forward ends), written by computations and loads (``compute``,
-``load``) and checked on every read; cached (sealed) blocks must never be overwritten.
+"""The block data model: what token prefix every physical block holds (with Mamba states pending
+until the forward ends), written by computations and loads (``compute``, ``load``) and checked on
+every read and after every operation (``check_cached``); cached (sealed) blocks must never be
+overwritten.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.kv_cache import CacheRequest
 from engine.kv_cache.attention_managers import ChunkedLocalManager, SlidingWindowManager
+from engine.kv_cache.block_pool import Block
 from engine.kv_cache.mamba_manager import MambaManager
+from engine.kv_cache.manager_base import SingleTypeManager
+from kvfleet_testing.kv_cache_sim.log import SimLog
 from kvfleet_testing.kv_cache_sim.records import SimRequest, cdiv
+
+BlockKey = tuple[int, int]  # (pool, block id)
+# What a block holds: (group, first valid position, end, prefix key of the request through end)
+Content = tuple[int, int, int, tuple | None]
+
+
+def block_key(block: Block) -> BlockKey:
+    """A block's identity across pools: (pool, block id)."""
+    return block.pool, block.block_id
 
 
 class DataModel:
-    """Mixin of ``Sim`` (owns no state; uses ``Sim.content`` and ``Sim.pending``): a read finds the
-    request's own prefix in non-null blocks; a write never changes a block cached before this
-    operation's allocation and not handed out since; a Mamba state is readable only after the
-    step that wrote it."""
+    """Owns what every written block holds (``_content``: block -> ``Content``), the Mamba states
+    written in the current step (``_pending``: block -> (request id, content), landing at the end of
+    the forward), the blocks handed out since the last check (``_fresh``) and those that carried a
+    hash before the current operation's allocation (``_hashed_before``). Invariants checked: a read
+    finds the request's own prefix in non-null blocks; a write never changes a block cached before
+    this operation's allocation and not handed out since; a Mamba state is readable only after the
+    step that wrote it; every cached block holds exactly the prefix its hash names. With
+    ``enabled`` false, computations and loads record nothing and ``check_cached`` checks nothing."""
+
+    def __init__(self, managers: list[SingleTypeManager], log: SimLog, enabled: bool) -> None:
+        self._enabled = enabled
+        self._managers = managers
+        self._log = log
+        self._content: dict[BlockKey, Content] = {}
+        self._pending: dict[BlockKey, tuple[str, Content]] = {}
+        self._fresh: set[BlockKey] = set()
+        self._hashed_before: set[BlockKey] = set()
+
+    # -- allocation marks ----------------------------------------------------------------------------------
+    def record_fresh(self, blocks: Iterable[Block]) -> None:
+        """``blocks`` were just handed out by a pool's ``get_new_blocks``: writable again."""
+        self._fresh.update(block_key(b) for b in blocks)
+
+    def begin_allocation(self, hashed: set[BlockKey]) -> None:
+        """An ``allocate_slots`` call follows; ``hashed`` are the blocks carrying a hash before it."""
+        self._hashed_before = hashed
+
+    def end_operation(self) -> None:
+        """The operation is over (its check begins): forget the allocation marks."""
+        self._fresh.clear()
+        self._hashed_before = set()
 
     def _prefix_key(self, req: CacheRequest, n: int) -> tuple | None:
         """Identity of ``req.token_ids[:n]`` (None if the request has fewer tokens)."""
@@ -31,13 +73,15 @@ class DataModel:
     # -- data model --------------------------------------------------------------------------------------
     def _read(self, req: CacheRequest, g: int, table: list, j: int, lo: int, hi: int, what: str) -> None:
         """Positions [lo, hi) of table index j must hold ``req``'s own KV."""
-        bs = self.managers[g].block_size
+        bs = self._managers[g].block_size
         if j >= len(table) or table[j].is_null:
-            self.fail(f"{what}: {req.request_id} group {g} reads positions {lo}..{hi} but index {j} is null/missing")
+            self._log.fail(
+                f"{what}: {req.request_id} group {g} reads positions {lo}..{hi} but index {j} is null/missing"
+            )
         bid = table[j].block_id
-        content = self.content.get(self.key(table[j]))
+        content = self._content.get(block_key(table[j]))
         if content is None:
-            self.fail(f"{what}: {req.request_id} group {g} reads block {bid} (index {j}) that was never written")
+            self._log.fail(f"{what}: {req.request_id} group {g} reads block {bid} (index {j}) that was never written")
         group, first, end, key = content
         if (
             group != g
@@ -46,17 +90,19 @@ class DataModel:
             or end < hi
             or self._prefix_key(req, end) != key
         ):
-            self.fail(
+            self._log.fail(
                 f"{what}: {req.request_id} group {g} index {j} block {bid} holds positions [{first}, {end}) of "
                 f"another prefix / range, needs [{lo}, {hi}) of its own"
             )
 
     def _write(self, req: CacheRequest, g: int, table: list, j: int, lo: int, hi: int, what: str) -> None:
-        bs = self.managers[g].block_size
+        bs = self._managers[g].block_size
         if j >= len(table) or table[j].is_null:
-            self.fail(f"{what}: {req.request_id} group {g} writes positions {lo}..{hi} but index {j} is null/missing")
+            self._log.fail(
+                f"{what}: {req.request_id} group {g} writes positions {lo}..{hi} but index {j} is null/missing"
+            )
         block = table[j]
-        old = self.content.get(self.key(block))
+        old = self._content.get(block_key(block))
         first = lo
         end = hi
         if old is not None:
@@ -71,75 +117,72 @@ class DataModel:
                 end = max(o_end, hi)
         new = (g, first, end, self._prefix_key(req, end))
         if new != old and self._sealed(block):
-            self.fail(f"{what}: {req.request_id} group {g} writes into cached block {block!r} at index {j}")
-        self.content[self.key(block)] = new
+            self._log.fail(f"{what}: {req.request_id} group {g} writes into cached block {block!r} at index {j}")
+        self._content[block_key(block)] = new
 
-    @staticmethod
-    def key(block) -> tuple[int, int]:
-        """A block's identity across pools: (pool, block id)."""
-        return block.pool, block.block_id
-
-    def effective(self, bid: tuple[int, int]) -> tuple | None:
+    def effective(self, bid: BlockKey) -> Content | None:
         """Contents once the current step's forward has finished (pending Mamba states included)."""
-        pending = self.pending.get(bid)
-        return pending[1] if pending is not None else self.content.get(bid)
+        pending = self._pending.get(bid)
+        return pending[1] if pending is not None else self._content.get(bid)
 
     def commit(self, rid: str | None = None) -> None:
         """The forward finished (for ``rid``, or for everyone): pending Mamba states land."""
-        for bid, (owner, content) in list(self.pending.items()):
+        for bid, (owner, content) in list(self._pending.items()):
             if rid is None or owner == rid:
-                self.content[bid] = content
-                del self.pending[bid]
+                self._content[bid] = content
+                del self._pending[bid]
 
     def _write_state(
         self, req: CacheRequest, g: int, table: list, length: int, what: str, deferred: bool = True
     ) -> None:
-        bs = self.managers[g].block_size
+        bs = self._managers[g].block_size
         j = cdiv(length, bs) - 1
         if j >= len(table) or table[j].is_null:
-            self.fail(f"{what}: {req.request_id} Mamba group {g} has no state block at index {j} for {length} tokens")
+            self._log.fail(
+                f"{what}: {req.request_id} Mamba group {g} has no state block at index {j} for {length} tokens"
+            )
         block = table[j]
-        key = self.key(block)
+        key = block_key(block)
         new = (g, length, length, self._prefix_key(req, length))
         if self.effective(key) != new and self._sealed(block):
-            self.fail(f"{what}: {req.request_id} Mamba group {g} overwrites cached state block {block!r}")
+            self._log.fail(f"{what}: {req.request_id} Mamba group {g} overwrites cached state block {block!r}")
         if deferred:
-            self.pending[key] = (req.request_id, new)
+            self._pending[key] = (req.request_id, new)
         else:
-            self.pending.pop(key, None)
-            self.content[key] = new
+            self._pending.pop(key, None)
+            self._content[key] = new
 
-    def _sealed(self, block) -> bool:
+    def _sealed(self, block: Block) -> bool:
         """A block whose contents must not change: cached before this operation's allocation and not
         handed out again since (eager caching hashes blocks just before their KV is written)."""
-        key = self.key(block)
-        return block.block_hash is not None and key in self.hashed_before and key not in self.fresh
+        key = block_key(block)
+        return block.block_hash is not None and key in self._hashed_before and key not in self._fresh
 
     def _read_state(self, req: CacheRequest, g: int, table: list, length: int, what: str) -> None:
-        bs = self.managers[g].block_size
+        bs = self._managers[g].block_size
         j = cdiv(length, bs) - 1
         if j >= len(table) or table[j].is_null:
-            self.fail(f"{what}: {req.request_id} Mamba group {g} lost the state after {length} tokens (index {j})")
+            self._log.fail(f"{what}: {req.request_id} Mamba group {g} lost the state after {length} tokens (index {j})")
         bid = table[j].block_id
-        if self.key(table[j]) in self.pending:
-            self.fail(
+        if block_key(table[j]) in self._pending:
+            self._log.fail(
                 f"{what}: {req.request_id} Mamba group {g} reads block {bid}, "
                 "whose state is written only at the end of this step"
             )
-        content = self.content.get(self.key(table[j]))
+        content = self._content.get(block_key(table[j]))
         if content is None or content[:3] != (g, length, length) or content[3] != self._prefix_key(req, length):
-            self.fail(
+            self._log.fail(
                 f"{what}: {req.request_id} Mamba group {g} index {j} block {table[j].block_id} holds state "
                 f"{content[:3] if content else None}, needs the state after its own {length} tokens"
             )
 
     def compute(self, r: SimRequest, start: int, end: int, what: str) -> None:
         """The forward pass of tokens [start, end): read what they attend to, write their KV/state."""
-        if not self.data_model:
+        if not self._enabled:
             return
         req = r.req
         rid = r.rid
-        for g, m in enumerate(self.managers):
+        for g, m in enumerate(self._managers):
             table = m.tables[rid]
             bs = m.block_size
             if isinstance(m, MambaManager):
@@ -161,10 +204,10 @@ class DataModel:
     def load(self, r: SimRequest, start: int, end: int, what: str) -> None:
         """External KV for tokens [start, end) lands (only where the table has real blocks); Mamba
         groups receive the state after ``end`` tokens."""
-        if not self.data_model:
+        if not self._enabled:
             return
         req = r.req
-        for g, m in enumerate(self.managers):
+        for g, m in enumerate(self._managers):
             table = m.tables[r.rid]
             if isinstance(m, MambaManager):
                 if end > 0:
@@ -174,3 +217,21 @@ class DataModel:
             for j in range(start // bs, cdiv(end, bs)):
                 if j < len(table) and not table[j].is_null:
                     self._write(req, g, table, j, max(start, j * bs), min(end, (j + 1) * bs), what)
+
+    def check_cached(self) -> None:
+        """Every cached block holds (once the step's forward has finished) the prefix its hash names:
+        attention blocks from a block boundary, Mamba states exactly."""
+        if not self._enabled:
+            return
+        for g, m in enumerate(self._managers):
+            for h, block in m.cached.items():
+                # block_key(block), inlined: this runs for every cached block after every operation
+                content = self.effective((block.pool, block.block_id))
+                bs = self._managers[g].block_size
+                if (
+                    content is None
+                    or content[0] != g
+                    or content[3] != ("H", h)
+                    or (not isinstance(self._managers[g], MambaManager) and content[1] % bs)
+                ):
+                    self._log.fail(f"cached block {block!r} of group {g} holds {content and content[:3]}, not its hash")

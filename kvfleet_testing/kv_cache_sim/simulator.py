@@ -1,46 +1,43 @@
-"""``Sim``: the simulated scheduler's state (the coordinator it drives, the simulated requests, the
-data model, the event shadow, pins held) and its construction, instrumentation and small helpers.
-The behaviour lives in mixins, one job each: ``HitOracle`` (oracle.py), ``DataModel``
-(data_model.py), ``SimChecks`` (checks.py), ``SimOperations`` (operations.py) and ``CacheOperations``
-(cache_ops.py).
+"""``Sim``: a simulated scheduler driving one ``HybridCoordinator``, built from parts that each own
+one job: ``SimLog`` (log.py: counts, trace, failures), ``RequestBook`` (request_book.py: the
+simulated requests), ``HitOracle`` (oracle.py), ``DataModel`` (data_model.py: block contents),
+``EventShadow`` (event_shadow.py: the router's index from the event stream), ``SimChecks``
+(checks.py), ``SimOperations`` (operations.py: the scheduler) and ``CacheOperations``
+(cache_ops.py: pins and resets). ``Sim`` builds them, instruments the pools and offers their
+operations under one name each.
 """
 
 from __future__ import annotations
 
-import random
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from engine.kv_cache import HybridCoordinator
-from engine.kv_cache.attention_managers import FullAttentionManager
-from engine.kv_cache.mamba_manager import MambaManager
-from engine.kv_cache.manager_base import SingleTypeManager
+from engine.kv_cache.block_pool import Block, BlockPool
 from kvfleet_testing.kv_cache_sim.cache_ops import CacheOperations
 from kvfleet_testing.kv_cache_sim.checks import SimChecks
-from kvfleet_testing.kv_cache_sim.configs import SimConfig, max_len_for
+from kvfleet_testing.kv_cache_sim.configs import SimConfig
 from kvfleet_testing.kv_cache_sim.data_model import DataModel
+from kvfleet_testing.kv_cache_sim.event_shadow import EventShadow
+from kvfleet_testing.kv_cache_sim.log import SimLog
 from kvfleet_testing.kv_cache_sim.operations import SimOperations
 from kvfleet_testing.kv_cache_sim.oracle import HitOracle
-from kvfleet_testing.kv_cache_sim.records import PinRecord, SimRequest, SimViolation
+from kvfleet_testing.kv_cache_sim.records import SimRequest
+from kvfleet_testing.kv_cache_sim.request_book import RequestBook
 
 
 # -- the simulator -------------------------------------------------------------------------------------------
-@dataclass
-class Sim(SimOperations, CacheOperations, SimChecks, DataModel, HitOracle):
-    """A simulated scheduler driving one ``HybridCoordinator``. Every operation that acts ends with
-    ``check()``, so between operations the coordinator admits exactly the RUNNING and LOADING
-    requests, the event shadow (``stored``, ``pinned``) equals the pools' hash maps and pin levels,
-    ``content`` says which prefix every written block holds, and ``held`` counts, per prefix, the
-    ``pin_prefix`` calls not yet undone."""
+class Sim:
+    """A simulated scheduler driving one ``HybridCoordinator`` (``coord``). Owns the coordinator and
+    the parts that check it: ``log``, ``requests``, ``oracle``, ``data`` (the data model; recording
+    nothing when ``data_model`` is false), ``shadow`` (``None`` without events), ``checks``, ``ops``
+    (the scheduler operations) and ``cache_ops`` (pins, reset). Every operation that acts ends with
+    ``checks.check()``, so between operations the coordinator admits exactly the RUNNING and LOADING
+    requests, the event shadow equals the pools' hash maps and pin levels, the data model says which
+    prefix every written block holds, and ``cache_ops`` counts, per prefix, the ``pin_prefix`` calls
+    not yet undone. ``op_index`` is the driver's count of operations."""
 
-    cfg: SimConfig
-    data_model: bool = True
-    trace_len: int = 64
-    coord: HybridCoordinator = field(init=False)
-    counts: Counter = field(init=False, default_factory=Counter)
-
-    def __post_init__(self) -> None:
-        cfg = self.cfg
+    def __init__(self, cfg: SimConfig, data_model: bool = True, trace_len: int = 64) -> None:
+        self.cfg = cfg
         self.coord = HybridCoordinator(
             cfg.groups,
             cfg.num_blocks,
@@ -48,69 +45,115 @@ class Sim(SimOperations, CacheOperations, SimChecks, DataModel, HitOracle):
             retention=cfg.retention,
             enable_events=cfg.enable_events,
         )
-        self.pools = self.coord.pools
-        self.group_pool = self.coord.group_pool
-        self.managers: list[SingleTypeManager] = self.coord.managers
-        self.alignment = self.coord.alignment
-        self.has_mamba = any(isinstance(m, MambaManager) for m in self.managers)
-        self.all_full = all(isinstance(m, FullAttentionManager) for m in self.managers)
-        self.mamba_sizes = sorted({m.block_size for m in self.managers if isinstance(m, MambaManager)})
-        self.max_len = max_len_for(cfg.mix, cfg.num_blocks)
-        base_rng = random.Random(cfg.seed)
-        self.bases = [[base_rng.randrange(cfg.vocab) for _ in range(self.max_len)] for _ in range(3)]
-        self.reqs: dict[str, SimRequest] = {}
-        self.finished: deque[SimRequest] = deque(maxlen=12)
-        self.scheduled: list[str] = []
-        self.preempted_this_step = False
-        self.pins: list[PinRecord] = []
-        self.held: Counter = Counter()  # pins that pinned something, per prefix (same arguments)
-        # data model: (pool, block id) -> (group, first valid position, end, prefix key of the request through end)
-        self.content: dict[tuple[int, int], tuple[int, int, int, tuple]] = {}
-        # Mamba states are written at the end of the forward: pending until end_step (block -> (rid, content))
-        self.pending: dict[tuple[int, int], tuple[str, tuple[int, int, int, tuple]]] = {}
-        # event shadow of the router's index
-        self.stored: set[tuple[int, bytes]] = set()
-        self.pinned: dict[tuple[int, bytes], int] = {}
-        self.last_seq = 0
-        self.next_id = 0
-        self.next_order = 0
-        self.trace: deque[str] = deque(maxlen=self.trace_len)
+        self.log = SimLog(cfg, trace_len)
+        self.requests = RequestBook()
+        self.oracle = HitOracle(self.coord, cfg.enable_caching, self.log)
+        self.data = DataModel(self.coord.managers, self.log, data_model)
+        self.shadow = EventShadow(self.coord, self.log) if cfg.enable_events else None
+        self.checks = SimChecks(self.coord, self.requests, self.data, self.shadow, self.log, cfg.retention.enabled)
+        self.ops = SimOperations(self.coord, cfg, self.requests, self.oracle, self.data, self.checks, self.log)
+        self.cache_ops = CacheOperations(self.coord, self.requests, self.oracle, self.checks, self.log)
         self.op_index = 0
-        self.fresh: set[tuple[int, int]] = set()  # (pool, id) handed out by get_new_blocks since the last check
-        self.hashed_before: set[tuple[int, int]] = set()  # blocks carrying a hash before the last allocation
-        for pool in self.pools:
+        for pool in self.coord.pools:
             self._instrument(pool)
-        self.check()
+        self.checks.check()
 
-    def _instrument(self, pool) -> None:
-        """Instrumentation only: remember fresh blocks, count demotions under pressure."""
+    def _instrument(self, pool: BlockPool) -> None:
+        """Instrumentation only: the data model learns of fresh blocks, the log counts demotions
+        under pressure."""
         real_demote = pool.demote
         real_get_new_blocks = pool.get_new_blocks
+        data = self.data
+        log = self.log
 
-        def recording_get_new_blocks(n: int) -> list:
+        def recording_get_new_blocks(n: int) -> list[Block]:
             blocks = real_get_new_blocks(n)
-            self.fresh.update((b.pool, b.block_id) for b in blocks)
+            data.record_fresh(blocks)
             return blocks
 
         def counting_demote(n: int) -> int:
             done = real_demote(n)
             if done:
-                self.counts["demoted_blocks"] += done
+                log.tag("demoted_blocks", done)
             return done
 
         pool.demote = counting_demote  # type: ignore[method-assign]
         pool.get_new_blocks = recording_get_new_blocks  # type: ignore[method-assign]
 
-    # ------------------------------------------------------------------------------------------------
-    # helpers
-    def fail(self, message: str) -> None:
-        raise SimViolation(f"{message}\n  config: {self.cfg.describe()}\n  recent ops: {list(self.trace)[-12:]}")
+    # -- what a run reports --------------------------------------------------------------------------------
+    @property
+    def counts(self) -> Counter[str]:
+        return self.log.counts
 
-    def note(self, text: str) -> None:
-        self.trace.append(text)
+    @property
+    def trace(self) -> deque[str]:
+        return self.log.trace
 
-    def tag(self, name: str) -> None:
-        self.counts[name] += 1
+    @property
+    def max_len(self) -> int:
+        return self.ops.max_len
 
     def live(self, *states: str) -> list[SimRequest]:
-        return [r for r in self.reqs.values() if r.state in states]
+        return self.requests.live(*states)
+
+    # -- the operations (each returns its outcome) ---------------------------------------------------------
+    def arrive(
+        self,
+        source: int,
+        cut: int,
+        suffix: list[int],
+        max_tokens: int,
+        remote: bool = False,
+        salt: str | None = None,
+    ) -> str:
+        return self.ops.arrive(source, cut, suffix, max_tokens, remote, salt)
+
+    def admit(
+        self,
+        index: int,
+        ext: int = 0,
+        chunk: int = 1 << 20,
+        async_load: bool = False,
+        aligned: bool = True,
+        reserved: int = 0,
+        relookup: bool = True,
+    ) -> str:
+        return self.ops.admit(index, ext, chunk, async_load, aligned, reserved, relookup)
+
+    def advance(
+        self, index: int, chunk: int = 1 << 20, aligned: bool = True, reserved: int = 0, policy: int = 0
+    ) -> str:
+        return self.ops.advance(index, chunk, aligned, reserved, policy)
+
+    def end_step(self, sample: int = 1) -> str:
+        return self.ops.end_step(sample)
+
+    def complete_load(self, index: int, outcome: int = 0, cut: int = 0) -> str:
+        return self.ops.complete_load(index, outcome, cut)
+
+    def abort(self, index: int, twice: bool = False) -> str:
+        return self.ops.abort(index, twice)
+
+    def remove_skipped(self, index: int, back: int = 0) -> str:
+        return self.ops.remove_skipped(index, back)
+
+    def pin(self, source: int, length: int) -> str:
+        return self.cache_ops.pin(source, length)
+
+    def unpin(self, index: int) -> str:
+        return self.cache_ops.unpin(index)
+
+    def reset(self) -> str:
+        return self.cache_ops.reset()
+
+    def drain(self) -> str:
+        """Abort everything, release every explicit pin: the pool must be whole again."""
+        for r in self.requests.everyone():
+            self.ops.finish(r, "abort")
+            self.checks.check()
+        self.cache_ops.unpin_all()
+        self.checks.check_drained()
+        self.ops.close_step()
+        self.checks.check()
+        self.log.tag("drain")
+        return "drain"

@@ -254,7 +254,7 @@ def test_data_model_catches_a_mamba_state_cached_under_the_wrong_boundary(monkey
     cache under a boundary it does not hold, and the data model must notice."""
     monkeypatch.setattr(MambaManager, "cache_blocks", _cache_every_live_state)
     sim = Sim(SimConfig(mix="full+mamba", num_blocks=32))
-    sim.split = _unaligned_split  # type: ignore[method-assign]
+    sim.ops.split = _unaligned_split  # type: ignore[method-assign]
     sim.arrive(source=0, cut=13, suffix=[], max_tokens=4)
     sim.admit(0, chunk=6)  # the state after 6 tokens lands in table index 1 (tokens 4..8)
     sim.end_step()
@@ -266,7 +266,7 @@ def test_unaligned_mamba_chunks_never_cache_a_state_under_the_wrong_boundary() -
     """The coordinator alone keeps the cache right when chunks end off Mamba boundaries: the
     same scenario, then random runs of every Mamba mix with unaligned chunks."""
     sim = Sim(SimConfig(mix="full+mamba", num_blocks=32))
-    sim.split = _unaligned_split  # type: ignore[method-assign]
+    sim.ops.split = _unaligned_split  # type: ignore[method-assign]
     sim.arrive(source=0, cut=13, suffix=[], max_tokens=4)
     sim.admit(0, chunk=6)
     sim.end_step()
@@ -276,7 +276,7 @@ def test_unaligned_mamba_chunks_never_cache_a_state_under_the_wrong_boundary() -
     rng = random.Random(15)
     for mix in sorted(m for m in MIXES if "mamba" in m):
         sim = Sim(SimConfig(mix=mix, num_blocks=max(12, min_blocks_for(mix)) + 8, seed=rng.randrange(1000)))
-        sim.split = _unaligned_split  # type: ignore[method-assign]
+        sim.ops.split = _unaligned_split  # type: ignore[method-assign]
         driver = RandomDriver(sim, random.Random(rng.randrange(1 << 30)))
         for _ in range(400):
             driver.step()
