@@ -27,13 +27,14 @@ from engine.rank_group import follow_leader, lead_ranks
 from engine.sampling_params import SamplingParams
 from engine.transfer.ranked import FollowerReads
 from kvfleet_testing.tp_ranks import run_groups
-from tests.engine.test_pd import GREEDY, expected_blocks, prompts, reference_tokens, run_to_end
+from tests.engine.test_pd import expected_blocks, prompts, reference_tokens, run_to_end
 
 SIZE = 2
 TIMEOUT_S = 120
 PRESETS = {"tiny": "tiny-gemma3", "tiny-hybrid": "tiny-bamba"}
 #: a handle must stay readable however slowly this loaded machine runs the other group
 SETTINGS = ("transfer.backend=local", "transfer.release_timeout_s=300", "model.cuda_graphs=false")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _requests() -> tuple[list[int], list[int], list[int]]:
@@ -152,8 +153,8 @@ def test_split_pd_matches_one_rank_and_each_rank_moves_only_missing_blocks(prese
     fresh, shared, suffix = _requests()
     leader, follower = decode[0][preset], decode[1][preset]
     assert leader["tokens"] == {
-        "fresh": reference_tokens(single, fresh),
-        "hit": reference_tokens(single, shared + suffix),
+        "fresh": reference_tokens(single, fresh, GREEDY),
+        "hit": reference_tokens(single, shared + suffix, GREEDY),
     }
     assert leader["failures"] == 0 and leader["reads"] == 2
     assert leader["hit_fresh"] == 0 and leader["hit_hit"] == 32
