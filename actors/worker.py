@@ -119,7 +119,7 @@ class EngineWorker:
         self.engine: EngineCore = EngineCore(config, threads=resources.num_threads, name=worker_id, kv_role=kv_role)
         #: the other ranks' channel (None on one rank): every step goes to them before it runs
         self.rank_leader: RankLeader | None = (
-            lead_ranks(self.engine.runner) if workers.tensor_parallel_size > 1 else None
+            lead_ranks(self.engine.runner, self.engine.handoff) if workers.tensor_parallel_size > 1 else None
         )
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()

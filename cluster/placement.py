@@ -135,10 +135,10 @@ def check_tensor_parallel(
 ) -> None:
     """Refuse a ``workers.tensor_parallel_size`` > 1 the cluster cannot start, before any worker
     starts: a size the model cannot split by (naming the field, the model and the number,
-    ``engine.model.layers.parallel``); a size above the devices of the largest of ``nodes``
-    (``ray.nodes()``; None: not checked; a worker's ranks share one node); and prefill / decode
-    workers (a P/D transfer between split workers, each rank moving its own heads, is not built
-    yet: split workers run aggregated)."""
+    ``engine.model.layers.parallel``); and a size above the devices of the largest of ``nodes``
+    (``ray.nodes()``; None: not checked; a worker's ranks share one node). Prefill and decode
+    workers share the one size, as a P/D transfer between split workers needs (each decode rank
+    reads its shard from the prefill worker's same rank, engine/rank_group.py)."""
     size = config.workers.tensor_parallel_size
     if size == 1:
         return
@@ -155,8 +155,3 @@ def check_tensor_parallel(
                 f"workers.tensor_parallel_size: a worker's ranks share one node, but the largest node has "
                 f"{devices} {unit} (got {size})"
             )
-    if config.workers.num_prefill > 0:
-        raise PlacementError(
-            f"workers.tensor_parallel_size: prefill / decode workers split over ranks are not built yet "
-            f"(workers.num_prefill is {config.workers.num_prefill}; set it to 0) (got {size})"
-        )

@@ -4,7 +4,8 @@ At ``workers.tensor_parallel_size`` 1 a worker is one actor, as ever. At N > 1 i
 placement group of N bundles packed on one node (one per rank: the worker's CPUs, and one GPU
 each on CUDA), the worker actor in bundle 0 (rank 0, the ``EngineCore`` the cluster talks to)
 and a ``RankFollower`` in each other bundle; the ranks meet at a ``tcp://`` address on that node
-(``rendezvous``, picked there). The cluster sees one worker: it health-checks and calls the
+(``rendezvous``, picked there); in a P/D cluster every rank has the worker's ``kv_role`` (its own
+transfer agent, engine/rank_group.py). The cluster sees one worker: it health-checks and calls the
 worker actor only; a rank that dies breaks rank 0's next step (or keep-alive), which takes the
 worker down, and ``release`` then kills the rest of the group.
 """
@@ -80,9 +81,11 @@ class RankGroups:
             find = ray.remote(num_cpus=0)(rendezvous)
             address: str = ray.get(find.options(scheduling_strategy=in_bundle(0)).remote(), timeout=60)
             follower_class = cast("ActorClass[RankFollower]", RankFollower)  # what @ray.remote made of it
+            # the supervisor's rule (cluster/supervisor.py): prefill workers make the cluster P/D
+            kv_role = role if config.workers.num_prefill > 0 else None
             followers = [
                 follower_class.options(num_cpus=resources.num_cpus, scheduling_strategy=in_bundle(rank)).remote(
-                    config, worker_id, rank, address
+                    config, worker_id, rank, address, kv_role
                 )
                 for rank in range(1, self.size)
             ]

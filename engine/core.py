@@ -252,9 +252,9 @@ class EngineCore:
     @property
     def agent_info(self) -> AgentInfo:
         """This worker's transfer registration (plain data a peer needs to read its blocks)."""
-        if self._agent_info is None:
+        if self.handoff is None:
             raise ValueError(f"engine {self.name!r}: no kv_role, so no transfer registration")
-        return self._agent_info
+        return self.handoff.agent_info  # with the other ranks' when split (``engine.rank_group``)
 
     def _handoff_for(self, action: str) -> PDHandoff:
         """The P/D hand-off, or ValueError naming ``kv_role`` when this engine has none."""

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from configs.schema import TransferConfig
     from engine.kv_cache.coordinator import HybridCoordinator
     from engine.runner import ModelRunner
+    from engine.transfer.ranked import RankReads
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class PDHandoff:
         self.completed_reads: list[CompletedRead] = []
         #: peers a warm-up was started for (one that did not stay a peer is not tried again)
         self.warm_attempted: set[str] = set()
+        #: on rank 0 of a worker split over tensor-parallel ranks (``engine.rank_group.lead_ranks``):
+        #: the reads every rank makes with this one; None on one rank
+        self.ranks: RankReads | None = None
 
     # -- state -------------------------------------------------------------------------------------
     def take_completed_reads(self) -> list[CompletedRead]:
@@ -180,6 +184,7 @@ class PDHandoff:
         request = expected.request
         try:
             check_handle(handle, self.layout_key, request.token_ids)
+            self._check_ranks(handle)
         except ValueError as exc:
             self._notify_only(handle)
             if expected.reserved:
@@ -213,6 +218,7 @@ class PDHandoff:
         """Admit ``request`` (checked against ``handle``) and start reading the handle's KV into
         its blocks; a handle too late to read is notified and the prompt computed here."""
         request_id = request.request_id
+        self._check_ranks(handle)
         cfg = self.config
         if not handle_usable(handle, cfg.read_timeout_s, cfg.release_timeout_s):
             # Its owner frees (or already freed) the blocks before a read could end: reading
@@ -252,9 +258,25 @@ class PDHandoff:
             return
         if handle.agent.name not in self.transfer.peers:
             self.stats.cold_reads += 1  # this read pays the connection setup
-        tid = self.transfer.start_read(handle.agent, pairs, notify=handle.notify_key)
+        ranks = self.ranks
+        # split over ranks: the owner is notified once every rank's read ended (``progress``)
+        tid = self.transfer.start_read(handle.agent, pairs, notify=b"" if ranks else handle.notify_key)
+        if ranks is not None:
+            ranks.start(tid, handle.agent, pairs, handle.notify_key)
         self.loads.reads[tid] = request_id
         self.stats.reads += 1
+
+    def _check_ranks(self, handle: KVHandle) -> None:
+        """ValueError naming the field unless the handle's owner is split over as many
+        tensor-parallel ranks as this worker (each rank reads its own shard from its peer)."""
+        if self.ranks is not None:
+            self.ranks.check(handle.agent)
+        elif handle.agent.tensor_parallel_size != 1:
+            raise ValueError(
+                f"workers.tensor_parallel_size: the prefill worker {handle.agent.name!r} runs "
+                f"{handle.agent.tensor_parallel_size} ranks, this decode worker 1; a P/D transfer needs the same "
+                "size on both sides"
+            )
 
     def _notify_only(self, handle: KVHandle) -> None:
         """Tell the owner it may free the handle's blocks, reading nothing."""
@@ -352,12 +374,16 @@ class PDHandoff:
                     loads.notify_only.discard(tid)
                     transfer.release(tid)
         if loads.reads:
-            for tid, status in transfer.poll(list(loads.reads)).items():
-                if status not in (DONE, FAILED):
-                    continue
+            ended = {tid: s for tid, s in transfer.poll(list(loads.reads)).items() if s in (DONE, FAILED)}
+            if self.ranks is not None and ended:
+                ended = self.ranks.settle(ended)  # only those ended on every rank
+            for tid, status in ended.items():
                 request_id = loads.reads.pop(tid)
                 record = transfer.read_record(tid)
                 transfer.release(tid)
+                if self.ranks is not None:  # no rank reads the owner's blocks any more: it may free them
+                    peer, notify = self.ranks.take(tid)
+                    loads.notify_only.add(transfer.start_read(peer, [], notify=notify))
                 result = self._load_ended(request_id, status == DONE, record)
                 if result is not None:
                     results.append(result)

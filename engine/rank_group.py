@@ -12,6 +12,14 @@ runs on each other rank and replays each message on its own runner: the same for
 sums and the vocabulary gather meet rank 0's), no sampling. Control messages go over their own
 gloo group (a CPU channel on CUDA as well).
 
+P/D between split workers (same size on both sides): every rank has its own transfer agent over
+its own KV pages; when the group forms, rank 0 gathers the other ranks' registrations and
+publishes them with its own (``AgentInfo.ranks``). A read rank 0's hand-off starts (the plan made
+once, on rank 0) goes to every other rank as a ``read`` message: rank r reads the same block pairs
+from the prefill worker's rank r (``engine.transfer.ranked``). Rank 0 asks the other ranks how
+their reads stand (``poll``, answered by a gather) once its own has ended, and the request waits
+for KV until the read has ended on every rank.
+
 Invariants: every rank runs the same forwards in the same order (the leader sends each step before
 it runs it, and a follower runs nothing else); a follower's KV pages change only by those forwards
 and the copies sent with them; a follower stops at the leader's ``stop`` (or when the group
@@ -20,16 +28,22 @@ breaks: a dead rank takes the worker down as one unit).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
 from engine.kv_cache.host_tier import TierCopy
+from engine.transfer.ranked import FollowerReads, RankRead, RankReads, ReadPoll
+from engine.transfer.records import AgentInfo, TransferStatus
+
+if TYPE_CHECKING:
+    from engine.pd_handoff import PDHandoff
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +73,10 @@ class ChunkInputs:
         return len(self.tokens)
 
 
-#: a control message: ("step", a step's chunks, []), ("copies", [], host-tier copies), ("noop", [], [])
-#: (a keep-alive) or ("stop", [], [])
-Message = tuple[str, list[ChunkInputs], list[TierCopy]]
+#: a control message: ("step", a step's chunks, [], None), ("copies", [], host-tier copies, None),
+#: ("read", [], [], the reads to start), ("poll", [], [], the reads to report: answered by a
+#: gather), ("noop", [], [], None) (a keep-alive) or ("stop", [], [], None)
+Message = tuple[str, list[ChunkInputs], list[TierCopy], list[RankRead] | ReadPoll | None]
 
 
 class RankLeader:
@@ -70,29 +85,42 @@ class RankLeader:
     Invariant: every message is sent to all other ranks, in the order the runner produces them;
     after ``stop`` nothing more is sent."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, size: int):
         self.group = group
+        self.size = size
         self.stopped = False
         self.steps_sent = 0
         self.last_sent = time.monotonic()
 
     def send_step(self, chunks: list[ChunkInputs]) -> None:
-        self._send(("step", chunks, []))
+        self._send(("step", chunks, [], None))
         self.steps_sent += 1
 
     def send_copies(self, copies: list[TierCopy]) -> None:
-        self._send(("copies", [], copies))
+        self._send(("copies", [], copies, None))
+
+    def send_reads(self, reads: list[RankRead]) -> None:
+        """Start ``reads`` on every other rank (each from its own rank of the peer)."""
+        self._send(("read", [], [], reads))
+
+    def poll_reads(self, poll: ReadPoll) -> list[dict[int, TransferStatus]]:
+        """How the reads ``poll.keys`` stand on ranks 1 .. N - 1 (one dict per rank, in rank
+        order); the ranks forget ``poll.settled`` first."""
+        self._send(("poll", [], [], poll))
+        answers: list[dict[int, TransferStatus] | None] = [None] * self.size
+        dist.gather_object({}, answers, dst=0, group=self.group)
+        return [answer or {} for answer in answers[1:]]
 
     def keepalive(self, now: float) -> None:
         """Send a no-op when nothing was sent for ``KEEPALIVE_S`` (an idle worker's followers
         wait on the channel; this keeps them inside ``CONTROL_TIMEOUT`` and finds a dead rank)."""
         if not self.stopped and now - self.last_sent >= KEEPALIVE_S:
-            self._send(("noop", [], []))
+            self._send(("noop", [], [], None))
 
     def stop(self) -> None:
         """Release the followers (their ``follow_leader`` returns). Idempotent."""
         if not self.stopped:
-            self._send(("stop", [], []))
+            self._send(("stop", [], [], None))
             self.stopped = True
 
     def _send(self, message: Message) -> None:
@@ -131,25 +159,54 @@ def control_group() -> dist.ProcessGroup:
     return group
 
 
-def lead_ranks(runner: RankRunner) -> RankLeader:
+def _gather_agents(group: dist.ProcessGroup, info: AgentInfo | None) -> list[AgentInfo | None]:
+    """Every rank's transfer registration (None: it has none), in rank order, on rank 0 (one
+    collective every rank makes right after the control group forms)."""
+    size = dist.get_world_size()
+    infos: list[AgentInfo | None] | None = [None] * size if dist.get_rank() == 0 else None
+    dist.gather_object(info, infos, dst=0, group=group)
+    return infos or []
+
+
+def lead_ranks(runner: RankRunner, handoff: PDHandoff | None = None) -> RankLeader:
     """Make ``runner`` (rank 0's) send each step's inputs to the other ranks from now on; they run
-    ``follow_leader``. Call after the process group is initialised, on rank 0 only."""
+    ``follow_leader``. With the engine's P/D ``handoff`` (a ``kv_role``; every other rank then
+    follows with its ``FollowerReads``), its registration is published with the other ranks'
+    (``AgentInfo.ranks``) and each read it starts runs on every rank. Call after the process
+    group is initialised, on rank 0 only."""
     if dist.get_rank() != 0:
         raise ValueError(f"tensor_parallel_rank: only rank 0 leads (this is rank {dist.get_rank()})")
     if runner.decode is not None:
         raise ValueError("tensor_parallel_size > 1: the static decode step is not split over ranks yet")
-    leader = RankLeader(control_group())
+    group = control_group()
+    leader = RankLeader(group, dist.get_world_size())
+    infos = _gather_agents(group, handoff.agent_info if handoff is not None else None)
+    if handoff is not None:
+        missing = [rank for rank, info in enumerate(infos) if info is None]
+        if missing:
+            raise ValueError(
+                f"kv_role: ranks {missing} of this worker have no transfer registration; every rank of a "
+                "prefill / decode worker reads or serves its own shard of the KV"
+            )
+        others = tuple(info for info in infos[1:] if info is not None)
+        handoff.agent_info = dataclasses.replace(handoff.agent_info, ranks=others)
+        handoff.ranks = RankReads(leader)
     runner.leader = leader
     return leader
 
 
-def follow_leader(runner: RankRunner, on_step: Callable[[], None] | None = None) -> int:
+def follow_leader(
+    runner: RankRunner, on_step: Callable[[], None] | None = None, reads: FollowerReads | None = None
+) -> int:
     """On a rank other than 0: run every step rank 0's runner sends, on this rank's ``runner``,
-    until the leader stops (``on_step`` called after each); returns the number of steps run."""
+    until the leader stops (``on_step`` called after each), and the P/D reads it sends with this
+    rank's ``reads`` (its transfer agent; None: the worker has no ``kv_role``); returns the
+    number of steps run."""
     rank = dist.get_rank()
     if rank == 0:
         raise ValueError("tensor_parallel_rank: rank 0 leads, it does not follow")
     group = control_group()
+    _gather_agents(group, reads.agent_info if reads is not None else None)
     steps = 0
     log.info("tensor-parallel rank %d follows rank 0", rank)
     while True:
@@ -157,7 +214,7 @@ def follow_leader(runner: RankRunner, on_step: Callable[[], None] | None = None)
         dist.broadcast_object_list(box, src=0, group=group)
         message = box[0]
         assert message is not None, "a broadcast fills the box"
-        kind, chunks, copies = message
+        kind, chunks, copies, payload = message
         if kind == "stop":
             log.info("tensor-parallel rank %d stops after %d steps", rank, steps)
             return steps
@@ -168,5 +225,16 @@ def follow_leader(runner: RankRunner, on_step: Callable[[], None] | None = None)
             steps += 1
             if on_step is not None:
                 on_step()
+        elif kind == "read":
+            assert isinstance(payload, list), "a read message carries its reads"
+            for read in payload:
+                if reads is None:
+                    log.error("tensor-parallel rank %d: a P/D read came to a rank without a transfer agent", rank)
+                else:
+                    reads.start(read)
+        elif kind == "poll":
+            assert isinstance(payload, ReadPoll), "a poll message carries the reads it asks about"
+            answer = reads.poll(payload) if reads is not None else {}
+            dist.gather_object(answer, None, dst=0, group=group)
         elif kind != "noop":
             raise RuntimeError(f"tensor-parallel rank {rank}: unknown control message {kind!r}")

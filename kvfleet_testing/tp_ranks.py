@@ -1,6 +1,7 @@
 """Run one function on every rank of a tensor-parallel group: ``size`` spawned processes joined
-over gloo on loopback (``run_ranks``), for the tests and benchmarks of
-engine/model/layers/parallel.py.
+over gloo on loopback (``run_ranks``), or several such groups at once (``run_groups``: a prefill
+and a decode worker), for the tests and benchmarks of engine/model/layers/parallel.py and
+engine/rank_group.py.
 
 Each rank calls ``fn(rank, size)`` with the default process group initialised, one torch thread
 (``threads`` to change it), and hands back what it returns (anything ``torch.save`` takes). A rank
@@ -13,8 +14,9 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -55,29 +57,41 @@ def _rank_main(
 def run_ranks(fn: Callable[[int, int], T], size: int, timeout_s: float = 120, threads: int = 1) -> list[T]:
     """``fn(rank, size)``'s result on every rank, in rank order (``fn`` must be picklable: a
     module-level function or a ``functools.partial`` of one)."""
+    return run_groups([fn], size, timeout_s, threads)[0]
+
+
+def run_groups(
+    fns: Sequence[Callable[[int, int], T]], size: int, timeout_s: float = 120, threads: int = 1
+) -> list[list[T]]:
+    """Several groups of ``size`` ranks at once, each joined on its own port (its own default
+    process group: one worker each, e.g. a prefill and a decode worker): per group, per rank,
+    ``fns[group](rank, size)``'s result. The groups talk only through what the functions carry
+    (e.g. a queue of the spawn context)."""
     ctx = mp.get_context("spawn")
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="tp-ranks-") as tmp:
-        out = str(Path(tmp) / "rank")
-        procs = [
-            ctx.Process(target=_rank_main, args=(fn, r, size, port, out, timeout_s, threads), daemon=True)
-            for r in range(size)
-        ]
+        outs = [str(Path(tmp) / f"group{g}-rank") for g in range(len(fns))]
+        procs = []
+        for fn, out in zip(fns, outs, strict=True):
+            port = free_port()
+            args = [(fn, r, size, port, out, timeout_s, threads) for r in range(size)]
+            procs += [ctx.Process(target=_rank_main, args=a, daemon=True) for a in args]
         for proc in procs:
             proc.start()
+        end = time.monotonic() + timeout_s * 3
         for proc in procs:
-            proc.join(timeout_s * 3)
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            proc.join(max(0.0, end - time.monotonic()))
+        alive = [i for i, p in enumerate(procs) if p.is_alive()]
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        errors = sorted(Path(tmp).glob("rank.*.error"))
+        errors = sorted(Path(tmp).glob("*.error"))
         if errors:
-            raise RankError(errors[0].read_text())
+            raise RankError(f"{errors[0].name}: {errors[0].read_text()}")
         if alive:
-            raise RankError(f"ranks {alive} of {size} did not finish in {timeout_s * 3:.0f} s")
+            named = [f"group {i // size} rank {i % size}" for i in alive]
+            raise RankError(f"{', '.join(named)} did not finish in {timeout_s * 3:.0f} s")
         codes = [p.exitcode for p in procs]
         if any(codes):
             raise RankError(f"ranks exited with {codes}")
-        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(size)]
+        return [[torch.load(f"{out}.{r}", weights_only=False) for r in range(size)] for out in outs]

@@ -37,7 +37,10 @@ class AgentInfo:
     ``num_blocks`` is pool 0's row count. NIXL fills ``metadata`` (the agent blob), ``base_addrs``,
     ``mem_type`` and ``device_id``; the local backend fills ``notify_addr``, ``mem_type``,
     ``device_id`` and, for CPU slots, ``shm_paths``; for CUDA slots ``cuda_ipc``: per slot, the
-    plain part of torch's CUDA IPC reduction (see ``local_cuda.share``).
+    plain part of torch's CUDA IPC reduction (see ``local_cuda.share``). A worker split over
+    tensor-parallel ranks (engine/rank_group.py) is published as rank 0's info with ``ranks``:
+    the infos of its ranks 1 .. N - 1, in rank order (empty on one rank); a reader's rank r
+    reads its own shard from ``ranks[r - 1]``.
 
     Invariant: frozen and compared by value (``KVTransfer.add_peer`` takes an equal info for the
     peer it already has).
@@ -58,6 +61,12 @@ class AgentInfo:
     slot_pool: tuple[int, ...] = ()
     slot_blocks: tuple[int, ...] = ()
     cuda_ipc: tuple[tuple[int | bytes | str, ...], ...] = ()
+    ranks: tuple[AgentInfo, ...] = ()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks of the worker this info publishes (1: one rank)."""
+        return 1 + len(self.ranks)
 
     @property
     def num_slots(self) -> int:
