@@ -60,6 +60,7 @@ typedef struct {
     uint32_t mask, filled;
     size_t stride;   /* an entry's bytes: the key, the flags and a word per group */
     int nwords;
+    uint64_t epoch;  /* counts entries made and dropped: an entry number read before is valid while it holds */
 } Table;
 
 typedef struct {
@@ -89,6 +90,13 @@ typedef struct {
     size_t scratch_cap;
     uint32_t *walked; /* the walk's step 1: the entry of each position it met (NONE_ID: none) */
     size_t walked_cap;
+    /* what ``walked`` holds after a walk, for ``tiered`` to read instead of looking the same
+     * positions up again: its first ``walked_n`` positions of ``walked_list`` (a reference, so the
+     * list stays that object) every ``walked_factor``-th hash, valid while the table's epoch is
+     * ``walked_epoch`` (no entry made or dropped since, so each entry number is still its key's) */
+    PyObject *walked_list;
+    Py_ssize_t walked_n, walked_factor;
+    uint64_t walked_epoch;
 } Maps;
 
 static inline Entry *ent(const Table *t, uint32_t id) {
@@ -342,6 +350,7 @@ static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, ui
         }
         id = t->top++;
     }
+    t->epoch++;
     Entry *e = ent(t, id);
     if (n == KEY_BYTES) {
         memcpy(e->key, p, KEY_BYTES);
@@ -366,6 +375,7 @@ static int64_t t_insert(Table *t, PyObject *obj, const char *p, Py_ssize_t n, ui
 
 static void t_delete(Table *t, uint32_t id) {
     Entry *e = ent(t, id);
+    t->epoch++;
     size_t i = (size_t)entry_hash(e) & t->mask;
     while (t->index[i] != id + 2)
         i = (i + 1) & t->mask;
@@ -706,6 +716,7 @@ static void Maps_dealloc(Maps *self) {
     PyMem_Free(self->slots);
     PyMem_Free(self->scratch);
     PyMem_Free(self->walked);
+    Py_CLEAR(self->walked_list);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1393,6 +1404,15 @@ static int needed_range(PyObject *ranges, int g, Py_ssize_t k, Py_ssize_t *start
 
 /* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. Group
  * ``first``'s view of ``hashes`` is every ``factor``-th hash (``coarse_view``), read in place. */
+/* A walk over ``hashes`` filled the first ``n`` positions of ``walked``: keep that for ``tiered``. */
+static inline void walked_keep(Maps *self, PyObject *hashes, Py_ssize_t factor, Py_ssize_t n) {
+    Py_INCREF(hashes);
+    Py_XSETREF(self->walked_list, hashes);
+    self->walked_n = n;
+    self->walked_factor = factor;
+    self->walked_epoch = self->table.epoch;
+}
+
 static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor, Py_ssize_t limit, Py_ssize_t per,
                      PyObject *checks, Sink *sink) {
     if (check_group(self, first) < 0)
@@ -1408,6 +1428,8 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
     if (limit > nhashes / factor)
         limit = nhashes / factor;
+    self->walked_n = 0; /* ``walked`` is this walk's from here */
+    Py_CLEAR(self->walked_list);
     if (limit <= 0)
         return 0;
     PyObject *const *items = &PyList_GET_ITEM(hashes, 0);
@@ -1421,8 +1443,10 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     if (err)
         return -1;
     uint32_t v0 = walked[0] == NONE_ID ? NONE_ID : ent(&self->table, walked[0])->words[first];
-    if (v0 == NONE_ID)
+    if (v0 == NONE_ID) {
+        walked_keep(self, hashes, factor, 1);
         return 0;
+    }
     Py_ssize_t nwalked = 1; /* positions of ``walked`` filled */
     Py_ssize_t nchecks = PyList_GET_SIZE(checks);
     CheckSpec small[SMALL_CHECKS];
@@ -1602,6 +1626,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     PyMem_Free(stop_count);
     if (specs != small)
         PyMem_Free(specs);
+    walked_keep(self, hashes, factor, nwalked);
     return 0;
 fail_stops:
     if (stop_slots != NULL) {
@@ -1930,7 +1955,16 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
             PyErr_NoMemory();
             goto done;
         }
-        for (Py_ssize_t i = 0; i < v->n; i++) {
+        Py_ssize_t known = 0; /* positions the last walk met over these hashes: read from ``walked`` */
+        if (self->walked_list == hashes && self->walked_factor == v->factor &&
+            self->walked_epoch == self->table.epoch)
+            known = self->walked_n < v->n ? self->walked_n : v->n;
+        for (Py_ssize_t i = 0; i < known; i++) {
+            uint32_t id = self->walked[i];
+            v->dev[i] = id == NONE_ID ? NONE_ID : ent(&self->table, id)->words[v->g];
+            v->hosted[i] = HOST_UNREAD;
+        }
+        for (Py_ssize_t i = known; i < v->n; i++) {
             v->dev[i] = UNREAD;
             v->hosted[i] = HOST_UNREAD;
         }

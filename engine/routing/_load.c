@@ -42,6 +42,7 @@ typedef struct {
     /* ``Knobs``: the guards' ratios and slack, the work per request, the anchor credit */
     double imbalance_ratio, imbalance_slack, sustained_ratio, work_ratio, request_work, anchor;
     double w_queued, w_running, w_used; /* the load cost's weights (``report``) */
+    double promote_seconds, w_miss; /* a host-tier hit token's price (``promote_load``) */
     Py_ssize_t extra_probes; /* ``Knobs.extra_probes`` */
     PyObject *load_cost, *queued; /* dicts: worker -> load cost, worker -> queued tokens */
     double queued_sum;  /* the sum of ``queued`` */
@@ -296,13 +297,14 @@ static int Book_init(Book *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"load_halflife_s", "work_halflife_s", "seed", "imbalance_ratio",
                              "imbalance_slack_tokens", "sustained_imbalance_ratio", "work_imbalance_ratio",
                              "request_work_tokens", "anchor_credit", "w_queued", "w_running", "w_used",
-                             "extra_probes", "loads", "randrange", NULL};
+                             "promote_seconds", "w_miss", "extra_probes", "loads", "randrange", NULL};
     double load_half, work_half;
     PyObject *seed, *loads, *randrange;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOdddddddddnO!O", kwlist, &load_half, &work_half, &seed,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ddOdddddddddddnO!O", kwlist, &load_half, &work_half, &seed,
                                      &self->imbalance_ratio, &self->imbalance_slack, &self->sustained_ratio,
                                      &self->work_ratio, &self->request_work, &self->anchor, &self->w_queued,
-                                     &self->w_running, &self->w_used, &self->extra_probes, &PyDict_Type, &loads,
+                                     &self->w_running, &self->w_used, &self->promote_seconds, &self->w_miss,
+                                     &self->extra_probes, &PyDict_Type, &loads,
                                      &randrange))
         return -1;
     if (!PyCallable_Check(randrange)) {
@@ -512,7 +514,8 @@ static PyObject *Book_add_work(Book *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-static PyObject *str_queued_tokens, *str_running_requests, *str_used_block_fraction; /* interned at import */
+static PyObject *str_queued_tokens, *str_running_requests, *str_used_block_fraction,
+    *str_promote_s_per_token; /* interned at import */
 /* ``Decision``'s fields in declaration order (engine/routing/types.py), interned at import */
 static const char *const decision_fields[9] = {"prefill_worker", "decode_worker", "predicted_hit",
                                                "num_tokens",     "reason",        "pin_id",
@@ -718,9 +721,44 @@ static PyObject *Book_thresholds(Book *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(ddd)", limit, slow, cap);
 }
 
+/* ``promote_load``: see ``PyLoadBook.promote_load``, operation by operation (``min`` and ``max``
+ * keep their first argument on ties). Sets *failed on an error. */
+static double promote_load_of(const Book *self, PyObject *worker, int *failed) {
+    PyObject *load = PyDict_GetItemWithError(self->loads, worker); /* borrowed */
+    if (load == NULL) {
+        if (PyErr_Occurred())
+            *failed = 1;
+        return 0.0;
+    }
+    PyObject *p_obj = PyObject_GetAttr(load, str_promote_s_per_token);
+    if (p_obj == NULL) {
+        *failed = 1;
+        return 0.0;
+    }
+    double p = PyFloat_AsDouble(p_obj);
+    Py_DECREF(p_obj);
+    if (p == -1.0 && PyErr_Occurred()) {
+        *failed = 1;
+        return 0.0;
+    }
+    if (p <= 0)
+        return 0.0;
+    double w_miss = 1e-9 > self->w_miss ? 1e-9 : self->w_miss;
+    double share = self->promote_seconds * p / w_miss;
+    return share < 1.0 ? share : 1.0;
+}
+
+static PyObject *Book_promote_load(Book *self, PyObject *worker) {
+    int failed = 0;
+    double share = promote_load_of(self, worker, &failed);
+    return failed ? NULL : PyFloat_FromDouble(share);
+}
+
 /* ``credit``: see ``PyLoadBook.credit``. Works on Python numbers as it does, so an int hit stays
- * an int where nothing changes it. ``shared``, ``deduct``, ``ahead``: dicts or NULL. */
-static PyObject *credit_of(const Book *self, PyObject *hits, PyObject *shared, PyObject *deduct, PyObject *ahead) {
+ * an int where nothing changes it; a host-tier deduction is the double arithmetic Python does on
+ * an int or a float (``tokens * promote_load``, then the credit less that). ``shared``, ``host``,
+ * ``ahead``: dicts or NULL. */
+static PyObject *credit_of(const Book *self, PyObject *hits, PyObject *shared, PyObject *host, PyObject *ahead) {
     PyObject *credit = PyDict_Copy(hits);
     if (credit == NULL)
         return NULL;
@@ -744,16 +782,24 @@ static PyObject *credit_of(const Book *self, PyObject *hits, PyObject *shared, P
             Py_DECREF(got);
         }
     }
-    if (deduct != NULL) {
+    if (host != NULL) {
         pos = 0;
-        while (PyDict_Next(deduct, &pos, &worker, &value)) {
+        while (PyDict_Next(host, &pos, &worker, &value)) {
             PyObject *have = PyDict_GetItemWithError(credit, worker);
             if (have == NULL) {
                 if (PyErr_Occurred())
                     goto error;
                 continue;
             }
-            PyObject *less = PyNumber_Subtract(have, value);
+            int failed = 0;
+            double tokens = PyFloat_AsDouble(value);
+            if (tokens == -1.0 && PyErr_Occurred())
+                goto error;
+            double amount = tokens * promote_load_of(self, worker, &failed);
+            double h = failed ? 0.0 : PyFloat_AsDouble(have);
+            if (failed || (h == -1.0 && PyErr_Occurred()))
+                goto error;
+            PyObject *less = PyFloat_FromDouble(h - amount);
             if (less == NULL || PyDict_SetItem(credit, worker, less) < 0) {
                 Py_XDECREF(less);
                 goto error;
@@ -793,7 +839,7 @@ static PyObject *dict_or_null(PyObject *o) { return (o != Py_None && PyDict_Chec
 
 static PyObject *Book_credit(Book *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyDict_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "credit(hits: dict, shared, deduct, ahead)");
+        PyErr_SetString(PyExc_TypeError, "credit(hits: dict, shared, host, ahead)");
         return NULL;
     }
     return credit_of(self, args[0], dict_or_null(args[1]), dict_or_null(args[2]), dict_or_null(args[3]));
@@ -941,26 +987,32 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
     return result;
 }
 
-/* ``choose``: ``RoutingPolicy._pick`` over the whole pool for a request without a pin or a host
- * tier hit, in one call: the thresholds, the credit, the scan, the random tie-break (``randrange``:
- * the policy's ``rng.randrange``) and the reason. Returns None, having changed nothing, where
- * ``_pick`` has more to do (pending holders to resolve, no least loaded worker in the load order's
- * first entries, nobody allowed): the policy then runs ``_pick`` itself. */
-static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyObject **why) {
-    PyObject *hits = args[0], *shared = dict_or_null(args[1]), *ahead = dict_or_null(args[2]), *pending = args[3];
+/* ``choose``: ``RoutingPolicy._pick`` over the whole pool for a request without a pin, in one
+ * call: the thresholds, the credit (its host-tier deduction included), the scan, the random
+ * tie-break (``randrange``: the policy's ``rng.randrange``) and the reason. Returns 0, having
+ * changed nothing, where ``_pick`` has more to do (pending holders to resolve, no least loaded
+ * worker in the load order's first entries, nobody allowed): the policy then runs ``_pick``
+ * itself. Returns 1 with *chosen (a new reference) and *why (borrowed, interned), and where
+ * asked (non-NULL) *hit: ``hits.get(choice, 0)`` and *top: ``max(hits.values(), default=0)``
+ * (the first of equal values, as ``max`` keeps it), new references, from the one pass over
+ * ``hits`` the reason needs. */
+static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyObject **why, PyObject **hit_out,
+                       PyObject **top_out) {
+    PyObject *hits = args[0], *shared = dict_or_null(args[1]), *host = dict_or_null(args[2]);
+    PyObject *ahead = dict_or_null(args[3]), *pending = args[4];
     PyObject *randrange = self->randrange;
     if (!PyDict_Check(hits)) {
         PyErr_SetString(PyExc_TypeError, "choose: hits must be a dict");
         return -1;
     }
-    double n = PyFloat_AsDouble(args[4]), now = PyFloat_AsDouble(args[5]), w_uncached = PyFloat_AsDouble(args[6]),
-           w_spread = PyFloat_AsDouble(args[7]);
+    double n = PyFloat_AsDouble(args[5]), now = PyFloat_AsDouble(args[6]), w_uncached = PyFloat_AsDouble(args[7]),
+           w_spread = PyFloat_AsDouble(args[8]);
     Py_ssize_t extra = self->extra_probes;
     if (PyErr_Occurred())
         return -1;
     double limit, slow, cap;
     thresholds_of(self, n, now, own_mean_queued(self), NULL, NULL, &limit, &slow, &cap);
-    PyObject *credit = credit_of(self, hits, shared, NULL, ahead);
+    PyObject *credit = credit_of(self, hits, shared, host, ahead);
     if (credit == NULL)
         return -1;
     ScanOut out;
@@ -999,23 +1051,26 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyO
     int in_spread = PySet_Contains(out.spread, choice);
     if (in_spread < 0)
         goto fail;
-    PyObject *hit = PyDict_GetItemWithError(hits, choice);
+    PyObject *hit = PyDict_GetItemWithError(hits, choice); /* borrowed */
     if (hit == NULL && PyErr_Occurred())
         goto fail;
     double h = hit == NULL ? 0.0 : PyFloat_AsDouble(hit);
     if (h == -1.0 && PyErr_Occurred())
         goto fail;
-    double top = 0.0; /* max(hits.values(), default=0) */
+    PyObject *top = NULL; /* max(hits.values()): borrowed; NULL: the default 0 */
+    double top_value = 0.0;
     Py_ssize_t at = 0;
     PyObject *key, *value;
     while (PyDict_Next(hits, &at, &key, &value)) {
         double v = PyFloat_AsDouble(value);
         if (v == -1.0 && PyErr_Occurred())
             goto fail;
-        if (v > top)
-            top = v;
+        if (top == NULL || v > top_value) {
+            top = value;
+            top_value = v;
+        }
     }
-    if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread && h < top) {
+    if ((out.guarded || PySet_GET_SIZE(out.spread) > 0) && !in_spread && h < top_value) {
         reason = REASON_GUARD;
     } else {
         if (h > 0) {
@@ -1031,6 +1086,13 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyO
                 reason = REASON_INFLIGHT;
         }
     }
+    if (hit_out != NULL && (*hit_out = hit != NULL ? Py_NewRef(hit) : PyLong_FromLong(0)) == NULL)
+        goto fail;
+    if (top_out != NULL && (*top_out = top != NULL ? Py_NewRef(top) : PyLong_FromLong(0)) == NULL) {
+        if (hit_out != NULL)
+            Py_CLEAR(*hit_out);
+        goto fail;
+    }
     scan_clear(&out);
     *chosen = choice;
     *why = str_reasons[reason]; /* borrowed: interned at import */
@@ -1042,12 +1104,13 @@ fail:
 }
 
 static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "choose(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)");
         return NULL;
     }
     PyObject *choice, *why;
-    int rc = choose_core(self, args, &choice, &why);
+    int rc = choose_core(self, args, &choice, &why, NULL, NULL);
     if (rc < 0)
         return NULL;
     if (rc == 0)
@@ -1057,62 +1120,54 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ``place``: see ``PyLoadBook.place``: ``choose`` and, when it chooses, ``assign`` of the request
  * to the chosen worker; the ``Decision`` is made with its fields written as ``Decision.__init__``
- * writes them (the worker both ways, its hit, ``num_tokens``, the reason, no pin, no decode or host
- * hit, the best hit ``max(hits.values(), default=0)``). None, having changed nothing, where
- * ``choose`` gives None. */
+ * writes them (the worker both ways, its hit, ``num_tokens``, the reason, no pin, no decode hit,
+ * the best hit ``max(hits.values(), default=0)``, the worker's host-tier hit from ``host``). None,
+ * having changed nothing, where ``choose`` gives None. */
 static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "place(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "place(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)");
         return NULL;
     }
-    PyObject *choice, *why;
-    int rc = choose_core(self, args, &choice, &why);
+    PyObject *choice, *why, *hit = NULL, *best = NULL;
+    int rc = choose_core(self, args, &choice, &why, &hit, &best);
     if (rc < 0)
         return NULL;
     if (rc == 0)
         Py_RETURN_NONE;
-    PyObject *hits = args[0], *result = NULL, *uncached = NULL, *hit = NULL, *best = NULL;
-    PyObject *found = PyDict_GetItemWithError(hits, choice), *top = NULL, *key, *value; /* borrowed */
-    if (found == NULL && PyErr_Occurred())
+    PyObject *host = dict_or_null(args[2]), *result = NULL, *uncached = NULL, *host_hit = NULL, *zero = NULL;
+    double now = PyFloat_AsDouble(args[6]);
+    if ((now == -1.0 && PyErr_Occurred()) || (uncached = PyNumber_Subtract(args[5], hit)) == NULL)
         goto done;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(hits, &pos, &key, &value)) { /* max keeps the first of equal values */
-        int greater = top == NULL ? 1 : PyObject_RichCompareBool(value, top, Py_GT);
-        if (greater < 0)
+    if ((zero = PyLong_FromLong(0)) == NULL)
+        goto done;
+    if (host != NULL && PyDict_GET_SIZE(host) > 0) { /* host.get(worker, 0) if host else 0 */
+        host_hit = PyDict_GetItemWithError(host, choice);
+        if (host_hit == NULL && PyErr_Occurred())
             goto done;
-        if (greater)
-            top = value;
     }
-    if ((hit = found != NULL ? Py_NewRef(found) : PyLong_FromLong(0)) == NULL ||
-        (best = top != NULL ? Py_NewRef(top) : PyLong_FromLong(0)) == NULL)
-        goto done;
-    double now = PyFloat_AsDouble(args[5]);
-    if ((now == -1.0 && PyErr_Occurred()) || (uncached = PyNumber_Subtract(args[4], hit)) == NULL)
-        goto done;
+    host_hit = Py_NewRef(host_hit != NULL ? host_hit : zero);
     if (assign_core(self, choice, uncached, now) < 0)
         goto done;
     PyTypeObject *type = (PyTypeObject *)self->decision_type;
-    PyObject *decision = type->tp_alloc(type, 0), *zero = PyLong_FromLong(0);
-    if (decision == NULL || zero == NULL) {
-        Py_XDECREF(decision);
-        Py_XDECREF(zero);
+    PyObject *decision = type->tp_alloc(type, 0);
+    if (decision == NULL)
         goto done;
-    }
-    PyObject *values[9] = {choice, choice, hit, args[4], why, Py_None, zero, best, zero};
+    PyObject *values[9] = {choice, choice, hit, args[5], why, Py_None, zero, best, host_hit};
     for (int k = 0; k < 9; k++) {
         if (PyObject_GenericSetAttr(decision, str_decision[k], values[k]) < 0) {
             Py_DECREF(decision);
-            Py_DECREF(zero);
             goto done;
         }
     }
-    Py_DECREF(zero);
     result = decision;
 done:
     Py_DECREF(choice);
-    Py_XDECREF(hit);
-    Py_XDECREF(best);
+    Py_DECREF(hit);
+    Py_DECREF(best);
     Py_XDECREF(uncached);
+    Py_XDECREF(host_hit);
+    Py_XDECREF(zero);
     return result;
 }
 
@@ -1136,7 +1191,8 @@ static PyMethodDef Book_methods[] = {
     {"over", (PyCFunction)(void (*)(void))Book_over, METH_FASTCALL, "over(worker, now, slow, cap)"},
     {"thresholds", (PyCFunction)(void (*)(void))Book_thresholds, METH_FASTCALL,
      "thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)"},
-    {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, deduct, ahead)"},
+    {"credit", (PyCFunction)(void (*)(void))Book_credit, METH_FASTCALL, "credit(hits, shared, host, ahead)"},
+    {"promote_load", (PyCFunction)Book_promote_load, METH_O, "A host-tier hit token's share of a miss's cost."},
     {"assign", (PyCFunction)(void (*)(void))Book_assign, METH_FASTCALL, "The record of a decision: see _load.c."},
     {"choose", (PyCFunction)(void (*)(void))Book_choose, METH_FASTCALL, "The pick over the whole pool: see _load.c."},
     {"place", (PyCFunction)(void (*)(void))Book_place, METH_FASTCALL, "choose, then assign the choice: see _load.c."},
@@ -1164,7 +1220,9 @@ PyMODINIT_FUNC PyInit__load(void) {
     str_queued_tokens = PyUnicode_InternFromString("queued_tokens");
     str_running_requests = PyUnicode_InternFromString("running_requests");
     str_used_block_fraction = PyUnicode_InternFromString("used_block_fraction");
-    if (str_queued_tokens == NULL || str_running_requests == NULL || str_used_block_fraction == NULL)
+    str_promote_s_per_token = PyUnicode_InternFromString("promote_s_per_token");
+    if (str_queued_tokens == NULL || str_running_requests == NULL || str_used_block_fraction == NULL ||
+        str_promote_s_per_token == NULL)
         return NULL;
     for (int k = 0; k < 9; k++)
         if ((str_decision[k] = PyUnicode_InternFromString(decision_fields[k])) == NULL)

@@ -27,6 +27,8 @@ class LoadBook:
         w_queued: float,
         w_running: float,
         w_used: float,
+        promote_seconds: float,
+        w_miss: float,
         extra_probes: int,
         loads: dict[Hashable, WorkerLoad],
         randrange: Callable[[int], int],
@@ -41,6 +43,7 @@ class LoadBook:
     def work(self, worker: Hashable, now: float, /) -> float: ...
     def work_mean(self, now: float, /) -> float: ...
     def over(self, worker: Hashable, now: float, slow: float, cap: float, /) -> bool: ...
+    def promote_load(self, worker: Hashable, /) -> float: ...
     def thresholds(
         self,
         num_tokens: int,
@@ -54,7 +57,7 @@ class LoadBook:
         self,
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
-        deduct: dict[Hashable, float] | None,
+        host: dict[Hashable, int] | None,
         ahead: dict[Hashable, int] | None,
         /,
     ) -> dict[Hashable, float]: ...
@@ -76,6 +79,7 @@ class LoadBook:
         self,
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
+        host: dict[Hashable, int] | None,
         ahead: dict[Hashable, int] | None,
         pending: Container[Hashable],
         num_tokens: int,
@@ -89,6 +93,7 @@ class LoadBook:
         self,
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
+        host: dict[Hashable, int] | None,
         ahead: dict[Hashable, int] | None,
         pending: Container[Hashable],
         num_tokens: int,

@@ -23,7 +23,7 @@ from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import NamedTuple, Protocol
 
-from configs.schema import RouterConfig
+from configs.schema import RouterConfig, RouterWeights
 from engine.routing.holder_maps import compiled_core
 from engine.routing.types import Decision, WorkerId, WorkerLoad
 
@@ -211,8 +211,9 @@ LEAST_LOADED_PROBES = 8
 
 
 class Knobs(NamedTuple):
-    """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios, anchor credit
-    and load weights, the load order's seed (``knobs_of``) and the load order's extra probes."""
+    """What a load book is built with: ``RouterConfig``'s half-lives, guard ratios, anchor credit,
+    load weights and the weights pricing a host-tier hit, the load order's seed (``knobs_of``) and
+    the load order's extra probes."""
 
     load_halflife_s: float
     work_halflife_s: float
@@ -225,8 +226,15 @@ class Knobs(NamedTuple):
     anchor_credit: float
     w_queued: float  # ``RouterWeights``: a worker's load cost per queued token,
     w_running: float  # per running request,
-    w_used: float  # per used share of its blocks (``LoadBook.report``)
+    w_used: float  # per used share of its blocks (``LoadBook.report``);
+    promote_seconds: float  # the weight of a host-tier hit token's promote time (``LoadBook.promote_load``)
+    w_miss: float  # an uncached token's weight, ``miss_weight``
     extra_probes: int = LEAST_LOADED_PROBES
+
+
+def miss_weight(weights: RouterWeights) -> float:
+    """The weight of an uncached prefill token: its compute plus the cache churn it causes."""
+    return weights.uncached_tokens + weights.cache_churn
 
 
 def knobs_of(config: RouterConfig) -> Knobs:
@@ -243,6 +251,8 @@ def knobs_of(config: RouterConfig) -> Knobs:
         config.weights.queued_tokens,
         config.weights.running_requests,
         config.weights.used_block_fraction,
+        config.weights.promote_seconds,
+        miss_weight(config.weights),
     )
 
 
@@ -282,6 +292,7 @@ class LoadBook(Protocol):
     def work(self, worker: WorkerId, now: float) -> float: ...
     def work_mean(self, now: float) -> float: ...
     def over(self, worker: WorkerId, now: float, slow: float, cap: float) -> bool: ...
+    def promote_load(self, worker: WorkerId) -> float: ...
     def thresholds(
         self,
         num_tokens: int,
@@ -294,7 +305,7 @@ class LoadBook(Protocol):
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
-        deduct: dict[WorkerId, float] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
     ) -> dict[WorkerId, float]: ...
     def scan(
@@ -314,6 +325,7 @@ class LoadBook(Protocol):
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
         num_tokens: int,
@@ -326,6 +338,7 @@ class LoadBook(Protocol):
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
         num_tokens: int,
@@ -419,6 +432,18 @@ class PyLoadBook:
         ``slow`` or its assigned work above ``cap`` (``thresholds`` sets both)."""
         return (self.queues is not None and self.queues.get(worker, now) > slow) or self.assigned.get(worker, now) > cap
 
+    def promote_load(self, worker: WorkerId) -> float:
+        """What a host-tier hit token on ``worker`` costs, as a share of a miss's cost: a host-tier
+        hit is not recomputed but copied back to the device, so it costs the seconds that copy
+        takes (``WorkerLoad.promote_s_per_token`` in its load copy, measured by the worker)
+        weighted by ``promote_seconds`` (prefill tokens per second), over ``w_miss``; at most 1
+        (never above a recompute), 0 for a worker without a load copy or a promote cost."""
+        load = self.loads.get(worker)
+        if load is None or load.promote_s_per_token <= 0:
+            return 0.0
+        knobs = self.knobs
+        return min(1.0, knobs.promote_seconds * load.promote_s_per_token / max(knobs.w_miss, 1e-9))
+
     def thresholds(
         self,
         num_tokens: int,
@@ -458,24 +483,25 @@ class PyLoadBook:
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
-        deduct: dict[WorkerId, float] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
     ) -> dict[WorkerId, float]:
         """Tokens each worker with a prefix saves: its hit (``hits``), plus ``anchor_credit`` of
         the part of its full-attention depth (``shared``) that a group cannot serve (running there
-        anchors that depth), less ``deduct`` (the load time of the part its host tier serves,
-        ``RoutingPolicy._credit``), raised to the tokens routed to it and not yet reported
-        (``ahead``) where those are more. Keys in the order hits, shared, ahead."""
+        anchors that depth), less the load time of the part its host tier serves (``host``: those
+        tokens times ``promote_load``, the one place a host-tier hit is priced), raised to the
+        tokens routed to it and not yet reported (``ahead``) where those are more. Keys in the
+        order hits, shared, ahead."""
         credit: dict[WorkerId, float] = dict(hits)
         if shared:
             c = self.knobs.anchor_credit
             for worker, depth in shared.items():
                 hit = hits.get(worker, 0)
                 credit[worker] = hit + c * (depth - hit)
-        if deduct:
-            for worker, amount in deduct.items():
+        if host:
+            for worker, tokens in host.items():
                 if worker in credit:
-                    credit[worker] -= amount
+                    credit[worker] -= tokens * self.promote_load(worker)
         if ahead:
             for worker, tokens in ahead.items():
                 if tokens > credit.get(worker, 0):
@@ -540,6 +566,7 @@ class PyLoadBook:
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
         num_tokens: int,
@@ -547,15 +574,16 @@ class PyLoadBook:
         w_uncached: float,
         w_spread: float,
     ) -> tuple[WorkerId, str] | None:
-        """The pick over the whole pool for a request without a pin or a host-tier hit, when the
-        book alone can make it: the thresholds against every worker's means, the credit, ``scan``
-        with the holders and ``extra_probes`` entries of the load order, a seeded draw among ties
-        and the reason (``reason_of``). None, having changed nothing (no draw made), where the
-        pick needs more than the book holds: a pending holder to resolve against the index, or no
-        allowed worker without a prefix among the load order's first entries (``_pick`` then
-        makes the general pick, with the same rule)."""
+        """The pick over the whole pool for a request without a pin, when the book alone can make
+        it: the thresholds against every worker's means, the credit (``host``: each worker's
+        host-tier part of its hit, which ``credit`` prices), ``scan`` with the holders and
+        ``extra_probes`` entries of the load order, a seeded draw among ties and the reason
+        (``reason_of``). None, having changed nothing (no draw made), where the pick needs more
+        than the book holds: a pending holder to resolve against the index, or no allowed worker
+        without a prefix among the load order's first entries (``_pick`` then makes the general
+        pick, with the same rule)."""
         limit, slow, cap = self.thresholds(num_tokens, now, None, None, None)
-        credit = self.credit(hits, shared, None, ahead)
+        credit = self.credit(hits, shared, host, ahead)
         probes = len(credit) + self.knobs.extra_probes
         load_cost = self.load_cost
         _, best, deferred, spread, guarded, fresh = self.scan(
@@ -580,6 +608,7 @@ class PyLoadBook:
         self,
         hits: dict[WorkerId, int],
         shared: dict[WorkerId, int] | None,
+        host: dict[WorkerId, int] | None,
         ahead: dict[WorkerId, int] | None,
         pending: Container[WorkerId],
         num_tokens: int,
@@ -589,14 +618,16 @@ class PyLoadBook:
     ) -> Decision | None:
         """``choose``, then ``assign`` of the request to the chosen worker (its uncached tokens:
         ``num_tokens`` less its hit): the ``Decision`` (the worker both ways, its hit, the reason,
-        no pin, best hit ``max(hits.values(), default=0)``), or None where ``choose`` gives None."""
-        chosen = self.choose(hits, shared, ahead, pending, num_tokens, now, w_uncached, w_spread)
+        no pin, best hit ``max(hits.values(), default=0)``, the worker's host-tier part of its hit
+        from ``host``), or None where ``choose`` gives None."""
+        chosen = self.choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)
         if chosen is None:
             return None
         worker, reason = chosen
         hit = hits.get(worker, 0)
         self.assign(worker, num_tokens - hit, now)
-        return Decision(worker, worker, hit, num_tokens, reason, None, 0, max(hits.values(), default=0), 0)
+        best = max(hits.values(), default=0)
+        return Decision(worker, worker, hit, num_tokens, reason, None, 0, best, host.get(worker, 0) if host else 0)
 
 
 def reason_of(

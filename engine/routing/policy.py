@@ -53,7 +53,8 @@ guard that left the holder out whatever its queue sent warmed prefixes to cold p
 at 1 request/s in serve_bench, where the holder had nothing queued: a second of TTFT each.)
 A host-tier hit token is not recomputed but copied back to the device: it costs the time of
 that copy (the worker's measured seconds per token, weighted by ``promote_seconds``, in prefill
-tokens per second) instead of a miss's prefill (``_credit``, the one place of that rule).
+tokens per second) instead of a miss's prefill (``LoadBook.credit`` with ``promote_load``, the
+one place of that rule, in both books).
 
 The *anchor credit*: where the full-attention prefix is cached but a window (or a Mamba state) at
 its end is not, the hit is lower (no false hit), yet running the request there makes the
@@ -81,10 +82,10 @@ by load cost then work assigned lately, O(log W) per change and per pick; the ti
 O(1), see ``load``): nothing loops over every worker. A pass over the workers remains for a
 sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 The per-worker load state (time averages, work, load order) and the pick's argmin live in a
-``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin, no
-host-tier hit, nothing pending) is chosen, recorded and made a ``Decision`` by one call into it
-(``LoadBook.place``), and ``_pick`` / ``_record`` below are the reference that call is tested
-against (tests/routing/test_core_parity.py).
+``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin,
+nothing pending, host-tier hits or not) is chosen, recorded and made a ``Decision`` by one call
+into it (``LoadBook.place``), and ``_pick`` / ``_record`` below are the reference that call is
+tested against (tests/routing/test_core_parity.py).
 """
 
 from __future__ import annotations
@@ -97,7 +98,15 @@ from engine.kv_cache.coordinator_types import PinTier
 from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing.index import Pending, PrefixIndex, WorkerSnapshot
-from engine.routing.load import LEAST_LOADED_PROBES, LoadBook, better, knobs_of, make_load_book, reason_of
+from engine.routing.load import (
+    LEAST_LOADED_PROBES,
+    LoadBook,
+    better,
+    knobs_of,
+    make_load_book,
+    miss_weight,
+    reason_of,
+)
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
@@ -190,8 +199,9 @@ class RoutingPolicy(PlacementPolicy):
 
     @property
     def w_miss(self) -> float:
-        """Weight of an uncached prefill token: its compute plus the cache churn it causes."""
-        return self.weights.uncached_tokens + self.weights.cache_churn
+        """Weight of an uncached prefill token: its compute plus the cache churn it causes
+        (``load.miss_weight``)."""
+        return miss_weight(self.weights)
 
     # -- events ---------------------------------------------------------------------------------------
     def apply_events(self, worker: WorkerId, events: Iterable[KVEvent], now: float = 0.0) -> list[Action]:
@@ -261,9 +271,11 @@ class RoutingPolicy(PlacementPolicy):
                 self._require(workers, "")
             w_miss, w_spread = self._shortcut_weights
             decision = None
-            if pin is None and not host:  # the book's whole-pool pick and record, where it can
+            if pin is None:  # the book's whole-pool pick and record, where it can
                 pending_workers = pending.workers if pending is not None else ()
-                decision = self.book.place(hits, shared, ahead, pending_workers, num_tokens, now, w_miss, w_spread)
+                decision = self.book.place(
+                    hits, shared, host, ahead, pending_workers, num_tokens, now, w_miss, w_spread
+                )
             if decision is None:
                 worker, reason = self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
                 pin_id = pin.pin_id if pin is not None else None
@@ -415,7 +427,7 @@ class RoutingPolicy(PlacementPolicy):
         could beat (or tie) the best cost are resolved exactly, so the result equals the fully
         resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
         (credited where they exceed what the index knows; the caller resolves ``pending`` first).
-        ``host``: the host tier's part of a worker's hit (``_credit`` prices it)."""
+        ``host``: the host tier's part of a worker's hit (``LoadBook.credit`` prices it)."""
         book = self.book
         load_cost = book.load_cost
         whole = len(workers) == len(load_cost)
@@ -423,7 +435,7 @@ class RoutingPolicy(PlacementPolicy):
         limit, slow, cap = self._guard(num_tokens, workers)
         queued = book.queued
         now = self._now
-        credit = self._credit(hits, shared, host, ahead)
+        credit = book.credit(hits, shared, host, ahead)
         reason = "cost"
         if pin is not None:
             resident = [
@@ -512,30 +524,6 @@ class RoutingPolicy(PlacementPolicy):
         mean_smoothed = sum(book.smoothed(w, now) for w in workers) / count if cfg.load_halflife_s > 0 else 0.0
         mean_work = sum(book.work(w, now) for w in workers) / count if cfg.work_imbalance_ratio else 0.0
         return book.thresholds(num_tokens, now, mean_queued, mean_smoothed, mean_work)
-
-    def _credit(
-        self,
-        hits: dict[WorkerId, int],
-        shared: dict[WorkerId, int] | None,
-        host: dict[WorkerId, int] | None = None,
-        ahead: dict[WorkerId, int] | None = None,
-    ) -> dict[WorkerId, float]:
-        """Tokens each worker with a prefix saves (``LoadBook.credit``): its hit, less the load
-        time of the part its host tier serves (``promote_load``: the one place a host-tier hit is
-        priced), plus ``anchor_credit`` of the part of its full-attention depth that a group
-        cannot serve, raised to what was routed to it and not yet reported (``ahead``)."""
-        deduct = {w: tokens * self.promote_load(w) for w, tokens in host.items()} if host else None
-        return self.book.credit(hits, shared, deduct, ahead)
-
-    def promote_load(self, worker: WorkerId) -> float:
-        """What a host-tier hit token on ``worker`` costs, as a share of a miss's cost: the
-        seconds its copy back to the device takes (``WorkerLoad.promote_s_per_token``, measured
-        by the worker) weighted by ``promote_seconds``, over ``w_miss``; at most 1 (never above a
-        recompute)."""
-        load = self.loads.get(worker)
-        if load is None or load.promote_s_per_token <= 0:
-            return 0.0
-        return min(1.0, self.weights.promote_seconds * load.promote_s_per_token / max(self.w_miss, 1e-9))
 
     def _resolve_deferred(
         self,

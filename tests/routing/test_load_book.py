@@ -1,7 +1,8 @@
 """The compiled load book (``engine/routing/_load.c``) against ``PyLoadBook``, call by call: random
-sequences of workers joining and leaving, load reports, assigned work, clock advances, guard
-queries and scans must give bit-identical floats, identical workers and identical random draws
-(the load order's tie-breaking), and ``PyLoadBook.scan`` against a brute-force argmin."""
+sequences of workers joining and leaving, load reports (with promote costs), assigned work, clock
+advances, guard queries, credits with host-tier hits and scans must give bit-identical floats,
+identical workers and identical random draws (the load order's tie-breaking), and
+``PyLoadBook.scan`` against a brute-force argmin."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def test_compiled_and_python_books_agree_call_by_call(
                 del t.loads[worker]
         elif op < 0.3:
             queued = rng.choice([0, 0, 16, 64, rng.randrange(500), 0.5 * rng.randrange(900)])
-            load = WorkerLoad(queued, rng.randrange(4), rng.random())
+            promote = rng.choice([0.0, 0.0, rng.random() * 1e-5, 5.2e-6, rng.random() * 1e-3])
+            load = WorkerLoad(queued, rng.randrange(4), rng.random(), promote)
             for t in pair:
                 t.loads[worker] = dataclasses.replace(load)
                 t.book.report(worker, t.loads[worker])
@@ -120,15 +122,17 @@ def test_compiled_and_python_books_agree_call_by_call(
             a, b = ref.book, fast.book
             assert a.smoothed_mean(now) == b.smoothed_mean(now) and a.work_mean(now) == b.work_mean(now)
             assert a.over(worker, now, slow, cap) == b.over(worker, now, slow, cap)
+            for w in (worker, "absent"):  # (a worker without a load copy: no promote cost)
+                assert a.promote_load(w) == b.promote_load(w)
             n = rng.randrange(1, 3000)
             means = tuple(rng.choice([None, rng.random() * 500]) for _ in range(3))
             assert a.thresholds(n, now, *means) == b.thresholds(n, now, *means)
         elif op < 0.8:
             hits = {w: rng.choice([16, 32, 48, 200]) for w in rng.sample(names, min(len(names), rng.randrange(5)))}
             shared = {w: hits.get(w, 0) + rng.choice([0, 16, 64]) for w in rng.sample(names, min(len(names), 2))}
-            deduct = {w: rng.random() * 20 for w in rng.sample(names, min(len(names), 2))}
+            host = {w: min(hits.get(w, 16), rng.choice([0, 16, 48])) for w in rng.sample(names, min(len(names), 3))}
             ahead = {w: rng.choice([0, 16, 100, 400]) for w in rng.sample(names, min(len(names), 2))}
-            parts = (hits, rng.choice([None, shared]), rng.choice([None, deduct]), rng.choice([None, {}, ahead]))
+            parts = (hits, rng.choice([None, shared]), rng.choice([None, {}, host]), rng.choice([None, {}, ahead]))
             credit = ref.book.credit(*parts)  # type: ignore[arg-type]
             other = fast.book.credit(*parts)  # type: ignore[arg-type]
             assert credit == other and list(credit) == list(other)  # the same keys, values and order
@@ -146,9 +150,11 @@ def test_compiled_and_python_books_agree_call_by_call(
         else:
             hits = {w: rng.choice([0, 16, 48, 200]) for w in rng.sample(names, min(len(names), rng.randrange(4)))}
             shared = rng.choice([None, {w: hits.get(w, 0) + 16 for w in rng.sample(names, min(len(names), 2))}])
+            host = rng.choice([None, {}, {w: min(h, rng.choice([16, 48])) for w, h in hits.items() if h}])
             ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, min(len(names), 2))}])
             pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
-            request = (hits, shared, ahead, pending, rng.randrange(1, 600), now, rng.choice([2.0, 1.25]), 1.0)
+            n = rng.randrange(1, 600)
+            request = (hits, shared, host, ahead, pending, n, now, rng.choice([2.0, 1.25]), 1.0)
             if rng.random() < 0.5:
                 chosen = [t.book.choose(*request) for t in pair]  # type: ignore[arg-type]
                 assert chosen[0] == chosen[1]
@@ -241,15 +247,15 @@ def test_the_load_order_is_probed_in_increasing_order(core: str) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_place_is_choose_then_assign(seed: int, core: str) -> None:
     """``place`` against ``choose`` then ``assign`` on a twin book of the same core: the same
-    decision (the worker both ways, its hit, the reason, the best hit), and afterwards the same
-    loads, dicts, book state and draws."""
+    decision (the worker both ways, its hit, the reason, the best hit, its host-tier hit), and
+    afterwards the same loads, dicts, book state and draws."""
     rng = random.Random(seed)
     made = knobs(2.0, 3.0, seed, work_imbalance_ratio=1.3)
     pair = (twin(made, core, seed), twin(made, core, seed))
     names = [f"w{k}" for k in range(12)]
     for t in pair:
         for k, w in enumerate(names):
-            t.loads[w] = WorkerLoad(float(k % 3) * 40, k % 2, 0.1 * k)
+            t.loads[w] = WorkerLoad(float(k % 3) * 40, k % 2, 0.1 * k, [0.0, 5.2e-6, 1e-3][k % 3])
             t.book.add(w)
             t.book.report(w, t.loads[w])
     placed_some = False
@@ -259,9 +265,10 @@ def test_place_is_choose_then_assign(seed: int, core: str) -> None:
         hits = {w: rng.choice([0, 16, 48, 200]) for w in rng.sample(names, rng.randrange(4))}
         shared = rng.choice([None, {w: hits.get(w, 0) + 16 for w in rng.sample(names, 2)}])
         ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, 2)}])
+        host = rng.choice([None, {}, {w: min(h, rng.choice([16, 48])) for w, h in hits.items() if h}])
         pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
         n = rng.randrange(1, 600)
-        request = (hits, shared, ahead, pending, n, now, 2.0, 1.0)
+        request = (hits, shared, host, ahead, pending, n, now, 2.0, 1.0)
         decision = pair[0].book.place(*request)  # type: ignore[arg-type]
         chosen = pair[1].book.choose(*request)  # type: ignore[arg-type]
         if chosen is None:
@@ -272,11 +279,12 @@ def test_place_is_choose_then_assign(seed: int, core: str) -> None:
             pair[1].book.assign(worker, n - hit, now)
             assert type(decision) is Decision and type(decision.reason) is str
             assert dataclasses.replace(decision) == decision and hash(decision) == hash(dataclasses.replace(decision))
-            assert decision == Decision(worker, worker, hit, n, reason, None, 0, max(hits.values(), default=0), 0)
+            hosted = host.get(worker, 0) if host else 0
+            assert decision == Decision(worker, worker, hit, n, reason, None, 0, max(hits.values(), default=0), hosted)
             placed_some = True
         same_state(pair[0], pair[1], names, now)
         if rng.random() < 0.3:  # a load report
-            w, load = rng.choice(names), WorkerLoad(float(rng.randrange(300)), 1, 0.5)
+            w, load = rng.choice(names), WorkerLoad(float(rng.randrange(300)), 1, 0.5, rng.choice([0.0, 2e-5]))
             for t in pair:
                 t.loads[w] = dataclasses.replace(load)
                 t.book.report(w, t.loads[w])

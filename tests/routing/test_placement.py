@@ -374,22 +374,26 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
 
 @pytest.mark.parametrize("core", ["python", "compiled"])
 def test_the_books_whole_pool_pick_is_the_policys_rule(core: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LoadBook.choose`` (what ``route`` asks first, for a request without a pin or a host-tier
-    hit on the whole pool) against ``RoutingPolicy._pick``, the general rule, on the same state and
-    the same random state: where the book chooses, ``_pick`` chooses the same worker for the same
-    reason; and where the book declines, it has drawn nothing."""
+    """``LoadBook.choose`` (what ``route`` asks first, for a request without a pin on the whole
+    pool) against ``RoutingPolicy._pick``, the general rule, on the same state and the same random
+    state, with host tiers (hits partly served there, priced by the workers' promote costs): where
+    the book chooses, ``_pick`` chooses the same worker for the same reason; and where the book
+    declines, it has drawn nothing."""
     from engine.routing.holder_maps import CORE_ENV
     from tests.routing.helpers import Worker, sync, tokens
 
     monkeypatch.setenv(CORE_ENV, core)
     rng = random.Random(9)
     specs = CONFIGS["full+2swa"]
-    workers = {f"w{i}": Worker(f"w{i}", specs, rng.choice([24, 40])) for i in range(6)}
+    hosts = {"w1": 48, "w3": 32, "w4": 64}  # host tiers' blocks (the others have none)
+    workers = {
+        f"w{i}": Worker(f"w{i}", specs, rng.choice([16, 24, 40]), host_blocks=hosts.get(f"w{i}")) for i in range(6)
+    }
     policy = RoutingPolicy(groups_of(specs), router_config(seed=3, load_halflife_s=2.0, work_imbalance_ratio=1.3))
     for name in workers:
         policy.add_worker(name)
     prefixes = [tokens(rng, rng.randrange(8, 48), vocab=6) for _ in range(5)]
-    chosen = declined = 0
+    chosen = declined = hosted = 0
     for step in range(300):
         worker = workers[rng.choice(sorted(workers))]
         if rng.random() < 0.6:
@@ -398,24 +402,29 @@ def test_the_books_whole_pool_pick_is_the_policys_rule(core: str, monkeypatch: p
             worker.finish(rng=rng)
         sync(policy, workers, now=step * 0.1)
         for name in workers:
-            policy.update_load(name, WorkerLoad(queued_tokens=rng.randrange(0, 60), running_requests=rng.randrange(3)))
+            promote = rng.choice([0.0, 1e-6, 2e-5, 1e-3]) if name in hosts else 0.0
+            load = WorkerLoad(rng.randrange(0, 60), rng.randrange(3), promote_s_per_token=promote)
+            policy.update_load(name, load)
         prompt = rng.choice(prefixes) + tokens(rng, 3, vocab=6)
         hashes = block_hashes(prompt, 4)
         now = step * 0.1
         policy._now = now
         shared: dict[str, int] = {}
-        hits, pending = policy.index.predict_partial(hashes, len(prompt) - 1, shared=shared)  # type: ignore[arg-type]
+        host: dict[str, int] = {}
+        hits, pending = policy.index.predict_partial(hashes, len(prompt) - 1, shared=shared, host=host)  # type: ignore[arg-type]
         pending_workers = pending.workers if pending is not None else ()
         w_miss, w_spread = policy.w_miss, min(policy.w_miss, policy.weights.uncached_tokens)
         state = policy.rng.getstate()
-        shortcut = policy.book.choose(hits, shared, None, pending_workers, len(prompt), now, w_miss, w_spread)
+        request = (hits, shared, host, None, pending_workers, len(prompt), now, w_miss, w_spread)
+        shortcut = policy.book.choose(*request)  # type: ignore[arg-type]
         if shortcut is None:
             assert policy.rng.getstate() == state
             declined += 1
         else:
             policy.rng.setstate(state)
-            pick = policy._pick(list(workers), hits, len(prompt), None, w_miss, shared, pending)
+            pick = policy._pick(list(workers), hits, len(prompt), None, w_miss, shared, pending, host=host)
             assert pick == shortcut, step
             chosen += 1
+            hosted += any(host.values())
         policy.route(RouteRequest(f"r{step}", hashes, len(prompt)), now)
-    assert chosen > 100
+    assert chosen > 100 and hosted > 10, (chosen, hosted)

@@ -94,3 +94,52 @@ def test_tiered_walk_equals_the_fixed_point_on_both_cores(name: str) -> None:
                     assert host.get(worker, 0) == found.host_tokens, worker
                     met += found.host_tokens > 0
     assert met > 20  # the host tiers served part of many hits
+
+
+@needs_compiled
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_tiered_walk_after_the_caches_changed_reads_them_now(name: str) -> None:
+    """The compiled tiered walk reads the device entries the last walk over the same hashes met
+    (``predict_partial``: the walk, then the tiered walk) only while no entry was made or dropped
+    since: a tiered walk over a prompt walked before the workers' caches changed (workers gone,
+    others come with other blocks, the freed entries reused) equals the Python maps' on the new
+    state."""
+    rng = random.Random(f"stale-{name}")
+    groups = groups_of(CONFIGS[name])
+    indexes = [PrefixIndex(groups, core="python"), PrefixIndex(groups, core="compiled")]
+    rules = indexes[0].rules
+    hbs = rules.hash_block_size
+    compared = 0
+    for _round in range(20):
+        families = [tokens(rng, rng.randrange(4 * hbs, 30 * hbs), vocab=4) for _ in range(3)]
+        views = [rules.views(block_hashes(f, hbs)) for f in families]
+        prompt = families[0] + tokens(rng, 3)
+        hashes = block_hashes(prompt, hbs)
+        before = {
+            f"a{w}": WorkerSnapshot(1, random_tables(rng, views[:1], 0.5), random_tables(rng, views, 0.5))
+            for w in range(4)
+        }
+        after = {
+            f"b{w}": WorkerSnapshot(1, random_tables(rng, views, 0.5), random_tables(rng, views, 0.5)) for w in range(4)
+        }
+        for index in indexes:
+            for worker in index.workers:
+                index.remove_worker(worker)
+            for worker, snapshot in before.items():
+                index.add_worker(worker, snapshot)
+        for index in indexes:
+            predict(index, hashes, len(prompt) - 1, False)  # the walk over ``hashes``
+        results = []
+        for index in indexes:
+            for worker in before:
+                index.remove_worker(worker)
+            for worker, snapshot in after.items():
+                index.add_worker(worker, snapshot)
+            hits: dict[WorkerId, int] = {}
+            shared: dict[WorkerId, int] = {}
+            host: dict[WorkerId, int] = {}
+            index._predict_tiered(hashes, len(prompt) - 1, False, hits, None, shared, host)
+            results.append((list(hits.items()), list(shared.items()), list(host.items())))
+        assert results[0] == results[1]
+        compared += bool(results[0][0])
+    assert compared > 5

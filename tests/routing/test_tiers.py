@@ -165,7 +165,7 @@ def test_a_host_tier_hit_is_priced_as_load_time() -> None:
     request = RouteRequest("q", block_hashes(query, 4), len(query))
     assert hosted.actual_tiers(query) == (32, 32) and device.actual_tiers(query) == (32, 0)
     policy.update_load("hosted", WorkerLoad(promote_s_per_token=1e-5))
-    assert policy.promote_load("hosted") == pytest.approx(20000 * 1e-5 / policy.w_miss)
+    assert policy.book.promote_load("hosted") == pytest.approx(20000 * 1e-5 / policy.w_miss)
     assert policy.route(request).prefill_worker == "device"
     policy.remove_worker("device")
     decision = policy.route(RouteRequest("q2", request.block_hashes, len(query)))
@@ -173,4 +173,4 @@ def test_a_host_tier_hit_is_priced_as_load_time() -> None:
     hosted.run(query)
     assert hosted.last_hit == (32, 32)
     policy.update_load("hosted", WorkerLoad(promote_s_per_token=10.0))
-    assert policy.promote_load("hosted") == 1.0  # never above a recompute
+    assert policy.book.promote_load("hosted") == 1.0  # never above a recompute
