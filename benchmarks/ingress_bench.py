@@ -86,16 +86,46 @@ async def _sweep(call: Callable[[], Awaitable[bool]], args: argparse.Namespace) 
     return out
 
 
-def driver_sweep(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+def driver_sweep(args: argparse.Namespace) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+    """The driver API's levels, then (on the same cluster, one request at a time) the median of
+    each TTFT hop the completions report (``actors.hops``) and the p50 of the same request
+    through ``serving.api.build_api``'s ASGI app in this process: the FastAPI edge without Ray
+    Serve's proxy and replica."""
     from cluster.api import Cluster
+    from serving.api import build_api
 
     with Cluster(load_config(args.config, args.set)) as cluster:
+        hops: dict[str, list[float]] = {}
+        totals: list[float] = []
 
         async def call() -> bool:
             result = await cluster.agenerate(PROMPT, {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+            for hop, seconds in result.hops.items():
+                hops.setdefault(hop, []).append(seconds)
+            totals.append(result.latency_s)
             return len(result.token_ids) == 1
 
-        return asyncio.run(_sweep(call, args))
+        async def run() -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+            levels = await _sweep(call, args)
+            hops.clear()
+            totals.clear()
+            await _level(call, 1, args.requests)
+            breakdown = {f"{hop}_ms": round(percentile(s, 0.5) * 1e3, 2) for hop, s in hops.items()}
+            breakdown["driver_latency_ms"] = round(percentile(totals, 0.5) * 1e3, 2)
+            transport = httpx.ASGITransport(app=build_api(cluster))
+            async with httpx.AsyncClient(transport=transport, base_url="http://asgi", timeout=120.0) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+                async def asgi_call() -> bool:
+                    return (await client.post("/v1/completions", json=body)).status_code == 200
+
+                for _ in range(args.warmup):
+                    await asgi_call()
+                breakdown["asgi_p50_ms"] = (await _level(asgi_call, 1, args.requests))["p50_ms"]
+            return levels, breakdown
+
+        return asyncio.run(run())
 
 
 def http_sweep(args: argparse.Namespace, kvfleet: str, logs: Path) -> dict[int, dict[str, Any]]:
@@ -139,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (c for c in (str(Path(sys.executable).parent / "kvfleet"), shutil.which("kvfleet")) if c and Path(c).is_file()),
         "kvfleet",
     )
-    driver = driver_sweep(args)
+    driver, breakdown = driver_sweep(args)
     with tempfile.TemporaryDirectory(prefix="ingress-bench-") as logs:
         http = http_sweep(args, kvfleet, Path(logs))
     levels = args.concurrency
@@ -153,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overhead_p50_ms": {c: round(http[c]["p50_ms"] - driver[c]["p50_ms"], 2) for c in levels},
         "requests": 2 * (args.warmup + args.requests * len(levels)),
     }
+    if 1 in levels:  # concurrency 1, ms: the driver's TTFT hops, the ASGI edge, Serve's proxy and replica
+        breakdown["edge_ms"] = round(breakdown["asgi_p50_ms"] - driver[1]["p50_ms"], 2)
+        breakdown["serve_hop_ms"] = round(http[1]["p50_ms"] - breakdown["asgi_p50_ms"], 2)
+        result["breakdown_c1"] = breakdown
     print(json.dumps(result), flush=True)
     return 0
 

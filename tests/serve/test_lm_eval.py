@@ -53,7 +53,7 @@ def hf_choice_loglikelihoods(checkpoint: str, docs: list[dict[str, object]]) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     scores = []
     for doc in docs:
         question = str(doc["question"])
@@ -103,11 +103,11 @@ def test_lm_eval_local_completions_reports_hfs_accuracy(
     expected = hf_choice_loglikelihoods(byte_server.config.model.source, docs)
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     assert [s["doc_id"] for s in samples] == list(range(len(docs)))
-    for sample, hf_row, doc in zip(samples, expected, docs, strict=True):
+    hf_picks = [max(range(len(row)), key=row.__getitem__) for row in expected]
+    for sample, hf_row, pick, doc in zip(samples, expected, hf_picks, docs, strict=True):
         served_row = [loglikelihood for loglikelihood, _greedy in sample["filtered_resps"]]
         assert served_row == pytest.approx(hf_row, abs=1e-3), doc
-        picked = max(range(len(hf_row)), key=hf_row.__getitem__)
-        assert sample["acc"] == float(picked == doc["answer"]), doc
+        assert sample["acc"] == float(pick == doc["answer"]), doc
 
-    hf_accuracy = sum(max(range(4), key=row.__getitem__) == d["answer"] for row, d in zip(expected, docs)) / len(docs)
-    assert results["results"][TASK]["acc,none"] == hf_accuracy
+    hf_accuracy = sum(pick == doc["answer"] for pick, doc in zip(hf_picks, docs, strict=True)) / len(docs)
+    assert results["results"][TASK]["acc,none"] == hf_accuracy, (results["results"][TASK], hf_accuracy)
