@@ -14,12 +14,24 @@ concurrent senders, and a request's latency is from the call to its whole answer
 Last stdout line, one JSON object: ``req_per_s``, ``p50_ms`` and ``p99_ms`` over HTTP, each
 keyed by concurrency; ``driver_p50_ms``, ``driver_req_per_s`` (the same over the driver API)
 and ``overhead_p50_ms`` (HTTP p50 minus driver p50), keyed the same; ``errors`` (HTTP answers
-other than 200, and exceptions, on either side); ``requests``.
+other than 200, and exceptions, on either side); ``requests``. With concurrency 1 among the
+levels, ``breakdown_c1`` says where a request's time goes, in ms: the median of each TTFT hop
+the driver's completions report (``route_ms``: the router call; ``queue_ms``, ``prefill_ms``,
+``first_token_ms``: the worker call, ``actors.hops``), ``driver_latency_ms``; ``asgi_p50_ms``,
+the same request through ``serving.api.build_api``'s app in the driver's process (httpx's ASGI
+transport: the FastAPI edge, parsing, tokenizing and the JSON answer, no Ray Serve), and from
+it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: Ray
+Serve's proxy, its call into the ingress replica and the answer's relay back).
 
 A first run (``--requests 40 --warmup 3``, tiny preset 1P+1D, this project's 2-core machine
 under other test runs, load average about 17): HTTP p50 57 / 563 / 1023 ms and 17 / 22 / 23
 requests/s at concurrency 1 / 16 / 64, no errors; driver p50 26 / 129 / 298 ms, 37 / 118 / 111
-requests/s. Where the HTTP path's time goes is not yet broken down, nor cut.
+requests/s. The breakdown at concurrency 1 (``--requests 60 --warmup 5 --concurrency 1``, load
+average 8 to 15, two runs): HTTP p50 51 / 73 ms, driver 25 / 38 ms (route 6.5 / 8.6, queue 3.7 /
+4.4, prefill 10.9 / 11.6, first token 3.3 / 3.9), edge -1.9 / +6.7 ms (within the runs' noise),
+Serve's hop 27.2 / 27.9 ms. Half of the HTTP latency is Ray Serve's proxy-to-replica hop, not
+kvfleet's code; Ray's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and
+``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (the second run) did not shorten it.
 """
 
 from __future__ import annotations
