@@ -31,7 +31,10 @@ average 8 to 15, two runs): HTTP p50 51 / 73 ms, driver 25 / 38 ms (route 6.5 / 
 4.4, prefill 10.9 / 11.6, first token 3.3 / 3.9), edge -1.9 / +6.7 ms (within the runs' noise),
 Serve's hop 27.2 / 27.9 ms. Half of the HTTP latency is Ray Serve's proxy-to-replica hop, not
 kvfleet's code; Ray's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and
-``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (the second run) did not shorten it.
+``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (the second run) did not shorten it, nor did
+``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (a third run: 30.9 ms). The hop holds the proxy's routing,
+the call into the replica, the replica's fetch of the request body back from the proxy (Serve's
+``ASGIReceiveProxy``) and the answer's relay.
 """
 
 from __future__ import annotations
