@@ -14,12 +14,27 @@ concurrent senders, and a request's latency is from the call to its whole answer
 Last stdout line, one JSON object: ``req_per_s``, ``p50_ms`` and ``p99_ms`` over HTTP, each
 keyed by concurrency; ``driver_p50_ms``, ``driver_req_per_s`` (the same over the driver API)
 and ``overhead_p50_ms`` (HTTP p50 minus driver p50), keyed the same; ``errors`` (HTTP answers
-other than 200, and exceptions, on either side); ``requests``.
+other than 200, and exceptions, on either side); ``requests``. With concurrency 1 among the
+levels, ``breakdown_c1`` says where a request's time goes, in ms: the median of each TTFT hop
+the driver's completions report (``route_ms``: the router call; ``queue_ms``, ``prefill_ms``,
+``first_token_ms``: the worker call, ``actors.hops``), ``driver_latency_ms``; ``asgi_p50_ms``,
+the same request through ``serving.api.build_api``'s app in the driver's process (httpx's ASGI
+transport: the FastAPI edge, parsing, tokenizing and the JSON answer, no Ray Serve), and from
+it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: Ray
+Serve's proxy, its call into the ingress replica and the answer's relay back).
 
 A first run (``--requests 40 --warmup 3``, tiny preset 1P+1D, this project's 2-core machine
 under other test runs, load average about 17): HTTP p50 57 / 563 / 1023 ms and 17 / 22 / 23
 requests/s at concurrency 1 / 16 / 64, no errors; driver p50 26 / 129 / 298 ms, 37 / 118 / 111
-requests/s. Where the HTTP path's time goes is not yet broken down, nor cut.
+requests/s. The breakdown at concurrency 1 (``--requests 60 --warmup 5 --concurrency 1``, load
+average 8 to 15, two runs): HTTP p50 51 / 73 ms, driver 25 / 38 ms (route 6.5 / 8.6, queue 3.7 /
+4.4, prefill 10.9 / 11.6, first token 3.3 / 3.9), edge -1.9 / +6.7 ms (within the runs' noise),
+Serve's hop 27.2 / 27.9 ms. Half of the HTTP latency is Ray Serve's proxy-to-replica hop, not
+kvfleet's code; Ray's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and
+``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (the second run) did not shorten it, nor did
+``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (a third run: 30.9 ms). The hop holds the proxy's routing,
+the call into the replica, the replica's fetch of the request body back from the proxy (Serve's
+``ASGIReceiveProxy``) and the answer's relay.
 """
 
 from __future__ import annotations
@@ -86,16 +101,46 @@ async def _sweep(call: Callable[[], Awaitable[bool]], args: argparse.Namespace) 
     return out
 
 
-def driver_sweep(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+def driver_sweep(args: argparse.Namespace) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+    """The driver API's levels, then (on the same cluster, one request at a time) the median of
+    each TTFT hop the completions report (``actors.hops``) and the p50 of the same request
+    through ``serving.api.build_api``'s ASGI app in this process: the FastAPI edge without Ray
+    Serve's proxy and replica."""
     from cluster.api import Cluster
+    from serving.api import build_api
 
     with Cluster(load_config(args.config, args.set)) as cluster:
+        hops: dict[str, list[float]] = {}
+        totals: list[float] = []
 
         async def call() -> bool:
             result = await cluster.agenerate(PROMPT, {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+            for hop, seconds in result.hops.items():
+                hops.setdefault(hop, []).append(seconds)
+            totals.append(result.latency_s)
             return len(result.token_ids) == 1
 
-        return asyncio.run(_sweep(call, args))
+        async def run() -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+            levels = await _sweep(call, args)
+            hops.clear()
+            totals.clear()
+            await _level(call, 1, args.requests)
+            breakdown = {f"{hop}_ms": round(percentile(s, 0.5) * 1e3, 2) for hop, s in hops.items()}
+            breakdown["driver_latency_ms"] = round(percentile(totals, 0.5) * 1e3, 2)
+            transport = httpx.ASGITransport(app=build_api(cluster))
+            async with httpx.AsyncClient(transport=transport, base_url="http://asgi", timeout=120.0) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+                async def asgi_call() -> bool:
+                    return (await client.post("/v1/completions", json=body)).status_code == 200
+
+                for _ in range(args.warmup):
+                    await asgi_call()
+                breakdown["asgi_p50_ms"] = (await _level(asgi_call, 1, args.requests))["p50_ms"]
+            return levels, breakdown
+
+        return asyncio.run(run())
 
 
 def http_sweep(args: argparse.Namespace, kvfleet: str, logs: Path) -> dict[int, dict[str, Any]]:
@@ -139,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (c for c in (str(Path(sys.executable).parent / "kvfleet"), shutil.which("kvfleet")) if c and Path(c).is_file()),
         "kvfleet",
     )
-    driver = driver_sweep(args)
+    driver, breakdown = driver_sweep(args)
     with tempfile.TemporaryDirectory(prefix="ingress-bench-") as logs:
         http = http_sweep(args, kvfleet, Path(logs))
     levels = args.concurrency
@@ -153,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overhead_p50_ms": {c: round(http[c]["p50_ms"] - driver[c]["p50_ms"], 2) for c in levels},
         "requests": 2 * (args.warmup + args.requests * len(levels)),
     }
+    if 1 in levels:  # concurrency 1, ms: the driver's TTFT hops, the ASGI edge, Serve's proxy and replica
+        breakdown["edge_ms"] = round(breakdown["asgi_p50_ms"] - driver[1]["p50_ms"], 2)
+        breakdown["serve_hop_ms"] = round(http[1]["p50_ms"] - breakdown["asgi_p50_ms"], 2)
+        result["breakdown_c1"] = breakdown
     print(json.dumps(result), flush=True)
     return 0
 
