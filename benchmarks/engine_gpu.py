@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -104,7 +105,7 @@ from benchmarks.support.gpu_bench_setup import (
     build_checkpoint,
 )
 from benchmarks.support.hf_generate import generate_batch, workload
-from benchmarks.support.op_count import decode_ops
+from benchmarks.support.op_count import decode_ops, fused_path
 from configs import load_config
 from engine.core import EngineCore
 from engine.runner import TORCH_DTYPES
@@ -302,9 +303,10 @@ def count_ops(run: Run, name: str, directory: Path) -> None:
     """``ops_per_step[name]``: one batch-1 decode step's device operations on the full shape
     (``directory`` holds it), in an engine sized for that one request."""
     one = replace(run.sizes, max_num_seqs=1, decode_batches=(1,), kv_budget_mib=max(run.sizes.kv_budget_mib, 512))
-    engine = make_engine(replace(run, sizes=one), directory)
-    vocab = MODELS[name][2]["vocab_size"]
-    counted = decode_ops(engine, vocab)
+    with fused_path(run.device.type):
+        engine = make_engine(replace(run, sizes=one), directory)
+        vocab = MODELS[name][2]["vocab_size"]
+        counted = decode_ops(engine, vocab, prompt_len=8)  # short: the CPU interprets the prefill's kernels
     run.result["ops_per_step"][name] = counted["ops"]
     run.result["ops_by_op"][name] = dict(list(counted["by_op"].items())[:12])
     log.info("%s: %d device operations per decode step (full shape)", name, counted["ops"])
@@ -365,6 +367,8 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cpu":  # ops_per_step runs the Triton kernels interpreted (before triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     import transformers
 

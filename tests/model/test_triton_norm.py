@@ -58,6 +58,33 @@ def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual:
         assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
 
 
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 1e-5
+    else:  # two bf16 units in the last place (the rsqrt's last bits, as above)
+        assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("shape", [(5, 640), (1, 64)])
+def test_fused_residual_and_next_norm_equal_the_torch_path(dtype: torch.dtype, gemma: bool, shape: tuple) -> None:
+    """``then`` (norm, residual, next norm) and ``add`` (residual, norm): one launch each on the
+    kernel, the same values as the torch path's calls."""
+    first_torch, first = norm_pair(shape[-1], gemma, dtype, seed=3)
+    second_torch, second = norm_pair(shape[-1], gemma, dtype, seed=4)
+    x = (torch.randn(shape, device=DEVICE) * 3.0).to(dtype)
+    skip = torch.randn(shape, device=DEVICE).to(dtype)
+    with torch.no_grad():
+        for got, want in zip(first.then(x, skip, second), first_torch.then(x, skip, second_torch), strict=True):
+            assert_close(got, want, dtype)
+        for got, want in zip(first.add(x, skip), first_torch.add(x, skip), strict=True):
+            assert_close(got, want, dtype)
+        total, normed = first_torch.add(x, skip)
+        assert torch.equal(total, skip + x) and torch.equal(normed, first_torch(skip + x))
+
+
 def test_a_wrong_scale_would_be_caught() -> None:
     """The comparison sees a kernel fed Gemma's raw weight instead of ``1 + weight`` (it can fail)."""
     from engine.model.kernels import triton_norm

@@ -46,22 +46,62 @@ def rms_norm(
     """RMS-normalise the last dimension of ``x`` (any leading shape, last dimension contiguous).
     ``weight``: the fp32 ``1 + weight`` scale when ``gemma``, else the model-dtype weight.
     ``residual`` (``x``'s shape and dtype): returned plus the normalised rows."""
+    return _launch(x, weight, eps, gemma, residual, None, False)[0]
+
+
+def norm_add_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, then: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + norm(x; weight)`` and ``norm(s; then)`` in one launch (Gemma's post-norm
+    with its residual, then the next pre-norm); each equals ``rms_norm``'s result bit for bit."""
+    out, normed = _launch(x, weight, eps, gemma, residual, then, False)
+    assert normed is not None
+    return out, normed
+
+
+def add_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` (rounded to the dtype) and ``norm(s; weight)`` in one launch (a
+    pre-norm decoder's residual add and the next norm)."""
+    out, normed = _launch(x, weight, eps, gemma, residual, weight, True)
+    assert normed is not None
+    return out, normed
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    residual: torch.Tensor | None,
+    then: torch.Tensor | None,
+    add_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch: ``out`` = the normed rows (``residual`` added after the norm, or before it with
+    ``add_first``: then ``out`` is the sum and only ``normed`` is normalised); with ``then``,
+    ``normed`` = ``out`` normalised again by ``then``."""
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty_like(rows)
+    second = torch.empty_like(rows) if then is not None else None
     count = rows.shape[0]
     if count == 0:
-        return out.view(x.shape)
+        return out.view(x.shape), None if second is None else second.view(x.shape)
     res = residual.reshape(-1, dim) if residual is not None else rows
+    if res.stride(-1) != 1:
+        res = res.contiguous()
     kernel = _kernels()
     block = max(16, next_pow2(dim))
     kernel[(count,)](
         rows,
         res,
         weight,
+        then if then is not None else weight,
         out,
+        second if second is not None else out,
         rows.stride(0),
         res.stride(0),
         out.stride(0),
@@ -69,17 +109,19 @@ def rms_norm(
         eps,
         GEMMA=gemma,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
+        ADD_FIRST=add_first,
+        SECOND=then is not None and not add_first,
         num_warps=4 if block <= 2048 else 8,
+        BLOCK=block,
     )
-    return out.view(x.shape)
+    return out.view(x.shape), None if second is None else second.view(x.shape)
 
 
 @functools.cache
 def _kernels() -> Any:
     """Import triton and jit the kernel source below in place (in this module's namespace)."""
     namespace = globals()
-    jit_in_place(namespace, ("_rms_norm_kernel",), "rms norm")
+    jit_in_place(namespace, ("_normed", "_rms_norm_kernel"), "rms norm")
     return namespace["_rms_norm_kernel"]
 
 
@@ -90,7 +132,9 @@ def _rms_norm_kernel(
     x,
     residual,
     weight,
+    weight2,
     out,
+    out2,
     stride_x,
     stride_r,
     stride_o,
@@ -98,21 +142,40 @@ def _rms_norm_kernel(
     eps,
     GEMMA: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ADD_FIRST: tl.constexpr,
+    SECOND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program r: row r of ``x``."""
+    """Program r: row r of ``x`` (``out2`` shares ``out``'s strides)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
+    dtype = out.dtype.element_ty
     values = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if ADD_FIRST:  # out = residual + x; out2 = norm(out)
+        skip = tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        total = (skip + values).to(dtype)
+        tl.store(out + row * stride_o + cols, total, mask=ok)
+        y = _normed(total.to(tl.float32), weight, cols, ok, dim, eps, dtype, GEMMA)
+        tl.store(out2 + row * stride_o + cols, y, mask=ok)
+    else:
+        y = _normed(values, weight, cols, ok, dim, eps, dtype, GEMMA)
+        if HAS_RESIDUAL:
+            skip = tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (skip + y.to(tl.float32)).to(dtype)
+        tl.store(out + row * stride_o + cols, y, mask=ok)
+        if SECOND:
+            z = _normed(y.to(tl.float32), weight2, cols, ok, dim, eps, dtype, GEMMA)
+            tl.store(out2 + row * stride_o + cols, z, mask=ok)
+
+
+def _normed(values, weight, cols, ok, dim, eps, dtype: tl.constexpr, GEMMA: tl.constexpr):
+    """One fp32 row normalised and scaled, rounded to ``dtype`` where ``layers.RMSNorm`` rounds."""
     rstd = tl.rsqrt(tl.sum(values * values, axis=0) / dim + eps)
     normed = values * rstd
     w = tl.load(weight + cols, mask=ok, other=0.0)
     if GEMMA:
-        y = (normed * w.to(tl.float32)).to(out.dtype.element_ty)
+        y = (normed * w.to(tl.float32)).to(dtype)
     else:
-        y = (normed.to(out.dtype.element_ty).to(tl.float32) * w.to(tl.float32)).to(out.dtype.element_ty)
-    if HAS_RESIDUAL:
-        skip = tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        y = (skip + y.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + row * stride_o + cols, y, mask=ok)
+        y = (normed.to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+    return y

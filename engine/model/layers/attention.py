@@ -91,11 +91,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self._fused_rope is None:
             self._fused_rope = triton_rope.enabled(self.q_proj.weight.device)
-        if self.rotary is not None and self._fused_rope:  # q/k norms and rotary: one launch
+        index = batch.groups[self.group]
+        stored = False
+        assert self.cache is not None, "KV cache not bound"
+        if self.rotary is not None and self._fused_rope:  # q/k norms, rotary (and the KV store): one launch
             assert rope is not None, "rotary layer called without cos/sin"
             norms = (self.q_norm.weight_for_kernel(), self.k_norm.weight_for_kernel()) if self.qk_norm else None
+            stored = index.paged is not None  # the paged path stores K/V itself; the torch path after
+            store = (v, self.cache, key_rows(index, self.rows_per_block), self.block_size) if stored else None
             q, k = triton_rope.norm_rope(
-                q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps, self.arch.family == "gemma3"
+                q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps, self.arch.family == "gemma3", store
             )
         else:
             if self.qk_norm:
@@ -104,7 +109,6 @@ class Attention(nn.Module):
                 assert rope is not None, "rotary layer called without cos/sin"
                 cos, sin = rope
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
             q,
             k,
@@ -117,6 +121,7 @@ class Attention(nn.Module):
             self.arch.attn_scale,
             self.arch.attn_logit_softcapping,
             self.sinks,
+            stored,
         )
         out = self.o_proj(out.reshape(t, -1))
         return all_reduce(out) if self.arch.tp_size > 1 else out  # row-parallel o: sum the ranks' heads
@@ -134,8 +139,10 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """Store this step's K/V in the layer's cache and attend. ``q``: [T, heads, head_dim];
+    """Store this step's K/V in the layer's cache (unless ``stored``: the fused rotary kernel wrote
+    them, paged path only) and attend. ``q``: [T, heads, head_dim];
     ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, head_dim]. ``sinks`` ([heads]): a
     learned logit per head joining every softmax denominator (it takes probability mass but
     contributes no value), in prefill and decode alike.
@@ -149,14 +156,16 @@ def paged_attention(
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
-    key_rows = index.write_block * stride + index.write_offset
+    rows_written = key_rows(index, stride)
     if index.paged is not None:
-        triton_attention.store_kv(flat, k, v, key_rows, bs)
+        if not stored:
+            triton_attention.store_kv(flat, k, v, rows_written, bs)
         return triton_attention.paged_attention_triton(
             q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
         )
-    flat.index_copy_(0, key_rows, k)
-    flat.index_copy_(0, key_rows + bs, v)
+    assert not stored, "the torch path stores K/V itself"
+    flat.index_copy_(0, rows_written, k)
+    flat.index_copy_(0, rows_written + bs, v)
     out = torch.empty_like(q)
     for c, blocks, offsets, allowed in index.prefill_reads:
         chunk = batch.chunks[c]
@@ -182,6 +191,14 @@ def paged_attention(
         mask = valid[:, None, None, :]
         out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap, sinks)[:, :, 0, :]
     return out
+
+
+def key_rows(index: GroupIndex, rows_per_block: int) -> torch.Tensor:
+    """The cache row of each token's new key (its value is ``block_size`` rows on), computed once
+    per step per group and layout (``GroupIndex.shared``), not once per layer."""
+    return index.shared(  # type: ignore[no-any-return]  # shared returns what build returns
+        f"key_rows_{rows_per_block}", lambda: index.write_block * rows_per_block + index.write_offset
+    )
 
 
 def _gather(flat: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
