@@ -53,11 +53,15 @@ stderr (logging); the last stdout line is one JSON object::
     their summed device time, and (``--no-eager-decode`` skips it) a second engine with
     ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
 (5) ``ops_per_step``: the device operations one decode step's model forward and logits dispatch
-    (``benchmarks/support/op_count.py``: aten operators seen by a dispatch mode, views, metadata
-    and bare allocations left out), batch 1, counted on each model's FULL shape even in a
-    ``--quick`` run (the full checkpoint is built for it there), on the run's device and path;
-    ``ops_by_op`` lists the most frequent operators. On CUDA it stands beside the profiler's
-    ``kernels_per_step``, which checks the proxy.
+    (``benchmarks/support/op_count.py``), batch 1, counted on each model's FULL shape even in a
+    ``--quick`` run (the full checkpoint is built for it there), on the engine's fused path
+    (``op_count.fused_path``: every Triton kernel of engine/model/kernels/ switched on; on a CPU
+    they run under Triton's interpreter, so this count takes minutes there). How it counts: a
+    ``TorchDispatchMode`` sees each aten operator once (views, metadata and bare allocations
+    left out), and each Triton launch counts one (``triton::<kernel>``) with what the launch
+    itself dispatches left out; ``ops_by_op`` lists the most frequent. On CUDA it stands beside
+    the profiler's ``kernels_per_step``, which checks the proxy. Measured 2026-11-29 (CPU):
+    gemma 196, bamba 253 (the torch path's count before the fused kernels: 723 and 516).
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about

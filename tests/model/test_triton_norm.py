@@ -102,3 +102,28 @@ def test_gemma3_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch)
 
     directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [48, 64])
+def test_gated_norm_kernel_equals_the_torch_path(dtype: torch.dtype, group_size: int) -> None:
+    """Mamba2's gated output norm (``GatedRMSNorm``): the kernel against the torch path, fp32
+    product in, the model dtype out (as ``Mamba2Mixer`` calls it)."""
+    from engine.model.layers.mamba2 import GatedRMSNorm
+
+    torch.manual_seed(group_size)
+    channels = 3 * group_size
+    torch_path = GatedRMSNorm(channels, group_size, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        torch_path.weight.normal_(1.0, 0.5)
+    kernel = GatedRMSNorm(channels, group_size, 1e-6).to(DEVICE, dtype)
+    kernel.load_state_dict(torch_path.state_dict())
+    torch_path._kernel, kernel._kernel = False, True
+    x = torch.randn(5, channels, device=DEVICE) * 2.0
+    gate = (torch.randn(5, channels, device=DEVICE) * 2.0).to(dtype)
+    with torch.no_grad():
+        want, got = torch_path(x, gate, dtype), kernel(x, gate, dtype)
+    assert_close(got, want, dtype)
+    with torch.no_grad():  # a kernel that skipped the gate would be caught
+        ungated = kernel(x, torch.full_like(gate, 30.0), dtype)
+    assert (ungated.float() - want.float()).abs().max().item() > 1e-2

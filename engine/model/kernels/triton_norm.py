@@ -93,7 +93,7 @@ def _launch(
     res = residual.reshape(-1, dim) if residual is not None else rows
     if res.stride(-1) != 1:
         res = res.contiguous()
-    kernel = _kernels()
+    kernel, _ = _kernels()
     block = max(16, next_pow2(dim))
     kernel[(count,)](
         rows,
@@ -117,12 +117,32 @@ def _launch(
     return out.view(x.shape), None if second is None else second.view(x.shape)
 
 
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Mamba2's output norm in one launch: ``h = x * silu(gate)`` in fp32, each ``group_size``
+    channels RMS-normalised, times ``weight``, rounded once to ``dtype`` (``mamba2.GatedRMSNorm``'s
+    torch path rounds there too). ``x``, ``gate``: ``[T, C]``, last dimension contiguous."""
+    tokens, channels = x.shape
+    out = torch.empty((tokens, channels), dtype=dtype, device=x.device)
+    if tokens == 0:
+        return out
+    if x.stride(1) != 1 or gate.stride(1) != 1:
+        raise ValueError("gated_rms_norm: the channels of x and gate must be contiguous")
+    _, gated = _kernels()
+    block = max(16, next_pow2(group_size))
+    gated[(tokens, channels // group_size)](
+        x, gate, weight, out, x.stride(0), gate.stride(0), out.stride(0), group_size, eps, BLOCK=block, num_warps=4
+    )
+    return out
+
+
 @functools.cache
 def _kernels() -> Any:
     """Import triton and jit the kernel source below in place (in this module's namespace)."""
     namespace = globals()
-    jit_in_place(namespace, ("_normed", "_rms_norm_kernel"), "rms norm")
-    return namespace["_rms_norm_kernel"]
+    jit_in_place(namespace, ("_normed", "_rms_norm_kernel", "_gated_rms_norm_kernel"), "rms norm")
+    return namespace["_rms_norm_kernel"], namespace["_gated_rms_norm_kernel"]
 
 
 # ---- kernel source (jitted by _kernels) ------------------------------------------------------
@@ -179,3 +199,16 @@ def _normed(values, weight, cols, ok, dim, eps, dtype: tl.constexpr, GEMMA: tl.c
     else:
         y = (normed.to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
     return y
+
+
+def _gated_rms_norm_kernel(x, gate, weight, out, stride_x, stride_g, stride_o, group_size, eps, BLOCK: tl.constexpr):
+    """Program (row r, group j): channels ``[j * group_size, (j + 1) * group_size)`` of row r."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    ok = tl.arange(0, BLOCK) < group_size
+    values = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gate + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    h = values * (g / (1.0 + tl.exp(-g)))
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+    w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + cols, (h * rstd * w).to(out.dtype.element_ty), mask=ok)

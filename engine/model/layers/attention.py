@@ -196,9 +196,7 @@ def paged_attention(
 def key_rows(index: GroupIndex, rows_per_block: int) -> torch.Tensor:
     """The cache row of each token's new key (its value is ``block_size`` rows on), computed once
     per step per group and layout (``GroupIndex.shared``), not once per layer."""
-    return index.shared(  # type: ignore[no-any-return]  # shared returns what build returns
-        f"key_rows_{rows_per_block}", lambda: index.write_block * rows_per_block + index.write_offset
-    )
+    return index.shared(f"key_rows_{rows_per_block}", lambda: index.write_block * rows_per_block + index.write_offset)
 
 
 def _gather(flat: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
