@@ -63,8 +63,8 @@ def test_kernel_equals_norm_then_rotary(dtype: torch.dtype, norm: str, head_dim:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_stores_the_new_keys_and_values_in_their_pages(dtype: torch.dtype) -> None:
     """With ``store`` the key heads' programs also write K (rotated) and V into the cache rows
-    ``key_rows`` and ``key_rows + block_size``, as ``triton_attention.store_kv`` does; no other
-    row changes."""
+    ``key`` and ``key + block_size`` (``key = block * rows_per_block + offset``), as
+    ``triton_attention.store_kv`` does; no other row changes."""
     torch.manual_seed(11)
     tokens, heads, kv_heads, head_dim, block_size = 3, 4, 2, 32, 4
     rotary = Rotary(RopeArch(theta=10000.0), head_dim).to(DEVICE)
@@ -74,8 +74,11 @@ def test_kernel_stores_the_new_keys_and_values_in_their_pages(dtype: torch.dtype
     v = torch.randn(tokens, kv_heads, head_dim, device=DEVICE).to(dtype)
     flat = torch.randn(6 * 2 * block_size, kv_heads, head_dim, device=DEVICE).to(dtype)
     before = flat.clone()
-    key_rows = torch.tensor([1, 2 * block_size + 3, 8 * block_size], device=DEVICE)
-    got_q, got_k = triton_rope.norm_rope(q, k, cos, sin, head_dim, None, 1e-6, False, (v, flat, key_rows, block_size))
+    rows_per_block = 2 * block_size
+    write_block, write_offset = torch.tensor([0, 1, 4], device=DEVICE), torch.tensor([1, 3, 0], device=DEVICE)
+    key_rows = write_block * rows_per_block + write_offset
+    store = (v, flat, write_block, write_offset, rows_per_block, block_size)
+    got_q, got_k = triton_rope.norm_rope(q, k, cos, sin, head_dim, None, 1e-6, False, store)
     want_q, want_k = triton_rope.norm_rope(q, k, cos, sin, head_dim, None, 1e-6, False)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     want = before.clone()

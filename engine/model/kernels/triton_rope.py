@@ -48,14 +48,15 @@ def norm_rope(
     norms: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     gemma: bool,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New q ``[T, H, D]`` and k ``[T, KVH, D]``: each head row normalised (``norms``: the q and k
     weights, Gemma's as the fp32 ``1 + weight`` scale; None: no q/k norm), then rotated on its
     first ``rotary_dim`` values. ``cos``/``sin``: ``Rotary.cos_sin`` of the tokens' positions.
-    ``store`` = (``v`` [T, KVH, D], ``flat`` cache rows, ``key_rows`` [T], ``block_size``): the
-    same launch also writes each token's new K row to ``flat[key_rows[t]]`` and its V row to
-    ``flat[key_rows[t] + block_size]`` (``triton_attention.store_kv``'s layout)."""
+    ``store`` = (``v`` [T, KVH, D], ``flat`` cache rows, ``write_block`` [T], ``write_offset``
+    [T], ``rows_per_block``, ``block_size``): the same launch also writes each token's new K row
+    to ``flat[key]``, ``key = write_block[t] * rows_per_block + write_offset[t]``, and its V row
+    to ``flat[key + block_size]`` (``layers.attention.paged_attention``'s layout)."""
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
@@ -64,7 +65,7 @@ def norm_rope(
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError("norm_rope: the last dimension of q, k, cos and sin must be contiguous")
     q_weight, k_weight = norms if norms is not None else (cos, cos)  # unread without NORM
-    v, flat, key_rows, block_size = store if store is not None else (k, k_out, cos, 0)  # unread without STORE
+    v, flat, blocks, offsets, rows_per_block, block_size = store or (k, k_out, cos, cos, 0, 0)  # unread without STORE
     if store is not None and (v.stride(2) != 1 or flat.stride(2) != 1):
         raise ValueError("norm_rope: the last dimension of v and the cache must be contiguous")
     kernel = _kernels()
@@ -75,7 +76,8 @@ def norm_rope(
         k_out,
         v,
         flat,
-        key_rows,
+        blocks,
+        offsets,
         cos,
         sin,
         q_weight,
@@ -94,6 +96,7 @@ def norm_rope(
         v.stride(1),
         flat.stride(0),
         flat.stride(1),
+        rows_per_block,
         block_size,
         heads,
         eps,
@@ -127,7 +130,8 @@ def _norm_rope_kernel(
     k_out,
     v,
     cache,
-    key_rows,
+    write_block,
+    write_offset,
     cos,
     sin,
     q_weight,
@@ -146,6 +150,7 @@ def _norm_rope_kernel(
     stride_vh,
     stride_ct,
     stride_ch,
+    rows_per_block,
     block_size,
     heads,
     eps,
@@ -193,7 +198,7 @@ def _norm_rope_kernel(
     if STORE:  # noqa: SIM102  # a constexpr branch (compiled out) around a runtime one
         if h >= heads:
             kh = h - heads
-            key = tl.load(key_rows + t).to(tl.int64)
+            key = tl.load(write_block + t).to(tl.int64) * rows_per_block + tl.load(write_offset + t).to(tl.int64)
             tl.store(cache + key * stride_ct + kh * stride_ch + d, out.to(cache.dtype.element_ty), mask=ok)
             value = tl.load(v + t * stride_vt + kh * stride_vh + d, mask=ok, other=0.0)
             tl.store(cache + (key + block_size) * stride_ct + kh * stride_ch + d, value, mask=ok)

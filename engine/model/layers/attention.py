@@ -98,9 +98,16 @@ class Attention(nn.Module):
             assert rope is not None, "rotary layer called without cos/sin"
             norms = (self.q_norm.weight_for_kernel(), self.k_norm.weight_for_kernel()) if self.qk_norm else None
             stored = index.paged is not None  # the paged path stores K/V itself; the torch path after
-            store = (v, self.cache, key_rows(index, self.rows_per_block), self.block_size) if stored else None
+            store = (v, self.cache, index.write_block, index.write_offset, self.rows_per_block, self.block_size)
             q, k = triton_rope.norm_rope(
-                q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps, self.arch.family == "gemma3", store
+                q,
+                k,
+                *rope,
+                self.rotary.rotary_dim,
+                norms,
+                self.arch.rms_norm_eps,
+                self.arch.family == "gemma3",
+                store if stored else None,
             )
         else:
             if self.qk_norm:
@@ -156,16 +163,16 @@ def paged_attention(
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
-    rows_written = key_rows(index, stride)
+    key_rows = index.write_block * stride + index.write_offset
     if index.paged is not None:
         if not stored:
-            triton_attention.store_kv(flat, k, v, rows_written, bs)
+            triton_attention.store_kv(flat, k, v, key_rows, bs)
         return triton_attention.paged_attention_triton(
             q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
         )
     assert not stored, "the torch path stores K/V itself"
-    flat.index_copy_(0, rows_written, k)
-    flat.index_copy_(0, rows_written + bs, v)
+    flat.index_copy_(0, key_rows, k)
+    flat.index_copy_(0, key_rows + bs, v)
     out = torch.empty_like(q)
     for c, blocks, offsets, allowed in index.prefill_reads:
         chunk = batch.chunks[c]
@@ -191,12 +198,6 @@ def paged_attention(
         mask = valid[:, None, None, :]
         out[query_rows] = _attend(q[query_rows][:, :, None, :], keys, values, mask, scale, softcap, sinks)[:, :, 0, :]
     return out
-
-
-def key_rows(index: GroupIndex, rows_per_block: int) -> torch.Tensor:
-    """The cache row of each token's new key (its value is ``block_size`` rows on), computed once
-    per step per group and layout (``GroupIndex.shared``), not once per layer."""
-    return index.shared(f"key_rows_{rows_per_block}", lambda: index.write_block * rows_per_block + index.write_offset)
 
 
 def _gather(flat: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
