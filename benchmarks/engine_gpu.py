@@ -56,7 +56,8 @@ stderr (logging); the last stdout line is one JSON object::
     (``benchmarks/support/op_count.py``), batch 1, counted on each model's FULL shape even in a
     ``--quick`` run (the full checkpoint is built for it there), on the engine's fused path
     (``op_count.fused_path``: every Triton kernel of engine/model/kernels/ switched on; on a CPU
-    they run under Triton's interpreter, so this count takes minutes there). How it counts: a
+    they run under Triton's interpreter, so this count takes minutes there, and ``--max-seconds``
+    does not bound it). How it counts: a
     ``TorchDispatchMode`` sees each aten operator once (views, metadata and bare allocations
     left out), and each Triton launch counts one (``triton::<kernel>``) with what the launch
     itself dispatches left out; ``ops_by_op`` lists the most frequent. On CUDA it stands beside
@@ -422,10 +423,11 @@ def main() -> None:
             directory = run.attempt(f"{name} checkpoint", lambda n=name: build_checkpoint(run, n, Path(tmp) / n))
             if directory is not None:
                 bench_model(run, name, directory)
-                if args.quick:
-                    run.attempt(f"{name} ops", lambda n=name: full_shape_ops(run, n, Path(tmp)))
-                else:
+                if not args.quick:
                     run.attempt(f"{name} ops", lambda n=name, d=directory: count_ops(run, n, d))
+        counting = replace(run, end=float("inf"))  # the counts are fixed work, not bounded by --max-seconds
+        for name in args.models.split(",") if args.quick else ():
+            counting.attempt(f"{name} ops", lambda n=name: full_shape_ops(counting, n, Path(tmp)))
     result["total_s"] = round(time.perf_counter() - start, 1)
     log.info("done in %.1f s", result["total_s"])
     print(json.dumps(result))
