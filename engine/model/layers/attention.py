@@ -163,14 +163,14 @@ def paged_attention(
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
-    key_rows = index.write_block * stride + index.write_offset
     if index.paged is not None:
         if not stored:
-            triton_attention.store_kv(flat, k, v, key_rows, bs)
+            triton_attention.store_kv(flat, k, v, index.write_block * stride + index.write_offset, bs)
         return triton_attention.paged_attention_triton(
             q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
         )
     assert not stored, "the torch path stores K/V itself"
+    key_rows = index.write_block * stride + index.write_offset
     flat.index_copy_(0, key_rows, k)
     flat.index_copy_(0, key_rows + bs, v)
     out = torch.empty_like(q)
