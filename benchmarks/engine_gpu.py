@@ -53,11 +53,16 @@ stderr (logging); the last stdout line is one JSON object::
     their summed device time, and (``--no-eager-decode`` skips it) a second engine with
     ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
 (5) ``ops_per_step``: the device operations one decode step's model forward and logits dispatch
-    (``benchmarks/support/op_count.py``: aten operators seen by a dispatch mode, views, metadata
-    and bare allocations left out), batch 1, counted on each model's FULL shape even in a
-    ``--quick`` run (the full checkpoint is built for it there), on the run's device and path;
-    ``ops_by_op`` lists the most frequent operators. On CUDA it stands beside the profiler's
-    ``kernels_per_step``, which checks the proxy.
+    (``benchmarks/support/op_count.py``), batch 1, counted on each model's FULL shape even in a
+    ``--quick`` run (the full checkpoint is built for it there), on the engine's fused path
+    (``op_count.fused_path``: every Triton kernel of engine/model/kernels/ switched on; on a CPU
+    they run under Triton's interpreter, so this count takes minutes there, and ``--max-seconds``
+    does not bound it). How it counts: a
+    ``TorchDispatchMode`` sees each aten operator once (views, metadata and bare allocations
+    left out), and each Triton launch counts one (``triton::<kernel>``) with what the launch
+    itself dispatches left out; ``ops_by_op`` lists the most frequent. On CUDA it stands beside
+    the profiler's ``kernels_per_step``, which checks the proxy. Measured 2026-11-29 (CPU):
+    gemma 196, bamba 197 (the torch path's count before the fused kernels: 723 and 516).
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
@@ -78,6 +83,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -104,7 +110,7 @@ from benchmarks.support.gpu_bench_setup import (
     build_checkpoint,
 )
 from benchmarks.support.hf_generate import generate_batch, workload
-from benchmarks.support.op_count import decode_ops
+from benchmarks.support.op_count import decode_ops, fused_path
 from configs import load_config
 from engine.core import EngineCore
 from engine.runner import TORCH_DTYPES
@@ -302,9 +308,10 @@ def count_ops(run: Run, name: str, directory: Path) -> None:
     """``ops_per_step[name]``: one batch-1 decode step's device operations on the full shape
     (``directory`` holds it), in an engine sized for that one request."""
     one = replace(run.sizes, max_num_seqs=1, decode_batches=(1,), kv_budget_mib=max(run.sizes.kv_budget_mib, 512))
-    engine = make_engine(replace(run, sizes=one), directory)
-    vocab = MODELS[name][2]["vocab_size"]
-    counted = decode_ops(engine, vocab)
+    with fused_path(run.device.type):
+        engine = make_engine(replace(run, sizes=one), directory)
+        vocab = MODELS[name][2]["vocab_size"]
+        counted = decode_ops(engine, vocab, prompt_len=8)  # short: the CPU interprets the prefill's kernels
     run.result["ops_per_step"][name] = counted["ops"]
     run.result["ops_by_op"][name] = dict(list(counted["by_op"].items())[:12])
     log.info("%s: %d device operations per decode step (full shape)", name, counted["ops"])
@@ -365,6 +372,8 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cpu":  # ops_per_step runs the Triton kernels interpreted (before triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     import transformers
 
@@ -414,10 +423,11 @@ def main() -> None:
             directory = run.attempt(f"{name} checkpoint", lambda n=name: build_checkpoint(run, n, Path(tmp) / n))
             if directory is not None:
                 bench_model(run, name, directory)
-                if args.quick:
-                    run.attempt(f"{name} ops", lambda n=name: full_shape_ops(run, n, Path(tmp)))
-                else:
+                if not args.quick:
                     run.attempt(f"{name} ops", lambda n=name, d=directory: count_ops(run, n, d))
+        counting = replace(run, end=float("inf"))  # the counts are fixed work, not bounded by --max-seconds
+        for name in args.models.split(",") if args.quick else ():
+            counting.attempt(f"{name} ops", lambda n=name: full_shape_ops(counting, n, Path(tmp)))
     result["total_s"] = round(time.perf_counter() - start, 1)
     log.info("done in %.1f s", result["total_s"])
     print(json.dumps(result))

@@ -8,15 +8,26 @@ operator counts one, which on CUDA is one kernel (a few aten operators launch tw
 kernel or a compiled region launches one and dispatches nothing: the count is a proxy that the GPU
 run checks against the profiler's ``kernels_per_step``).
 
+A Triton launch does not reach the dispatcher: ``DispatchCounter`` wraps triton's launch entry
+points (``JITFunction.run``, and ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``) while
+it is on, so each launch counts one (``triton::<kernel>``) and the torch operators the launch
+itself runs (the interpreter's argument copies, the kernel's host-side setup) count nothing.
+
 ``decode_ops(engine)`` counts what one decode ``step()`` dispatches inside the model's
 ``forward`` and ``logits`` (the engine's model compute; the scheduler, batch build and sampler are
-host work around it), on the engine's own path for its device.
+host work around it), on the engine's own path for its device. ``fused_path()`` is the
+environment that puts an engine built inside it on the Triton path of every kernel
+(``KVFLEET_ATTENTION``, ``KVFLEET_NORM``, ``KVFLEET_ROPE``, ``KVFLEET_ACT``,
+``KVFLEET_MAMBA_KERNEL`` = triton;
+engine/model/kernels/), the CPU running the kernels under Triton's interpreter.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,6 +76,63 @@ class DispatchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def count_triton_launches(counter: DispatchCounter) -> Iterator[None]:
+    """While on, each Triton launch counts one in ``counter`` (when it is active), named by its
+    kernel; what the launch dispatches to torch itself is not counted."""
+    try:
+        from triton.runtime import interpreter, jit
+    except ImportError:  # no triton: no launch to count
+        yield
+        return
+    classes = (jit.JITFunction, interpreter.InterpretedFunction)
+    originals = {cls: cls.run for cls in classes}
+
+    def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if not counter.active:
+                return run(fn, *args, **kwargs)
+            counter.by_op[f"triton::{getattr(fn, '__name__', 'kernel')}"] += 1
+            counter.active = False
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                counter.active = True
+
+        return counted
+
+    for cls, run in originals.items():
+        cls.run = wrap(run)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, run in originals.items():
+            cls.run = run  # type: ignore[method-assign]
+
+
+#: the kernel choices ``fused_path`` sets (engine/model/kernels/: ``kernel_choice``)
+KERNEL_VARIABLES = ("KVFLEET_ATTENTION", "KVFLEET_NORM", "KVFLEET_ROPE", "KVFLEET_ACT", "KVFLEET_MAMBA_KERNEL")
+
+
+@contextlib.contextmanager
+def fused_path(device: str) -> Iterator[None]:
+    """Every kernel choice set to triton while an engine is built and run inside; on a CPU the
+    kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, which triton reads when its
+    language module is first imported: set it before anything imports triton)."""
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("fused_path on a CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    saved = {name: os.environ.get(name) for name in KERNEL_VARIABLES}
+    os.environ.update(dict.fromkeys(KERNEL_VARIABLES, "triton"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _counting(counter: DispatchCounter, inner: Callable[..., Any]) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
         counter.active = True
@@ -92,7 +160,7 @@ def decode_ops(engine: EngineCore, vocab: int, batch: int = 1, prompt_len: int =
     for name, inner in originals.items():
         setattr(model, name, _counting(counter, inner))
     try:
-        with counter:
+        with counter, count_triton_launches(counter):
             engine.step()
     finally:
         for name, inner in originals.items():
@@ -102,4 +170,6 @@ def decode_ops(engine: EngineCore, vocab: int, batch: int = 1, prompt_len: int =
                 delattr(model, name)  # the class's method shows again
     for r in range(batch):
         engine.abort(f"ops-{r}")
+    if not counter.total:
+        raise RuntimeError("decode_ops: the counted step ran nothing (did the engine's step fail? see its log)")
     return {"ops": counter.total, "by_op": dict(counter.by_op.most_common())}

@@ -203,3 +203,20 @@ def test_tiny_bamba_on_the_kernel_matches_hf(tmp_path, monkeypatch: pytest.Monke
     overrides = ("scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=16")
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (5, 19, 27)), 4, *overrides)
     assert calls
+
+
+def test_tiny_bamba_on_every_kernel_matches_hf(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path ``benchmarks/support/op_count.fused_path`` counts: paged attention with the KV store
+    in the rotary kernel, the fused residual + norm launches, the gated output norm and the
+    activation kernel beside the Mamba2 decode kernel, with chunked prefill sharing steps."""
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
+    from engine.model.kernels import triton_norm
+
+    directory = build_tiny_checkpoint("tiny-bamba", tmp_path / "bamba", seed=3)
+    for variable in ("KVFLEET_ATTENTION", "KVFLEET_NORM", "KVFLEET_ROPE", "KVFLEET_ACT", tm.ENV):
+        monkeypatch.setenv(variable, "triton")
+    calls: list = []
+    monkeypatch.setattr(triton_norm, "gated_rms_norm", _spy(triton_norm.gated_rms_norm, calls))
+    overrides = ("scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=16")
+    harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (5, 19, 27)), 4, *overrides)
+    assert calls

@@ -58,6 +58,33 @@ def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual:
         assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
 
 
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() < 1e-5
+    else:  # two bf16 units in the last place (the rsqrt's last bits, as above)
+        assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("shape", [(5, 640), (1, 64)])
+def test_fused_residual_and_next_norm_equal_the_torch_path(dtype: torch.dtype, gemma: bool, shape: tuple) -> None:
+    """``then`` (norm, residual, next norm) and ``add`` (residual, norm): one launch each on the
+    kernel, the same values as the torch path's calls."""
+    first_torch, first = norm_pair(shape[-1], gemma, dtype, seed=3)
+    second_torch, second = norm_pair(shape[-1], gemma, dtype, seed=4)
+    x = (torch.randn(shape, device=DEVICE) * 3.0).to(dtype)
+    skip = torch.randn(shape, device=DEVICE).to(dtype)
+    with torch.no_grad():
+        for got, want in zip(first.then(x, skip, second), first_torch.then(x, skip, second_torch), strict=True):
+            assert_close(got, want, dtype)
+        for got, want in zip(first.add(x, skip), first_torch.add(x, skip), strict=True):
+            assert_close(got, want, dtype)
+        total, normed = first_torch.add(x, skip)
+        assert torch.equal(total, skip + x) and torch.equal(normed, first_torch(skip + x))
+
+
 def test_a_wrong_scale_would_be_caught() -> None:
     """The comparison sees a kernel fed Gemma's raw weight instead of ``1 + weight`` (it can fail)."""
     from engine.model.kernels import triton_norm
@@ -75,3 +102,28 @@ def test_gemma3_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch)
 
     directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [48, 64])
+def test_gated_norm_kernel_equals_the_torch_path(dtype: torch.dtype, group_size: int) -> None:
+    """Mamba2's gated output norm (``GatedRMSNorm``): the kernel against the torch path, fp32
+    product in, the model dtype out (as ``Mamba2Mixer`` calls it)."""
+    from engine.model.layers.mamba2 import GatedRMSNorm
+
+    torch.manual_seed(group_size)
+    channels = 3 * group_size
+    torch_path = GatedRMSNorm(channels, group_size, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        torch_path.weight.normal_(1.0, 0.5)
+    kernel = GatedRMSNorm(channels, group_size, 1e-6).to(DEVICE, dtype)
+    kernel.load_state_dict(torch_path.state_dict())
+    torch_path._kernel, kernel._kernel = False, True
+    x = torch.randn(5, channels, device=DEVICE) * 2.0
+    gate = (torch.randn(5, channels, device=DEVICE) * 2.0).to(dtype)
+    with torch.no_grad():
+        want, got = torch_path(x, gate, dtype), kernel(x, gate, dtype)
+    assert_close(got, want, dtype)
+    with torch.no_grad():  # a kernel that skipped the gate would be caught
+        ungated = kernel(x, torch.full_like(gate, 30.0), dtype)
+    assert (ungated.float() - want.float()).abs().max().item() > 1e-2

@@ -60,6 +60,32 @@ def test_kernel_equals_norm_then_rotary(dtype: torch.dtype, norm: str, head_dim:
             assert bool(((got.float() - want.float()).abs() <= tolerance).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_stores_the_new_keys_and_values_in_their_pages(dtype: torch.dtype) -> None:
+    """With ``store`` the key heads' programs also write K (rotated) and V into the cache rows
+    ``key`` and ``key + block_size`` (``key = block * rows_per_block + offset``), as
+    ``triton_attention.store_kv`` does; no other row changes."""
+    torch.manual_seed(11)
+    tokens, heads, kv_heads, head_dim, block_size = 3, 4, 2, 32, 4
+    rotary = Rotary(RopeArch(theta=10000.0), head_dim).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.tensor([1, 6, 9], device=DEVICE), dtype)
+    q = torch.randn(tokens, heads, head_dim, device=DEVICE).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, device=DEVICE).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, device=DEVICE).to(dtype)
+    flat = torch.randn(6 * 2 * block_size, kv_heads, head_dim, device=DEVICE).to(dtype)
+    before = flat.clone()
+    rows_per_block = 2 * block_size
+    write_block, write_offset = torch.tensor([0, 1, 4], device=DEVICE), torch.tensor([1, 3, 0], device=DEVICE)
+    key_rows = write_block * rows_per_block + write_offset
+    store = (v, flat, write_block, write_offset, rows_per_block, block_size)
+    got_q, got_k = triton_rope.norm_rope(q, k, cos, sin, head_dim, None, 1e-6, False, store)
+    want_q, want_k = triton_rope.norm_rope(q, k, cos, sin, head_dim, None, 1e-6, False)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    want = before.clone()
+    want[key_rows], want[key_rows + block_size] = want_k, v
+    assert torch.equal(flat, want)
+
+
 def test_a_missing_rotation_would_be_caught() -> None:
     """The comparison sees a kernel given cos = 1, sin = 0 (no rotation): it can fail."""
     rotary = Rotary(RopeArch(theta=10000.0), 64).to(DEVICE)
@@ -70,10 +96,16 @@ def test_a_missing_rotation_would_be_caught() -> None:
     assert (got_q - want_q).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["torch-attention", "all-kernels"])
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
-def test_engine_on_the_fused_kernels_matches_hugging_face(name: str, tmp_path, monkeypatch) -> None:
+def test_engine_on_the_fused_kernels_matches_hugging_face(name: str, paged: bool, tmp_path, monkeypatch) -> None:
+    """``all-kernels``: the path ``benchmarks/support/op_count.fused_path`` counts (paged attention
+    with the KV store in the rotary kernel, fused norms, the activation kernel)."""
     monkeypatch.setenv("KVFLEET_ROPE", "triton")
     monkeypatch.setenv("KVFLEET_NORM", "triton")
+    if paged:
+        monkeypatch.setenv("KVFLEET_ATTENTION", "triton")
+        monkeypatch.setenv("KVFLEET_ACT", "triton")
     if name == "tiny-gemma3":
         from engine.model.checkpoints.tiny import build_tiny_checkpoint
 

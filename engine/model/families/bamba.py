@@ -59,8 +59,8 @@ class BambaLayer(MambaOrAttentionMixer):
         self.pre_ff_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        x = x + self.mix(x, batch, ropes)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        x, normed = self.pre_ff_layernorm.add(self.mix(x, batch, ropes), x)
+        return x + self.feed_forward(normed)
 
 
 class BambaModel(nn.Module):

@@ -43,10 +43,10 @@ class DecoderLayer(nn.Module):
         """``ropes``: the step's cos/sin per rotary type, shared by all layers (``Attention.step_rope``)."""
         h = self.self_attn(self.input_layernorm(x), batch, self.self_attn.step_rope(batch, x.dtype, ropes))
         if self.gemma:
-            x = self.post_attention_layernorm(h, residual=x)
-            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, normed = self.post_attention_layernorm.then(h, x, self.pre_feedforward_layernorm)
+            return self.post_feedforward_layernorm(self.mlp(normed), residual=x)
+        x, normed = self.post_attention_layernorm.add(h, x)
+        return x + self.mlp(normed)
 
 
 class CausalLM(LanguageModel):

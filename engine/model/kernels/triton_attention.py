@@ -274,6 +274,10 @@ def jit_in_place(namespace: dict[str, Any], names: tuple[str, ...], what: str) -
         raise RuntimeError(f"triton {what}: triton is not importable")
     from triton import language
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from engine.model.kernels.interpreter import patch_interpreter
+
+        patch_interpreter()
     namespace["tl"] = language
     for name in names:
         namespace[name] = triton.jit(namespace[name])

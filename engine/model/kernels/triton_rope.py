@@ -7,7 +7,9 @@ layer. Here one launch covers every query and key head of every token: program (
 loads the head's row, optionally RMS-normalises it (Gemma's fp32 ``1 + weight`` scale, rounded
 to the model dtype as ``RMSNorm`` rounds, or Llama/Qwen's weight after the rounding), then
 rotates its first ``rotary_dim`` values by the rotate-half convention with ``Rotary.cos_sin``'s
-cos and sign-folded sin, in fp32, and writes the row once in the model dtype. Each row's partner
+cos and sign-folded sin, in fp32, and writes the row once in the model dtype (and, given the
+cache, a key head's program writes the token's K and V rows into their page too, so the paged
+attention path needs no separate store launch). Each row's partner
 half is read from memory again (normalised with the same ``rstd``), so no value moves between
 lanes. In fp32 this equals ``RMSNorm`` + ``Rotary.apply``; in bf16 it rounds once where the torch
 path rounds after each product (closer to the fp32 result).
@@ -46,10 +48,15 @@ def norm_rope(
     norms: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     gemma: bool,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New q ``[T, H, D]`` and k ``[T, KVH, D]``: each head row normalised (``norms``: the q and k
     weights, Gemma's as the fp32 ``1 + weight`` scale; None: no q/k norm), then rotated on its
-    first ``rotary_dim`` values. ``cos``/``sin``: ``Rotary.cos_sin`` of the tokens' positions."""
+    first ``rotary_dim`` values. ``cos``/``sin``: ``Rotary.cos_sin`` of the tokens' positions.
+    ``store`` = (``v`` [T, KVH, D], ``flat`` cache rows, ``write_block`` [T], ``write_offset``
+    [T], ``rows_per_block``, ``block_size``): the same launch also writes each token's new K row
+    to ``flat[key]``, ``key = write_block[t] * rows_per_block + write_offset[t]``, and its V row
+    to ``flat[key + block_size]`` (``layers.attention.paged_attention``'s layout)."""
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
@@ -58,12 +65,19 @@ def norm_rope(
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError("norm_rope: the last dimension of q, k, cos and sin must be contiguous")
     q_weight, k_weight = norms if norms is not None else (cos, cos)  # unread without NORM
+    v, flat, blocks, offsets, rows_per_block, block_size = store or (k, k_out, cos, cos, 0, 0)  # unread without STORE
+    if store is not None and (v.stride(2) != 1 or flat.stride(2) != 1):
+        raise ValueError("norm_rope: the last dimension of v and the cache must be contiguous")
     kernel = _kernels()
     kernel[(tokens, heads + kv_heads)](
         q,
         k,
         q_out,
         k_out,
+        v,
+        flat,
+        blocks,
+        offsets,
         cos,
         sin,
         q_weight,
@@ -78,6 +92,12 @@ def norm_rope(
         k_out.stride(1),
         cos.stride(0),
         sin.stride(0),
+        v.stride(0),
+        v.stride(1),
+        flat.stride(0),
+        flat.stride(1),
+        rows_per_block,
+        block_size,
         heads,
         eps,
         HEAD_DIM=head_dim,
@@ -86,6 +106,7 @@ def norm_rope(
         HALF=rotary_dim // 2,
         NORM=norms is not None,
         GEMMA=gemma,
+        STORE=store is not None,
         num_warps=1 if head_dim <= 128 else 2,
     )
     return q_out, k_out
@@ -107,6 +128,10 @@ def _norm_rope_kernel(
     k,
     q_out,
     k_out,
+    v,
+    cache,
+    write_block,
+    write_offset,
     cos,
     sin,
     q_weight,
@@ -121,6 +146,12 @@ def _norm_rope_kernel(
     stride_koh,
     stride_cos,
     stride_sin,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
+    rows_per_block,
+    block_size,
     heads,
     eps,
     HEAD_DIM: tl.constexpr,
@@ -129,8 +160,10 @@ def _norm_rope_kernel(
     HALF: tl.constexpr,
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
+    STORE: tl.constexpr,
 ):
-    """Program (token t, head h): h < heads is query head h, else key head h - heads."""
+    """Program (token t, head h): h < heads is query head h, else key head h - heads (which,
+    with ``STORE``, also writes the token's K and V rows of that head into the cache)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < heads:
@@ -162,3 +195,10 @@ def _norm_rope_kernel(
     s = tl.load(sin + t * stride_sin + d, mask=rotated, other=0.0).to(tl.float32)
     out = tl.where(rotated, values * c + others * s, values)
     tl.store(dst + d, out.to(dst.dtype.element_ty), mask=ok)
+    if STORE:  # noqa: SIM102  # a constexpr branch (compiled out) around a runtime one
+        if h >= heads:
+            kh = h - heads
+            key = tl.load(write_block + t).to(tl.int64) * rows_per_block + tl.load(write_offset + t).to(tl.int64)
+            tl.store(cache + key * stride_ct + kh * stride_ch + d, out.to(cache.dtype.element_ty), mask=ok)
+            value = tl.load(v + t * stride_vt + kh * stride_vh + d, mask=ok, other=0.0)
+            tl.store(cache + (key + block_size) * stride_ct + kh * stride_ch + d, value, mask=ok)

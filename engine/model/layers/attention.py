@@ -91,11 +91,23 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self._fused_rope is None:
             self._fused_rope = triton_rope.enabled(self.q_proj.weight.device)
-        if self.rotary is not None and self._fused_rope:  # q/k norms and rotary: one launch
+        index = batch.groups[self.group]
+        stored = False
+        assert self.cache is not None, "KV cache not bound"
+        if self.rotary is not None and self._fused_rope:  # q/k norms, rotary (and the KV store): one launch
             assert rope is not None, "rotary layer called without cos/sin"
             norms = (self.q_norm.weight_for_kernel(), self.k_norm.weight_for_kernel()) if self.qk_norm else None
+            stored = index.paged is not None  # the paged path stores K/V itself; the torch path after
+            store = (v, self.cache, index.write_block, index.write_offset, self.rows_per_block, self.block_size)
             q, k = triton_rope.norm_rope(
-                q, k, *rope, self.rotary.rotary_dim, norms, self.arch.rms_norm_eps, self.arch.family == "gemma3"
+                q,
+                k,
+                *rope,
+                self.rotary.rotary_dim,
+                norms,
+                self.arch.rms_norm_eps,
+                self.arch.family == "gemma3",
+                store if stored else None,
             )
         else:
             if self.qk_norm:
@@ -104,7 +116,6 @@ class Attention(nn.Module):
                 assert rope is not None, "rotary layer called without cos/sin"
                 cos, sin = rope
                 q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        assert self.cache is not None, "KV cache not bound"
         out = paged_attention(
             q,
             k,
@@ -117,6 +128,7 @@ class Attention(nn.Module):
             self.arch.attn_scale,
             self.arch.attn_logit_softcapping,
             self.sinks,
+            stored,
         )
         out = self.o_proj(out.reshape(t, -1))
         return all_reduce(out) if self.arch.tp_size > 1 else out  # row-parallel o: sum the ranks' heads
@@ -134,8 +146,10 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """Store this step's K/V in the layer's cache and attend. ``q``: [T, heads, head_dim];
+    """Store this step's K/V in the layer's cache (unless ``stored``: the fused rotary kernel wrote
+    them, paged path only) and attend. ``q``: [T, heads, head_dim];
     ``k``/``v``: [T, kv_heads, head_dim]. Returns [T, heads, head_dim]. ``sinks`` ([heads]): a
     learned logit per head joining every softmax denominator (it takes probability mass but
     contributes no value), in prefill and decode alike.
@@ -149,12 +163,14 @@ def paged_attention(
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
-    key_rows = index.write_block * stride + index.write_offset
     if index.paged is not None:
-        triton_attention.store_kv(flat, k, v, key_rows, bs)
+        if not stored:
+            triton_attention.store_kv(flat, k, v, index.write_block * stride + index.write_offset, bs)
         return triton_attention.paged_attention_triton(
             q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
         )
+    assert not stored, "the torch path stores K/V itself"
+    key_rows = index.write_block * stride + index.write_offset
     flat.index_copy_(0, key_rows, k)
     flat.index_copy_(0, key_rows + bs, v)
     out = torch.empty_like(q)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.arch.model_arch import RopeArch
-from engine.model.kernels import triton_norm
+from engine.model.kernels import triton_act, triton_norm
 from engine.model.layers.parallel import all_reduce
 
 
@@ -22,8 +22,9 @@ class RMSNorm(nn.Module):
     """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights).
 
     ``forward(x, residual)`` returns ``residual + norm(x)`` when a residual is given (the
-    decoder's post-norm adds). Where ``triton_norm.enabled`` (CUDA) the norm, its casts and the
-    add are one Triton kernel; elsewhere one fused ``F.rms_norm`` between two casts (a norm is 9
+    decoder's post-norm adds); ``then`` and ``add`` join a residual add and the next norm. Where
+    ``triton_norm.enabled`` (CUDA) the norm, its casts and the add (and the next norm) are one
+    Triton kernel; elsewhere one fused ``F.rms_norm`` between two casts (a norm is 9
     small ops written out). Gemma's ``1 + weight`` is kept between calls and rebuilt when the
     weight changes (its storage or ``_version``)."""
 
@@ -46,6 +47,28 @@ class RMSNorm(nn.Module):
         else:
             out = self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(dtype)
         return out if residual is None else residual + out
+
+    def then(self, x: torch.Tensor, residual: torch.Tensor, after: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = self(x, residual)`` and ``after(s)``: one launch where the kernel runs (a post-norm
+        with its residual, then the next pre-norm: Gemma3), else the two calls."""
+        if self._kernel is None:
+            self._kernel = triton_norm.enabled(self.weight.device)
+        if self._kernel and self.gemma == after.gemma:
+            return triton_norm.norm_add_norm(
+                x, residual, self.weight_for_kernel(), after.weight_for_kernel(), self.eps, self.gemma
+            )
+        out = self(x, residual)
+        return out, after(out)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = residual + x`` and ``self(s)``: one launch where the kernel runs (a pre-norm
+        decoder's residual add and its next norm), else the add and the norm."""
+        if self._kernel is None:
+            self._kernel = triton_norm.enabled(self.weight.device)
+        if self._kernel:
+            return triton_norm.add_norm(x, residual, self.weight_for_kernel(), self.eps, self.gemma)
+        total = residual + x
+        return total, self(total)
 
     def weight_for_kernel(self) -> torch.Tensor:
         """What the Triton kernels take as this norm's weight: Gemma's fp32 ``1 + weight``, else
@@ -135,7 +158,8 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one matmul.
+    """``down(act(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one matmul, and
+    where ``triton_act.enabled`` the activation and the product one kernel.
     ``reduce``: this rank holds a column slice of gate/up and a row slice of down (tensor
     parallelism, engine/model/layers/parallel.py), so the output is summed over the ranks."""
 
@@ -147,7 +171,9 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _ACTIVATIONS[act]
+        self.act_name = act
         self._gate_up: torch.Tensor | None = None  # fused gate + up weight (fuse_projections)
+        self._kernel: bool | None = None  # triton_act.enabled for the weights' device, read at first use
 
     def fuse_projections(self) -> None:
         """Concatenate the gate and up weights once, after the checkpoint is loaded."""
@@ -157,6 +183,12 @@ class GatedMLP(nn.Module):
         if self._gate_up is None:
             out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         else:
-            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
-            out = self.down_proj(self.act(gate) * up)
+            if self._kernel is None:
+                self._kernel = triton_act.enabled(self._gate_up.device)
+            gate_up = F.linear(x, self._gate_up)
+            if self._kernel:  # the activation and the product: one launch
+                out = self.down_proj(triton_act.act_mul(gate_up, self.act_name))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                out = self.down_proj(self.act(gate) * up)
         return all_reduce(out) if self.reduce else out

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
-from engine.model.kernels import triton_mamba
+from engine.model.kernels import triton_mamba, triton_norm
 from engine.model.layers import recurrent
 from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
@@ -53,8 +53,16 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
         self.group_ranks, self.group = group_ranks, group
+        self._kernel: bool | None = None  # triton_norm.enabled for the weight's device, read at first use
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The normed ``x * silu(gate)`` in ``out_dtype`` (None: the product's dtype); where
+        ``triton_norm.enabled`` and the groups are whole on this rank, one kernel."""
+        if self._kernel is None:
+            self._kernel = triton_norm.enabled(self.weight.device)
+        if self._kernel and self.group_ranks == 1:
+            dtype = out_dtype or torch.promote_types(x.dtype, self.weight.dtype)
+            return triton_norm.gated_rms_norm(x, gate, self.weight, self.group_size, self.eps, dtype)
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
         shape = h.shape
@@ -68,7 +76,8 @@ class GatedRMSNorm(nn.Module):
         else:
             mean = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean + self.eps)
-        return self.weight * h.view(shape).to(dtype)
+        out = self.weight * h.view(shape).to(dtype)
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 #: On CPU, SSM-state bytes a decode step gathers per tile of heads (all decoding chunks at once):
@@ -151,7 +160,7 @@ class Mamba2Mixer(RecurrentMixer):
             self._decode(xbc, dt, out, batch, index)
         if update is not None:
             self._scatter(*update)
-        out = self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        out = self.out_proj(self.norm(out, gate, hidden.dtype))
         return all_reduce(out) if self.reduce else out
 
     def _gather(self, source: torch.Tensor, fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
