@@ -34,16 +34,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch.distributed as dist
 
 from engine.kv_cache.host_tier import TierCopy
 from engine.transfer.ranked import FollowerReads, RankRead, RankReads, ReadPoll
 from engine.transfer.records import AgentInfo, TransferStatus
-
-if TYPE_CHECKING:
-    from engine.pd_handoff import PDHandoff
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +165,15 @@ def _gather_agents(group: dist.ProcessGroup, info: AgentInfo | None) -> list[Age
     return infos or []
 
 
-def lead_ranks(runner: RankRunner, handoff: PDHandoff | None = None) -> RankLeader:
+class RankedHandoff(Protocol):
+    """What leading needs of rank 0's P/D hand-off (engine.pd_handoff.PDHandoff): its agent's
+    registration, published with every rank's, and the reads of the other ranks it drives."""
+
+    agent_info: AgentInfo
+    ranks: RankReads | None
+
+
+def lead_ranks(runner: RankRunner, handoff: RankedHandoff | None = None) -> RankLeader:
     """Make ``runner`` (rank 0's) send each step's inputs to the other ranks from now on; they run
     ``follow_leader``. With the engine's P/D ``handoff`` (a ``kv_role``; every other rank then
     follows with its ``FollowerReads``), its registration is published with the other ranks'

@@ -17,17 +17,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from engine.transfer.records import DONE, FAILED, PENDING, AgentInfo, TransferStatus
 
 if TYPE_CHECKING:
-    from engine.rank_group import RankLeader
     from engine.transfer.base import KVTransfer
 
 log = logging.getLogger(__name__)
+
+
+class ReadLeader(Protocol):
+    """What rank 0's reads need of the control channel (engine.rank_group.RankLeader): the group's
+    size, sending reads to every other rank, and asking each which of them ended."""
+
+    size: int
+
+    def send_reads(self, reads: list[RankRead]) -> None: ...
+    def poll_reads(self, poll: ReadPoll) -> list[dict[int, TransferStatus]]: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class RankReads:
     Invariant: a read leaves ``pending`` only when every rank reported it ended, so the blocks
     it writes stay the request's until no rank writes them any more."""
 
-    def __init__(self, leader: RankLeader):
+    def __init__(self, leader: ReadLeader):
         self.leader = leader
         self.size = leader.size
         self.pending: dict[int, tuple[AgentInfo, bytes]] = {}
