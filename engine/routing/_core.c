@@ -97,6 +97,12 @@ typedef struct {
     PyObject *walked_list;
     Py_ssize_t walked_n, walked_factor;
     uint64_t walked_epoch;
+    /* the positions of that walk where group ``walked_group``'s holder value changes: 0, each
+     * change, and the first nobody holds (the ``walked_changes`` first of ``changes``) */
+    uint32_t *changes;
+    size_t changes_cap;
+    Py_ssize_t walked_changes;
+    int walked_group;
 } Maps;
 
 static inline Entry *ent(const Table *t, uint32_t id) {
@@ -716,6 +722,7 @@ static void Maps_dealloc(Maps *self) {
     PyMem_Free(self->slots);
     PyMem_Free(self->scratch);
     PyMem_Free(self->walked);
+    PyMem_Free(self->changes);
     Py_CLEAR(self->walked_list);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1404,13 +1411,17 @@ static int needed_range(PyObject *ranges, int g, Py_ssize_t k, Py_ssize_t *start
 
 /* Steps 1 and 2 of the prediction into ``sink``: see HolderMaps.walk in holder_maps.py. Group
  * ``first``'s view of ``hashes`` is every ``factor``-th hash (``coarse_view``), read in place. */
-/* A walk over ``hashes`` filled the first ``n`` positions of ``walked``: keep that for ``tiered``. */
-static inline void walked_keep(Maps *self, PyObject *hashes, Py_ssize_t factor, Py_ssize_t n) {
+/* A walk of group ``group`` over ``hashes`` filled the first ``n`` positions of ``walked`` and
+ * ``nchanges`` of ``changes``: keep that for ``tiered``. */
+static inline void walked_keep(Maps *self, PyObject *hashes, Py_ssize_t factor, Py_ssize_t n, int group,
+                               Py_ssize_t nchanges) {
     Py_INCREF(hashes);
     Py_XSETREF(self->walked_list, hashes);
     self->walked_n = n;
     self->walked_factor = factor;
     self->walked_epoch = self->table.epoch;
+    self->walked_group = group;
+    self->walked_changes = nchanges;
 }
 
 static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor, Py_ssize_t limit, Py_ssize_t per,
@@ -1434,9 +1445,13 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
         return 0;
     PyObject *const *items = &PyList_GET_ITEM(hashes, 0);
     int err = 0;
-    if (ensure_words(&self->walked, &self->walked_cap, (size_t)limit) < 0)
+    if (ensure_words(&self->walked, &self->walked_cap, (size_t)limit) < 0 ||
+        ensure_words(&self->changes, &self->changes_cap, (size_t)limit) < 0)
         return -1;
     uint32_t *walked = self->walked;
+    uint32_t *changes = self->changes;
+    Py_ssize_t nchanges = 1;
+    changes[0] = 0;
     PyObject *key0 = items[factor - 1];
     walked[0] = find_hashed(self, key0, PyBytes_Check(key0) ? hash_key(PyBytes_AS_STRING(key0), PyBytes_GET_SIZE(key0)) : 0,
                             &err);
@@ -1444,7 +1459,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
         return -1;
     uint32_t v0 = walked[0] == NONE_ID ? NONE_ID : ent(&self->table, walked[0])->words[first];
     if (v0 == NONE_ID) {
-        walked_keep(self, hashes, factor, 1);
+        walked_keep(self, hashes, factor, 1, first, 1);
         return 0;
     }
     Py_ssize_t nwalked = 1; /* positions of ``walked`` filled */
@@ -1502,12 +1517,13 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
         walked[i] = id;
         nwalked = i + 1;
         uint32_t v = id == NONE_ID ? NONE_ID : ent(&self->table, id)->words[first];
+        if (v == last)
+            continue;
+        changes[nchanges++] = (uint32_t)i;
         if (v == NONE_ID) {
             end = i;
             break;
         }
-        if (v == last)
-            continue;
         last = v;
         uint32_t nkept = intersect(self, cur, ncur, v, kept);
         if (nkept < ncur) {
@@ -1626,7 +1642,7 @@ static int walk_impl(Maps *self, int first, PyObject *hashes, Py_ssize_t factor,
     PyMem_Free(stop_count);
     if (specs != small)
         PyMem_Free(specs);
-    walked_keep(self, hashes, factor, nwalked);
+    walked_keep(self, hashes, factor, nwalked, first, nchanges);
     return 0;
 fail_stops:
     if (stop_slots != NULL) {
@@ -1703,6 +1719,7 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 /* -- the prediction over both tiers --------------------------------------------------------- */
 
 #define UNREAD 0xFFFFFFFEu /* never a holder value: a slot code is < 2^30, a set number has MULTI */
+#define TIER_SMALL 1024 /* positions of a decision's views kept on the stack */
 
 /* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
  * place) up to ``n`` positions, each position's device holder value in the group (read when a
@@ -1717,6 +1734,10 @@ typedef struct {
     PyObject *host; /* the group's host map: hash -> slots */
     uint32_t *dev;
     PyObject **hosted;
+    /* the entries the last walk met over these hashes (its first ``known`` positions): a
+     * position below ``known`` reads its entry from there instead of looking its key up */
+    const uint32_t *walked;
+    Py_ssize_t known;
 } TierView;
 
 /* The device value of position ``i`` (read once). */
@@ -1724,11 +1745,17 @@ static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *e
     uint32_t value = v->dev[i];
     if (value != UNREAD)
         return value;
-    PyObject *key = v->keys[i * v->factor];
-    uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
-    value = lookup_hashed(m, v->g, key, h, err);
-    if (!*err)
-        v->dev[i] = value;
+    if (i < v->known) {
+        uint32_t id = v->walked[i];
+        value = id == NONE_ID ? NONE_ID : ent(&m->table, id)->words[v->g];
+    } else {
+        PyObject *key = v->keys[i * v->factor];
+        uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+        value = lookup_hashed(m, v->g, key, h, err);
+        if (*err)
+            return value;
+    }
+    v->dev[i] = value;
     return value;
 }
 
@@ -1884,6 +1911,28 @@ static int tier_slot(const Maps *m, TierView *views, Py_ssize_t nviews, uint32_t
     return 0;
 }
 
+/* Append a host map value's slots (a tuple of ints) to ``*met``: 0, or -1 on error. */
+static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
+    Py_ssize_t ns = PyTuple_GET_SIZE(slots);
+    if (*nmet + (size_t)ns > *cap) {
+        size_t want = (*nmet + (size_t)ns) * 2 + 16;
+        uint32_t *grown = PyMem_Realloc(*met, want * sizeof(uint32_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *met = grown;
+        *cap = want;
+    }
+    for (Py_ssize_t j = 0; j < ns; j++) {
+        unsigned long s = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, j));
+        if (s == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        (*met)[(*nmet)++] = (uint32_t)s;
+    }
+    return 0;
+}
+
 /* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
  * see HolderMaps.tiered in holder_maps.py. */
 static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1921,8 +1970,14 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         return PyLong_FromLong(0);
     Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
     PyObject *const *items = nhashes ? &PyList_GET_ITEM(hashes, 0) : NULL;
-    TierView *views = PyMem_Calloc((size_t)nviews, sizeof(TierView));
-    uint32_t *met = NULL;
+    /* A decision's views and their positions on the stack (a few groups, a prompt of up to
+     * TIER_SMALL positions over them), else on the heap. */
+    TierView small_views[SMALL_CHECKS];
+    uint32_t small_dev[TIER_SMALL];
+    PyObject *small_hosted[TIER_SMALL];
+    TierView *views = nviews <= SMALL_CHECKS ? small_views : PyMem_Calloc((size_t)nviews, sizeof(TierView));
+    uint32_t *dev = NULL, *met = NULL;
+    PyObject **hosted = NULL;
     unsigned char *covered = NULL;
     size_t nmet = 0, cap_met = 0;
     PyObject *result = NULL;
@@ -1930,8 +1985,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_NoMemory();
         return NULL;
     }
-    /* Every checked group's view within ``steps``: its host holders now (the met slots), its
-     * device values when a slot needs them. */
+    Py_ssize_t positions = 0;
     for (Py_ssize_t c = 0; c < nviews; c++) {
         CheckSpec spec;
         if (parse_check(self, PyList_GET_ITEM(order, c), &spec) < 0)
@@ -1944,31 +1998,43 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
             PyErr_Format(PyExc_TypeError, "tiered: host[%d] must be a dict", v->g);
             goto done;
         }
-        PyObject *holders = PyList_GET_ITEM(host, v->g);
-        v->host = holders;
+        v->host = PyList_GET_ITEM(host, v->g);
         Py_ssize_t n = steps * align / (spec.factor * unit);
         v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
         v->keys = items + (spec.factor - 1);
-        v->dev = PyMem_Malloc((size_t)(v->n ? v->n : 1) * sizeof(uint32_t));
-        v->hosted = PyMem_Calloc((size_t)(v->n ? v->n : 1), sizeof(PyObject *));
-        if (v->dev == NULL || v->hosted == NULL) {
+        v->walked = self->walked;
+        v->known = 0; /* positions the last walk met over these hashes: read from ``walked`` */
+        if (self->walked_list == hashes && self->walked_factor == v->factor &&
+            self->walked_epoch == self->table.epoch)
+            v->known = self->walked_n < v->n ? self->walked_n : v->n;
+        positions += v->n;
+    }
+    if (positions <= TIER_SMALL) {
+        dev = small_dev;
+        hosted = small_hosted;
+    } else {
+        dev = PyMem_Malloc((size_t)positions * sizeof(uint32_t));
+        hosted = PyMem_Malloc((size_t)positions * sizeof(PyObject *));
+        if (dev == NULL || hosted == NULL) {
             PyErr_NoMemory();
             goto done;
         }
-        Py_ssize_t known = 0; /* positions the last walk met over these hashes: read from ``walked`` */
-        if (self->walked_list == hashes && self->walked_factor == v->factor &&
-            self->walked_epoch == self->table.epoch)
-            known = self->walked_n < v->n ? self->walked_n : v->n;
-        for (Py_ssize_t i = 0; i < known; i++) {
-            uint32_t id = self->walked[i];
-            v->dev[i] = id == NONE_ID ? NONE_ID : ent(&self->table, id)->words[v->g];
-            v->hosted[i] = HOST_UNREAD;
-        }
-        for (Py_ssize_t i = known; i < v->n; i++) {
-            v->dev[i] = UNREAD;
-            v->hosted[i] = HOST_UNREAD;
-        }
-        if (PyDict_GET_SIZE(holders) == 0 || (prefix && c > 0))
+    }
+    for (Py_ssize_t i = 0; i < positions; i++) {
+        dev[i] = UNREAD;
+        hosted[i] = HOST_UNREAD;
+    }
+    positions = 0;
+    for (Py_ssize_t c = 0; c < nviews; c++) {
+        views[c].dev = dev + positions;
+        views[c].hosted = hosted + positions;
+        positions += views[c].n;
+    }
+    /* Every checked group's view within ``steps``: its host holders now (the met slots), its
+     * device values when a slot needs them. */
+    for (Py_ssize_t c = 0; c < nviews; c++) {
+        TierView *v = &views[c];
+        if (PyDict_GET_SIZE(v->host) == 0 || (prefix && c > 0))
             continue; /* read as the walked slots need them */
         /* The slots met: with ``prefix``, a slot's depth over both tiers passes its device depth
          * only if its host holds the block where its device run ends, a position where the
@@ -1976,8 +2042,30 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
          * device; without, every position (any group's host block may serve a window). */
         PyObject *last = NULL;
         uint32_t before = UNREAD;
-        for (Py_ssize_t i = 0; i < v->n; i++) {
-            int err = 0;
+        Py_ssize_t from = 0;
+        int err = 0;
+        if (prefix && v->known > 0 && self->walked_group == v->g) {
+            /* the walk met the positions below ``known``: where the value changes is its list */
+            for (Py_ssize_t j = 0; j < self->walked_changes && before != NONE_ID; j++) {
+                Py_ssize_t i = self->changes[j];
+                if (i >= v->known)
+                    break;
+                before = tier_dev(self, v, i, &err);
+                PyObject *slots = err ? NULL : tier_host(v, i, &err);
+                if (err)
+                    goto done;
+                if (slots != NULL && slots != last) {
+                    last = slots;
+                    if (met_add(&met, &nmet, &cap_met, slots) < 0)
+                        goto done;
+                }
+            }
+            if (before == NONE_ID)
+                continue; /* no slot's device run passes here: the met slots are known */
+            from = v->known;
+            before = tier_dev(self, v, from - 1, &err);
+        }
+        for (Py_ssize_t i = from; i < v->n; i++) {
             if (prefix) {
                 uint32_t value = tier_dev(self, v, i, &err);
                 if (err)
@@ -1995,23 +2083,8 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
             if (slots == NULL || slots == last)
                 continue;
             last = slots;
-            Py_ssize_t ns = PyTuple_GET_SIZE(slots);
-            if (nmet + (size_t)ns > cap_met) {
-                size_t want = (nmet + (size_t)ns) * 2 + 16;
-                uint32_t *grown = PyMem_Realloc(met, want * sizeof(uint32_t));
-                if (grown == NULL) {
-                    PyErr_NoMemory();
-                    goto done;
-                }
-                met = grown;
-                cap_met = want;
-            }
-            for (Py_ssize_t j = 0; j < ns; j++) {
-                unsigned long s = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, j));
-                if (s == (unsigned long)-1 && PyErr_Occurred())
-                    goto done;
-                met[nmet++] = (uint32_t)s;
-            }
+            if (met_add(&met, &nmet, &cap_met, slots) < 0)
+                goto done;
         }
     }
     Py_ssize_t nextra = PyList_GET_SIZE(extra);
@@ -2066,11 +2139,12 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
     }
     result = PyLong_FromSize_t(unique);
 done:
-    for (Py_ssize_t c = 0; c < nviews; c++) {
-        PyMem_Free(views[c].dev);
-        PyMem_Free(views[c].hosted);
-    }
-    PyMem_Free(views);
+    if (dev != small_dev)
+        PyMem_Free(dev);
+    if (hosted != small_hosted)
+        PyMem_Free(hosted);
+    if (views != small_views)
+        PyMem_Free(views);
     PyMem_Free(met);
     PyMem_Free(covered);
     return result;
