@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import trace_replay
-from benchmarks.support.mooncake_trace import block_tokens, build_trace, load_requests
+from benchmarks.support.mooncake_trace import TraceRow, block_tokens, build_trace, load_requests
 
 
 def run_replay(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
@@ -29,7 +29,23 @@ def check_report(report: dict, workers: list[int]) -> None:
             assert m["decision_p50_us"] <= m["decision_p99_us"], (key, policy)
         assert runs["prefix_tree"]["false_hit_share"] is not None
         ratios = report["ratios"][key]
-        assert set(ratios) == {"hit_ratio_vs_tree", "p90_ttft_ratio_vs_tree", "false_hit_kvfleet", "decision_p99_us"}
+        assert set(ratios) == {
+            "hit_ratio_vs_tree",
+            "p90_ttft_ratio_vs_tree",
+            "false_hit_kvfleet",
+            "decision_p99_us",
+            "hit_ceiling_vs_tree",
+            "p90_ttft_floor_vs_tree",
+        }
+        # the bounds hold for every policy: no hit rate above the ceiling, no TTFT below the floor
+        best = report["bounds"][key]
+        for policy, m in runs.items():
+            assert m["hit_rate"] <= best["hit_rate"] + 1e-4, (key, policy)
+            assert m["ttft_p50_s"] >= best["ttft_p50_s"] - 1e-4, (key, policy)
+            assert m["ttft_p90_s"] >= best["ttft_p90_s"] - 1e-4, (key, policy)
+        assert ratios["p90_ttft_floor_vs_tree"] == pytest.approx(
+            best["ttft_p90_s"] / runs["prefix_tree"]["ttft_p90_s"], abs=1e-3
+        )
         assert ratios["hit_ratio_vs_tree"] == pytest.approx(
             runs["kvfleet"]["hit_rate"] / max(1e-9, runs["prefix_tree"]["hit_rate"]), abs=1e-3
         )
@@ -51,6 +67,22 @@ def test_handmade_trace_shared_prefixes_hit_and_report_is_well_formed(tmp_path: 
         runs = report["runs"][f"{layout}/W=2"]
         assert runs["kvfleet"]["hit_rate"] > 0.3 and runs["prefix_tree"]["hit_rate"] > 0.3, layout
     assert report["requests"] == 40
+
+
+def test_bound_counts_each_request_s_longest_prefix_shared_with_an_earlier_one():
+    # 3 requests of 2 hash blocks (scale 16: 32 tokens each, two 16-token blocks): the second
+    # shares the first's first block, the third all of the second's
+    rows = [
+        TraceRow(0.0, 1024, 8, (1, 2)),
+        TraceRow(1.0, 1024, 8, (1, 3)),
+        TraceRow(2.0, 1024, 8, (1, 3)),
+    ]
+    trace = build_trace(rows, 1, 1.0, 16)
+    best = trace_replay.bound(trace, 0.0, 1000.0)
+    # cached tokens 0, 32 and 63 (at most n - 1) of 64 each; uncached 64, 32, 1 at 1000 tokens/s
+    assert best["hit_rate"] == pytest.approx(95 / 192, abs=1e-4)
+    assert best["ttft_p50_s"] == pytest.approx(0.032)
+    assert trace_replay.bound(trace, 0.5, 1000.0)["hit_rate"] == pytest.approx(95 / 128, abs=1e-4)
 
 
 def test_a_host_tier_keeps_what_the_device_evicts(tmp_path: Path, capsys):
