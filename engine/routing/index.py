@@ -320,13 +320,13 @@ class PrefixIndex:
         if steps > 0 and self._workers:
             rules.ensure(steps)
             plan = rules.walk_plans[1 if skip_mamba else 0]
+            view = hashes if isinstance(hashes, list) else list(hashes)
             if plan is not None and not rules.full_groups:
-                pending = self._pending_without_full(plan, hashes, steps, skip_mamba)
+                pending = self._pending_without_full(plan, view, steps, skip_mamba)
             elif plan is not None:
                 # 1. The first full-attention group's contiguous depth of every holder, in one
                 # walk; 2. per depth, the holders every other group serves there (the common
                 # case). The maps read each group's view of the request's hashes in place.
-                view = hashes if isinstance(hashes, list) else list(hashes)
                 per = plan.per
                 limit = min(steps * per, len(view) // plan.factor)
                 limit -= limit % per
@@ -335,8 +335,8 @@ class PrefixIndex:
                 )
                 if failing:
                     pending = Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
-        if self.host.total and max_length > 0:
-            self._predict_tiered(hashes, max_length, skip_mamba, hits, pending, shared, host)
+            if plan is not None and self.host.total:
+                self._predict_tiered(view, steps, plan, hits, pending, shared, host)
         return hits, pending
 
     def _pending_without_full(
@@ -353,27 +353,23 @@ class PrefixIndex:
 
     def _predict_tiered(
         self,
-        hashes: Sequence[bytes],
-        max_length: int,
-        skip_mamba: bool,
+        view: list[bytes],
+        steps: int,
+        plan: WalkPlan,
         hits: dict[WorkerId, int],
         pending: Pending | None,
         shared: dict[WorkerId, int] | None,
         host: dict[WorkerId, int] | None,
     ) -> None:
-        """Re-predict, over both tiers, the workers holding some block of the prompt (within
-        ``max_length``) in their host tier (with a full-attention group: a block of the first
-        one, or any block for a worker whose device hit is below its depth, in ``pending``):
-        for any other worker both tiers give the device hit. One call into the holder maps
-        (``HolderMaps.tiered``: one walk per such worker over both tiers); its reference is the
-        coordinator's fixed point on each (``tiered_hit``)."""
+        """Re-predict, over both tiers, the workers holding some block of the prompt ``view``
+        (within ``steps`` aligned steps, the rules ensured that far; ``plan``: the walk's) in
+        their host tier (with a full-attention group: a block of the first one, or any block for
+        a worker whose device hit is below its depth, in ``pending``): for any other worker both
+        tiers give the device hit. One call into the holder maps (``HolderMaps.tiered``: one walk
+        per such worker over both tiers); its reference is the coordinator's fixed point on each
+        (``tiered_hit``). ``view`` is the list the device walk just read, so the compiled maps
+        reuse the entries it met."""
         rules = self.rules
-        steps = max_length // rules.alignment
-        plan = rules.walk_plans[1 if skip_mamba else 0]
-        if steps <= 0 or plan is None:
-            return
-        rules.ensure(steps)
-        view = hashes if isinstance(hashes, list) else list(hashes)
         extra: list[int] = []
         if pending is not None and plan.prefix:  # the device hit below the depth: a host window may lift it
             counts, workers = self.host.counts, self._workers

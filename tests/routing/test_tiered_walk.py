@@ -138,7 +138,11 @@ def test_the_tiered_walk_after_the_caches_changed_reads_them_now(name: str) -> N
             hits: dict[WorkerId, int] = {}
             shared: dict[WorkerId, int] = {}
             host: dict[WorkerId, int] = {}
-            index._predict_tiered(hashes, len(prompt) - 1, False, hits, None, shared, host)
+            steps = (len(prompt) - 1) // rules.alignment
+            rules.ensure(steps)
+            plan = rules.walk_plans[0]
+            assert plan is not None
+            index._predict_tiered(hashes, steps, plan, hits, None, shared, host)
             results.append((list(hits.items()), list(shared.items()), list(host.items())))
         assert results[0] == results[1]
         compared += bool(results[0][0])
