@@ -28,23 +28,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     """
     require_conversion_dependencies()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     gguf_path = Path(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     where = {"gguf_file": gguf_path.name, "local_files_only": True}
 
+    # transformers reads the GGUF's metadata in full (every token string) each time it builds a
+    # config from it, and by default the tokenizer and the model each build one before the model
+    # reads the tensors: three reads of the whole file. Here the config is read once and handed to
+    # both, so the file is read twice (the config, then the tensors); the tokenizer's own reader
+    # reads only its vocabulary.
     start = time.monotonic()
-    log.info("%s: loading the tokenizer (about 5-30 s)", gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **where)
+    log.info("%s: reading the config and loading the tokenizer (about 5-30 s)", gguf_path.name)
+    hf_config = AutoConfig.from_pretrained(gguf_path.parent, **where)
+    tokenizer_type = hf_config.model_type if hf_config.model_type in TOKENIZER_MAPPING_NAMES else None
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, tokenizer_type=tokenizer_type, **where)
     log.info(
-        "%s: tokenizer loaded in %.1f s; loading and dequantising the model (about 20-60 s)",
+        "%s: config and tokenizer loaded in %.1f s; loading and dequantising the model (about 20-60 s)",
         gguf_path.name,
         time.monotonic() - start,
     )
 
     start = time.monotonic()
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **where)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, config=hf_config, dtype=torch.float32, **where)
     log.info(
         "%s: model loaded in %.1f s (%s, %.1fM parameters)",
         gguf_path.name,
