@@ -138,14 +138,17 @@ class PiecewiseGraph:
 
 
 class PieceCapture:
-    """Captures one forward as pieces split at the mixers' calls (``PiecewiseGraph``): while
-    ``active``, each mixer's forward is replaced (an instance attribute over the class's method)
+    """Captures one forward as pieces split at the mixers' calls (``PiecewiseGraph``): between
+    ``begin`` and ``restore``, each mixer's forward is replaced (an instance attribute over the class's method)
     by ``split``, which ends the graph being captured, runs the mixer outside it, and begins
     the next graph in the same pool. Owns the mixers' replaced forwards until ``restore``."""
 
-    def __init__(self, mixers: Sequence[nn.Module], pool: torch.cuda._POOL_HANDLE):
+    def __init__(self, mixers: Sequence[nn.Module], pool: torch.cuda._POOL_HANDLE, outputs: list[torch.Tensor]):
+        """``outputs``: mixer ``i``'s fixed output buffer (shared by every bucket, a view of its
+        first rows; buckets never replay at once), grown here when missing or too small."""
         self.mixers = list(mixers)
         self.pool = pool
+        self.outputs = outputs
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.calls: list[MixerCall] = []
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -175,7 +178,16 @@ class PieceCapture:
     def split(self, forward: Callable[..., torch.Tensor], args: tuple, kwargs: dict[str, object]) -> torch.Tensor:
         """A mixer's call during the capture: end this piece, run the mixer, begin the next."""
         self._end_graph()
-        output = forward(*args, **kwargs)
+        result = forward(*args, **kwargs)
+        i = len(self.calls)
+        if i == len(self.outputs) or self.outputs[i].numel() < result.numel() or self.outputs[i].dtype != result.dtype:
+            flat = torch.empty(result.numel(), dtype=result.dtype, device=result.device)
+            if i == len(self.outputs):
+                self.outputs.append(flat)
+            else:
+                self.outputs[i] = flat
+        output = self.outputs[i][: result.numel()].view(result.shape)
+        output.copy_(result)
         self.calls.append(MixerCall(forward, args, kwargs, output))
         self._begin_graph()
         return output
@@ -235,6 +247,7 @@ class MixedStep:
         self._device = self._host if not cuda else torch.zeros(2 * rows, dtype=torch.long, device=device)
         self._uploaded: torch.cuda.Event | None = None  # the last upload (CUDA): done before a rewrite
         self._graphs: dict[int, PiecewiseGraph] = {}
+        self._outputs: list[torch.Tensor] = []  # each mixer's output buffer, shared by the buckets
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -311,7 +324,7 @@ class MixedStep:
             for _ in range(2):  # compile kernels and create library handles outside the capture
                 self.forward(batch)
             torch.cuda.synchronize(self.device)
-            pieces = PieceCapture(self.mixers, pool)
+            pieces = PieceCapture(self.mixers, pool, self._outputs)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             try:
                 with torch.cuda.stream(stream):
@@ -340,6 +353,7 @@ class MixedStep:
     def drop_graphs(self) -> None:
         """Forget every captured bucket (after a failed capture, or at close): steps then run the
         forward uncaptured from the same buffers."""
+        self._outputs.clear()
         if not self._graphs:
             return
         self._graphs.clear()
