@@ -104,8 +104,9 @@ class ModelRunner:
         ``max_num_batched_tokens`` sizes the static token-bucket step of every other step
         (``engine.model.mixed_step``; without it they run eagerly, counted in ``eager_steps``).
         ``cuda_graphs`` captures both as CUDA graphs (the mixed step piecewise), where the device
-        and the model allow it (``graphs_supported``). ``structured``: the grammars of constrained requests (their
-        token masks apply to the rows they sample); None: the model constrains nothing.
+        and the model allow it (``graphs_supported``). ``structured``: the grammars of
+        constrained requests (their token masks apply to the rows they sample); None: the model
+        constrains nothing.
         ``host_blocks``: blocks of each pool's host pool (``kv_cache.offload``; None: no host tier)."""
         layout.check_invariants(arch)
         self.arch = arch
@@ -393,7 +394,7 @@ class ModelRunner:
         return inputs
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
-        """The eager step's inputs (prefill and mixed steps; every step without a decode step)."""
+        """The eager step's inputs (the steps neither static step takes, ``eager_steps``)."""
         return self.batch_of(self.step_inputs(output))
 
     def batch_of(self, given: Sequence[StepChunk]) -> ForwardBatch:
