@@ -43,7 +43,7 @@ stderr (logging); the last stdout line is one JSON object::
    "64": r}, "device": "<GPU name>", "tokens_per_s": ..., "ttft_s": ..., "decode_step_ms": ...,
    "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., "host_step_ms": {"1": ms, ...},
    "host_phases_ms": {...}, "kernels_per_step": {...}, "kernel_ms_per_step": {...},
-   "output_tokens_per_s": {"gemma": n, "bamba": n}, "graph_capture": {...},
+   "output_tokens_per_s": {"gemma": n, "bamba": n}, "graph_capture": {...}, "eager_steps": {...},
    "decode_step_ms_eager": {...}, "ops_per_step": {"gemma": n, "bamba": n}, ...}
 
 (4) Host work and kernels of the decode steps of (3) (``benchmarks/support/step_phases.py``): each
@@ -63,6 +63,12 @@ stderr (logging); the last stdout line is one JSON object::
     itself dispatches left out; ``ops_by_op`` lists the most frequent. On CUDA it stands beside
     the profiler's ``kernels_per_step``, which checks the proxy. Measured 2026-11-29 (CPU):
     gemma 196, bamba 197 (the torch path's count before the fused kernels: 723 and 516).
+(6) ``eager_steps``: steps of the timed mix (1) that took the eager forward over a freshly
+    built batch (``ModelRunner.eager_steps``): neither the static decode step nor the static
+    token-bucket step of prefill and mixed steps (``engine.model.mixed_step``) served them; 0 is
+    the goal. ``graph_capture``: per model, what capturing cost: the decode graphs
+    (``seconds``, ``mib``, ``buckets``) and the mixed step's piecewise graphs (``mixed_seconds``,
+    ``mixed_mib``, ``mixed_buckets``; CUDA memory reserved by the capture, wall seconds).
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
@@ -188,15 +194,26 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
     engine = make_engine(run, directory)
     try:
         run.result["weight_bytes"][name] = weight_bytes(engine.runner.model)
-        decode = engine.runner.decode
+        decode, mixed = engine.runner.decode, engine.runner.mixed
+        capture: dict[str, Any] = {}
         if decode is not None and decode.captured:
-            run.result["graph_capture"][name] = {
-                "seconds": round(decode.capture_seconds, 3),
-                "mib": round(decode.capture_bytes / 2**20, 1),
-                "buckets": len(decode.buckets),
-            }
+            capture.update(
+                seconds=round(decode.capture_seconds, 3),
+                mib=round(decode.capture_bytes / 2**20, 1),
+                buckets=len(decode.buckets),
+            )
+        if mixed is not None and mixed.captured:  # prefill and mixed steps: piecewise graphs per token bucket
+            capture.update(
+                mixed_seconds=round(mixed.capture_seconds, 3),
+                mixed_mib=round(mixed.capture_bytes / 2**20, 1),
+                mixed_buckets=len(mixed.buckets),
+            )
+        if capture:
+            run.result["graph_capture"][name] = capture
         warmup_kvfleet(run, engine, vocab)
+        eager_before = engine.runner.eager_steps
         timed = run_kvfleet(run, engine, requests, "r")
+        run.result["eager_steps"][name] = engine.runner.eager_steps - eager_before
         run.result["preemptions"][name] = engine.scheduler.num_preemptions
         log.info(
             "%s kvfleet: %d tokens in %.2f s (%d steps, %.1f tok/s)",
@@ -401,6 +418,7 @@ def main() -> None:
         "kernel_ms_per_step": {},
         "output_tokens_per_s": {},
         "graph_capture": {},
+        "eager_steps": {},
         "decode_step_ms_eager": {},
         "host_phases_ms_eager": {},
         "kernels_per_step_eager": {},

@@ -47,12 +47,14 @@ for stage in "${stages[@]}"; do
         run_stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
             python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__,
             torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-    tests)  # the logits tests on CUDA (fp32 atol 1e-4 with TF32 off; bf16 closeness), the GPU budget
+    tests)  # the logits tests on CUDA (fp32 atol 1e-4 with TF32 off; bf16 closeness), the GPU budget, and
+        # tests/model/test_mixed_step.py's cuda cases (piecewise-captured mixed steps against eager, every preset)
         run_stage tests 420 python3 -m pytest "${pytest_args[@]}" tests/model -k "cuda" tests/kv_layout/test_gpu_budget.py ;;
     pd)  # P/D on the GPU: the local backend over CUDA IPC, the export race, the engine P/D tests
         KVFLEET_TEST_DEVICE=cuda run_stage pd 420 python3 -m pytest "${pytest_args[@]}" tests/engine/test_export_race.py \
             tests/transfer/test_local_cuda.py tests/engine/test_pd.py tests/engine/test_pd_race.py ;;
     decode)  # the static, padded decode step captured as CUDA graphs against the eager step, every preset
+        # (its engines capture the mixed step's piecewise graphs too)
         KVFLEET_TEST_DEVICE=cuda run_stage decode 300 python3 -m pytest "${pytest_args[@]}" tests/engine/test_decode_step.py ;;
     triton)  # the paged attention and Mamba2 decode kernels against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \

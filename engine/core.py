@@ -155,8 +155,9 @@ class EngineCore:
         self.transfer: KVTransfer | None = None
         if kv_role is not None:
             self.transfer = transfer_from_config(config.transfer, self.name, role=_TRANSFER_ROLE[kv_role])
-        # the static decode step runs on one rank only: split workers run every step eagerly
-        decodes = config.model.cuda_graphs and kv_role != "prefill" and arch.tp_size == 1
+        # the static steps run on one rank only: split workers run every step eagerly
+        static = config.model.cuda_graphs and arch.tp_size == 1
+        decodes = static and kv_role != "prefill"
         try:
             allocate = self.transfer.allocate_slots if self.transfer is not None else None
             self.runner = ModelRunner(
@@ -171,6 +172,8 @@ class EngineCore:
                 # prefill worker never decodes, so it has none either
                 max_num_seqs=config.scheduler.max_num_seqs if decodes else None,
                 max_model_len=max_model_len,
+                # prefill and mixed steps: the static token-bucket step (engine/model/mixed_step.py)
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens if static else None,
                 cuda_graphs=config.model.cuda_graphs,
                 # the grammars of structured-output requests: the tokenizer is loaded (once per
                 # engine) when the first one arrives

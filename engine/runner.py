@@ -30,6 +30,7 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
+from engine.model.mixed_step import MixedStep, StepChunk
 from engine.rank_group import ChunkInputs, RankLeader
 from engine.request import Request
 from engine.sampler import PendingTokens, SampledTokens, Sampler
@@ -91,6 +92,7 @@ class ModelRunner:
         *,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
         cuda_graphs: bool = False,
         structured: StructuredOutputs | None = None,
         host_blocks: Sequence[int] | None = None,
@@ -98,10 +100,13 @@ class ModelRunner:
         """``num_blocks``: blocks per pool (an int: every pool alike). ``allocate_slots(rows per
         slot, page bytes per slot, device)`` supplies the slot memory (a transfer backend's).
         ``max_num_seqs`` and ``max_model_len`` (both or neither) size the static decode step
-        (``engine.model.decode_step``; without them every step runs eagerly); ``cuda_graphs``
-        runs it as captured CUDA graphs, where the device and the model allow it
-        (``graphs_supported``). ``structured``: the grammars of constrained requests (their
-        token masks apply to the rows they sample); None: the model constrains nothing.
+        (``engine.model.decode_step``; without them decode-only steps run eagerly);
+        ``max_num_batched_tokens`` sizes the static token-bucket step of every other step
+        (``engine.model.mixed_step``; without it they run eagerly, counted in ``eager_steps``).
+        ``cuda_graphs`` captures both as CUDA graphs (the mixed step piecewise), where the device
+        and the model allow it (``graphs_supported``). ``structured``: the grammars of
+        constrained requests (their token masks apply to the rows they sample); None: the model
+        constrains nothing.
         ``host_blocks``: blocks of each pool's host pool (``kv_cache.offload``; None: no host tier)."""
         layout.check_invariants(arch)
         self.arch = arch
@@ -147,6 +152,10 @@ class ModelRunner:
         # set after each forward on CUDA: the KV and state writes queued so far are done once it is
         self._kv_written: torch.cuda.Event | None = None
         self.decode: DecodeStep | None = None
+        self.mixed: MixedStep | None = None
+        #: steps run by the eager forward over a freshly built ForwardBatch (``_run``): neither the
+        #: static decode step nor the static mixed step took them
+        self.eager_steps = 0
         # pinned buffers the sampled ids of launched steps are copied into, taking turns: a step's
         # is rewritten two launches later, after the engine read it (CUDA only)
         self._sampled_hosts: list[torch.Tensor] = []
@@ -169,12 +178,30 @@ class ModelRunner:
                 except RuntimeError as exc:  # the worker still serves: its decode steps run uncaptured
                     log.error("decode graph capture failed, decode steps run eagerly from the static buffers: %s", exc)
                     self.decode.drop_graphs()
+        if max_num_batched_tokens is not None:
+            self.mixed = MixedStep(
+                max_num_batched_tokens,
+                len(layout.groups),
+                layout.block_size,
+                device,
+                model,
+                [user for layer in model.model.layers for user in cache_users(layer)],
+                self.index_batch,
+            )
+            if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
+                try:
+                    self.mixed.capture()
+                except RuntimeError as exc:  # the worker still serves: its mixed steps run uncaptured
+                    log.error("mixed-step graph capture failed, those steps run from the static buffers: %s", exc)
+                    self.mixed.drop_graphs()
 
     def close(self) -> None:
         """Release the decode step's graphs now (their memory pool and the buffers they read),
         rather than whenever the garbage collector reaches them. Idempotent."""
         if self.decode is not None:
             self.decode.drop_graphs()
+        if self.mixed is not None:
+            self.mixed.drop_graphs()
 
     def forget(self, request_id: str) -> None:
         """Drop what the runner keeps for a request that left (its prompt logprobs, its grammar
@@ -262,11 +289,17 @@ class ModelRunner:
         else:
             sampling = [c for c in chunks if c.sample]
             inputs = self.step_inputs(output)
-            if self.leader is not None:
-                self.leader.send_step(inputs)
-            batch = self.batch_of(inputs)
-            hidden = self.model(batch)
-            for chunk, given, spec in zip(chunks, inputs, batch.chunks, strict=True):
+            mixed = self.mixed
+            # a split worker's other ranks run the unpadded step: rank 0 must run the same shapes
+            if mixed is not None and self.leader is None and mixed.accepts(sum(c.num_tokens for c in chunks)):
+                hidden, batch = mixed.run(inputs)
+            else:
+                if self.leader is not None:
+                    self.leader.send_step(inputs)
+                batch = self.batch_of(inputs)
+                hidden = self.model(batch)
+                self.eager_steps += 1
+            for chunk, given, spec in zip(chunks, inputs, batch.chunks[: len(inputs)], strict=True):
                 if given.score_targets is not None:
                     self._score_prompt(chunk.request, given, hidden[spec.offset : spec.offset + spec.num_tokens])
             if sampling:
@@ -361,21 +394,31 @@ class ModelRunner:
         return inputs
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:
-        """The eager step's inputs (prefill and mixed steps; every step without a decode step)."""
+        """The eager step's inputs (the steps neither static step takes, ``eager_steps``)."""
         return self.batch_of(self.step_inputs(output))
 
-    def batch_of(self, given: list[ChunkInputs]) -> ForwardBatch:
+    def batch_of(self, given: Sequence[StepChunk]) -> ForwardBatch:
         """The eager forward's batch over ``given`` chunks."""
-        chunks: list[ChunkSpec] = []
         input_ids: list[int] = []
         positions: list[int] = []
+        for chunk in given:
+            input_ids.extend(chunk.tokens)
+            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+        return self.index_batch(
+            given,
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+        )
+
+    def index_batch(self, given: Sequence[StepChunk], input_ids: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+        """The step's batch over ``given`` chunks whose flattened ids and positions (on the device)
+        are ``input_ids`` and ``positions``: the chunk layout and each group's index."""
+        chunks: list[ChunkSpec] = []
         sample_rows: list[int] = []
         tables = [chunk.block_ids for chunk in given]
         offset = 0
         for chunk in given:
             chunks.append(ChunkSpec(offset, chunk.start, chunk.num_tokens))
-            input_ids.extend(chunk.tokens)
-            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             offset += chunk.num_tokens
             if chunk.sample:
                 sample_rows.append(offset - 1)
@@ -398,8 +441,8 @@ class ModelRunner:
         ]
         return ForwardBatch(
             scratch=self._scratch_for(groups),
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=input_ids,
+            positions=positions,
             chunks=chunks,
             prefill_chunks=prefill,
             decode_chunks=decode,

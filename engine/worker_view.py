@@ -213,6 +213,7 @@ class WorkerView:
             "queried_tokens": scheduler.queried_tokens,
             "num_preemptions": scheduler.num_preemptions,
             "failed_steps": self.counters.failed_steps,
+            "eager_steps": self.runner.eager_steps,  # steps no static step took (ModelRunner.eager_steps)
             "failed_requests": self.counters.failed_requests,
             "transfer": asdict(handoff.stats if handoff is not None else TransferStats()),
             "host_tier": self.host_tier_stats(),

@@ -15,8 +15,8 @@ may still be queued behind the device's work (``EngineCore.step`` with
 sampled ids on the device (``run(..., previous_ids)``) instead of the host. The
 forward reads only fixed device buffers, so on CUDA each bucket's forward is captured once as a
 CUDA graph (all buckets in one memory pool) and replayed; on the CPU the same padded batch runs
-eagerly, so CI exercises the padding. Prefill and mixed steps stay eager
-(``ModelRunner.build_batch``).
+eagerly, so CI exercises the padding. Prefill and mixed steps take the token-bucket step
+(``engine.model.mixed_step``).
 
 Padded rows decode token 0 at position 0 through the *pad slot*, whose table holds only the null
 block: they write K/V and recurrent states only into the null block (id 0 of every pool, never
