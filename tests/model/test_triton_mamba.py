@@ -10,8 +10,8 @@ outside the written blocks' states, and every output row of no decode chunk, mus
 as it was. Steps mix fresh requests, updates in place (read
 block == write block), moves to a new block and several requests reading one cached state; shapes
 cover 1 and 2 groups, head_dim 64 and 48 (not a power of two), d_state 16 and 128. On a CUDA
-machine the kernel runs compiled; elsewhere under Triton's interpreter. The end-to-end case drives
-a tiny Bamba engine on the kernel against Hugging Face's logits.
+machine the kernels run compiled; elsewhere under Triton's interpreter. The end-to-end cases drive
+tiny Bamba, Granite-4.0-H and Nemotron-H engines on the kernels against Hugging Face's logits.
 """
 
 from __future__ import annotations
@@ -220,6 +220,21 @@ def test_tiny_bamba_on_the_kernel_matches_hf(tmp_path, monkeypatch: pytest.Monke
     monkeypatch.setenv(tm.ENV, "triton")
     calls: list = []
     monkeypatch.setattr(tm, "ssm_decode_update", _spy(tm.ssm_decode_update, calls))
+    overrides = ("scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=16")
+    harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (5, 19, 27)), 4, *overrides)
+    assert calls
+
+
+@pytest.mark.parametrize("name", ["tiny-granite-h", "tiny-nemotron-h"])
+def test_tiny_hybrids_on_the_kernels_match_hf(name: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite-4.0-H and Nemotron-H (their Mamba2 options: groups, conv bias, dt limits) with
+    chunked prefill and decode sharing steps, the decode on both kernels."""
+    from engine.model.checkpoints.hybrid_tiny import build_hybrid_checkpoint
+
+    directory = build_hybrid_checkpoint(name, tmp_path / name, seed=3)
+    monkeypatch.setenv(tm.ENV, "triton")
+    calls: list = []
+    monkeypatch.setattr(tm, "conv_decode_update", _spy(tm.conv_decode_update, calls))
     overrides = ("scheduler.prefill_chunk_size=8", "scheduler.max_num_batched_tokens=16")
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (5, 19, 27)), 4, *overrides)
     assert calls
