@@ -11,6 +11,7 @@ over requests:
 - decode (one-token chunks): gather conv windows and SSM states by block id, one conv step and
   one recurrence ``h = exp(dt*A) h + dt * B x; y = C h + D x`` for all of them, scatter the new
   states into the write blocks (the SSM state a tile of heads at a time, so it stays in cache);
+  with ``KVFLEET_MAMBA_KERNEL=triton`` two kernels do all of it (``engine.model.kernels.triton_mamba``);
 - prefill (longer chunks): tokens packed back to back, one causal conv over all chunks (each
   preceded by its previous window) and the sub-chunked SSD scan over all chunks at once
   (``engine.model.layers.ssd``); padding inside a sub-chunk gets ``dt = 0``, an identity step, so it
@@ -208,12 +209,37 @@ class Mamba2Mixer(RecurrentMixer):
         self, xbc: torch.Tensor, dt: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, index: GroupIndex
     ) -> None:
         """One recurrence step for every one-token chunk of the step at once: fills their rows of
-        ``out`` and writes their new states. The SSM states are updated a tile of heads at a time
-        (all chunks together), so the gathered tile stays in cache through its update."""
+        ``out`` and writes their new states. On the torch path the SSM states are updated a tile
+        of heads at a time (all chunks together), so the gathered tile stays in cache through its
+        update; with ``triton_mamba.enabled`` it is two kernels (the conv step, then the SSM
+        step), which read ``xbc`` and ``dt`` in place."""
         assert self.conv_state is not None and self.ssm_state is not None, "Mamba state not bound"
         m, device = self.arch, xbc.device
         count, heads_per_group = len(batch.decode_chunks), m.num_heads // m.n_groups
         rows, source, fresh, target = recurrent.decode_index(batch, index, device)
+        # the kernel choice is read once per step per group, like the index tensors
+        if index.shared("mamba2_kernel", lambda: triton_mamba.enabled(device)):
+            conv = triton_mamba.conv_decode_update(
+                self.conv_state, source, fresh, target, xbc, rows, self.conv1d.weight, self.conv1d.bias
+            )
+            x, b, c = conv.split([m.intermediate_size, m.n_groups * m.d_state, m.n_groups * m.d_state], dim=-1)
+            triton_mamba.ssm_decode_update(
+                self.ssm_state,
+                source,
+                fresh,
+                target,
+                x.view(count, m.num_heads, m.head_dim),
+                dt,
+                self.dt_bias,
+                (m.time_step_min, m.time_step_max),
+                b.view(count, m.n_groups, m.d_state),
+                c.view(count, m.n_groups, m.d_state),
+                self.A_log,
+                self.D,
+                out,
+                rows,
+            )
+            return
         conv_prev = self.conv_state.index_select(0, source)
         if fresh is not None:
             conv_prev.masked_fill_(fresh[:, None, None], 0.0)
@@ -224,13 +250,6 @@ class Mamba2Mixer(RecurrentMixer):
         x, b, c = self._split_conv(F.silu(conv))  # x [B, G, E, P]; b, c [B, G, N]
         x = x.reshape(count, m.num_heads, m.head_dim)
         step = self._step_dt(dt.index_select(0, rows))  # [B, H]
-        # the kernel choice is read once per step per group, like the index tensors
-        if index.shared("mamba2_kernel", lambda: triton_mamba.enabled(device)):  # one kernel: states and y
-            triton_mamba.ssm_decode_update(
-                self.ssm_state, source, fresh, target, x, step, b, c, self.A_log, self.D, out, rows
-            )
-            self.conv_state.index_copy_(0, target, window)
-            return
         b, c = (t.repeat_interleave(heads_per_group, dim=1) for t in (b, c))  # [B, H, N]
         rate = torch.exp(step * -torch.exp(self.A_log.float()))
         drive = step[..., None] * x  # [B, H, P]
