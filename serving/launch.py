@@ -5,9 +5,10 @@ the ingress replicas, or ``ray.address``), starts Serve without its HTTP proxy a
 application with direct ingress replicas (``serving.app.DirectIngress``): each serves HTTP itself
 on ``serve.host:serve.port`` of this node (``serving.http_server``), so a request reaches the
 process that drives the cluster with no proxy hop. It returns once every deployment is running
-(the workers have loaded the model, the port accepts connections). ``stop_serving`` deletes the application, which drains it: ingress replicas
-finish their in-flight requests (up to ``serve.graceful_shutdown_timeout_s``), the controller
-waits for idle workers and stops them; then Serve (and an embedded Ray) shut down.
+(the workers have loaded the model, the port accepts connections). ``stop_serving`` deletes the
+application, which drains it: ingress replicas stop accepting and finish their in-flight requests
+(up to ``serve.graceful_shutdown_timeout_s``), the controller waits for idle workers and stops
+them; then Serve (and an embedded Ray) shut down.
 """
 
 from __future__ import annotations
