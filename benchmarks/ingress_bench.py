@@ -20,8 +20,9 @@ the driver's completions report (``route_ms``: the router call; ``queue_ms``, ``
 ``first_token_ms``: the worker call, ``actors.hops``), ``driver_latency_ms``; ``asgi_p50_ms``,
 the same request through ``serving.api.build_api``'s app in the driver's process (httpx's ASGI
 transport: the FastAPI edge, parsing, tokenizing and the JSON answer, no Ray Serve), and from
-it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: Ray
-Serve's proxy, its call into the ingress replica and the answer's relay back).
+it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: what
+serving over a socket adds; under ``kvfleet serve`` the ingress replica's own HTTP server, no
+proxy: ``serving/http_server.py``).
 
 A first run (``--requests 40 --warmup 3``, tiny preset 1P+1D, this project's 2-core machine
 under other test runs, load average about 17): HTTP p50 57 / 563 / 1023 ms and 17 / 22 / 23

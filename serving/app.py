@@ -128,7 +128,9 @@ class DirectIngress:
     driver stops (the controller's actors are never stopped here).
     """
 
-    async def __init__(self, controller: Any):
+    # Serve awaits an async constructor (its replica's ``initialize_callable``): the replica is
+    # ready only once the port accepts connections
+    async def __init__(self, controller: Any):  # type: ignore[misc]
         from serving.api import build_api
         from serving.http_server import HTTPServer
 
