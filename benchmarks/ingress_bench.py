@@ -35,10 +35,10 @@ batched to the router, the predicted hit sent with the request): HTTP p50 36.0 /
 requests/s at 16 (driver 57.5 / 68.1), no errors. What is left is the driver path itself
 (``breakdown_c1``: route 6, queue 5, prefill 13 to 15, first token 5 ms): Ray calls (the router,
 the worker's stream, the router's ack) and the engine step, each several times slower here than
-on an idle machine; Ray's worker processes run at nice 15, so the ingress replica and the
-workers yield to every other process on the machine, while the driver API's baseline runs in
-this process at nice 0 (a likely reason HTTP falls behind the driver at 16 and 64, not measured
-apart).
+on an idle machine. Open: at 16 and 64 HTTP falls behind the driver (p99 3 to 5 s against the
+driver's 0.5 s). Ray's worker processes run at nice 15 while this process runs at nice 0, but
+that is not the whole of it: with ``RAY_worker_niceness=0`` (one run, load average 4 to 5) HTTP
+gave 36.5 ms p50 at 1 and 38.3 requests/s at 16, the driver 25.6 ms and 88.5 requests/s.
 """
 
 from __future__ import annotations
