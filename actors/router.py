@@ -220,10 +220,8 @@ class Router:
             num_tokens,
             decision.best_hit,
         )
-        if decision.predicted_hit > 0:  # keep the predicted hit there until the request arrives
-            handle = self.handles.get(str(decision.prefill_worker))
-            if handle is not None:
-                handle.expect.remote(block_hashes, decision.predicted_hit)
+        # the driver hands the predicted hit to the worker with the request itself (``expected``
+        # of ``EngineWorker.generate`` / ``prefill``): no call of the router's own per request
         split = decision.prefill_worker != decision.decode_worker
         self.disaggregated += split
         self.prompt_tokens += num_tokens
@@ -235,14 +233,16 @@ class Router:
             self.metrics.record_request_routed(num_tokens, predicted, disaggregated=split, given_up_tokens=given_up)
         return decision
 
-    def finished(self, ttft_s: float, output_tokens: int, ok: bool = True) -> None:
-        """The driver reports a request's end (for the router's metrics)."""
+    def finished(self, requests: list[tuple[float, int, bool]]) -> None:
+        """A driver reports the ends of its requests, batched (for the router's metrics): per
+        request its TTFT in seconds, its output tokens and whether it succeeded."""
         if self.metrics is None:
             return
-        if ok:
-            self.metrics.record_request_finished(max(0.0, ttft_s), max(0, output_tokens))
-        else:
-            self.metrics.record_request_failed()
+        for ttft_s, output_tokens, ok in requests:
+            if ok:
+                self.metrics.record_request_finished(max(0.0, ttft_s), max(0, output_tokens))
+            else:
+                self.metrics.record_request_failed()
 
     # -- pins --------------------------------------------------------------------------------------
     def pin(self, token_ids: list[int], replicas: int = 1, ttl_s: float | None = None, tier: PinTier = "device") -> int:

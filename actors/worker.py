@@ -211,14 +211,16 @@ class EngineWorker:
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
+        expected: tuple[list[bytes], int] | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
         ``expect_handle``: a prefill worker (transfer agent ``peer``) is computing the prompt's
         KV now; reserve its blocks and wait for the handle (``deliver``). ``output_token_ids``:
         the tokens the request already generated on a worker that was lost (a migration): it
-        goes on after them (``EngineCore.add_request``), run whole here. The driver checked the
-        request at its entry point (token ids, length, sampling, ``cache_salt``)."""
+        goes on after them (``EngineCore.add_request``), run whole here. ``expected``: the prompt's
+        block hashes and the hit the router predicted here (``expect``, done on arrival). The
+        driver checked the request at its entry point (token ids, length, sampling, ``cache_salt``)."""
         assert not (output_token_ids and (expect_handle or kv_handle is not None)), "a migrated request runs whole"
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
@@ -235,6 +237,7 @@ class EngineWorker:
             peer,
             cache_salt,
             output_token_ids,
+            expected,
         )
         finished = False
         try:
@@ -249,10 +252,14 @@ class EngineWorker:
                 self._submit(self._abort, request_id)
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        expected: tuple[list[bytes], int] | None = None,
     ) -> PrefillResult:
         """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull (hashed
-        with ``cache_salt``, as the decode worker hashes them)."""
+        with ``cache_salt``, as the decode worker hashes them); ``expected`` as for ``generate``."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         tracked = TrackedRequest(loop, done, len(prompt_token_ids))
@@ -267,6 +274,8 @@ class EngineWorker:
             False,
             None,
             cache_salt,
+            (),
+            expected,
         )
         try:
             return await done
@@ -324,7 +333,8 @@ class EngineWorker:
 
     def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
         """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
-        those blocks the last to be evicted until it arrives (``WorkerView.refresh_prefix``)."""
+        those blocks the last to be evicted until it runs (``WorkerView.refresh_prefix``). A
+        driver's request does this on arrival (``expected`` of ``generate`` / ``prefill``)."""
         self._submit(self.engine.worker_view.refresh_prefix, block_hashes, num_tokens)
 
     def snapshot(self, replica: int | None = None) -> None:
@@ -419,6 +429,7 @@ class EngineWorker:
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
+        expected: tuple[list[bytes], int] | None = None,
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
@@ -430,6 +441,8 @@ class EngineWorker:
                 self.engine.discard_handle(early[0])
             return
         engine = self.engine
+        if expected is not None:  # the router's predicted hit: evicted last while the request waits
+            engine.worker_view.refresh_prefix(*expected)
         if expect_handle:
             tracked.request = engine.expect_remote_prefill(
                 request_id, prompt_token_ids, sampling, peer, cache_salt=cache_salt

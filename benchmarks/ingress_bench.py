@@ -20,21 +20,25 @@ the driver's completions report (``route_ms``: the router call; ``queue_ms``, ``
 ``first_token_ms``: the worker call, ``actors.hops``), ``driver_latency_ms``; ``asgi_p50_ms``,
 the same request through ``serving.api.build_api``'s app in the driver's process (httpx's ASGI
 transport: the FastAPI edge, parsing, tokenizing and the JSON answer, no Ray Serve), and from
-it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: Ray
-Serve's proxy, its call into the ingress replica and the answer's relay back).
+it ``edge_ms`` (ASGI p50 minus driver p50) and ``serve_hop_ms`` (HTTP p50 minus ASGI p50: what
+serving over a socket adds; under ``kvfleet serve`` the ingress replica's own HTTP server, no
+proxy: ``serving/http_server.py``).
 
-A first run (``--requests 40 --warmup 3``, tiny preset 1P+1D, this project's 2-core machine
-under other test runs, load average about 17): HTTP p50 57 / 563 / 1023 ms and 17 / 22 / 23
-requests/s at concurrency 1 / 16 / 64, no errors; driver p50 26 / 129 / 298 ms, 37 / 118 / 111
-requests/s. The breakdown at concurrency 1 (``--requests 60 --warmup 5 --concurrency 1``, load
-average 8 to 15, two runs): HTTP p50 51 / 73 ms, driver 25 / 38 ms (route 6.5 / 8.6, queue 3.7 /
-4.4, prefill 10.9 / 11.6, first token 3.3 / 3.9), edge -1.9 / +6.7 ms (within the runs' noise),
-Serve's hop 27.2 / 27.9 ms. Half of the HTTP latency is Ray Serve's proxy-to-replica hop, not
-kvfleet's code; Ray's ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and
-``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (the second run) did not shorten it, nor did
-``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (a third run: 30.9 ms). The hop holds the proxy's routing,
-the call into the replica, the replica's fetch of the request body back from the proxy (Serve's
-``ASGIReceiveProxy``) and the answer's relay.
+Measured on this project's 2-core machine shared with other test runs (load average 8 to 16;
+``--requests 200 --warmup 10``, tiny preset 1P+1D, two runs each, the old and the new code
+interleaved). Behind Ray Serve's proxy (what ``serve run`` and the RayService still use): HTTP p50
+59 / 109 ms at concurrency 1, 17.8 / 11.2 requests/s at 16; ``serve_hop_ms`` was 27 to 46 ms in
+quieter runs. ``kvfleet serve`` with its ingress replica serving HTTP itself
+(``serving/http_server.py``) and the driver path's per-request router calls cut (request ends
+batched to the router, the predicted hit sent with the request): HTTP p50 36.0 / 39.6 ms at 1
+(driver 34.8 / 37.8 ms, overhead 1.2 / 1.8 ms, ``serve_hop_ms`` 0.6 / 2.4), 27.5 / 22.7
+requests/s at 16 (driver 57.5 / 68.1), no errors. What is left is the driver path itself
+(``breakdown_c1``: route 6, queue 5, prefill 13 to 15, first token 5 ms): Ray calls (the router,
+the worker's stream, the router's ack) and the engine step, each several times slower here than
+on an idle machine. Open: at 16 and 64 HTTP falls behind the driver (p99 3 to 5 s against the
+driver's 0.5 s). Ray's worker processes run at nice 15 while this process runs at nice 0, but
+that is not the whole of it: with ``RAY_worker_niceness=0`` (one run, load average 4 to 5) HTTP
+gave 36.5 ms p50 at 1 and 38.3 requests/s at 16, the driver 25.6 ms and 88.5 requests/s.
 """
 
 from __future__ import annotations

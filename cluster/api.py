@@ -250,6 +250,8 @@ class Cluster:
         """Stop the workers and the router (and the embedded Ray, if started here). Idempotent."""
         import ray
 
+        if self._runner.accepting:
+            self._runner.report_finished()  # the router's metrics get the last requests' ends
         self._supervisor.stop()
         self._supervisor.stop_actors()
         self._loop.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUTER_ACK_TIMEOUT_S = 30.0  # how long a finished request waits for the router to apply its blocks
+FINISHED_REPORT_S = 0.5  # a finished request reaches the router's metrics within this, batched
 
 
 class StreamedOutput:
@@ -119,6 +121,10 @@ class RequestRunner:
         self._supervisor = supervisor
         self._in_flight = in_flight
         self._placements = SharedPlacements()
+        #: finished requests not yet reported to the router: (TTFT s, output tokens, ok)
+        self._finished: list[tuple[float, int, bool]] = []
+        self._report_due: float | None = None  # when the report of those is timed to go
+        self._finished_lock = threading.Lock()
 
     def start(self, model: ServedModel) -> None:
         """Admit requests for ``model`` from now on."""
@@ -127,6 +133,35 @@ class RequestRunner:
 
     def stop(self) -> None:
         self.accepting = False
+        self.report_finished()
+
+    def _note_finished(self, ttft_s: float, num_out: int, ok: bool) -> None:
+        """Queue a request's end for the router's metrics, sent with the others that end within
+        ``FINISHED_REPORT_S`` (one router call for many requests, not one each). The timer
+        runs in the caller's loop; a timer whose loop ended before it fired is set again."""
+        now = time.monotonic()
+        with self._finished_lock:
+            self._finished.append((ttft_s, num_out, ok))
+            due = self._report_due
+            schedule = due is None or now > due + FINISHED_REPORT_S
+            if schedule:
+                self._report_due = now + FINISHED_REPORT_S
+        if schedule:
+            asyncio.get_running_loop().call_later(FINISHED_REPORT_S, self.report_finished)
+
+    def report_finished(self) -> None:
+        """Send the queued request ends to router replica 0 (its metrics count them)."""
+        import ray
+
+        with self._finished_lock:
+            batch, self._finished, self._report_due = self._finished, [], None
+        router = self._supervisor.router
+        if not batch or router is None or not ray.is_initialized():
+            return
+        try:
+            router.finished.remote(batch)
+        except Exception as exc:  # noqa: BLE001 - metrics only: a router going away loses them
+            log.debug("router metrics: %d finished requests not reported (%s)", len(batch), exc)
 
     def served(self) -> ServedModel:
         """The model requests run on; raises RuntimeError when not started."""
@@ -353,9 +388,8 @@ class RequestRunner:
             self._in_flight.remove(rid)
             if request.share_placement is not None:
                 self._placements.leave(request.share_placement)
-            router = supervisor.router
-            if router is not None:  # once per request, however many attempts it took (replica 0's metrics)
-                router.finished.remote(ttft_s, num_out, ok)
+            # once per request, however many attempts it took (replica 0's metrics)
+            self._note_finished(ttft_s, num_out, ok)
 
     async def _attempt_supervised(
         self, request: ClusterRequest, output: StreamedOutput, on_delta: Callable[[Delta], None] | None
@@ -407,6 +441,9 @@ class RequestRunner:
         if prefill_id != decode_id and whole:  # one token cannot be split; the others run whole on D
             prefill_id = decode_id
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
+        # the hit the router predicted where the prompt is computed, kept there until it runs
+        predicted = decision.predicted_hit > 0 and prefill_id == str(decision.prefill_worker)
+        expected = (hashes, decision.predicted_hit) if predicted else None
         output.placed(prefill_id, decode_id, decision)
         detok = output.detok
         stopped = False  # a stop string matched before the worker finished it: aborted there
@@ -429,7 +466,7 @@ class RequestRunner:
                     rid, prompt_ids, request.sampling, None, True, peer, request.prompt.cache_salt
                 )
                 sent = time.monotonic()
-                prefill = await self._prefill(request, prefiller, prefill_id, decoder)
+                prefill = await self._prefill(request, prefiller, prefill_id, decoder, expected)
                 prefill_call_s = time.monotonic() - sent
                 cached = prefill.num_cached_tokens
                 acks.extend(prefill.router_ack)
@@ -443,6 +480,7 @@ class RequestRunner:
                         request.sampling,
                         cache_salt=request.prompt.cache_salt,
                         output_token_ids=sent_ids,
+                        expected=expected,
                     )
                 async for ref in stream:
                     chunk: TokenChunk = await ref
@@ -556,10 +594,16 @@ class RequestRunner:
         return supervisor.fallback_decision(request_id, num_tokens)
 
     async def _prefill(
-        self, request: ClusterRequest, prefiller: WorkerHandle, prefill_id: str, decoder: WorkerHandle
+        self,
+        request: ClusterRequest,
+        prefiller: WorkerHandle,
+        prefill_id: str,
+        decoder: WorkerHandle,
+        expected: tuple[list[bytes], int] | None = None,
     ) -> PrefillResult:
         """The prefill worker's result for ``request``; sends its handle to the decode worker told
-        of the request (which, whenever no handle comes, is aborted here so it frees its blocks)."""
+        of the request (which, whenever no handle comes, is aborted here so it frees its blocks).
+        ``expected``: the prompt's block hashes and the hit the router predicted there."""
         from ray.exceptions import RayActorError, RayTaskError
 
         from actors.worker_types import WorkerUnavailableError
@@ -569,7 +613,7 @@ class RequestRunner:
         try:
             try:
                 salt = request.prompt.cache_salt
-                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids, salt)
+                result: PrefillResult = await prefiller.prefill.remote(rid, request.token_ids, salt, expected)
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             if result.kv_handle is None:

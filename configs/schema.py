@@ -377,9 +377,10 @@ class LoggingConfig(_Frozen):
 class ServeConfig(_Frozen):
     """The OpenAI-compatible HTTP API (a Ray Serve application over the cluster).
 
-    ``host`` / ``port`` are where ``kvfleet serve`` binds Ray Serve's HTTP proxy (loopback by
-    default). ``api_key``: when set (here, or through the environment variable named by
-    ``api_key_env``, which wins), every ``/v1`` route needs ``Authorization: Bearer <key>``;
+    ``host`` / ``port`` are where ``kvfleet serve``'s ingress replicas serve HTTP (loopback by
+    default; they share the port, ``serving/http_server.py``). ``api_key``: when set (here, or
+    through the environment variable named by ``api_key_env``, which wins), every ``/v1`` route
+    needs ``Authorization: Bearer <key>``;
     ``/health`` and ``/metrics`` stay open for probes and Prometheus scrapers (as vLLM's key
     does). ``max_queued_requests``: requests in flight (queued or
     running) per ingress replica; one more is answered 429 with ``Retry-After``.

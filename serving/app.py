@@ -10,6 +10,11 @@ Two deployments:
   replica attaches a driver to the controller's actors (``Cluster.attach``): the same request
   path as the driver API, with the tokenizer and the detokenizer in the ingress process.
 
+Two ways in: behind Ray Serve's HTTP proxy (``kvfleet_app(config)``: the replica is a Serve ASGI
+ingress; ``serve run`` and the RayService) or direct (``kvfleet_app(config, direct=True)``: each
+replica serves HTTP itself on ``serve.host:serve.port``, ``serving.http_server``, and Serve runs
+no proxy; ``kvfleet serve``). The API is the same app (``serving.api.build_api``) either way.
+
 Arguments (``serve run ... key=value``, or ``args`` in a RayService's serveConfigV2):
 ``config`` (preset name or YAML path; default ``local``) and ``overrides`` (a list of
 ``a.b=c``, or one string of them separated by commas or spaces).
@@ -112,15 +117,65 @@ class OpenAIIngress:
             self._cluster.shutdown()
 
 
+class DirectIngress:
+    """One ingress replica that serves the API over HTTP itself (``serving.http_server``): a
+    driver attached to the controller's cluster and a uvicorn server on ``serve.host:serve.port``
+    in this replica's event loop, with no Serve proxy in between.
+
+    Invariants: the replica is ready (its constructor returned) only once the port accepts
+    connections; Serve's health check fails once the server stopped; deleting the replica drains
+    it (the requests in flight finish, up to ``serve.graceful_shutdown_timeout_s``) before its
+    driver stops (the controller's actors are never stopped here).
+    """
+
+    # Serve awaits an async constructor (its replica's ``initialize_callable``): the replica is
+    # ready only once the port accepts connections
+    async def __init__(self, controller: Any):  # type: ignore[misc]
+        from serving.api import build_api
+        from serving.http_server import HTTPServer
+
+        handles: ClusterHandles = await controller.handles.remote()
+        config = handles.config
+        self._cluster: Cluster | None = Cluster.attach(handles)
+        serve_config = config.serve
+        self._server = HTTPServer(
+            build_api(self._cluster),
+            serve_config.host,
+            serve_config.port,
+            graceful_timeout_s=serve_config.graceful_shutdown_timeout_s,
+            access_log=logging.getLevelName(config.logging.level) <= logging.INFO,
+        )
+        try:
+            await self._server.start()
+        except BaseException:
+            self._cluster.shutdown()
+            self._cluster = None
+            raise
+
+    async def check_health(self) -> None:
+        if not self._server.running:
+            raise RuntimeError(f"the HTTP server on port {self._server.port} stopped")
+
+    async def __del__(self) -> None:
+        await self._server.stop()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+
 def serve_logging(config: ClusterConfig) -> LoggingConfig:
     """Ray Serve's logging at ``logging.level``: its per-request access lines are INFO records,
     so they show only where kvfleet's own INFO lines do."""
     return LoggingConfig(log_level=config.logging.level)
 
 
-def kvfleet_app(config: ClusterConfig) -> Application:
+def kvfleet_app(config: ClusterConfig, *, direct: bool = False, node_resource: str | None = None) -> Application:
     """The application for ``config``: the controller and ``serve.ingress_replicas`` ingresses,
-    both logging at ``logging.level`` (``serve_logging``)."""
+    both logging at ``logging.level`` (``serve_logging``). ``direct``: the ingress replicas serve
+    HTTP themselves on ``serve.host:serve.port`` (``DirectIngress``; deploy it on a Serve
+    started without a proxy), else they are Serve ASGI ingresses behind Serve's proxy.
+    ``node_resource``: a Ray resource only one node has (``node:<ip>``): the ingress replicas
+    run there, so the port they open is that node's."""
     serve_config = config.serve
     timeout_s = serve_config.graceful_shutdown_timeout_s
     logging_config = serve_logging(config)
@@ -134,11 +189,14 @@ def kvfleet_app(config: ClusterConfig) -> Application:
         health_check_timeout_s=60,
         logging_config=logging_config,
     )
+    ingress_options: dict[str, Any] = {"num_cpus": serve_config.ingress_num_cpus}
+    if node_resource is not None:
+        ingress_options["resources"] = {node_resource: 0.001}
     ingress = serve.deployment(
-        serve.ingress()(OpenAIIngress),
+        DirectIngress if direct else serve.ingress()(OpenAIIngress),
         name=INGRESS,
         num_replicas=serve_config.ingress_replicas,
-        ray_actor_options={"num_cpus": serve_config.ingress_num_cpus},
+        ray_actor_options=ingress_options,
         max_ongoing_requests=serve_config.max_queued_requests + HEADROOM_REQUESTS,
         graceful_shutdown_timeout_s=timeout_s,
         graceful_shutdown_wait_loop_s=0.5,

@@ -1,11 +1,14 @@
 """Start and stop the HTTP API on Ray Serve: what ``kvfleet serve`` runs.
 
 ``start_serving(config)`` connects to Ray (an embedded local cluster sized for the workers and
-the ingress replicas, or ``ray.address``), starts Serve's HTTP proxy on ``serve.host:serve.port``
-and deploys the application; it returns once every deployment is running (the workers have
-loaded the model). ``stop_serving`` deletes the application, which drains it: ingress replicas
-finish their in-flight requests (up to ``serve.graceful_shutdown_timeout_s``), the controller
-waits for idle workers and stops them; then Serve (and an embedded Ray) shut down.
+the ingress replicas, or ``ray.address``), starts Serve without its HTTP proxy and deploys the
+application with direct ingress replicas (``serving.app.DirectIngress``): each serves HTTP itself
+on ``serve.host:serve.port`` of this node (``serving.http_server``), so a request reaches the
+process that drives the cluster with no proxy hop. It returns once every deployment is running
+(the workers have loaded the model, the port accepts connections). ``stop_serving`` deletes the
+application, which drains it: ingress replicas stop accepting and finish their in-flight requests
+(up to ``serve.graceful_shutdown_timeout_s``), the controller waits for idle workers and stops
+them; then Serve (and an embedded Ray) shut down.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def start_serving(config: ClusterConfig) -> Serving:
             ray.init(**kwargs)
             owns_ray = True
     try:
-        serve.start(
-            http_options={"host": config.serve.host, "port": config.serve.port}, logging_config=serve_logging(config)
-        )  # the proxy's access lines too
-        serve.run(kvfleet_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.start(proxy_location="Disabled", logging_config=serve_logging(config))
+        node = f"node:{ray.util.get_node_ip_address()}"  # the ingress opens the port on this node
+        serve.run(
+            kvfleet_app(config, direct=True, node_resource=node), name=APP_NAME, route_prefix=None, blocking=False
+        )
     except BaseException:
         stop_serving(owns_ray)
         raise
