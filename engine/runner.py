@@ -170,7 +170,7 @@ class ModelRunner:
                 max_model_len,
                 device,
                 self.paged_attention,
-                model,
+                self._forward,
             )
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
                 try:
@@ -184,7 +184,7 @@ class ModelRunner:
                 len(layout.groups),
                 layout.block_size,
                 device,
-                model,
+                self._forward,
                 [user for layer in model.model.layers for user in cache_users(layer)],
                 self.index_batch,
             )
@@ -194,6 +194,11 @@ class ModelRunner:
                 except RuntimeError as exc:  # the worker still serves: its mixed steps run uncaptured
                     log.error("mixed-step graph capture failed, those steps run from the static buffers: %s", exc)
                     self.mixed.drop_graphs()
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The forward the static steps run: whatever ``model`` is now (a wrapper put there later
+        serves them too)."""
+        return self.model(batch)
 
     def close(self) -> None:
         """Release the decode step's graphs now (their memory pool and the buffers they read),
