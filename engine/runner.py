@@ -71,6 +71,16 @@ def graphs_supported(arch: ModelArch, device: torch.device, paged_attention: boo
     return (paged_attention or not has_attention) and not has_moe
 
 
+def _capture_or_run_uncaptured(step: DecodeStep | MixedStep, name: str) -> None:
+    """Capture ``step``'s graphs; a failed capture drops them and the worker still serves, its
+    ``name`` steps running from the same static buffers uncaptured."""
+    try:
+        step.capture()
+    except RuntimeError as exc:
+        log.error("%s-step graph capture failed, those steps run uncaptured from the static buffers: %s", name, exc)
+        step.drop_graphs()
+
+
 class ModelRunner:
     """Runs one step of the model over a batch of request chunks.
 
@@ -173,11 +183,7 @@ class ModelRunner:
                 self._forward,
             )
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
-                try:
-                    self.decode.capture()
-                except RuntimeError as exc:  # the worker still serves: its decode steps run uncaptured
-                    log.error("decode graph capture failed, decode steps run eagerly from the static buffers: %s", exc)
-                    self.decode.drop_graphs()
+                _capture_or_run_uncaptured(self.decode, "decode")
         if max_num_batched_tokens is not None:
             self.mixed = MixedStep(
                 max_num_batched_tokens,
@@ -189,11 +195,7 @@ class ModelRunner:
                 self.index_batch,
             )
             if cuda_graphs and graphs_supported(arch, device, self.paged_attention):
-                try:
-                    self.mixed.capture()
-                except RuntimeError as exc:  # the worker still serves: its mixed steps run uncaptured
-                    log.error("mixed-step graph capture failed, those steps run from the static buffers: %s", exc)
-                    self.mixed.drop_graphs()
+                _capture_or_run_uncaptured(self.mixed, "mixed")
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The forward the static steps run: whatever ``model`` is now (a wrapper put there later

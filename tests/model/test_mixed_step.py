@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from engine.model.mixed_step import MixedStep, StepChunk, token_buckets
 from engine.runner import graphs_supported
 from engine.sampling_params import SamplingParams
+from tests.engine.test_decode_step import run
 from tests.model.logits_harness import DEVICES
 from tests.support import load_preset
 
@@ -38,21 +39,6 @@ def short_mix(vocab: int, count: int = 8) -> list[tuple[list[int], int]]:
     """The issue-4 mix (uniform prompt and output lengths, seeded), scaled to the tiny presets:
     prompts of 8-120 tokens (two 64-token prefill chunks at most), 4-16 new tokens."""
     return workload(count, vocab, seed=4, prompt_lens=(8, 120), output_lens=(4, 16))
-
-
-def run(core: EngineCore, requests: list[tuple[list[int], int]]) -> dict[str, list[int]]:
-    """Greedy tokens of every request, all added at once and stepped to the end."""
-    for i, (prompt, max_tokens) in enumerate(requests):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    tokens: dict[str, list[int]] = {}
-    for _ in range(10_000):
-        if not core.has_work:
-            break
-        for out in core.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert not core.has_work
-    return tokens
 
 
 class MixedSpy:
