@@ -1299,8 +1299,12 @@ static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, ui
  * collects the failing workers and ``deepest`` the largest k with one. */
 typedef struct {
     PyObject *rows;
-    PyObject *ids, *hits, *shared, *failing;
+    PyObject *ids, *hits, *shared, *failing; /* failing: a list, or a set (``predict_tiered``) */
     Py_ssize_t align, deepest;
+    /* ``predict_tiered``: the failing slots whose host tier holds something (a key of ``counts``) */
+    PyObject *counts;
+    uint32_t *extra;
+    size_t nextra, cap_extra;
 } Sink;
 
 /* Set ``dict[ids[slot]] = value`` for each slot of ``a``. */
@@ -1345,7 +1349,28 @@ static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nv
             PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", failed[i]);
             return -1;
         }
-        rc = PyList_Append(sink->failing, PyList_GET_ITEM(sink->ids, failed[i]));
+        PyObject *worker = PyList_GET_ITEM(sink->ids, failed[i]);
+        rc = PyList_Check(sink->failing) ? PyList_Append(sink->failing, worker) : PySet_Add(sink->failing, worker);
+        if (rc == 0 && sink->counts != NULL && PyDict_GET_SIZE(sink->counts) > 0) {
+            PyObject *key = PyLong_FromUnsignedLong(failed[i]);
+            int has = key == NULL ? -1 : PyDict_Contains(sink->counts, key);
+            Py_XDECREF(key);
+            if (has < 0)
+                return -1;
+            if (has) {
+                if (sink->nextra == sink->cap_extra) {
+                    size_t want = sink->cap_extra * 2 + 16;
+                    uint32_t *grown = PyMem_Realloc(sink->extra, want * sizeof(uint32_t));
+                    if (grown == NULL) {
+                        PyErr_NoMemory();
+                        return -1;
+                    }
+                    sink->extra = grown;
+                    sink->cap_extra = want;
+                }
+                sink->extra[sink->nextra++] = failed[i];
+            }
+        }
     }
     if (nfail > 0 && k > sink->deepest)
         sink->deepest = k;
@@ -1933,41 +1958,15 @@ static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
     return 0;
 }
 
-/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
- * see HolderMaps.tiered in holder_maps.py. */
-static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
-    PyObject *extra = args[12];
-    PyObject *shared = args[9] == Py_None ? NULL : args[9];
-    PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
-    PyObject *pending = args[11] == Py_None ? NULL : args[11];
-    Py_ssize_t steps = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t align = PyLong_AsSsize_t(args[4]);
-    Py_ssize_t unit = PyLong_AsSsize_t(args[5]);
-    int prefix = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred() || prefix < 0)
-        return NULL;
-    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
-        !PyDict_Check(hits) || !PyList_Check(extra)) {
-        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
-        return NULL;
-    }
-    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
-        (pending && !PySet_Check(pending))) {
-        PyErr_SetString(PyExc_TypeError, "tiered: shared and host_hits must be dicts or None, pending a set or None");
-        return NULL;
-    }
-    if (align < 1 || unit < 1 || align % unit) {
-        PyErr_Format(PyExc_ValueError, "tiered: align %zd must be a positive multiple of unit %zd", align, unit);
-        return NULL;
-    }
+/* The prediction over both tiers (see HolderMaps.tiered in holder_maps.py), its arguments
+ * checked: the slots met, or -1 on error. ``extra``: ``nextra`` slots walked besides the met. */
+static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyObject *host, Py_ssize_t steps,
+                              Py_ssize_t align, Py_ssize_t unit, int prefix, PyObject *ids, PyObject *hits,
+                              PyObject *shared, PyObject *host_hits, PyObject *pending, const uint32_t *extra,
+                              size_t nextra) {
     Py_ssize_t nviews = PyList_GET_SIZE(order);
     if (steps <= 0 || nviews == 0)
-        return PyLong_FromLong(0);
+        return 0;
     Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
     PyObject *const *items = nhashes ? &PyList_GET_ITEM(hashes, 0) : NULL;
     /* A decision's views and their positions on the stack (a few groups, a prompt of up to
@@ -1980,10 +1979,10 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
     PyObject **hosted = NULL;
     unsigned char *covered = NULL;
     size_t nmet = 0, cap_met = 0;
-    PyObject *result = NULL;
+    Py_ssize_t result = -1;
     if (views == NULL) {
         PyErr_NoMemory();
-        return NULL;
+        return -1;
     }
     Py_ssize_t positions = 0;
     for (Py_ssize_t c = 0; c < nviews; c++) {
@@ -2087,23 +2086,18 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
                 goto done;
         }
     }
-    Py_ssize_t nextra = PyList_GET_SIZE(extra);
     if (nextra > 0) {
-        if (nmet + (size_t)nextra > cap_met) {
-            uint32_t *grown = PyMem_Realloc(met, (nmet + (size_t)nextra) * sizeof(uint32_t));
+        if (nmet + nextra > cap_met) {
+            uint32_t *grown = PyMem_Realloc(met, (nmet + nextra) * sizeof(uint32_t));
             if (grown == NULL) {
                 PyErr_NoMemory();
                 goto done;
             }
             met = grown;
-            cap_met = nmet + (size_t)nextra;
+            cap_met = nmet + nextra;
         }
-        for (Py_ssize_t j = 0; j < nextra; j++) {
-            unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
-            if (s == (unsigned long)-1 && PyErr_Occurred())
-                goto done;
-            met[nmet++] = (uint32_t)s;
-        }
+        memcpy(met + nmet, extra, nextra * sizeof(uint32_t));
+        nmet += nextra;
     }
     size_t unique = 0;
     if (nmet) {
@@ -2137,7 +2131,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         if (shared && prefix && put_tokens(shared, worker, top * align, 0) < 0)
             goto done;
     }
-    result = PyLong_FromSize_t(unique);
+    result = (Py_ssize_t)unique;
 done:
     if (dev != small_dev)
         PyMem_Free(dev);
@@ -2147,6 +2141,122 @@ done:
         PyMem_Free(views);
     PyMem_Free(met);
     PyMem_Free(covered);
+    return result;
+}
+
+/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
+ * see HolderMaps.tiered in holder_maps.py. */
+static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
+    PyObject *extra = args[12];
+    PyObject *shared = args[9] == Py_None ? NULL : args[9];
+    PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
+    PyObject *pending = args[11] == Py_None ? NULL : args[11];
+    Py_ssize_t steps = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[5]);
+    int prefix = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || prefix < 0)
+        return NULL;
+    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
+        !PyDict_Check(hits) || !PyList_Check(extra)) {
+        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
+        return NULL;
+    }
+    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
+        (pending && !PySet_Check(pending))) {
+        PyErr_SetString(PyExc_TypeError, "tiered: shared and host_hits must be dicts or None, pending a set or None");
+        return NULL;
+    }
+    if (align < 1 || unit < 1 || align % unit) {
+        PyErr_Format(PyExc_ValueError, "tiered: align %zd must be a positive multiple of unit %zd", align, unit);
+        return NULL;
+    }
+    Py_ssize_t nextra = PyList_GET_SIZE(extra);
+    uint32_t small_extra[64];
+    uint32_t *slots = nextra <= 64 ? small_extra : PyMem_Malloc((size_t)nextra * sizeof(uint32_t));
+    if (slots == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < nextra; j++) {
+        unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
+        if (s == (unsigned long)-1 && PyErr_Occurred()) {
+            if (slots != small_extra)
+                PyMem_Free(slots);
+            return NULL;
+        }
+        slots[j] = (uint32_t)s;
+    }
+    Py_ssize_t met = tiered_impl(self, hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+                                 pending, slots, (size_t)nextra);
+    if (slots != small_extra)
+        PyMem_Free(slots);
+    return met < 0 ? NULL : PyLong_FromSsize_t(met);
+}
+
+/* predict_tiered(first, hashes, factor, limit, per, checks, align, ids, hits, shared, order, host, counts,
+ * steps, unit, prefix, host_hits): see HolderMaps.predict_tiered in holder_maps.py. ``predict`` then ``tiered``
+ * over the same hashes in one call: the failing workers go into a set, and those of them whose slot
+ * ``counts`` (the host tiers' entry counts per slot) names are walked over both tiers as ``extra``. */
+static PyObject *Maps_predict_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "predict_tiered: expected 17 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long first = PyLong_AsLong(args[0]);
+    Py_ssize_t factor = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t per = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t steps = PyLong_AsSsize_t(args[13]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[14]);
+    int prefix = PyObject_IsTrue(args[15]);
+    if (PyErr_Occurred() || prefix < 0)
+        return NULL;
+    PyObject *hashes = args[1], *checks = args[5], *ids = args[7], *hits = args[8];
+    PyObject *shared = args[9] == Py_None ? NULL : args[9];
+    PyObject *order = args[10], *host = args[11], *counts = args[12];
+    PyObject *host_hits = args[16] == Py_None ? NULL : args[16];
+    if (!PyList_Check(hashes) || !PyList_Check(checks) || !PyList_Check(ids) || !PyDict_Check(hits) ||
+        !PyList_Check(order) || !PyList_Check(host) || !PyDict_Check(counts)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "predict_tiered: hashes, checks, ids, order and host must be lists, hits and counts dicts");
+        return NULL;
+    }
+    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits))) {
+        PyErr_SetString(PyExc_TypeError, "predict_tiered: shared and host_hits must be dicts or None");
+        return NULL;
+    }
+    if (align < 1 || unit < 1 || align % unit) {
+        PyErr_Format(PyExc_ValueError, "predict_tiered: align %zd must be a positive multiple of unit %zd", align,
+                     unit);
+        return NULL;
+    }
+    if (check_group(self, first) < 0)
+        return NULL;
+    Sink sink = {0};
+    sink.ids = ids;
+    sink.hits = hits;
+    sink.shared = shared;
+    sink.align = align;
+    sink.failing = PySet_New(NULL);
+    if (sink.failing == NULL)
+        return NULL;
+    sink.counts = prefix ? counts : NULL;
+    PyObject *result = NULL;
+    if (walk_impl(self, (int)first, hashes, factor, limit, per, checks, &sink) < 0)
+        goto done;
+    int failed = PySet_GET_SIZE(sink.failing) > 0;
+    if (tiered_impl(self, hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+                    failed ? sink.failing : NULL, sink.extra, sink.nextra) < 0)
+        goto done;
+    result = failed ? Py_BuildValue("(On)", sink.failing, sink.deepest) : Py_BuildValue("(On)", Py_None, 0);
+done:
+    Py_DECREF(sink.failing);
+    PyMem_Free(sink.extra);
     return result;
 }
 
@@ -2222,6 +2332,9 @@ static PyMethodDef Maps_methods[] = {
      "predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared)"},
     {"tiered", (PyCFunction)(void (*)(void))Maps_tiered, METH_FASTCALL,
      "tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)"},
+    {"predict_tiered", (PyCFunction)(void (*)(void))Maps_predict_tiered, METH_FASTCALL,
+     "predict_tiered(first, hashes, factor, limit, per, checks, align, ids, hits, shared, order, host, counts, "
+     "steps, unit, prefix, host_hits)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

@@ -50,6 +50,27 @@ class HolderMaps:
         shared: dict[Hashable, int] | None,
         /,
     ) -> tuple[list[Hashable], int]: ...
+    def predict_tiered(
+        self,
+        first: int,
+        hashes: list[bytes],
+        factor: int,
+        limit: int,
+        per: int,
+        checks: list[tuple[int, int, list[tuple[int, int]]]],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        order: list[tuple[int, int, list[tuple[int, int]]]],
+        host: list[dict[bytes, tuple[int, ...]]],
+        counts: dict[int, int],
+        steps: int,
+        unit: int,
+        prefix: bool,
+        host_hits: dict[Hashable, int] | None,
+        /,
+    ) -> tuple[set[Hashable] | None, int]: ...
     def tiered(
         self,
         hashes: list[bytes],
