@@ -396,6 +396,8 @@ static void t_delete(Table *t, uint32_t id) {
     t->used--;
 }
 
+static PyTypeObject MapsType; /* defined below */
+
 /* -- holder values -------------------------------------------------------------------------- */
 
 static inline HSet *set_of(const Maps *m, uint32_t value) { return m->sets[value & ~MULTI]; }
@@ -1748,17 +1750,17 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 
 /* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
  * place) up to ``n`` positions, each position's device holder value in the group (read when a
- * slot first needs it: UNREAD until then, NONE_ID nobody) and its host-tier holders (a borrowed
- * tuple of slots from the host map, or NULL; HOST_UNREAD until read: up front where they decide
+ * slot first needs it: UNREAD until then, NONE_ID nobody) and its host holder value (the same
+ * group of the host tiers' holder maps, ``host``; UNREAD until read: up front where they decide
  * which slots are walked, else when a slot needs them). */
 typedef struct {
     int g;
     Py_ssize_t factor, n;
     PyObject *ranges;
     PyObject *const *keys;
-    PyObject *host; /* the group's host map: hash -> slots */
+    const Maps *host; /* the host tiers' holder maps (the same group numbers) */
     uint32_t *dev;
-    PyObject **hosted;
+    uint32_t *hosted;
     /* the entries the last walk met over these hashes (its first ``known`` positions): a
      * position below ``known`` reads its entry from there instead of looking its key up */
     const uint32_t *walked;
@@ -1784,47 +1786,21 @@ static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *e
     return value;
 }
 
-static char host_unread; /* ``hosted[i]`` not read yet: &host_unread */
-#define HOST_UNREAD ((PyObject *)&host_unread)
-
-/* The host holders of position ``i`` (a borrowed tuple, or NULL: none; read once). */
-static inline PyObject *tier_host(TierView *v, Py_ssize_t i, int *err) {
-    PyObject *slots = v->hosted[i];
-    if (slots != HOST_UNREAD)
-        return slots;
-    slots = NULL;
-    if (PyDict_GET_SIZE(v->host) > 0) {
-        slots = PyDict_GetItemWithError(v->host, v->keys[i * v->factor]);
-        if (slots == NULL && PyErr_Occurred()) {
-            *err = 1;
-            return NULL;
-        }
-        if (slots != NULL && !PyTuple_Check(slots)) {
-            PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
-            *err = 1;
-            return NULL;
-        }
+/* The host holder value of position ``i`` (NONE_ID: none; read once). */
+static inline uint32_t tier_host(TierView *v, Py_ssize_t i, int *err) {
+    uint32_t value = v->hosted[i];
+    if (value != UNREAD)
+        return value;
+    value = NONE_ID;
+    if (v->host->group_used[v->g] > 0) {
+        PyObject *key = v->keys[i * v->factor];
+        uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+        value = lookup_hashed(v->host, v->g, key, h, err);
+        if (*err)
+            return NONE_ID;
     }
-    v->hosted[i] = slots;
-    return slots;
-}
-
-/* Whether a tuple of slots (increasing ints) holds ``slot``: -1 on error. */
-static inline int tuple_holds(PyObject *slots, uint32_t slot) {
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(slots);
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        unsigned long at = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, mid));
-        if (at == (unsigned long)-1 && PyErr_Occurred())
-            return -1;
-        if (at == slot)
-            return 1;
-        if (at < slot)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return 0;
+    v->hosted[i] = value;
+    return value;
 }
 
 /* Whether ``slot`` holds position ``i`` of the view in either tier: 1, 0, or -1 on error. */
@@ -1835,10 +1811,10 @@ static inline int tier_held(const Maps *m, TierView *v, Py_ssize_t i, uint32_t s
         return -1;
     if (value != NONE_ID && v_level(m, value, slot) >= 0)
         return 1;
-    PyObject *slots = tier_host(v, i, &err);
+    uint32_t hosted = tier_host(v, i, &err);
     if (err)
         return -1;
-    return slots == NULL ? 0 : tuple_holds(slots, slot);
+    return hosted != NONE_ID && v_level(v->host, hosted, slot) >= 0;
 }
 
 static int cmp_u32_t(const void *a, const void *b) {
@@ -1936,9 +1912,9 @@ static int tier_slot(const Maps *m, TierView *views, Py_ssize_t nviews, uint32_t
     return 0;
 }
 
-/* Append a host map value's slots (a tuple of ints) to ``*met``: 0, or -1 on error. */
-static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
-    Py_ssize_t ns = PyTuple_GET_SIZE(slots);
+/* Append the slots of a host holder value to ``*met``: 0, or -1 on error. */
+static int met_add(const Maps *host, uint32_t **met, size_t *nmet, size_t *cap, uint32_t value) {
+    uint32_t ns = (value & MULTI) ? set_of(host, value)->n : 1;
     if (*nmet + (size_t)ns > *cap) {
         size_t want = (*nmet + (size_t)ns) * 2 + 16;
         uint32_t *grown = PyMem_Realloc(*met, want * sizeof(uint32_t));
@@ -1949,18 +1925,19 @@ static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
         *met = grown;
         *cap = want;
     }
-    for (Py_ssize_t j = 0; j < ns; j++) {
-        unsigned long s = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, j));
-        if (s == (unsigned long)-1 && PyErr_Occurred())
-            return -1;
-        (*met)[(*nmet)++] = (uint32_t)s;
+    if (!(value & MULTI)) {
+        (*met)[(*nmet)++] = value >> 2;
+        return 0;
     }
+    const HSet *set = set_of(host, value);
+    for (uint32_t j = 0; j < set->n; j++)
+        (*met)[(*nmet)++] = set->codes[j] >> 2;
     return 0;
 }
 
 /* The prediction over both tiers (see HolderMaps.tiered in holder_maps.py), its arguments
  * checked: the slots met, or -1 on error. ``extra``: ``nextra`` slots walked besides the met. */
-static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyObject *host, Py_ssize_t steps,
+static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, const Maps *host, Py_ssize_t steps,
                               Py_ssize_t align, Py_ssize_t unit, int prefix, PyObject *ids, PyObject *hits,
                               PyObject *shared, PyObject *host_hits, PyObject *pending, const uint32_t *extra,
                               size_t nextra) {
@@ -1973,10 +1950,9 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
      * TIER_SMALL positions over them), else on the heap. */
     TierView small_views[SMALL_CHECKS];
     uint32_t small_dev[TIER_SMALL];
-    PyObject *small_hosted[TIER_SMALL];
+    uint32_t small_hosted[TIER_SMALL];
     TierView *views = nviews <= SMALL_CHECKS ? small_views : PyMem_Calloc((size_t)nviews, sizeof(TierView));
-    uint32_t *dev = NULL, *met = NULL;
-    PyObject **hosted = NULL;
+    uint32_t *dev = NULL, *met = NULL, *hosted = NULL;
     unsigned char *covered = NULL;
     size_t nmet = 0, cap_met = 0;
     Py_ssize_t result = -1;
@@ -1993,11 +1969,9 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
         v->g = spec.g;
         v->factor = spec.factor;
         v->ranges = spec.ranges;
-        if (v->g >= PyList_GET_SIZE(host) || !PyDict_Check(PyList_GET_ITEM(host, v->g))) {
-            PyErr_Format(PyExc_TypeError, "tiered: host[%d] must be a dict", v->g);
+        if (check_group(host, v->g) < 0)
             goto done;
-        }
-        v->host = PyList_GET_ITEM(host, v->g);
+        v->host = host;
         Py_ssize_t n = steps * align / (spec.factor * unit);
         v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
         v->keys = items + (spec.factor - 1);
@@ -2013,7 +1987,7 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
         hosted = small_hosted;
     } else {
         dev = PyMem_Malloc((size_t)positions * sizeof(uint32_t));
-        hosted = PyMem_Malloc((size_t)positions * sizeof(PyObject *));
+        hosted = PyMem_Malloc((size_t)positions * sizeof(uint32_t));
         if (dev == NULL || hosted == NULL) {
             PyErr_NoMemory();
             goto done;
@@ -2021,7 +1995,7 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
     }
     for (Py_ssize_t i = 0; i < positions; i++) {
         dev[i] = UNREAD;
-        hosted[i] = HOST_UNREAD;
+        hosted[i] = UNREAD;
     }
     positions = 0;
     for (Py_ssize_t c = 0; c < nviews; c++) {
@@ -2033,14 +2007,13 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
      * device values when a slot needs them. */
     for (Py_ssize_t c = 0; c < nviews; c++) {
         TierView *v = &views[c];
-        if (PyDict_GET_SIZE(v->host) == 0 || (prefix && c > 0))
+        if (host->group_used[v->g] == 0 || (prefix && c > 0))
             continue; /* read as the walked slots need them */
         /* The slots met: with ``prefix``, a slot's depth over both tiers passes its device depth
          * only if its host holds the block where its device run ends, a position where the
          * device value changes (or 0): only those are read, up to the first nobody holds on the
          * device; without, every position (any group's host block may serve a window). */
-        PyObject *last = NULL;
-        uint32_t before = UNREAD;
+        uint32_t last = NONE_ID, before = UNREAD;
         Py_ssize_t from = 0;
         int err = 0;
         if (prefix && v->known > 0 && self->walked_group == v->g) {
@@ -2050,12 +2023,12 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
                 if (i >= v->known)
                     break;
                 before = tier_dev(self, v, i, &err);
-                PyObject *slots = err ? NULL : tier_host(v, i, &err);
+                uint32_t slots = err ? NONE_ID : tier_host(v, i, &err);
                 if (err)
                     goto done;
-                if (slots != NULL && slots != last) {
+                if (slots != NONE_ID && slots != last) {
                     last = slots;
-                    if (met_add(&met, &nmet, &cap_met, slots) < 0)
+                    if (met_add(host, &met, &nmet, &cap_met, slots) < 0)
                         goto done;
                 }
             }
@@ -2074,15 +2047,15 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, PyO
                 if (same)
                     continue;
             }
-            PyObject *slots = tier_host(v, i, &err);
+            uint32_t slots = tier_host(v, i, &err);
             if (err)
                 goto done;
             if (prefix && before == NONE_ID)
                 i = v->n; /* no slot's device run passes here: the met slots are known */
-            if (slots == NULL || slots == last)
+            if (slots == NONE_ID || slots == last)
                 continue;
             last = slots;
-            if (met_add(&met, &nmet, &cap_met, slots) < 0)
+            if (met_add(host, &met, &nmet, &cap_met, slots) < 0)
                 goto done;
         }
     }
@@ -2162,9 +2135,10 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
     int prefix = PyObject_IsTrue(args[6]);
     if (PyErr_Occurred() || prefix < 0)
         return NULL;
-    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
-        !PyDict_Check(hits) || !PyList_Check(extra)) {
-        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
+    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(ids) || !PyDict_Check(hits) ||
+        !PyList_Check(extra) || !PyObject_TypeCheck(host, &MapsType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tiered: hashes, order, ids and extra must be lists, hits a dict, host holder maps");
         return NULL;
     }
     if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
@@ -2190,7 +2164,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         }
         slots[j] = (uint32_t)s;
     }
-    Py_ssize_t met = tiered_impl(self, hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+    Py_ssize_t met = tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
                                  pending, slots, (size_t)nextra);
     if (slots != small_extra)
         PyMem_Free(slots);
@@ -2221,9 +2195,9 @@ static PyObject *Maps_predict_tiered(Maps *self, PyObject *const *args, Py_ssize
     PyObject *order = args[10], *host = args[11], *counts = args[12];
     PyObject *host_hits = args[16] == Py_None ? NULL : args[16];
     if (!PyList_Check(hashes) || !PyList_Check(checks) || !PyList_Check(ids) || !PyDict_Check(hits) ||
-        !PyList_Check(order) || !PyList_Check(host) || !PyDict_Check(counts)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "predict_tiered: hashes, checks, ids, order and host must be lists, hits and counts dicts");
+        !PyList_Check(order) || !PyObject_TypeCheck(host, &MapsType) || !PyDict_Check(counts)) {
+        PyErr_SetString(PyExc_TypeError, "predict_tiered: hashes, checks, ids and order must be lists, hits and "
+                                         "counts dicts, host holder maps");
         return NULL;
     }
     if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits))) {
@@ -2250,7 +2224,7 @@ static PyObject *Maps_predict_tiered(Maps *self, PyObject *const *args, Py_ssize
     if (walk_impl(self, (int)first, hashes, factor, limit, per, checks, &sink) < 0)
         goto done;
     int failed = PySet_GET_SIZE(sink.failing) > 0;
-    if (tiered_impl(self, hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+    if (tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
                     failed ? sink.failing : NULL, sink.extra, sink.nextra) < 0)
         goto done;
     result = failed ? Py_BuildValue("(On)", sink.failing, sink.deepest) : Py_BuildValue("(On)", Py_None, 0);

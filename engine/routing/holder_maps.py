@@ -111,7 +111,7 @@ class HolderMaps(Protocol):
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         counts: dict[int, int],
         steps: int,
         unit: int,
@@ -122,7 +122,7 @@ class HolderMaps(Protocol):
         self,
         hashes: list[bytes],
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         steps: int,
         align: int,
         unit: int,
@@ -399,7 +399,7 @@ class PyHolderMaps:
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         counts: dict[int, int],
         steps: int,
         unit: int,
@@ -422,7 +422,7 @@ class PyHolderMaps:
         self,
         hashes: list[bytes],
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         steps: int,
         align: int,
         unit: int,
@@ -435,9 +435,9 @@ class PyHolderMaps:
         extra: list[int],
     ) -> int:
         """The hit over both tiers of every slot that may hit more there: with ``prefix`` (the
-        first group is full attention), the slots holding in their host tier (``host[g]``: hash
-        -> the slots holding it there) one of the first group's blocks within ``steps`` aligned
-        steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
+        first group is full attention), the slots holding in their host tier (``host``: the host
+        tiers' holder maps, of the same kind, group for group) one of the first group's blocks
+        within ``steps`` aligned steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
         hit is below their device depth, which another group's host blocks may lift; any other
         slot's depth over both tiers is its device depth, which its device hit already reaches);
         without, the slots holding any checked group's block there (the checked groups:
@@ -460,17 +460,15 @@ class PyHolderMaps:
         views = [(g, coarse_view(hashes, factor), factor, ranges) for g, factor, ranges in order]
         met: set[int] = set()
         for g, view, factor, _ in views[:1] if prefix else views:
-            holders = host[g]
-            if holders:
-                for value in set(map(holders.get, view[: (steps * align) // (factor * unit)])):
-                    if value is not None:
-                        met.update(value)
+            if host.size(g):
+                for key in view[: (steps * align) // (factor * unit)]:
+                    met.update(host.holders(g, key))
         met.update(extra)
         for slot in sorted(met):
             worker = ids[slot]
 
             def held(g: int, key: bytes, slot: int = slot) -> bool:
-                return _level_of(self._owners[g].get(key), slot) is not None or slot in host[g].get(key, ())
+                return _level_of(self._owners[g].get(key), slot) is not None or host.level(g, key, slot) is not None
 
             g0, view0, factor0, _ = views[0]
             top = steps

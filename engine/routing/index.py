@@ -84,7 +84,7 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
-from engine.routing.holder_maps import Absorbed, HolderMaps, make_holder_maps
+from engine.routing.holder_maps import Absorbed, HolderMaps, PyHolderMaps, make_holder_maps
 from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
@@ -194,7 +194,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._maps: HolderMaps = make_holder_maps(self.num_groups, core)
         # the workers' host tiers (consulted only for workers holding a prompt's block there)
-        self.host = HostMaps(self.num_groups)
+        kind = "python" if isinstance(self._maps, PyHolderMaps) else "compiled"  # the device maps' kind
+        self.host = HostMaps(self.num_groups, make_holder_maps(self.num_groups, kind))
 
     # -- membership ---------------------------------------------------------------------------------
     @property
