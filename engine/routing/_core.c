@@ -396,6 +396,8 @@ static void t_delete(Table *t, uint32_t id) {
     t->used--;
 }
 
+static PyTypeObject MapsType; /* defined below */
+
 /* -- holder values -------------------------------------------------------------------------- */
 
 static inline HSet *set_of(const Maps *m, uint32_t value) { return m->sets[value & ~MULTI]; }
@@ -1299,8 +1301,12 @@ static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, ui
  * collects the failing workers and ``deepest`` the largest k with one. */
 typedef struct {
     PyObject *rows;
-    PyObject *ids, *hits, *shared, *failing;
+    PyObject *ids, *hits, *shared, *failing; /* failing: a list, or a set (``predict_tiered``) */
     Py_ssize_t align, deepest;
+    /* ``predict_tiered``: the failing slots whose host tier holds something (a key of ``counts``) */
+    PyObject *counts;
+    uint32_t *extra;
+    size_t nextra, cap_extra;
 } Sink;
 
 /* Set ``dict[ids[slot]] = value`` for each slot of ``a``. */
@@ -1345,7 +1351,28 @@ static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nv
             PyErr_Format(PyExc_IndexError, "ids: no worker for slot %u", failed[i]);
             return -1;
         }
-        rc = PyList_Append(sink->failing, PyList_GET_ITEM(sink->ids, failed[i]));
+        PyObject *worker = PyList_GET_ITEM(sink->ids, failed[i]);
+        rc = PyList_Check(sink->failing) ? PyList_Append(sink->failing, worker) : PySet_Add(sink->failing, worker);
+        if (rc == 0 && sink->counts != NULL && PyDict_GET_SIZE(sink->counts) > 0) {
+            PyObject *key = PyLong_FromUnsignedLong(failed[i]);
+            int has = key == NULL ? -1 : PyDict_Contains(sink->counts, key);
+            Py_XDECREF(key);
+            if (has < 0)
+                return -1;
+            if (has) {
+                if (sink->nextra == sink->cap_extra) {
+                    size_t want = sink->cap_extra * 2 + 16;
+                    uint32_t *grown = PyMem_Realloc(sink->extra, want * sizeof(uint32_t));
+                    if (grown == NULL) {
+                        PyErr_NoMemory();
+                        return -1;
+                    }
+                    sink->extra = grown;
+                    sink->cap_extra = want;
+                }
+                sink->extra[sink->nextra++] = failed[i];
+            }
+        }
     }
     if (nfail > 0 && k > sink->deepest)
         sink->deepest = k;
@@ -1723,17 +1750,17 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
 
 /* One checked group of ``tiered``: its view of the request's hashes (every ``factor``-th, read in
  * place) up to ``n`` positions, each position's device holder value in the group (read when a
- * slot first needs it: UNREAD until then, NONE_ID nobody) and its host-tier holders (a borrowed
- * tuple of slots from the host map, or NULL; HOST_UNREAD until read: up front where they decide
+ * slot first needs it: UNREAD until then, NONE_ID nobody) and its host holder value (the same
+ * group of the host tiers' holder maps, ``host``; UNREAD until read: up front where they decide
  * which slots are walked, else when a slot needs them). */
 typedef struct {
     int g;
     Py_ssize_t factor, n;
     PyObject *ranges;
     PyObject *const *keys;
-    PyObject *host; /* the group's host map: hash -> slots */
+    const Maps *host; /* the host tiers' holder maps (the same group numbers) */
     uint32_t *dev;
-    PyObject **hosted;
+    uint32_t *hosted;
     /* the entries the last walk met over these hashes (its first ``known`` positions): a
      * position below ``known`` reads its entry from there instead of looking its key up */
     const uint32_t *walked;
@@ -1759,47 +1786,21 @@ static inline uint32_t tier_dev(const Maps *m, TierView *v, Py_ssize_t i, int *e
     return value;
 }
 
-static char host_unread; /* ``hosted[i]`` not read yet: &host_unread */
-#define HOST_UNREAD ((PyObject *)&host_unread)
-
-/* The host holders of position ``i`` (a borrowed tuple, or NULL: none; read once). */
-static inline PyObject *tier_host(TierView *v, Py_ssize_t i, int *err) {
-    PyObject *slots = v->hosted[i];
-    if (slots != HOST_UNREAD)
-        return slots;
-    slots = NULL;
-    if (PyDict_GET_SIZE(v->host) > 0) {
-        slots = PyDict_GetItemWithError(v->host, v->keys[i * v->factor]);
-        if (slots == NULL && PyErr_Occurred()) {
-            *err = 1;
-            return NULL;
-        }
-        if (slots != NULL && !PyTuple_Check(slots)) {
-            PyErr_SetString(PyExc_TypeError, "tiered: a host map's value must be a tuple of slots");
-            *err = 1;
-            return NULL;
-        }
+/* The host holder value of position ``i`` (NONE_ID: none; read once). */
+static inline uint32_t tier_host(TierView *v, Py_ssize_t i, int *err) {
+    uint32_t value = v->hosted[i];
+    if (value != UNREAD)
+        return value;
+    value = NONE_ID;
+    if (v->host->group_used[v->g] > 0) {
+        PyObject *key = v->keys[i * v->factor];
+        uint64_t h = PyBytes_Check(key) ? hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) : 0;
+        value = lookup_hashed(v->host, v->g, key, h, err);
+        if (*err)
+            return NONE_ID;
     }
-    v->hosted[i] = slots;
-    return slots;
-}
-
-/* Whether a tuple of slots (increasing ints) holds ``slot``: -1 on error. */
-static inline int tuple_holds(PyObject *slots, uint32_t slot) {
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(slots);
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        unsigned long at = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, mid));
-        if (at == (unsigned long)-1 && PyErr_Occurred())
-            return -1;
-        if (at == slot)
-            return 1;
-        if (at < slot)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return 0;
+    v->hosted[i] = value;
+    return value;
 }
 
 /* Whether ``slot`` holds position ``i`` of the view in either tier: 1, 0, or -1 on error. */
@@ -1810,10 +1811,10 @@ static inline int tier_held(const Maps *m, TierView *v, Py_ssize_t i, uint32_t s
         return -1;
     if (value != NONE_ID && v_level(m, value, slot) >= 0)
         return 1;
-    PyObject *slots = tier_host(v, i, &err);
+    uint32_t hosted = tier_host(v, i, &err);
     if (err)
         return -1;
-    return slots == NULL ? 0 : tuple_holds(slots, slot);
+    return hosted != NONE_ID && v_level(v->host, hosted, slot) >= 0;
 }
 
 static int cmp_u32_t(const void *a, const void *b) {
@@ -1911,9 +1912,9 @@ static int tier_slot(const Maps *m, TierView *views, Py_ssize_t nviews, uint32_t
     return 0;
 }
 
-/* Append a host map value's slots (a tuple of ints) to ``*met``: 0, or -1 on error. */
-static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
-    Py_ssize_t ns = PyTuple_GET_SIZE(slots);
+/* Append the slots of a host holder value to ``*met``: 0, or -1 on error. */
+static int met_add(const Maps *host, uint32_t **met, size_t *nmet, size_t *cap, uint32_t value) {
+    uint32_t ns = (value & MULTI) ? set_of(host, value)->n : 1;
     if (*nmet + (size_t)ns > *cap) {
         size_t want = (*nmet + (size_t)ns) * 2 + 16;
         uint32_t *grown = PyMem_Realloc(*met, want * sizeof(uint32_t));
@@ -1924,66 +1925,40 @@ static int met_add(uint32_t **met, size_t *nmet, size_t *cap, PyObject *slots) {
         *met = grown;
         *cap = want;
     }
-    for (Py_ssize_t j = 0; j < ns; j++) {
-        unsigned long s = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(slots, j));
-        if (s == (unsigned long)-1 && PyErr_Occurred())
-            return -1;
-        (*met)[(*nmet)++] = (uint32_t)s;
+    if (!(value & MULTI)) {
+        (*met)[(*nmet)++] = value >> 2;
+        return 0;
     }
+    const HSet *set = set_of(host, value);
+    for (uint32_t j = 0; j < set->n; j++)
+        (*met)[(*nmet)++] = set->codes[j] >> 2;
     return 0;
 }
 
-/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
- * see HolderMaps.tiered in holder_maps.py. */
-static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
-    PyObject *extra = args[12];
-    PyObject *shared = args[9] == Py_None ? NULL : args[9];
-    PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
-    PyObject *pending = args[11] == Py_None ? NULL : args[11];
-    Py_ssize_t steps = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t align = PyLong_AsSsize_t(args[4]);
-    Py_ssize_t unit = PyLong_AsSsize_t(args[5]);
-    int prefix = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred() || prefix < 0)
-        return NULL;
-    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(host) || !PyList_Check(ids) ||
-        !PyDict_Check(hits) || !PyList_Check(extra)) {
-        PyErr_SetString(PyExc_TypeError, "tiered: hashes, order, host, ids and extra must be lists, hits a dict");
-        return NULL;
-    }
-    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
-        (pending && !PySet_Check(pending))) {
-        PyErr_SetString(PyExc_TypeError, "tiered: shared and host_hits must be dicts or None, pending a set or None");
-        return NULL;
-    }
-    if (align < 1 || unit < 1 || align % unit) {
-        PyErr_Format(PyExc_ValueError, "tiered: align %zd must be a positive multiple of unit %zd", align, unit);
-        return NULL;
-    }
+/* The prediction over both tiers (see HolderMaps.tiered in holder_maps.py), its arguments
+ * checked: the slots met, or -1 on error. ``extra``: ``nextra`` slots walked besides the met. */
+static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, const Maps *host, Py_ssize_t steps,
+                              Py_ssize_t align, Py_ssize_t unit, int prefix, PyObject *ids, PyObject *hits,
+                              PyObject *shared, PyObject *host_hits, PyObject *pending, const uint32_t *extra,
+                              size_t nextra) {
     Py_ssize_t nviews = PyList_GET_SIZE(order);
     if (steps <= 0 || nviews == 0)
-        return PyLong_FromLong(0);
+        return 0;
     Py_ssize_t nhashes = PyList_GET_SIZE(hashes);
     PyObject *const *items = nhashes ? &PyList_GET_ITEM(hashes, 0) : NULL;
     /* A decision's views and their positions on the stack (a few groups, a prompt of up to
      * TIER_SMALL positions over them), else on the heap. */
     TierView small_views[SMALL_CHECKS];
     uint32_t small_dev[TIER_SMALL];
-    PyObject *small_hosted[TIER_SMALL];
+    uint32_t small_hosted[TIER_SMALL];
     TierView *views = nviews <= SMALL_CHECKS ? small_views : PyMem_Calloc((size_t)nviews, sizeof(TierView));
-    uint32_t *dev = NULL, *met = NULL;
-    PyObject **hosted = NULL;
+    uint32_t *dev = NULL, *met = NULL, *hosted = NULL;
     unsigned char *covered = NULL;
     size_t nmet = 0, cap_met = 0;
-    PyObject *result = NULL;
+    Py_ssize_t result = -1;
     if (views == NULL) {
         PyErr_NoMemory();
-        return NULL;
+        return -1;
     }
     Py_ssize_t positions = 0;
     for (Py_ssize_t c = 0; c < nviews; c++) {
@@ -1994,11 +1969,9 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         v->g = spec.g;
         v->factor = spec.factor;
         v->ranges = spec.ranges;
-        if (v->g >= PyList_GET_SIZE(host) || !PyDict_Check(PyList_GET_ITEM(host, v->g))) {
-            PyErr_Format(PyExc_TypeError, "tiered: host[%d] must be a dict", v->g);
+        if (check_group(host, v->g) < 0)
             goto done;
-        }
-        v->host = PyList_GET_ITEM(host, v->g);
+        v->host = host;
         Py_ssize_t n = steps * align / (spec.factor * unit);
         v->n = n < nhashes / spec.factor ? n : nhashes / spec.factor;
         v->keys = items + (spec.factor - 1);
@@ -2014,7 +1987,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         hosted = small_hosted;
     } else {
         dev = PyMem_Malloc((size_t)positions * sizeof(uint32_t));
-        hosted = PyMem_Malloc((size_t)positions * sizeof(PyObject *));
+        hosted = PyMem_Malloc((size_t)positions * sizeof(uint32_t));
         if (dev == NULL || hosted == NULL) {
             PyErr_NoMemory();
             goto done;
@@ -2022,7 +1995,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
     }
     for (Py_ssize_t i = 0; i < positions; i++) {
         dev[i] = UNREAD;
-        hosted[i] = HOST_UNREAD;
+        hosted[i] = UNREAD;
     }
     positions = 0;
     for (Py_ssize_t c = 0; c < nviews; c++) {
@@ -2034,14 +2007,13 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
      * device values when a slot needs them. */
     for (Py_ssize_t c = 0; c < nviews; c++) {
         TierView *v = &views[c];
-        if (PyDict_GET_SIZE(v->host) == 0 || (prefix && c > 0))
+        if (host->group_used[v->g] == 0 || (prefix && c > 0))
             continue; /* read as the walked slots need them */
         /* The slots met: with ``prefix``, a slot's depth over both tiers passes its device depth
          * only if its host holds the block where its device run ends, a position where the
          * device value changes (or 0): only those are read, up to the first nobody holds on the
          * device; without, every position (any group's host block may serve a window). */
-        PyObject *last = NULL;
-        uint32_t before = UNREAD;
+        uint32_t last = NONE_ID, before = UNREAD;
         Py_ssize_t from = 0;
         int err = 0;
         if (prefix && v->known > 0 && self->walked_group == v->g) {
@@ -2051,12 +2023,12 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
                 if (i >= v->known)
                     break;
                 before = tier_dev(self, v, i, &err);
-                PyObject *slots = err ? NULL : tier_host(v, i, &err);
+                uint32_t slots = err ? NONE_ID : tier_host(v, i, &err);
                 if (err)
                     goto done;
-                if (slots != NULL && slots != last) {
+                if (slots != NONE_ID && slots != last) {
                     last = slots;
-                    if (met_add(&met, &nmet, &cap_met, slots) < 0)
+                    if (met_add(host, &met, &nmet, &cap_met, slots) < 0)
                         goto done;
                 }
             }
@@ -2075,35 +2047,30 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
                 if (same)
                     continue;
             }
-            PyObject *slots = tier_host(v, i, &err);
+            uint32_t slots = tier_host(v, i, &err);
             if (err)
                 goto done;
             if (prefix && before == NONE_ID)
                 i = v->n; /* no slot's device run passes here: the met slots are known */
-            if (slots == NULL || slots == last)
+            if (slots == NONE_ID || slots == last)
                 continue;
             last = slots;
-            if (met_add(&met, &nmet, &cap_met, slots) < 0)
+            if (met_add(host, &met, &nmet, &cap_met, slots) < 0)
                 goto done;
         }
     }
-    Py_ssize_t nextra = PyList_GET_SIZE(extra);
     if (nextra > 0) {
-        if (nmet + (size_t)nextra > cap_met) {
-            uint32_t *grown = PyMem_Realloc(met, (nmet + (size_t)nextra) * sizeof(uint32_t));
+        if (nmet + nextra > cap_met) {
+            uint32_t *grown = PyMem_Realloc(met, (nmet + nextra) * sizeof(uint32_t));
             if (grown == NULL) {
                 PyErr_NoMemory();
                 goto done;
             }
             met = grown;
-            cap_met = nmet + (size_t)nextra;
+            cap_met = nmet + nextra;
         }
-        for (Py_ssize_t j = 0; j < nextra; j++) {
-            unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
-            if (s == (unsigned long)-1 && PyErr_Occurred())
-                goto done;
-            met[nmet++] = (uint32_t)s;
-        }
+        memcpy(met + nmet, extra, nextra * sizeof(uint32_t));
+        nmet += nextra;
     }
     size_t unique = 0;
     if (nmet) {
@@ -2137,7 +2104,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         if (shared && prefix && put_tokens(shared, worker, top * align, 0) < 0)
             goto done;
     }
-    result = PyLong_FromSize_t(unique);
+    result = (Py_ssize_t)unique;
 done:
     if (dev != small_dev)
         PyMem_Free(dev);
@@ -2147,6 +2114,123 @@ done:
         PyMem_Free(views);
     PyMem_Free(met);
     PyMem_Free(covered);
+    return result;
+}
+
+/* tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra):
+ * see HolderMaps.tiered in holder_maps.py. */
+static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "tiered: expected 13 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *hashes = args[0], *order = args[1], *host = args[2], *ids = args[7], *hits = args[8];
+    PyObject *extra = args[12];
+    PyObject *shared = args[9] == Py_None ? NULL : args[9];
+    PyObject *host_hits = args[10] == Py_None ? NULL : args[10];
+    PyObject *pending = args[11] == Py_None ? NULL : args[11];
+    Py_ssize_t steps = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[5]);
+    int prefix = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || prefix < 0)
+        return NULL;
+    if (!PyList_Check(hashes) || !PyList_Check(order) || !PyList_Check(ids) || !PyDict_Check(hits) ||
+        !PyList_Check(extra) || !PyObject_TypeCheck(host, &MapsType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tiered: hashes, order, ids and extra must be lists, hits a dict, host holder maps");
+        return NULL;
+    }
+    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits)) ||
+        (pending && !PySet_Check(pending))) {
+        PyErr_SetString(PyExc_TypeError, "tiered: shared and host_hits must be dicts or None, pending a set or None");
+        return NULL;
+    }
+    if (align < 1 || unit < 1 || align % unit) {
+        PyErr_Format(PyExc_ValueError, "tiered: align %zd must be a positive multiple of unit %zd", align, unit);
+        return NULL;
+    }
+    Py_ssize_t nextra = PyList_GET_SIZE(extra);
+    uint32_t small_extra[64];
+    uint32_t *slots = nextra <= 64 ? small_extra : PyMem_Malloc((size_t)nextra * sizeof(uint32_t));
+    if (slots == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < nextra; j++) {
+        unsigned long s = PyLong_AsUnsignedLong(PyList_GET_ITEM(extra, j));
+        if (s == (unsigned long)-1 && PyErr_Occurred()) {
+            if (slots != small_extra)
+                PyMem_Free(slots);
+            return NULL;
+        }
+        slots[j] = (uint32_t)s;
+    }
+    Py_ssize_t met = tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+                                 pending, slots, (size_t)nextra);
+    if (slots != small_extra)
+        PyMem_Free(slots);
+    return met < 0 ? NULL : PyLong_FromSsize_t(met);
+}
+
+/* predict_tiered(first, hashes, factor, limit, per, checks, align, ids, hits, shared, order, host, counts,
+ * steps, unit, prefix, host_hits): see HolderMaps.predict_tiered in holder_maps.py. ``predict`` then ``tiered``
+ * over the same hashes in one call: the failing workers go into a set, and those of them whose slot
+ * ``counts`` (the host tiers' entry counts per slot) names are walked over both tiers as ``extra``. */
+static PyObject *Maps_predict_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "predict_tiered: expected 17 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long first = PyLong_AsLong(args[0]);
+    Py_ssize_t factor = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t per = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t align = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t steps = PyLong_AsSsize_t(args[13]);
+    Py_ssize_t unit = PyLong_AsSsize_t(args[14]);
+    int prefix = PyObject_IsTrue(args[15]);
+    if (PyErr_Occurred() || prefix < 0)
+        return NULL;
+    PyObject *hashes = args[1], *checks = args[5], *ids = args[7], *hits = args[8];
+    PyObject *shared = args[9] == Py_None ? NULL : args[9];
+    PyObject *order = args[10], *host = args[11], *counts = args[12];
+    PyObject *host_hits = args[16] == Py_None ? NULL : args[16];
+    if (!PyList_Check(hashes) || !PyList_Check(checks) || !PyList_Check(ids) || !PyDict_Check(hits) ||
+        !PyList_Check(order) || !PyObject_TypeCheck(host, &MapsType) || !PyDict_Check(counts)) {
+        PyErr_SetString(PyExc_TypeError, "predict_tiered: hashes, checks, ids and order must be lists, hits and "
+                                         "counts dicts, host holder maps");
+        return NULL;
+    }
+    if ((shared && !PyDict_Check(shared)) || (host_hits && !PyDict_Check(host_hits))) {
+        PyErr_SetString(PyExc_TypeError, "predict_tiered: shared and host_hits must be dicts or None");
+        return NULL;
+    }
+    if (align < 1 || unit < 1 || align % unit) {
+        PyErr_Format(PyExc_ValueError, "predict_tiered: align %zd must be a positive multiple of unit %zd", align,
+                     unit);
+        return NULL;
+    }
+    if (check_group(self, first) < 0)
+        return NULL;
+    Sink sink = {0};
+    sink.ids = ids;
+    sink.hits = hits;
+    sink.shared = shared;
+    sink.align = align;
+    sink.failing = PySet_New(NULL);
+    if (sink.failing == NULL)
+        return NULL;
+    sink.counts = prefix ? counts : NULL;
+    PyObject *result = NULL;
+    if (walk_impl(self, (int)first, hashes, factor, limit, per, checks, &sink) < 0)
+        goto done;
+    int failed = PySet_GET_SIZE(sink.failing) > 0;
+    if (tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
+                    failed ? sink.failing : NULL, sink.extra, sink.nextra) < 0)
+        goto done;
+    result = failed ? Py_BuildValue("(On)", sink.failing, sink.deepest) : Py_BuildValue("(On)", Py_None, 0);
+done:
+    Py_DECREF(sink.failing);
+    PyMem_Free(sink.extra);
     return result;
 }
 
@@ -2222,6 +2306,9 @@ static PyMethodDef Maps_methods[] = {
      "predict(first, hashes, factor, limit, per, checks, align, ids, hits, shared)"},
     {"tiered", (PyCFunction)(void (*)(void))Maps_tiered, METH_FASTCALL,
      "tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)"},
+    {"predict_tiered", (PyCFunction)(void (*)(void))Maps_predict_tiered, METH_FASTCALL,
+     "predict_tiered(first, hashes, factor, limit, per, checks, align, ids, hits, shared, order, host, counts, "
+     "steps, unit, prefix, host_hits)"},
     {"stats", (PyCFunction)Maps_stats, METH_NOARGS, "Bytes per part and counts."},
     {"__sizeof__", (PyCFunction)Maps_sizeof, METH_NOARGS, "Bytes held, tables and lists included."},
     {NULL, NULL, 0, NULL},

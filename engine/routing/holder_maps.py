@@ -20,7 +20,8 @@ decision), and ``absorb`` applies a run of a worker's stored, removed and pinned
 absorption; the index's per-event loop takes any other event, a gap, or a worker with watched
 pin keys). ``tiered`` is ``predict``'s counterpart over both tiers: the workers holding some of
 the prompt's blocks in their host tier (``engine.routing.host_maps``), each walked once over
-the prompt's blocks in either tier, results written into the same dicts. The compiled maps also
+the prompt's blocks in either tier, results written into the same dicts; ``predict_tiered`` runs
+both in one call (a decision over a fleet with host tiers). The compiled maps also
 prefetch the index word and the entry a few keys ahead in every loop over a list of keys: a
 lookup in a large table is about two cache misses.
 """
@@ -97,11 +98,31 @@ class HolderMaps(Protocol):
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
     ) -> tuple[list[Hashable], int]: ...
+    def predict_tiered(
+        self,
+        first: int,
+        hashes: list[bytes],
+        factor: int,
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        order: list[Check],
+        host: HolderMaps,
+        counts: dict[int, int],
+        steps: int,
+        unit: int,
+        prefix: bool,
+        host_hits: dict[Hashable, int] | None,
+    ) -> tuple[set[Hashable] | None, int]: ...
     def tiered(
         self,
         hashes: list[bytes],
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         steps: int,
         align: int,
         unit: int,
@@ -332,7 +353,24 @@ class PyHolderMaps:
         depth of k steps, ``k * align`` tokens in ``hits`` for each serving slot and in
         ``shared`` (if given) for each serving then each failing slot. Returns the failing
         workers, in walk order, and the deepest k with one (0: none)."""
-        failing: list[Hashable] = []
+        failing, deepest = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
+        return [ids[s] for s in failing], deepest
+
+    def _predicted(
+        self,
+        first: int,
+        hashes: list[bytes],
+        factor: int,
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+    ) -> tuple[list[int], int]:
+        """``predict`` returning the failing slots (not their workers)."""
+        failing: list[int] = []
         deepest = 0
         for k, valid, failed in self.walk(first, hashes, factor, limit, per, checks):
             tokens = k * align
@@ -344,16 +382,47 @@ class PyHolderMaps:
                 for s in failed:
                     shared[ids[s]] = tokens
             if failed:
-                failing.extend(ids[s] for s in failed)
+                failing.extend(failed)
                 deepest = max(deepest, k)
         return failing, deepest
+
+    def predict_tiered(
+        self,
+        first: int,
+        hashes: list[bytes],
+        factor: int,
+        limit: int,
+        per: int,
+        checks: list[Check],
+        align: int,
+        ids: list[Hashable],
+        hits: dict[Hashable, int],
+        shared: dict[Hashable, int] | None,
+        order: list[Check],
+        host: HolderMaps,
+        counts: dict[int, int],
+        steps: int,
+        unit: int,
+        prefix: bool,
+        host_hits: dict[Hashable, int] | None,
+    ) -> tuple[set[Hashable] | None, int]:
+        """``predict`` then ``tiered`` over the same ``hashes`` (the index's decision with host
+        tiers, one call): the failing workers (None: none) as ``tiered``'s ``pending``, which
+        loses those it walks, and, with ``prefix``, the failing slots ``counts`` names (the host
+        tiers' entry counts per slot) as its ``extra``. Returns what is left of that set (None
+        where nothing failed) and the deepest failing k (0: none)."""
+        failing, deepest = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
+        pending = {ids[s] for s in failing} if failing else None
+        extra = [s for s in failing if s in counts] if prefix else []
+        self.tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)
+        return pending, deepest
 
     # -- the prediction over both tiers -------------------------------------------------------------
     def tiered(
         self,
         hashes: list[bytes],
         order: list[Check],
-        host: list[dict[bytes, tuple[int, ...]]],
+        host: HolderMaps,
         steps: int,
         align: int,
         unit: int,
@@ -366,9 +435,9 @@ class PyHolderMaps:
         extra: list[int],
     ) -> int:
         """The hit over both tiers of every slot that may hit more there: with ``prefix`` (the
-        first group is full attention), the slots holding in their host tier (``host[g]``: hash
-        -> the slots holding it there) one of the first group's blocks within ``steps`` aligned
-        steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
+        first group is full attention), the slots holding in their host tier (``host``: the host
+        tiers' holder maps, of the same kind, group for group) one of the first group's blocks
+        within ``steps`` aligned steps of ``align`` tokens, and the slots of ``extra`` (the caller's: those whose device
         hit is below their device depth, which another group's host blocks may lift; any other
         slot's depth over both tiers is its device depth, which its device hit already reaches);
         without, the slots holding any checked group's block there (the checked groups:
@@ -391,17 +460,15 @@ class PyHolderMaps:
         views = [(g, coarse_view(hashes, factor), factor, ranges) for g, factor, ranges in order]
         met: set[int] = set()
         for g, view, factor, _ in views[:1] if prefix else views:
-            holders = host[g]
-            if holders:
-                for value in set(map(holders.get, view[: (steps * align) // (factor * unit)])):
-                    if value is not None:
-                        met.update(value)
+            if host.size(g):
+                for key in view[: (steps * align) // (factor * unit)]:
+                    met.update(host.holders(g, key))
         met.update(extra)
         for slot in sorted(met):
             worker = ids[slot]
 
             def held(g: int, key: bytes, slot: int = slot) -> bool:
-                return _level_of(self._owners[g].get(key), slot) is not None or slot in host[g].get(key, ())
+                return _level_of(self._owners[g].get(key), slot) is not None or host.level(g, key, slot) is not None
 
             g0, view0, factor0, _ = views[0]
             top = steps

@@ -37,10 +37,12 @@ over both tiers only the workers that hold one of the prompt's blocks in their h
 others' device prediction is already exact), in one call into the holder maps
 (``HolderMaps.tiered``: per such worker one walk over the prompt's blocks in both tiers, the
 longest aligned length every group serves from either, which is where the coordinator's fixed
-point with a host tier stops). That prediction also says how many of the hit's tokens the host
-tier serves (``host``). Its reference is the fixed point itself run on the worker
-(``tiered_hit``: ``HitRules.tiered_hit``, the shadow coordinator over both tiers), which the
-tests compare it with. A fleet without host tiers pays one integer test per prediction.
+point with a host tier stops; with a full-attention group, steps 1-2 and that walk are one call,
+``HolderMaps.predict_tiered``, which also picks the pending workers the host may lift). That
+prediction also says how many of the hit's tokens the host tier serves (``host``). Its reference
+is the fixed point itself run on the worker (``tiered_hit``: ``HitRules.tiered_hit``, the shadow
+coordinator over both tiers), which the tests compare it with. A fleet without host tiers pays
+one integer test per prediction.
 
 Event stream discipline: a worker's events carry consecutive sequence numbers. While a worker is
 not stale and has no watched pin keys, a run of its stored / removed / pinned events continuing
@@ -82,7 +84,7 @@ from engine.routing.hit_rules import (
     WorkerSnapshot,
     snapshot_coordinator,
 )
-from engine.routing.holder_maps import Absorbed, HolderMaps, make_holder_maps
+from engine.routing.holder_maps import Absorbed, HolderMaps, PyHolderMaps, make_holder_maps
 from engine.routing.host_maps import HostMaps
 
 WorkerId = Hashable
@@ -192,7 +194,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._maps: HolderMaps = make_holder_maps(self.num_groups, core)
         # the workers' host tiers (consulted only for workers holding a prompt's block there)
-        self.host = HostMaps(self.num_groups)
+        kind = "python" if isinstance(self._maps, PyHolderMaps) else "compiled"  # the device maps' kind
+        self.host = HostMaps(self.num_groups, make_holder_maps(self.num_groups, kind))
 
     # -- membership ---------------------------------------------------------------------------------
     @property
@@ -330,6 +333,30 @@ class PrefixIndex:
                 per = plan.per
                 limit = min(steps * per, len(view) // plan.factor)
                 limit -= limit % per
+                host_maps = self.host
+                if host_maps.total:  # and over both tiers, in the same call (``_predict_tiered``)
+                    failed, deepest = self._maps.predict_tiered(
+                        plan.first,
+                        view,
+                        plan.factor,
+                        limit,
+                        per,
+                        plan.checks,
+                        align,
+                        self._ids,
+                        hits,
+                        shared,
+                        plan.order,
+                        host_maps.maps,
+                        host_maps.counts,
+                        steps,
+                        rules.hash_block_size,
+                        plan.prefix,
+                        host,
+                    )
+                    if failed is not None:
+                        pending = Pending(failed, (deepest - 1) * align, hashes, skip_mamba)
+                    return hits, pending
                 failing, deepest = self._maps.predict(
                     plan.first, view, plan.factor, limit, per, plan.checks, align, self._ids, hits, shared
                 )
