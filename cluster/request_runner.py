@@ -22,8 +22,9 @@ from cluster.driver_loop import NOT_STARTED
 from cluster.handles import WorkerHandle
 from cluster.in_flight import ClusterRequest, InFlight, NoSharedDecision, SharedPlacements
 from cluster.results import ClusterCompletion, Delta
+from cluster.route_batch import RouteBatcher
 from cluster.served_model import ServedModel
-from cluster.supervisor import Supervisor, await_ref, describe_failure
+from cluster.supervisor import Supervisor, describe_failure
 from configs import ClusterConfig
 from engine.logprobs import TokenLogprob
 from engine.request import RequestStatus, stop_status
@@ -121,6 +122,7 @@ class RequestRunner:
         self._supervisor = supervisor
         self._in_flight = in_flight
         self._placements = SharedPlacements()
+        self._routes = RouteBatcher()  # concurrent routing calls to one replica go as one
         #: finished requests not yet reported to the router: (TTFT s, output tokens, ok)
         self._finished: list[tuple[float, int, bool]] = []
         self._report_due: float | None = None  # when the report of those is timed to go
@@ -588,7 +590,7 @@ class RequestRunner:
         for router in supervisor.route_order(hashes):
             try:
                 return await asyncio.wait_for(
-                    await_ref(router.route.remote(request_id, hashes, num_tokens)),
+                    self._routes.route(router, request_id, hashes, num_tokens),
                     self.config.workers.health_check_timeout_s,
                 )
             except (RayActorError, RayTaskError, TimeoutError) as exc:
