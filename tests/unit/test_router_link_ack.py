@@ -1,7 +1,8 @@
 """``RouterLink.ack``: what a finished request waits for before it counts as finished. With KV
-events not sent yet, a new report carrying them (its refs); with none, the last report's refs
-while some replica has not answered it, and nothing once every replica answered. No Ray: the
-engine and the router replicas are fakes, and the test answers each report."""
+events not sent yet, a new report carrying them (its refs); with none, the refs of the last
+report that carried events while some replica has not answered it, and nothing once every
+replica answered it or a later report. No Ray: the engine and the router replicas are fakes,
+and the test answers each report."""
 
 from __future__ import annotations
 
@@ -98,3 +99,16 @@ def test_not_connected_means_nothing_to_wait_for() -> None:
     rl = RouterLink(engine, "decode-0", None, lambda *a: None, lambda *a: None, 1)  # type: ignore[arg-type]
     engine.events = ["stored"]
     assert rl.ack() == ()
+
+
+def test_a_load_only_report_after_the_events_is_not_waited_for() -> None:
+    rl, engine, (router,) = link(1)
+    engine.events = ["stored"]
+    rl.report()
+    with_events = router.reports[-1][1]
+    rl.report(force=True)  # load only
+    load_only = router.reports[-1][1]
+    assert rl.ack() == (with_events,)
+    with_events.answer()
+    assert rl.ack() == ()  # the load-only report still in flight carries no events
+    assert not load_only.future().done()
