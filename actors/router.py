@@ -233,6 +233,11 @@ class Router:
             self.metrics.record_request_routed(num_tokens, predicted, disaggregated=split, given_up_tokens=given_up)
         return decision
 
+    def route_many(self, requests: list[tuple[str, list[bytes], int]]) -> list[Decision]:
+        """``route`` for each of several requests (id, block hashes, tokens), in order: a driver's
+        requests that came while its previous call was in flight (``cluster.route_batch``)."""
+        return [self.route(request_id, hashes, num_tokens) for request_id, hashes, num_tokens in requests]
+
     def finished(self, requests: list[tuple[float, int, bool]]) -> None:
         """A driver reports the ends of its requests, batched (for the router's metrics): per
         request its TTFT in seconds, its output tokens and whether it succeeded."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from actors.metrics import WorkerMetrics
     from engine.core import EngineCore
     from engine.disagg import KVHandle
+    from engine.kv_cache.events import KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,10 @@ class RouterLink:
     Invariants: nothing is sent to a replica before its ``connect``; a report carries every
     event the engine produced since the previous one (events are taken only here) and goes to
     every connected replica, so each sees them in order (a replica connected late sees a gap and
-    asks for a snapshot); a pin in ``_pins_placing`` ends in ``finish_pin`` exactly once, which answers all its
-    waiters and tells the router.
+    asks for a snapshot); reports are numbered from 1 as sent, ``_applied`` is the number of the
+    last one every replica it went to has answered (applied or failed) and ``_events_report`` the
+    number and refs of the last one that carried events; a pin in ``_pins_placing`` ends in
+    ``finish_pin`` exactly once, which answers all its waiters and tells the router.
     """
 
     def __init__(
@@ -98,6 +102,10 @@ class RouterLink:
         self._track = track
         self._routers: list[ActorHandle | None] = [None] * replicas  # by replica
         self.last_report: tuple[ray.ObjectRef[None], ...] = ()  # the refs of the last report sent
+        self._sent = 0  # reports sent, numbered from 1
+        self._applied = 0  # the last report answered by every replica it went to (see ``ack``)
+        self._events_report: tuple[int, tuple[ray.ObjectRef[None], ...]] = (0, ())
+        self._applied_lock = threading.Lock()  # the answers arrive on Ray's threads
         self._last_load: WorkerLoad | None = None
         self._last_report_at = 0.0
         self._pins_placing: dict[int, _PinJob] = {}
@@ -124,10 +132,49 @@ class RouterLink:
         now = time.monotonic()
         changed = load != self._last_load
         if events or force or (changed and now - self._last_report_at >= LOAD_REPORT_INTERVAL_S):
-            self.last_report = tuple(router.report.remote(self.worker_id, events, load) for router in routers)
-            self._last_load, self._last_report_at = load, now
-            if self.metrics is not None:
-                self._update_gauges(self.metrics)
+            self._send(routers, events, load, now)
+
+    def ack(self) -> tuple[ray.ObjectRef[None], ...]:
+        """What a request that finished in the last step waits for before it counts as finished
+        (the ``router_ack`` of its last output): the refs of a report carrying every KV event so
+        far. A new report when the engine has events not sent yet; else the refs of the last
+        report that carried events while some replica has not answered it (reports apply in
+        order, so that one covers every event sent before); else nothing (every replica holds
+        every event already). A request whose blocks were all cached before it ran (a full
+        prefix hit) so costs no router call, and no wait for one."""
+        routers = self._connected()
+        if not routers:
+            return ()
+        events = self.engine.take_events()
+        if events:
+            self._send(routers, events, WorkerLoad(*self.engine.worker_view.load()), time.monotonic())
+            return self.last_report
+        number, refs = self._events_report
+        with self._applied_lock:
+            return () if self._applied >= number else refs
+
+    def _send(self, routers: list[ActorHandle], events: list[KVEvent], load: WorkerLoad, now: float) -> None:
+        """One report to every connected replica; ``_applied`` follows once all of them answered."""
+        refs: tuple[ray.ObjectRef[None], ...] = tuple(
+            router.report.remote(self.worker_id, events, load) for router in routers
+        )
+        self.last_report = refs
+        self._sent += 1
+        number, waiting = self._sent, [len(refs)]
+        if events:
+            self._events_report = (number, refs)
+
+        def answered(_: concurrent.futures.Future[None]) -> None:
+            with self._applied_lock:
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    self._applied = max(self._applied, number)
+
+        for ref in refs:
+            ref.future().add_done_callback(answered)
+        self._last_load, self._last_report_at = load, now
+        if self.metrics is not None:
+            self._update_gauges(self.metrics)
 
     def report_scheduled(self) -> None:
         """Right after a step's scheduling: send its cache events (blocks it stored and evicted)

@@ -5,11 +5,17 @@ while the engine computes. Every engine access happens on the engine thread: act
 enqueue a command and await its result. Tokens stream back per request through a Ray streaming
 generator (``generate``); a prefill-only request resolves to its ``KVHandle`` (``prefill``).
 
+A request whose whole output is one chunk (one token: ``max_tokens`` 1) may be run with
+``complete`` instead: the same request answered by one plain call, which costs a driver less
+than a stream (one reply instead of an item report and the stream's end).
+
 After each step the thread reports the engine's KV events and load to the router actor; it
 never waits for the router. A finished request's last output (the final chunk, or a prefill's
 result) carries the ref of the report that holds its blocks (``router_ack``): the driver awaits
 it before it calls the request finished, so a request routed after another finished sees that
-request's cached blocks, and the engine loop never blocks on the router.
+request's cached blocks, and the engine loop never blocks on the router. When every event was
+sent already (a request whose blocks were all cached) no report is sent for it: it carries the
+last report's ref, or nothing once every router replica answered that one (``RouterLink.ack``).
 
 P/D on the decode side: ``generate(..., expect_handle=True, peer=...)`` is called as soon as the
 request is routed, while the prefill worker computes it: the engine reserves the prompt's blocks
@@ -43,7 +49,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -221,6 +227,72 @@ class EngineWorker:
         goes on after them (``EngineCore.add_request``), run whole here. ``expected``: the prompt's
         block hashes and the hit the router predicted here (``expect``, done on arrival). The
         driver checked the request at its entry point (token ids, length, sampling, ``cache_salt``)."""
+        chunks = self._chunks(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            kv_handle,
+            expect_handle,
+            peer,
+            cache_salt,
+            output_token_ids,
+            expected,
+        )
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    async def complete(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_handle: KVHandle | None = None,
+        expect_handle: bool = False,
+        peer: AgentInfo | None = None,
+        cache_salt: str | None = None,
+        output_token_ids: tuple[int, ...] = (),
+        expected: tuple[list[bytes], int] | None = None,
+    ) -> TokenChunk:
+        """``generate`` answered in one reply: every chunk of the request as one, finished (for a
+        request whose output is one chunk anyway, such as a one-token one, a plain call costs
+        less than a stream). Cancelling the call aborts the request, as leaving the stream does."""
+        chunks = self._chunks(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            kv_handle,
+            expect_handle,
+            peer,
+            cache_salt,
+            output_token_ids,
+            expected,
+        )
+        whole: TokenChunk | None = None
+        try:
+            async for chunk in chunks:
+                whole = chunk if whole is None else whole.followed_by(chunk)
+        finally:
+            await chunks.aclose()
+        assert whole is not None and whole.finished, "a request's chunks end with a finished one"
+        return whole
+
+    async def _chunks(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_handle: KVHandle | None,
+        expect_handle: bool,
+        peer: AgentInfo | None,
+        cache_salt: str | None,
+        output_token_ids: tuple[int, ...],
+        expected: tuple[list[bytes], int] | None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """The chunks of a request run here (``generate``'s arguments), the last one finished;
+        leaving early aborts the request."""
         assert not (output_token_ids and (expect_handle or kv_handle is not None)), "a migrated request runs whole"
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
@@ -520,8 +592,7 @@ class EngineWorker:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         ack: tuple[ray.ObjectRef[None], ...] = ()
         if any(out.finished for out in outputs):
-            self.router_link.report(force=True)  # sent, not awaited: the driver awaits ``ack`` instead
-            ack = self.router_link.last_report
+            ack = self.router_link.ack()  # a report sent (never awaited here) if it has events to carry
         now = time.monotonic()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)

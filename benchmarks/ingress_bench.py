@@ -39,6 +39,35 @@ on an idle machine. Open: at 16 and 64 HTTP falls behind the driver (p99 3 to 5 
 driver's 0.5 s). Ray's worker processes run at nice 15 while this process runs at nice 0, but
 that is not the whole of it: with ``RAY_worker_niceness=0`` (one run, load average 4 to 5) HTTP
 gave 36.5 ms p50 at 1 and 38.3 requests/s at 16, the driver 25.6 ms and 88.5 requests/s.
+
+Where the driver path's time went (py-spy over the driver, the router and both workers, one-token
+requests on the driver API, 2026-11-29, load average 2 to 6): at concurrency 1 the decode worker's
+engine thread spent a quarter of its time in Ray calls to the router (the forced report of each
+finished step, the load report before the forward), on the request's critical path; the worker's
+stream added an item report to the call's reply; at 16 the decode worker's process (engine
+thread, event loop, Ray's serializing threads) took most of the two cores while the prefill
+worker idled: a prompt under ``router.decode_only_threshold_tokens`` (64) uncached tokens runs
+whole on a decode worker, and the policy runs whole requests only on decode workers. Cut: a
+finished request whose blocks were all reported already sends no report and waits for none
+(``RouterLink.ack``), a one-token request is one plain call (``EngineWorker.complete``) instead of
+a stream, and the routing calls a driver makes while one is in flight go as one
+(``cluster.route_batch``). Driver API, one run each, before at load average 6, after at 7 to 8
+(``/tmp`` profile harness, 300 to 1200 requests): p50 at 1 29.5 -> 21.1 ms (route 4.8 -> 4.4,
+queue 4.3 -> 3.3, prefill 14.3 -> 9.7, first token 3.7 -> 2.9), 81.6 -> 145.9 requests/s at 16;
+another run before gave 20.5 ms at 1, so the gain at 1 is within this machine's noise.
+The engine's idle wait adds nothing (the engine thread blocks on its command queue, which a new
+request wakes at once; only a KV transfer in flight is polled, every ``TRANSFER_WAIT_S``).
+Left: a Ray call costs 2 to 5 ms here (the route and the worker call: about 8 ms of a request at
+1) and an engine step of the tiny model 9 to 15 ms, so 8 ms p50 at 1 is out of reach on this
+machine; a one-token request could run whole on an idle prefill worker (a policy change in
+``engine/routing``). This benchmark (``--requests`` 200 for the first run before, then 150), the old and the new code
+interleaved while other test runs loaded the machine (Ray's node timed out starting in several
+other runs). Before, load average 19 to 28: HTTP p50 51.9 / 61.9 ms at 1, 19.7 / 21.3
+requests/s at 16 (driver 40.1 / 79.4 ms, 58.2 / 37.9 requests/s). After: at load 20 to 28 HTTP
+44.6 ms, 20.8 requests/s (driver 47.2 ms, 31.4/s); at load 11 to 12 HTTP 33.6 ms, 36.3
+requests/s (driver 24.5 ms, 142.0/s; ``breakdown_c1`` route 5.0, queue 4.0, prefill 12.4, first
+token 3.5 ms). No errors in any run. The HTTP path at 16 and 64 still falls far behind the
+driver (the ingress replica is one more process at nice 15 on two cores).
 """
 
 from __future__ import annotations

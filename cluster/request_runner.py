@@ -22,8 +22,9 @@ from cluster.driver_loop import NOT_STARTED
 from cluster.handles import WorkerHandle
 from cluster.in_flight import ClusterRequest, InFlight, NoSharedDecision, SharedPlacements
 from cluster.results import ClusterCompletion, Delta
+from cluster.route_batch import RouteBatcher
 from cluster.served_model import ServedModel
-from cluster.supervisor import Supervisor, await_ref, describe_failure
+from cluster.supervisor import Supervisor, describe_failure
 from configs import ClusterConfig
 from engine.logprobs import TokenLogprob
 from engine.request import RequestStatus, stop_status
@@ -121,6 +122,7 @@ class RequestRunner:
         self._supervisor = supervisor
         self._in_flight = in_flight
         self._placements = SharedPlacements()
+        self._routes = RouteBatcher()  # concurrent routing calls to one replica go as one
         #: finished requests not yet reported to the router: (TTFT s, output tokens, ok)
         self._finished: list[tuple[float, int, bool]] = []
         self._report_due: float | None = None  # when the report of those is timed to go
@@ -450,7 +452,10 @@ class RequestRunner:
         reason = "abort"
         error: str | None = None
         acks: list[ObjectRef[None] | None] = []
-        stream: ObjectRefGenerator | None = None
+        stream: AsyncIterator[TokenChunk] | None = None
+        # one token is one chunk: the decode worker answers with one plain call (``complete``),
+        # which costs less than a stream
+        single = request.sampling.max_tokens == 1
         prefill: PrefillResult | None = None  # the prefill worker's result (P/D)
         prefill_call_s = 0.0
         sent = time.monotonic()
@@ -462,9 +467,8 @@ class RequestRunner:
                 # the decode worker hears of the request now: it reserves the prompt's blocks and
                 # warms its connection to the prefill worker while the prefill runs
                 peer = getattr(self._supervisor.infos.get(prefill_id), "agent", None)
-                stream = decoder.generate.options(num_returns="streaming").remote(
-                    rid, prompt_ids, request.sampling, None, True, peer, request.prompt.cache_salt
-                )
+                salt = request.prompt.cache_salt
+                stream = _decode(decoder, single, rid, prompt_ids, request.sampling, None, True, peer, salt)
                 sent = time.monotonic()
                 prefill = await self._prefill(request, prefiller, prefill_id, decoder, expected)
                 prefill_call_s = time.monotonic() - sent
@@ -474,7 +478,9 @@ class RequestRunner:
         if not request.aborted:
             try:
                 if stream is None:
-                    stream = decoder.generate.options(num_returns="streaming").remote(
+                    stream = _decode(
+                        decoder,
+                        single,
                         rid,
                         prompt_ids,
                         request.sampling,
@@ -482,8 +488,7 @@ class RequestRunner:
                         output_token_ids=sent_ids,
                         expected=expected,
                     )
-                async for ref in stream:
-                    chunk: TokenChunk = await ref
+                async for chunk in stream:
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
                     if chunk.worker_failed and not detok.stopped:
@@ -585,7 +590,7 @@ class RequestRunner:
         for router in supervisor.route_order(hashes):
             try:
                 return await asyncio.wait_for(
-                    await_ref(router.route.remote(request_id, hashes, num_tokens)),
+                    self._routes.route(router, request_id, hashes, num_tokens),
                     self.config.workers.health_check_timeout_s,
                 )
             except (RayActorError, RayTaskError, TimeoutError) as exc:
@@ -638,6 +643,24 @@ class RequestRunner:
         if handle is None:  # removed after the router chose it
             raise _WorkerLost(worker_id, False, self._supervisor.lost.get(worker_id, "removed from the router"))
         return handle
+
+
+def _decode(decoder: WorkerHandle, single: bool, *args: Any, **kwargs: Any) -> AsyncIterator[TokenChunk]:
+    """Start the decode worker's call for a request (``EngineWorker.generate``'s arguments) now;
+    its chunks as they arrive. ``single``: the request's output is one chunk (one token), asked
+    for with one plain call (``EngineWorker.complete``) instead of a stream."""
+    if single:
+        return _one_chunk(decoder.complete.remote(*args, **kwargs))
+    return _streamed_chunks(decoder.generate.options(num_returns="streaming").remote(*args, **kwargs))
+
+
+async def _one_chunk(ref: ObjectRef[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    yield await ref
+
+
+async def _streamed_chunks(stream: ObjectRefGenerator) -> AsyncIterator[TokenChunk]:
+    async for ref in stream:
+        yield await ref
 
 
 def _flush(output: StreamedOutput, on_delta: Callable[[Delta], None] | None) -> None:
