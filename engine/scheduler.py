@@ -274,7 +274,9 @@ class Scheduler:
         running = self.running
         if not running:
             return None
-        pending = {c.request.request_id for c in previous.chunks if c.sample and c.request.status == RequestStatus.RUNNING}
+        pending = {
+            c.request.request_id for c in previous.chunks if c.sample and c.request.status == RequestStatus.RUNNING
+        }
         if not mixed and (self.waiting or len(pending) != len(running)):
             return None
         if not all(launchable(request) for request in running) or not all(launchable(r) for r in self.waiting):
