@@ -163,7 +163,7 @@ def test_stops_and_aborts_while_a_mixed_step_runs(preset: str) -> None:
 def test_preemption_under_memory_pressure(preset: str) -> None:
     """A pool too small for the mix: a step whose blocks cannot be had ends the chain and the
     synchronous step preempts, as the synchronous engine does."""
-    small = ("kv_cache.num_blocks=40", "kv_cache.pinning.enabled=false")
+    small = ("kv_cache.num_blocks=64", "kv_cache.pinning.enabled=false")
 
     def plan(vocab: int) -> Plan:
         return staggered(vocab, count=10, every=1)
@@ -204,6 +204,9 @@ def test_a_request_needing_the_host_ends_the_chain() -> None:
     want_tokens, want_logprobs, _, _ = run(False)
     got_tokens, got_logprobs, core, spy = run(True)
     assert got_tokens == want_tokens and len(want_logprobs["lp"]) == 5
-    assert got_logprobs == want_logprobs
+    # "lp" starts a step later beside other requests, so its logprobs match to float rounding
+    for got, want in zip(got_logprobs["lp"], want_logprobs["lp"], strict=True):
+        assert (got.token_id, got.rank, [t for t, _ in got.top]) == (want.token_id, want.rank, [t for t, _ in want.top])
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
     assert spy.rows["lp"] == 0 and spy.rows["r0"] > 0
     assert core.counters.overlapped_steps > 0 and core.counters.overlapped_prompt_steps > 0
