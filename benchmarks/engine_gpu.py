@@ -69,6 +69,10 @@ stderr (logging); the last stdout line is one JSON object::
     the goal. ``graph_capture``: per model, what capturing cost: the decode graphs
     (``seconds``, ``mib``, ``buckets``) and the mixed step's piecewise graphs (``mixed_seconds``,
     ``mixed_mib``, ``mixed_buckets``; CUDA memory reserved by the capture, wall seconds).
+(7) ``--async-scheduling``: every kvfleet engine runs with ``scheduler.async_scheduling=true``
+    (each step, decode, prefill or mixed, scheduled and launched while the step before runs);
+    ``overlapped_steps`` gives per model the steps so launched (``steps``) and those holding a
+    prompt chunk (``prompt_steps``), warm-up included (``EngineCounters``).
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
@@ -143,6 +147,7 @@ def make_engine(run: Run, directory: Path, graphs: bool = True) -> EngineCore:
             f"scheduler.max_num_batched_tokens={sizes.max_num_batched_tokens}",
             f"scheduler.prefill_chunk_size={sizes.prefill_chunk_size}",
             f"model.cuda_graphs={str(graphs).lower()}",
+            f"scheduler.async_scheduling={str(run.args.async_scheduling).lower()}",
         ],
     )
     return EngineCore(config, threads=run.args.threads if run.device.type == "cpu" else None)
@@ -214,6 +219,12 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
         eager_before = engine.runner.eager_steps
         timed = run_kvfleet(run, engine, requests, "r")
         run.result["eager_steps"][name] = engine.runner.eager_steps - eager_before
+        if run.args.async_scheduling:  # counters since the engine was built (warm-up included)
+            counters = engine.counters
+            run.result["overlapped_steps"][name] = {
+                "steps": counters.overlapped_steps,
+                "prompt_steps": counters.overlapped_prompt_steps,
+            }
         run.result["preemptions"][name] = engine.scheduler.num_preemptions
         log.info(
             "%s kvfleet: %d tokens in %.2f s (%d steps, %.1f tok/s)",
@@ -366,6 +377,11 @@ def parse_args() -> argparse.Namespace:
         action="store_false",
         help="CUDA: skip the decode steps with model.cuda_graphs=false",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="scheduler.async_scheduling=true: each step scheduled and launched while the one before runs",
+    )
     ap.add_argument("--max-seconds", type=float, default=180.0, help="skip phases that would run past this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -419,6 +435,8 @@ def main() -> None:
         "output_tokens_per_s": {},
         "graph_capture": {},
         "eager_steps": {},
+        "async_scheduling": args.async_scheduling,
+        "overlapped_steps": {},
         "decode_step_ms_eager": {},
         "host_phases_ms_eager": {},
         "kernels_per_step_eager": {},

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The engine's GPU checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
 #
-#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode triton bench mamba (default: all)
+#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode async triton bench mamba (default: all)
 #
 # Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
 # STAGE_LIMIT (seconds) caps every stage's time limit; XDIST=N runs the test stages on N workers;
-# BENCH_ARGS are passed to engine_gpu.py. Test stages may run side by side (separate invocations
+# BENCH_ARGS are passed to engine_gpu.py (e.g. --async-scheduling). Test stages may run side by side (separate invocations
 # after one that installed the wheels); run the benchmarks alone.
 # The GPU machine has torch, Triton and transformers but not pydantic or gguf: put their wheels in
 # .whl/ (see benchmarks/README.md) and they are installed into a temporary target first. Ray and
@@ -26,7 +26,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false KVFLEET_CACHE="${TMPDIR:-/tmp}/kvfleet-cache"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests pd decode triton bench mamba)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests pd decode async triton bench mamba)
 pytest_args=(-q -p no:cacheprovider -o addopts="" --timeout 300)
 [ "${XDIST:-0}" -gt 0 ] && pytest_args+=(-n "$XDIST")
 
@@ -56,6 +56,11 @@ for stage in "${stages[@]}"; do
     decode)  # the static, padded decode step captured as CUDA graphs against the eager step, every preset
         # (its engines capture the mixed step's piecewise graphs too)
         KVFLEET_TEST_DEVICE=cuda run_stage decode 300 python3 -m pytest "${pytest_args[@]}" tests/engine/test_decode_step.py ;;
+    async)  # scheduler.async_scheduling on CUDA against the synchronous engine: decode, prefill and mixed
+        # steps launched while the step before runs (captured graphs, on-device placeholder ids, two
+        # staging buffers); its passing is what turning the flag on by default on CUDA waits for
+        KVFLEET_TEST_DEVICE=cuda run_stage async 360 python3 -m pytest "${pytest_args[@]}" \
+            tests/engine/test_async_scheduling.py tests/engine/test_async_mixed_steps.py ;;
     triton)  # the paged attention and Mamba2 decode kernels against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
             tests/model/test_triton_mamba.py ;;

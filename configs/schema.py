@@ -153,11 +153,12 @@ class KVCacheConfig(_Frozen):
 class SchedulerConfig(_Frozen):
     """Continuous batching limits of one engine step.
 
-    ``async_scheduling``: overlap host and device on decode-only steps: while the device runs
-    one step, the engine schedules and launches the next one of the same requests (its input ids
-    taken on the device from the sampled ids of the step before), and reads the earlier step's
-    tokens only then (``EngineCore.step``); steps with a prefill, a new or finished request, or
-    a KV transfer to start run synchronously. Greedy and seeded tokens are the same either way.
+    ``async_scheduling``: overlap host and device: while the device runs one step (decode-only,
+    prefill or mixed), the engine schedules and launches the next one (the input ids of requests
+    that sample in the running step taken on the device from its sampled ids), and reads the
+    earlier step's tokens only then (``EngineCore.step``); steps with a request whose sampling
+    needs the host, a preemption, or a KV transfer to start run synchronously. Greedy and seeded
+    tokens are the same either way.
     """
 
     max_num_batched_tokens: PositiveInt = 2048

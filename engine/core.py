@@ -87,8 +87,8 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A decode-only step the device may still be running: what was scheduled, and its tokens
-    on their way to the host."""
+    """A step the device may still be running (a decode, prefill or mixed step,
+    ``ModelRunner.launch``): what was scheduled, and its tokens on their way to the host."""
 
     output: SchedulerOutput
     tokens: PendingTokens
@@ -216,7 +216,7 @@ class EngineCore:
                 self.runner.host_kv.time_reference_copies()
         self.consecutive_failed_steps = 0
         self.async_scheduling = config.scheduler.async_scheduling
-        #: the decode step launched but not read yet (``step``); its outputs come with a later step
+        #: the step launched but not read yet (``step``); its outputs come with a later step
         self.in_flight: LaunchedStep | None = None
         #: counters each step changes (prompt tokens being computed, failed steps and requests)
         self.counters = EngineCounters()
@@ -453,14 +453,18 @@ class EngineCore:
         is raised only when it cannot go on: its bookkeeping no longer holds, or
         ``MAX_CONSECUTIVE_FAILED_STEPS`` batches in a row failed.
 
-        With ``scheduler.async_scheduling`` a decode-only step is launched without waiting for
-        its tokens; while it runs, the next call schedules and launches its continuation
-        (``Scheduler.schedule_continuation``: the same requests, input ids read on the device),
-        and only then reads the earlier step's tokens and updates the requests. So the outputs
-        returned lag the device by one step, and one step stays in flight between calls while
-        the continuation holds; anything else (a request arriving, finishing by length, a block
-        to preempt for) ends the chain: the in-flight step is read and the next call schedules
-        as usual."""
+        With ``scheduler.async_scheduling`` a step the runner can launch (``can_launch``: a
+        decode-only step, or with the token-bucket step a prefill or mixed one, whose rows
+        sample without the host) is launched without waiting for its tokens; while it runs, the
+        next call schedules and launches the step after it (``Scheduler.schedule_continuation``:
+        the running requests and then admissions, as ``schedule`` would, each request that
+        samples in the launched step with a placeholder token whose id is read on the device),
+        and only then reads the earlier step's tokens and updates the requests
+        (``counters.overlapped_steps``). So the outputs returned lag the device by one step,
+        and one step stays in flight between calls while the chain holds; anything else (a
+        request that may finish by length, a block to preempt for, a request whose rows need
+        the host) ends the chain: the in-flight step is read and the next call schedules as
+        usual; an abort or a KV transfer reads it first (``drain``)."""
         results, self._drained = self._drained, []
         handoff = self.handoff
         if handoff is not None:
@@ -492,6 +496,8 @@ class EngineCore:
         if failed is not None:
             results.extend(self._fail_batch(*failed))
         self.in_flight = following
+        # the launched step's prompt tokens are being computed (``WorkerView.load``)
+        self.counters.step_prompt_tokens = following.output.prompt_tokens if following is not None else 0
         return results
 
     def _copy_tiers(self, wait: bool = False) -> None:
@@ -522,16 +528,26 @@ class EngineCore:
         land in blocks it owned at launch, and any later step that reuses those blocks runs
         after this one on the same stream; a KV transfer, which the stream does not order,
         starts only after ``drain``."""
-        output = self.scheduler.schedule_continuation(previous.output)
+        runner = self.runner
+        output = self.scheduler.schedule_continuation(previous.output, runner.launches_mixed, self._launchable)
         if output is None:
             return None, None
         self._copy_tiers()
         if self.on_scheduled is not None:
             self.on_scheduled()
         try:
-            return LaunchedStep(output, self.runner.launch(output, previous.tokens)), None
+            launched = LaunchedStep(output, runner.launch(output, previous.tokens))
+            self.counters.overlapped_steps += 1
+            self.counters.overlapped_prompt_steps += output.prompt_tokens > 0
+            return launched, None
         except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
             return None, (output, exc)
+
+    @staticmethod
+    def _launchable(request: Request) -> bool:
+        """Whether a request may be in a launched step (``ModelRunner.can_launch``'s test of a
+        row, which ``Scheduler.schedule_continuation`` applies before it schedules)."""
+        return request.sampling.launchable and not request.prefill_only
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them (a failure on the device fails the batch)."""

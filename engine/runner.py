@@ -30,11 +30,11 @@ from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
-from engine.model.mixed_step import MixedStep, StepChunk
+from engine.model.mixed_step import MixedStep, StepChunk, placeholder_id
 from engine.rank_group import ChunkInputs, RankLeader
 from engine.request import Request
 from engine.sampler import PendingTokens, SampledTokens, Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
@@ -243,41 +243,82 @@ class ModelRunner:
         ids = [c.request.request_id for c in output.chunks if c.sample]
         return sampled.tokens, dict(zip(ids, logits.cpu(), strict=True))
 
+    @property
+    def launches_mixed(self) -> bool:
+        """Whether ``launch`` takes prefill and mixed steps too (the token-bucket step exists and
+        no other rank must run the same step)."""
+        return self.mixed is not None and self.leader is None
+
     def can_launch(self, output: SchedulerOutput) -> bool:
-        """Whether ``launch`` takes this step: a decode-only one the static decode step runs, whose
-        rows the sampler can sample before the host knows their last token (``launchable``)."""
+        """Whether ``launch`` takes this step: one the static decode step or (``launches_mixed``)
+        the token-bucket step runs, whose sampled rows the sampler can sample before the host
+        knows their last token (``launchable``), with no prefill-only request (its hand-off
+        reads its pages once the step is read)."""
         chunks = output.chunks
-        return (
-            self.decode is not None
-            and self.decode.accepts(chunks)
-            and self.sampler.all_launchable(c.request for c in chunks)
-        )
+        if not chunks or not self.sampler.all_launchable(c.request for c in chunks):
+            return False
+        if any(c.request.prefill_only for c in chunks):
+            return False
+        if self.decode is not None and self.decode.accepts(chunks):
+            return True
+        return self.launches_mixed and self.mixed is not None and self.mixed.accepts(output.num_tokens)
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput, previous: PendingTokens | None = None) -> PendingTokens:
-        """Start a decode-only step (``can_launch``) and return without waiting for its tokens:
-        they stay on the device (the next step may read them there) and come to the host by a
-        non-blocking copy that ``PendingTokens.result`` waits for. ``previous``: the launched
-        step whose sampled ids are this step's input ids (its requests that still run, in the
-        same order, ``Scheduler.schedule_continuation``). Samples exactly as ``execute`` does. A forward
-        that fails on the host raises here; on CUDA a failing kernel raises at ``result``."""
-        decode = self.decode
-        assert decode is not None, "can_launch: only the static decode step is launched"
+        """Start a step (``can_launch``) and return without waiting for its tokens: they stay on
+        the device (the next step may read them there) and come to the host by a non-blocking
+        copy that ``PendingTokens.result`` waits for. ``previous``: the launched step before,
+        whose sampled ids are the input ids of this step's placeholder tokens (a chunk starting
+        at the end of its request's known tokens, ``Scheduler.schedule_continuation``); every
+        other input id is known on the host. Samples exactly as ``execute`` does. A forward that
+        fails on the host raises here; on CUDA a failing kernel raises at ``result``."""
         chunks = output.chunks
-        if previous is None:
-            hidden = decode.run(chunks)
+        previous_ids = previous.ids if previous is not None else None
+        rows = self._placeholder_rows(chunks, previous)
+        decode = self.decode
+        if decode is not None and decode.accepts(chunks):
+            sampling = chunks  # a decode-only step samples every chunk
+            if previous_ids is None or all(row < 0 for row in rows):
+                hidden = decode.run(chunks)
+            else:
+                hidden = decode.run(chunks, previous_ids, rows)
         else:
-            row_of = {request_id: row for row, request_id in enumerate(previous.request_ids)}
-            hidden = decode.run(chunks, previous.ids, [row_of[c.request.request_id] for c in chunks])
+            mixed = self.mixed
+            if mixed is None or not self.launches_mixed:
+                raise RuntimeError("launch: only the static decode and token-bucket steps are launched")
+            sampling = [c for c in chunks if c.sample]
+            inputs = self.step_inputs(output, rows)
+            placeholders = previous_ids if any(row >= 0 for row in rows) else None
+            hidden, batch = mixed.run(inputs, placeholders)
+            if sampling:
+                hidden = hidden[batch.sample_indices]
         self._record_kv_written()
-        logits = self.model.logits(hidden)
-        request_ids = [c.request.request_id for c in chunks]
-        ids, failures = self.sampler.sample_on_device(logits, [c.request for c in chunks])
+        request_ids = [c.request.request_id for c in sampling]
+        if sampling:
+            logits = self.model.logits(hidden)
+            ids, failures = self.sampler.sample_on_device(logits, [c.request for c in sampling])
+        else:
+            ids, failures = torch.empty(0, dtype=torch.long, device=self.device), {}
         host = None
         if self._sampled_hosts:
             self._sampled_turn ^= 1
             host = self._sampled_hosts[self._sampled_turn]
         return PendingTokens(request_ids, ids, failures, host)
+
+    @staticmethod
+    def _placeholder_rows(chunks: Sequence[ScheduledChunk], previous: PendingTokens | None) -> list[int]:
+        """Per chunk: the row of ``previous``'s sampled ids holding its input token when that
+        token is a placeholder (the chunk starts at the end of the known tokens), else -1."""
+        row_of = {request_id: row for row, request_id in enumerate(previous.request_ids)} if previous else {}
+        rows = []
+        for chunk in chunks:
+            if chunk.start < len(chunk.request.token_ids):
+                rows.append(-1)
+                continue
+            if chunk.request.request_id not in row_of:
+                raise RuntimeError(f"launch: {chunk.request.request_id}'s input token comes from no launched step")
+            rows.append(row_of[chunk.request.request_id])
+        return rows
 
     def _record_kv_written(self) -> None:
         if self.device.type == "cuda":
@@ -383,11 +424,13 @@ class ModelRunner:
         return self._scratch
 
     @staticmethod
-    def step_inputs(output: SchedulerOutput) -> list[ChunkInputs]:
+    def step_inputs(output: SchedulerOutput, placeholder_rows: Sequence[int] = ()) -> list[ChunkInputs]:
         """What each scheduled chunk means to the forward (``ChunkInputs``): the same on every
-        tensor-parallel rank."""
+        tensor-parallel rank. ``placeholder_rows`` (a launched step's, ``_placeholder_rows``):
+        a chunk whose entry ``r`` is not negative has a placeholder input token, given as
+        ``placeholder_id(r)`` for the token-bucket step to resolve on the device."""
         inputs = []
-        for chunk in output.chunks:
+        for i, chunk in enumerate(output.chunks):
             request = chunk.request
             start, end = chunk.start, chunk.start + chunk.num_tokens
             targets = None
@@ -397,7 +440,10 @@ class ModelRunner:
                 count = max(0, min(chunk.num_tokens, request.prompt_len - 1 - start))
                 targets = request.token_ids[start + 1 : start + 1 + count]
                 k = request.sampling.prompt_logprobs or 0
-            inputs.append(ChunkInputs(request.token_ids[start:end], start, chunk.block_ids, chunk.sample, targets, k))
+            tokens = request.token_ids[start:end]
+            if placeholder_rows and placeholder_rows[i] >= 0:
+                tokens = [placeholder_id(placeholder_rows[i])]
+            inputs.append(ChunkInputs(tokens, start, chunk.block_ids, chunk.sample, targets, k))
         return inputs
 
     def build_batch(self, output: SchedulerOutput) -> ForwardBatch:

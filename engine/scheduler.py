@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,7 +241,90 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; later ones were popped already
 
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not preempted:
+            self._admit(out, budget)
+        return out
+
+    def schedule_continuation(
+        self, previous: SchedulerOutput, mixed: bool, launchable: Callable[[Request], bool]
+    ) -> SchedulerOutput | None:
+        """The step after ``previous``, scheduled while ``previous`` runs and before its tokens are
+        known, as ``schedule`` would schedule it once they are: running requests first (in order,
+        the same chunk sizes), then waiting requests while the budget and ``max_num_seqs`` allow.
+        Each request that samples in ``previous`` and still runs gets one *placeholder* token
+        (``num_computed_tokens`` runs one past ``token_ids`` until ``update`` appends the token
+        the device sampled, whose id the step reads on the device): a decode, or the first decode
+        of a request whose last prompt chunk is in ``previous``. Every other chunk's tokens are
+        known (a prompt chunk, a running request ``previous`` left out for budget).
+
+        ``mixed``: the step may hold prompt chunks (the runner launches token-bucket steps); if
+        not, only the decode continuation of exactly the requests ``previous`` decodes is taken,
+        and a waiting request ends the chain. ``launchable``: whether a request's rows may be
+        sampled before the host knows their last token; a running or waiting request that is
+        not ends the chain.
+
+        A request that finishes by ``max_tokens`` or the model length on ``previous``'s token is
+        left out (its seat counts as free; its blocks are freed by ``update``, so an admission
+        that needs them waits a step). A request that stops on ``previous``'s token (EOS, a stop
+        token) is computed once more for nothing: ``update`` skips it, as it skips every request
+        no longer running. None, with nothing changed that the next ``schedule`` would not do
+        alike, when a block cannot be had (the synchronous ``schedule`` then preempts) or
+        nothing is left to schedule.
+        """
+        running = self.running
+        if not running:
+            return None
+        pending = {
+            c.request.request_id for c in previous.chunks if c.sample and c.request.status == RequestStatus.RUNNING
+        }
+        if not mixed and (self.waiting or len(pending) != len(running)):
+            return None
+        if not all(launchable(request) for request in running) or not all(launchable(r) for r in self.waiting):
+            return None
+        # requests that finish by length on ``previous``'s token: ``update`` ends them, so the
+        # step leaves them out and admits as if their seats were free already
+        leaving: set[str] = set()
+        for request in running:
+            if request.request_id not in pending:
+                continue
+            known = len(request.token_ids)
+            if request.num_computed_tokens != known:  # ``previous`` computes the last known token
+                return None
+            if known + 1 >= self.max_model_len or known + 1 - request.prompt_len >= request.sampling.max_tokens:
+                leaving.add(request.request_id)
+        coord = self.coordinator
+        coord.new_step()
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Request, int, int]] = []
+        for request in running:
+            if budget <= 0:
+                break
+            if request.request_id in leaving:
+                continue
+            start = request.num_computed_tokens
+            known = len(request.token_ids) + (request.request_id in pending)
+            num_new = 1 if known - start == 1 else self._chunk_size(request, start, budget)
+            if num_new == 0:
+                continue
+            # blocks for this chunk; when one does not fit, those given so far serve the same
+            # positions in the synchronous step that follows
+            if coord.allocate_slots(request, num_new) is None:
+                return None
+            planned.append((request, num_new, known))
+            budget -= num_new
+        out = SchedulerOutput()
+        for request, num_new, known in planned:
+            out.chunks.append(self._chunk(request, num_new, known))
+        if mixed:
+            self._admit(out, budget, len(leaving))
+        return out if out.chunks else None
+
+    def _admit(self, out: SchedulerOutput, budget: int, leaving: int = 0) -> None:
+        """Admit waiting requests in arrival order into ``out`` while ``budget`` tokens,
+        ``max_num_seqs`` and the blocks allow (``leaving``: running requests about to finish,
+        whose seats count as free)."""
+        coord = self.coordinator
+        while self.waiting and budget > 0 and len(self.running) - leaving < self.config.max_num_seqs:
             request = self.waiting[0]
             # a request reporting prompt logprobs computes every prompt position (no prefix hit)
             hit = coord.find_longest_cache_hit([], 0) if request.scores_prompt else coord.get_computed_blocks(request)
@@ -259,51 +343,6 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
-        return out
-
-    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
-        """The next decode step of the requests ``previous`` decodes that still run, in the same
-        order, scheduled while ``previous`` runs and before its tokens are known: each request
-        gets one *placeholder* token (``num_computed_tokens`` runs one past ``token_ids`` until
-        ``update`` appends the token the device sampled, whose id the step reads on the device).
-
-        None, with nothing changed that the next ``schedule`` would not do alike, when the next
-        step might be another one: a request waits, a request runs that ``previous`` does not
-        decode, a request may finish by ``max_tokens`` or the model length on ``previous``'s
-        token, or a block cannot be had (the synchronous ``schedule`` then preempts). A request
-        that stops on ``previous``'s token (EOS, a stop token) is decoded once more for nothing:
-        ``update`` skips it, as it skips every request no longer running.
-        """
-        running = self.running
-        chunks = [c for c in previous.chunks if c.request.status == RequestStatus.RUNNING]
-        if self.waiting or len(chunks) != len(running) or len(chunks) > self.config.max_num_batched_tokens:
-            return None
-        for chunk, request in zip(chunks, running, strict=True):
-            known = len(request.token_ids)
-            if (
-                chunk.request is not request
-                or chunk.num_tokens != 1
-                or not chunk.sample
-                or request.num_computed_tokens != known  # ``previous`` computes the last known token
-                or known + 1 >= self.max_model_len
-                or known + 1 - request.prompt_len >= request.sampling.max_tokens
-            ):
-                return None
-        if not running:
-            return None
-        coord = self.coordinator
-        coord.new_step()
-        for request in running:
-            # blocks for the placeholder's position; when one does not fit, those given so far
-            # serve the same positions in the synchronous step that follows
-            if coord.allocate_slots(request, 1) is None:
-                return None
-        out = SchedulerOutput()
-        for request in running:
-            start = request.num_computed_tokens
-            request.num_computed_tokens = start + 1
-            out.chunks.append(ScheduledChunk(request, start, 1, coord.live_tables(request.request_id), True))
-        return out
 
     def chunk_stop(self, request: Request, hit: CacheHit) -> int:
         """The block boundary where a prefill chunk of ``request``, admitted with ``hit``, must end
@@ -316,7 +355,10 @@ class Scheduler:
             return max(num_new, 0)
         return aligned_chunk(start, num_new, request.num_tokens, self.mamba_align, request.chunk_stop)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, known: int | None = None) -> ScheduledChunk:
+        """``num_new`` tokens of ``request`` from its computed ones; ``known``: its tokens counting a
+        placeholder (``schedule_continuation``), else ``token_ids``."""
+        known = len(request.token_ids) if known is None else known
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
@@ -325,7 +367,7 @@ class Scheduler:
             start,
             num_new,
             self.coordinator.live_tables(request.request_id),
-            end == len(request.token_ids) and not request.prefill_only,
+            end == known and not request.prefill_only,
         )
 
     def _preempt(self, request: Request) -> None:

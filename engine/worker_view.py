@@ -33,6 +33,10 @@ class EngineCounters:
     failed_steps: int = 0
     #: requests ended with ``finish_reason="error"``
     failed_requests: int = 0
+    #: steps scheduled and launched while the step before ran (``scheduler.async_scheduling``)
+    overlapped_steps: int = 0
+    #: the part of ``overlapped_steps`` holding a prompt chunk (prefill and mixed steps)
+    overlapped_prompt_steps: int = 0
 
 
 class WorkerView:

@@ -41,6 +41,7 @@ from engine.kv_cache.block_queue import Block
 from engine.model.batch import SLOT_READS, ChunkSpec, ForwardBatch, GroupIndex
 from engine.model.kernels.triton_attention import PagedMeta
 from engine.model.layers.recurrent import DECODE_INDEX
+from engine.model.mixed_step import placeholder_id, resolve_placeholders
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -175,17 +176,18 @@ class DecodeStep:
     ) -> torch.Tensor:
         """The hidden states of ``chunks`` (``accepts`` must hold), one row per chunk in order.
 
-        ``previous_ids``: the sampled ids (on the device) of the step before, whose row
-        ``previous_rows[i]`` is chunk ``i``'s input token, not yet known on the host (a
-        placeholder the scheduler counted, ``Scheduler.schedule_continuation``): the rows travel
-        in the upload where the ids would, and the device gathers the ids from them. A failed
-        row's -1 is read as token 0 (its request fails and this row's output is dropped)."""
+        ``previous_ids``: the sampled ids (on the device) of the step before; where
+        ``previous_rows[i]`` is not negative, chunk ``i``'s input token is that row of them, not
+        yet known on the host (a placeholder the scheduler counted,
+        ``Scheduler.schedule_continuation``): the row travels in the upload where the id would
+        (``placeholder_id``), and the device reads the id (``resolve_placeholders``); a
+        negative entry: the id is known. A failed row's -1 is read as token 0 (its request
+        fails and this row's output is dropped)."""
         count = len(chunks)
         size = self.bucket(count)
         self._prepare(chunks, size, previous_rows if previous_ids is not None else None)
         if previous_ids is not None:
-            ids = self._device_staging[self._ids : self._ids + count]
-            torch.clamp(previous_ids.index_select(0, ids), min=0, out=ids)
+            resolve_placeholders(self._device_staging[self._ids : self._ids + count], previous_ids)
         graph = self._graphs.get(size)
         if graph is not None:
             graph[0].replay()
@@ -221,7 +223,8 @@ class DecodeStep:
 
     def _prepare(self, chunks: Sequence[ScheduledChunk], size: int, input_rows: Sequence[int] | None = None) -> None:
         """Gather the step's inputs into the staging buffer, upload it, apply table growth
-        (``input_rows``: stage these rows of the previous step's ids instead of the ids)."""
+        (``input_rows``: where one is not negative, stage that row of the previous step's ids
+        instead of the id, as ``placeholder_id``)."""
         self._turn = (self._turn + 1) % len(self._hosts)
         bs, width = self.block_size, self.width
         attention, recurrent = self.groups.attention, self.groups.recurrent
@@ -234,11 +237,13 @@ class DecodeStep:
         update_value: list[int] = []
         slot_of, sent_tables, sent_lengths = self._slot_of, self._sent_tables, self._sent_lengths
         row_stride = self.table_rows * width
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             request = chunk.request
             pos = chunk.start
-            if input_rows is None:
+            if input_rows is None or input_rows[i] < 0:
                 ids.append(request.token_ids[pos])
+            else:
+                ids.append(placeholder_id(input_rows[i]))
             positions.append(pos)
             slot = slot_of.get(request.request_id)
             if slot is None:
@@ -264,8 +269,6 @@ class DecodeStep:
                 table = tables[g]
                 states[2 * r].append(table[(pos - 1) // bs].block_id)
                 states[2 * r + 1].append(table[block].block_id)
-        if input_rows is not None:
-            ids = list(input_rows)
         count = len(chunks)
         padded = count < size
         staging = self._stagings[self._turn]

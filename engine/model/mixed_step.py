@@ -60,6 +60,22 @@ def token_buckets(max_tokens: int, doubling: bool) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def placeholder_id(row: int) -> int:
+    """How a step's input buffer holds a *placeholder* token (one the host does not know yet,
+    ``Scheduler.schedule_continuation``): ``-(row + 1)``, ``row`` being the row of the previous
+    launched step's sampled ids that holds it (real ids are never negative)."""
+    return -(row + 1)
+
+
+def resolve_placeholders(ids: torch.Tensor, previous_ids: torch.Tensor) -> None:
+    """Replace, on the device and in place, each placeholder in ``ids`` (``placeholder_id``) by
+    the id it names in ``previous_ids`` (a failed row's negative id is read as token 0: its
+    request fails and the row's output is dropped); every other id stays."""
+    rows = (-ids - 1).clamp_(min=0)
+    found = previous_ids.index_select(0, rows).clamp_(min=0) if previous_ids.numel() else torch.zeros_like(ids)
+    ids.copy_(torch.where(ids < 0, found, ids))
+
+
 class StepChunk(Protocol):
     """One chunk of a step as the forward sees it (``engine.rank_group.ChunkInputs`` is one):
     ``tokens`` at positions ``start ..``, its block table per KV group, whether it samples."""
@@ -269,16 +285,22 @@ class MixedStep:
         return PadChunk([0] * num_tokens, 0, [[NULL_BLOCK] * width for _ in range(self.num_groups)])
 
     # -- one step ------------------------------------------------------------------------------------
-    def run(self, chunks: Sequence[StepChunk]) -> tuple[torch.Tensor, ForwardBatch]:
+    def run(
+        self, chunks: Sequence[StepChunk], previous_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ForwardBatch]:
         """The hidden states of ``chunks``' tokens (rows in chunk order; ``accepts`` must hold
         for their total) and the padded step's ForwardBatch (its chunks past ``len(chunks)``,
-        the pad chunk, sample nothing)."""
+        the pad chunk, sample nothing). ``previous_ids``: the sampled ids (on the device) of the
+        launched step before, which the chunks' placeholder tokens (``placeholder_id``) name;
+        they are read there after the upload (``resolve_placeholders``)."""
         count = sum(chunk.num_tokens for chunk in chunks)
         size = self.bucket(count)
         padded: list[StepChunk] = list(chunks)
         if size > count:
             padded.append(self.pad_chunk(size - count))
         ids, positions = self._upload(padded, size)
+        if previous_ids is not None:
+            resolve_placeholders(ids[:count], previous_ids)
         batch = self.index(padded, ids, positions)
         graph = self._graphs.get(size)
         hidden = graph.replay(batch) if graph is not None else self.forward(batch)

@@ -1,5 +1,5 @@
-"""``scheduler.async_scheduling``: decode steps launched ahead of their tokens give the tokens of
-the synchronous engine.
+"""``scheduler.async_scheduling``: steps launched ahead of their tokens give the tokens of the
+synchronous engine (prefill and mixed steps: tests/engine/test_async_mixed_steps.py).
 
 Oracle: the same configuration with the flag off (every step read before the next is
 scheduled). With the flag on, a decode-only step's continuation is scheduled and launched with
@@ -46,7 +46,7 @@ class LaunchSpy:
         def counted(output, previous=None):
             self.launches += 1
             self.continuations += previous is not None
-            self.rows.update(chunk.request.request_id for chunk in output.chunks)
+            self.rows.update(chunk.request.request_id for chunk in output.chunks if chunk.sample)
             return inner(output, previous)
 
         core.runner.launch = counted  # type: ignore[method-assign]
