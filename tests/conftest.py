@@ -20,25 +20,35 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup
-# --no-loadscope-reorder``). The tests that start Ray clusters (these packages: their fixtures are
-# package- and module-scoped clusters and Serve apps, and their timeouts assume no second cluster
-# beside them) are one work unit, run in order on one worker and first, so that worker starts on
-# them at once; every other test file is a unit of its own, so module fixtures are built once,
-# and the other worker takes them in collection order. ``-n 0`` runs everything in one process
-# in the same order.
+# The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2 --no-loadscope-reorder``).
+# The tests that start Ray clusters (these packages: their fixtures are package- and module-scoped
+# clusters and Serve apps, and their timeouts assume no second cluster beside them) are one work
+# unit, run in order on one worker and first, so that worker starts on them at once; every other
+# test file is a unit of its own, so its module fixtures are built once, and the other worker takes
+# those units in collection order. ``-n 0`` runs everything in one process in the same order.
 CLUSTER_PACKAGES = ("tests/integration/", "tests/serve/")
 CLUSTER_UNIT = "ray-clusters"
 
 
-def work_unit(item: pytest.Item) -> str:
-    path = item.nodeid.split("::", 1)[0]
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
     return CLUSTER_UNIT if path.startswith(CLUSTER_PACKAGES) else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
+class ByWorkUnit(LoadScopeScheduling):
+    """xdist's scope scheduling (a unit goes whole to one worker, in order) with ``work_unit``'s
+    units in place of its per-module scopes."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ByWorkUnit:
+    return ByWorkUnit(config, log)  # type: ignore[arg-type]  # xdist types log as its Producer
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: work_unit(item) != CLUSTER_UNIT)  # stable: collection order within
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+    items.sort(key=lambda item: work_unit(item.nodeid) != CLUSTER_UNIT)  # stable: collection order within
