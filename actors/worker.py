@@ -49,7 +49,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -218,7 +218,7 @@ class EngineWorker:
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
         expected: tuple[list[bytes], int] | None = None,
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
         ``expect_handle``: a prefill worker (transfer agent ``peer``) is computing the prompt's
@@ -226,73 +226,8 @@ class EngineWorker:
         the tokens the request already generated on a worker that was lost (a migration): it
         goes on after them (``EngineCore.add_request``), run whole here. ``expected``: the prompt's
         block hashes and the hit the router predicted here (``expect``, done on arrival). The
-        driver checked the request at its entry point (token ids, length, sampling, ``cache_salt``)."""
-        chunks = self._chunks(
-            request_id,
-            prompt_token_ids,
-            sampling,
-            kv_handle,
-            expect_handle,
-            peer,
-            cache_salt,
-            output_token_ids,
-            expected,
-        )
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
-
-    async def complete(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        expect_handle: bool = False,
-        peer: AgentInfo | None = None,
-        cache_salt: str | None = None,
-        output_token_ids: tuple[int, ...] = (),
-        expected: tuple[list[bytes], int] | None = None,
-    ) -> TokenChunk:
-        """``generate`` answered in one reply: every chunk of the request as one, finished (for a
-        request whose output is one chunk anyway, such as a one-token one, a plain call costs
-        less than a stream). Cancelling the call aborts the request, as leaving the stream does."""
-        chunks = self._chunks(
-            request_id,
-            prompt_token_ids,
-            sampling,
-            kv_handle,
-            expect_handle,
-            peer,
-            cache_salt,
-            output_token_ids,
-            expected,
-        )
-        whole: TokenChunk | None = None
-        try:
-            async for chunk in chunks:
-                whole = chunk if whole is None else whole.followed_by(chunk)
-        finally:
-            await chunks.aclose()
-        assert whole is not None and whole.finished, "a request's chunks end with a finished one"
-        return whole
-
-    async def _chunks(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        kv_handle: KVHandle | None,
-        expect_handle: bool,
-        peer: AgentInfo | None,
-        cache_salt: str | None,
-        output_token_ids: tuple[int, ...],
-        expected: tuple[list[bytes], int] | None,
-    ) -> AsyncGenerator[TokenChunk, None]:
-        """The chunks of a request run here (``generate``'s arguments), the last one finished;
-        leaving early aborts the request."""
+        driver checked the request at its entry point (token ids, length, sampling, ``cache_salt``).
+        Leaving early aborts the request."""
         assert not (output_token_ids and (expect_handle or kv_handle is not None)), "a migrated request runs whole"
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
@@ -322,6 +257,41 @@ class EngineWorker:
         finally:
             if not finished:  # the consumer went away (cancelled, or the driver died)
                 self._submit(self._abort, request_id)
+
+    async def complete(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_handle: KVHandle | None = None,
+        expect_handle: bool = False,
+        peer: AgentInfo | None = None,
+        cache_salt: str | None = None,
+        output_token_ids: tuple[int, ...] = (),
+        expected: tuple[list[bytes], int] | None = None,
+    ) -> TokenChunk:
+        """``generate`` answered in one reply: every chunk of the request as one, finished (for a
+        request whose output is one chunk anyway, such as a one-token one, a plain call costs
+        less than a stream). Cancelling the call aborts the request, as leaving the stream does."""
+        chunks = self.generate(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            kv_handle,
+            expect_handle,
+            peer,
+            cache_salt,
+            output_token_ids,
+            expected,
+        )
+        whole: TokenChunk | None = None
+        try:
+            async for chunk in chunks:
+                whole = chunk if whole is None else whole.followed_by(chunk)
+        finally:
+            await chunks.aclose()
+        assert whole is not None and whole.finished, "a request's chunks end with a finished one"
+        return whole
 
     async def prefill(
         self,
