@@ -28,15 +28,20 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar
 
 from engine.sampling_params import StructuredOutput
 from engine.structured_support import unsupported_in_regex, unsupported_in_schema
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from engine.validation import InvalidRequestError, problem
+
+if TYPE_CHECKING:
+    # xgrammar imports transformers (about a second): each function that needs it imports it
+    # when first called, so an engine that never sees a constrained request never pays it
+    import xgrammar
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +109,8 @@ def _length_as_pattern(schema: object) -> object:
 
 
 def grammar_of(structured: StructuredOutput) -> xgrammar.Grammar:
+    import xgrammar
+
     """The grammar a spec stands for (the one place each kind's rule lives). Raises ValueError
     saying what is wrong with ``structured.spec``."""
     kind, spec = structured.kind, structured.spec
@@ -152,6 +159,8 @@ def validate_structured(structured: object, field: str = "structured") -> Struct
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
     """The vocabulary as xgrammar sees it: ``vocab_size`` is the model's (its logits' width);
     ids the tokenizer does not have are never allowed. ``eos_token_ids`` end a complete output."""
+    import xgrammar
+
     stop = [t for t in eos_token_ids if 0 <= t < vocab_size]
     if isinstance(tokenizer, ByteTokenizer):
         return xgrammar.TokenizerInfo(
@@ -217,8 +226,9 @@ class StructuredOutputs:
         self._threads = max(1, threads)
         # without a stop token the only way to end is to stop at the first whole match
         self._terminate_when_complete = not self.stop_token_ids
+        # built with the first grammar (``compiled``), like the compiler
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=self._threads)
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
         self._grammars: dict[StructuredOutput, xgrammar.CompiledGrammar] = {}
         self._requests: dict[str, _Constrained] = {}
         # ids are bytes (a ByteTokenizer): each sample is also kept valid UTF-8 (``_Constrained``)
@@ -247,10 +257,13 @@ class StructuredOutputs:
         grammar = self._grammars.get(structured)
         if grammar is None:
             if self._compiler is None:
+                import xgrammar
+
                 tokenizer = self._tokenizer()
                 self._byte_vocabulary = isinstance(tokenizer, ByteTokenizer)
                 info = tokenizer_info(tokenizer, self.vocab_size, self.stop_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._threads)
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self._threads)
             grammar = self._compiler.compile_grammar(grammar_of(structured))
             if len(self._grammars) >= MAX_CACHED_GRAMMARS:
                 del self._grammars[next(iter(self._grammars))]
@@ -260,6 +273,8 @@ class StructuredOutputs:
     def add(self, request_id: str, structured: StructuredOutput, output_token_ids: Sequence[int] = ()) -> None:
         """Constrain a request from its first generated token on; ``output_token_ids``: the
         tokens a resumed request generated already (ValueError if the grammar refuses one)."""
+        import xgrammar
+
         matcher = xgrammar.GrammarMatcher(
             self.compiled(structured), terminate_without_stop_token=self._terminate_when_complete
         )
@@ -295,6 +310,7 @@ class StructuredOutputs:
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
+            assert self._batch is not None  # built with the compiler each matcher's grammar came from
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         # bit b of word w is token 32 w + b: little-endian bytes unpack least significant bit first
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]

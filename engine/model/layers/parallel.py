@@ -284,7 +284,10 @@ def token_embedding(arch: ModelArch) -> nn.Embedding:
     """The family's token embedding: vocabulary-parallel under tensor parallelism, else plain."""
     if arch.tp_size > 1:
         return VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, arch.tp_size, arch.tp_rank)
-    return nn.Embedding(arch.vocab_size, arch.hidden_size)
+    # the checkpoint's table replaces this one, so it is left uninitialised: ``normal_`` on the
+    # meta device (engine/model/checkpoints/loader.py builds there) would import torch._dynamo,
+    # seconds of every worker's start
+    return nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size))
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
