@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.structured_output import validate_structured
+from engine.structured_spec import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_cache_salt, check_prompt, problem
 
 SAMPLING_FIELDS = (

@@ -29,7 +29,7 @@ from configs import ClusterConfig
 from engine.logprobs import TokenLogprob
 from engine.request import RequestStatus, stop_status
 from engine.sampling_params import SamplingParams
-from engine.structured_output import validate_structured
+from engine.structured_spec import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, check_request_id, problem, prompt_batch
 
 if TYPE_CHECKING:

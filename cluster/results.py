@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.llm import Completion
+from engine.completion import Completion
 from engine.logprobs import TokenLogprob
 
 

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from configs import ClusterConfig, load_config
+from engine.completion import Completion
 from engine.core import EngineCore
 from engine.logprobs import TokenLogprob
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.structured_output import validate_structured
+from engine.structured_spec import validate_structured
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.validation import ValidatedPrompt, prompt_batch, validate_prompt
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One finished request: its text, the generated token ids and why it stopped; with the
-    sampling's ``logprobs`` one ``TokenLogprob`` per generated token, with ``prompt_logprobs``
-    one per prompt token (None for the first), else None."""
-
-    prompt: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:

@@ -1,5 +1,5 @@
 """What structured output can enforce: the JSON schema keywords and regex features the grammar
-(xgrammar 0.2.9, ``engine.structured_output``) turns into a constraint, and a check that finds
+(xgrammar 0.2.9, ``engine.structured_spec``) turns into a constraint, and a check that finds
 the first one in a schema or pattern that it cannot. Pure Python (no xgrammar, no torch), so
 the HTTP edge refuses such a request with a 400 naming the keyword's path before it reaches a
 worker.

@@ -30,7 +30,7 @@ from typing import Any
 from cluster.api import Cluster, ClusterCompletion, Delta
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured_output import validate_structured
+from engine.structured_spec import validate_structured
 from engine.validation import InvalidRequestError, ValidatedPrompt, in_vocabulary, leaves_room
 from serving.errors import APIError, bad_request, error_body, leading_field, model_not_found
 from serving.logprob_format import (
@@ -547,7 +547,7 @@ def usage(prepared: Prepared, completions: dict[int, ClusterCompletion]) -> dict
 
 def _check_structured(structured: StructuredOutput, param: str) -> None:
     """The grammar behind a structured-output field compiles; 400 naming ``param`` otherwise
-    (``engine.structured_output.validate_structured``; the client never sees a ``spec`` field)."""
+    (``engine.structured_spec.validate_structured``; the client never sees a ``spec`` field)."""
     try:
         validate_structured(structured, param)
     except InvalidRequestError as exc:

@@ -16,7 +16,8 @@ from configs import load_config
 from engine.core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured_output import StructuredOutputs, validate_structured
+from engine.structured_output import StructuredOutputs
+from engine.structured_spec import validate_structured
 from engine.tokenizer import ByteTokenizer, load_tokenizer
 from engine.validation import InvalidRequestError
 
