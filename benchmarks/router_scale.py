@@ -37,36 +37,40 @@ device's evicted blocks offloaded there, the oldest dropped, promoted back on a 
 its event; the oracle reads both tiers) and a reported promote cost, so that decisions predict
 over both tiers (``HolderMaps.tiered``); reported per W as ``decisions_per_s_host_tier``,
 ``p50_us_host_tier``, ``p99_us_host_tier``, ``wall_p99_us_host_tier``, ``hit_rate_host_tier``
-and ``accuracy_host_tier`` (the fastest of ``--repeats`` runs). Measured 2026-11-29 on the shared
-2-core machine (other tenants busy), W = 256, 4,000 decisions, 2 repeats: tier-less 39,445
-decisions/s, p99 65.8 us; host tier 16,627 decisions/s, p50 48.9 us, p99 195.6 us, hit rate
-0.8829 (tier-less 0.8704), equal to the Python core's (5,395 decisions/s), accuracy 1.0. The
-tiered walk itself (``PrefixIndex._predict_tiered``) costs about 13 us at p50 of that (it read
-the host map at every block before: 24 us, 9,955 decisions/s); the rest of the gap to the
-tier-less decision is the policy's pricing of host hits outside the walk. Since then the tiered
-walk reads the first group's host map only at the positions the device walk recorded as value
-changes (it read every position's device entry to find them): its own work after a walk about
-0.3 us instead of 1.1 (warm, W = 256). 2026-11-29 08:42-08:45, the machine's load average 10-12,
-W = 256, 4,000 decisions, 3 repeats, before / after: host tier 13,341 / 16,249 decisions/s, p99
-251.8 / 214.7 us (tier-less 22,145 / 20,635 in the same runs), hit rate 0.8829 both, equal to the
-Python core's. Each decision replayed alone six times, its least time (2026-11-29 08:36): host
-tier 21.2-21.5 us mean (46.6-47.2k decisions/s), tier-less 16.1-17.7 us (56-62k).
-Since then a decision with host tiers makes one call into the maps (``HolderMaps.predict_tiered``:
-the walk, then the walk over both tiers, the failing workers with a host tier picked in C, no
+and ``accuracy_host_tier`` (the fastest of ``--repeats`` runs), and kvfleet's host-tier router
+replayed alone like the tier-less one (``alone_decisions_per_s_host_tier``,
+``alone_p50_us_host_tier``, ``alone_p99_us_host_tier``; ``alone_replay_mismatches*``: decisions
+a replay made otherwise, 0). Measured 2026-11-29 on the shared 2-core machine (other tenants
+busy), W = 256, 4,000 decisions, 2 repeats: tier-less 39,445 decisions/s, p99 65.8 us; host tier
+16,627 decisions/s, p50 48.9 us, p99 195.6 us, hit rate 0.8829 (tier-less 0.8704), equal to the
+Python core's (5,395 decisions/s), accuracy 1.0. The tiered walk itself
+(``PrefixIndex._predict_tiered``) costs about 13 us at p50 of that (it read the host map at
+every block before: 24 us, 9,955 decisions/s); the rest of the gap to the tier-less decision is
+the policy's pricing of host hits outside the walk. Since then the tiered walk reads the first
+group's host map only at the positions the device walk recorded as value changes (it read every
+position's device entry to find them): its own work after a walk about 0.3 us instead of 1.1
+(warm, W = 256). 2026-11-29 08:42-08:45, the machine's load average 10-12, W = 256, 4,000
+decisions, 3 repeats, before / after: host tier 13,341 / 16,249 decisions/s, p99 251.8 / 214.7
+us (tier-less 22,145 / 20,635 in the same runs), hit rate 0.8829 both, equal to the Python
+core's. Each decision replayed alone six times, its least time (2026-11-29 08:36): host tier
+21.2-21.5 us mean (46.6-47.2k decisions/s), tier-less 16.1-17.7 us (56-62k). Since then a
+decision with host tiers makes one call into the maps (``HolderMaps.predict_tiered``: the walk,
+then the walk over both tiers, the failing workers with a host tier picked in C, no
 ``_predict_tiered`` frame), and the host tiers live in holder maps of the device maps' kind
-(``HostMaps``: in the compiled table, hashes inline; the index with host tiers 6.4 MB, was 11.3).
-2026-11-29 12:23-12:32, load average 20-29 (other tenants' tests), W = 256, 4,000 decisions, 2
-repeats, before / after, two interleaved runs each: host tier 14,881 / 14,305 and 14,816 /
-17,584 decisions/s, p99 219.4 / 205.2 and 218.4 / 186.7 us (tier-less 26,189 / 24,039 and 28,272
-/ 19,882 in the same runs), hit rate 0.8829 in all, equal to the Python core's, accuracy 1.0:
-within the machine's noise. The host-tier decision's own CPU work is small: warm (each of 200
-requests run 30 times, the least time), W = 256, the walk alone (``HolderMaps.predict``) 2.5 us
-at p50, with the walk over both tiers in the same call 3.1 us, ``predict_partial`` 4.0 us; per
-decision the first group's holder value changes at about 2 positions (so 2 host lookups), and
-the walk over both tiers meets a worker in 2.5 % of decisions. The rest of the live time is
-cache misses: between two decisions the simulated fleet's work and the events absorbed evict
-the router's table and objects, and the host tiers' events add to what is touched (runs whose
-router ignores them, same trace, at load 10-14: between the two, inconclusive at that noise).
+(``HostMaps``: in the compiled table, hashes inline; the index with host tiers 6.4 MB, was
+11.3). 2026-11-29 12:23-12:32, load average 20-29 (other tenants' tests), W = 256, 4,000
+decisions, 2 repeats, before / after, two interleaved runs each: host tier 14,881 / 14,305 and
+14,816 / 17,584 decisions/s, p99 219.4 / 205.2 and 218.4 / 186.7 us (tier-less 26,189 / 24,039
+and 28,272 / 19,882 in the same runs), hit rate 0.8829 in all, equal to the Python core's,
+accuracy 1.0: within the machine's noise. The host-tier decision's own CPU work is small: warm
+(each of 200 requests run 30 times, the least time), W = 256, the walk alone
+(``HolderMaps.predict``) 2.5 us at p50, with the walk over both tiers in the same call 3.1 us,
+``predict_partial`` 4.0 us; per decision the first group's holder value changes at about 2
+positions (so 2 host lookups), and the walk over both tiers meets a worker in 2.5 % of
+decisions. The rest of the live time is cache misses: between two decisions the simulated
+fleet's work and the events absorbed evict the router's table and objects, and the host tiers'
+events add to what is touched (runs whose router ignores them, same trace, at load 10-14:
+between the two, inconclusive at that noise).
 
 Router replicas (``--replicas``, at ``--replica-workers``): N copies of kvfleet's policy, each
 fed every event and load report, each request routed by the copy its first block's hash picks (one
@@ -233,6 +237,8 @@ class Result:
                     "alone_decisions_per_s": round(len(alone) / (sum(alone) / 1e9)),
                     "alone_p50_us": round(statistics.median(alone) / 1e3, 1),
                     "alone_p99_us": round(alone[int(0.99 * (len(alone) - 1))] / 1e3, 1),
+                    # decisions the replays made otherwise than the live run (0: the same router)
+                    "alone_replay_mismatches": self.replay_mismatches,
                 }
                 if alone
                 else {}
@@ -518,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                     gc.collect()
                 best = max(tiered, key=lambda r: r["decisions_per_s"])
                 summary.update({f"{k}_host_tier": best[k] for k in HOST_TIER_KEYS})
+                if router == "kvfleet":  # the host-tier router replayed alone, as above
+                    alone = run(args, workers, router, 1, args.replays, host=args.host_tier).summary()
+                    summary.update({f"{k}_host_tier": v for k, v in alone.items() if k.startswith("alone_")})
+                    gc.collect()
             summaries[router][workers] = summary
     for router in args.routers:
         for workers, s in summaries[router].items():
@@ -534,11 +544,13 @@ def main(argv: list[str] | None = None) -> int:
             "alone_decisions_per_s",
             "alone_p50_us",
             "alone_p99_us",
+            "alone_replay_mismatches",
             "events_per_s",
             "index_mb",
             "hit_rate",
             "accuracy",
             *(f"{k}_host_tier" for k in HOST_TIER_KEYS),
+            *(f"alone_{k}_host_tier" for k in ("decisions_per_s", "p50_us", "p99_us", "replay_mismatches")),
         )
         out: dict[str, object] = {k: {str(w): s[k] for w, s in rows.items() if k in s} for k in keys}
         out = {k: v for k, v in out.items() if v}
