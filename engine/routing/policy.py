@@ -77,7 +77,7 @@ remote-prefill rule: Mamba groups do not veto the attention groups' hit, as thei
 with the transfer (docs/architecture.md, "The hybrid KV cache"). A one-token request
 (``RouteRequest.max_tokens`` 1, no pin) has nothing to decode: it runs whole (``one_token``) on
 the cheapest worker of either role, placed as an aggregated request is, so an idle prefill
-worker serves it too.
+worker serves it too (``decode_only_threshold_tokens`` 0 splits every request, one-token ones too).
 
 Cost of ``route`` (aggregated workers): one index walk O(prefix blocks + holders met), a cost per
 worker with a prefix, and the least loaded other worker from the load order (``LoadOrder``, a heap
@@ -310,7 +310,7 @@ class RoutingPolicy(PlacementPolicy):
         host: dict[WorkerId, int],
     ) -> Decision:
         num_tokens = request.num_tokens
-        if request.max_tokens == 1 and pin is None:
+        if request.max_tokens == 1 and pin is None and self.config.decode_only_threshold_tokens > 0:
             return self._one_token_decision(hits, shared, ahead, host, num_tokens)
         decoders = self._candidates("decode")
         self._require(decoders, "decode")

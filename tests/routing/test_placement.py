@@ -280,6 +280,11 @@ def test_a_one_token_request_runs_whole_on_the_cheapest_worker_of_either_role() 
     policy.update_load("d0", WorkerLoad())
     policy.update_load("p0", WorkerLoad(queued_tokens=600.0, running_requests=8))  # now p0 is the busy one
     assert policy.route(RouteRequest("f", hashes, len(prompt), 1)).decode_worker == "d0"
+    split = RoutingPolicy(GROUPS, router_config(decode_only_threshold_tokens=0))  # every request split
+    split.add_worker("p0", role="prefill")
+    split.add_worker("d0", role="decode")
+    always = split.route(RouteRequest("g", block_hashes(fresh, 4), len(fresh), 1))
+    assert (always.prefill_worker, always.decode_worker) == ("p0", "d0")
 
 
 def test_a_decode_worker_holding_the_prompt_runs_it_whole_though_another_was_chosen_to_decode() -> None:
