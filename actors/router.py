@@ -202,11 +202,14 @@ class Router:
             self._execute(self.pin_policy.pin_result(worker_id, pin_id, pinned_tokens, time.monotonic(), seq))
 
     # -- placement ---------------------------------------------------------------------------------
-    def route(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> Decision:
-        """Where ``request_id`` runs: its prefill and decode workers and the predicted hit."""
+    def route(
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, max_tokens: int | None = None
+    ) -> Decision:
+        """Where ``request_id`` runs: its prefill and decode workers and the predicted hit
+        (``max_tokens``: the request's, when the caller gives it; ``RouteRequest``)."""
         now = time.monotonic()
         self._maybe_tick(now)
-        decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens), now)
+        decision = self.policy.route(RouteRequest(request_id, block_hashes, num_tokens, max_tokens), now)
         self.routed += 1
         self.reasons[decision.reason] += 1
         self.outcomes.record(decision)
@@ -233,10 +236,10 @@ class Router:
             self.metrics.record_request_routed(num_tokens, predicted, disaggregated=split, given_up_tokens=given_up)
         return decision
 
-    def route_many(self, requests: list[tuple[str, list[bytes], int]]) -> list[Decision]:
-        """``route`` for each of several requests (id, block hashes, tokens), in order: a driver's
-        requests that came while its previous call was in flight (``cluster.route_batch``)."""
-        return [self.route(request_id, hashes, num_tokens) for request_id, hashes, num_tokens in requests]
+    def route_many(self, requests: list[tuple[str, list[bytes], int, int | None]]) -> list[Decision]:
+        """``route`` for each of several requests (id, block hashes, tokens, max_tokens), in order:
+        a driver's requests that came while its previous call was in flight (``cluster.route_batch``)."""
+        return [self.route(*request) for request in requests]
 
     def finished(self, requests: list[tuple[float, int, bool]]) -> None:
         """A driver reports the ends of its requests, batched (for the router's metrics): per

@@ -68,6 +68,30 @@ requests/s at 16 (driver 40.1 / 79.4 ms, 58.2 / 37.9 requests/s). After: at load
 requests/s (driver 24.5 ms, 142.0/s; ``breakdown_c1`` route 5.0, queue 4.0, prefill 12.4, first
 token 3.5 ms). No errors in any run. The HTTP path at 16 and 64 still falls far behind the
 driver (the ingress replica is one more process at nice 15 on two cores).
+
+What slowed the one-token path since the issue was filed (HTTP p50 17.6 ms at 1 then): the
+token-bucket step of prefill and mixed steps (``engine/model/mixed_step.py``), which on the CPU
+padded every such step to a multiple of 16 tokens with a pad chunk. This benchmark's 24-token
+prompt hits 20 cached tokens, so each request's step computes 4 tokens: padded, it ran 16 tokens
+and two chunks (1877 aten ops a step against 1499, torch profiler, in-process ``EngineCore``).
+Paired on the driver API (150 requests, back to back, load average 5 to 8): the eager step
+(``model.cuda_graphs=false``, the path before the token-bucket step) against the padded one gave
+a prefill hop of 10.8 / 7.6 ms against 13.1 / 10.5, p50 at 1 of 23.1 / 18.6 ms against 27.3 /
+21.6, 142 / 174 requests/s at 16 against 124 / 146. An uncaptured step now runs unpadded. And at
+16 every request ran whole on decode-0 while prefill-0 idled: a one-token request now runs whole
+on the cheapest worker of either role (``one_token``, ``engine/routing/policy.py``; the driver
+sends ``max_tokens`` with the route). This benchmark, main then this change, back to back (load
+average 5 to 7): HTTP p50 at 1 33.4 -> 30.7 ms, 43.6 -> 47.2 requests/s at 16; driver 33.0 ->
+24.1 ms, 51.2 -> 104.5 requests/s; prefill hop 14.2 -> 11.7 ms; no errors.
+
+The floor on this machine (why 8 ms at 1 and 300 requests/s at 16 are out of reach here): a bare
+Ray async actor round trip from an asyncio driver is 2.7 ms p50, and one actor answers 602 calls/s
+to 16 concurrent callers; a request makes two such calls (the router, the worker), so the driver's
+Ray calls alone cap it near 300 requests/s with no engine, router or HTTP work on the same two
+cores. The tiny model's engine step for a 4-token chunk is 4 to 5 ms at best in-process (1500
+aten ops of a few microseconds each; 25 RMS norms at about 45 us each, ``F.rms_norm`` on the CPU
+being a composite of eight ops), and 10 to 12 ms in the worker, which shares the cores with the
+driver, the router and Ray's threads. Two round trips and one step: about 10 ms at best.
 """
 
 from __future__ import annotations

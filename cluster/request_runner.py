@@ -437,7 +437,8 @@ class RequestRunner:
         # no hit predicted for it
         scores_prompt = request.sampling.prompt_logprobs is not None and not sent_ids
         hashes = [] if scores_prompt else block_hashes(ids, model.hash_block_size, request.prompt.cache_salt)
-        decision = await self._route(request, hashes, len(ids))
+        # the tokens still to generate: a one-token request may run whole on any worker (``RouteRequest``)
+        decision = await self._route(request, hashes, len(ids), request.sampling.max_tokens - len(sent_ids))
         prefill_id, decode_id = str(decision.prefill_worker), str(decision.decode_worker)
         whole = len(ids) < 2 or bool(sent_ids) or request.sampling.prompt_logprobs is not None
         if prefill_id != decode_id and whole:  # one token cannot be split; the others run whole on D
@@ -559,28 +560,32 @@ class RequestRunner:
             migrations=output.migrations,
         )
 
-    async def _route(self, request: ClusterRequest, hashes: list[bytes], num_tokens: int) -> Decision:
+    async def _route(
+        self, request: ClusterRequest, hashes: list[bytes], num_tokens: int, max_tokens: int | None = None
+    ) -> Decision:
         """Where this attempt runs: the router's decision; for a first attempt with a
         ``share_placement`` key, the decision of the key's first request (``SharedPlacements``).
         A retry or a migration asks the router itself (the shared placement lost a worker)."""
         key = request.share_placement
         if key is None or request.attempt:
-            return await self._ask_router(request.engine_id, hashes, num_tokens)
+            return await self._ask_router(request.engine_id, hashes, num_tokens, max_tokens)
         future, decides = self._placements.claim(key)
         if not decides:
             try:  # shielded: a follower's cancellation must not cancel the key's decision
                 return await asyncio.shield(asyncio.wrap_future(future))
             except NoSharedDecision:
-                return await self._route(request, hashes, num_tokens)  # this one may decide now
+                return await self._route(request, hashes, num_tokens, max_tokens)  # this one may decide now
         try:
-            decision = await self._ask_router(request.engine_id, hashes, num_tokens)
+            decision = await self._ask_router(request.engine_id, hashes, num_tokens, max_tokens)
         except BaseException:
             self._placements.abandon(future)
             raise
         self._placements.decided(future, decision)
         return decision
 
-    async def _ask_router(self, request_id: str, hashes: list[bytes], num_tokens: int) -> Decision:
+    async def _ask_router(
+        self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int | None = None
+    ) -> Decision:
         """The decision of the router replica the prompt's first block picks, else of the next
         replica that answers (``Supervisor.route_order``), or (every replica restarting, no
         workers registered yet) the supervisor's fallback."""
@@ -590,7 +595,7 @@ class RequestRunner:
         for router in supervisor.route_order(hashes):
             try:
                 return await asyncio.wait_for(
-                    self._routes.route(router, request_id, hashes, num_tokens),
+                    self._routes.route(router, request_id, hashes, num_tokens, max_tokens),
                     self.config.workers.health_check_timeout_s,
                 )
             except (RayActorError, RayTaskError, TimeoutError) as exc:

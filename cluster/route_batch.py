@@ -15,8 +15,8 @@ from cluster.handles import RouterHandle
 if TYPE_CHECKING:
     from engine.routing import Decision
 
-#: one request to route: its id, its prompt's block hashes, its token count
-RouteArgs = tuple[str, list[bytes], int]
+#: one request to route: its id, its prompt's block hashes, its token count, its max_tokens
+RouteArgs = tuple[str, list[bytes], int, int | None]
 
 
 class RouteBatcher:
@@ -34,12 +34,17 @@ class RouteBatcher:
         self._sending: dict[int, asyncio.Task[None]] = {}
 
     async def route(
-        self, router: RouterHandle, request_id: str, block_hashes: list[bytes], num_tokens: int
+        self,
+        router: RouterHandle,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_tokens: int,
+        max_tokens: int | None = None,
     ) -> Decision:
         """``router``'s decision for this request (the router's error when its call fails)."""
         key = id(router)
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(key, []).append(((request_id, block_hashes, num_tokens), future))
+        self._waiting.setdefault(key, []).append(((request_id, block_hashes, num_tokens, max_tokens), future))
         if key not in self._sending:
             self._sending[key] = asyncio.ensure_future(self._send(key, router))
         return await future

@@ -3,7 +3,8 @@ replayed on CUDA as piecewise graphs split at the mixers.
 
 A step the decode step does not take (``engine.model.decode_step``: any step with a prompt chunk)
 is padded to a *token bucket* (on CUDA 16, 32, 64 ... 1024, then every 1024; on the CPU, which
-captures nothing, every multiple of 16; and the scheduler's ``max_num_batched_tokens``): its
+captures nothing, every multiple of 16; and the scheduler's ``max_num_batched_tokens``) when that
+bucket replays a captured graph: its
 input ids and positions go into fixed buffers (one host staging buffer, pinned on CUDA, uploaded
 by one non-blocking copy; on the CPU the forward reads the staging buffer itself), and the tokens
 past the step's are one *pad chunk*: token 0 at positions ``0 ..`` in every group's null block
@@ -21,9 +22,13 @@ a piece computed from the static positions) lives at addresses the graphs own; i
 fixed tensor the next piece reads. A replay is: piece 0, then for each mixer its eager call on
 those same inputs with the live step's ``ForwardBatch``, its result copied into its fixed output,
 then the next piece. Dense work (embedding, norms, MLPs, residuals, the final norm) is replayed;
-the mixers, whose shapes depend on the chunk structure, run eagerly. On the CPU the same padded
-step runs eagerly from the fixed buffers, so CI exercises the buckets, the padding and the
-metadata. A capture that fails leaves every step uncaptured (``drop_graphs``), served still.
+the mixers, whose shapes depend on the chunk structure, run eagerly. Uncaptured (on the CPU, or
+after a failed capture: ``drop_graphs`` leaves every step so, served still) a step runs eagerly
+from the same fixed buffers and metadata builder but is not padded: padding buys nothing without
+a graph, and on the tiny CPU presets the pad chunk made a short prompt's step a quarter dearer
+(its tokens, and a second chunk in every group's metadata and every attention call).
+``pad_uncaptured`` pads those steps too, so tests on the CPU exercise the buckets, the pad chunk
+and its metadata.
 """
 
 from __future__ import annotations
@@ -264,6 +269,8 @@ class MixedStep:
         self._uploaded: torch.cuda.Event | None = None  # the last upload (CUDA): done before a rewrite
         self._graphs: dict[int, PiecewiseGraph] = {}
         self._outputs: list[torch.Tensor] = []  # each mixer's output buffer, shared by the buckets
+        #: pad a step to its bucket even where no graph replays it (tests: the padding on the CPU)
+        self.pad_uncaptured = False
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -289,12 +296,16 @@ class MixedStep:
         self, chunks: Sequence[StepChunk], previous_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ForwardBatch]:
         """The hidden states of ``chunks``' tokens (rows in chunk order; ``accepts`` must hold
-        for their total) and the padded step's ForwardBatch (its chunks past ``len(chunks)``,
-        the pad chunk, sample nothing). ``previous_ids``: the sampled ids (on the device) of the
-        launched step before, which the chunks' placeholder tokens (``placeholder_id``) name;
-        they are read there after the upload (``resolve_placeholders``)."""
+        for their total) and the step's ForwardBatch: padded to its bucket where that bucket's
+        graph replays it (or ``pad_uncaptured``; its chunks past ``len(chunks)``, the pad chunk,
+        sample nothing), else over the chunks alone. ``previous_ids``: the sampled ids (on the
+        device) of the launched step before, which the chunks' placeholder tokens
+        (``placeholder_id``) name; they are read there after the upload (``resolve_placeholders``)."""
         count = sum(chunk.num_tokens for chunk in chunks)
         size = self.bucket(count)
+        graph = self._graphs.get(size)
+        if graph is None and not self.pad_uncaptured:
+            size = count
         padded: list[StepChunk] = list(chunks)
         if size > count:
             padded.append(self.pad_chunk(size - count))
@@ -302,7 +313,6 @@ class MixedStep:
         if previous_ids is not None:
             resolve_placeholders(ids[:count], previous_ids)
         batch = self.index(padded, ids, positions)
-        graph = self._graphs.get(size)
         hidden = graph.replay(batch) if graph is not None else self.forward(batch)
         return hidden[:count], batch
 

@@ -74,7 +74,10 @@ tokens' (``decode_local``): first requests of new prefixes arriving together spr
 worker instead of queueing two to a prefill worker, while an idle prefill pool keeps every long
 prefill. The decode worker's transfer hit uses the
 remote-prefill rule: Mamba groups do not veto the attention groups' hit, as their state arrives
-with the transfer (docs/architecture.md, "The hybrid KV cache").
+with the transfer (docs/architecture.md, "The hybrid KV cache"). A one-token request
+(``RouteRequest.max_tokens`` 1, no pin) has nothing to decode: it runs whole (``one_token``) on
+the cheapest worker of either role, placed as an aggregated request is, so an idle prefill
+worker serves it too (``decode_only_threshold_tokens`` 0 splits every request, one-token ones too).
 
 Cost of ``route`` (aggregated workers): one index walk O(prefix blocks + holders met), a cost per
 worker with a prefix, and the least loaded other worker from the load order (``LoadOrder``, a heap
@@ -307,6 +310,8 @@ class RoutingPolicy(PlacementPolicy):
         host: dict[WorkerId, int],
     ) -> Decision:
         num_tokens = request.num_tokens
+        if request.max_tokens == 1 and pin is None and self.config.decode_only_threshold_tokens > 0:
+            return self._one_token_decision(hits, shared, ahead, host, num_tokens)
         decoders = self._candidates("decode")
         self._require(decoders, "decode")
         remote_hits = hits
@@ -342,6 +347,23 @@ class RoutingPolicy(PlacementPolicy):
             best,
             predicted_host,
         )
+
+    def _one_token_decision(
+        self,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int],
+        ahead: dict[WorkerId, int],
+        host: dict[WorkerId, int],
+        n: int,
+    ) -> Decision:
+        """A one-token request (``RouteRequest.max_tokens`` 1, no pin): its token is sampled by
+        its prefill, so a split would move KV for nothing; it runs whole ("one_token") on the
+        cheapest worker of either role (``_pick`` over the whole pool at the miss weight, as an
+        aggregated request is placed), so an idle prefill worker serves it too."""
+        worker, _ = self._pick(self._pool, hits, n, None, self.w_miss, shared, ahead=ahead, host=host)
+        local = hits.get(worker, 0)
+        best = max(hits.values(), default=0)
+        return Decision(worker, worker, local, n, "one_token", None, local, best, host.get(worker, 0))
 
     def _whole_decision(
         self, worker: WorkerId, hits: dict[WorkerId, int], host: dict[WorkerId, int], n: int, pin_id: int | None

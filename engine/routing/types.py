@@ -28,11 +28,14 @@ Role = Literal["both", "prefill", "decode"]
 @dataclass(frozen=True)
 class RouteRequest:
     """What the router needs of a request: its chained block hashes (computed once at the ingress,
-    at the coordinator's hash granularity) and its token count."""
+    at the coordinator's hash granularity), its token count and, where the caller knows it, its
+    ``max_tokens`` (None: unknown; a one-token request has nothing to decode, so a policy with
+    dedicated prefill workers may run it whole on a worker of either role)."""
 
     request_id: str
     block_hashes: list[bytes]
     num_tokens: int
+    max_tokens: int | None = None
 
 
 @dataclass

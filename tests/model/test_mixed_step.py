@@ -42,8 +42,8 @@ def short_mix(vocab: int, count: int = 8) -> list[tuple[list[int], int]]:
 
 
 class MixedSpy:
-    """Counts the mixed step's runs: all, padded ones, and those holding both a prompt chunk and
-    a decode (one token past the prompt)."""
+    """Counts the mixed step's runs: all, padded ones (a pad chunk in the step's batch), and those
+    holding both a prompt chunk and a decode (one token past the prompt)."""
 
     def __init__(self, step: MixedStep):
         self.runs = self.padded = self.mixed = 0
@@ -51,10 +51,10 @@ class MixedSpy:
 
         def counted(chunks: Sequence[StepChunk]):
             self.runs += 1
-            count = sum(c.num_tokens for c in chunks)
-            self.padded += step.bucket(count) > count
             self.mixed += any(c.num_tokens > 1 for c in chunks) and any(c.num_tokens == 1 for c in chunks)
-            return inner(chunks)
+            hidden, batch = inner(chunks)
+            self.padded += len(batch.chunks) > len(chunks)
+            return hidden, batch
 
         step.run = counted  # type: ignore[method-assign]
 
@@ -75,7 +75,8 @@ def test_buckets_cover_every_step_size() -> None:
 def test_mixed_steps_run_static_and_give_the_eager_tokens(preset: str, device: str) -> None:
     """The short issue-4 mix: no step takes the eager forward (``eager_steps`` 0, in the engine's
     stats too), prefill + decode steps are among the static ones, some padded, and the greedy
-    tokens are the eager engine's; on CUDA the steps replay captured pieces."""
+    tokens are the eager engine's; on CUDA the steps replay captured pieces (uncaptured steps are
+    padded here too, ``pad_uncaptured``, so the CPU runs the buckets and the pad chunk)."""
     eager = engine(preset, False, device)
     assert eager.runner.mixed is None
     static = engine(preset, True, device)
@@ -87,6 +88,7 @@ def test_mixed_steps_run_static_and_give_the_eager_tokens(preset: str, device: s
         assert mixed.capture_seconds > 0 and mixed.capture_bytes >= 0
     else:
         assert not mixed.captured
+        mixed.pad_uncaptured = True
     spy = MixedSpy(mixed)
     requests = short_mix(eager.info.arch.vocab_size)
     want = run(eager, requests)
@@ -104,6 +106,7 @@ def test_pad_chunk_writes_only_null_blocks() -> None:
     core = engine("tiny-hybrid", True, "cpu")
     mixed = core.runner.mixed
     assert mixed is not None
+    mixed.pad_uncaptured = True  # the CPU captures nothing: pad as a replayed bucket is
     vocab = core.info.arch.vocab_size
     prompts = [p for p, _ in short_mix(vocab, 3)]
     for i, prompt in enumerate(prompts[:2]):
@@ -133,6 +136,30 @@ def test_pad_chunk_writes_only_null_blocks() -> None:
         null_written.append(0 in changed)
     # the pad chunk went through the cache (a layer fed token 0's zero embedding may write zeros)
     assert any(null_written)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_uncaptured_steps_are_not_padded(preset: str) -> None:
+    """Where no graph replays a bucket (the CPU), a step runs over its own chunks alone: no pad
+    chunk in its batch, its rows the tokens it has, and the eager engine's greedy tokens."""
+    eager, static = engine(preset, False, "cpu"), engine(preset, True, "cpu")
+    mixed = static.runner.mixed
+    assert mixed is not None and not mixed.captured and not mixed.pad_uncaptured
+    spy = MixedSpy(mixed)
+    sizes: list[tuple[int, int]] = []
+    inner = mixed.run
+
+    def sized(chunks: Sequence[StepChunk]):
+        hidden, batch = inner(chunks)
+        sizes.append((sum(c.num_tokens for c in chunks), int(batch.input_ids.numel())))
+        return hidden, batch
+
+    mixed.run = sized  # type: ignore[method-assign]
+    requests = short_mix(eager.info.arch.vocab_size)
+    assert run(static, requests) == run(eager, requests)
+    assert spy.runs > 0 and spy.padded == 0 and static.runner.eager_steps == 0
+    assert sizes and all(count == rows for count, rows in sizes)
+    assert any(mixed.bucket(count) > count for count, _ in sizes)  # steps a capture would have padded
 
 
 def test_steps_larger_than_every_bucket_run_eagerly() -> None:

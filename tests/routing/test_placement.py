@@ -255,6 +255,38 @@ def test_a_decode_worker_prefills_a_long_prompt_only_while_the_prefill_pool_is_c
     assert loaded_decode.route(request("e", fresh)).prefill_worker == "p0"
 
 
+def test_a_one_token_request_runs_whole_on_the_cheapest_worker_of_either_role() -> None:
+    """``max_tokens`` 1 (``RouteRequest.max_tokens``): nothing to decode, so no split; it runs whole
+    (``one_token``) where it costs least, an idle prefill worker included. Without ``max_tokens``
+    or with more than one, the P/D rules stand."""
+    policy = RoutingPolicy(GROUPS, router_config(decode_only_threshold_tokens=64))
+    policy.add_worker("p0", role="prefill")
+    policy.add_worker("d0", role="decode")
+    cache(policy, "p0", PREFIX)
+    cache(policy, "d0", PREFIX)
+    prompt = PREFIX + list(range(500, 520))
+    hashes = block_hashes(prompt, 4)
+    idle_prefill = policy.route(RouteRequest("a", hashes, len(prompt)))
+    assert (idle_prefill.prefill_worker, idle_prefill.decode_worker, idle_prefill.reason) == ("d0", "d0", "decode_only")
+    policy.update_load("d0", WorkerLoad(queued_tokens=300.0, running_requests=8))  # d0 busy, p0 idle
+    one = policy.route(RouteRequest("b", hashes, len(prompt), 1))
+    assert (one.prefill_worker, one.decode_worker, one.reason) == ("p0", "p0", "one_token")
+    assert one.predicted_hit == one.predicted_decode_hit == 200
+    assert policy.route(RouteRequest("c", hashes, len(prompt), 2)).decode_worker == "d0"
+    fresh = list(range(1000, 1272))  # 272 tokens nobody holds: a split without max_tokens 1
+    assert policy.route(RouteRequest("d", block_hashes(fresh, 4), len(fresh))).prefill_worker == "p0"
+    whole = policy.route(RouteRequest("e", block_hashes(fresh, 4), len(fresh), 1))
+    assert whole.prefill_worker == whole.decode_worker and whole.reason == "one_token"
+    policy.update_load("d0", WorkerLoad())
+    policy.update_load("p0", WorkerLoad(queued_tokens=600.0, running_requests=8))  # now p0 is the busy one
+    assert policy.route(RouteRequest("f", hashes, len(prompt), 1)).decode_worker == "d0"
+    split = RoutingPolicy(GROUPS, router_config(decode_only_threshold_tokens=0))  # every request split
+    split.add_worker("p0", role="prefill")
+    split.add_worker("d0", role="decode")
+    always = split.route(RouteRequest("g", block_hashes(fresh, 4), len(fresh), 1))
+    assert (always.prefill_worker, always.decode_worker) == ("p0", "d0")
+
+
 def test_a_decode_worker_holding_the_prompt_runs_it_whole_though_another_was_chosen_to_decode() -> None:
     """The decode worker is chosen for its load; when another decode worker holds all but
     ``decode_only_threshold_tokens`` of the prompt and running it whole there costs less than
