@@ -332,6 +332,12 @@ class RouterConfig(_Frozen):
     work_halflife_s: PositiveFloat = 10.0
     #: work of one request beyond its uncached prompt tokens (decode), in prefill-token equivalents
     request_work_tokens: NonNegativeFloat = 256.0
+    #: a prefix reused by fewer requests than this lately (each decaying with ``work_halflife_s``)
+    #: is a family of its own, such as one conversation's earlier turns: a holder over its share
+    #: keeps it, and its hit counts ``family_hit_weight`` more per token, for the copy a move
+    #: strands there (engine/routing/prefix_reuse.py; 0: every prefix is priced alike)
+    family_min_reuse: NonNegativeFloat = 2.0
+    family_hit_weight: NonNegativeFloat = 1.0
     #: a prefix routed to a worker counts as held there until the worker reports its blocks,
     #: for at most this long (0 turns it off)
     inflight_ttl_s: NonNegativeFloat = 30.0

@@ -27,6 +27,13 @@ Placement of one request with N tokens (aggregated workers, role "both")::
     pin       : if the request starts with a pinned prefix of length L, choose among the unguarded
                 workers not over their share with hit[w] >= L (its holders, or any worker that has
                 it) when there is one
+    family    : where the deepest prefix a worker holds of the prompt was reused by fewer than
+                family_min_reuse requests lately (``prefix_reuse.PrefixReuse``, half-life
+                work_halflife_s), the request is a family of its own (a conversation's next turn):
+                its hit is worth w_uncached + w_churn + family_hit_weight a token (a move leaves a
+                copy nobody reuses on the holder), the holder keeps that weight when over its
+                share and the instantaneous guard does not apply: that guard stops a stream of one
+                prefix's requests piling onto its holder, and such a family brings one at a time
     in flight : a worker the prompt's prefix was routed to and that has not reported those blocks
                 yet (it is still computing or pulling them) is credited with them (``inflight``):
                 a second request for a new prefix follows the first instead of computing it again
@@ -86,13 +93,14 @@ O(1), see ``load``): nothing loops over every worker. A pass over the workers re
 sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 The per-worker load state (time averages, work, load order) and the pick's argmin live in a
 ``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin,
-nothing pending, host-tier hits or not) is chosen, recorded and made a ``Decision`` by one call
+nothing pending, not a family of its own, host-tier hits or not) is chosen, recorded and made a ``Decision`` by one call
 into it (``LoadBook.place``), and ``_pick`` / ``_record`` below are the reference that call is
 tested against (tests/routing/test_core_parity.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -113,6 +121,7 @@ from engine.routing.load import (
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
+from engine.routing.prefix_reuse import PrefixReuse
 from engine.routing.routed import RoutedPrefixes
 from engine.routing.types import (
     Action,
@@ -165,6 +174,8 @@ class RoutingPolicy(PlacementPolicy):
         self.routed = RoutedPrefixes(self.rules, cfg.inflight_ttl_s)
         # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
         self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
+        # how often each cached prefix was reused lately (a family of its own or a popular prefix)
+        self.reuse = PrefixReuse(cfg.work_halflife_s)
 
     # -- membership and loads -------------------------------------------------------------------------
     def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
@@ -272,15 +283,17 @@ class RoutingPolicy(PlacementPolicy):
             workers = self._pool
             if not workers:
                 self._require(workers, "")
-            w_miss, w_spread = self._shortcut_weights
+            w_miss, w_spread, family = self._request_weights(hashes, hits, shared, now)
             decision = None
-            if pin is None:  # the book's whole-pool pick and record, where it can
+            if pin is None and not family:  # the book's whole-pool pick and record, where it can
                 pending_workers = pending.workers if pending is not None else ()
                 decision = self.book.place(
                     hits, shared, host, ahead, pending_workers, num_tokens, now, w_miss, w_spread
                 )
             if decision is None:
-                worker, reason = self._pick(workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host)
+                worker, reason = self._pick(
+                    workers, hits, num_tokens, pin, w_miss, shared, pending, ahead, host, w_spread, not family
+                )
                 pin_id = pin.pin_id if pin is not None else None
                 best = max(hits.values(), default=0)  # pending workers: a lower bound (never a false "below")
                 decision = Decision(
@@ -323,7 +336,19 @@ class RoutingPolicy(PlacementPolicy):
         if local_uncached < self.config.decode_only_threshold_tokens:
             return self._whole_decision(decode, hits, host, num_tokens, pin_id)
         prefillers = self._candidates("prefill")
-        prefill, reason = self._pick(prefillers, hits, num_tokens, pin, self.w_miss, shared, ahead=ahead, host=host)
+        w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, shared, self._now)
+        prefill, reason = self._pick(
+            prefillers,
+            hits,
+            num_tokens,
+            pin,
+            w_miss,
+            shared,
+            ahead=ahead,
+            host=host,
+            w_spread=w_spread,
+            guard=not family,
+        )
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
             return self._whole_decision(whole, hits, host, num_tokens, None)
@@ -433,6 +458,8 @@ class RoutingPolicy(PlacementPolicy):
         pending: Pending | None = None,
         ahead: dict[WorkerId, int] | None = None,
         host: dict[WorkerId, int] | None = None,
+        w_spread: float | None = None,
+        guard: bool = True,
     ) -> tuple[WorkerId, str]:
         """argmin cost over the workers the guards let through (pin holders first).
 
@@ -449,12 +476,17 @@ class RoutingPolicy(PlacementPolicy):
         could beat (or tie) the best cost are resolved exactly, so the result equals the fully
         resolved one. ``ahead``: tokens of the prompt routed to a worker and not yet reported
         (credited where they exceed what the index knows; the caller resolves ``pending`` first).
-        ``host``: the host tier's part of a worker's hit (``LoadBook.credit`` prices it)."""
+        ``host``: the host tier's part of a worker's hit (``LoadBook.credit`` prices it).
+        ``w_spread``: the weight a holder over its share keeps (None: the compute weight);
+        ``guard`` False: no worker is left out for its queue (a family of its own,
+        ``_request_weights``)."""
         book = self.book
         load_cost = book.load_cost
         whole = len(workers) == len(load_cost)
         among = load_cost if whole else set(workers)
         limit, slow, cap = self._guard(num_tokens, workers)
+        if not guard:
+            limit = math.inf
         queued = book.queued
         now = self._now
         credit = book.credit(hits, shared, host, ahead)
@@ -468,7 +500,8 @@ class RoutingPolicy(PlacementPolicy):
             if resident:
                 credit = {w: credit[w] for w in resident}
                 reason = "pin"
-        w_spread = min(w_uncached, self.weights.uncached_tokens)
+        if w_spread is None:
+            w_spread = min(w_uncached, self.weights.uncached_tokens)
         # the argmin over the workers with a prefix, then the load order's least loaded other
         # worker for the whole pool (``LoadBook.scan``); spread: holders over their share
         probes = len(credit) + LEAST_LOADED_PROBES if whole and reason != "pin" else -1
@@ -486,6 +519,26 @@ class RoutingPolicy(PlacementPolicy):
             return min(workers, key=lambda w: load_cost[w] - w_uncached * hits.get(w, 0)), "guard"
         choice = best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
         return choice, reason if reason == "pin" else reason_of(choice, hits, ahead, guarded, spread)
+
+    def _request_weights(
+        self, hashes: Sequence[bytes], hits: dict[WorkerId, int], shared: dict[WorkerId, int], now: float
+    ) -> tuple[float, float, bool]:
+        """The weight of an uncached token and the weight a holder over its share keeps, for this
+        request (``_pick``'s ``w_uncached`` and ``w_spread``), and whether it is a family of its
+        own. It is where the deepest prefix a worker holds of it was reused by fewer than
+        ``family_min_reuse`` requests lately (``reuse``): both weights are then ``w_miss +
+        family_hit_weight`` (its holder keeps it when over its share; the copy a move strands
+        there is charged) and the instantaneous guard does not apply (``_pick``'s ``guard``);
+        otherwise ``w_miss`` and the compute weight (the module docstring's rule)."""
+        w_miss, w_spread = self._shortcut_weights
+        cfg = self.config
+        if cfg.family_min_reuse <= 0 or not (hits or shared):
+            return w_miss, w_spread, False
+        count = self.reuse.reused(hashes, self.rules.hash_block_size, hits, shared, now)
+        if count == 0.0 or count >= cfg.family_min_reuse:
+            return w_miss, w_spread, False
+        weight = w_miss + cfg.family_hit_weight
+        return weight, weight, True
 
     def _least_loaded_scan(
         self,

@@ -112,7 +112,13 @@ def test_a_decision_is_a_guards_only_when_it_gave_up_a_longer_hit(core: str, mon
     from engine.routing.holder_maps import CORE_ENV
 
     monkeypatch.setenv(CORE_ENV, core)
-    knobs = {"imbalance_ratio": 1.0, "imbalance_slack_tokens": 0.0, "work_imbalance_ratio": 0.0}
+    # a popular prefix's rule (a family of its own is not guarded: test_prefix_reuse)
+    knobs = {
+        "imbalance_ratio": 1.0,
+        "imbalance_slack_tokens": 0.0,
+        "work_imbalance_ratio": 0.0,
+        "family_min_reuse": 0.0,
+    }
     policy = policy_with(3, **knobs)
     cache(policy, "w0", PREFIX)
     policy.update_load("w2", WorkerLoad(queued_tokens=50_000, running_requests=4))  # far over the mean
@@ -138,6 +144,7 @@ def test_instantaneous_guard_ignores_a_queue_within_the_slack() -> None:
             load_halflife_s=0.0,
             work_imbalance_ratio=0.0,
             imbalance_slack_tokens=slack,
+            family_min_reuse=0.0,  # a popular prefix's rule (a family of its own is not guarded)
         )
         cache(policy, "w0", PREFIX)
         policy.update_load("w0", WorkerLoad(queued_tokens=3000))  # limit 2 x 750 + 201 (+ slack)
@@ -373,7 +380,9 @@ def test_routing_with_lazy_resolution_picks_a_minimum_cost_worker() -> None:
     # which the costs below mirror (requests routed here never run, so nothing is in flight)
     policy = RoutingPolicy(
         groups_of(specs),
-        router_config(seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0),
+        router_config(
+            seed=1, work_imbalance_ratio=0.0, imbalance_slack_tokens=0.0, inflight_ttl_s=0.0, family_min_reuse=0.0
+        ),
     )
     for name in workers:
         policy.add_worker(name)

@@ -1,0 +1,66 @@
+"""How often each cached prefix is reused lately (``PrefixReuse``): what tells the routing policy
+whether a prefix family is popular enough that a second copy of it pays.
+
+A request *reuses* the deepest prefix of it some worker holds (the longest full-attention depth
+the index found, else the longest hit); that prefix is keyed by the hash of its last block. A
+prefix many requests reuse (a system prompt, a shared document) keeps its holder busy by itself,
+and a copy on a second worker serves the requests after it. A prefix only one request reuses (the
+previous turn of one conversation) is a family of its own: sending that request elsewhere loses
+its hit and helps nobody after it, as the family's next turn follows the new copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.routing.types import WorkerId
+
+
+class PrefixReuse:
+    """Per reused prefix (keyed by its last block's hash): how many requests reused it, each one
+    decaying with half-life ``halflife_s``.
+
+    Invariants: at most ``capacity`` prefixes are kept, the least recently reused dropped first
+    (``_counts`` is in order of last reuse); a count is what it was at ``_counts[key][1]``."""
+
+    def __init__(self, halflife_s: float, capacity: int = 1 << 16):
+        if halflife_s <= 0:
+            raise ValueError(f"halflife_s: must be > 0 (got {halflife_s})")
+        self.halflife_s = halflife_s
+        self.capacity = capacity
+        self._counts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (count, at)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def observe(self, key: bytes, now: float) -> float:
+        """Count one more reuse of the prefix ``key`` at ``now``; returns its count with it."""
+        counts = self._counts
+        old = counts.pop(key, None)
+        count = 1.0
+        if old is not None:
+            value, at = old
+            count += value * 0.5 ** (max(0.0, now - at) / self.halflife_s)
+        counts[key] = (count, max(now, old[1]) if old is not None else now)
+        if len(counts) > self.capacity:
+            counts.popitem(last=False)
+        return count
+
+    def reused(
+        self,
+        hashes: Sequence[bytes],
+        hash_block_size: int,
+        hits: dict[WorkerId, int],
+        shared: dict[WorkerId, int] | None,
+        now: float,
+    ) -> float:
+        """Count the reuse of the deepest prefix of ``hashes`` a worker holds (``shared``: the
+        full-attention depths, else ``hits``; tokens) and return its count; 0 where none does."""
+        depth = max(shared.values(), default=0) if shared else 0
+        if not depth:
+            depth = max(hits.values(), default=0)
+        blocks = min(depth // hash_block_size, len(hashes))
+        if blocks <= 0:
+            return 0.0
+        return self.observe(hashes[blocks - 1], now)
