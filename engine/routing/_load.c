@@ -996,8 +996,8 @@ static PyObject *Book_scan(Book *self, PyObject *const *args, Py_ssize_t nargs) 
  * asked (non-NULL) *hit: ``hits.get(choice, 0)`` and *top: ``max(hits.values(), default=0)``
  * (the first of equal values, as ``max`` keeps it), new references, from the one pass over
  * ``hits`` the reason needs. */
-static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyObject **why, PyObject **hit_out,
-                       PyObject **top_out) {
+static int choose_core(Book *self, PyObject *const *args, Py_ssize_t nargs, PyObject **chosen, PyObject **why,
+                       PyObject **hit_out, PyObject **top_out) {
     PyObject *hits = args[0], *shared = dict_or_null(args[1]), *host = dict_or_null(args[2]);
     PyObject *ahead = dict_or_null(args[3]), *pending = args[4];
     PyObject *randrange = self->randrange;
@@ -1010,8 +1010,13 @@ static int choose_core(Book *self, PyObject *const *args, PyObject **chosen, PyO
     Py_ssize_t extra = self->extra_probes;
     if (PyErr_Occurred())
         return -1;
+    int guard = nargs > 9 ? PyObject_IsTrue(args[9]) : 1; /* False: no instantaneous guard */
+    if (guard < 0)
+        return -1;
     double limit, slow, cap;
     thresholds_of(self, n, now, own_mean_queued(self), NULL, NULL, &limit, &slow, &cap);
+    if (!guard)
+        limit = Py_HUGE_VAL;
     PyObject *credit = credit_of(self, hits, shared, host, ahead);
     if (credit == NULL)
         return -1;
@@ -1104,13 +1109,13 @@ fail:
 }
 
 static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
+    if (nargs != 9 && nargs != 10) {
         PyErr_SetString(PyExc_TypeError,
-                        "choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)");
+                        "choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread, guard=True)");
         return NULL;
     }
     PyObject *choice, *why;
-    int rc = choose_core(self, args, &choice, &why, NULL, NULL);
+    int rc = choose_core(self, args, nargs, &choice, &why, NULL, NULL);
     if (rc < 0)
         return NULL;
     if (rc == 0)
@@ -1124,13 +1129,13 @@ static PyObject *Book_choose(Book *self, PyObject *const *args, Py_ssize_t nargs
  * the best hit ``max(hits.values(), default=0)``, the worker's host-tier hit from ``host``). None,
  * having changed nothing, where ``choose`` gives None. */
 static PyObject *Book_place(Book *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
+    if (nargs != 9 && nargs != 10) {
         PyErr_SetString(PyExc_TypeError,
-                        "place(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)");
+                        "place(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread, guard=True)");
         return NULL;
     }
     PyObject *choice, *why, *hit = NULL, *best = NULL;
-    int rc = choose_core(self, args, &choice, &why, &hit, &best);
+    int rc = choose_core(self, args, nargs, &choice, &why, &hit, &best);
     if (rc < 0)
         return NULL;
     if (rc == 0)

@@ -86,6 +86,7 @@ class LoadBook:
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
         /,
     ) -> tuple[Hashable, str] | None: ...
     def assign(self, worker: Hashable, uncached: int, now: float, /) -> None: ...
@@ -100,5 +101,6 @@ class LoadBook:
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
         /,
     ) -> Decision | None: ...

@@ -332,6 +332,7 @@ class LoadBook(Protocol):
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
     ) -> tuple[WorkerId, str] | None: ...
     def assign(self, worker: WorkerId, uncached: int, now: float) -> None: ...
     def place(
@@ -345,6 +346,7 @@ class LoadBook(Protocol):
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
     ) -> Decision | None: ...
 
 
@@ -573,6 +575,7 @@ class PyLoadBook:
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
     ) -> tuple[WorkerId, str] | None:
         """The pick over the whole pool for a request without a pin, when the book alone can make
         it: the thresholds against every worker's means, the credit (``host``: each worker's
@@ -581,8 +584,11 @@ class PyLoadBook:
         (``reason_of``). None, having changed nothing (no draw made), where the pick needs more
         than the book holds: a pending holder to resolve against the index, or no allowed worker
         without a prefix among the load order's first entries (``_pick`` then makes the general
-        pick, with the same rule)."""
+        pick, with the same rule). ``guard`` False: no worker is left out for its queue (the
+        instantaneous guard's limit is infinite; ``RoutingPolicy._pick``'s ``guard``)."""
         limit, slow, cap = self.thresholds(num_tokens, now, None, None, None)
+        if not guard:
+            limit = math.inf
         credit = self.credit(hits, shared, host, ahead)
         probes = len(credit) + self.knobs.extra_probes
         load_cost = self.load_cost
@@ -615,12 +621,13 @@ class PyLoadBook:
         now: float,
         w_uncached: float,
         w_spread: float,
+        guard: bool = True,
     ) -> Decision | None:
         """``choose``, then ``assign`` of the request to the chosen worker (its uncached tokens:
         ``num_tokens`` less its hit): the ``Decision`` (the worker both ways, its hit, the reason,
         no pin, best hit ``max(hits.values(), default=0)``, the worker's host-tier part of its hit
         from ``host``), or None where ``choose`` gives None."""
-        chosen = self.choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread)
+        chosen = self.choose(hits, shared, host, ahead, pending, num_tokens, now, w_uncached, w_spread, guard)
         if chosen is None:
             return None
         worker, reason = chosen

@@ -93,7 +93,8 @@ O(1), see ``load``): nothing loops over every worker. A pass over the workers re
 sub-pool (dedicated prefill or decode workers) and when the least loaded are all guarded.
 The per-worker load state (time averages, work, load order) and the pick's argmin live in a
 ``load.LoadBook``; where the compiled book is built, the common aggregated decision (no pin,
-nothing pending, not a family of its own, host-tier hits or not) is chosen, recorded and made a ``Decision`` by one call
+nothing pending, host-tier hits or not, a family of its own or not) is chosen, recorded and made a
+``Decision`` by one call
 into it (``LoadBook.place``), and ``_pick`` / ``_record`` below are the reference that call is
 tested against (tests/routing/test_core_parity.py).
 """
@@ -285,10 +286,10 @@ class RoutingPolicy(PlacementPolicy):
                 self._require(workers, "")
             w_miss, w_spread, family = self._request_weights(hashes, hits, shared, now)
             decision = None
-            if pin is None and not family:  # the book's whole-pool pick and record, where it can
+            if pin is None:  # the book's whole-pool pick and record, where it can
                 pending_workers = pending.workers if pending is not None else ()
                 decision = self.book.place(
-                    hits, shared, host, ahead, pending_workers, num_tokens, now, w_miss, w_spread
+                    hits, shared, host, ahead, pending_workers, num_tokens, now, w_miss, w_spread, not family
                 )
             if decision is None:
                 worker, reason = self._pick(

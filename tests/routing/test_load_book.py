@@ -154,7 +154,8 @@ def test_compiled_and_python_books_agree_call_by_call(
             ahead = rng.choice([None, {}, {w: rng.choice([0, 16, 400]) for w in rng.sample(names, min(len(names), 2))}])
             pending = set(rng.sample(sorted(hits), min(len(hits), 1))) if rng.random() < 0.1 else ()
             n = rng.randrange(1, 600)
-            request = (hits, shared, host, ahead, pending, n, now, rng.choice([2.0, 1.25]), 1.0)
+            # (guard False: a family of its own's pick, the instantaneous guard off)
+            request = (hits, shared, host, ahead, pending, n, now, rng.choice([2.0, 1.25]), 1.0, rng.random() < 0.7)
             if rng.random() < 0.5:
                 chosen = [t.book.choose(*request) for t in pair]  # type: ignore[arg-type]
                 assert chosen[0] == chosen[1]
