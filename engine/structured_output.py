@@ -19,13 +19,11 @@ import numpy as np
 import torch
 
 from engine.sampling_params import StructuredOutput
-from engine.structured_spec import grammar_of
+from engine.structured_spec import grammar_of, load_xgrammar
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    # xgrammar imports transformers (about a second): each function that needs it imports it
-    # when first called, so an engine that never sees a constrained request never pays it
-    import xgrammar
+    import xgrammar  # imported at run time by ``load_xgrammar`` on first use
 
 #: compiled grammars kept per engine (the oldest is dropped beyond this many)
 MAX_CACHED_GRAMMARS = 256
@@ -34,7 +32,7 @@ MAX_CACHED_GRAMMARS = 256
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
     """The vocabulary as xgrammar sees it: ``vocab_size`` is the model's (its logits' width);
     ids the tokenizer does not have are never allowed. ``eos_token_ids`` end a complete output."""
-    import xgrammar
+    xgrammar = load_xgrammar()
 
     stop = [t for t in eos_token_ids if 0 <= t < vocab_size]
     if isinstance(tokenizer, ByteTokenizer):
@@ -132,7 +130,7 @@ class StructuredOutputs:
         grammar = self._grammars.get(structured)
         if grammar is None:
             if self._compiler is None:
-                import xgrammar
+                xgrammar = load_xgrammar()
 
                 tokenizer = self._tokenizer()
                 self._byte_vocabulary = isinstance(tokenizer, ByteTokenizer)
@@ -148,7 +146,7 @@ class StructuredOutputs:
     def add(self, request_id: str, structured: StructuredOutput, output_token_ids: Sequence[int] = ()) -> None:
         """Constrain a request from its first generated token on; ``output_token_ids``: the
         tokens a resumed request generated already (ValueError if the grammar refuses one)."""
-        import xgrammar
+        xgrammar = load_xgrammar()
 
         matcher = xgrammar.GrammarMatcher(
             self.compiled(structured), terminate_without_stop_token=self._terminate_when_complete

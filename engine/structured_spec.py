@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import StructuredOutput
@@ -24,7 +25,6 @@ from engine.structured_support import unsupported_in_regex, unsupported_in_schem
 from engine.validation import InvalidRequestError, problem
 
 if TYPE_CHECKING:
-    # xgrammar imports transformers (about a second): ``grammar_of`` imports it when first called
     import xgrammar
 
 #: the location prefix of xgrammar's messages, e.g. ``[01:28:48] /project/cpp/regex_converter.cc:83: ``
@@ -88,10 +88,19 @@ def _length_as_pattern(schema: object) -> object:
     return out
 
 
+def load_xgrammar() -> ModuleType:
+    """The xgrammar module, imported on first use: it imports transformers (about a second), so
+    a process that never sees a constrained request (the driver, the ingress, an engine serving
+    plain requests) never pays that. Every user of xgrammar takes it from here."""
+    import xgrammar
+
+    return xgrammar
+
+
 def grammar_of(structured: StructuredOutput) -> xgrammar.Grammar:
     """The grammar a spec stands for (the one place each kind's rule lives). Raises ValueError
     saying what is wrong with ``structured.spec``."""
-    import xgrammar
+    xgrammar = load_xgrammar()
 
     kind, spec = structured.kind, structured.spec
     try:
