@@ -11,9 +11,9 @@ its hit and helps nobody after it, as the family's next turn follows the new cop
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.routing.decay import decayed
 from engine.routing.types import WorkerId
 
 
@@ -29,22 +29,24 @@ class PrefixReuse:
             raise ValueError(f"halflife_s: must be > 0 (got {halflife_s})")
         self.halflife_s = halflife_s
         self.capacity = capacity
-        self._counts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (count, at)
+        self._counts: dict[bytes, tuple[float, float]] = {}  # key -> (count, at), in order of last reuse
 
     def __len__(self) -> int:
         return len(self._counts)
 
     def observe(self, key: bytes, now: float) -> float:
-        """Count one more reuse of the prefix ``key`` at ``now``; returns its count with it."""
+        """Count one more reuse of the prefix ``key`` at ``now``; returns its count with it (the
+        earlier ones decayed to ``now`` by ``decay.decayed``, the rule the work guard's counts
+        follow)."""
         counts = self._counts
         old = counts.pop(key, None)
-        count = 1.0
-        if old is not None:
-            value, at = old
-            count += value * 0.5 ** (max(0.0, now - at) / self.halflife_s)
-        counts[key] = (count, max(now, old[1]) if old is not None else now)
+        if old is None:
+            count, at = 1.0, now
+        else:
+            count, at = 1.0 + decayed(old[0], old[1], now, self.halflife_s), max(now, old[1])
+        counts[key] = (count, at)
         if len(counts) > self.capacity:
-            counts.popitem(last=False)
+            del counts[next(iter(counts))]  # the least recently reused
         return count
 
     def reused(
