@@ -324,8 +324,13 @@ class RoutingPolicy(PlacementPolicy):
         host: dict[WorkerId, int],
     ) -> Decision:
         num_tokens = request.num_tokens
-        if request.max_tokens == 1 and pin is None and self.config.decode_only_threshold_tokens > 0:
-            return self._one_token_decision(hits, shared, ahead, host, num_tokens)
+        threshold = self.config.decode_only_threshold_tokens
+        if request.max_tokens == 1 and pin is None and threshold > 0:
+            # its token is sampled by its prefill: a split moves KV for nothing (module docstring)
+            worker, _ = self._pick(self._pool, hits, num_tokens, None, self.w_miss, shared, ahead=ahead, host=host)
+            return self._whole_decision(
+                worker, hits, host, num_tokens, None, "one_token", max(hits.values(), default=0)
+            )
         decoders = self._candidates("decode")
         self._require(decoders, "decode")
         remote_hits = hits
@@ -334,25 +339,19 @@ class RoutingPolicy(PlacementPolicy):
         decode, _ = self._pick(decoders, remote_hits, num_tokens, None, self.w_pull, ahead=ahead)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
-        if local_uncached < self.config.decode_only_threshold_tokens:
-            return self._whole_decision(decode, hits, host, num_tokens, pin_id)
+        if local_uncached < threshold:
+            return self._whole_decision(decode, hits, host, num_tokens, pin_id, "decode_only")
         prefillers = self._candidates("prefill")
         w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, shared, self._now)
         prefill, reason = self._pick(
-            prefillers,
-            hits,
-            num_tokens,
-            pin,
-            w_miss,
-            shared,
-            ahead=ahead,
-            host=host,
-            w_spread=w_spread,
-            guard=not family,
+            prefillers, hits, num_tokens, pin, w_miss, shared, None, ahead, host, w_spread, not family
         )
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
-            return self._whole_decision(whole, hits, host, num_tokens, None)
+            local = num_tokens - hits.get(whole, 0)
+            return self._whole_decision(
+                whole, hits, host, num_tokens, None, "decode_only" if local < threshold else "decode_local"
+            )
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
@@ -374,32 +373,25 @@ class RoutingPolicy(PlacementPolicy):
             predicted_host,
         )
 
-    def _one_token_decision(
+    def _whole_decision(
         self,
+        worker: WorkerId,
         hits: dict[WorkerId, int],
-        shared: dict[WorkerId, int],
-        ahead: dict[WorkerId, int],
         host: dict[WorkerId, int],
         n: int,
+        pin_id: int | None,
+        reason: str,
+        best: int | None = None,
     ) -> Decision:
-        """A one-token request (``RouteRequest.max_tokens`` 1, no pin): its token is sampled by
-        its prefill, so a split would move KV for nothing; it runs whole ("one_token") on the
-        cheapest worker of either role (``_pick`` over the whole pool at the miss weight, as an
-        aggregated request is placed), so an idle prefill worker serves it too."""
-        worker, _ = self._pick(self._pool, hits, n, None, self.w_miss, shared, ahead=ahead, host=host)
+        """The request runs whole on ``worker`` (its prefill there, no transfer), labelled
+        ``reason``: "one_token" (a one-token request, ``_route_disaggregated``), "decode_only" (a
+        decode worker holding all but ``decode_only_threshold_tokens`` of the prompt) or
+        "decode_local" (it prefills a long prompt itself, ``_whole_on_decode``). ``best``: the
+        best hit of the pool it was chosen in (None: its own)."""
         local = hits.get(worker, 0)
-        best = max(hits.values(), default=0)
-        return Decision(worker, worker, local, n, "one_token", None, local, best, host.get(worker, 0))
-
-    def _whole_decision(
-        self, worker: WorkerId, hits: dict[WorkerId, int], host: dict[WorkerId, int], n: int, pin_id: int | None
-    ) -> Decision:
-        """The request runs whole on decode worker ``worker`` (its prefill there, no transfer):
-        "decode_only" when it holds all but ``decode_only_threshold_tokens`` of the prompt, else
-        "decode_local" (it prefills a long prompt itself, ``_whole_on_decode``)."""
-        local = hits.get(worker, 0)
-        reason = "decode_only" if n - local < self.config.decode_only_threshold_tokens else "decode_local"
-        return Decision(worker, worker, local, n, reason, pin_id, local, local, host.get(worker, 0))
+        return Decision(
+            worker, worker, local, n, reason, pin_id, local, local if best is None else best, host.get(worker, 0)
+        )
 
     def _whole_on_decode(
         self, prefill: WorkerId, decode: WorkerId, hits: dict[WorkerId, int], pulled: dict[WorkerId, int], n: int
