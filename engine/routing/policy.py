@@ -268,7 +268,7 @@ class RoutingPolicy(PlacementPolicy):
         self.book.advance(now)
         shared: dict[WorkerId, int] = {}
         host: dict[WorkerId, int] = {}
-        hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
+        hits, pending, reach = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
@@ -284,7 +284,7 @@ class RoutingPolicy(PlacementPolicy):
             workers = self._pool
             if not workers:
                 self._require(workers, "")
-            w_miss, w_spread, family = self._request_weights(hashes, hits, shared, now)
+            w_miss, w_spread, family = self._request_weights(hashes, hits, reach, now)
             decision = None
             if pin is None:  # the book's whole-pool pick and record, where it can
                 pending_workers = pending.workers if pending is not None else ()
@@ -309,7 +309,7 @@ class RoutingPolicy(PlacementPolicy):
                 )
                 self._record(decision)
         else:
-            decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
+            decision = self._route_disaggregated(request, hits, pin, shared, ahead, host, reach)
             self._record(decision)
         routed.announce(decision, view, shared, num_tokens, now)
         return decision
@@ -322,6 +322,7 @@ class RoutingPolicy(PlacementPolicy):
         shared: dict[WorkerId, int],
         ahead: dict[WorkerId, int],
         host: dict[WorkerId, int],
+        reach: int,
     ) -> Decision:
         num_tokens = request.num_tokens
         threshold = self.config.decode_only_threshold_tokens
@@ -342,7 +343,7 @@ class RoutingPolicy(PlacementPolicy):
         if local_uncached < threshold:
             return self._whole_decision(decode, hits, host, num_tokens, pin_id, "decode_only")
         prefillers = self._candidates("prefill")
-        w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, shared, self._now)
+        w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, reach, self._now)
         prefill, reason = self._pick(
             prefillers, hits, num_tokens, pin, w_miss, shared, None, ahead, host, w_spread, not family
         )
@@ -514,7 +515,7 @@ class RoutingPolicy(PlacementPolicy):
         return choice, reason if reason == "pin" else reason_of(choice, hits, ahead, guarded, spread)
 
     def _request_weights(
-        self, hashes: Sequence[bytes], hits: dict[WorkerId, int], shared: dict[WorkerId, int], now: float
+        self, hashes: Sequence[bytes], hits: dict[WorkerId, int], reach: int, now: float
     ) -> tuple[float, float, bool]:
         """The weight of an uncached token and the weight a holder over its share keeps, for this
         request (``_pick``'s ``w_uncached`` and ``w_spread``), and whether it is a family of its
@@ -522,12 +523,13 @@ class RoutingPolicy(PlacementPolicy):
         ``family_min_reuse`` requests lately (``reuse``): both weights are then ``w_miss +
         family_hit_weight`` (its holder keeps it when over its share; the copy a move strands
         there is charged) and the instantaneous guard does not apply (``_pick``'s ``guard``);
-        otherwise ``w_miss`` and the compute weight (the module docstring's rule)."""
+        otherwise ``w_miss`` and the compute weight (the module docstring's rule). ``reach``: the
+        deepest full-attention depth a worker holds (``PrefixIndex.predict_partial``'s)."""
         w_miss, w_spread = self._shortcut_weights
         cfg = self.config
-        if cfg.family_min_reuse <= 0 or not (hits or shared):
+        if cfg.family_min_reuse <= 0 or not (hits or reach):
             return w_miss, w_spread, False
-        count = self.reuse.reused(hashes, self.rules.hash_block_size, hits, shared, now)
+        count = self.reuse.reused(hashes, self.rules.hash_block_size, reach, hits, now)
         if count == 0.0 or count >= cfg.family_min_reuse:
             return w_miss, w_spread, False
         weight = w_miss + cfg.family_hit_weight

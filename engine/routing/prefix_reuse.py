@@ -50,16 +50,11 @@ class PrefixReuse:
         return count
 
     def reused(
-        self,
-        hashes: Sequence[bytes],
-        hash_block_size: int,
-        hits: dict[WorkerId, int],
-        shared: dict[WorkerId, int] | None,
-        now: float,
+        self, hashes: Sequence[bytes], hash_block_size: int, depth: int, hits: dict[WorkerId, int], now: float
     ) -> float:
-        """Count the reuse of the deepest prefix of ``hashes`` a worker holds (``shared``: the
-        full-attention depths, else ``hits``; tokens) and return its count; 0 where none does."""
-        depth = max(shared.values(), default=0) if shared else 0
+        """Count the reuse of the deepest prefix of ``hashes`` a worker holds (``depth``: the
+        deepest full-attention depth, found by the index's walk; where 0, the longest of ``hits``;
+        tokens) and return its count; 0 where none does."""
         if not depth:
             depth = max(hits.values(), default=0)
         blocks = min(depth // hash_block_size, len(hashes))

@@ -27,11 +27,11 @@ def test_counts_decay_with_the_half_life_and_the_oldest_prefix_goes_first() -> N
 def test_a_request_reuses_the_deepest_prefix_a_worker_holds() -> None:
     reuse = PrefixReuse(halflife_s=10.0)
     hashes = [b"h0", b"h1", b"h2", b"h3"]
-    assert reuse.reused(hashes, 4, {}, {}, 0.0) == 0.0  # nobody holds any of it: nothing counted
-    assert reuse.reused(hashes, 4, {"w0": 8}, {"w0": 12, "w1": 4}, 0.0) == 1.0  # keyed by h2
+    assert reuse.reused(hashes, 4, 0, {}, 0.0) == 0.0  # nobody holds any of it: nothing counted
+    assert reuse.reused(hashes, 4, 12, {"w0": 8}, 0.0) == 1.0  # the deepest depth 12: keyed by h2
     assert reuse.observe(b"h2", 0.0) == 2.0
-    assert reuse.reused(hashes, 4, {"w1": 4}, None, 0.0) == 1.0  # no depths: the hit, h0
-    assert reuse.reused(hashes, 4, {"w1": 40}, None, 0.0) == 1.0  # capped at the prompt: h3
+    assert reuse.reused(hashes, 4, 0, {"w1": 4}, 0.0) == 1.0  # no depths: the hit, h0
+    assert reuse.reused(hashes, 4, 0, {"w1": 40}, 0.0) == 1.0  # capped at the prompt: h3
 
 
 def _holder_with_a_long_queue(**knobs: object) -> list[str]:
