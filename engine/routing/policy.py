@@ -122,7 +122,7 @@ from engine.routing.load import (
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
-from engine.routing.prefix_reuse import PrefixReuse
+from engine.routing.prefix_reuse import ReuseCounts, make_prefix_reuse
 from engine.routing.routed import RoutedPrefixes
 from engine.routing.types import (
     Action,
@@ -176,7 +176,7 @@ class RoutingPolicy(PlacementPolicy):
         # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
         self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
         # how often each cached prefix was reused lately (a family of its own or a popular prefix)
-        self.reuse = PrefixReuse(cfg.work_halflife_s)
+        self.reuse: ReuseCounts = make_prefix_reuse(cfg.work_halflife_s)
 
     # -- membership and loads -------------------------------------------------------------------------
     def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:

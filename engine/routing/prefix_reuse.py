@@ -7,14 +7,30 @@ prefix many requests reuse (a system prompt, a shared document) keeps its holder
 and a copy on a second worker serves the requests after it. A prefix only one request reuses (the
 previous turn of one conversation) is a family of its own: sending that request elsewhere loses
 its hit and helps nobody after it, as the family's next turn follows the new copy.
+
+Two implementations of one interface (``ReuseCounts``): ``PrefixReuse`` below, the reference, and
+the compiled ``engine.routing._reuse.PrefixReuse`` (``_reuse.c``, the same counts call by call;
+``make_prefix_reuse`` picks one like ``holder_maps.make_holder_maps``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from engine.routing.decay import decayed
+from engine.routing.holder_maps import compiled_core
 from engine.routing.types import WorkerId
+
+
+class ReuseCounts(Protocol):
+    """Per reused prefix, how many requests reused it lately (``PrefixReuse`` states the rules)."""
+
+    def __len__(self) -> int: ...
+    def observe(self, key: bytes, now: float) -> float: ...
+    def reused(
+        self, hashes: Sequence[bytes], hash_block_size: int, depth: int, hits: dict[WorkerId, int], now: float
+    ) -> float: ...
 
 
 class PrefixReuse:
@@ -61,3 +77,13 @@ class PrefixReuse:
         if blocks <= 0:
             return 0.0
         return self.observe(hashes[blocks - 1], now)
+
+
+def make_prefix_reuse(halflife_s: float, core: str | None = None) -> ReuseCounts:
+    """The reuse counts, compiled or not as ``holder_maps.compiled_core`` says
+    (``KVFLEET_ROUTING_CORE`` by default, the variable that picks the holder maps)."""
+    compiled = compiled_core("_reuse", "PrefixReuse", core)
+    if compiled is None:
+        return PrefixReuse(halflife_s)
+    counts: ReuseCounts = compiled(halflife_s)
+    return counts
