@@ -349,9 +349,9 @@ class RoutingPolicy(PlacementPolicy):
         )
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
-            local = num_tokens - hits.get(whole, 0)
+            uncached = num_tokens - hits.get(whole, 0)
             return self._whole_decision(
-                whole, hits, host, num_tokens, None, "decode_only" if local < threshold else "decode_local"
+                whole, hits, host, num_tokens, None, "decode_only" if uncached < threshold else "decode_local"
             )
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
