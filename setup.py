@@ -5,7 +5,8 @@ tier's row copies.
 optional: where no C compiler is available the install still succeeds and ``engine.routing``
 uses its pure-Python holder maps (``engine/routing/holder_maps.py``); ``engine/routing/_load.c``
 likewise (without it, the policy's load book is ``engine.routing.load.PyLoadBook``), and
-``engine/routing/_inflight.c`` (else ``engine.routing.inflight.PyInFlightPrefixes``). ``engine/_row_copy.c`` is
+``engine/routing/_inflight.c`` (else ``engine.routing.inflight.PyInFlightPrefixes``) and
+``engine/routing/_reuse.c`` (else ``engine.routing.prefix_reuse.PrefixReuse``). ``engine/_row_copy.c`` is
 optional the same way: without it ``engine.host_kv`` copies rows with numpy.
 """
 
@@ -23,6 +24,13 @@ setup(
             "engine.routing._load",
             sources=["engine/routing/_load.c"],
             # no fused multiply-add: the book's arithmetic must round like PyLoadBook's
+            extra_compile_args=["-std=c11", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "engine.routing._reuse",
+            sources=["engine/routing/_reuse.c"],
+            # no fused multiply-add: the counts must round like prefix_reuse.PrefixReuse's
             extra_compile_args=["-std=c11", "-ffp-contract=off"],
             optional=True,
         ),

@@ -70,7 +70,12 @@ positions (so 2 host lookups), and the walk over both tiers meets a worker in 2.
 decisions. The rest of the live time is cache misses: between two decisions the simulated
 fleet's work and the events absorbed evict the router's table and objects, and the host tiers'
 events add to what is touched (runs whose router ignores them, same trace, at load 10-14:
-between the two, inconclusive at that noise).
+between the two, inconclusive at that noise). Since then the family rule reads the deepest
+full-attention depth from the walk (``HolderMaps.predict``'s reach, no pass over the depths)
+and counts reuses in C (``_reuse.c``): 2026-11-29 18:37-18:41, W = 256, 4,000 decisions, 2
+repeats, runs main / branch / branch / main back to back: tier-less 23,817 / 27,879 / 24,558 /
+22,180 decisions/s, host tier 14,819 / 20,000 / 20,607 / 14,916 (p99 197.5 / 156.2 / 152.6 /
+164.7 us), hit rates 0.8705 and 0.8828 in all, accuracy 1.0, replay mismatches 0.
 
 Router replicas (``--replicas``, at ``--replica-workers``): N copies of kvfleet's policy, each
 fed every event and load report, each request routed by the copy its first block's hash picks (one

@@ -1298,11 +1298,12 @@ static uint32_t difference(const uint32_t *a, uint32_t na, const uint32_t *b, ui
 /* Where the walk's results go: ``rows`` (walk: one (k, valid, failed) tuple per depth), or, for
  * predict, the caller's dicts keyed by worker id (``ids[slot]``): ``hits`` and ``shared`` get
  * k * align per serving slot (``shared`` also per failing slot; it may be NULL), ``failing``
- * collects the failing workers and ``deepest`` the largest k with one. */
+ * collects the failing workers, ``deepest`` the largest k with one and ``reach`` the largest
+ * value put in ``shared`` (tokens; 0: none). */
 typedef struct {
     PyObject *rows;
     PyObject *ids, *hits, *shared, *failing; /* failing: a list, or a set (``predict_tiered``) */
-    Py_ssize_t align, deepest;
+    Py_ssize_t align, deepest, reach;
     /* ``predict_tiered``: the failing slots whose host tier holds something (a key of ``counts``) */
     PyObject *counts;
     uint32_t *extra;
@@ -1341,6 +1342,8 @@ static int sink_row(Sink *sink, Py_ssize_t k, const uint32_t *valid, uint32_t nv
     if (tokens == NULL)
         return -1;
     int rc = put_slots(sink->hits, sink->ids, valid, nvalid, tokens);
+    if (sink->shared != NULL && nvalid + nfail > 0 && k * sink->align > sink->reach)
+        sink->reach = k * sink->align;
     if (rc == 0 && sink->shared != NULL)
         rc = put_slots(sink->shared, sink->ids, valid, nvalid, tokens);
     if (rc == 0 && sink->shared != NULL)
@@ -1740,7 +1743,7 @@ static PyObject *Maps_predict(Maps *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(sink.failing);
         return NULL;
     }
-    return Py_BuildValue("(Nn)", sink.failing, sink.deepest);
+    return Py_BuildValue("(Nnn)", sink.failing, sink.deepest, sink.reach);
 }
 
 /* -- the prediction over both tiers --------------------------------------------------------- */
@@ -1936,11 +1939,12 @@ static int met_add(const Maps *host, uint32_t **met, size_t *nmet, size_t *cap, 
 }
 
 /* The prediction over both tiers (see HolderMaps.tiered in holder_maps.py), its arguments
- * checked: the slots met, or -1 on error. ``extra``: ``nextra`` slots walked besides the met. */
+ * checked: the slots met, or -1 on error. ``extra``: ``nextra`` slots walked besides the met.
+ * ``reach`` (may be NULL) is raised to each value put in ``shared``. */
 static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, const Maps *host, Py_ssize_t steps,
                               Py_ssize_t align, Py_ssize_t unit, int prefix, PyObject *ids, PyObject *hits,
                               PyObject *shared, PyObject *host_hits, PyObject *pending, const uint32_t *extra,
-                              size_t nextra) {
+                              size_t nextra, Py_ssize_t *reach) {
     Py_ssize_t nviews = PyList_GET_SIZE(order);
     if (steps <= 0 || nviews == 0)
         return 0;
@@ -2103,6 +2107,8 @@ static Py_ssize_t tiered_impl(Maps *self, PyObject *hashes, PyObject *order, con
             goto done;
         if (shared && prefix && put_tokens(shared, worker, top * align, 0) < 0)
             goto done;
+        if (shared && prefix && reach != NULL && top * align > *reach)
+            *reach = top * align;
     }
     result = (Py_ssize_t)unique;
 done:
@@ -2165,7 +2171,7 @@ static PyObject *Maps_tiered(Maps *self, PyObject *const *args, Py_ssize_t nargs
         slots[j] = (uint32_t)s;
     }
     Py_ssize_t met = tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
-                                 pending, slots, (size_t)nextra);
+                                 pending, slots, (size_t)nextra, NULL);
     if (slots != small_extra)
         PyMem_Free(slots);
     return met < 0 ? NULL : PyLong_FromSsize_t(met);
@@ -2225,9 +2231,10 @@ static PyObject *Maps_predict_tiered(Maps *self, PyObject *const *args, Py_ssize
         goto done;
     int failed = PySet_GET_SIZE(sink.failing) > 0;
     if (tiered_impl(self, hashes, order, (const Maps *)host, steps, align, unit, prefix, ids, hits, shared, host_hits,
-                    failed ? sink.failing : NULL, sink.extra, sink.nextra) < 0)
+                    failed ? sink.failing : NULL, sink.extra, sink.nextra, &sink.reach) < 0)
         goto done;
-    result = failed ? Py_BuildValue("(On)", sink.failing, sink.deepest) : Py_BuildValue("(On)", Py_None, 0);
+    result = failed ? Py_BuildValue("(Onn)", sink.failing, sink.deepest, sink.reach)
+                    : Py_BuildValue("(Onn)", Py_None, (Py_ssize_t)0, sink.reach);
 done:
     Py_DECREF(sink.failing);
     PyMem_Free(sink.extra);

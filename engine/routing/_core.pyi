@@ -49,7 +49,7 @@ class HolderMaps:
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
         /,
-    ) -> tuple[list[Hashable], int]: ...
+    ) -> tuple[list[Hashable], int, int]: ...
     def predict_tiered(
         self,
         first: int,
@@ -70,7 +70,7 @@ class HolderMaps:
         prefix: bool,
         host_hits: dict[Hashable, int] | None,
         /,
-    ) -> tuple[set[Hashable] | None, int]: ...
+    ) -> tuple[set[Hashable] | None, int, int]: ...
     def tiered(
         self,
         hashes: list[bytes],

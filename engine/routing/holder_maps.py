@@ -16,14 +16,14 @@ says ``python``; ``compiled`` there makes a missing extension an error.
 
 Two calls exist so that the router's two hot paths cross into the maps once, not once per item:
 ``predict`` runs the walk and writes its results into the caller's hit maps keyed by worker (a
-decision), and ``absorb`` applies a run of a worker's stored, removed and pinned events (event
-absorption; the index's per-event loop takes any other event, a gap, or a worker with watched
-pin keys). ``tiered`` is ``predict``'s counterpart over both tiers: the workers holding some of
-the prompt's blocks in their host tier (``engine.routing.host_maps``), each walked once over
-the prompt's blocks in either tier, results written into the same dicts; ``predict_tiered`` runs
-both in one call (a decision over a fleet with host tiers). The compiled maps also
-prefetch the index word and the entry a few keys ahead in every loop over a list of keys: a
-lookup in a large table is about two cache misses.
+decision), with the deepest full-attention depth it met (the policy's prefix reuse reads it, no
+second pass), and ``absorb`` applies a run of a worker's stored, removed and pinned events (the
+index's per-event loop takes any other event, a gap, or a worker with watched pin keys).
+``tiered`` is ``predict``'s counterpart over both tiers: the workers holding some of the prompt's
+blocks in their host tier (``engine.routing.host_maps``), each walked once over the prompt's
+blocks in either tier, results written into the same dicts; ``predict_tiered`` runs both in one
+call. The compiled maps prefetch the index word and the entry a few keys ahead in every loop over
+a list of keys: a lookup in a large table is about two cache misses.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class HolderMaps(Protocol):
         ids: list[Hashable],
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
-    ) -> tuple[list[Hashable], int]: ...
+    ) -> tuple[list[Hashable], int, int]: ...
     def predict_tiered(
         self,
         first: int,
@@ -117,7 +117,7 @@ class HolderMaps(Protocol):
         unit: int,
         prefix: bool,
         host_hits: dict[Hashable, int] | None,
-    ) -> tuple[set[Hashable] | None, int]: ...
+    ) -> tuple[set[Hashable] | None, int, int]: ...
     def tiered(
         self,
         hashes: list[bytes],
@@ -138,18 +138,14 @@ class HolderMaps(Protocol):
 
 def _level_of(value: Holders | None, slot: int) -> int | None:
     """The pin level ``slot`` holds a key at (None: it does not hold it)."""
-    if value is None:
-        return None
-    for code in value:
+    for code in value or NOBODY:
         if code >> 2 == slot:
             return code & 3
     return None
 
 
 def _slots(value: Holders) -> set[int]:
-    if len(value) == 1:
-        return {value[0] >> 2}
-    return {code >> 2 for code in value}
+    return {value[0] >> 2} if len(value) == 1 else {code >> 2 for code in value}
 
 
 class _SlotKeys:
@@ -348,13 +344,14 @@ class PyHolderMaps:
         ids: list[Hashable],
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
-    ) -> tuple[list[Hashable], int]:
+    ) -> tuple[list[Hashable], int, int]:
         """``walk``'s results written into the caller's maps, keyed by worker (``ids[slot]``): per
         depth of k steps, ``k * align`` tokens in ``hits`` for each serving slot and in
         ``shared`` (if given) for each serving then each failing slot. Returns the failing
-        workers, in walk order, and the deepest k with one (0: none)."""
-        failing, deepest = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
-        return [ids[s] for s in failing], deepest
+        workers, in walk order, the deepest k with one (0: none) and the *reach*: the largest
+        value put in ``shared`` (tokens; 0: none), the deepest full-attention depth met."""
+        failing, deepest, reach = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
+        return [ids[s] for s in failing], deepest, reach
 
     def _predicted(
         self,
@@ -368,15 +365,16 @@ class PyHolderMaps:
         ids: list[Hashable],
         hits: dict[Hashable, int],
         shared: dict[Hashable, int] | None,
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], int, int]:
         """``predict`` returning the failing slots (not their workers)."""
         failing: list[int] = []
-        deepest = 0
+        deepest = reach = 0
         for k, valid, failed in self.walk(first, hashes, factor, limit, per, checks):
             tokens = k * align
             for s in valid:
                 hits[ids[s]] = tokens
             if shared is not None:
+                reach = max(reach, tokens) if valid or failed else reach
                 for s in valid:
                     shared[ids[s]] = tokens
                 for s in failed:
@@ -384,7 +382,7 @@ class PyHolderMaps:
             if failed:
                 failing.extend(failed)
                 deepest = max(deepest, k)
-        return failing, deepest
+        return failing, deepest, reach
 
     def predict_tiered(
         self,
@@ -405,17 +403,18 @@ class PyHolderMaps:
         unit: int,
         prefix: bool,
         host_hits: dict[Hashable, int] | None,
-    ) -> tuple[set[Hashable] | None, int]:
+    ) -> tuple[set[Hashable] | None, int, int]:
         """``predict`` then ``tiered`` over the same ``hashes`` (the index's decision with host
         tiers, one call): the failing workers (None: none) as ``tiered``'s ``pending``, which
         loses those it walks, and, with ``prefix``, the failing slots ``counts`` names (the host
         tiers' entry counts per slot) as its ``extra``. Returns what is left of that set (None
-        where nothing failed) and the deepest failing k (0: none)."""
-        failing, deepest = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
+        where nothing failed), the deepest failing k (0: none) and ``predict``'s reach over both tiers."""
+        failing, deepest, reach = self._predicted(first, hashes, factor, limit, per, checks, align, ids, hits, shared)
         pending = {ids[s] for s in failing} if failing else None
         extra = [s for s in failing if s in counts] if prefix else []
         self.tiered(hashes, order, host, steps, align, unit, prefix, ids, hits, shared, host_hits, pending, extra)
-        return pending, deepest
+        # ``tiered`` only deepens a depth: the largest value ``shared`` (given empty) holds now
+        return pending, deepest, max(shared.values()) if shared and prefix else reach
 
     # -- the prediction over both tiers -------------------------------------------------------------
     def tiered(

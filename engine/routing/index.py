@@ -295,7 +295,7 @@ class PrefixIndex:
         non-zero: the coordinator's ``CacheHit.shared_prefix_tokens`` there, the boundary whose
         blocks its retention tier keeps when the request is freed.
         """
-        hits, pending = self.predict_partial(hashes, max_length, skip_mamba, shared)
+        hits, pending, _ = self.predict_partial(hashes, max_length, skip_mamba, shared)
         if pending is not None:
             self.resolve(pending, hits)
         return hits
@@ -307,16 +307,19 @@ class PrefixIndex:
         skip_mamba: bool = False,
         shared: dict[WorkerId, int] | None = None,
         host: dict[WorkerId, int] | None = None,
-    ) -> tuple[dict[WorkerId, int], Pending | None]:
+    ) -> tuple[dict[WorkerId, int], Pending | None, int]:
         """``predict`` without step 3: the hits known so far, and the holders that cannot serve
         their full-attention depth (their hit is shorter than ``shared[w]``), to ``resolve`` later
         (all of them, or only those a caller still needs). Workers holding one of the prompt's
         blocks in their host tier are predicted over both tiers here (never pending); ``host``,
         if given, receives the host tier's part of each such worker's hit where it is non-zero.
+        Third: the deepest full-attention depth of any worker (tokens; 0: none): the largest value
+        ``shared`` (given empty) receives, found by the walk itself (``HolderMaps.predict``).
 
         Steps 1-2 run inline on the device maps (one decision, one call: the router's hot path)."""
         hits: dict[WorkerId, int] = {}
         pending: Pending | None = None
+        reach = 0
         rules = self.rules
         align = rules.alignment
         steps = max_length // align if max_length > 0 else 0
@@ -335,7 +338,7 @@ class PrefixIndex:
                 limit -= limit % per
                 host_maps = self.host
                 if host_maps.total:  # and over both tiers, in the same call (``_predict_tiered``)
-                    failed, deepest = self._maps.predict_tiered(
+                    failed, deepest, reach = self._maps.predict_tiered(
                         plan.first,
                         view,
                         plan.factor,
@@ -356,15 +359,15 @@ class PrefixIndex:
                     )
                     if failed is not None:
                         pending = Pending(failed, (deepest - 1) * align, hashes, skip_mamba)
-                    return hits, pending
-                failing, deepest = self._maps.predict(
+                    return hits, pending, reach
+                failing, deepest, reach = self._maps.predict(
                     plan.first, view, plan.factor, limit, per, plan.checks, align, self._ids, hits, shared
                 )
                 if failing:
                     pending = Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba)
             if plan is not None and self.host.total:
                 self._predict_tiered(view, steps, plan, hits, pending, shared, host)
-        return hits, pending
+        return hits, pending, reach
 
     def _pending_without_full(
         self, plan: WalkPlan, hashes: Sequence[bytes], steps: int, skip_mamba: bool

@@ -24,6 +24,7 @@ from itertools import count
 from typing import NamedTuple, Protocol
 
 from configs.schema import RouterConfig, RouterWeights
+from engine.routing.decay import decayed
 from engine.routing.holder_maps import compiled_core
 from engine.routing.types import Decision, WorkerId, WorkerLoad
 
@@ -108,9 +109,7 @@ class DecayedWork:
         self.now = 0.0
 
     def _at(self, state: list[float], now: float) -> float:
-        if now <= state[1]:
-            return state[0]
-        return state[0] * 0.5 ** ((now - state[1]) / self.halflife_s)
+        return decayed(state[0], state[1], now, self.halflife_s)
 
     def add_worker(self, worker: WorkerId) -> None:
         self._workers[worker] = [0.0, self.now]

@@ -122,7 +122,7 @@ from engine.routing.load import (
 from engine.routing.pin_upkeep import PinKeeper
 from engine.routing.pins import Pin
 from engine.routing.placement_policy import PlacementPolicy
-from engine.routing.prefix_reuse import PrefixReuse
+from engine.routing.prefix_reuse import ReuseCounts, make_prefix_reuse
 from engine.routing.routed import RoutedPrefixes
 from engine.routing.types import (
     Action,
@@ -176,7 +176,7 @@ class RoutingPolicy(PlacementPolicy):
         # the whole-pool shortcut's weights, read once per decision (``w_miss``; ``_pick``'s w_spread)
         self._shortcut_weights = (self.w_miss, min(self.w_miss, self.weights.uncached_tokens))
         # how often each cached prefix was reused lately (a family of its own or a popular prefix)
-        self.reuse = PrefixReuse(cfg.work_halflife_s)
+        self.reuse: ReuseCounts = make_prefix_reuse(cfg.work_halflife_s)
 
     # -- membership and loads -------------------------------------------------------------------------
     def _added(self, worker: WorkerId, snapshot: WorkerSnapshot | None, now: float) -> list[Action]:
@@ -268,7 +268,7 @@ class RoutingPolicy(PlacementPolicy):
         self.book.advance(now)
         shared: dict[WorkerId, int] = {}
         host: dict[WorkerId, int] = {}
-        hits, pending = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
+        hits, pending, reach = self.index.predict_partial(hashes, num_tokens - 1, shared=shared, host=host)
         pin = self.pins.match(hashes) if self.pins.by_key else None
         if pin is not None and pin.auto:
             pin = None  # automatic pins keep a prefix resident; placement stays the cost's
@@ -284,7 +284,7 @@ class RoutingPolicy(PlacementPolicy):
             workers = self._pool
             if not workers:
                 self._require(workers, "")
-            w_miss, w_spread, family = self._request_weights(hashes, hits, shared, now)
+            w_miss, w_spread, family = self._request_weights(hashes, hits, reach, now)
             decision = None
             if pin is None:  # the book's whole-pool pick and record, where it can
                 pending_workers = pending.workers if pending is not None else ()
@@ -309,7 +309,7 @@ class RoutingPolicy(PlacementPolicy):
                 )
                 self._record(decision)
         else:
-            decision = self._route_disaggregated(request, hits, pin, shared, ahead, host)
+            decision = self._route_disaggregated(request, hits, pin, shared, ahead, host, reach)
             self._record(decision)
         routed.announce(decision, view, shared, num_tokens, now)
         return decision
@@ -322,10 +322,16 @@ class RoutingPolicy(PlacementPolicy):
         shared: dict[WorkerId, int],
         ahead: dict[WorkerId, int],
         host: dict[WorkerId, int],
+        reach: int,
     ) -> Decision:
         num_tokens = request.num_tokens
-        if request.max_tokens == 1 and pin is None and self.config.decode_only_threshold_tokens > 0:
-            return self._one_token_decision(hits, shared, ahead, host, num_tokens)
+        threshold = self.config.decode_only_threshold_tokens
+        if request.max_tokens == 1 and pin is None and threshold > 0:
+            # its token is sampled by its prefill: a split moves KV for nothing (module docstring)
+            worker, _ = self._pick(self._pool, hits, num_tokens, None, self.w_miss, shared, ahead=ahead, host=host)
+            return self._whole_decision(
+                worker, hits, host, num_tokens, None, "one_token", max(hits.values(), default=0)
+            )
         decoders = self._candidates("decode")
         self._require(decoders, "decode")
         remote_hits = hits
@@ -334,25 +340,19 @@ class RoutingPolicy(PlacementPolicy):
         decode, _ = self._pick(decoders, remote_hits, num_tokens, None, self.w_pull, ahead=ahead)
         local_uncached = num_tokens - hits.get(decode, 0)
         pin_id = pin.pin_id if pin is not None else None
-        if local_uncached < self.config.decode_only_threshold_tokens:
-            return self._whole_decision(decode, hits, host, num_tokens, pin_id)
+        if local_uncached < threshold:
+            return self._whole_decision(decode, hits, host, num_tokens, pin_id, "decode_only")
         prefillers = self._candidates("prefill")
-        w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, shared, self._now)
+        w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, reach, self._now)
         prefill, reason = self._pick(
-            prefillers,
-            hits,
-            num_tokens,
-            pin,
-            w_miss,
-            shared,
-            ahead=ahead,
-            host=host,
-            w_spread=w_spread,
-            guard=not family,
+            prefillers, hits, num_tokens, pin, w_miss, shared, None, ahead, host, w_spread, not family
         )
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
-            return self._whole_decision(whole, hits, host, num_tokens, None)
+            uncached = num_tokens - hits.get(whole, 0)
+            return self._whole_decision(
+                whole, hits, host, num_tokens, None, "decode_only" if uncached < threshold else "decode_local"
+            )
         predicted = hits.get(prefill, 0)
         predicted_host = host.get(prefill, 0)
         if predicted > num_tokens - 2:
@@ -374,32 +374,25 @@ class RoutingPolicy(PlacementPolicy):
             predicted_host,
         )
 
-    def _one_token_decision(
+    def _whole_decision(
         self,
+        worker: WorkerId,
         hits: dict[WorkerId, int],
-        shared: dict[WorkerId, int],
-        ahead: dict[WorkerId, int],
         host: dict[WorkerId, int],
         n: int,
+        pin_id: int | None,
+        reason: str,
+        best: int | None = None,
     ) -> Decision:
-        """A one-token request (``RouteRequest.max_tokens`` 1, no pin): its token is sampled by
-        its prefill, so a split would move KV for nothing; it runs whole ("one_token") on the
-        cheapest worker of either role (``_pick`` over the whole pool at the miss weight, as an
-        aggregated request is placed), so an idle prefill worker serves it too."""
-        worker, _ = self._pick(self._pool, hits, n, None, self.w_miss, shared, ahead=ahead, host=host)
+        """The request runs whole on ``worker`` (its prefill there, no transfer), labelled
+        ``reason``: "one_token" (a one-token request, ``_route_disaggregated``), "decode_only" (a
+        decode worker holding all but ``decode_only_threshold_tokens`` of the prompt) or
+        "decode_local" (it prefills a long prompt itself, ``_whole_on_decode``). ``best``: the
+        best hit of the pool it was chosen in (None: its own)."""
         local = hits.get(worker, 0)
-        best = max(hits.values(), default=0)
-        return Decision(worker, worker, local, n, "one_token", None, local, best, host.get(worker, 0))
-
-    def _whole_decision(
-        self, worker: WorkerId, hits: dict[WorkerId, int], host: dict[WorkerId, int], n: int, pin_id: int | None
-    ) -> Decision:
-        """The request runs whole on decode worker ``worker`` (its prefill there, no transfer):
-        "decode_only" when it holds all but ``decode_only_threshold_tokens`` of the prompt, else
-        "decode_local" (it prefills a long prompt itself, ``_whole_on_decode``)."""
-        local = hits.get(worker, 0)
-        reason = "decode_only" if n - local < self.config.decode_only_threshold_tokens else "decode_local"
-        return Decision(worker, worker, local, n, reason, pin_id, local, local, host.get(worker, 0))
+        return Decision(
+            worker, worker, local, n, reason, pin_id, local, local if best is None else best, host.get(worker, 0)
+        )
 
     def _whole_on_decode(
         self, prefill: WorkerId, decode: WorkerId, hits: dict[WorkerId, int], pulled: dict[WorkerId, int], n: int
@@ -522,7 +515,7 @@ class RoutingPolicy(PlacementPolicy):
         return choice, reason if reason == "pin" else reason_of(choice, hits, ahead, guarded, spread)
 
     def _request_weights(
-        self, hashes: Sequence[bytes], hits: dict[WorkerId, int], shared: dict[WorkerId, int], now: float
+        self, hashes: Sequence[bytes], hits: dict[WorkerId, int], reach: int, now: float
     ) -> tuple[float, float, bool]:
         """The weight of an uncached token and the weight a holder over its share keeps, for this
         request (``_pick``'s ``w_uncached`` and ``w_spread``), and whether it is a family of its
@@ -530,12 +523,13 @@ class RoutingPolicy(PlacementPolicy):
         ``family_min_reuse`` requests lately (``reuse``): both weights are then ``w_miss +
         family_hit_weight`` (its holder keeps it when over its share; the copy a move strands
         there is charged) and the instantaneous guard does not apply (``_pick``'s ``guard``);
-        otherwise ``w_miss`` and the compute weight (the module docstring's rule)."""
+        otherwise ``w_miss`` and the compute weight (the module docstring's rule). ``reach``: the
+        deepest full-attention depth a worker holds (``PrefixIndex.predict_partial``'s)."""
         w_miss, w_spread = self._shortcut_weights
         cfg = self.config
-        if cfg.family_min_reuse <= 0 or not (hits or shared):
+        if cfg.family_min_reuse <= 0 or not (hits or reach):
             return w_miss, w_spread, False
-        count = self.reuse.reused(hashes, self.rules.hash_block_size, hits, shared, now)
+        count = self.reuse.reused(hashes, self.rules.hash_block_size, reach, hits, now)
         if count == 0.0 or count >= cfg.family_min_reuse:
             return w_miss, w_spread, False
         weight = w_miss + cfg.family_hit_weight

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
+from engine.kv_cache.hashing import coarse_view
 from engine.routing.hit_rules import HitRules
 from engine.routing.inflight import InFlightPrefixes, make_inflight
 from engine.routing.types import Decision, WorkerId
@@ -28,14 +29,15 @@ class RoutedPrefixes:
         self.store: InFlightPrefixes = make_inflight(ttl_s)
         self.group = rules.order[0]
         self.block = rules.block_sizes[self.group]
-        self._view = rules.managers[self.group].view  # a prompt's hashes in that group
+        self._factor = rules.managers[self.group].hash_factor  # a prompt's hashes in that group: its view
 
     def __bool__(self) -> bool:
         return bool(self.store)
 
     def view(self, hashes: Sequence[bytes]) -> list[bytes]:
-        """The prompt's block hashes in the tracker's group."""
-        return self._view(hashes if isinstance(hashes, list) else list(hashes))
+        """The prompt's block hashes in the tracker's group (``KVCacheManager.view``'s rule, one
+        call less on the decision's path)."""
+        return coarse_view(hashes if isinstance(hashes, list) else list(hashes), self._factor)
 
     def forget_worker(self, worker: WorkerId) -> None:
         self.store.forget_worker(worker)

@@ -188,9 +188,14 @@ class Fleet:
                 shared_fast: dict[object, int] = {}
                 host_ref: dict[object, int] = {}
                 host_fast: dict[object, int] = {}
-                hits_ref, pending_ref = self.ref.predict_partial(hashes, n - 1, skip_mamba, shared_ref, host_ref)
-                hits_fast, pending_fast = self.fast.predict_partial(hashes, n - 1, skip_mamba, shared_fast, host_fast)
+                hits_ref, pending_ref, reach_ref = self.ref.predict_partial(
+                    hashes, n - 1, skip_mamba, shared_ref, host_ref
+                )
+                hits_fast, pending_fast, reach_fast = self.fast.predict_partial(
+                    hashes, n - 1, skip_mamba, shared_fast, host_fast
+                )
                 assert hits_fast == hits_ref and shared_fast == shared_ref and host_fast == host_ref
+                assert reach_fast == reach_ref == max(shared_ref.values(), default=0)
                 assert (pending_ref is None) == (pending_fast is None)
                 if pending_ref is not None and pending_fast is not None:
                     assert pending_ref.workers == pending_fast.workers and pending_ref.length == pending_fast.length

@@ -452,7 +452,7 @@ def test_the_books_whole_pool_pick_is_the_policys_rule(core: str, monkeypatch: p
         policy._now = now
         shared: dict[str, int] = {}
         host: dict[str, int] = {}
-        hits, pending = policy.index.predict_partial(hashes, len(prompt) - 1, shared=shared, host=host)  # type: ignore[arg-type]
+        hits, pending, _ = policy.index.predict_partial(hashes, len(prompt) - 1, shared=shared, host=host)  # type: ignore[arg-type]
         pending_workers = pending.workers if pending is not None else ()
         w_miss, w_spread = policy.w_miss, min(policy.w_miss, policy.weights.uncached_tokens)
         state = policy.rng.getstate()

@@ -4,15 +4,27 @@ holder, where a popular prefix's holder over its queue limit is left out."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.routing import WorkerLoad
-from engine.routing.prefix_reuse import PrefixReuse
+from engine.routing.holder_maps import compiled_core
+from engine.routing.prefix_reuse import PrefixReuse, ReuseCounts, make_prefix_reuse
 from tests.routing.test_placement import PREFIX, cache, policy_with, request
 
+COMPILED = compiled_core("_reuse", "PrefixReuse", "auto")
+CORES = ["python", pytest.param("compiled", marks=pytest.mark.skipif(COMPILED is None, reason="_reuse not built"))]
 
-def test_counts_decay_with_the_half_life_and_the_oldest_prefix_goes_first() -> None:
-    reuse = PrefixReuse(halflife_s=10.0, capacity=2)
+
+def counts(core: str, halflife_s: float, capacity: int = 1 << 16) -> ReuseCounts:
+    made: ReuseCounts = (PrefixReuse if core == "python" else COMPILED)(halflife_s, capacity)  # type: ignore[misc]
+    return made
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_counts_decay_with_the_half_life_and_the_oldest_prefix_goes_first(core: str) -> None:
+    reuse = counts(core, halflife_s=10.0, capacity=2)
     assert reuse.observe(b"a", 0.0) == 1.0
     assert reuse.observe(b"a", 10.0) == pytest.approx(1.5)  # 1 halved, plus this one
     assert reuse.observe(b"a", 10.0) == pytest.approx(2.5)
@@ -21,17 +33,41 @@ def test_counts_decay_with_the_half_life_and_the_oldest_prefix_goes_first() -> N
     assert len(reuse) == 2
     assert reuse.observe(b"a", 12.0) == 1.0
     with pytest.raises(ValueError, match="halflife_s"):
-        PrefixReuse(0.0)
+        counts(core, 0.0)
 
 
-def test_a_request_reuses_the_deepest_prefix_a_worker_holds() -> None:
-    reuse = PrefixReuse(halflife_s=10.0)
+@pytest.mark.parametrize("core", CORES)
+def test_a_request_reuses_the_deepest_prefix_a_worker_holds(core: str) -> None:
+    reuse = counts(core, halflife_s=10.0)
     hashes = [b"h0", b"h1", b"h2", b"h3"]
-    assert reuse.reused(hashes, 4, {}, {}, 0.0) == 0.0  # nobody holds any of it: nothing counted
-    assert reuse.reused(hashes, 4, {"w0": 8}, {"w0": 12, "w1": 4}, 0.0) == 1.0  # keyed by h2
+    assert reuse.reused(hashes, 4, 0, {}, 0.0) == 0.0  # nobody holds any of it: nothing counted
+    assert reuse.reused(hashes, 4, 12, {"w0": 8}, 0.0) == 1.0  # the deepest depth 12: keyed by h2
     assert reuse.observe(b"h2", 0.0) == 2.0
-    assert reuse.reused(hashes, 4, {"w1": 4}, None, 0.0) == 1.0  # no depths: the hit, h0
-    assert reuse.reused(hashes, 4, {"w1": 40}, None, 0.0) == 1.0  # capped at the prompt: h3
+    assert reuse.reused(hashes, 4, 0, {"w1": 4}, 0.0) == 1.0  # no depths: the hit, h0
+    assert reuse.reused(hashes, 4, 0, {"w1": 40}, 0.0) == 1.0  # capped at the prompt: h3
+
+
+@pytest.mark.skipif(COMPILED is None, reason="_reuse not built")
+def test_the_compiled_counts_equal_the_reference_call_by_call() -> None:
+    """Random reuses and requests, time read out of order too, a small capacity (prefixes dropped
+    often): the compiled counts return exactly the reference's, and keep as many prefixes."""
+    rng = random.Random(5)
+    ref, fast = counts("python", 3.0, capacity=8), counts("compiled", 3.0, capacity=8)
+    keys = [bytes([i]) * 4 for i in range(14)]
+    now = 0.0
+    for _ in range(4000):
+        now += rng.choice((0.0, 0.01, 0.5, 2.0, -0.3))
+        if rng.random() < 0.5:
+            key = rng.choice(keys)
+            assert fast.observe(bytes(bytearray(key)), now) == ref.observe(key, now)
+        else:
+            hashes = rng.sample(keys, rng.randrange(0, 6))
+            depth = rng.choice((0, 0, 4, 8, 13, 40))
+            hits = {f"w{i}": rng.choice((4, 8, 12, 30)) for i in range(rng.randrange(3))}
+            assert fast.reused(hashes, 4, depth, hits, now) == ref.reused(hashes, 4, depth, hits, now)
+        assert len(fast) == len(ref)
+    assert type(make_prefix_reuse(1.0, "compiled")) is COMPILED
+    assert type(make_prefix_reuse(1.0, "python")) is PrefixReuse
 
 
 def _holder_with_a_long_queue(**knobs: object) -> list[str]:

@@ -1,6 +1,6 @@
 """The compiled routing modules' ``.pyi`` files against the built extensions: ``mypy.stubtest``
 compares each stub's classes, methods and signatures with what the module exports at runtime, so
-a method added to (or dropped from) ``_core.c``, ``_load.c`` or ``_inflight.c`` without its stub
+a method added to (or dropped from) ``_core.c``, ``_load.c``, ``_inflight.c`` or ``_reuse.c`` without its stub
 fails here. Needs the extensions built (``python setup.py build_ext --inplace``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.routing.holder_maps import compiled_available
 
-MODULES = ("engine.routing._core", "engine.routing._load", "engine.routing._inflight")
+MODULES = ("engine.routing._core", "engine.routing._load", "engine.routing._inflight", "engine.routing._reuse")
 ROOT = Path(__file__).resolve().parents[2]
 
 

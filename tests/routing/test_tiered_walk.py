@@ -46,7 +46,8 @@ def random_tables(rng: random.Random, views: list[list[list[bytes]]], density: f
 def predict(index: PrefixIndex, hashes: list[bytes], max_length: int, skip_mamba: bool) -> Prediction:
     shared: dict[WorkerId, int] = {}
     host: dict[WorkerId, int] = {}
-    hits, pending = index.predict_partial(hashes, max_length, skip_mamba, shared, host)
+    hits, pending, reach = index.predict_partial(hashes, max_length, skip_mamba, shared, host)
+    assert reach == max(shared.values(), default=0)  # the walk's deepest depth, no second pass
     if pending is not None:
         index.resolve(pending, hits)
     return list(hits.items()), list(shared.items()), list(host.items())
@@ -177,13 +178,14 @@ def two_calls(index: PrefixIndex, hashes: list[bytes], max_length: int, skip_mam
     hits: dict[WorkerId, int] = {}
     shared: dict[WorkerId, int] = {}
     host: dict[WorkerId, int] = {}
-    failing, deepest = index._maps.predict(
+    failing, deepest, _ = index._maps.predict(
         plan.first, hashes, plan.factor, limit, plan.per, plan.checks, align, index._ids, hits, shared
     )
     pending = Pending(set(failing), (deepest - 1) * align, hashes, skip_mamba) if failing else None
     index._predict_tiered(hashes, steps, plan, hits, pending, shared, host)
     left = None if pending is None else pending.workers
-    return list(hits.items()), list(shared.items()), list(host.items()), left, deepest if failing else 0
+    reach = max(shared.values(), default=0)  # what ``predict_tiered`` finds without this pass
+    return list(hits.items()), list(shared.items()), list(host.items()), left, deepest if failing else 0, reach
 
 
 def one_call(index: PrefixIndex, hashes: list[bytes], max_length: int, skip_mamba: bool) -> tuple[object, ...]:
@@ -193,11 +195,11 @@ def one_call(index: PrefixIndex, hashes: list[bytes], max_length: int, skip_mamb
     hits: dict[WorkerId, int] = {}
     shared: dict[WorkerId, int] = {}
     host: dict[WorkerId, int] = {}
-    failed, deepest = index._maps.predict_tiered(
+    failed, deepest, reach = index._maps.predict_tiered(
         plan.first, hashes, plan.factor, limit, plan.per, plan.checks, rules.alignment, index._ids, hits, shared,
         plan.order, index.host.maps, index.host.counts, steps, rules.hash_block_size, plan.prefix, host,
     )  # fmt: skip
-    return list(hits.items()), list(shared.items()), list(host.items()), failed, deepest
+    return list(hits.items()), list(shared.items()), list(host.items()), failed, deepest, reach
 
 
 @needs_compiled

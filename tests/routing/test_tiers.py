@@ -27,7 +27,7 @@ def predict_tiers(
     index: PrefixIndex, hashes: list[bytes], max_length: int, remote: bool = False
 ) -> tuple[dict[WorkerId, int], dict[WorkerId, int]]:
     host: dict[WorkerId, int] = {}
-    hits, pending = index.predict_partial(hashes, max_length, remote, host=host)
+    hits, pending, _ = index.predict_partial(hashes, max_length, remote, host=host)
     if pending is not None:
         index.resolve(pending, hits)
     return hits, host
