@@ -31,9 +31,9 @@ import ray
 
 from actors.pin_journal import JournaledPin, PinJournal
 from actors.pin_lease import PinLease
+from actors.router_link import unpack_report
 from configs.schema import ClusterConfig
 from engine.kv_cache.coordinator_types import PinTier
-from engine.kv_cache.events import KVEvent
 from engine.kv_cache.spec import KVCacheGroup
 from engine.routing import (
     Action,
@@ -44,7 +44,6 @@ from engine.routing import (
     RouteRequest,
     RoutingPolicy,
     Unpin,
-    WorkerLoad,
     build_router,
 )
 from engine.routing.types import Role
@@ -186,9 +185,10 @@ class Router:
         return dict(self.handles)
 
     # -- reports from workers ----------------------------------------------------------------------
-    def report(self, worker_id: str, events: list[KVEvent], load: WorkerLoad) -> None:
-        """A worker's new KV events and current load."""
+    def report(self, worker_id: str, packed: bytes) -> None:
+        """A worker's new KV events and current load (``actors.router_link.pack_report``)."""
         now = time.monotonic()
+        events, load = unpack_report(packed)
         if events:
             self._execute(self.policy.apply_events(worker_id, events, now))
         self.policy.update_load(worker_id, load)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -64,6 +65,21 @@ class _PinJob:
     method: PinMethod = "cached"
     source: str | None = None
     waiters: list[concurrent.futures.Future[PinRecord]] = field(default_factory=list)
+
+
+def pack_report(events: list[KVEvent], load: WorkerLoad) -> bytes:
+    """A report's events and load as the one argument of ``Router.report``: pickled here by the
+    standard library's C pickler, so Ray passes plain bytes instead of serializing each argument
+    itself (its cloudpickle path, a fifth of the caller's CPU for the call, about 0.2 ms of the
+    1 ms a report costs the worker's engine thread on this project's machine). The same trust as
+    Ray's own arguments, which are pickles too."""
+    return pickle.dumps((events, load), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_report(packed: bytes) -> tuple[list[KVEvent], WorkerLoad]:
+    """``pack_report``'s events and load (the router's side)."""
+    events, load = pickle.loads(packed)  # (a report from this cluster's own worker actor)
+    return events, load
 
 
 class RouterLink:
@@ -155,8 +171,9 @@ class RouterLink:
 
     def _send(self, routers: list[ActorHandle], events: list[KVEvent], load: WorkerLoad, now: float) -> None:
         """One report to every connected replica; ``_applied`` follows once all of them answered."""
+        packed = pack_report(events, load)
         refs: tuple[ray.ObjectRef[None], ...] = tuple(
-            router.report.remote(self.worker_id, events, load) for router in routers
+            router.report.remote(self.worker_id, packed) for router in routers
         )
         self.last_report = refs
         self._sent += 1

@@ -92,6 +92,36 @@ cores. The tiny model's engine step for a 4-token chunk is 4 to 5 ms at best in-
 aten ops of a few microseconds each; 25 RMS norms at about 45 us each, ``F.rms_norm`` on the CPU
 being a composite of eight ops), and 10 to 12 ms in the worker, which shares the cores with the
 driver, the router and Ray's threads. Two round trips and one step: about 10 ms at best.
+
+The report before each forward (``RouterLink.report_scheduled``): at concurrency 1 it is not
+load-only. This benchmark's prompt recomputes its last block each time (a request's hit search
+stops before its last token), and the block pool reports the fresh copy taking over the cached
+entry, so the report carries one ``BlockStored``. Sent before the forward, the router has it
+when the request finishes, and the request's ack costs nothing (``RouterLink.ack``). Deferred
+past the forward, the finished request would wait for a report. What it costs the engine
+thread is the Ray actor call: about 1 ms of CPU when calls are spaced as at concurrency 1 (0.4
+ms back to back), a fifth of it Ray's cloudpickle of the events and load. Now they go as one
+pickled argument (``pack_report``): 0.89 / 0.72 ms against 1.11 / 0.88 ms of caller CPU a call in
+two microbenchmark runs. Tried and dropped: sending that report from a thread of its own while
+the forward runs. Interleaved in one cluster (blocks of 25 requests switched through
+``__ray_call__``), it gave the same p50 at 1 (22.05 against 22.1 ms, prefill hop 9.56 against
+9.82) and 139 against 153 requests/s at 16: the call holds the GIL, and the two cores are
+busy. Paired on the driver API, main then this change, back to back, 150 requests (load
+average 3 to 6): prefill hop 11.9 -> 10.2 and 16.1 -> 12.9 ms; p50 at 1 26.7 -> 23.2 and
+33.5 -> 28.1 ms; 118 -> 120 and 75 -> 107 requests/s at 16 (mean of two bursts). This
+benchmark, ``--requests 150 --concurrency 1,16``, main then this change (load average 12 to 14):
+HTTP p50 at 1 32.7 -> 31.6 ms, 46.0 -> 46.5 requests/s at 16; driver 28.7 -> 26.7 ms,
+55.1 -> 72.6 requests/s; prefill hop 14.2 -> 12.3 ms; no errors.
+
+Where the HTTP path's time goes at 16 (py-spy over the ingress replica under ``kvfleet serve``,
+load average 10 to 20): kvfleet's own code is a few percent of the replica's samples (the
+driver's Ray calls, FastAPI's middleware, parsing). The rest is Ray's and Serve's threads:
+Ray's main loop, Serve's asyncio thread (its replica metrics), the user code's event loop and
+Serve's router loop. Four threads share the GIL in a Ray worker process at nice 15, on two
+cores that the workers and the router share too. Running Serve's user code on the actor's own
+loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` in ``kvfleet serve``'s environment) was
+tried: the Ray node failed to start in all three runs with it set, and started in the run
+without it just after.
 """
 
 from __future__ import annotations

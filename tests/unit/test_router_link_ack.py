@@ -10,7 +10,7 @@ import concurrent.futures
 from types import SimpleNamespace
 from typing import Any
 
-from actors.router_link import RouterLink
+from actors.router_link import RouterLink, unpack_report
 
 
 class FakeRef:
@@ -31,7 +31,8 @@ class FakeRouter:
         self.reports: list[tuple[list[Any], FakeRef]] = []
         self.report = SimpleNamespace(remote=self._report)
 
-    def _report(self, worker_id: str, events: list[Any], load: Any) -> FakeRef:
+    def _report(self, worker_id: str, packed: bytes) -> FakeRef:
+        events, _ = unpack_report(packed)  # what the Router actor reads
         ref = FakeRef()
         self.reports.append((events, ref))
         return ref
