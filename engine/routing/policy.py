@@ -345,7 +345,16 @@ class RoutingPolicy(PlacementPolicy):
         prefillers = self._candidates("prefill")
         w_miss, w_spread, family = self._request_weights(request.block_hashes, hits, reach, self._now)
         prefill, reason = self._pick(
-            prefillers, hits, num_tokens, pin, w_miss, shared, None, ahead, host, w_spread, not family
+            prefillers,
+            hits,
+            num_tokens,
+            pin,
+            w_miss,
+            shared,
+            ahead=ahead,
+            host=host,
+            w_spread=w_spread,
+            guard=not family,
         )
         whole = self._whole_on_decode(prefill, decode, hits, remote_hits, num_tokens) if pin is None else None
         if whole is not None:
