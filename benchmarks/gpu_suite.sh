@@ -61,9 +61,10 @@ for stage in "${stages[@]}"; do
         # staging buffers); its passing is what turning the flag on by default on CUDA waits for
         KVFLEET_TEST_DEVICE=cuda run_stage async 360 python3 -m pytest "${pytest_args[@]}" \
             tests/engine/test_async_scheduling.py tests/engine/test_async_mixed_steps.py ;;
-    triton)  # the paged attention and Mamba2 decode kernels against the torch path, compiled for the GPU
+    triton)  # every Triton kernel of engine/model/kernels/ against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
-            tests/model/test_triton_mamba.py ;;
+            tests/model/test_triton_mamba.py tests/model/test_triton_norm.py tests/model/test_triton_rope.py \
+            tests/model/test_triton_act.py ;;
     bench)
         run_stage bench 420 python3 -m benchmarks.engine_gpu --device cuda ${BENCH_ARGS:-} ;;
     mamba)  # benchmarks/mamba_decode.py's decode measurement (per-request vs batched Mamba path) on the GPU
