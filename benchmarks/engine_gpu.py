@@ -42,19 +42,21 @@ stderr (logging); the last stdout line is one JSON object::
   {"throughput_ratio_vs_hf": {"gemma": r, "bamba": r}, "decode_step_over_bound": {"1": r, "8": r,
    "64": r}, "device": "<GPU name>", "tokens_per_s": ..., "ttft_s": ..., "decode_step_ms": ...,
    "decode_bound_ms": ..., "copy_bandwidth_gb_s": ..., "host_step_ms": {"1": ms, ...},
-   "host_phases_ms": {...}, "kernels_per_step": {...}, "kernel_ms_per_step": {...},
+   "host_phases_ms": {...}, "kernels_per_step": {...}, "kernel_ms_per_step": {...}, "kernel_top": {...},
    "output_tokens_per_s": {"gemma": n, "bamba": n}, "graph_capture": {...}, "eager_steps": {...},
    "decode_step_ms_eager": {...}, "ops_per_step": {"gemma": n, "bamba": n}, ...}
 
 (4) Host work and kernels of the decode steps of (3) (``benchmarks/support/step_phases.py``): each
     timed step is run again with its phases timed (schedule, batch build, forward or graph
     launch, logits, sample, update); ``host_step_ms`` is the median over steps of wall time minus
-    forward and logits. On CUDA, 5 more steps under torch.profiler give the kernels per step and
-    their summed device time, and (``--no-eager-decode`` skips it) a second engine with
+    forward and logits. On CUDA, 5 more steps under torch.profiler give the kernels per step,
+    their summed device time and the ten kernels that take the most of it (``kernel_top``: name,
+    launches and µs per step), and (``--no-eager-decode`` skips it) a second engine with
     ``model.cuda_graphs=false`` repeats (3) and (4) (``*_eager`` keys).
 (5) ``ops_per_step``: the device operations one decode step's model forward and logits dispatch
     (``benchmarks/support/op_count.py``), batch 1, counted on each model's FULL shape even in a
-    ``--quick`` run (the full checkpoint is built for it there), on the engine's fused path
+    ``--quick`` run (the full checkpoint is built for it there), uncaptured (a graph replay
+    dispatches nothing to count), on the engine's fused path
     (``op_count.fused_path``: every Triton kernel of engine/model/kernels/ switched on; on a CPU
     they run under Triton's interpreter, so this count takes minutes there, and ``--max-seconds``
     does not bound it). How it counts: a
@@ -71,8 +73,9 @@ stderr (logging); the last stdout line is one JSON object::
     ``mixed_mib``, ``mixed_buckets``; CUDA memory reserved by the capture, wall seconds).
 (7) ``--async-scheduling``: every kvfleet engine runs with ``scheduler.async_scheduling=true``
     (each step, decode, prefill or mixed, scheduled and launched while the step before runs);
-    ``overlapped_steps`` gives per model the steps so launched (``steps``) and those holding a
-    prompt chunk (``prompt_steps``), warm-up included (``EngineCounters``).
+    ``async_scheduling`` says per model whether its engine did, ``overlapped_steps`` the steps so
+    launched (``steps``) and those holding a prompt chunk (``prompt_steps``), warm-up included
+    (``EngineCounters``).
 
 On the GPU machine: ``python -m benchmarks.engine_gpu`` (``--device cuda``, bfloat16; expected
 about three minutes). Smoke run on a CPU (tiny shapes, 8 requests, decode batches 1, 8 and 64, about
@@ -219,7 +222,8 @@ def kvfleet_side(run: Run, name: str, directory: Path, requests: list[tuple[list
         eager_before = engine.runner.eager_steps
         timed = run_kvfleet(run, engine, requests, "r")
         run.result["eager_steps"][name] = engine.runner.eager_steps - eager_before
-        if run.args.async_scheduling:  # counters since the engine was built (warm-up included)
+        run.result["async_scheduling"][name] = engine.async_scheduling
+        if engine.async_scheduling:  # counters since the engine was built (warm-up included)
             counters = engine.counters
             run.result["overlapped_steps"][name] = {
                 "steps": counters.overlapped_steps,
@@ -337,7 +341,8 @@ def count_ops(run: Run, name: str, directory: Path) -> None:
     (``directory`` holds it), in an engine sized for that one request."""
     one = replace(run.sizes, max_num_seqs=1, decode_batches=(1,), kv_budget_mib=max(run.sizes.kv_budget_mib, 512))
     with fused_path(run.device.type):
-        engine = make_engine(replace(run, sizes=one), directory)
+        # uncaptured: a captured decode step replays its graph, which dispatches nothing to count
+        engine = make_engine(replace(run, sizes=one), directory, graphs=False)
         vocab = MODELS[name][2]["vocab_size"]
         counted = decode_ops(engine, vocab, prompt_len=8)  # short: the CPU interprets the prefill's kernels
     run.result["ops_per_step"][name] = counted["ops"]
@@ -432,10 +437,11 @@ def main() -> None:
         "host_phases_ms": {},
         "kernels_per_step": {},
         "kernel_ms_per_step": {},
+        "kernel_top": {},
         "output_tokens_per_s": {},
         "graph_capture": {},
         "eager_steps": {},
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": {},
         "overlapped_steps": {},
         "decode_step_ms_eager": {},
         "host_phases_ms_eager": {},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ def kv_bytes_read(engine: EngineCore, context: int) -> int:
     return total
 
 
-def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> dict[str, float]:
+def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> dict[str, Any]:
     """Milliseconds per decode step with ``batch`` requests decoding, and the KV bytes each step read."""
     sizes = run.sizes
     rng = random.Random(run.args.seed + 100 + batch)
@@ -87,8 +88,10 @@ def decode_step_time(run: Run, engine: EngineCore, batch: int, vocab: int) -> di
     }
 
 
-def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, float]:
-    """CUDA kernels per decode step and their summed milliseconds (torch.profiler, ``steps`` steps)."""
+def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, Any]:
+    """CUDA kernels per decode step, their summed milliseconds and the ten that take the most time
+    (torch.profiler, ``steps`` steps): ``kernel_top`` rows ``[name, launches per step, µs per
+    step]``, the name cut to 70 characters."""
     from torch.profiler import ProfilerActivity, profile
 
     run.sync()
@@ -97,9 +100,16 @@ def kernel_profile(run: Run, engine: EngineCore, steps: int) -> dict[str, float]
             engine.step()
         run.sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and _is_kernel(e.name)]
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        entry = by_name.setdefault(event.name[:70], [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:10]
     return {
         "kernels_per_step": len(kernels) / steps,
         "kernel_ms_per_step": sum(e.device_time for e in kernels) / steps / 1e3,
+        "kernel_top": [[name, round(n / steps, 1), round(us / steps, 1)] for name, (n, us) in top],
     }
 
 
@@ -128,6 +138,7 @@ def record_decode(run: Run, engine: EngineCore, name: str, batch: int, vocab: in
     if "kernels_per_step" in timed:
         result["kernels_per_step"][key] = round(timed["kernels_per_step"], 1)
         result["kernel_ms_per_step"][key] = round(timed["kernel_ms_per_step"], 4)
+        result["kernel_top"][key] = timed["kernel_top"]
     result["decode_kv_bytes_per_step"][key] = round(timed["kv_bytes"])
     bandwidth = result.get("copy_bandwidth_gb_s")
     if bandwidth:

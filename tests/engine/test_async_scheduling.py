@@ -252,15 +252,16 @@ class Faults:
             runner.model.logits = poisoned_logits
         else:
             assert runner.decode is not None
-            forward = runner.decode.forward
+            # the decode step itself: a captured one replays its graph and never calls forward
+            run = runner.decode.run
 
-            def failing_forward(batch):
+            def failing_run(*args, **kwargs):
                 self.calls += 1
                 if self.calls == at:
                     raise RuntimeError("injected fault in the decode forward")
-                return forward(batch)
+                return run(*args, **kwargs)
 
-            runner.decode.forward = failing_forward
+            runner.decode.run = failing_run
 
 
 @pytest.mark.parametrize("kind", ["nan", "raise"])

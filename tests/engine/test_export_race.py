@@ -3,7 +3,8 @@
 A prefill-only step samples nothing, so nothing in it waits for the GPU: the step returns while
 the forward's KV writes are still queued on the compute stream. A reader copies the handle's
 pages by DMA (NIXL, CUDA IPC), which is not ordered after that stream. Here the stream is delayed
-by a sleep kernel queued before the forward, and the "reader" snapshots the pages on another
+by a sleep kernel queued before the forward (the eager one, or the replay of a captured step's
+graphs), and the "reader" snapshots the pages on another
 stream as soon as the handle is out. With the engine's fence (``ModelRunner.wait_kv_written``)
 the snapshot equals the final KV; with the fence removed the same test sees stale pages, which
 proves it can catch the race.
@@ -36,6 +37,16 @@ def prefill_engine(monkeypatch: pytest.MonkeyPatch) -> EngineCore:
         return forward(batch)
 
     monkeypatch.setattr(model, "forward", delayed)
+    mixed = engine.runner.mixed
+    if mixed is not None:  # a captured prefill step replays graphs instead of calling forward
+        index = mixed.index
+
+        def index_then_delay(*args, **kwargs):
+            built = index(*args, **kwargs)  # after the step's upload, before the graphs replay
+            torch.cuda._sleep(DELAY_CYCLES)
+            return built
+
+        monkeypatch.setattr(mixed, "index", index_then_delay)
     return engine
 
 

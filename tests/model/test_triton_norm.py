@@ -52,18 +52,23 @@ def test_kernel_equals_the_torch_path(dtype: torch.dtype, gemma: bool, residual:
     with torch.no_grad():
         want, got = torch_path(x, skip), kernel(x, skip)
     assert got.shape == want.shape and got.dtype == want.dtype
-    if dtype == torch.float32:
-        assert (got - want).abs().max().item() < 1e-5
-    else:  # two bf16 units in the last place of the output (seen on an H200: one)
-        assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
+    assert_close(got, want, dtype, skip)
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, skip: torch.Tensor | None = None) -> None:
+    """fp32 within 1e-5; bf16 within two units in the last place of the output (the rsqrt's last
+    bits: an H200 showed one), and where a residual ``skip`` enters, two units of the row's
+    largest term as well: ``skip + y`` cancels, so a one-unit difference in the normed ``y``
+    (seen on an H200) is many units of a small sum, and a norm of that sum carries it on."""
     assert got.shape == want.shape and got.dtype == want.dtype
     if dtype == torch.float32:
         assert (got - want).abs().max().item() < 1e-5
-    else:  # two bf16 units in the last place (the rsqrt's last bits, as above)
-        assert bool(((got.float() - want.float()).abs() <= 2 * bf16_ulp(want)).all())
+        return
+    tolerance = 2 * bf16_ulp(want)
+    if skip is not None:
+        terms = torch.maximum(want.float().abs(), skip.float().abs()).amax(dim=-1, keepdim=True)
+        tolerance = tolerance + 2 * bf16_ulp(terms)
+    assert bool(((got.float() - want.float()).abs() <= tolerance).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,9 +83,9 @@ def test_fused_residual_and_next_norm_equal_the_torch_path(dtype: torch.dtype, g
     skip = torch.randn(shape, device=DEVICE).to(dtype)
     with torch.no_grad():
         for got, want in zip(first.then(x, skip, second), first_torch.then(x, skip, second_torch), strict=True):
-            assert_close(got, want, dtype)
+            assert_close(got, want, dtype, skip)
         for got, want in zip(first.add(x, skip), first_torch.add(x, skip), strict=True):
-            assert_close(got, want, dtype)
+            assert_close(got, want, dtype, skip)
         total, normed = first_torch.add(x, skip)
         assert torch.equal(total, skip + x) and torch.equal(normed, first_torch(skip + x))
 

@@ -8,7 +8,7 @@ activation rounds), multiplies by ``up`` and rounds again: equal to the torch pa
 activation's own rounding (fp32 ``exp``/``tanh`` formulas differ from ATen's by an ulp or so).
 
 Whether the runner uses it follows ``KVFLEET_ACT`` (``triton_attention.kernel_choice``): unset
-means off, until a GPU run has checked it compiled (as ``triton_rope``).
+means CUDA with triton available (as ``triton_rope``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.model.kernels.triton_attention import jit_in_place, kernel_choice, next_pow2
+from engine.model.kernels.triton_attention import available, jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_ACT"
 tl: Any = None  # triton.language, bound by _kernels()
@@ -29,8 +29,8 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 def enabled(device: torch.device) -> bool:
     """Whether gated MLPs on ``device`` run this kernel (``kernel_choice`` of ``KVFLEET_ACT``):
-    unset means off."""
-    return kernel_choice(ENV, device, False)
+    unset means CUDA with triton available."""
+    return kernel_choice(ENV, device, device.type == "cuda" and available())
 
 
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:

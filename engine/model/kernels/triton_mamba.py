@@ -26,11 +26,10 @@ step writes a request's state only into a block of its own, a new one or its liv
 cached state block is only ever read, see ``engine.kv_cache.mamba_manager``). Rows a CUDA graph
 pads a decode batch with read and write the null block, as on the torch path.
 
-Status: these kernels have only run under Triton's interpreter (CPU); they have never run
-compiled on a GPU. So an unset ``KVFLEET_MAMBA_KERNEL`` means the torch path everywhere for now.
-A GPU session must first run tests/model/test_triton_mamba.py compiled (it runs on CUDA when
-there is one), then make unset mean "CUDA with triton available", as ``triton_attention.enabled``
-does.
+Status: tests/model/test_triton_mamba.py has passed with the kernels compiled on an H200 (and
+the GPU suite's engines ran Bamba on them), so an unset ``KVFLEET_MAMBA_KERNEL`` means "CUDA with
+triton available", as ``triton_attention.enabled`` does; on the CPU they run only under the
+interpreter, for tests.
 
 Triton is imported and the kernels are jitted on first use (``_kernels``), so this module imports
 without triton and ``TRITON_INTERPRET`` is read at first use, not at import.
@@ -43,7 +42,7 @@ from typing import Any
 
 import torch
 
-from engine.model.kernels.triton_attention import jit_in_place, kernel_choice, next_pow2
+from engine.model.kernels.triton_attention import available, jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_MAMBA_KERNEL"
 TILE_ELEMENTS = 4096  # fp32 state values one program holds ([BLOCK_P, N_P]): 32 registers a thread at 4 warps
@@ -53,9 +52,8 @@ tl: Any = None  # triton.language, bound by _kernels()
 
 def enabled(device: torch.device) -> bool:
     """Whether ``Mamba2Mixer._decode`` on ``device`` runs the kernels (``kernel_choice`` of
-    ``KVFLEET_MAMBA_KERNEL``); unset means the torch path everywhere until the kernels have run
-    compiled (module docstring)."""
-    return kernel_choice(ENV, device, False)
+    ``KVFLEET_MAMBA_KERNEL``); unset means CUDA with triton available (module docstring)."""
+    return kernel_choice(ENV, device, device.type == "cuda" and available())
 
 
 def conv_decode_update(

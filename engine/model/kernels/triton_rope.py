@@ -14,8 +14,8 @@ half is read from memory again (normalised with the same ``rstd``), so no value 
 lanes. In fp32 this equals ``RMSNorm`` + ``Rotary.apply``; in bf16 it rounds once where the torch
 path rounds after each product (closer to the fp32 result).
 
-Whether the runner uses it follows ``KVFLEET_ROPE`` (``triton_attention.kernel_choice``): for now
-``KVFLEET_ROPE=triton`` turns it on; unset is off (see ``enabled``).
+Whether the runner uses it follows ``KVFLEET_ROPE`` (``triton_attention.kernel_choice``): unset
+means CUDA with triton available (see ``enabled``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.model.kernels.triton_attention import jit_in_place, kernel_choice, next_pow2
+from engine.model.kernels.triton_attention import available, jit_in_place, kernel_choice, next_pow2
 
 ENV = "KVFLEET_ROPE"
 tl: Any = None  # triton.language, bound by _kernels()
@@ -33,10 +33,10 @@ tl: Any = None  # triton.language, bound by _kernels()
 
 def enabled(device: torch.device) -> bool:
     """Whether attention layers on ``device`` run this kernel (``kernel_choice`` of
-    ``KVFLEET_ROPE``): unset means off, until a GPU run has checked it compiled (it is checked
-    against the torch path and Hugging Face's logits under the interpreter; README, "The engine
-    on a GPU")."""
-    return kernel_choice(ENV, device, False)
+    ``KVFLEET_ROPE``): unset means CUDA with triton available (checked compiled on an H200 against
+    the torch path and, in the engines of the GPU suite's test stages, Hugging Face's logits;
+    README, "GPU workers")."""
+    return kernel_choice(ENV, device, device.type == "cuda" and available())
 
 
 def norm_rope(

@@ -11,7 +11,8 @@ over requests:
 - decode (one-token chunks): gather conv windows and SSM states by block id, one conv step and
   one recurrence ``h = exp(dt*A) h + dt * B x; y = C h + D x`` for all of them, scatter the new
   states into the write blocks (the SSM state a tile of heads at a time, so it stays in cache);
-  with ``KVFLEET_MAMBA_KERNEL=triton`` two kernels do all of it (``engine.model.kernels.triton_mamba``);
+  on CUDA (``KVFLEET_MAMBA_KERNEL`` unset or ``triton``) two kernels do all of it
+  (``engine.model.kernels.triton_mamba``);
 - prefill (longer chunks): tokens packed back to back, one causal conv over all chunks (each
   preceded by its previous window) and the sub-chunked SSD scan over all chunks at once
   (``engine.model.layers.ssd``); padding inside a sub-chunk gets ``dt = 0``, an identity step, so it
