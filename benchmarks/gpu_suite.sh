@@ -5,8 +5,9 @@
 #
 # Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
 # STAGE_LIMIT (seconds) caps every stage's time limit; XDIST=N runs the test stages on N workers;
-# BENCH_ARGS are passed to engine_gpu.py (e.g. --async-scheduling). Test stages may run side by side (separate invocations
-# after one that installed the wheels); run the benchmarks alone.
+# BENCH_ARGS are passed to engine_gpu.py (e.g. --async-scheduling). SIDE_BY_SIDE=1 runs the named
+# benchmark stages first, alone, then the test stages (tests pd decode async triton) at once, each
+# printing its tail when all are done: the whole suite but mamba took 7 minutes so on an H200.
 # The GPU machine has torch, Triton and transformers but not pydantic or gguf: put their wheels in
 # .whl/ (see benchmarks/README.md) and they are installed into a temporary target first. Ray and
 # NIXL are not needed: the engine never imports ray, and P/D runs on the `local` backend (CUDA IPC).
@@ -41,7 +42,8 @@ run_stage() {  # name, limit in seconds, command...
     echo "== $name: rc=$rc in $((SECONDS - started)) s"
 }
 
-for stage in "${stages[@]}"; do
+one_stage() {
+    local stage=$1
     case "$stage" in
     env)
         run_stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
@@ -71,4 +73,27 @@ for stage in "${stages[@]}"; do
         run_stage mamba 240 python3 -m benchmarks.mamba_decode --device cuda --dtype bfloat16 --num-requests 32 ;;
     *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;
     esac
-done
+}
+
+if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    side=()
+    for stage in "${stages[@]}"; do
+        case "$stage" in
+        tests | pd | decode | async | triton) side+=("$stage") ;;
+        *) one_stage "$stage" ;;
+        esac
+    done
+    summaries="$(mktemp -d)"
+    for stage in "${side[@]}"; do
+        one_stage "$stage" >"$summaries/$stage.txt" 2>&1 &
+    done
+    wait
+    for stage in "${side[@]}"; do
+        cat "$summaries/$stage.txt"
+    done
+    rm -rf "$summaries"
+else
+    for stage in "${stages[@]}"; do
+        one_stage "$stage"
+    done
+fi
