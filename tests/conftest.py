@@ -23,18 +23,26 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 # The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2 --no-loadscope-reorder``).
-# The tests that start Ray clusters (these packages: their fixtures are package- and module-scoped
-# clusters and Serve apps, and their timeouts assume no second cluster beside them) are one work
-# unit, run in order on one worker and first, so that worker starts on them at once; every other
-# test file is a unit of its own, so its module fixtures are built once, and the other worker takes
-# those units in collection order. ``-n 0`` runs everything in one process in the same order.
-CLUSTER_PACKAGES = ("tests/integration/", "tests/serve/")
+# The tests that start Ray clusters (tests/integration/: package- and module-scoped clusters whose
+# timeouts assume no second cluster of theirs beside them) are one work unit, run in order on one
+# worker and first, so that worker starts on them at once; every other test file is a unit of its
+# own, so its module fixtures are built once, and the other worker takes those units in collection
+# order. The Serve tests (tests/serve/: one package-scoped cluster with two Serve apps) are one unit
+# too, queued last: the other worker reaches it while the first still runs the cluster unit (that
+# unit took about 1,600 s of a CI run, all the others together about 1,000 s, Serve's 260 s of
+# them), so the two clusters overlap only for the Serve unit's minutes. ``-n 0`` runs everything in
+# one process in the same order.
+CLUSTER_PACKAGES = ("tests/integration/",)
 CLUSTER_UNIT = "ray-clusters"
+SERVE_PACKAGES = ("tests/serve/",)
+SERVE_UNIT = "ray-serve"
 
 
 def work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    return CLUSTER_UNIT if path.startswith(CLUSTER_PACKAGES) else path
+    if path.startswith(CLUSTER_PACKAGES):
+        return CLUSTER_UNIT
+    return SERVE_UNIT if path.startswith(SERVE_PACKAGES) else path
 
 
 class ByWorkUnit(LoadScopeScheduling):
@@ -51,4 +59,5 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ByWorkUni
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: work_unit(item.nodeid) != CLUSTER_UNIT)  # stable: collection order within
+    order = {CLUSTER_UNIT: 0, SERVE_UNIT: 2}
+    items.sort(key=lambda item: order.get(work_unit(item.nodeid), 1))  # stable: collection order within

@@ -58,10 +58,10 @@ class PaddingSpy:
         self.runs = self.padded = 0
         inner = decode.run
 
-        def counted(chunks):
+        def counted(chunks, *rest):  # rest: a launched step's previous ids and rows
             self.runs += 1
             self.padded += decode.bucket(len(chunks)) > len(chunks)
-            return inner(chunks)
+            return inner(chunks, *rest)
 
         decode.run = counted  # type: ignore[method-assign]
 
@@ -105,8 +105,8 @@ def test_preempted_and_readmitted_requests_keep_their_tokens(preset: str) -> Non
 
 def test_padded_rows_write_only_null_blocks() -> None:
     """One padded decode step changes KV pages only in the null block and the blocks of the
-    requests it decodes."""
-    core = engine("tiny-hybrid", True)
+    requests it decodes (one step at a time: no step launched while another runs)."""
+    core = engine("tiny-hybrid", True, "scheduler.async_scheduling=false")
     vocab = core.info.arch.vocab_size
     for i, (prompt, _) in enumerate(workload(3, 3, vocab)):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))

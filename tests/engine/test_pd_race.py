@@ -31,6 +31,7 @@ from engine.kv_cache.coordinator import HybridCoordinator
 from engine.kv_cache.request import CacheRequest
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 from kvfleet_testing.pd_harness import (
     alone_tokens,
     duplicate_wave_prompts,
@@ -63,16 +64,29 @@ def run(engine: EngineCore, items: list[tuple[str, list[int], SamplingParams]], 
 
 
 def chunk_log(engine: EngineCore) -> list[tuple[str, int, int, int]]:
-    """Record ``(request, start, num_tokens, request length)`` of every scheduled chunk."""
+    """Record ``(request, start, num_tokens, request length)`` of every scheduled chunk, the steps
+    ``schedule`` gives and those scheduled while a launched step runs (``schedule_continuation``,
+    with ``scheduler.async_scheduling``)."""
     log: list[tuple[str, int, int, int]] = []
-    schedule = engine.scheduler.schedule
+    scheduler = engine.scheduler
+    schedule, continuation = scheduler.schedule, scheduler.schedule_continuation
 
-    def logged():
+    def record(output: SchedulerOutput | None) -> None:
+        if output is not None:
+            log.extend((c.request.request_id, c.start, c.num_tokens, c.request.num_tokens) for c in output.chunks)
+
+    def logged() -> SchedulerOutput:
         output = schedule()
-        log.extend((c.request.request_id, c.start, c.num_tokens, c.request.num_tokens) for c in output.chunks)
+        record(output)
         return output
 
-    engine.scheduler.schedule = logged  # type: ignore[method-assign]
+    def logged_continuation(*args, **kwargs) -> SchedulerOutput | None:
+        output = continuation(*args, **kwargs)
+        record(output)
+        return output
+
+    scheduler.schedule = logged  # type: ignore[method-assign]
+    scheduler.schedule_continuation = logged_continuation  # type: ignore[method-assign]
     return log
 
 

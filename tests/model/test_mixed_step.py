@@ -49,10 +49,10 @@ class MixedSpy:
         self.runs = self.padded = self.mixed = 0
         inner = step.run
 
-        def counted(chunks: Sequence[StepChunk]):
+        def counted(chunks: Sequence[StepChunk], *rest):  # rest: a launched step's previous ids
             self.runs += 1
             self.mixed += any(c.num_tokens > 1 for c in chunks) and any(c.num_tokens == 1 for c in chunks)
-            hidden, batch = inner(chunks)
+            hidden, batch = inner(chunks, *rest)
             self.padded += len(batch.chunks) > len(chunks)
             return hidden, batch
 
@@ -102,8 +102,9 @@ def test_mixed_steps_run_static_and_give_the_eager_tokens(preset: str, device: s
 
 def test_pad_chunk_writes_only_null_blocks() -> None:
     """A padded mixed step (a prompt chunk beside decodes) changes KV pages and recurrent states
-    only in the null block and the blocks of the requests it runs."""
-    core = engine("tiny-hybrid", True, "cpu")
+    only in the null block and the blocks of the requests it runs (one step at a time: no step
+    launched while another runs)."""
+    core = engine("tiny-hybrid", True, "cpu", "scheduler.async_scheduling=false")
     mixed = core.runner.mixed
     assert mixed is not None
     mixed.pad_uncaptured = True  # the CPU captures nothing: pad as a replayed bucket is
@@ -149,8 +150,8 @@ def test_uncaptured_steps_are_not_padded(preset: str) -> None:
     sizes: list[tuple[int, int]] = []
     inner = mixed.run
 
-    def sized(chunks: Sequence[StepChunk]):
-        hidden, batch = inner(chunks)
+    def sized(chunks: Sequence[StepChunk], *rest):  # rest: a launched step's previous ids
+        hidden, batch = inner(chunks, *rest)
         sizes.append((sum(c.num_tokens for c in chunks), int(batch.input_ids.numel())))
         return hidden, batch
 
