@@ -64,7 +64,8 @@ stderr (logging); the last stdout line is one JSON object::
     left out), and each Triton launch counts one (``triton::<kernel>``) with what the launch
     itself dispatches left out; ``ops_by_op`` lists the most frequent. On CUDA it stands beside
     the profiler's ``kernels_per_step``, which checks the proxy. Measured 2026-11-29 (CPU):
-    gemma 196, bamba 117 (the torch path's count before the fused kernels: 723 and 516).
+    gemma 184, bamba 111 (196 and 117 before the rotary tables, the same on an H200, where the
+    profiler counted 210 kernels a captured step; the torch path's count: 723 and 516).
 (6) ``eager_steps``: steps of the timed mix (1) that took the eager forward over a freshly
     built batch (``ModelRunner.eager_steps``): neither the static decode step nor the static
     token-bucket step of prefill and mixed steps (``engine.model.mixed_step``) served them; 0 is

@@ -29,6 +29,7 @@ from engine.model.checkpoints.loader import LanguageModel
 from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
+from engine.model.layers.attention import Attention
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
 from engine.model.mixed_step import MixedStep, StepChunk, placeholder_id
 from engine.rank_group import ChunkInputs, RankLeader
@@ -143,6 +144,12 @@ class ModelRunner:
                     user.bind_state(slot.view(torch.float32))
                 else:
                     user.bind_cache(slot, layout.block_size)
+        if max_model_len is not None:  # rotary tables of the fused path, one per rotary type
+            tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
+            for layer in model.model.layers:
+                for user in cache_users(layer):
+                    if isinstance(user, Attention):
+                        user.bind_rope_table(max_model_len, tables)
         self.host_kv = HostKVMemory(layout, self.slots, host_blocks) if host_blocks is not None else None
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]

@@ -86,6 +86,52 @@ def test_kernel_stores_the_new_keys_and_values_in_their_pages(dtype: torch.dtype
     assert torch.equal(flat, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_the_positions_rows_of_a_table(dtype: torch.dtype) -> None:
+    """With ``rows`` (the tokens' positions) ``cos``/``sin`` are tables of every position: the
+    result equals the per-token cos/sin of those positions bit for bit, and a position past the
+    table reads its last row."""
+    torch.manual_seed(5)
+    rotary = Rotary(RopeArch(theta=10000.0, rotary_dim=32), 48).to(DEVICE)
+    positions = torch.tensor([0, 7, 3, 63, 20], device=DEVICE)
+    cos_table, sin_table = rotary.cos_sin(torch.arange(64, device=DEVICE), dtype)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    q = torch.randn(5, 4, 48, device=DEVICE).to(dtype)
+    k = torch.randn(5, 2, 48, device=DEVICE).to(dtype)
+    want = triton_rope.norm_rope(q, k, cos, sin, 32, None, 1e-6, False)
+    got = triton_rope.norm_rope(q, k, cos_table, sin_table, 32, None, 1e-6, False, rows=positions)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    past = triton_rope.norm_rope(q, k, cos_table, sin_table, 32, None, 1e-6, False, rows=positions + 1000)
+    last = torch.full_like(positions, 63)
+    assert torch.equal(past[0], triton_rope.norm_rope(q, k, cos_table, sin_table, 32, None, 1e-6, False, rows=last)[0])
+    shifted = triton_rope.norm_rope(q, k, cos_table, sin_table, 32, None, 1e-6, False, rows=positions.flip(0))
+    assert not torch.equal(shifted[0], want[0])  # the rows read are the positions' own
+
+
+def test_an_engine_on_the_fused_path_binds_one_table_per_rotary_type(tmp_path, monkeypatch) -> None:
+    """Gemma-3's two rotary types (local and global theta) give two tables, shared by the layers
+    of each type, holding ``Rotary.cos_sin`` of every position below the engine's max length;
+    the torch path binds none."""
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
+    from engine.model.layers.attention import Attention
+
+    directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
+    monkeypatch.setenv("KVFLEET_ROPE", "torch")
+    plain = harness.make_engine(directory, device=DEVICE)
+    assert all(m.rope_table is None for m in plain.runner.model.modules() if isinstance(m, Attention))
+    monkeypatch.setenv("KVFLEET_ROPE", "triton")
+    engine = harness.make_engine(directory, device=DEVICE)
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
+    tables = {id(m.rope_table): m for m in layers if m.rope_table is not None}
+    assert len(tables) == 2 and all(m.rope_table is not None for m in layers)
+    for layer in tables.values():
+        assert layer.rotary is not None and layer.rope_table is not None
+        cos, sin = layer.rope_table
+        assert cos.shape[0] == engine.info.max_model_len
+        want = layer.rotary.cos_sin(torch.tensor([0, 5, cos.shape[0] - 1], device=cos.device), cos.dtype)
+        assert torch.equal(cos[[0, 5, -1]], want[0]) and torch.equal(sin[[0, 5, -1]], want[1])
+
+
 def test_a_missing_rotation_would_be_caught() -> None:
     """The comparison sees a kernel given cos = 1, sin = 0 (no rotation): it can fail."""
     rotary = Rotary(RopeArch(theta=10000.0), 64).to(DEVICE)

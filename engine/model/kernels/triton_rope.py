@@ -12,7 +12,10 @@ cache, a key head's program writes the token's K and V rows into their page too,
 attention path needs no separate store launch). Each row's partner
 half is read from memory again (normalised with the same ``rstd``), so no value moves between
 lanes. In fp32 this equals ``RMSNorm`` + ``Rotary.apply``; in bf16 it rounds once where the torch
-path rounds after each product (closer to the fp32 result).
+path rounds after each product (closer to the fp32 result). In the engine the cos and sin come
+from tables of every position up to the engine's max length, built once per rotary type
+(``Attention.bind_rope_table``), and each program reads its token's row by position: a step
+launches nothing to compute them (a per-step ``Rotary.cos_sin`` is about nine launches per type).
 
 Whether the runner uses it follows ``KVFLEET_ROPE`` (``triton_attention.kernel_choice``): unset
 means CUDA with triton available (see ``enabled``).
@@ -49,6 +52,7 @@ def norm_rope(
     eps: float,
     gemma: bool,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New q ``[T, H, D]`` and k ``[T, KVH, D]``: each head row normalised (``norms``: the q and k
     weights, Gemma's as the fp32 ``1 + weight`` scale; None: no q/k norm), then rotated on its
@@ -56,7 +60,9 @@ def norm_rope(
     ``store`` = (``v`` [T, KVH, D], ``flat`` cache rows, ``write_block`` [T], ``write_offset``
     [T], ``rows_per_block``, ``block_size``): the same launch also writes each token's new K row
     to ``flat[key]``, ``key = write_block[t] * rows_per_block + write_offset[t]``, and its V row
-    to ``flat[key + block_size]`` (``layers.attention.paged_attention``'s layout)."""
+    to ``flat[key + block_size]`` (``layers.attention.paged_attention``'s layout). ``rows``
+    (``[T]`` positions): ``cos``/``sin`` are tables of every position (``Attention.rope_table``)
+    and token t reads row ``rows[t]`` (clamped to the table), so no per-step cos/sin is needed."""
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
@@ -78,6 +84,8 @@ def norm_rope(
         flat,
         blocks,
         offsets,
+        rows if rows is not None else blocks,  # unread without TABLE
+        cos.shape[0],
         cos,
         sin,
         q_weight,
@@ -107,6 +115,7 @@ def norm_rope(
         NORM=norms is not None,
         GEMMA=gemma,
         STORE=store is not None,
+        TABLE=rows is not None,
         num_warps=1 if head_dim <= 128 else 2,
     )
     return q_out, k_out
@@ -132,6 +141,8 @@ def _norm_rope_kernel(
     cache,
     write_block,
     write_offset,
+    positions,
+    table_rows,
     cos,
     sin,
     q_weight,
@@ -161,6 +172,7 @@ def _norm_rope_kernel(
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     STORE: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """Program (token t, head h): h < heads is query head h, else key head h - heads (which,
     with ``STORE``, also writes the token's K and V rows of that head into the cache)."""
@@ -191,8 +203,11 @@ def _norm_rope_kernel(
         else:
             values = ((values * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
             others = ((others * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
-    c = tl.load(cos + t * stride_cos + d, mask=rotated, other=0.0).to(tl.float32)
-    s = tl.load(sin + t * stride_sin + d, mask=rotated, other=0.0).to(tl.float32)
+    row = t
+    if TABLE:  # the token's position picks its table row (a pad row's position stays inside)
+        row = tl.minimum(tl.load(positions + t).to(tl.int64), table_rows - 1)
+    c = tl.load(cos + row * stride_cos + d, mask=rotated, other=0.0).to(tl.float32)
+    s = tl.load(sin + row * stride_sin + d, mask=rotated, other=0.0).to(tl.float32)
     out = tl.where(rotated, values * c + others * s, values)
     tl.store(dst + d, out.to(dst.dtype.element_ty), mask=ok)
     if STORE:  # noqa: SIM102  # a constexpr branch (compiled out) around a runtime one

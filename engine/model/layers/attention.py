@@ -46,6 +46,8 @@ class Attention(nn.Module):
         self.rows_per_block = 0
         self.block_size = 0
         self._fused_rope: bool | None = None  # triton_rope.enabled for the weights' device, at first use
+        #: cos / sign-folded sin of every position (``bind_rope_table``; fused path only), else None
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q, k, v weight and bias
         self._qkv_sizes = (
             arch.num_heads * arch.head_dim,
@@ -61,12 +63,27 @@ class Attention(nn.Module):
         self, batch: ForwardBatch, dtype: torch.dtype, ropes: dict
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's rotary cos/sin for the step's positions (None for NoPE), computed once per
-        rotary type: ``ropes`` (rope_key -> cos/sin) is the step's memo shared by all layers."""
+        rotary type: ``ropes`` (rope_key -> cos/sin) is the step's memo shared by all layers. With
+        a bound table (``bind_rope_table``) the table itself: the kernel reads the positions' rows."""
         if self.rotary is None:
             return None
+        if self.rope_table is not None:
+            return self.rope_table
         if self.rope_key not in ropes:
             ropes[self.rope_key] = self.rotary.cos_sin(batch.positions, dtype)
         return ropes[self.rope_key]
+
+    def bind_rope_table(self, max_positions: int, shared: dict[object, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """On the fused rotary path (``triton_rope.enabled``), take this rotary type's cos and
+        sign-folded sin of every position below ``max_positions`` (``Rotary.cos_sin`` of them,
+        built once per type in ``shared``), so a step computes none: the kernel reads each token's
+        row by its position, the values the step would have computed. Elsewhere nothing changes."""
+        weight = self.q_proj.weight
+        if self.rotary is None or not triton_rope.enabled(weight.device):
+            return
+        if self.rope_key not in shared:
+            shared[self.rope_key] = self.rotary.cos_sin(torch.arange(max_positions, device=weight.device), weight.dtype)
+        self.rope_table = shared[self.rope_key]
 
     def bind_cache(self, slot: torch.Tensor, block_size: int) -> None:
         """Take ``slot`` (``[num_blocks, page_bytes]`` uint8) as this layer's paged KV: each page
@@ -108,6 +125,7 @@ class Attention(nn.Module):
                 self.arch.rms_norm_eps,
                 self.arch.family == "gemma3",
                 store if stored else None,
+                batch.positions if self.rope_table is not None else None,
             )
         else:
             if self.qk_norm:
