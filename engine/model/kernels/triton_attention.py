@@ -196,7 +196,7 @@ def paged_attention_triton(
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if meta.num_tiles == 0:
         return out
-    config = _launch_config(heads // kv_heads, head_dim, q.dtype)
+    config = launch_config(heads // kv_heads, head_dim, q.dtype)
     split = -(-min(meta.max_tile_rows, TILE_TOKENS) // config["TOKENS"])
     kernel, _ = _kernels()
     kernel[(meta.num_tiles * split, kv_heads)](
@@ -226,7 +226,7 @@ def paged_attention_triton(
     return out
 
 
-def _launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+def launch_config(groups: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     """Tile shapes and launch options. A program's matrix has ``BLOCK_M`` rows (``TOKENS`` query
     tokens x ``G_P`` heads; 128 for 16-bit head dims up to 128, else 64, bounded by the fp32
     accumulator's registers) or ``DEC_ROWS`` for a part of few tokens (decode); keys come

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch, GroupIndex, slot_table_reads
-from engine.model.kernels import triton_attention, triton_rope
+from engine.model.kernels import triton_attention, triton_rope, triton_split_decode
 from engine.model.layers.blocks import RMSNorm, Rotary, fuse_linears
 from engine.model.layers.parallel import all_reduce
 
@@ -48,6 +48,8 @@ class Attention(nn.Module):
         self._fused_rope: bool | None = None  # triton_rope.enabled for the weights' device, at first use
         #: cos / sign-folded sin of every position (``bind_rope_table``; fused path only), else None
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the split decode kernel's counters (``bind_cache``, where ``triton_split_decode`` is on)
+        self.split_counters: torch.Tensor | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q, k, v weight and bias
         self._qkv_sizes = (
             arch.num_heads * arch.head_dim,
@@ -93,6 +95,7 @@ class Attention(nn.Module):
         self.rows_per_block = slot.shape[1] // row_bytes
         self.block_size = block_size
         self.cache = slot.view(dtype).view(slot.shape[0] * self.rows_per_block, self.num_kv_heads, self.head_dim)
+        self.split_counters = triton_split_decode.make_counters(slot.device)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor] | None
@@ -147,6 +150,7 @@ class Attention(nn.Module):
             self.arch.attn_logit_softcapping,
             self.sinks,
             stored,
+            self.split_counters,
         )
         out = self.o_proj(out.reshape(t, -1))
         return all_reduce(out) if self.arch.tp_size > 1 else out  # row-parallel o: sum the ranks' heads
@@ -165,6 +169,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     stored: bool = False,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the layer's cache (unless ``stored``: the fused rotary kernel wrote
     them, paged path only) and attend. ``q``: [T, heads, head_dim];
@@ -177,13 +182,20 @@ def paged_attention(
     ``block_size`` value rows, so reads and writes are single ``index_select`` / ``index_copy_``
     calls. Prefill chunks attend one by one with a causal (and window) mask; decode tokens are
     batched into one padded call. With ``index.paged`` (the Triton path) one fused store and one
-    attention launch read the cache in place instead.
+    attention launch read the cache in place instead; given ``split_counters``, a launch of
+    decode tokens only splits each token's keys over several programs (``triton_split_decode``).
     """
     kv_heads, head_dim = flat.shape[1], flat.shape[2]
     bs, stride = block_size, rows_per_block
     if index.paged is not None:
         if not stored:
             triton_attention.store_kv(flat, k, v, index.write_block * stride + index.write_offset, bs)
+        if split_counters is not None:
+            split = triton_split_decode.split_decode(
+                q, flat, stride, bs, index.paged, scale, softcap, sinks, split_counters
+            )
+            if split is not None:
+                return split
         return triton_attention.paged_attention_triton(
             q, flat, stride, bs, index.paged, scale, softcap, sinks, index.paged.window
         )
