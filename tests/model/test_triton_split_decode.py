@@ -112,15 +112,20 @@ def test_only_decode_launches_that_split_take_it(monkeypatch) -> None:
 
 def test_a_lost_share_would_be_caught(monkeypatch) -> None:
     """The comparison sees a combine that misses a share: counters that start at 1 make a pair's
-    second-to-last share the one that combines, before the last share is written."""
+    first share to arrive the one that combines, before the other is written. Two splits, each
+    holding keys (an empty share's state is the same in any launch, so scratch memory left by an
+    earlier launch could stand in for it unseen), and no split launch of these inputs before it
+    (its scratch, freed and handed out again, would hold the missing share's true state)."""
     monkeypatch.setattr(sd, "MIN_SPLIT_KEYS", 2)
-    case = CASES["mha-d32"]
-    q, flat, rows_per_block, meta = decode_step(**case, seed=5)
-    args = (q, flat, rows_per_block, case["block_size"], meta, 0.2, None, None)
+    monkeypatch.setattr(sd, "MAX_SPLITS", 2)
+    q, flat, rows_per_block, meta = decode_step([150, 200], 1, 2, 32, 16, None, seed=5)
+    assert sd.splits_for(meta.num_tiles, 1, meta.tables.shape[1] * 16) == 2  # shares of 128 keys: both hold keys
+    args = (q, flat, rows_per_block, 16, meta, 0.2, None, None)
+    want = ta.paged_attention_triton(*args, None)
     counters = torch.ones(sd.COUNTERS, dtype=torch.int32, device=DEVICE)
     got = sd.split_decode(*args, counters)
     assert got is not None
-    assert not torch.allclose(got, ta.paged_attention_triton(*args, None), atol=1e-3, equal_nan=False)
+    assert not torch.allclose(got, want, atol=1e-3, equal_nan=False)
 
 
 def test_enabled_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
