@@ -29,7 +29,6 @@ from engine.model.checkpoints.loader import LanguageModel
 from engine.model.decode_step import DecodeGroups, DecodeStep
 from engine.model.kernels.triton_attention import enabled as triton_attention_enabled
 from engine.model.kv_layout import KVLayout
-from engine.model.layers.attention import Attention
 from engine.model.layers.recurrent import RecurrentMixer, cache_users
 from engine.model.mixed_step import MixedStep, StepChunk, placeholder_id
 from engine.rank_group import ChunkInputs, RankLeader
@@ -137,19 +136,16 @@ class ModelRunner:
             self.slots = [
                 torch.zeros(n, page, dtype=torch.uint8, device=device) for n, page in zip(rows, pages, strict=True)
             ]
+        rope_tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}  # the fused path's, one per rotary type
         for index, layer in enumerate(model.model.layers):
             for user in cache_users(layer):
                 slot = self.slots[layout.slot_index(layout.layer_pool[index], layout.layer_slot[index])]
                 if isinstance(user, RecurrentMixer):
                     user.bind_state(slot.view(torch.float32))
-                else:
-                    user.bind_cache(slot, layout.block_size)
-        if max_model_len is not None:  # rotary tables of the fused path, one per rotary type
-            tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
-            for layer in model.model.layers:
-                for user in cache_users(layer):
-                    if isinstance(user, Attention):
-                        user.bind_rope_table(max_model_len, tables)
+                    continue
+                user.bind_cache(slot, layout.block_size)
+                if max_model_len is not None:
+                    user.bind_rope_table(max_model_len, rope_tables)
         self.host_kv = HostKVMemory(layout, self.slots, host_blocks) if host_blocks is not None else None
         self.windows = [getattr(group.spec, "window", None) for group in layout.groups]
         self.is_mamba = [isinstance(group.spec, MambaSpec) for group in layout.groups]
