@@ -90,6 +90,26 @@ def test_fused_residual_and_next_norm_equal_the_torch_path(dtype: torch.dtype, g
         assert torch.equal(total, skip + x) and torch.equal(normed, first_torch(skip + x))
 
 
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_entering_a_pending_residual_equals_the_unfused_add_and_norm(gemma: bool, post_norm: bool) -> None:
+    """``enter`` sums the previous layer's ``PendingResidual`` (its delta normed first when it has
+    a post-norm) and normalises the sum: on the kernel one launch, the torch path's values."""
+    from engine.model.layers.blocks import PendingResidual
+
+    norm_torch, norm = norm_pair(640, gemma, torch.float32, seed=5)
+    post_torch, post = norm_pair(640, gemma, torch.float32, seed=6)
+    x, delta = torch.randn(5, 640, device=DEVICE), torch.randn(5, 640, device=DEVICE)
+    with torch.no_grad():
+        state = x + (post_torch(delta) if post_norm else delta)
+        want = (state, norm_torch(state))
+        for path, after in ((norm_torch, post_torch), (norm, post)):
+            got = path.enter(x, PendingResidual(delta, after if post_norm else None))
+            for value, expected in zip(got, want, strict=True):
+                assert (value - expected).abs().max().item() < 1e-5
+        assert torch.equal(norm.enter(x, None)[1], norm(x))
+
+
 def test_a_wrong_scale_would_be_caught() -> None:
     """The comparison sees a kernel fed Gemma's raw weight instead of ``1 + weight`` (it can fail)."""
     from engine.model.kernels import triton_norm
@@ -106,6 +126,16 @@ def test_gemma3_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch)
     from engine.model.checkpoints.tiny import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint("tiny-gemma3", tmp_path / "gemma3", seed=0)
+    harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
+
+
+def test_prenorm_hybrid_engine_on_the_kernel_matches_hugging_face(tmp_path, monkeypatch) -> None:
+    """Bamba's residual adds are summed by the next layer's input norm (and the last by the final
+    norm) in the kernel's add-then-norm launch; the logits stay Hugging Face's."""
+    monkeypatch.setenv("KVFLEET_NORM", "triton")
+    from engine.model.checkpoints.tiny import build_tiny_checkpoint
+
+    directory = build_tiny_checkpoint("tiny-bamba", tmp_path / "bamba", seed=0)
     harness.run_and_check(directory, DEVICE, harness.random_prompts(2, (11, 23)), 4)
 
 

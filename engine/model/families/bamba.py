@@ -10,7 +10,7 @@ from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.families.language_model import LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention
-from engine.model.layers.blocks import GatedMLP, RMSNorm
+from engine.model.layers.blocks import GatedMLP, PendingResidual, RMSNorm
 from engine.model.layers.mamba2 import Mamba2Mixer
 from engine.model.layers.parallel import token_embedding
 
@@ -40,12 +40,16 @@ class MambaOrAttentionMixer(nn.Module):
             self.self_attn = Attention(arch, layer, group)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def mix(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        """The mixer's output for ``input_layernorm(x)``; ``ropes``: the step's rotary memo."""
-        h = self.input_layernorm(x)
+    def mix(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state (``x`` with the previous layer's ``pending`` add summed in by
+        ``input_layernorm``) and the mixer's output for it normalised; ``ropes``: the step's
+        rotary memo."""
+        x, h = self.input_layernorm.enter(x, pending)
         if self.is_mamba:
-            return self.mamba(h, batch)
-        return self.self_attn(h, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
+            return x, self.mamba(h, batch)
+        return x, self.self_attn(h, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
 
 
 class BambaLayer(MambaOrAttentionMixer):
@@ -58,9 +62,13 @@ class BambaLayer(MambaOrAttentionMixer):
         )
         self.pre_ff_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        x, normed = self.pre_ff_layernorm.add(self.mix(x, batch, ropes), x)
-        return x + self.feed_forward(normed)
+    def forward(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, PendingResidual]:
+        """The hidden state and the feed-forward's residual add, left to the next norm."""
+        x, h = self.mix(x, pending, batch, ropes)
+        x, normed = self.pre_ff_layernorm.add(h, x)
+        return x, PendingResidual(self.feed_forward(normed))
 
 
 class BambaModel(nn.Module):

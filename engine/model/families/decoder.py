@@ -15,7 +15,7 @@ from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.families.language_model import DecoderStack, LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention
-from engine.model.layers.blocks import GatedMLP, RMSNorm
+from engine.model.layers.blocks import GatedMLP, PendingResidual, RMSNorm
 from engine.model.layers.moe import SparseMoE
 
 
@@ -39,14 +39,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        """``ropes``: the step's cos/sin per rotary type, shared by all layers (``Attention.step_rope``)."""
-        h = self.self_attn(self.input_layernorm(x), batch, self.self_attn.step_rope(batch, x.dtype, ropes))
+    def forward(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, PendingResidual]:
+        """``pending``: the previous layer's residual add, summed by this layer's input norm;
+        ``ropes``: the step's cos/sin per rotary type, shared by all layers
+        (``Attention.step_rope``). Returns the hidden state and the MLP's residual add, left to
+        the next norm."""
+        x, normed = self.input_layernorm.enter(x, pending)
+        h = self.self_attn(normed, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
         if self.gemma:
             x, normed = self.post_attention_layernorm.then(h, x, self.pre_feedforward_layernorm)
-            return self.post_feedforward_layernorm(self.mlp(normed), residual=x)
+            return x, PendingResidual(self.mlp(normed), self.post_feedforward_layernorm)
         x, normed = self.post_attention_layernorm.add(h, x)
-        return x + self.mlp(normed)
+        return x, PendingResidual(self.mlp(normed))
 
 
 class CausalLM(LanguageModel):

@@ -22,7 +22,7 @@ from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.families.bamba import MambaOrAttentionMixer
 from engine.model.families.language_model import DecoderStack, LanguageModel, RopeMemo
-from engine.model.layers.blocks import RMSNorm
+from engine.model.layers.blocks import PendingResidual, RMSNorm
 from engine.model.layers.moe import FusedGatedMLP, SparseMoE
 from engine.model.layers.parallel import all_reduce, gather_vocab
 
@@ -38,15 +38,18 @@ class GraniteHybridLayer(MambaOrAttentionMixer):
         self.residual_multiplier = arch.residual_multiplier
         self.reduce = arch.tp_size > 1
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        x = x + self.mix(x, batch, ropes) * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, PendingResidual]:
+        """The hidden state and the MLPs' scaled residual add, left to the next norm."""
+        x, mixed = self.mix(x, pending, batch, ropes)
+        x, h = self.post_attention_layernorm.add(mixed * self.residual_multiplier, x)
         mlp = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             mlp = self.block_sparse_moe(h) + mlp
         if self.reduce:  # both MLPs hold a slice of their width: one sum over the ranks
             mlp = all_reduce(mlp)
-        return x + mlp * self.residual_multiplier
+        return x, PendingResidual(mlp * self.residual_multiplier)
 
 
 class GraniteHybridLM(LanguageModel):

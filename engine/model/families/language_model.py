@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
-from engine.model.layers.blocks import RMSNorm, lm_head
+from engine.model.layers.blocks import PendingResidual, RMSNorm, lm_head
 from engine.model.layers.parallel import gather_vocab, token_embedding
 
 #: the step's rotary cos/sin per rotary type (``Attention.step_rope``), shared by all layers
@@ -26,8 +26,9 @@ RopeMemo = dict[object, tuple[torch.Tensor, torch.Tensor]]
 
 class LayerStack(Protocol):
     """What ``LanguageModel`` reads of a family's body, an ``nn.Module`` whose own attribute names
-    follow the checkpoint: each layer is called as ``layer(x, batch, ropes)`` and returns the new
-    hidden states."""
+    follow the checkpoint: each layer is called as ``layer(x, pending, batch, ropes)`` and returns
+    ``(x, pending)``: the hidden states and the residual add it leaves to the next norm
+    (``PendingResidual``; the state is ``x`` plus it). The first layer gets ``pending`` None."""
 
     @property
     def embed_tokens(self) -> nn.Embedding: ...
@@ -36,7 +37,7 @@ class LayerStack(Protocol):
     def layers(self) -> nn.ModuleList: ...
 
     @property
-    def norm(self) -> nn.Module: ...
+    def norm(self) -> RMSNorm: ...
 
 
 class DecoderStack(nn.Module):
@@ -57,7 +58,8 @@ class LanguageModel(nn.Module):
 
     ``forward(batch)`` returns the hidden states of every token of the step; ``logits(rows)`` the
     fp32 logits of the rows to sample (prefill never projects every position). Invariant: each
-    rotary type (or none) is computed once per step and shared by its layers (``RopeMemo``).
+    rotary type (or none) is computed once per step and shared by its layers (``RopeMemo``), and
+    each layer's last residual add is summed by the next norm (``PendingResidual``).
     """
 
     #: the layer stack's attribute name: the prefix of its weights in the checkpoint
@@ -91,9 +93,10 @@ class LanguageModel(nn.Module):
         stack = self.model
         x = self.embed(batch.input_ids)
         ropes: RopeMemo = {}
+        pending: PendingResidual | None = None
         for layer in stack.layers:
-            x = layer(x, batch, ropes)
-        return stack.norm(x)
+            x, pending = layer(x, pending, batch, ropes)
+        return stack.norm.enter(x, pending)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of ``hidden``'s rows (every rank's vocabulary slice joined, under tensor

@@ -17,7 +17,7 @@ from engine.model.arch.model_arch import ModelArch, MoEArch
 from engine.model.batch import ForwardBatch
 from engine.model.families.language_model import LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention
-from engine.model.layers.blocks import RMSNorm, activation
+from engine.model.layers.blocks import PendingResidual, RMSNorm, activation
 from engine.model.layers.mamba2 import Mamba2Mixer
 from engine.model.layers.parallel import all_reduce, token_embedding
 
@@ -137,7 +137,7 @@ class NemotronMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """``x + mixer(norm(x))`` with the mixer its layer kind names."""
+    """``x + mixer(norm(x))`` with the mixer its layer kind names (the add left to the next norm)."""
 
     def __init__(self, arch: ModelArch, layer: int, group: int):
         super().__init__()
@@ -159,16 +159,20 @@ class NemotronHBlock(nn.Module):
                 arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias, reduce=tp
             )
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        """``ropes`` is unused: Nemotron-H's attention has no position embedding."""
-        h = self.norm(x)
+    def forward(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, PendingResidual]:
+        """The hidden state (the previous block's ``pending`` add summed in by ``norm``) and this
+        block's residual add, left to the next norm. ``ropes`` is unused: Nemotron-H's attention
+        has no position embedding."""
+        x, h = self.norm.enter(x, pending)
         if self.kind == "mamba":
             h = self.mixer(h, batch)
         elif self.kind == "full_attention":
             h = self.mixer(h, batch, None)
         else:
             h = self.mixer(h)
-        return x + h
+        return x, PendingResidual(h)
 
 
 class NemotronHBackbone(nn.Module):

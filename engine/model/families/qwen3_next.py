@@ -11,7 +11,7 @@ from engine.model.arch.model_arch import ModelArch
 from engine.model.batch import ForwardBatch
 from engine.model.families.language_model import DecoderStack, LanguageModel, RopeMemo
 from engine.model.layers.attention import Attention, paged_attention
-from engine.model.layers.blocks import GatedMLP, RMSNorm
+from engine.model.layers.blocks import GatedMLP, PendingResidual, RMSNorm
 from engine.model.layers.gated_deltanet import GatedDeltaNet
 from engine.model.layers.moe import SparseMoE
 from engine.model.layers.parallel import all_reduce
@@ -79,14 +79,17 @@ class Qwen3NextLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ropes: RopeMemo) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, pending: PendingResidual | None, batch: ForwardBatch, ropes: RopeMemo
+    ) -> tuple[torch.Tensor, PendingResidual]:
+        """The hidden state and the MLP's residual add, left to the next norm."""
+        x, h = self.input_layernorm.enter(x, pending)
         if self.is_linear:
             h = self.linear_attn(h, batch)
         else:
             h = self.self_attn(h, batch, self.self_attn.step_rope(batch, x.dtype, ropes))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add(h, x)
+        return x, PendingResidual(self.mlp(h))
 
 
 class Qwen3NextLM(LanguageModel):

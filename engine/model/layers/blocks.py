@@ -8,6 +8,7 @@ load by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,8 @@ class RMSNorm(nn.Module):
     """RMS normalisation in fp32; Gemma scales by ``1 + weight`` (zero-initialised weights).
 
     ``forward(x, residual)`` returns ``residual + norm(x)`` when a residual is given (the
-    decoder's post-norm adds); ``then`` and ``add`` join a residual add and the next norm. Where
+    decoder's post-norm adds); ``then`` and ``add`` join a residual add and the next norm, and
+    ``enter`` sums a layer's ``PendingResidual`` into the hidden state as it normalises it. Where
     ``triton_norm.enabled`` (CUDA) the norm, its casts and the add (and the next norm) are one
     Triton kernel; elsewhere one fused ``F.rms_norm`` between two casts (a norm is 9
     small ops written out). Gemma's ``1 + weight`` is kept between calls and rebuilt when the
@@ -70,6 +72,16 @@ class RMSNorm(nn.Module):
         total = residual + x
         return total, self(total)
 
+    def enter(self, x: torch.Tensor, pending: PendingResidual | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state ``x`` with the previous layer's ``pending`` add summed in, and that
+        state normalised by this norm: one launch where the kernel runs (``add``, or ``then``
+        when the pending delta has a post-norm of its own), else the same ops one by one."""
+        if pending is None:
+            return x, self(x)
+        if pending.post_norm is None:
+            return self.add(pending.delta, x)
+        return pending.post_norm.then(pending.delta, x, self)
+
     def weight_for_kernel(self) -> torch.Tensor:
         """What the Triton kernels take as this norm's weight: Gemma's fp32 ``1 + weight``, else
         the weight itself."""
@@ -82,6 +94,16 @@ class RMSNorm(nn.Module):
             with torch.no_grad():
                 self._gemma_scale = (key, 1.0 + self.weight.float())
         return self._gemma_scale[1]
+
+
+class PendingResidual(NamedTuple):
+    """The residual add a layer leaves to the next norm (``RMSNorm.enter``: the next layer's input
+    norm, or the stack's final norm), so the add and that norm are one launch: the hidden state
+    is ``x + delta``, or ``x + post_norm(delta)`` where the layer ends in a post-norm (Gemma3's
+    post-feed-forward norm)."""
+
+    delta: torch.Tensor
+    post_norm: RMSNorm | None = None
 
 
 class Rotary(nn.Module):
