@@ -63,7 +63,9 @@ def _initial(shape: tuple[int, int, int, int], count: int, seed: int) -> torch.T
     return torch.randn(count, *shape, generator=gen).to(DEVICE)
 
 
-def _relative_error(inputs: Inputs, h: torch.Tensor | None, packed: PackedChunks, wrong: PackedChunks | None = None):
+def _relative_error(
+    inputs: Inputs, h: torch.Tensor | None, packed: PackedChunks, wrong: PackedChunks | None = None
+) -> tuple[float, float]:
     """Largest |triton - torch| of y and of the final states, each over its largest |value|
     (the Triton scan on the ``wrong`` packing where given)."""
     ref_y, ref_h = ssd_scan_packed(*inputs, None if h is None else h.clone(), packed)
