@@ -6,7 +6,8 @@ with x, dt, B and C strided views of one buffer as the mixer's are, and runs bot
 same inputs: y and the final states must agree within ``RTOL`` of their largest value (fp32).
 Lengths cover one chunk of several sub-chunks and a mix with 65, 64 (exactly one sub-chunk), 1
 and a length no multiple of 64, from zero states (``h`` None) and from given ones; shapes cover
-1 to 3 groups of 1 to 3 heads and head_dim / d_state no power of two. Two deliberately wrong
+1 to 3 groups of 1 to 3 heads, head_dim / d_state no power of two, and state tiles smaller
+than a head's state. Two deliberately wrong
 inputs (a perturbed initial state, a packing whose carry between sub-chunks is cut) must fail the
 same comparison, and one launch must be three kernels. On a CUDA machine the kernels run
 compiled; elsewhere under Triton's interpreter. The end-to-end case drives a tiny Bamba engine
@@ -92,6 +93,17 @@ def test_kernel_matches_the_torch_scan(name: str, lengths: str, initial: bool) -
     inputs = _inputs(shape, sum(sizes), seed=len(sizes) + 7 * shape[0])
     h = _initial(shape, len(sizes), seed=3) if initial else None
     y_err, h_err = _relative_error(inputs, h, packed)
+    assert y_err < RTOL and h_err < RTOL, f"relative |diff|: y {y_err:.2e}, states {h_err:.2e}"
+
+
+def test_state_tiles_smaller_than_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 x 16 state tiles: head_dim 24 and d_state 32 split into 2 x 2 tiles (the second row
+    tile partly masked), and the output kernel sums d_state over two column tiles."""
+    monkeypatch.setattr(ts, "MAX_BLOCK_P", 16)
+    monkeypatch.setattr(ts, "MAX_BLOCK_N", 16)
+    shape, sizes = (2, 1, 24, 32), [129, 64, 1]
+    packed = pack_chunks(sizes, 4, torch.device(DEVICE))
+    y_err, h_err = _relative_error(_inputs(shape, sum(sizes), seed=9), _initial(shape, len(sizes), seed=9), packed)
     assert y_err < RTOL and h_err < RTOL, f"relative |diff|: y {y_err:.2e}, states {h_err:.2e}"
 
 

@@ -8,13 +8,18 @@ whatever the prompt lengths, over the sub-chunks of ``PackedChunks.sub_chunks`` 
 at its own start every ``SUB_CHUNK`` tokens, the last piece shorter), with ``L_t`` the cumulative
 log decay ``sum_{s <= t} dt_s a`` from the sub-chunk's start:
 
-- ``_chunk_state_kernel``, program (sub-chunk k, head, row tile): what the sub-chunk adds to the
+- ``_chunk_state_kernel``, program (sub-chunk k, head, state tile): what the sub-chunk adds to the
   state, ``u_k = sum_s exp(L_end - L_s) dt_s x_s B_s^T``, and its total log decay ``L_end``;
-- ``_state_pass_kernel``, program (chunk, head, row tile): walks the chunk's sub-chunks in order,
+- ``_state_pass_kernel``, program (chunk, head, state tile): walks the chunk's sub-chunks in order,
   ``h_k = exp(L_end_k) h_{k-1} + u_k`` from the chunk's initial state (zeros when ``h`` is None),
   overwriting each ``u_k`` with the state entering sub-chunk k and writing the final state;
-- ``_chunk_scan_kernel``, program (sub-chunk, head, row tile): the outputs
+- ``_chunk_scan_kernel``, program (sub-chunk, head, tile of head_dim): the outputs
   ``y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s + exp(L_t) C_t . h_in``.
+
+A state tile is ``[BLOCK_P, BLOCK_N]`` of a head's ``[P, N]`` state; the two passes over states
+keep their ``[S, H, P, N]`` fp32 buffer (``u_k``, then the states entering each sub-chunk), about
+``num_tokens / 64 * H * P * N * 4`` bytes (200 MB for an 8192-token step of the bench's Bamba
+shape, 48 heads of 64 with d_state 128: benchmarks/engine_gpu.py) besides ``[S, H]`` decays.
 
 Every product and sum is in fp32 (inputs may be fp32 or 16-bit); ``tl.dot`` runs in IEEE fp32
 on fp32 inputs and TF32 on 16-bit ones, as ``triton_attention.launch_config`` chooses. A head's
@@ -40,7 +45,10 @@ from engine.model.kernels.triton_attention import jit_in_place, kernel_choice, n
 from engine.model.layers.ssd import SUB_CHUNK, PackedChunks
 
 ENV = "KVFLEET_SSD_KERNEL"
-TILE_ELEMENTS = 8192  # fp32 state values one program holds ([BLOCK_P, N_P]): 64 registers a thread at 4 warps
+#: a state tile is [BLOCK_P, BLOCK_N] of a head's [P, N] state: at most these (powers of two, >= 16,
+#: ``tl.dot``'s least); ``_chunk_scan_kernel`` walks d_state BLOCK_N columns at a time
+MAX_BLOCK_P = 64
+MAX_BLOCK_N = 64
 tl: Any = None  # triton.language, bound by _kernels()
 
 
@@ -84,20 +92,21 @@ def ssd_scan_packed(
     states = torch.empty(sub_chunks, heads, head_dim, d_state, dtype=torch.float32, device=x.device)
     decay = torch.empty(sub_chunks, heads, dtype=torch.float32, device=x.device)
     y = x.new_empty(x.shape)
-    n_pad = max(16, next_pow2(d_state))
-    block_p = max(16, min(next_pow2(head_dim), TILE_ELEMENTS // n_pad))
+    block_p = max(16, min(next_pow2(head_dim), MAX_BLOCK_P))
+    block_n = max(16, min(next_pow2(d_state), MAX_BLOCK_N))
+    p_tiles, n_tiles = -(-head_dim // block_p), -(-d_state // block_n)
     shape = {
         "HEADS_PER_GROUP": heads_per_group,
         "HEAD_DIM": head_dim,
         "D_STATE": d_state,
         "BLOCK_T": SUB_CHUNK,
         "BLOCK_P": block_p,
-        "N_P": n_pad,
+        "BLOCK_N": block_n,
+        "N_TILES": n_tiles,
     }
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     chunk_state, state_pass, chunk_scan = _kernels()
-    tiles = -(-head_dim // block_p)
-    chunk_state[(sub_chunks, heads, tiles)](
+    chunk_state[(sub_chunks, heads, p_tiles * n_tiles)](
         x,
         dt,
         a,
@@ -113,7 +122,7 @@ def ssd_scan_packed(
         PRECISION=precision,
         num_warps=4,
     )
-    state_pass[(count, heads, tiles)](
+    state_pass[(count, heads, p_tiles * n_tiles)](
         states,
         decay,
         packed.chunk_spans,
@@ -123,7 +132,7 @@ def ssd_scan_packed(
         HAS_INITIAL=h is not None,
         num_warps=4,
     )
-    chunk_scan[(sub_chunks, heads, tiles)](
+    chunk_scan[(sub_chunks, heads, p_tiles)](
         x,
         dt,
         a,
@@ -209,12 +218,13 @@ def _chunk_state_kernel(
     D_STATE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    N_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Program (sub-chunk k, head, row tile): rows ``[BLOCK_P * tile, + BLOCK_P)`` of
+    """Program (sub-chunk k, head, state tile): one ``[BLOCK_P, BLOCK_N]`` tile of
     ``u_k = sum_s exp(L_end - L_s) dt_s x_s B_s^T`` into ``states[k, head]`` (fp32 ``[S, H, P,
-    N]``, contiguous); the first row tile also writes ``L_end`` to ``decay[k, head]``."""
+    N]``, contiguous); the first tile also writes ``L_end`` to ``decay[k, head]``."""
     k = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -228,15 +238,15 @@ def _chunk_state_kernel(
     t = tl.arange(0, BLOCK_T)
     last = tl.sum(tl.where(t == length - 1, log_decay, 0.0), axis=0)
     weight = tl.exp(last - log_decay) * step  # 0 past the last token
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, N_P)
+    p = tl.program_id(2) // N_TILES * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.program_id(2) % N_TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = p < HEAD_DIM
     n_ok = n < D_STATE
     x_ptr = x + rows[:, None] * stride_xt + g * stride_xg + e * stride_xe + p[None, :] * stride_xp
     xs = tl.load(x_ptr, mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
     b_ptr = b + rows[:, None] * stride_bt + g * stride_bg + n[None, :] * stride_bn
     bs = tl.load(b_ptr, mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    update = tl.dot(tl.trans(xs * weight[:, None]), bs, input_precision=PRECISION)  # [BLOCK_P, N_P]
+    update = tl.dot(tl.trans(xs * weight[:, None]), bs, input_precision=PRECISION)  # [BLOCK_P, BLOCK_N]
     base = (k.to(tl.int64) * heads + head) * HEAD_DIM * D_STATE
     tl.store(states + base + p[:, None] * D_STATE + n[None, :], update, mask=p_ok[:, None] & n_ok[None, :])
     tl.store(decay + k * heads + head, last, mask=tl.program_id(2) == 0)
@@ -257,10 +267,11 @@ def _state_pass_kernel(
     D_STATE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    N_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_TILES: tl.constexpr,
     HAS_INITIAL: tl.constexpr,
 ):
-    """Program (chunk j, head, row tile): from ``final[j]``'s rows (the initial state when
+    """Program (chunk j, head, state tile): from ``final[j]``'s tile (the initial state when
     ``HAS_INITIAL``, else zeros), over the chunk's sub-chunks in order: read ``u_k``, overwrite
     it with the state entering sub-chunk k, carry ``h = exp(L_end_k) h + u_k``; then write the
     state after the chunk into ``final[j]`` (each value read before it is written, by the same
@@ -270,15 +281,15 @@ def _state_pass_kernel(
     heads = tl.num_programs(1)
     g = head // HEADS_PER_GROUP
     e = head % HEADS_PER_GROUP
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, N_P)
+    p = tl.program_id(2) // N_TILES * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.program_id(2) % N_TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (p < HEAD_DIM)[:, None] & (n < D_STATE)[None, :]
     h_ptr = final + j.to(tl.int64) * stride_hr + g * stride_hg + e * stride_he
     h_ptr += p[:, None] * stride_hp + n[None, :] * stride_hn
     if HAS_INITIAL:
         state = tl.load(h_ptr, mask=mask, other=0.0).to(tl.float32)
     else:
-        state = tl.zeros([BLOCK_P, N_P], dtype=tl.float32)
+        state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     first = tl.load(chunk_spans + 2 * j)
     count = tl.load(chunk_spans + 2 * j + 1)
     s_ptr = states + (first.to(tl.int64) * heads + head) * HEAD_DIM * D_STATE + p[:, None] * D_STATE + n[None, :]
@@ -325,12 +336,14 @@ def _chunk_scan_kernel(
     D_STATE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    N_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Program (sub-chunk k, head, row tile): columns ``[BLOCK_P * tile, + BLOCK_P)`` of the
+    """Program (sub-chunk k, head, column tile): columns ``[BLOCK_P * tile, + BLOCK_P)`` of the
     sub-chunk's outputs, ``y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s + exp(L_t)
-    C_t . h_in`` with ``h_in`` the state entering it (``states[k, head]`` after the pass)."""
+    C_t . h_in`` with ``h_in`` the state entering it (``states[k, head]`` after the pass); the
+    products over d_state (``C_t . B_s``, ``C_t . h_in``) are summed ``BLOCK_N`` columns at a time."""
     k = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -343,21 +356,25 @@ def _chunk_scan_kernel(
     )
     t = tl.arange(0, BLOCK_T)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, N_P)
     p_ok = p < HEAD_DIM
-    n_ok = n < D_STATE
-    bc_mask = ok[:, None] & n_ok[None, :]
-    cs = tl.load(c + rows[:, None] * stride_ct + g * stride_cg + n[None, :] * stride_cn, mask=bc_mask, other=0.0)
-    bs = tl.load(b + rows[:, None] * stride_bt + g * stride_bg + n[None, :] * stride_bn, mask=bc_mask, other=0.0)
-    cs = cs.to(tl.float32)
-    scores = tl.dot(cs, tl.trans(bs.to(tl.float32)), input_precision=PRECISION)  # [t, s]: C_t . B_s
+    base = (k.to(tl.int64) * heads + head) * HEAD_DIM * D_STATE
+    scores = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)  # [t, s]: C_t . B_s
+    carried = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)  # C_t . h_in
+    for tile in tl.static_range(N_TILES):
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < D_STATE
+        bc_mask = ok[:, None] & n_ok[None, :]
+        cs = tl.load(c + rows[:, None] * stride_ct + g * stride_cg + n[None, :] * stride_cn, mask=bc_mask, other=0.0)
+        bs = tl.load(b + rows[:, None] * stride_bt + g * stride_bg + n[None, :] * stride_bn, mask=bc_mask, other=0.0)
+        cs = cs.to(tl.float32)
+        scores += tl.dot(cs, tl.trans(bs.to(tl.float32)), input_precision=PRECISION)
+        h_mask = p_ok[:, None] & n_ok[None, :]
+        h_in = tl.load(states + base + p[:, None] * D_STATE + n[None, :], mask=h_mask, other=0.0)
+        carried += tl.dot(cs, tl.trans(h_in), input_precision=PRECISION)
     causal = t[:, None] >= t[None, :]
     scores *= tl.exp(tl.where(causal, log_decay[:, None] - log_decay[None, :], float("-inf"))) * step[None, :]
     x_ptr = x + rows[:, None] * stride_xt + g * stride_xg + e * stride_xe + p[None, :] * stride_xp
     xs = tl.load(x_ptr, mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
-    ys = tl.dot(scores, xs, input_precision=PRECISION)  # [t, BLOCK_P]
-    base = (k.to(tl.int64) * heads + head) * HEAD_DIM * D_STATE
-    h_in = tl.load(states + base + p[:, None] * D_STATE + n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-    ys += tl.exp(log_decay)[:, None] * tl.dot(cs, tl.trans(h_in), input_precision=PRECISION)
+    ys = tl.dot(scores, xs, input_precision=PRECISION) + tl.exp(log_decay)[:, None] * carried  # [t, BLOCK_P]
     y_ptr = y + rows[:, None] * stride_yt + g * stride_yg + e * stride_ye + p[None, :] * stride_yp
     tl.store(y_ptr, ys.to(y.dtype.element_ty), mask=ok[:, None] & p_ok[None, :])
