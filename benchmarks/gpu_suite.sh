@@ -66,7 +66,7 @@ one_stage() {
     triton)  # every Triton kernel of engine/model/kernels/ against the torch path, compiled for the GPU
         run_stage triton 300 python3 -m pytest "${pytest_args[@]}" tests/model/test_triton_attention.py \
             tests/model/test_triton_mamba.py tests/model/test_triton_norm.py tests/model/test_triton_rope.py \
-            tests/model/test_triton_act.py tests/model/test_triton_split_decode.py ;;
+            tests/model/test_triton_act.py tests/model/test_triton_split_decode.py tests/model/test_triton_ssd.py ;;
     bench)
         run_stage bench 420 python3 -m benchmarks.engine_gpu --device cuda ${BENCH_ARGS:-} ;;
     mamba)  # benchmarks/mamba_decode.py's decode measurement (per-request vs batched Mamba path) on the GPU

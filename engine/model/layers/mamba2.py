@@ -16,7 +16,8 @@ over requests:
 - prefill (longer chunks): tokens packed back to back, one causal conv over all chunks (each
   preceded by its previous window) and the sub-chunked SSD scan over all chunks at once
   (``engine.model.layers.ssd``); padding inside a sub-chunk gets ``dt = 0``, an identity step, so it
-  changes no state.
+  changes no state. ``KVFLEET_SSD_KERNEL=triton`` runs that scan as three Triton kernels instead
+  (``engine.model.kernels.triton_ssd``; opt-in until a GPU run has checked it compiled).
 
 Every block is read before it is written, so a chunk whose read and write block coincide is
 fine; two chunks never share a write block (the coordinator's guarantee).
@@ -35,7 +36,7 @@ from torch import nn
 
 from engine.model.arch.model_arch import MambaArch
 from engine.model.batch import ForwardBatch, GroupIndex
-from engine.model.kernels import triton_mamba, triton_norm
+from engine.model.kernels import triton_mamba, triton_norm, triton_ssd
 from engine.model.layers import recurrent
 from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
@@ -275,7 +276,8 @@ class Mamba2Mixer(RecurrentMixer):
     ) -> _Update:
         """The causal conv and SSD scan of every multi-token chunk at once (tokens packed, longest
         chunk first; see ``engine.model.layers.ssd``); fills their rows of ``out`` and returns their new
-        states."""
+        states. With ``triton_ssd.enabled`` (opt-in) the scan is three Triton launches instead of
+        ``ssd_scan_packed``'s loop over sub-chunks."""
         m = self.arch
         order, packed, rows, source, fresh, target = prefill_index(batch, index, m.d_conv, xbc.device)
         if source is None:  # all fresh: zero windows, and the scan starts from a zero state
@@ -290,7 +292,9 @@ class Mamba2Mixer(RecurrentMixer):
         x, b, c = self._split_conv(F.silu(conv))  # x [n, G, E, P]; b, c [n, G, N]
         step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])
         a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
-        y, h = ssd_scan_packed(x, step, a, b, c, h0, packed)
+        # the kernel choice is read once per step per group, like the index tensors
+        kernel = index.shared("ssd_kernel", lambda: triton_ssd.enabled(xbc.device))
+        y, h = (triton_ssd.ssd_scan_packed if kernel else ssd_scan_packed)(x, step, a, b, c, h0, packed)
         y += x * self.D.float().view(x.shape[1:3])[..., None]
         out.index_copy_(0, rows, y.reshape(-1, m.intermediate_size))
         return target, new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)

@@ -6,6 +6,9 @@ that order. The scan loops over sub-chunks of ``SUB_CHUNK`` tokens (never over r
 ``k`` gathers the ``k``-th piece of every chunk that long, pads the pieces to one width with
 ``dt = 0`` (an identity step for the state), and runs the quadratic form inside the pieces and the
 state carry between them for all of those chunks together.
+
+``engine.model.kernels.triton_ssd`` computes the same scan in three Triton launches over
+``PackedChunks.sub_chunks`` (opt-in); this torch scan stays the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ class PackedChunks:
     conv_windows: torch.Tensor  # [R * d_conv] columns of the previous windows, chunk-major
     conv_tails: torch.Tensor  # [R * d_conv] columns of the new windows, chunk-major
     pieces: tuple[Piece, ...]
+    #: int32 [S, 2]: (first packed token, tokens) of each sub-chunk, chunk-major, each chunk's
+    #: cut at its own start every ``SUB_CHUNK`` tokens (the Triton scan's unit of work)
+    sub_chunks: torch.Tensor
+    #: int32 [R, 2]: (first sub-chunk, sub-chunks) of each chunk; a view of the same memory
+    chunk_spans: torch.Tensor
 
 
 def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> PackedChunks:
@@ -71,6 +79,7 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
         index = torch.where(valid, starts[:active, None] + steps[None, :], starts[:active, None])
         target = torch.where(valid, index, sum(lengths))
         pieces.append(Piece(active, len(steps), *(t.to(device) for t in (index.view(-1), valid, target.view(-1)))))
+    sub_chunks, chunk_spans = _sub_chunk_table(lengths, starts.tolist(), device)
     return PackedChunks(
         lengths=list(lengths),
         starts=starts.tolist(),
@@ -79,7 +88,24 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
         conv_windows=conv_windows.to(device),
         conv_tails=conv_tails.to(device),
         pieces=tuple(pieces),
+        sub_chunks=sub_chunks,
+        chunk_spans=chunk_spans,
     )
+
+
+def _sub_chunk_table(lengths: list[int], starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PackedChunks.sub_chunks`` and ``.chunk_spans``, two views of one int32 tensor copied to
+    ``device`` once."""
+    cuts = [
+        (start + lo, min(SUB_CHUNK, n - lo))
+        for n, start in zip(lengths, starts, strict=True)
+        for lo in range(0, n, SUB_CHUNK)
+    ]
+    counts = [-(-n // SUB_CHUNK) for n in lengths]
+    firsts = list(itertools.accumulate(counts, initial=0))[:-1]
+    flat = [v for cut in cuts for v in cut] + [v for span in zip(firsts, counts, strict=True) for v in span]
+    table = torch.tensor(flat, dtype=torch.int32).to(device)
+    return table[: 2 * len(cuts)].view(-1, 2), table[2 * len(cuts) :].view(-1, 2)
 
 
 def causal_conv_packed(
