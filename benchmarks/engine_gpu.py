@@ -409,6 +409,9 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
     return replace(QUICK if args.quick else Sizes(), **given)
 
 
+CACHE_ENV = "KVFLEET_CACHE"  # a folder, not a kernel choice
+
+
 def main() -> None:
     args = parse_args()
     if args.device == "cpu":  # ops_per_step runs the Triton kernels interpreted (before triton is imported)
@@ -454,6 +457,11 @@ def main() -> None:
         "quick": args.quick,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        # the kernel choices set in the environment (KVFLEET_SPLIT_DECODE, KVFLEET_SSD_KERNEL ...):
+        # which variant this run measured
+        "kernel_env": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("KVFLEET_") and k != "KVFLEET_CACHE"
+        },
         "errors": {},
     }
     run = Run(args, sizes, device, start + args.max_seconds, result)
