@@ -81,7 +81,8 @@ class Attention(nn.Module):
         built once per type in ``shared``), so a step computes none: the kernel reads each token's
         row by its position, the values the step would have computed. Elsewhere nothing changes."""
         weight = self.q_proj.weight
-        if self.rotary is None or not triton_rope.enabled(weight.device):
+        self._fused_rope = triton_rope.enabled(weight.device)  # the choice forward reads
+        if self.rotary is None or not self._fused_rope:
             return
         if self.rope_key not in shared:
             shared[self.rope_key] = self.rotary.cos_sin(torch.arange(max_positions, device=weight.device), weight.dtype)
