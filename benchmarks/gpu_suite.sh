@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The engine's GPU checks on a machine with one CUDA GPU, in one bounded run (CI never has a GPU).
 #
-#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode async triton bench optin mamba
-#                                                (default: all but optin)
+#   bash benchmarks/gpu_suite.sh [stage ...]     stages: env tests pd decode async triton bench optin bisect mamba
+#                                                (default: all but optin and bisect)
 #
 # Logs go to $OUT (or ./gpu-out), one file per stage; each stage prints its tail and its exit code.
 # STAGE_LIMIT (seconds) caps every stage's time limit; XDIST=N runs the test stages on N workers;
@@ -74,6 +74,9 @@ one_stage() {
         # to compare with the bench stage's run before making them the CUDA default
         KVFLEET_SPLIT_DECODE=triton KVFLEET_SSD_KERNEL=triton run_stage optin 420 \
             python3 -m benchmarks.engine_gpu --device cuda --no-eager-decode ${BENCH_ARGS:-} ;;
+    bisect)  # the hybrid P/D divergence under async scheduling, one change at a time (see its docstring)
+        KVFLEET_TEST_DEVICE=cuda run_stage bisect 300 python3 -m benchmarks.async_pd_bisect \
+            --variants base,sync_launch,no_graphs,torch_mamba,sync_reads --seeds 1 --sync-debug ;;
     mamba)  # benchmarks/mamba_decode.py's decode measurement (per-request vs batched Mamba path) on the GPU
         run_stage mamba 240 python3 -m benchmarks.mamba_decode --device cuda --dtype bfloat16 --num-requests 32 ;;
     *) echo "gpu_suite: unknown stage $stage" >&2; exit 2 ;;

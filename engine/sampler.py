@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.logprobs import TokenLogprob
+from engine.model.uploads import to_device
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,6 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.where(np.isfinite(best), ids, FAILED_NON_FINITE).astype(np.int64))
     best, ids = logits.max(dim=-1)
     return torch.where(torch.isfinite(best), ids, FAILED_NON_FINITE)
-
-
-def to_device(values: Sequence[object], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list as a tensor on ``device``, without waiting for the work queued there (on
-    CUDA a pageable copy would: through pinned memory, copied non-blocking)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def draw_seed(seed: int, index: int) -> int:

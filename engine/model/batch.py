@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from engine.model.kernels.triton_attention import PagedMeta, build_paged_meta
+from engine.model.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def build_group_index(
     writes = [torch.arange(chunk.start, chunk.start + chunk.num_tokens) for chunk in chunks]
     write_block = torch.cat([t[pos // block_size] for t, pos in zip(table_tensors, writes, strict=True)])
     write_offset = torch.cat([pos % block_size for pos in writes])
-    index = GroupIndex(write_block.to(device), write_offset.to(device))
+    index = GroupIndex(upload(write_block, device), upload(write_offset, device))
     if paged:
         index.paged = build_paged_meta(chunks, tables, block_size, window, device)
         return index
@@ -105,7 +106,12 @@ def build_group_index(
         if window:
             allowed &= key_pos[None, :] > query_pos[:, None] - window
         index.prefill_reads.append(
-            (c, table[key_pos // block_size].to(device), (key_pos % block_size).to(device), allowed.to(device))
+            (
+                c,
+                upload(table[key_pos // block_size], device),
+                upload(key_pos % block_size, device),
+                upload(allowed, device),
+            )
         )
     if decode_chunks:
         ends = torch.tensor([chunks[c].start + 1 for c in decode_chunks])
@@ -115,9 +121,9 @@ def build_group_index(
         valid = pos < ends[:, None]
         pos = torch.where(valid, pos, los[:, None])
         blocks = torch.stack([table_tensors[c][row // block_size] for c, row in zip(decode_chunks, pos, strict=True)])
-        index.decode_block = blocks.to(device)
-        index.decode_offset = (pos % block_size).to(device)
-        index.decode_valid = valid.to(device)
+        index.decode_block = upload(blocks, device)
+        index.decode_offset = upload(pos % block_size, device)
+        index.decode_valid = upload(valid, device)
     return index
 
 

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from engine.model.uploads import upload
+
 logger = logging.getLogger(__name__)
 
 TILE_TOKENS = 128  # query rows of one host tile (programs split it further, by head group)
@@ -131,7 +133,7 @@ def build_paged_meta(
             raise ValueError(f"block table of {len(table)} blocks does not reach block {last}")
         packed.extend(table[first : last + 1])
         packed.extend([0] * (width - (last + 1 - first)))
-    data = torch.from_numpy(np.array(packed, dtype=np.int32)).to(device)  # numpy: 3x torch.tensor(list)
+    data = upload(torch.from_numpy(np.array(packed, dtype=np.int32)), device)  # numpy: 3x torch.tensor(list)
     split = len(tiles) * _TILE_FIELDS
     return PagedMeta(
         packed=data,

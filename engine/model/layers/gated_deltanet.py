@@ -31,6 +31,7 @@ from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.layers import recurrent
 from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
+from engine.model.uploads import to_device
 
 SUB_CHUNK = 64
 L2_EPS = 1e-6
@@ -93,11 +94,12 @@ def pack_sub_chunks(lengths: list[int], device: torch.device) -> tuple[list[int]
         raise ValueError(f"lengths must be sorted longest first, got {lengths}")
     counts = [-(-n // SUB_CHUNK) for n in lengths]
     active = [sum(1 for c in counts if c > i) for i in range(max(counts, default=0))]
-    starts = torch.tensor([0, *active], device=device).cumsum(0)[:-1]  # first slot of each step
-    n = torch.tensor(lengths, device=device)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), n)
+    starts = to_device([0, *active], device).cumsum(0)[:-1]  # first slot of each step
+    n = to_device(lengths, device)
+    total = sum(lengths)  # from the host list: no read of the device's
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), n, output_size=total)
     first = torch.cumsum(n, 0) - n
-    t = torch.arange(int(n.sum()), device=device) - first[seq]
+    t = torch.arange(total, device=device) - first[seq]
     return active, (starts[t // SUB_CHUNK] + seq) * SUB_CHUNK + t % SUB_CHUNK
 
 
@@ -193,8 +195,8 @@ class GatedDeltaNet(RecurrentMixer):
 
     def _read_states(self, reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.conv_state is not None and self.recurrent_state is not None, "Gated DeltaNet state not bound"
-        ids = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
-        fresh = torch.tensor([r < 0 for r in reads], dtype=torch.bool, device=device)
+        ids = to_device([max(r, 0) for r in reads], device, torch.long)
+        fresh = to_device([r < 0 for r in reads], device, torch.bool)
         conv = self.conv_state.index_select(0, ids).masked_fill(fresh[:, None, None], 0.0)
         rec = self.recurrent_state.index_select(0, ids).masked_fill(fresh[:, None, None, None], 0.0)
         return conv, rec
@@ -277,7 +279,7 @@ class GatedDeltaNet(RecurrentMixer):
         pieces = [t for j, c in enumerate(chunks) for t in (conv_prev[j], x[c.offset : c.offset + c.num_tokens].T)]
         stream = torch.cat(pieces, dim=1)  # [conv_dim, sum(k - 1 + n)]
         conv = F.conv1d(stream[None], self.conv1d.weight.float(), groups=a.conv_dim)[0]  # [conv_dim, len - k + 1]
-        lengths = torch.tensor([c.num_tokens for c in chunks], device=device)
+        lengths = to_device([c.num_tokens for c in chunks], device)
         segment = torch.cumsum(lengths + keep, 0) - (lengths + keep)  # where each chunk's window starts
         seq = torch.repeat_interleave(torch.arange(len(chunks), device=device), lengths)
         token = segment[seq] + torch.arange(rows.numel(), device=device) - (torch.cumsum(lengths, 0) - lengths)[seq]

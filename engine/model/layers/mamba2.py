@@ -41,6 +41,7 @@ from engine.model.layers import recurrent
 from engine.model.layers.parallel import all_reduce
 from engine.model.layers.recurrent import RecurrentMixer
 from engine.model.layers.ssd import causal_conv_packed, pack_chunks, ssd_scan_packed
+from engine.model.uploads import upload
 
 
 class GatedRMSNorm(nn.Module):
@@ -104,7 +105,7 @@ def prefill_index(batch: ForwardBatch, index: GroupIndex, d_conv: int, device: t
         reads = [index.state_read[i] for i in order]
         source, fresh = (None, None) if max(reads) < 0 else recurrent.read_blocks(reads, device)
         target = recurrent.write_blocks([index.state_write[i] for i in order], device)
-        return order, packed, rows.to(device), source, fresh, target
+        return order, packed, upload(rows, device), source, fresh, target
 
     return index.shared(f"mamba2_prefill_{d_conv}", build)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.model.batch import ForwardBatch, GroupIndex
 from engine.model.layers.attention import Attention
+from engine.model.uploads import to_device
 
 #: the ``GroupIndex.derived`` key of a recurrent group's decode index (``decode_index``); a static
 #: decode batch (``engine.model.decode_step``) sets it once to its fixed device buffers
@@ -52,14 +53,14 @@ def cache_users(layer: nn.Module) -> list[Attention | RecurrentMixer]:
 def read_blocks(reads: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block ids to gather for ``reads`` (-1 mapped to block 0) and the mask of fresh chunks (those
     starting from zeros; None when there are none)."""
-    source = torch.tensor([max(r, 0) for r in reads], dtype=torch.long, device=device)
-    fresh = torch.tensor([r < 0 for r in reads], device=device) if min(reads) < 0 else None
+    source = to_device([max(r, 0) for r in reads], device, torch.long)
+    fresh = to_device([r < 0 for r in reads], device) if min(reads) < 0 else None
     return source, fresh
 
 
 def write_blocks(writes: list[int], device: torch.device) -> torch.Tensor:
     """Block ids receiving the chunks' new states."""
-    return torch.tensor(writes, dtype=torch.long, device=device)
+    return to_device(writes, device, torch.long)
 
 
 def decode_index(batch: ForwardBatch, index: GroupIndex, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -69,7 +70,7 @@ def decode_index(batch: ForwardBatch, index: GroupIndex, device: torch.device) -
 
     def build() -> tuple[torch.Tensor | None, ...]:
         order = batch.decode_chunks
-        rows = torch.tensor([batch.chunks[i].offset for i in order], dtype=torch.long, device=device)
+        rows = to_device([batch.chunks[i].offset for i in order], device, torch.long)
         source, fresh = read_blocks([index.state_read[i] for i in order], device)
         target = write_blocks([index.state_write[i] for i in order], device)
         return rows, source, fresh, target

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model.uploads import to_device, upload
+
 SUB_CHUNK = 64
 
 
@@ -78,15 +80,15 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
         valid = steps[None, :] < sizes[:active, None]
         index = torch.where(valid, starts[:active, None] + steps[None, :], starts[:active, None])
         target = torch.where(valid, index, sum(lengths))
-        pieces.append(Piece(active, len(steps), *(t.to(device) for t in (index.view(-1), valid, target.view(-1)))))
+        pieces.append(Piece(active, len(steps), *(upload(t, device) for t in (index.view(-1), valid, target.view(-1)))))
     sub_chunks, chunk_spans = _sub_chunk_table(lengths, starts.tolist(), device)
     return PackedChunks(
         lengths=list(lengths),
         starts=starts.tolist(),
         conv_width=int(sum(lengths)) + d_conv * count,
-        conv_tokens=conv_tokens.to(device),
-        conv_windows=conv_windows.to(device),
-        conv_tails=conv_tails.to(device),
+        conv_tokens=upload(conv_tokens, device),
+        conv_windows=upload(conv_windows, device),
+        conv_tails=upload(conv_tails, device),
         pieces=tuple(pieces),
         sub_chunks=sub_chunks,
         chunk_spans=chunk_spans,
@@ -104,7 +106,7 @@ def _sub_chunk_table(lengths: list[int], starts: list[int], device: torch.device
     counts = [-(-n // SUB_CHUNK) for n in lengths]
     firsts = list(itertools.accumulate(counts, initial=0))[:-1]
     flat = [v for cut in cuts for v in cut] + [v for span in zip(firsts, counts, strict=True) for v in span]
-    table = torch.tensor(flat, dtype=torch.int32).to(device)
+    table = to_device(flat, device, torch.int32)
     return table[: 2 * len(cuts)].view(-1, 2), table[2 * len(cuts) :].view(-1, 2)
 
 
