@@ -339,18 +339,19 @@ class Scheduler:
         coord = self.coordinator
         while self.waiting and budget > 0 and len(self.running) - leaving < self.config.max_num_seqs:
             request = self.waiting[0]
+            # its hit lease ends where its admission claims the same blocks (nothing runs between)
+            leased = self.leases.release(request.request_id)
             # a request reporting prompt logprobs computes every prompt position (no prefix hit)
             hit = coord.find_longest_cache_hit([], 0) if request.scores_prompt else coord.get_computed_blocks(request)
             request.chunk_stop = self.chunk_stop(request, hit)
             num_new = self._chunk_size(request, hit.num_tokens, budget)
-            if num_new == 0:
-                break
-            if coord.allocate_slots(request, num_new, hit) is None:
+            if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
+                if leased:  # it waits: held again
+                    self.lease_hit(request.request_id, request.block_hashes, leased)
                 # with nothing running, no block comes free: the leases of requests behind it give way
-                if self.running or self.leases.break_newest(keep=request.request_id) is None:
+                if num_new == 0 or self.running or self.leases.break_newest(keep=request.request_id) is None:
                     break
                 continue
-            self.leases.release(request.request_id)  # its own hit claimed the leased blocks
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.scheduled_at = time.monotonic()
@@ -476,12 +477,12 @@ class Scheduler:
         """``add_transferred_request`` without the fallback: None (and the request is not queued,
         nothing changed) when nothing is to be read or the blocks do not fit now."""
         self.check_new(request)
+        self.leases.release(request.request_id)  # a lease ends at admission, as in ``_admit``
         coord = self.coordinator
         hit = coord.get_computed_blocks(request)
         num_external = max(0, min(num_external_tokens, request.num_tokens - 1) - hit.num_tokens)
         if num_external == 0 or coord.allocate_slots(request, 0, hit, num_external, delay_cache=True) is None:
             return None
-        self.leases.release(request.request_id)
         self.requests[request.request_id] = request
         request.scheduled_at = time.monotonic()
         request.num_cached_tokens = hit.num_tokens + num_external

@@ -142,7 +142,7 @@ class WorkerView:
 
     def release_lease(self, request_id: str) -> bool:
         """End ``request_id``'s hit lease before its admission; False if it held none."""
-        return self.scheduler.leases.release(request_id)
+        return self.scheduler.leases.release(request_id) > 0
 
     def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's

@@ -564,8 +564,8 @@ class HybridCoordinator:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash and pin in every pool; refused (False) while any pool has a
-        block in use. One ``AllBlocksCleared`` event covers all pools."""
-        if not all(pool.idle for pool in self.pools):
+        block in use or a hit lease is held. One ``AllBlocksCleared`` event covers all pools."""
+        if self.leases or not all(pool.idle for pool in self.pools):
             return False
         for pool in self.pools:
             pool.clear_prefix_cache()

@@ -7,7 +7,9 @@ queue. Marking the predicted blocks as just used only moves them to the tail, wh
 allocations still reaches. A lease instead takes one reference on each block the hit needs (and
 locks its host-tier blocks), exactly as a block table would: referenced blocks are in no free
 queue, so nothing evicts them. The admission claims the same blocks through its own hit (the
-hashes map to the same blocks), then the lease's references are dropped.
+hashes map to the same blocks): the scheduler ends the lease right before it looks the hit up
+and allocates (nothing runs in between on the engine's thread), so the coordinator counts the
+blocks as its own cache's, and takes it again when the admission has to wait.
 
 A lease ends at the request's admission or abort, when it expires (``lease_s`` after it was taken:
 a request that never reaches admission cannot pin blocks for ever), or when the scheduler breaks it
@@ -103,19 +105,19 @@ class HitLeases:
         self._leases[request_id] = _Lease(device, hosted_all, hit.num_tokens, now + self.lease_s)
         return hit.num_tokens
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str) -> int:
         """End ``request_id``'s lease (its blocks go back to their free queues as just used, a
-        prefix's tail first); False if it held none."""
+        prefix's tail first); the tokens it held (0: it held none)."""
         lease = self._leases.pop(request_id, None)
         if lease is None:
-            return False
+            return 0
         for manager, blocks in zip(self.managers, lease.device, strict=True):
             if blocks:
                 manager.pool.free_blocks(blocks[::-1])
         if lease.host:
             assert self.host is not None, "only a coordinator with a host tier leases host blocks"
             self.host.unlock(lease.host[::-1])
-        return True
+        return lease.num_tokens
 
     def counters(self) -> dict[str, int]:
         """Leases held now, and those that came short, broke or expired so far (plain data)."""

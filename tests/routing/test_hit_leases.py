@@ -107,3 +107,30 @@ def test_a_lease_expires_and_abort_ends_it() -> None:
     scheduler.abort("b")
     assert coord.num_free_blocks == free and len(scheduler.leases) == 0
     coord.check_invariants()
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_a_leased_hit_in_the_host_tier_survives_the_host_tiers_evictions(kind: str) -> None:
+    groups = [KVCacheGroup(spec) for spec in SPECS[kind]]
+    coord = HybridCoordinator(groups, num_blocks=32 * len(groups), host_blocks=32 * len(groups), enable_events=True)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, prefill_chunk_size=64)
+    scheduler = Scheduler(config, coord, max_model_len=4096)
+
+    def flood(seed: int) -> None:
+        for i in range(4):
+            scheduler.add_request(request(scheduler, f"flood{seed}-{i}", [1000 * seed + 60 * i + t for t in range(40)]))
+        run(scheduler)
+        coord.take_tier_copies()  # the runner would run them
+
+    scheduler.add_request(request(scheduler, "warm", [*PREFIX, 40]))
+    run(scheduler)
+    flood(1)  # the prefix moves to the host tier
+    routed = request(scheduler, "routed", [*PREFIX, 41, 42])
+    hit = coord.get_computed_blocks(routed)
+    assert hit.num_tokens == len(PREFIX) and coord.host_hit_tokens(hit) > 0  # (partly) on the host
+    assert scheduler.lease_hit("routed", routed.block_hashes, hit.num_tokens) == hit.num_tokens
+    flood(2)  # the host tier takes the next flood's blocks and drops its least recently used ones
+    flood(3)
+    scheduler.add_request(routed)
+    run(scheduler)
+    assert routed.num_cached_tokens == len(PREFIX) and len(scheduler.leases) == 0
