@@ -58,6 +58,8 @@ from actors.hops import prefill_hops, token_hops
 from actors.metrics import WorkerMetrics
 from actors.router_link import PinRecord, RouterLink
 from actors.worker_types import (
+    STALE_PREDICTION,
+    ExpectedHit,
     PrefillResult,
     TokenChunk,
     TrackedRequest,
@@ -217,7 +219,7 @@ class EngineWorker:
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
-        expected: tuple[list[bytes], int] | None = None,
+        expected: ExpectedHit | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Run a request to the end here (pulling its prompt's KV first when given a handle);
         yields a ``TokenChunk`` whenever tokens arrive, the last one with ``finished=True``.
@@ -268,7 +270,7 @@ class EngineWorker:
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
-        expected: tuple[list[bytes], int] | None = None,
+        expected: ExpectedHit | None = None,
     ) -> TokenChunk:
         """``generate`` answered in one reply: every chunk of the request as one, finished (for a
         request whose output is one chunk anyway, such as a one-token one, a plain call costs
@@ -298,7 +300,7 @@ class EngineWorker:
         request_id: str,
         prompt_token_ids: list[int],
         cache_salt: str | None = None,
-        expected: tuple[list[bytes], int] | None = None,
+        expected: ExpectedHit | None = None,
     ) -> PrefillResult:
         """Compute the KV of the prompt's first N - 1 tokens for a decode worker to pull (hashed
         with ``cache_salt``, as the decode worker hashes them); ``expected`` as for ``generate``."""
@@ -471,7 +473,7 @@ class EngineWorker:
         peer: AgentInfo | None = None,
         cache_salt: str | None = None,
         output_token_ids: tuple[int, ...] = (),
-        expected: tuple[list[bytes], int] | None = None,
+        expected: ExpectedHit | None = None,
     ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already running on {self.worker_id}")
@@ -483,27 +485,36 @@ class EngineWorker:
                 self.engine.discard_handle(early[0])
             return
         engine = self.engine
-        if expected is not None:  # the router's predicted hit: evicted last while the request waits
-            engine.worker_view.refresh_prefix(*expected)
-        if expect_handle:
-            tracked.request = engine.expect_remote_prefill(
-                request_id, prompt_token_ids, sampling, peer, cache_salt=cache_salt
-            )
-            if engine.worker_view.is_reserved(request_id):
-                tracked.reserved_at = time.monotonic()
-        elif output_token_ids:  # a migrated request goes on after the tokens it generated elsewhere
-            tracked.request = engine.add_request(
-                request_id, prompt_token_ids, sampling, cache_salt=cache_salt, output_token_ids=output_token_ids
-            )
-        else:
-            tracked.request = engine.add_request(
-                request_id,
-                prompt_token_ids,
-                sampling,
-                prefill_only=prefill_only,
-                kv_handle=kv_handle,
-                cache_salt=cache_salt,
-            )
+        if expected is not None:  # the router's predicted hit, held here until the request is admitted
+            held = engine.worker_view.lease_prefix(request_id, expected.block_hashes, expected.num_tokens)
+            if held < expected.num_tokens and expected.strict:  # evicted before the router knew: route again
+                engine.worker_view.release_lease(request_id)
+                self._tracked[request_id] = tracked
+                self._answer(request_id, PrefillResult(None, held, STALE_PREDICTION, router_ack=self.router_link.ack()))
+                return
+        try:
+            if expect_handle:
+                tracked.request = engine.expect_remote_prefill(
+                    request_id, prompt_token_ids, sampling, peer, cache_salt=cache_salt
+                )
+                if engine.worker_view.is_reserved(request_id):
+                    tracked.reserved_at = time.monotonic()
+            elif output_token_ids:  # a migrated request goes on after the tokens it generated elsewhere
+                tracked.request = engine.add_request(
+                    request_id, prompt_token_ids, sampling, cache_salt=cache_salt, output_token_ids=output_token_ids
+                )
+            else:
+                tracked.request = engine.add_request(
+                    request_id,
+                    prompt_token_ids,
+                    sampling,
+                    prefill_only=prefill_only,
+                    kv_handle=kv_handle,
+                    cache_salt=cache_salt,
+                )
+        except BaseException:
+            engine.worker_view.release_lease(request_id)  # a request refused here holds nothing
+            raise
         self._tracked[request_id] = tracked
         self._leases[request_id] = time.monotonic()
         early = self._early_handles.pop(request_id, None)
@@ -638,7 +649,12 @@ class EngineWorker:
         if isinstance(tracked.sink, asyncio.Queue):
             if isinstance(result, PrefillResult):
                 result = TokenChunk(
-                    [], True, result.finish_reason, error=result.error, worker_failed=result.worker_failed
+                    [],
+                    True,
+                    result.finish_reason,
+                    error=result.error,
+                    worker_failed=result.worker_failed,
+                    router_ack=result.router_ack,
                 )
             self._put(tracked, result)
             return

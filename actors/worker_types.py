@@ -48,6 +48,24 @@ class WorkerInfo:
     eos_token_id: int | None = None  # the model's end-of-sequence token (the engine's stop rule, ``stop_status``)
 
 
+#: ``finish_reason`` of a request a worker sent back unrun: the hit the router predicted there was
+#: evicted before the request arrived (the router had not heard of it yet); route it again
+STALE_PREDICTION = "stale_prediction"
+
+
+@dataclass(frozen=True)
+class ExpectedHit:
+    """The hit the router predicted where a request's prompt is computed: the prompt's block
+    hashes and the tokens predicted cached. The worker holds those blocks from the request's
+    arrival to its admission (``WorkerView.lease_prefix``). ``strict``: when fewer are still
+    cached on arrival, the worker answers ``STALE_PREDICTION`` at once (with the ``router_ack``
+    of the report carrying its evictions) instead of running the request on a hit it lost."""
+
+    block_hashes: list[bytes]
+    num_tokens: int
+    strict: bool = True
+
+
 @dataclass(frozen=True)
 class TokenChunk:
     """Tokens one request gained on a worker since the last chunk, and whether it finished."""

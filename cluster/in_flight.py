@@ -37,6 +37,7 @@ class ClusterRequest:
     worker_ids: list[str] = field(default_factory=list)  # where the current attempt waits
     aborted: bool = False
     attempt: int = 0
+    stale_routes: int = 0  # attempts sent back unrun: the router's predicted hit was gone on arrival
     streamed: bool = False  # the current attempt delivered output tokens
     task: asyncio.Task[ClusterCompletion] | None = None  # the current attempt
     lost_worker: str | None = None  # the worker the current attempt was cut loose from

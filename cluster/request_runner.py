@@ -35,13 +35,16 @@ from engine.validation import InvalidRequestError, ValidatedPrompt, check_reques
 if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
 
-    from actors.worker_types import PrefillResult, TokenChunk
+    from actors.worker_types import ExpectedHit, PrefillResult, TokenChunk
     from engine.routing import Decision
     from engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
 ROUTER_ACK_TIMEOUT_S = 30.0  # how long a finished request waits for the router to apply its blocks
+#: times a request is routed again because its predicted hit was evicted before it arrived (the
+#: last attempt runs on whatever hit it finds)
+MAX_STALE_ROUTES = 3
 FINISHED_REPORT_S = 0.5  # a finished request reaches the router's metrics within this, batched
 
 
@@ -346,9 +349,17 @@ class RequestRunner:
             self._placements.join(request.share_placement)
         ok, ttft_s, num_out = False, 0.0, 0
         try:
-            for _ in range(max(1, len(supervisor.infos)) + limit):
+            for _ in range(max(1, len(supervisor.infos)) + limit + MAX_STALE_ROUTES):
                 try:
                     result = await self._attempt_supervised(request, output, on_delta)
+                except _StalePrediction as stale:
+                    # the worker held nothing and ran nothing; once the router has its evictions
+                    # (the worker's report), the request is routed again under a fresh id
+                    await _await_acks(list(stale.acks))
+                    request.stale_routes += 1
+                    request.attempt += 1
+                    log.debug("%s: predicted hit gone on arrival; routing it again", rid)
+                    continue
                 except _WorkerLost as lost:
                     if lost.handle is not None:  # never its replacement, if one holds the id by now
                         supervisor.forget_worker(lost.worker_id, lost.why, lost.handle)
@@ -423,7 +434,7 @@ class RequestRunner:
         nothing)."""
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.worker_types import WorkerUnavailableError
+        from actors.worker_types import STALE_PREDICTION, ExpectedHit, WorkerUnavailableError
         from engine.kv_cache.hashing import block_hashes
 
         model = self.model
@@ -444,9 +455,10 @@ class RequestRunner:
         if prefill_id != decode_id and whole:  # one token cannot be split; the others run whole on D
             prefill_id = decode_id
         cached = decision.predicted_decode_hit if prefill_id == decode_id else 0
-        # the hit the router predicted where the prompt is computed, kept there until it runs
+        # the hit the router predicted where the prompt is computed, held there until it runs
         predicted = decision.predicted_hit > 0 and prefill_id == str(decision.prefill_worker)
-        expected = (hashes, decision.predicted_hit) if predicted else None
+        strict = request.stale_routes < MAX_STALE_ROUTES
+        expected = ExpectedHit(hashes, decision.predicted_hit, strict) if predicted else None
         output.placed(prefill_id, decode_id, decision)
         detok = output.detok
         stopped = False  # a stop string matched before the worker finished it: aborted there
@@ -490,6 +502,8 @@ class RequestRunner:
                         expected=expected,
                     )
                 async for chunk in stream:
+                    if chunk.finish_reason == STALE_PREDICTION:
+                        raise _StalePrediction(chunk.router_ack)
                     if prefill_id == decode_id and chunk.num_cached_tokens >= 0:
                         cached = chunk.num_cached_tokens
                     if chunk.worker_failed and not detok.stopped:
@@ -609,14 +623,14 @@ class RequestRunner:
         prefiller: WorkerHandle,
         prefill_id: str,
         decoder: WorkerHandle,
-        expected: tuple[list[bytes], int] | None = None,
+        expected: ExpectedHit | None = None,
     ) -> PrefillResult:
         """The prefill worker's result for ``request``; sends its handle to the decode worker told
         of the request (which, whenever no handle comes, is aborted here so it frees its blocks).
         ``expected``: the prompt's block hashes and the hit the router predicted there."""
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.worker_types import WorkerUnavailableError
+        from actors.worker_types import STALE_PREDICTION, WorkerUnavailableError
 
         rid = request.engine_id
         handed = False
@@ -627,6 +641,8 @@ class RequestRunner:
             except (RayActorError, RayTaskError) as exc:
                 raise _lost_or_raise(prefill_id, prefiller, False, exc, WorkerUnavailableError) from exc
             if result.kv_handle is None:
+                if result.finish_reason == STALE_PREDICTION:
+                    raise _StalePrediction(result.router_ack)
                 if result.worker_failed:
                     raise _WorkerLost(prefill_id, False, result.error or "its engine stopped", prefiller)
                 request.aborted = request.aborted or result.finish_reason == "abort"
@@ -713,6 +729,16 @@ async def _await_acks(acks: list[ObjectRef[None] | None]) -> None:
 
 class RequestFailedError(RuntimeError):
     """A request failed on its worker (the worker itself serves on); the message says why."""
+
+
+class _StalePrediction(Exception):
+    """The worker an attempt was routed to no longer held the hit the router predicted there
+    (``STALE_PREDICTION``): nothing ran; route it again once the router applied the reports named
+    by ``acks``."""
+
+    def __init__(self, acks: tuple[ObjectRef[None], ...]):
+        super().__init__("predicted hit evicted before arrival")
+        self.acks = acks
 
 
 class _WorkerLost(Exception):

@@ -152,6 +152,8 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill-only requests whose blocks await a reader
+        #: the predicted hits of requests routed here, held from arrival to admission
+        self.leases = coordinator.leases
         mamba = [g.spec.block_size for g in coordinator.groups if isinstance(g.spec, MambaSpec)]
         self.mamba_align = coordinator.alignment if mamba else 0
         self.num_preemptions = 0
@@ -172,6 +174,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def lease_hit(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Hold the cached blocks of a hit of up to ``num_tokens`` tokens for ``request_id`` until
+        its admission (``HitLeases.take``: a request routed here on that predicted hit); returns
+        the tokens held."""
+        return self.leases.take(request_id, block_hashes, num_tokens, time.monotonic())
+
     def check_new(self, request: Request) -> None:
         """Assert ``request`` may enter: an id this engine does not hold and room to generate.
         Its entry point checked the length (``engine.validation.check_room``) and the worker keeps
@@ -187,6 +195,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if unknown or finished."""
+        self.leases.release(request_id)
         if self.release_held(request_id):
             return True
         request = self.requests.pop(request_id, None)
@@ -217,6 +226,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False
+        if self.leases:
+            self.leases.expire(time.monotonic())
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -228,6 +239,8 @@ class Scheduler:
                 i += 1
                 continue
             while coord.allocate_slots(request, num_new) is None:
+                if self.leases.break_newest() is not None:
+                    continue  # a waiting request's held hit gives way before a running one is preempted
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -326,12 +339,19 @@ class Scheduler:
         coord = self.coordinator
         while self.waiting and budget > 0 and len(self.running) - leaving < self.config.max_num_seqs:
             request = self.waiting[0]
+            # its hit lease ends where its admission claims the same blocks (nothing runs between)
+            leased = self.leases.release(request.request_id)
             # a request reporting prompt logprobs computes every prompt position (no prefix hit)
             hit = coord.find_longest_cache_hit([], 0) if request.scores_prompt else coord.get_computed_blocks(request)
             request.chunk_stop = self.chunk_stop(request, hit)
             num_new = self._chunk_size(request, hit.num_tokens, budget)
             if num_new == 0 or coord.allocate_slots(request, num_new, hit) is None:
-                break
+                if leased:  # it waits: held again
+                    self.lease_hit(request.request_id, request.block_hashes, leased)
+                # with nothing running, no block comes free: the leases of requests behind it give way
+                if num_new == 0 or self.running or self.leases.break_newest(keep=request.request_id) is None:
+                    break
+                continue
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.scheduled_at = time.monotonic()
@@ -457,6 +477,7 @@ class Scheduler:
         """``add_transferred_request`` without the fallback: None (and the request is not queued,
         nothing changed) when nothing is to be read or the blocks do not fit now."""
         self.check_new(request)
+        self.leases.release(request.request_id)  # a lease ends at admission, as in ``_admit``
         coord = self.coordinator
         hit = coord.get_computed_blocks(request)
         num_external = max(0, min(num_external_tokens, request.num_tokens - 1) - hit.num_tokens)

@@ -44,8 +44,9 @@ class WorkerView:
     KV layout, P/D hand-off (None without a ``kv_role``) and counters, all of which the engine
     owns and builds before the view.
 
-    Invariants: nothing here changes a request; only pins and the eviction order of free cached
-    blocks change (``pin_prefix`` / ``unpin_prefix`` / ``refresh_prefix``); every value is read
+    Invariants: nothing here changes a request; only pins, hit leases and the eviction order of
+    free cached blocks change (``pin_prefix`` / ``unpin_prefix`` / ``lease_prefix`` /
+    ``release_lease`` / ``refresh_prefix``); every value is read
     live from those parts at the call (the view caches nothing), and it is called on the
     engine's thread only, like the engine.
     """
@@ -132,6 +133,17 @@ class WorkerView:
         """Undo one ``pin_prefix`` with the same arguments; False if no such pin is held."""
         return self.coordinator.unpin_prefix(block_hashes, num_tokens, tier)
 
+    def lease_prefix(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Hold the cached blocks of the hit the router predicted for ``request_id`` (up to
+        ``num_tokens`` tokens of ``block_hashes``) until the request is admitted, aborted or the
+        lease expires (``Scheduler.lease_hit``); returns the tokens held (less than predicted: the
+        blocks were evicted after the router last heard of them)."""
+        return self.scheduler.lease_hit(request_id, block_hashes, num_tokens)
+
+    def release_lease(self, request_id: str) -> bool:
+        """End ``request_id``'s hit lease before its admission; False if it held none."""
+        return self.scheduler.leases.release(request_id) > 0
+
     def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
         free queue evicts them last, a prefix's tail before its head), so the hit the router
@@ -216,6 +228,7 @@ class WorkerView:
             "hit_tokens": scheduler.hit_tokens,
             "queried_tokens": scheduler.queried_tokens,
             "num_preemptions": scheduler.num_preemptions,
+            "hit_leases": scheduler.leases.counters(),  # predicted hits held from arrival to admission
             "failed_steps": self.counters.failed_steps,
             "eager_steps": self.runner.eager_steps,  # steps no static step took (ModelRunner.eager_steps)
             "failed_requests": self.counters.failed_requests,

@@ -43,6 +43,7 @@ from engine.kv_cache.coordinator_types import (
     per_pool,
 )
 from engine.kv_cache.events import AllBlocksCleared, EventLog, KVEvent
+from engine.kv_cache.hit_leases import HitLeases
 from engine.kv_cache.host_tier import HostTier, TierCopy
 from engine.kv_cache.invariants import check_coordinator, check_host_tier
 from engine.kv_cache.mamba_manager import MambaManager
@@ -167,6 +168,8 @@ class HybridCoordinator:
         self.pins = PrefixPins(
             self.managers, self.group_pool, self.hash_block_size, self.host, self.find_longest_cache_hit
         )
+        #: predicted hits held for requests routed here, from arrival to admission (``HitLeases``)
+        self.leases = HitLeases(self.managers, self.host, self.find_longest_cache_hit)
 
     def _group_pools(self) -> list[tuple[int, BlockPool]]:
         return [(g, self.pools[p]) for g, p in enumerate(self.group_pool)]
@@ -495,9 +498,12 @@ class HybridCoordinator:
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if any structural invariant of the cache is broken
         (``engine.kv_cache.invariants`` lists them), the host tier's included."""
-        check_coordinator(self.managers, self.group_pool, self.pools, self._admitted, self.pins, self._last_allocation)
+        leased = self.leases.references()
+        check_coordinator(
+            self.managers, self.group_pool, self.pools, self._admitted, self.pins, self._last_allocation, leased
+        )
         if self.host is not None:
-            check_host_tier(self.group_pool, self.pools, self.host, self.pins)
+            check_host_tier(self.group_pool, self.pools, self.host, self.pins, leased)
 
     # -- read-only views for the router ---------------------------------------------------------------
     @property
@@ -558,8 +564,8 @@ class HybridCoordinator:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash and pin in every pool; refused (False) while any pool has a
-        block in use. One ``AllBlocksCleared`` event covers all pools."""
-        if not all(pool.idle for pool in self.pools):
+        block in use or a hit lease is held. One ``AllBlocksCleared`` event covers all pools."""
+        if self.leases or not all(pool.idle for pool in self.pools):
             return False
         for pool in self.pools:
             pool.clear_prefix_cache()

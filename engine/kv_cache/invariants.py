@@ -44,9 +44,11 @@ def check_coordinator(
     admitted_requests: Mapping[str, AdmittedRequest],
     pins: PrefixPins,
     last_allocation: Sequence[tuple[int, int]],
+    leased: Counter[tuple[int, int]] | None = None,
 ) -> None:
     """Raise KVCacheInvariantError if any structural invariant of a coordinator (its managers,
-    pools, admitted requests, prefix pins and last allocation) is broken."""
+    pools, admitted requests, prefix pins and last allocation) is broken. ``leased``: references
+    held outside block tables by hit leases (``HitLeases.references``), by (``Block.pool``, id)."""
 
     def fail(message: str) -> None:
         raise KVCacheInvariantError(message)
@@ -107,6 +109,8 @@ def check_coordinator(
     unshared_hashless = [key for key, n in refs.items() if n > 1 and pools[key[0]].blocks[key[1]].block_hash is None]
     if unshared_hashless:
         fail(f"blocks (pool, id) without a hash held by several requests: {unshared_hashless[:5]}")
+    if leased:
+        refs.update({key: n for key, n in leased.items() if key[0] < len(pools)})
     for pool in pools:
         _check_pool(group_pool, pool, pool.index, refs, fail)
         for block in pool.blocks:
@@ -117,8 +121,15 @@ def check_coordinator(
             fail(f"last allocation predicted {predicted} blocks of pool {p} but took {taken}")
 
 
-def check_host_tier(group_pool: Sequence[int], pools: Sequence[BlockPool], host: HostTier, pins: PrefixPins) -> None:
-    """Raise KVCacheInvariantError if an invariant of a coordinator's host tier is broken."""
+def check_host_tier(
+    group_pool: Sequence[int],
+    pools: Sequence[BlockPool],
+    host: HostTier,
+    pins: PrefixPins,
+    leased: Counter[tuple[int, int]] | None = None,
+) -> None:
+    """Raise KVCacheInvariantError if an invariant of a coordinator's host tier is broken
+    (``leased``: as for ``check_coordinator``; a host block is referenced only by leases)."""
 
     def fail(message: str) -> None:
         raise KVCacheInvariantError(message)
@@ -126,7 +137,8 @@ def check_host_tier(group_pool: Sequence[int], pools: Sequence[BlockPool], host:
     if len(host.pools) != len(pools):
         fail(f"host tier: {len(host.pools)} host pools for {len(pools)} device pools")
     for p, pool in enumerate(host.pools):
-        _check_pool(group_pool, pool, p, Counter(), fail)
+        locked = Counter({key: n for key, n in (leased or {}).items() if key[0] == pool.index})
+        _check_pool(group_pool, pool, p, locked, fail)
         if pool.retained.size:
             fail(f"host pool {p}: {pool.retained.size} blocks in the retained tier (host blocks are pinned or not)")
         for table in pool.cached:
