@@ -375,12 +375,6 @@ class EngineWorker:
     def unpin(self, block_hashes: list[bytes], num_tokens: int, tier: PinTier = "device") -> None:
         self._submit(self.router_link.unpin, block_hashes, num_tokens, tier)
 
-    def expect(self, block_hashes: list[bytes], num_tokens: int) -> None:
-        """A request predicted to hit ``num_tokens`` cached tokens here was just routed here: keep
-        those blocks the last to be evicted until it runs (``WorkerView.refresh_prefix``). A
-        driver's request does this on arrival (``expected`` of ``generate`` / ``prefill``)."""
-        self._submit(self.engine.worker_view.refresh_prefix, block_hashes, num_tokens)
-
     def snapshot(self, replica: int | None = None) -> None:
         """Send router replica ``replica`` (None: every one) a full snapshot of the prefix cache
         (it lost events)."""

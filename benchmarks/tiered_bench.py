@@ -52,7 +52,8 @@ events), before the worker refreshed a predicted hit's host blocks on arrival::
      "false_hit_share": {"kvfleet": 0.0117, "prefix_tree": 0.043}, "promote_bandwidth_over_memcpy": 0.004, ...}
 
 kvfleet's false hits were host blocks evicted between the route and the request's arrival; the
-worker now refreshes a predicted hit's host blocks too (``WorkerView.refresh_prefix``). Rerun on
+worker then refreshed a predicted hit's host blocks too (now a hit lease holds them from the
+request's arrival to its admission: engine/kv_cache/hit_leases.py). Rerun on
 tiny Bamba with that (``--config tiny-hybrid --hybrid-config '' --runs
 kvfleet_tiered,prefix_tree_tiered``): false hits kvfleet 0, tree 2.1%; p90 229 vs 238 ms (0.97x);
 hit rate 0.512 vs 0.686. Promote bandwidth stays far below memcpy: a promote batch is the few

@@ -44,9 +44,8 @@ class WorkerView:
     KV layout, P/D hand-off (None without a ``kv_role``) and counters, all of which the engine
     owns and builds before the view.
 
-    Invariants: nothing here changes a request; only pins, hit leases and the eviction order of
-    free cached blocks change (``pin_prefix`` / ``unpin_prefix`` / ``lease_prefix`` /
-    ``release_lease`` / ``refresh_prefix``); every value is read
+    Invariants: nothing here changes a request; only pins and hit leases change (``pin_prefix`` /
+    ``unpin_prefix`` / ``lease_prefix`` / ``release_lease``); every value is read
     live from those parts at the call (the view caches nothing), and it is called on the
     engine's thread only, like the engine.
     """
@@ -143,30 +142,6 @@ class WorkerView:
     def release_lease(self, request_id: str) -> bool:
         """End ``request_id``'s hit lease before its admission; False if it held none."""
         return self.scheduler.leases.release(request_id) > 0
-
-    def refresh_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
-        """Mark the cached blocks a hit of ``num_tokens`` tokens needs as just used (each pool's
-        free queue evicts them last, a prefix's tail before its head), so the hit the router
-        predicted for a request routed here survives the allocations of the requests ahead of
-        it; returns the tokens that hit covers now (0: nothing to refresh). With a host tier the
-        hit's host blocks are refreshed in their host pools alike (the router predicts and prices
-        host hits too)."""
-        coordinator = self.coordinator
-        hit = coordinator.find_longest_cache_hit(block_hashes, num_tokens)
-        if hit.num_tokens <= 0:
-            return 0
-        host = coordinator.host
-        for g, manager in enumerate(coordinator.managers):
-            blocks = [block for block in hit.blocks[g] if not block.is_null]
-            if host is not None:
-                hosted = [block for block in blocks if host.is_host(block)]
-                host.lock(hosted)
-                host.unlock(hosted[::-1])
-                blocks = [block for block in blocks if not host.is_host(block)]
-            if blocks:
-                manager.pool.touch(blocks)
-                manager.pool.free_blocks(blocks[::-1])
-        return hit.num_tokens
 
     @property
     def event_seq(self) -> int:

@@ -24,7 +24,6 @@ from configs import load_config
 from engine.core import EngineCore
 from engine.kv_cache.block_pool import TIER_EXPLICIT, TIER_NONE
 from engine.kv_cache.hashing import block_hashes
-from engine.kv_cache.host_tier import HOST_POOL_BASE
 from engine.routing import PrefixIndex
 from engine.sampling_params import SamplingParams
 from tests.engine.test_pd import run_to_end
@@ -255,32 +254,3 @@ def test_a_pinned_prefix_survives_a_flood_in_the_host_tier_and_gives_the_cold_to
     coordinator.check_invariants()
     assert all(block.tier == TIER_NONE for pool in host.pools for block in pool.blocks)
     assert all(block.tier != TIER_EXPLICIT for pool in coordinator.pools for block in pool.blocks)
-
-
-def test_refreshing_a_predicted_hit_moves_its_host_blocks_to_the_host_lru_tail() -> None:
-    """``WorkerView.refresh_prefix`` (what a worker runs when the router sends it a request it
-    predicted a hit for) keeps the hit's host blocks too: they become the host pools' most
-    recently used, so the offloads of the requests ahead of it evict other blocks first."""
-    a, b, flood_prompts = workload()
-    engine = EngineCore(load_config("tiny", TIERED))
-    coordinator = engine.coordinator
-    host = coordinator.host
-    assert host is not None
-    generate(engine, "a", a)
-    for i, prompt in enumerate(flood_prompts):
-        generate(engine, f"flood{i}", prompt)
-    hashes = block_hashes(b, coordinator.hash_block_size)
-    hit = coordinator.find_longest_cache_hit(hashes, len(b) - 1)
-    hosted = [block for blocks in hit.blocks for block in blocks if host.is_host(block)]
-    assert hosted and hit.num_tokens >= PREFIX
-
-    def tail(pool: int, n: int) -> set[int]:
-        return {block.block_id for block in list(host.pools[pool].free_queue)[-n:]}
-
-    pools = {block.pool for block in hosted}
-    assert len(pools) == 1
-    pool = pools.pop() - HOST_POOL_BASE
-    assert tail(pool, len(hosted)) != {block.block_id for block in hosted}  # the flood came later
-    assert engine.worker_view.refresh_prefix(hashes, len(b) - 1) == hit.num_tokens
-    assert tail(pool, len(hosted)) == {block.block_id for block in hosted}
-    coordinator.check_invariants()
