@@ -88,6 +88,7 @@ def ssd_scan_packed(
     final = h if h is not None else x.new_empty(count, groups, heads_per_group, head_dim, d_state)
     if final.shape != (count, groups, heads_per_group, head_dim, d_state):
         raise ValueError(f"ssd_scan_packed: h {tuple(final.shape)} for {count} chunks of x {tuple(x.shape)}")
+    assert packed.sub_chunks is not None and packed.chunk_spans is not None, "packed with table=False"
     sub_chunks = packed.sub_chunks.shape[0]
     states = torch.empty(sub_chunks, heads, head_dim, d_state, dtype=torch.float32, device=x.device)
     decay = torch.empty(sub_chunks, heads, dtype=torch.float32, device=x.device)

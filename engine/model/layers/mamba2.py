@@ -99,7 +99,8 @@ def prefill_index(batch: ForwardBatch, index: GroupIndex, d_conv: int, device: t
 
     def build() -> tuple:
         order = sorted(batch.prefill_chunks, key=lambda i: -batch.chunks[i].num_tokens)
-        packed = pack_chunks([batch.chunks[i].num_tokens for i in order], d_conv, device)
+        kernel = triton_ssd.enabled(device)  # the scan this step runs: its layout only
+        packed = pack_chunks([batch.chunks[i].num_tokens for i in order], d_conv, device, not kernel, kernel)
         rows = torch.tensor([batch.chunks[i].offset for i in order]) - torch.tensor(packed.starts)
         rows = torch.repeat_interleave(rows, torch.tensor(packed.lengths)) + torch.arange(sum(packed.lengths))
         reads = [index.state_read[i] for i in order]
@@ -293,9 +294,9 @@ class Mamba2Mixer(RecurrentMixer):
         x, b, c = self._split_conv(F.silu(conv))  # x [n, G, E, P]; b, c [n, G, N]
         step = self._step_dt(dt.index_select(0, rows)).view(x.shape[:3])
         a = -torch.exp(self.A_log.float()).view(x.shape[1:3])
-        # the kernel choice is read once per step per group, like the index tensors
-        kernel = index.shared("ssd_kernel", lambda: triton_ssd.enabled(xbc.device))
-        y, h = (triton_ssd.ssd_scan_packed if kernel else ssd_scan_packed)(x, step, a, b, c, h0, packed)
+        # the scan whose layout ``prefill_index`` built (the kernel choice, read once per step per group)
+        scan = triton_ssd.ssd_scan_packed if packed.sub_chunks is not None else ssd_scan_packed
+        y, h = scan(x, step, a, b, c, h0, packed)
         y += x * self.D.float().view(x.shape[1:3])[..., None]
         out.index_copy_(0, rows, y.reshape(-1, m.intermediate_size))
         return target, new_conv, h.view(-1, m.num_heads, m.head_dim, m.d_state)

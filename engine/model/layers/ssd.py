@@ -52,16 +52,22 @@ class PackedChunks:
     conv_tokens: torch.Tensor  # [num_tokens] column of each packed token
     conv_windows: torch.Tensor  # [R * d_conv] columns of the previous windows, chunk-major
     conv_tails: torch.Tensor  # [R * d_conv] columns of the new windows, chunk-major
+    #: the torch scan's sub-chunks (``ssd_scan_packed``); empty when not built (``pieces=False``)
     pieces: tuple[Piece, ...]
     #: int32 [S, 2]: (first packed token, tokens) of each sub-chunk, chunk-major, each chunk's
-    #: cut at its own start every ``SUB_CHUNK`` tokens (the Triton scan's unit of work)
-    sub_chunks: torch.Tensor
+    #: cut at its own start every ``SUB_CHUNK`` tokens (the Triton scan's unit of work); None
+    #: when not built (``table=False``)
+    sub_chunks: torch.Tensor | None
     #: int32 [R, 2]: (first sub-chunk, sub-chunks) of each chunk; a view of the same memory
-    chunk_spans: torch.Tensor
+    chunk_spans: torch.Tensor | None
 
 
-def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> PackedChunks:
-    """The packed layout of chunks of ``lengths`` (non-increasing)."""
+def pack_chunks(
+    lengths: list[int], d_conv: int, device: torch.device, pieces: bool = True, table: bool = True
+) -> PackedChunks:
+    """The packed layout of chunks of ``lengths`` (non-increasing): with ``pieces`` the torch
+    scan's sub-chunks, with ``table`` the Triton scan's sub-chunk table (a step builds the one its
+    scan reads)."""
     if any(a < b for a, b in itertools.pairwise(lengths)):
         raise ValueError(f"lengths: expected longest first, got {lengths}")
     count = len(lengths)
@@ -73,15 +79,15 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
     conv_tokens = torch.arange(int(sizes.sum())) + d_conv * (chunk_of_token + 1)
     conv_windows = (segment[:, None] + window[None, :]).reshape(-1)
     conv_tails = (segment[:, None] + sizes[:, None] + window[None, :]).reshape(-1)
-    pieces = []
-    for lo in range(0, lengths[0], SUB_CHUNK):
+    built = []
+    for lo in range(0, lengths[0] if pieces else 0, SUB_CHUNK):
         active = sum(n > lo for n in lengths)
         steps = lo + torch.arange(min(SUB_CHUNK, lengths[0] - lo))
         valid = steps[None, :] < sizes[:active, None]
         index = torch.where(valid, starts[:active, None] + steps[None, :], starts[:active, None])
         target = torch.where(valid, index, sum(lengths))
-        pieces.append(Piece(active, len(steps), *(upload(t, device) for t in (index.view(-1), valid, target.view(-1)))))
-    sub_chunks, chunk_spans = _sub_chunk_table(lengths, starts.tolist(), device)
+        built.append(Piece(active, len(steps), *(upload(t, device) for t in (index.view(-1), valid, target.view(-1)))))
+    sub_chunks, chunk_spans = _sub_chunk_table(lengths, starts.tolist(), device) if table else (None, None)
     return PackedChunks(
         lengths=list(lengths),
         starts=starts.tolist(),
@@ -89,7 +95,7 @@ def pack_chunks(lengths: list[int], d_conv: int, device: torch.device) -> Packed
         conv_tokens=upload(conv_tokens, device),
         conv_windows=upload(conv_windows, device),
         conv_tails=upload(conv_tails, device),
-        pieces=tuple(pieces),
+        pieces=tuple(built),
         sub_chunks=sub_chunks,
         chunk_spans=chunk_spans,
     )
@@ -144,6 +150,7 @@ def ssd_scan_packed(
     they are all zero. Returns y: [num_tokens, G, E, P] (without the D skip) and the states after
     the chunks.
     """
+    assert packed.pieces, "packed without the torch scan's sub-chunks (pack_chunks(pieces=False))"
     groups, heads, head_dim = x.shape[1:]
     y = x.new_empty(x.shape[0] + 1, *x.shape[1:])  # the last row takes the padding's outputs
     for piece in packed.pieces:
